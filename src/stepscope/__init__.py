@@ -1,0 +1,5 @@
+"""stepscope: why is my PyTorch training step slow?"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"

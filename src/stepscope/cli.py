@@ -1,0 +1,85 @@
+"""The ``stepscope`` command line: parses arguments and calls analysis/report functions.
+
+Each subcommand's handler imports its implementation lazily, so ``stepscope --help`` stays
+fast and the recording side never pulls in DuckDB or rich.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from stepscope.demo import run_demo
+
+    return run_demo(
+        out_dir=args.out, ranks=args.ranks, steps=args.steps, slow_rank=args.slow_rank
+    )
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from stepscope.report.render import report_command
+
+    return report_command(
+        args.run_dir, as_json=args.json, markdown=args.markdown, html=args.html
+    )
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from stepscope.report.perfetto import export_command
+
+    return export_command(args.run_dir, perfetto=args.perfetto)
+
+
+def _cmd_trace(args: argparse.Namespace) -> int:
+    from stepscope.analysis.trace_cli import trace_command
+
+    return trace_command(args.path, as_json=args.json, markdown=args.markdown)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="stepscope", description="Why is my PyTorch training step slow?"
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("demo", help="train a small model on CPU over gloo ranks and report it")
+    d.add_argument("--out", default="runs/demo", help="run directory (default: runs/demo)")
+    d.add_argument("--ranks", type=int, default=4, help="number of ranks (default: 4)")
+    d.add_argument("--steps", type=int, default=200, help="training steps (default: 200)")
+    d.add_argument("--slow-rank", type=int, default=1, help="rank made slow on purpose")
+    d.set_defaults(func=_cmd_demo)
+
+    r = sub.add_parser("report", help="cross-rank report of a run directory")
+    r.add_argument("run_dir")
+    r.add_argument("--json", action="store_true", help="print one JSON document")
+    r.add_argument("--markdown", metavar="FILE", help="write a markdown summary")
+    r.add_argument("--html", metavar="FILE", help="write a self-contained HTML page")
+    r.set_defaults(func=_cmd_report)
+
+    e = sub.add_parser("export", help="export a run directory")
+    e.add_argument("run_dir")
+    e.add_argument("--perfetto", metavar="FILE", required=True, help="Chrome/Perfetto trace JSON")
+    e.set_defaults(func=_cmd_export)
+
+    t = sub.add_parser("trace", help="analyse torch.profiler (Kineto) traces")
+    t.add_argument("path", help="a trace file (.json/.json.gz) or a directory of them")
+    t.add_argument("--json", action="store_true", help="print one JSON document")
+    t.add_argument("--markdown", metavar="FILE", help="write summary.md")
+    t.set_defaults(func=_cmd_trace)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        rc: int = args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

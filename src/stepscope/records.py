@@ -1,0 +1,170 @@
+"""The per-step record schema (versioned) and a reader tolerant of torn files.
+
+One record is one sampled step on one rank, written as one JSON object per line to
+``rank{R}.jsonl`` (or as one row of the SQLite table ``step_time_samples``)::
+
+    {
+      "schema": 1,                      # SCHEMA_VERSION
+      "run_id": "20261122-...",         # same on every rank of a launch
+      "rank": 1, "local_rank": 1, "world_size": 4, "hostname": "node-a",
+      "device": "cpu",                  # or "cuda:1"
+      "step": 17,                       # the training loop's step index
+      "start_unix_ns": 1763...,         # wall clock at step start: aligns ranks on one timeline
+      "clock": "cpu",                   # "cpu" (perf_counter_ns) or "cuda" (CUDA events)
+      "step_ms": 12.5,                  # first phase (or step entry) to step exit
+      "phases": [                       # in order of first start; absent phase = did not happen
+        {"name": "dataloader", "parent": null, "ms": 3.1, "calls": 1,
+         "start_ms": 0.0, "end_ms": 3.1},
+        {"name": "forward", ...}, ...
+      ],
+      "residual_ms": 0.4,               # step_ms - sum(ms of phases whose parent is null)
+      "side_ms": {"h2d_copy": 2.0},     # spans on other streams, not part of the step sum
+      "counters": {"h2d_bytes": 1048576},
+      "h2d_hidden_ms": 1.8,             # only when a PrefetchLoader reported its copy
+      "dropped": {"pending_overflow": 0}  # counts since the previous record
+    }
+
+``start_ms``/``end_ms`` are offsets from the step start of the phase's first start and last
+end, so ``start_unix_ns + start_ms * 1e6`` places a phase on the cross-rank timeline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SCHEMA_VERSION = 1
+
+#: Canonical phase names, in report order. User-named phases follow, then "residual".
+CANONICAL_PHASES: tuple[str, ...] = ("dataloader", "h2d", "forward", "backward", "optimizer")
+
+#: Phases stepscope can time automatically (the rest are user-named).
+AUTO_PHASES: frozenset[str] = frozenset(CANONICAL_PHASES)
+
+#: Columns of the SQLite table ``step_time_samples``; nested fields are JSON text.
+SQLITE_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("schema", "INTEGER"),
+    ("run_id", "TEXT"),
+    ("rank", "INTEGER"),
+    ("local_rank", "INTEGER"),
+    ("world_size", "INTEGER"),
+    ("hostname", "TEXT"),
+    ("device", "TEXT"),
+    ("step", "INTEGER"),
+    ("start_unix_ns", "INTEGER"),
+    ("clock", "TEXT"),
+    ("step_ms", "REAL"),
+    ("phases", "TEXT"),
+    ("residual_ms", "REAL"),
+    ("side_ms", "TEXT"),
+    ("counters", "TEXT"),
+    ("h2d_hidden_ms", "REAL"),
+    ("dropped", "TEXT"),
+)
+SQLITE_TABLE = "step_time_samples"
+_JSON_COLUMNS = frozenset({"phases", "side_ms", "counters", "dropped"})
+
+REQUIRED_KEYS: frozenset[str] = frozenset(
+    {"schema", "rank", "step", "start_unix_ns", "clock", "step_ms", "phases"}
+)
+
+
+def rank_file(out_dir: str | os.PathLike[str], rank: int, sink: str = "jsonl") -> Path:
+    """Path of one rank's record file inside a run directory."""
+    suffix = {"jsonl": "jsonl", "sqlite": "sqlite"}[sink]
+    return Path(out_dir) / f"rank{rank}.{suffix}"
+
+
+def record_to_row(record: dict[str, Any]) -> tuple[Any, ...]:
+    """Flatten a record into a ``step_time_samples`` row (nested fields as JSON text)."""
+    return tuple(
+        json.dumps(record.get(name)) if name in _JSON_COLUMNS else record.get(name)
+        for name, _ in SQLITE_COLUMNS
+    )
+
+
+def row_to_record(row: tuple[Any, ...] | list[Any]) -> dict[str, Any]:
+    """Inverse of :func:`record_to_row`; ``None`` fields are dropped like in JSONL."""
+    out: dict[str, Any] = {}
+    for (name, _), value in zip(SQLITE_COLUMNS, row, strict=True):
+        if value is None:
+            continue
+        out[name] = json.loads(value) if name in _JSON_COLUMNS else value
+    return out
+
+
+@dataclass
+class ReadReport:
+    """What a tolerant read skipped, so callers can say so instead of failing."""
+
+    path: Path
+    records: int = 0
+    bad_lines: list[int] = field(default_factory=list)
+    truncated_tail: bool = False
+    schemas: set[int] = field(default_factory=set)
+
+
+def iter_jsonl(path: str | os.PathLike[str], report: ReadReport | None = None) -> Iterator[dict[str, Any]]:
+    """Yield the records of one rank file, skipping torn or corrupt lines.
+
+    A process killed mid-write leaves at most a truncated last line; that is expected and
+    counted in ``report.truncated_tail``. Corrupt lines elsewhere are counted in
+    ``report.bad_lines`` (1-based line numbers).
+    """
+    rep = report if report is not None else ReadReport(Path(path))
+    with open(path, "rb") as fh:
+        lines = fh.read().split(b"\n")
+    last = len(lines) - 1
+    for i, raw in enumerate(lines):
+        if not raw.strip():
+            continue
+        try:
+            rec = json.loads(raw)
+            if not isinstance(rec, dict) or not REQUIRED_KEYS <= rec.keys():
+                raise ValueError("not a step record")
+        except ValueError:
+            # A torn last line is the normal result of a kill mid-write, not corruption.
+            if i == last:
+                rep.truncated_tail = True
+            else:
+                rep.bad_lines.append(i + 1)
+            continue
+        rep.records += 1
+        rep.schemas.add(int(rec["schema"]))
+        yield rec
+
+
+def read_sqlite(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """All records of one rank's SQLite file, in step order."""
+    import sqlite3
+
+    con = sqlite3.connect(f"file:{os.fspath(path)}?mode=ro", uri=True)
+    try:
+        cols = ", ".join(f'"{name}"' for name, _ in SQLITE_COLUMNS)
+        rows = con.execute(f"SELECT {cols} FROM {SQLITE_TABLE} ORDER BY step").fetchall()
+    finally:
+        con.close()
+    return [row_to_record(r) for r in rows]
+
+
+def read_run(out_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Every record of a run directory (JSONL and SQLite rank files), warning on skips.
+
+    Small-run convenience for tests and the demo; the analysis layer reads run
+    directories through DuckDB instead.
+    """
+    out: list[dict[str, Any]] = []
+    root = Path(out_dir)
+    for path in sorted(root.glob("rank*.jsonl")):
+        rep = ReadReport(path)
+        out.extend(iter_jsonl(path, rep))
+        if rep.bad_lines:
+            warnings.warn(f"{path}: skipped corrupt lines {rep.bad_lines[:10]}", stacklevel=2)
+    for path in sorted(root.glob("rank*.sqlite")):
+        out.extend(read_sqlite(path))
+    return out
