@@ -1,0 +1,352 @@
+"""PrefetchLoader: copy the next batch to the GPU on a side stream while this one computes."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from stepscope.batch import iter_tensors, map_tensors
+
+__all__ = ["PrefetchLoader"]
+
+try:
+    from stepscope.instrument.h2d import auto_h2d_suppressed as _auto_h2d_suppressed
+except ImportError:  # pragma: no cover - the automatic H2D instrument is optional
+    # Without the automatic Tensor.to timing there is nothing to double count.
+    _auto_h2d_suppressed = contextlib.nullcontext  # type: ignore[assignment]
+
+DeviceLike = torch.device | str | int
+
+
+class PrefetchLoader:
+    """Wrap an iterable of batches so batch N+1 is copied to the GPU while batch N computes.
+
+    Nested batches (dict/Mapping, list, tuple, namedtuple, dataclass, objects with
+    ``.to()``) are moved leaf by leaf on one dedicated copy stream per loader; the
+    consuming stream waits on an event, so the host never blocks. Iteration semantics
+    are those of the wrapped loader: same batches, same order, ``len()`` forwarded,
+    source exceptions re-raised unchanged at their turn. Without CUDA, or with a CPU
+    target, it is a pass-through. When stepscope is recording, each step gets the
+    exposed wait (``h2d``), the copy time on the copy stream (``h2d_copy``) and the
+    bytes copied (``h2d_bytes``).
+
+    Example::
+
+        loader = DataLoader(dataset, batch_size=64, num_workers=4, pin_memory=True)
+        for batch in stepscope.PrefetchLoader(loader):   # batch already on the GPU
+            loss = model(batch["x"]).loss
+            ...
+    """
+
+    def __init__(
+        self,
+        loader: Iterable[Any],
+        device: DeviceLike | None = None,
+        non_blocking: bool = True,
+        pin_memory: bool = True,
+        *,
+        tracer: Any = None,
+        _backend: Any = None,
+    ) -> None:
+        if not isinstance(loader, Iterable):
+            raise TypeError(f"loader must be an iterable of batches, got {type(loader).__name__}")
+        if device is not None and not isinstance(device, (torch.device, str, int)):
+            raise TypeError(f"device must be a torch.device, str, int or None, got {device!r}")
+        self.loader = loader
+        self.non_blocking = non_blocking
+        self.pin_memory = pin_memory
+        self._device_arg = device
+        self._tracer = tracer
+        self._backend = _backend if _backend is not None else _CudaBackend()
+        self._device: torch.device | None = None
+        # One copy stream per device, created on first use and reused across epochs:
+        # a stream per epoch keeps growing the allocator's reserved memory (timm #2781).
+        self._streams: dict[torch.device, Any] = {}
+
+    @property
+    def device(self) -> torch.device:
+        """The target device, resolved on first use (after the user had a chance to set it)."""
+        if self._device is None:
+            self._device = self._resolve_device()
+        return self._device
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> Any:
+        # Forward dataset/sampler/batch_size etc., so `loader.sampler.set_epoch(e)` works.
+        if name.startswith("_") or name == "loader":
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+    def __iter__(self) -> Iterator[Any]:
+        device = self.device
+        if device.type == "cuda" and self._backend.is_available():
+            tracer = self._tracer if self._tracer is not None else _current_tracer()
+            return _CudaPrefetchIter(self, device, self._copy_stream(device), tracer)
+        return _PassIter(iter(self.loader), device, self.non_blocking)
+
+    # ----------------------------------------------------------------- internals
+
+    def _resolve_device(self) -> torch.device:
+        be = self._backend
+        arg = self._device_arg
+        if arg is None:
+            if not be.is_available():
+                return torch.device("cpu")
+            arg = "cuda"
+        dev = torch.device("cuda", arg) if isinstance(arg, int) else torch.device(arg)
+        if dev.type == "cuda" and not be.is_available():
+            # Same script on a CPU-only machine: a pass-through, so the job still runs.
+            return torch.device("cpu")
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", _local_device_index(be))
+        return dev
+
+    def _copy_stream(self, device: torch.device) -> Any:
+        stream = self._streams.get(device)
+        if stream is None:
+            with self._backend.device(device):
+                stream = self._backend.new_stream(device)
+            self._streams[device] = stream
+        return stream
+
+
+def _local_device_index(be: Any) -> int:
+    # Under torchrun each rank owns cuda:LOCAL_RANK; when CUDA_VISIBLE_DEVICES already
+    # narrowed the view (LOCAL_RANK >= count), the rank's device is the current one.
+    local = os.environ.get("LOCAL_RANK")
+    if local is not None and local.isdigit() and int(local) < be.device_count():
+        return int(local)
+    return int(be.current_device())
+
+
+def _current_tracer() -> Any:
+    from stepscope.tracer import current_tracer
+
+    return current_tracer()
+
+
+class _PassIter:
+    """CPU / non-CUDA target: the source's own iterator, batches moved only if needed."""
+
+    def __init__(self, src: Iterator[Any], device: torch.device, non_blocking: bool) -> None:
+        self._src = src
+        self._device = device
+        self._non_blocking = non_blocking
+
+    def __iter__(self) -> _PassIter:
+        return self
+
+    def __next__(self) -> Any:
+        batch = next(self._src)
+        dev = self._device
+        if all(t.device == dev for t in iter_tensors(batch)):
+            return batch  # the very same object: a true pass-through
+        return map_tensors(
+            lambda t: t if t.device == dev else t.to(dev, non_blocking=self._non_blocking), batch
+        )
+
+
+@dataclass
+class _Staged:
+    """A batch whose copy has been queued on the copy stream."""
+
+    batch: Any
+    done: Any  # event recorded on the copy stream after the last copy
+    start: Any | None  # timing start event, only when the tracer was recording
+    nbytes: int
+    keepalive: list[Any] = field(default_factory=list)  # pinned sources of the copies
+
+
+@dataclass
+class _Failed:
+    exc: Exception
+
+
+_END = object()
+
+
+class _CudaPrefetchIter:
+    """One epoch: batch N is handed over while batch N+1 is already being copied."""
+
+    def __init__(
+        self, owner: PrefetchLoader, device: torch.device, stream: Any, tracer: Any
+    ) -> None:
+        self._closed = True  # until the source iterator exists, there is nothing to close
+        self._owner = owner
+        self._be = owner._backend
+        self._device = device
+        self._stream = stream
+        self._tracer = tracer
+        self._pending: _Staged | _Failed | object | None = None
+        # Copies handed over but maybe still running: their pinned sources stay alive here.
+        self._inflight: deque[tuple[Any, list[Any]]] = deque()
+        self._src: Iterator[Any] | None = iter(owner.loader)
+        self._closed = False
+
+    def __iter__(self) -> _CudaPrefetchIter:
+        return self
+
+    def __next__(self) -> Any:
+        if self._closed:
+            raise StopIteration
+        with self._be.device(self._device), _auto_h2d_suppressed():
+            self._release_finished()
+            cur = self._pending if self._pending is not None else self._stage()
+            self._pending = None
+            if cur is _END:
+                self.close()
+                raise StopIteration
+            if isinstance(cur, _Failed):
+                # Raised at the failing batch's turn; the next call asks the source again,
+                # exactly as a caller iterating the source itself would.
+                raise cur.exc
+            assert isinstance(cur, _Staged)
+            consumer = self._be.current_stream(self._device)
+            self._hand_over(cur, consumer)
+            # Queue batch N+1's copy now so it runs while the caller computes on batch N.
+            self._pending = self._stage()
+            return cur.batch
+
+    def close(self) -> None:
+        """End the epoch: drop the prefetched batch, wait out copies still reading pinned memory."""
+        if self._closed:
+            return
+        self._closed = True
+        pending, self._pending, self._src = self._pending, None, None
+        if isinstance(pending, _Staged):
+            self._inflight.append((pending.done, pending.keepalive))
+        while self._inflight:
+            done, _keep = self._inflight.popleft()
+            if not done.query():
+                # Sync point, only at epoch end or `break`: a pinned source must outlive
+                # the copy reading it; waiting one batch copy keeps nothing in flight.
+                done.synchronize()
+
+    def __del__(self) -> None:
+        # `break` out of a for loop drops the iterator: free the prefetched batch now.
+        if not getattr(self, "_closed", True):
+            self.close()
+
+    # ----------------------------------------------------------------- internals
+
+    def _release_finished(self) -> None:
+        # query() never blocks: sources are dropped as soon as their copy is seen done.
+        while self._inflight and self._inflight[0][0].query():
+            self._inflight.popleft()
+
+    def _stage(self) -> _Staged | _Failed | object:
+        assert self._src is not None
+        try:
+            raw = next(self._src)
+        except StopIteration:
+            return _END
+        except Exception as exc:  # not swallowed: re-raised unchanged at this batch's turn
+            return _Failed(exc)
+        be, dev, stream = self._be, self._device, self._stream
+        timing = bool(self._tracer.recording)
+        # Safe reuse: the copy stream waits for everything already queued on the consumer
+        # stream before copying. Batch memory is allocated on the copy stream, so a batch
+        # the caller freed can only be reused by a later copy, and that copy is ordered
+        # after all consumer work queued before the free. Chosen over record_stream
+        # because reuse stays deterministic (memory_reserved stays flat, no allocator
+        # event polling) and at most two batches live on the device.
+        stream.wait_stream(be.current_stream(dev))
+        start = be.new_event(enable_timing=True) if timing else None
+        done = be.new_event(enable_timing=timing)
+        keep: list[Any] = []
+        nbytes = 0
+
+        def copy(t: torch.Tensor) -> torch.Tensor:
+            nonlocal nbytes
+            if be.is_on(t, dev):
+                return t
+            src = t
+            if t.device.type == "cpu" and self._owner.pin_memory and not be.is_pinned(t):
+                src = be.pin(t)
+            keep.append(src)
+            nbytes += src.numel() * src.element_size()
+            return be.copy(src, dev, self._owner.non_blocking)
+
+        def other(obj: Any) -> Any:
+            to = getattr(obj, "to", None)
+            if not callable(to):
+                return obj
+            keep.append(obj)
+            return to(dev, non_blocking=self._owner.non_blocking)
+
+        with be.stream(stream):
+            if start is not None:
+                start.record(stream)
+            try:
+                batch = map_tensors(copy, raw, leaf=other)
+            except Exception as exc:  # e.g. pinning OOM: batch N still goes out, this one fails
+                done.record(stream)
+                self._inflight.append((done, keep))
+                return _Failed(exc)
+            done.record(stream)
+        return _Staged(batch, done, start, nbytes, keep)
+
+    def _hand_over(self, cur: _Staged, consumer: Any) -> None:
+        tracer = self._tracer
+        if tracer.recording:
+            token = tracer.open_phase("h2d")
+            consumer.wait_event(cur.done)
+            tracer.close_phase(token)
+            if cur.start is not None:
+                tracer.add_side_span("h2d_copy", cur.start, cur.done)
+            tracer.add_counter("h2d_bytes", cur.nbytes)
+        else:
+            consumer.wait_event(cur.done)
+        self._inflight.append((cur.done, cur.keepalive))
+        cur.keepalive = []
+
+
+class _CudaBackend:
+    """The CUDA calls PrefetchLoader makes; tests substitute fakes to check their order."""
+
+    def is_available(self) -> bool:
+        return torch.cuda.is_available()
+
+    def device_count(self) -> int:
+        return torch.cuda.device_count()
+
+    def current_device(self) -> int:
+        return torch.cuda.current_device()
+
+    def device(self, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+        # Pinning, stream and event creation all run under the target device, so no
+        # CUDA context is ever created on another GPU (e.g. cuda:0 on every rank).
+        return torch.cuda.device(device)
+
+    def new_stream(self, device: torch.device) -> torch.cuda.Stream:
+        return torch.cuda.Stream(device=device)
+
+    def current_stream(self, device: torch.device) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(device)
+
+    def stream(self, stream: torch.cuda.Stream) -> contextlib.AbstractContextManager[Any]:
+        return torch.cuda.stream(stream)
+
+    def new_event(self, enable_timing: bool) -> torch.cuda.Event:
+        return torch.cuda.Event(enable_timing=enable_timing)
+
+    def is_on(self, t: torch.Tensor, device: torch.device) -> bool:
+        return t.device == device
+
+    def is_pinned(self, t: torch.Tensor) -> bool:
+        return t.is_pinned()
+
+    def pin(self, t: torch.Tensor) -> torch.Tensor:
+        return t.pin_memory()
+
+    def copy(self, t: torch.Tensor, device: torch.device, non_blocking: bool) -> torch.Tensor:
+        return t.to(device, non_blocking=non_blocking)
+
