@@ -23,3 +23,7 @@ class InstrumentationError(StepscopeError, ValueError):
 
 class AnalysisError(StepscopeError):
     """Input that cannot be analysed at all (nothing usable was found)."""
+
+
+class StepscopeWarning(RuntimeWarning):
+    """Something went wrong inside stepscope; the training job goes on."""

@@ -125,7 +125,7 @@ def iter_jsonl(path: str | os.PathLike[str], report: ReadReport | None = None) -
             continue
         try:
             rec = json.loads(raw)
-            if not isinstance(rec, dict) or not REQUIRED_KEYS <= rec.keys():
+            if not isinstance(rec, dict) or not rec.keys() >= REQUIRED_KEYS:
                 raise ValueError("not a step record")
         except ValueError:
             # A torn last line is the normal result of a kill mid-write, not corruption.

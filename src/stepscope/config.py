@@ -1,0 +1,165 @@
+"""The tracer's configuration: a keyword-only dataclass, validated, with STEPSCOPE_* overrides."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from stepscope.errors import ConfigError
+from stepscope.records import AUTO_PHASES
+
+SINKS = ("jsonl", "sqlite")
+
+
+@dataclass(kw_only=True)
+class Config:
+    """What to record, where, and how often.
+
+    Example::
+
+        cfg = Config(out_dir="runs/exp1", every_n_steps=10, sink="sqlite")
+    """
+
+    #: Run directory; one ``rank{R}.jsonl`` (or ``.sqlite``) per rank plus ``meta.json``.
+    out_dir: str = "runs/stepscope"
+    #: First step index recorded (inclusive).
+    start_step: int = 0
+    #: Last step index recorded (exclusive); ``None`` = no end.
+    end_step: int | None = None
+    #: Record one step in every ``n`` within the window.
+    every_n_steps: int = 1
+    #: Hand records to the writer every ``n`` sampled steps (and at ``finish()``/exit).
+    flush_every_n_steps: int = 10
+    #: Ranks that record; ``None`` = all.
+    ranks: frozenset[int] | None = None
+    #: ``"jsonl"`` (default, append-only) or ``"sqlite"`` (table ``step_time_samples``).
+    sink: str = "jsonl"
+    #: Automatic phases: ``True`` = all of them, ``False`` = none (manual mode), or a set of
+    #: names from ``dataloader``, ``h2d``, ``forward``, ``backward``, ``optimizer``.
+    auto: frozenset[str] = AUTO_PHASES
+    #: ``False`` makes every call a cheap no-op and writes nothing.
+    enabled: bool = True
+    #: Steps whose CUDA events are still pending before the oldest is dropped (counted).
+    max_pending_steps: int = 256
+    #: Optional ``(start, end)`` step window for a ``torch.profiler`` capture.
+    profile_steps: tuple[int, int] | None = None
+    #: Run identifier shared by all ranks; default from env or generated.
+    run_id: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.auto = _normalise_auto(self.auto)
+        if self.ranks is not None:
+            self.ranks = _normalise_ranks(self.ranks)
+        _check_int("start_step", self.start_step, minimum=0)
+        if self.end_step is not None:
+            _check_int("end_step", self.end_step, minimum=0)
+            if self.end_step <= self.start_step:
+                raise ConfigError(
+                    f"end_step must be greater than start_step (exclusive end); "
+                    f"got start_step={self.start_step}, end_step={self.end_step}"
+                )
+        _check_int("every_n_steps", self.every_n_steps, minimum=1)
+        _check_int("flush_every_n_steps", self.flush_every_n_steps, minimum=1)
+        _check_int("max_pending_steps", self.max_pending_steps, minimum=1)
+        if self.sink not in SINKS:
+            raise ConfigError(f"sink must be one of {SINKS}; got {self.sink!r}")
+        if not isinstance(self.out_dir, str | os.PathLike) or not os.fspath(self.out_dir):
+            raise ConfigError(f"out_dir must be a non-empty path; got {self.out_dir!r}")
+        self.out_dir = os.fspath(self.out_dir)
+        if not isinstance(self.enabled, bool):
+            raise ConfigError(f"enabled must be a bool; got {self.enabled!r}")
+        if self.profile_steps is not None:
+            ps = tuple(self.profile_steps)
+            if len(ps) != 2 or not all(isinstance(v, int) and v >= 0 for v in ps) or ps[1] <= ps[0]:
+                raise ConfigError(
+                    f"profile_steps must be (start, end) with 0 <= start < end; "
+                    f"got {self.profile_steps!r}"
+                )
+            self.profile_steps = (int(ps[0]), int(ps[1]))
+
+    def samples(self, step: int) -> bool:
+        """Whether step index ``step`` is recorded (rank filtering is done once, at init)."""
+        if step < self.start_step or (self.end_step is not None and step >= self.end_step):
+            return False
+        return (step - self.start_step) % self.every_n_steps == 0
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = sorted(v) if isinstance(v, frozenset) else v
+        return out
+
+
+def _check_int(name: str, value: Any, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an int; got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ConfigError(f"{name} must be >= {minimum}; got {value}")
+
+
+def _normalise_auto(auto: Any) -> frozenset[str]:
+    if auto is True:
+        return AUTO_PHASES
+    if auto is False or auto is None:
+        return frozenset()
+    if isinstance(auto, str) or not isinstance(auto, Iterable):
+        raise ConfigError(
+            f"auto must be True, False or a set of phase names from {sorted(AUTO_PHASES)}; "
+            f"got {auto!r}"
+        )
+    names = frozenset(auto)
+    unknown = names - AUTO_PHASES
+    if unknown:
+        raise ConfigError(
+            f"auto got unknown phase names {sorted(unknown)}; allowed: {sorted(AUTO_PHASES)}"
+        )
+    return names
+
+
+def _normalise_ranks(ranks: Any) -> frozenset[int]:
+    if isinstance(ranks, int) and not isinstance(ranks, bool):
+        ranks = [ranks]
+    if isinstance(ranks, str) or not isinstance(ranks, Iterable):
+        raise ConfigError(f"ranks must be None or an iterable of ints; got {ranks!r}")
+    out = frozenset(ranks)
+    bad = [r for r in out if isinstance(r, bool) or not isinstance(r, int) or r < 0]
+    if bad:
+        raise ConfigError(f"ranks must be non-negative ints; got {sorted(map(repr, bad))}")
+    return out
+
+
+_ENV_INT = ("start_step", "end_step", "every_n_steps", "flush_every_n_steps")
+
+
+def env_overrides(environ: dict[str, str] | os._Environ[str] | None = None) -> dict[str, Any]:
+    """Config fields set through ``STEPSCOPE_*`` environment variables.
+
+    ``STEPSCOPE_DISABLE=1`` disables; ``STEPSCOPE_OUT_DIR``, ``STEPSCOPE_SINK``,
+    ``STEPSCOPE_START_STEP`` etc. override the matching ``init()`` argument.
+    """
+    env = os.environ if environ is None else environ
+    out: dict[str, Any] = {}
+    if env.get("STEPSCOPE_DISABLE", "").strip().lower() in ("1", "true", "yes", "on"):
+        out["enabled"] = False
+    if env.get("STEPSCOPE_OUT_DIR"):
+        out["out_dir"] = env["STEPSCOPE_OUT_DIR"]
+    if env.get("STEPSCOPE_SINK"):
+        out["sink"] = env["STEPSCOPE_SINK"]
+    for name in _ENV_INT:
+        raw = env.get(f"STEPSCOPE_{name.upper()}")
+        if raw:
+            try:
+                out[name] = int(raw)
+            except ValueError:
+                raise ConfigError(f"STEPSCOPE_{name.upper()} must be an int; got {raw!r}") from None
+    raw_ranks = env.get("STEPSCOPE_RANKS")
+    if raw_ranks:
+        try:
+            out["ranks"] = frozenset(int(r) for r in raw_ranks.split(",") if r.strip())
+        except ValueError:
+            raise ConfigError(f"STEPSCOPE_RANKS must be comma-separated ints; got {raw_ranks!r}") from None
+    return out

@@ -1,0 +1,287 @@
+"""The main job: a small DDP model trained on CPU over gloo ranks, one of them slow on purpose.
+
+``launch()`` is also the harness the distributed tests use: it injects slowness into one
+phase of one rank for a window of steps, so the analysis can be checked against a known
+culprit.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import stepscope
+
+INJECTABLE_PHASES = ("dataloader", "h2d", "forward", "backward", "optimizer")
+
+
+@dataclass(frozen=True)
+class SlowSpec:
+    """Make ``rank`` slower by ``ms`` in ``phase`` for steps in ``[start_step, end_step)``."""
+
+    rank: int
+    phase: str
+    start_step: int = 0
+    end_step: int | None = None
+    ms: float = 20.0
+
+    def __post_init__(self) -> None:
+        if self.phase not in INJECTABLE_PHASES:
+            raise ValueError(f"phase must be one of {INJECTABLE_PHASES}; got {self.phase!r}")
+        if self.ms < 0:
+            raise ValueError(f"ms must be >= 0; got {self.ms}")
+
+    def delay_s(self, rank: int, phase: str, step: int) -> float:
+        if rank != self.rank or phase != self.phase or step < self.start_step:
+            return 0.0
+        if self.end_step is not None and step >= self.end_step:
+            return 0.0
+        return self.ms / 1000.0
+
+
+@dataclass
+class _Injector:
+    """Tells each injection point how long to sleep at the current step."""
+
+    rank: int
+    slow: tuple[SlowSpec, ...]
+    step: int = 0
+    noise_ms: float = 0.0
+    _rng: Any = field(default=None)
+
+    def sleep(self, phase: str) -> None:
+        delay = sum(s.delay_s(self.rank, phase, self.step) for s in self.slow)
+        if delay > 0:
+            time.sleep(delay)
+
+
+class _SlowGrad(torch.autograd.Function):
+    """Identity whose backward sleeps: slowness in backward *compute*, before the all-reduce."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, injector: _Injector) -> torch.Tensor:
+        ctx.injector = injector
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        ctx.injector.sleep("backward")
+        return grad, None
+
+
+class DemoModel(nn.Module):
+    def __init__(self, injector: _Injector, d_in: int = 64, hidden: int = 256, classes: int = 10):
+        super().__init__()
+        self.injector = injector
+        self.net = nn.Sequential(
+            nn.Linear(d_in, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
+            nn.Linear(hidden, classes),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.injector.sleep("forward")
+        return _SlowGrad.apply(self.net(x), self.injector)  # type: ignore[no-any-return]
+
+
+class _SlowSGD(torch.optim.SGD):
+    injector: _Injector
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        self.injector.sleep("optimizer")
+        return super().step(closure)
+
+
+class _Batch:
+    """A batch whose ``.to()`` can be slowed (stands in for a host-to-device copy on CPU)."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, injector: _Injector) -> None:
+        self.x, self.y, self.injector = x, y, injector
+
+    def to(self, device: Any, non_blocking: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        self.injector.sleep("h2d")
+        return self.x.to(device, non_blocking=non_blocking), self.y.to(device, non_blocking=non_blocking)
+
+
+def _batches(loader: Any, injector: _Injector) -> Any:
+    for x, y in loader:
+        injector.sleep("dataloader")
+        yield _Batch(x, y, injector)
+
+
+def _worker(
+    rank: int,
+    world: int,
+    port: int,
+    out_dir: str,
+    steps: int,
+    slow: tuple[SlowSpec, ...],
+    sink: str,
+    seed: int,
+    run_id: str,
+    progress: bool,
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+        WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+    )
+    # Several ranks share few cores: one intra-op thread each keeps them from thrashing.
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(seed)
+        injector = _Injector(rank, slow)
+        model = DDP(DemoModel(injector))
+        opt = _SlowSGD(model.parameters(), lr=0.01)
+        opt.injector = injector
+        g = torch.Generator().manual_seed(seed + rank)
+        n = 64 * 32
+        data = torch.utils.data.TensorDataset(
+            torch.randn(n, 64, generator=g), torch.randint(0, 10, (n,), generator=g)
+        )
+        loader = torch.utils.data.DataLoader(data, batch_size=32, shuffle=True, generator=g)
+        # H2D is timed manually: on CPU there is no host-to-device copy to catch automatically.
+        stepscope.init(
+            out_dir=out_dir, model=model, optimizer=opt, sink=sink, run_id=run_id,
+            auto={"dataloader", "forward", "backward", "optimizer"},
+        )
+        loss_fn = nn.CrossEntropyLoss()
+        step = 0
+        t0 = time.monotonic()
+        while step < steps:
+            for batch in stepscope.wrap_loader(_batches(loader, injector)):
+                if step >= steps:
+                    break
+                with stepscope.step():
+                    x, y = stepscope.wrap_h2d(batch).to("cpu")
+                    loss = loss_fn(model(x), y)
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    with stepscope.phase("metrics"):
+                        value = loss.item()
+                step += 1
+                injector.step = step
+                if progress and rank == 0 and step % 50 == 0:
+                    print(
+                        f"  step {step}/{steps}  loss {value:.3f}  {time.monotonic() - t0:.1f}s",
+                        flush=True,
+                    )
+        stepscope.finish()
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch(
+    out_dir: str | os.PathLike[str],
+    ranks: int = 4,
+    steps: int = 200,
+    slow: tuple[SlowSpec, ...] | list[SlowSpec] = (),
+    sink: str = "jsonl",
+    seed: int = 0,
+    progress: bool = False,
+) -> Path:
+    """Run the demo job with one process per rank and return the run directory.
+
+    Earlier rank files in ``out_dir`` are removed first, so the directory holds one run.
+    """
+    if ranks < 1:
+        raise ValueError(f"ranks must be >= 1; got {ranks}")
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1; got {steps}")
+    for s in slow:
+        if not 0 <= s.rank < ranks:
+            raise ValueError(f"slow rank {s.rank} is not in 0..{ranks - 1}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for old in [*out.glob("rank*.jsonl"), *out.glob("rank*.sqlite"), out / "meta.json"]:
+        old.unlink(missing_ok=True)
+    run_id = time.strftime("demo-%Y%m%d-%H%M%S")
+    mp.spawn(
+        _worker,
+        args=(ranks, _free_port(), str(out), steps, tuple(slow), sink, seed, run_id, progress),
+        nprocs=ranks,
+        join=True,
+    )
+    return out
+
+
+def run_demo(out_dir: str, ranks: int = 4, steps: int = 200, slow_rank: int = 1) -> int:
+    """``stepscope demo``: train, record, print the report. Returns a process exit code."""
+    if ranks < 2:
+        print("stepscope demo: --ranks must be at least 2 (one slow rank, one to wait)", file=sys.stderr)
+        return 2
+    if not 0 <= slow_rank < ranks:
+        print(f"stepscope demo: --slow-rank must be in 0..{ranks - 1}", file=sys.stderr)
+        return 2
+    if steps < 20:
+        print("stepscope demo: --steps must be at least 20", file=sys.stderr)
+        return 2
+    window = (int(steps * 0.4), int(steps * 0.7))
+    spec = SlowSpec(rank=slow_rank, phase="dataloader", start_step=window[0], end_step=window[1], ms=15.0)
+    print(
+        f"stepscope demo: {ranks} gloo ranks on CPU, {steps} steps; rank {slow_rank} waits "
+        f"{spec.ms:g} ms longer for data in steps {window[0]}-{window[1] - 1}"
+    )
+    t0 = time.monotonic()
+    out = launch(out_dir, ranks=ranks, steps=steps, slow=(spec,), progress=True)
+    print(f"recorded {out}/ in {time.monotonic() - t0:.1f}s\n")
+    return _print_report(out)
+
+
+def _print_report(run_dir: Path) -> int:
+    try:
+        from stepscope.report.render import report_command
+    except ImportError:
+        return _median_table(run_dir)
+    return report_command(str(run_dir), as_json=False, markdown=None, html=None)
+
+
+def _median_table(run_dir: Path) -> int:
+    """Fallback report: median ms per rank and phase."""
+    from statistics import median
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from stepscope.records import read_run
+
+    recs = read_run(run_dir)
+    by_rank: dict[int, list[dict[str, Any]]] = {}
+    for r in recs:
+        by_rank.setdefault(r["rank"], []).append(r)
+    names: list[str] = []
+    for r in recs:
+        for p in r["phases"]:
+            if p["name"] not in names:
+                names.append(p["name"])
+    table = Table(title=f"median ms per step — {run_dir}")
+    table.add_column("rank")
+    table.add_column("step")
+    for n in [*names, "residual"]:
+        table.add_column(n, justify="right")
+    for rank, rs in sorted(by_rank.items()):
+        cells = [str(rank), f"{median(r['step_ms'] for r in rs):.2f}"]
+        for n in names:
+            vals = [p["ms"] for r in rs for p in r["phases"] if p["name"] == n]
+            cells.append(f"{median(vals):.2f}" if vals else "-")
+        cells.append(f"{median(r['residual_ms'] for r in rs):.2f}")
+        table.add_row(*cells)
+    Console().print(table)
+    return 0

@@ -1,0 +1,1 @@
+"""Instruments: the hooks and wrappers that feed phase spans to a Tracer."""

@@ -1,0 +1,168 @@
+"""Host-to-device copies: step-scoped ``Tensor.to``/``Tensor.cuda`` timing, and ``wrap_h2d``.
+
+The automatic mode patches ``torch.Tensor.to`` and ``torch.Tensor.cuda`` once per process,
+but the patched functions only time anything while a thread-local tracer is set, which
+happens only inside a sampled ``step()`` on that thread. Only CPU → accelerator copies
+count; dtype casts and CPU → CPU moves take the original path untouched, and so does
+anything traced by ``torch.compile``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from stepscope.batch import map_tensors
+
+if TYPE_CHECKING:
+    from stepscope.tracer import Tracer
+
+#: Device types a copy *to* counts as host-to-device. Tests add "meta" to drive the logic
+#: on machines without an accelerator.
+TARGET_DEVICE_TYPES: set[str] = {"cuda"}
+
+_tls = threading.local()
+_orig_to = torch.Tensor.to
+_orig_cuda = torch.Tensor.cuda
+_parse_to = torch._C._nn._parse_to
+_is_compiling = torch.compiler.is_compiling
+_installs = 0
+_lock = threading.Lock()
+
+
+def set_step_tracer(tracer: Tracer | None) -> None:
+    """Raise (tracer) or lower (None) the in-step flag for this thread."""
+    _tls.tracer = tracer
+
+
+@contextmanager
+def auto_h2d_suppressed() -> Iterator[None]:
+    """Turn automatic H2D timing off on this thread (for copies timed another way)."""
+    prev = getattr(_tls, "suppressed", False)
+    _tls.suppressed = True
+    try:
+        yield
+    finally:
+        _tls.suppressed = prev
+
+
+def _timed_copy(tracer: Tracer, src: torch.Tensor, copy: Callable[[], torch.Tensor]) -> torch.Tensor:
+    token = tracer.open_phase("h2d")
+    try:
+        return copy()
+    finally:
+        tracer.close_phase(token)
+        if token is not None:
+            tracer.add_counter("h2d_bytes", src.numel() * src.element_size())
+
+
+def _active() -> Tracer | None:
+    tracer: Tracer | None = getattr(_tls, "tracer", None)
+    if tracer is None or getattr(_tls, "suppressed", False) or _is_compiling():
+        return None
+    return tracer
+
+
+def _patched_to(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    tracer = _active()
+    if tracer is None or self.device.type != "cpu":
+        return _orig_to(self, *args, **kwargs)
+    try:
+        device = _parse_to(*args, **kwargs)[0]
+    except Exception:  # let torch raise its own error for bad arguments
+        return _orig_to(self, *args, **kwargs)
+    if device is None or device.type not in TARGET_DEVICE_TYPES:
+        return _orig_to(self, *args, **kwargs)
+    return _timed_copy(tracer, self, lambda: _orig_to(self, *args, **kwargs))
+
+
+def _patched_cuda(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    tracer = _active()
+    if tracer is None or self.device.type != "cpu":
+        return _orig_cuda(self, *args, **kwargs)
+    return _timed_copy(tracer, self, lambda: _orig_cuda(self, *args, **kwargs))
+
+
+def install_patch() -> Callable[[], None]:
+    """Install the step-scoped patch (reference counted); returns its remover."""
+    global _installs
+    with _lock:
+        if _installs == 0:
+            torch.Tensor.to = _patched_to  # type: ignore[method-assign]
+            torch.Tensor.cuda = _patched_cuda  # type: ignore[method-assign]
+        _installs += 1
+    removed = False
+
+    def remove() -> None:
+        global _installs
+        nonlocal removed
+        with _lock:
+            if removed:
+                return
+            removed = True
+            _installs -= 1
+            if _installs == 0:
+                torch.Tensor.to = _orig_to  # type: ignore[method-assign]
+                torch.Tensor.cuda = _orig_cuda  # type: ignore[method-assign]
+
+    return remove
+
+
+class H2DProxy:
+    """What ``wrap_h2d(batch)`` returns: its next ``.to(...)``/``.cuda(...)`` is timed as ``h2d``.
+
+    The call returns the moved batch itself (same nested structure: dict, list, tuple,
+    namedtuple, dataclass; objects with ``.to()`` are moved with their own method; other
+    leaves pass through). Any other attribute is read from the wrapped batch.
+
+    Example::
+
+        x = stepscope.wrap_h2d(batch).to(device, non_blocking=True)
+    """
+
+    __slots__ = ("_batch", "_tracer")
+
+    def __init__(self, batch: Any, tracer: Tracer) -> None:
+        self._batch = batch
+        self._tracer = tracer
+
+    def to(self, *args: Any, **kwargs: Any) -> Any:
+        return self._move(lambda t: _orig_to(t, *args, **kwargs), "to", args, kwargs)
+
+    def cuda(self, *args: Any, **kwargs: Any) -> Any:
+        return self._move(lambda t: _orig_cuda(t, *args, **kwargs), "cuda", args, kwargs)
+
+    def _move(
+        self, fn: Callable[[torch.Tensor], Any], method: str, args: Any, kwargs: Any
+    ) -> Any:
+        tracer = self._tracer
+        token = tracer.open_phase("h2d")
+        nbytes = 0
+
+        def move(t: torch.Tensor) -> Any:
+            nonlocal nbytes
+            if t.device.type == "cpu":
+                nbytes += t.numel() * t.element_size()
+            return fn(t)
+
+        def leaf(obj: Any) -> Any:
+            m = getattr(obj, method, None)
+            return m(*args, **kwargs) if callable(m) else obj
+
+        try:
+            with auto_h2d_suppressed():
+                return map_tensors(move, self._batch, leaf=leaf)
+        finally:
+            tracer.close_phase(token)
+            if token is not None and nbytes:
+                tracer.add_counter("h2d_bytes", nbytes)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._batch, name)
+
+    def __repr__(self) -> str:
+        return f"H2DProxy({self._batch!r})"

@@ -1,0 +1,132 @@
+"""Forward, backward and optimizer timing through public PyTorch hooks (no global patching).
+
+- forward: forward pre/post hooks on the given (root) module.
+- backward: a gradient hook on the forward outputs opens the phase when backward reaches
+  them; it closes from an autograd *final callback* queued one level deep, so it runs after
+  every other end-of-backward callback, DDP's gradient all-reduce wait included. That is
+  what makes a rank that waits in the all-reduce show a long backward.
+- optimizer: ``Optimizer.register_step_pre_hook``/``register_step_post_hook``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from stepscope.tracer import Tracer
+
+_disable = torch.compiler.disable
+
+
+def _first_grad_tensors(output: Any, limit: int = 4) -> list[torch.Tensor]:
+    """Up to ``limit`` output tensors that will receive a gradient, in a nested output."""
+    found: list[torch.Tensor] = []
+    todo = [output]
+    while todo and len(found) < limit:
+        obj = todo.pop()
+        if isinstance(obj, torch.Tensor):
+            if obj.requires_grad and obj.grad_fn is not None:
+                found.append(obj)
+        elif isinstance(obj, dict):
+            todo.extend(obj.values())
+        elif isinstance(obj, list | tuple):
+            todo.extend(obj)
+        elif hasattr(obj, "__dataclass_fields__"):
+            todo.extend(getattr(obj, f) for f in obj.__dataclass_fields__)
+    return found
+
+
+class _ModelHooks:
+    def __init__(self, tracer: Tracer, forward: bool, backward: bool) -> None:
+        self.tracer = tracer
+        self.forward = forward
+        self.backward = backward
+        self._fwd: list[Any] = []
+        self._bwd: Any = None
+        # One object per hook function; torch.compiler.disable keeps them out of graphs
+        # when the hooked module itself is compiled.
+        self.pre = _disable(self._pre)
+        self.post = _disable(self._post)
+        self.on_grad = _disable(self._on_grad)
+
+    def _pre(self, module: Any, args: Any) -> None:
+        if self.forward and self.tracer._cur is not None:
+            self._fwd.append(self.tracer.open_phase("forward"))
+
+    def _post(self, module: Any, args: Any, output: Any) -> None:
+        tracer = self.tracer
+        if tracer._cur is None:
+            return
+        if self.forward and self._fwd:
+            tracer.close_phase(self._fwd.pop())
+        if self.backward and torch.is_grad_enabled():
+            try:
+                for t in _first_grad_tensors(output):
+                    t.register_hook(self.on_grad)
+            except Exception as exc:  # protect the job: an odd output type must not break it
+                tracer._fail(exc)
+
+    def _on_grad(self, grad: Any) -> None:
+        tracer = self.tracer
+        if self._bwd is not None or tracer._cur is None:
+            return
+        self._bwd = tracer.open_phase("backward")
+        if self._bwd is None:
+            return
+        try:
+            # Public-in-practice engine API (DDP and FSDP use it): runs at the end of this
+            # backward pass. Queue the closing callback from inside the first one so it lands
+            # behind callbacks queued during backward (DDP's all-reduce finalisation).
+            engine = torch.autograd.Variable._execution_engine
+            engine.queue_callback(lambda: engine.queue_callback(self._close_backward))
+        except Exception as exc:  # protect the job
+            tracer._fail(exc)
+
+    def _close_backward(self) -> None:
+        token, self._bwd = self._bwd, None
+        self.tracer.close_phase(token)
+
+
+def attach_model(
+    tracer: Tracer, model: torch.nn.Module, *, forward: bool, backward: bool
+) -> Callable[[], None]:
+    """Hook ``model``; returns a function that removes the hooks."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
+    hooks = _ModelHooks(tracer, forward, backward)
+    handles = [
+        model.register_forward_pre_hook(hooks.pre),
+        model.register_forward_hook(hooks.post),
+    ]
+
+    def remove() -> None:
+        for h in handles:
+            h.remove()
+
+    return remove
+
+
+def attach_optimizer(tracer: Tracer, optimizer: torch.optim.Optimizer) -> Callable[[], None]:
+    """Time ``optimizer.step()`` inside steps; returns a function that removes the hooks."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}")
+    tokens: list[Any] = []
+
+    def pre(opt: Any, args: Any, kwargs: Any) -> None:
+        if tracer._cur is not None:
+            tokens.append(tracer.open_phase("optimizer"))
+
+    def post(opt: Any, args: Any, kwargs: Any) -> None:
+        if tokens:
+            tracer.close_phase(tokens.pop())
+
+    handles = [optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post)]
+
+    def remove() -> None:
+        for h in handles:
+            h.remove()
+
+    return remove

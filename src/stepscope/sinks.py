@@ -1,0 +1,158 @@
+"""Where records go: per-rank JSONL or SQLite files (or memory, for tests), written off-thread."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import sqlite3
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from stepscope.records import SQLITE_COLUMNS, SQLITE_TABLE, rank_file, record_to_row
+
+
+class Sink(Protocol):
+    def write(self, records: Sequence[dict[str, Any]]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class JsonlSink:
+    """Append-only ``rank{R}.jsonl``: one JSON object per line, flushed per batch.
+
+    Each batch is written with a single ``write`` of whole lines, so a process killed
+    between batches leaves a valid file and one killed during a write leaves at most one
+    torn last line, which the reader tolerates.
+    """
+
+    def __init__(self, out_dir: str | os.PathLike[str], rank: int) -> None:
+        self.path = rank_file(out_dir, rank, "jsonl")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - lives as long as the sink
+
+    def write(self, records: Sequence[dict[str, Any]]) -> None:
+        if not records:
+            return
+        self._fh.write("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records))
+        self._fh.flush()
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+class SqliteSink:
+    """``rank{R}.sqlite`` with the table ``step_time_samples``; one transaction per batch."""
+
+    def __init__(self, out_dir: str | os.PathLike[str], rank: int) -> None:
+        self.path = rank_file(out_dir, rank, "sqlite")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # The writer thread is the only user of this connection after construction.
+        self._con = sqlite3.connect(self.path, check_same_thread=False)
+        cols = ", ".join(f'"{name}" {kind}' for name, kind in SQLITE_COLUMNS)
+        self._con.execute(f"CREATE TABLE IF NOT EXISTS {SQLITE_TABLE} ({cols})")
+        self._con.commit()
+        self._insert = (
+            f"INSERT INTO {SQLITE_TABLE} VALUES ({', '.join('?' for _ in SQLITE_COLUMNS)})"
+        )
+
+    def write(self, records: Sequence[dict[str, Any]]) -> None:
+        if not records:
+            return
+        with self._con:
+            self._con.executemany(self._insert, [record_to_row(r) for r in records])
+
+    def close(self) -> None:
+        self._con.close()
+
+
+class MemorySink:
+    """Keeps records in a list; for tests and for in-process consumers."""
+
+    def __init__(self) -> None:
+        self.records: list[dict[str, Any]] = []
+        self.closed = False
+
+    def write(self, records: Sequence[dict[str, Any]]) -> None:
+        self.records.extend(records)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def open_sink(kind: str, out_dir: str | os.PathLike[str], rank: int) -> Sink:
+    if kind == "jsonl":
+        return JsonlSink(out_dir, rank)
+    if kind == "sqlite":
+        return SqliteSink(out_dir, rank)
+    raise ValueError(f"unknown sink {kind!r}; expected 'jsonl' or 'sqlite'")
+
+
+_STOP = object()
+
+
+class BackgroundWriter:
+    """Runs ``sink.write`` on a daemon thread so file I/O never runs in the training loop.
+
+    ``submit`` never blocks: when the queue is full (a stalled file system), the batch is
+    dropped and counted. The first sink error calls ``on_error`` once and stops writing.
+    """
+
+    def __init__(
+        self,
+        sink: Sink,
+        on_error: Callable[[BaseException], None],
+        max_batches: int = 64,
+    ) -> None:
+        self.sink = sink
+        self.dropped_records = 0
+        self._on_error = on_error
+        self._q: queue.Queue[Any] = queue.Queue(maxsize=max_batches)
+        self._failed = False
+        self._thread = threading.Thread(target=self._run, name="stepscope-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, records: list[dict[str, Any]]) -> None:
+        if not records or self._failed:
+            return
+        try:
+            self._q.put_nowait(records)
+        except queue.Full:
+            self.dropped_records += len(records)
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is _STOP:
+                return
+            if self._failed:
+                continue
+            try:
+                self.sink.write(item)
+            except Exception as exc:  # protect the job: a full disk must not kill training
+                self._failed = True
+                self._on_error(exc)
+
+    def close(self, timeout: float = 10.0) -> bool:
+        """Drain and close; returns False if the writer did not finish within ``timeout``."""
+        try:
+            self._q.put(_STOP, timeout=timeout)
+        except queue.Full:
+            return False
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            return False
+        try:
+            self.sink.close()
+        except Exception as exc:  # protect the job: closing a broken file is not fatal
+            self._on_error(exc)
+        return True
+
+
+def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
+    """Write a small JSON file so readers never see it half-written."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(payload, indent=2, default=str), encoding="utf-8")
+    os.replace(tmp, path)
