@@ -104,9 +104,14 @@ _RULES: tuple[_Rule, ...] = (
 _COPY_KINDS = ("htod", "dtoh", "dtod", "ptop", "htoh")
 
 
+# Library and namespace names that say nothing about the kernel's kind (FBGEMM's permute
+# kernels are not GEMMs).
+_IGNORED = frozenset({"fbgemm", "void", "anonymous", "namespace"})
+
+
 def tokens(name: str) -> list[str]:
     """Lower-case alphanumeric tokens of a kernel name (``a::b<c>_d`` → a, b, c, d)."""
-    return [t for t in _SPLIT.split(name.lower()) if t]
+    return [t for t in _SPLIT.split(name.lower()) if t and t not in _IGNORED]
 
 
 def _matches(toks: list[str], exact: frozenset[str], prefixes: tuple[str, ...],
