@@ -1,0 +1,1 @@
+"""Offline analysis of recorded runs and traces (imports nothing until a module is used)."""

@@ -1,0 +1,228 @@
+"""Verdicts: what the numbers mean and what to do, each with its evidence."""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: Share of step time above which a phase is called a bottleneck (warning / critical).
+INPUT_SHARE = (0.15, 0.30)
+H2D_SHARE = (0.10, 0.25)
+HOST_SHARE = (0.15, 0.30)
+WAIT_SHARE = (0.08, 0.20)
+COMPUTE_SHARE = 0.60
+
+_SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
+
+_STRAGGLER_FIX = {
+    "dataloader": "check that rank's data shard, storage and CPU (noisy neighbour, fewer cores); "
+    "give its DataLoader more workers (num_workers), persistent_workers=True, or wrap it "
+    "in stepscope.PrefetchLoader",
+    "h2d": "check that rank's host-to-device path (pin_memory=True, non_blocking=True, "
+    "NUMA/PCIe placement); stepscope.PrefetchLoader overlaps the copy with compute",
+    "forward": "check that rank's device (throttling, ECC, other processes) and its inputs "
+    "(longer sequences or bigger batches on that rank)",
+    "backward": "check that rank's device (throttling, other processes) and whether its inputs "
+    "are larger; its backward compute, not the all-reduce, is slow",
+    "optimizer": "check that rank's device and CPU: optimizer steps on CPU, foreach=False, or "
+    "extra per-rank work (EMA, logging) after backward",
+    "residual": "that rank does extra untimed work per step (logging, checkpoints, .item() "
+    "syncs, Python overhead); time it with stepscope.phase(...) to see which",
+}
+
+
+def _pct(x: float | None) -> str:
+    return f"{100.0 * (x or 0.0):.0f}%"
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    if len(ranks) > 8:
+        return ", ".join(str(r) for r in ranks[:8]) + f", … ({len(ranks)} ranks)"
+    return ", ".join(str(r) for r in ranks)
+
+
+def _med(values: list[float]) -> float:
+    if not values:
+        return 0.0
+    s = sorted(values)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+def rank_share(phases: dict[str, Any], name: str) -> float:
+    """Median over ranks of the phase's share of that rank's step time (0 when absent)."""
+    ph = phases.get(name)
+    if not ph or ph["share"] is None:
+        return 0.0
+    n_ranks = max(1, len(ph["per_rank"]))
+    shares = [p["share"] or 0.0 for p in ph["per_rank"]]
+    shares += [0.0] * (n_ranks - len(shares))
+    return _med(shares)
+
+
+def diagnose(
+    run: dict[str, Any],
+    phases: dict[str, Any],
+    ranks: list[dict[str, Any]],
+    stragglers: list[dict[str, Any]],
+    windows: list[dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """Verdicts ``{kind, severity, evidence, suggestion}``, most severe first."""
+    out: list[dict[str, Any]] = []
+    step_med = run["step_ms"]["median"] or 0.0
+    sync = run["alignment"]["sync_phase"]
+
+    for s in _top_stragglers(stragglers):
+        impact = s["excess_ms"] / step_med if step_med else 0.0
+        sev = "critical" if impact >= 0.15 else "warning" if impact >= 0.03 else "info"
+        when = (f"on {s['steps']} steps ({s['first_step']}–{s['last_step']}, chronic)"
+                if s["persistence"] == "chronic"
+                else f"on {s['steps']} steps in the window {s['first_step']}–{s['last_step']}")
+        ev = (f"rank {s['rank']}" + (f" (host {s['host']})" if s.get("host") else "")
+              + f" spends {s['excess_ms']:.1f} ms more than the median rank in "
+              f"{s['phase']} {when}, {_pct(impact)} of the {step_med:.1f} ms step")
+        if s.get("victims"):
+            ev += (f"; ranks {_ranks_text(s['victims'])} wait ≈ {s['victim_wait_ms']:.1f} ms "
+                   f"per step for it in {sync} (the collective)")
+        out.append({"kind": "straggler", "severity": sev, "evidence": ev,
+                    "suggestion": f"Look at rank {s['rank']}'s {s['phase']}: "
+                    + _STRAGGLER_FIX.get(s["phase"], "time its sub-steps with stepscope.phase(...)")})
+    out += _host_verdicts(run, stragglers)
+
+    wait_share = _med([r["wait_share"] or 0.0 for r in ranks])
+    if sync and wait_share >= WAIT_SHARE[0]:
+        waiting = [r["rank"] for r in ranks if (r["wait_share"] or 0.0) >= WAIT_SHARE[0]]
+        cause = (f"rank {stragglers[0]['rank']} ({stragglers[0]['phase']}) arrives last"
+                 if stragglers else "arrival order varies from step to step (jitter, no single culprit)")
+        out.append({
+            "kind": "comm_wait",
+            "severity": "critical" if wait_share >= WAIT_SHARE[1] else "warning",
+            "evidence": f"ranks {_ranks_text(waiting)} spend a median {_pct(wait_share)} of each "
+            f"step waiting in {sync} for the last rank to arrive at the collective; {cause}",
+            "suggestion": "Fix the late rank first; then balance per-rank work (equal shard "
+            "sizes, sequence-length bucketing) so ranks arrive together",
+        })
+
+    shares = {n: rank_share(phases, n) for n in phases}
+    bottlenecks: list[dict[str, Any]] = []
+    dl = shares.get("dataloader", 0.0)
+    if dl >= INPUT_SHARE[0]:
+        bottlenecks.append({
+            "kind": "input_bound",
+            "severity": "critical" if dl >= INPUT_SHARE[1] else "warning",
+            "evidence": f"dataloader takes {_pct(dl)} of step time (median over "
+            f"{len(ranks)} ranks, median {phases['dataloader']['median_ms']:.2f} ms per step over "
+            f"{run['steps']} steps)",
+            "suggestion": "Raise DataLoader num_workers, set persistent_workers=True and "
+            "pin_memory=True, increase prefetch_factor, or move decoding/augmentation off the "
+            "training process; stepscope.PrefetchLoader overlaps the next batch's copy",
+        })
+    h2d = shares.get("h2d", 0.0)
+    if h2d >= H2D_SHARE[0]:
+        ev = (f"exposed host-to-device copy takes {_pct(h2d)} of step time (median "
+              f"{phases['h2d']['median_ms']:.2f} ms per step on {len(ranks)} ranks)")
+        hidden = phases.get("h2d_hidden")
+        if hidden:
+            ev += f"; a PrefetchLoader already hides {hidden['median_ms']:.2f} ms per step"
+        bottlenecks.append({
+            "kind": "h2d_bound",
+            "severity": "critical" if h2d >= H2D_SHARE[1] else "warning",
+            "evidence": ev,
+            "suggestion": "Wrap the loader in stepscope.PrefetchLoader to copy the next batch "
+            "on a side stream while this one computes; use pin_memory=True in the DataLoader "
+            "and .to(device, non_blocking=True)",
+        })
+    elif phases.get("h2d_hidden"):
+        hid = phases["h2d_hidden"]["median_ms"]
+        bottlenecks.append({
+            "kind": "h2d_bound", "severity": "info",
+            "evidence": f"PrefetchLoader hides {hid:.2f} ms of host-to-device copy per step; "
+            f"exposed copy is {_pct(h2d)} of step time",
+            "suggestion": "Nothing to do: the copy is overlapped (keep pin_memory=True, "
+            "non_blocking=True)",
+        })
+    res = shares.get("residual", 0.0)
+    if res >= HOST_SHARE[0]:
+        bottlenecks.append({
+            "kind": "host_overhead",
+            "severity": "critical" if res >= HOST_SHARE[1] else "warning",
+            "evidence": f"{_pct(res)} of step time is outside every timed phase (median "
+            f"{phases['residual']['median_ms']:.2f} ms per step)",
+            "suggestion": "Find the untimed work with stepscope.phase(...): logging, "
+            ".item()/.cpu() syncs, checkpointing, Python overhead; batch logging and use "
+            "torch.compile or CUDA graphs to cut launch overhead",
+        })
+    compute = sum(shares.get(n, 0.0) for n in ("forward", "backward", "optimizer"))
+    compute -= wait_share if sync else 0.0
+    if not bottlenecks and compute >= COMPUTE_SHARE:
+        ev = (f"forward+backward+optimizer take {_pct(compute)} of step time (own work, "
+              "waiting excluded)")
+        if sync == "backward" and run["alignment"]["arrival"] == "backward" and not stragglers:
+            ev += ("; backward includes the all-reduce, so a rank slow inside backward "
+                   "compute cannot be told from communication without collective timing")
+        bottlenecks.append({
+            "kind": "compute_bound", "severity": "info", "evidence": ev,
+            "suggestion": "The step is dominated by model compute: try mixed precision, "
+            "torch.compile, fused optimizers, or a larger batch per step",
+        })
+    out += bottlenecks
+
+    if not stragglers and not windows:
+        spread = [r["step_ms"]["median"] for r in ranks if r["step_ms"]["median"] is not None]
+        diff = (max(spread) - min(spread)) if spread else 0.0
+        out.append({
+            "kind": "balanced", "severity": "info",
+            "evidence": f"{len(ranks)} rank(s) over {run['steps']} steps stay within noise: no "
+            f"rank or step window stands out (median step {step_med:.2f} ms, rank medians "
+            f"differ by {diff:.2f} ms)",
+            "suggestion": "No straggler to fix" + (
+                "; see the bottleneck verdict for where step time goes" if bottlenecks else ""),
+        })
+    for w in windows:
+        if any(s["first_step"] <= w["end_step"] and s["last_step"] >= w["start_step"]
+               for s in stragglers):
+            continue  # already explained by a straggler verdict
+        out.append({
+            "kind": _window_kind(w["phase"]), "severity": "warning",
+            "evidence": f"steps {w['start_step']}–{w['end_step']} are {w['slowdown']:.2f}× the "
+            f"median step on ranks {_ranks_text(w['ranks'])}; {w['phase']} grew most",
+            "suggestion": "Something happened to every rank in that window (checkpoint, "
+            "evaluation, shared storage or network contention); correlate with your logs",
+        })
+    out.sort(key=lambda v: _SEVERITY_ORDER[v["severity"]])
+    return out
+
+
+def _window_kind(phase: str) -> str:
+    return {"dataloader": "input_bound", "h2d": "h2d_bound", "residual": "host_overhead"}.get(
+        phase, "comm_wait" if phase == "backward" else "compute_bound")
+
+
+def _top_stragglers(stragglers: list[dict[str, Any]], n: int = 5) -> list[dict[str, Any]]:
+    """One verdict per rank (its biggest excess), the worst few."""
+    seen: set[int] = set()
+    out = []
+    for s in stragglers:
+        if s["rank"] not in seen:
+            seen.add(s["rank"])
+            out.append(s)
+    return out[:n]
+
+
+def _host_verdicts(run: dict[str, Any], stragglers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """When every rank of a host straggles (and others do not), blame the host."""
+    hosts = run["hosts"]
+    if len(hosts) < 2:
+        return []
+    slow = {s["rank"] for s in stragglers}
+    out = []
+    for host, members in hosts.items():
+        if len(members) > 1 and set(members) <= slow and len(slow) < run["ranks"]:
+            phases = sorted({s["phase"] for s in stragglers if s["rank"] in members})
+            out.append({
+                "kind": "straggler", "severity": "critical",
+                "evidence": f"all {len(members)} ranks of host {host} ({_ranks_text(members)}) "
+                f"are slow in {', '.join(phases)} while other hosts are not",
+                "suggestion": f"Look at host {host} as a whole (thermal throttling, a shared "
+                "disk or NIC, another job); consider excluding it",
+            })
+    return out

@@ -1,0 +1,129 @@
+"""``analyze_run``: a run directory in, the JSON report document (plain dicts) out."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from stepscope.analysis.diagnose import diagnose
+from stepscope.analysis.load import RunData, load_run
+from stepscope.analysis.stats import create_phase_samples, phase_stats, rank_stats
+from stepscope.analysis.stragglers import (
+    align,
+    build_excess,
+    build_wait,
+    find_stragglers,
+    find_windows,
+)
+
+#: Version of the JSON document; bump when a key changes meaning.
+REPORT_VERSION = 1
+
+
+def analyze_run(
+    run_dir: str | os.PathLike[str],
+    *,
+    threads: int | None = None,
+    memory_limit: str | None = None,
+    keep: bool = False,
+) -> dict[str, Any]:
+    """Analyse every rank file of ``run_dir`` and return the report document.
+
+    Top-level keys: ``run``, ``phases``, ``ranks``, ``stragglers``, ``windows``,
+    ``verdicts``. Raises :class:`stepscope.errors.AnalysisError` when nothing is usable;
+    anything skipped on the way is listed in ``run["skipped"]``. With ``keep=True`` the
+    loaded :class:`RunData` is returned under the private key ``"_data"`` (for plots and
+    the Perfetto export, which need per-step rows); the caller must ``close()`` it.
+
+    Example::
+
+        doc = analyze_run("runs/demo")
+        for s in doc["stragglers"]:
+            print(s["rank"], s["phase"], s["excess_ms"])
+    """
+    data = load_run(run_dir, threads=threads, memory_limit=memory_limit)
+    try:
+        doc = _analyze(data)
+    except BaseException:
+        data.close()
+        raise
+    if keep:
+        doc["_data"] = data
+    else:
+        data.close()
+    return doc
+
+
+def _analyze(data: RunData) -> dict[str, Any]:
+    con = data.con
+    create_phase_samples(con)
+    n_rows = con.execute("SELECT count(*) FROM samples").fetchone()[0]
+    step_q = con.execute(
+        "SELECT quantile_cont(step_ms, [0.5, 0.9]), min(t0), max(t0 + step_ms) FROM steps"
+    ).fetchone()
+    median_step = float(step_q[0][0])
+    al = align(con, data.hosts, len(data.ranks), median_step)
+    build_wait(con, al)
+    thr = build_excess(con, al)
+    steps = [int(s) for (s,) in con.execute("SELECT DISTINCT step FROM steps ORDER BY 1").fetchall()]
+    host_of = {r: h for h, rs in data.hosts.items() for r in rs}
+
+    phases = phase_stats(con, n_rows)
+    ranks = rank_stats(con, data.hosts, n_rows)
+    stragglers = find_stragglers(con, steps, host_of, thr)
+    for s in stragglers:
+        _add_victims(con, s)
+    windows = find_windows(con, steps, stragglers, data.ranks)
+
+    run: dict[str, Any] = {
+        "report_version": REPORT_VERSION,
+        "dir": str(data.run_dir),
+        "run_id": data.run_id,
+        "ranks": len(data.ranks),
+        "rank_ids": data.ranks,
+        "world_size": data.world_size,
+        "hosts": data.hosts,
+        "steps": len(steps),
+        "first_step": steps[0],
+        "last_step": steps[-1],
+        "records": data.records,
+        "phase_samples": int(n_rows),
+        "clock": data.clock,
+        "alignment": {
+            "aligned": al.aligned,
+            "method": al.method,
+            "sync_phase": al.sync_phase,
+            "arrival": al.arrival,
+            "offsets_ms": {h: round(o, 3) for h, o in al.offsets_ms.items()},
+            "end_spread_ms": None if al.end_spread_ms is None else round(al.end_spread_ms, 3),
+        },
+        # Wall time from the first step start to the last step end, aligned timeline.
+        "duration": round((float(step_q[2]) - float(step_q[1])) / 1000.0, 3),
+        "step_ms": {"median": round(median_step, 3), "p90": round(float(step_q[0][1]), 3)},
+        "thresholds_ms": {k: round(v, 3) for k, v in thr.items()},
+        "skipped": list(data.skipped),
+        "partial": bool(data.skipped),
+    }
+    verdicts = diagnose(run, phases, ranks, stragglers, windows)
+    return {
+        "run": run,
+        "phases": phases,
+        "ranks": ranks,
+        "stragglers": stragglers,
+        "windows": windows,
+        "verdicts": verdicts,
+    }
+
+
+def _add_victims(con: Any, s: dict[str, Any]) -> None:
+    """Ranks that waited for straggler ``s`` during its steps, and their median wait."""
+    rows = con.execute(
+        f"""SELECT rank, median(wait_ms) FROM wait
+            WHERE step BETWEEN {s['first_step']} AND {s['last_step']} AND rank <> {s['rank']}
+            GROUP BY 1 ORDER BY 1"""
+    ).fetchall()
+    floor = 0.5 * s["excess_ms"]
+    victims = [(int(r), float(w)) for r, w in rows if w is not None and w >= floor]
+    s["victims"] = [r for r, _ in victims]
+    waits = sorted(w for _, w in victims)
+    s["victim_wait_ms"] = round(waits[len(waits) // 2], 3) if waits else 0.0

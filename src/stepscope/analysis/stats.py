@@ -1,0 +1,123 @@
+"""Per-phase and per-rank summary statistics, computed in DuckDB over the loaded tables."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from stepscope.records import CANONICAL_PHASES
+
+#: Above this many rows quantiles are approximate (t-digest) to keep memory flat.
+EXACT_QUANTILE_ROWS = 5_000_000
+
+RESIDUAL = "residual"
+H2D_HIDDEN = "h2d_hidden"
+
+
+def phase_order(names: list[str] | set[str]) -> list[str]:
+    """Canonical phases first, then user-named phases alphabetically, then ``residual``."""
+    names = set(names)
+    out = [p for p in CANONICAL_PHASES if p in names]
+    out += sorted(n for n in names if n not in CANONICAL_PHASES and n not in (RESIDUAL, H2D_HIDDEN))
+    out += [n for n in (RESIDUAL, H2D_HIDDEN) if n in names]
+    return out
+
+
+def _q(col: str, exact: bool) -> str:
+    fn = "quantile_cont" if exact else "approx_quantile"
+    return f"{fn}({col}, [0.5, 0.9, 0.99])"
+
+
+def _r(x: Any, nd: int = 3) -> float | None:
+    return None if x is None else round(float(x), nd)
+
+
+def create_phase_samples(con: Any) -> None:
+    """Table ``samples`` (rank, step, name, parent, ms): phases plus residual and h2d_hidden.
+
+    A phase absent on a step did not happen, so it contributes no row (not a zero).
+    """
+    con.execute(
+        f"""CREATE OR REPLACE TEMP TABLE samples AS
+            SELECT rank, step, name, parent, ms FROM phases
+            UNION ALL SELECT rank, step, '{RESIDUAL}', NULL, residual_ms FROM steps
+            UNION ALL SELECT rank, step, '{H2D_HIDDEN}', NULL, h2d_hidden_ms FROM steps
+                WHERE h2d_hidden_ms IS NOT NULL"""
+    )
+
+
+def phase_stats(con: Any, n_rows: int) -> dict[str, dict[str, Any]]:
+    """Per phase: median/p90/p99/max ms, share of step time, and the same per rank.
+
+    Shares divide a phase's total by the total step time; only top-level phases (and the
+    residual) have one, so they add up to 1. ``h2d_hidden`` is copy time a PrefetchLoader
+    took off the step (overlapped), so it has no share either.
+    """
+    exact = n_rows <= EXACT_QUANTILE_ROWS
+    total_step = con.execute("SELECT sum(step_ms) FROM steps").fetchone()[0] or 0.0
+    rank_step = dict(con.execute("SELECT rank, sum(step_ms) FROM steps GROUP BY 1").fetchall())
+    overall = con.execute(
+        f"""SELECT name, any_value(parent), {_q('ms', exact)}, max(ms), sum(ms), count(*),
+                   bool_and(parent IS NULL)
+            FROM samples GROUP BY name"""
+    ).fetchall()
+    per_rank = con.execute(
+        f"""SELECT name, rank, {_q('ms', exact)}, max(ms), sum(ms), count(*)
+            FROM samples GROUP BY name, rank ORDER BY name, rank"""
+    ).fetchall()
+    out: dict[str, dict[str, Any]] = {}
+    top: dict[str, bool] = {}
+    for name, parent, qs, mx, total, n, is_top in overall:
+        top[name] = bool(is_top) and name != H2D_HIDDEN
+        out[name] = {
+            "parent": None if is_top else parent,
+            "median_ms": _r(qs[0]),
+            "p90_ms": _r(qs[1]),
+            "p99_ms": _r(qs[2]),
+            "max_ms": _r(mx),
+            "share": _r(total / total_step, 4) if top[name] and total_step else None,
+            "samples": int(n),
+            "per_rank": [],
+        }
+    for name, rank, qs, mx, total, n in per_rank:
+        denom = rank_step.get(rank) or 0.0
+        out[name]["per_rank"].append(
+            {
+                "rank": int(rank),
+                "median_ms": _r(qs[0]),
+                "p90_ms": _r(qs[1]),
+                "p99_ms": _r(qs[2]),
+                "max_ms": _r(mx),
+                "share": _r(total / denom, 4) if top[name] and denom else None,
+                "samples": int(n),
+            }
+        )
+    return {name: out[name] for name in phase_order(list(out))}
+
+
+def rank_stats(con: Any, hosts: dict[str, list[int]], n_rows: int) -> list[dict[str, Any]]:
+    """Per rank: step time, own work (step minus estimated wait) and wait, median and p90.
+
+    Needs the ``wait`` table (rank, step, wait_ms) built by the straggler analysis.
+    """
+    exact = n_rows <= EXACT_QUANTILE_ROWS
+    host_of = {r: h for h, rs in hosts.items() for r in rs}
+    rows = con.execute(
+        f"""SELECT s.rank, count(*), {_q('s.step_ms', exact)},
+                   {_q('s.step_ms - w.wait_ms', exact)}, {_q('w.wait_ms', exact)},
+                   sum(w.wait_ms), sum(s.step_ms)
+            FROM steps s JOIN wait w USING (rank, step) GROUP BY 1 ORDER BY 1"""
+    ).fetchall()
+    out = []
+    for rank, n, sq, oq, wq, wsum, ssum in rows:
+        out.append(
+            {
+                "rank": int(rank),
+                "host": host_of.get(int(rank)),
+                "steps": int(n),
+                "step_ms": {"median": _r(sq[0]), "p90": _r(sq[1])},
+                "own_ms": {"median": _r(oq[0]), "p90": _r(oq[1])},
+                "wait_ms": {"median": _r(wq[0]), "p90": _r(wq[1])},
+                "wait_share": _r(wsum / ssum, 4) if ssum else 0.0,
+            }
+        )
+    return out

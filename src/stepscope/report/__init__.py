@@ -1,0 +1,1 @@
+"""Renderings of analysis results: terminal, JSON, markdown, HTML and Perfetto."""
