@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
+import weakref
 from collections import OrderedDict, UserDict, defaultdict, namedtuple
 from typing import Any
 
@@ -122,3 +124,21 @@ def test_iter_tensors_order_matches_map_order() -> None:
 def test_non_tensor_leaves(leaf: Any) -> None:
     assert map_tensors(_plus_one, leaf) is leaf
     assert list(iter_tensors(leaf)) == []
+
+
+def test_mapping_creates_no_reference_cycles() -> None:
+    # A cycle would keep batches and the mapped function's captures alive until gc runs.
+    class Capture:
+        pass
+
+    cap = Capture()
+    ref = weakref.ref(cap)
+    batch = {"a": [torch.zeros(1), Pair(torch.zeros(1), 1)], "s": Sample(torch.zeros(1), "n")}
+    gc.disable()
+    try:
+        out = map_tensors(lambda t, c=cap: t, batch, leaf=lambda o, c=cap: o)
+        del cap
+        assert ref() is None
+        assert type(out["s"]) is Sample
+    finally:
+        gc.enable()

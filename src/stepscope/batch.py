@@ -42,23 +42,26 @@ def map_tensors(
         >>> out["x"].tolist(), out["meta"][0]
         ([1.0, 1.0], 'id')
     """
+    return _map(fn, leaf, batch)
 
-    def walk(obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
-            return fn(obj)
-        if isinstance(obj, Mapping):
-            return _rebuild_mapping(obj, {k: walk(v) for k, v in obj.items()})
-        if _is_namedtuple(obj):
-            return type(obj)(*(walk(v) for v in obj))
-        if isinstance(obj, tuple):
-            return tuple(walk(v) for v in obj)
-        if isinstance(obj, list):
-            return [walk(v) for v in obj]
-        if _is_dataclass_instance(obj):
-            return _rebuild_dataclass(obj, walk)
-        return leaf(obj) if leaf is not None else obj
 
-    return walk(batch)
+def _map(fn: Callable[[torch.Tensor], Any], leaf: Callable[[Any], Any] | None, obj: Any) -> Any:
+    # A module-level recursion, not a nested closure: a self-referencing closure would form
+    # a reference cycle per call and keep every batch (and ``fn``'s captures) alive until
+    # the garbage collector runs.
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, Mapping):
+        return _rebuild_mapping(obj, {k: _map(fn, leaf, v) for k, v in obj.items()})
+    if _is_namedtuple(obj):
+        return type(obj)(*(_map(fn, leaf, v) for v in obj))
+    if isinstance(obj, tuple):
+        return tuple(_map(fn, leaf, v) for v in obj)
+    if isinstance(obj, list):
+        return [_map(fn, leaf, v) for v in obj]
+    if _is_dataclass_instance(obj):
+        return _rebuild_dataclass(obj, lambda v: _map(fn, leaf, v))
+    return leaf(obj) if leaf is not None else obj
 
 
 def iter_tensors(batch: Any) -> Iterator[torch.Tensor]:

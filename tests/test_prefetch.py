@@ -1,0 +1,659 @@
+"""CPU tests for PrefetchLoader: iteration semantics, and the CUDA logic through fake streams."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import itertools
+import weakref
+from collections import namedtuple
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from stepscope.prefetch import PrefetchLoader
+
+CUDA0 = torch.device("cuda", 0)
+Pair = namedtuple("Pair", ["image", "label"])
+
+
+# ------------------------------------------------------------------------ fakes
+
+
+class FakeEvent:
+    def __init__(self, n: int, timing: bool, log: list[tuple[Any, ...]]) -> None:
+        self.n, self.timing, self.log = n, timing, log
+        self.done = False
+        self.stream: FakeStream | None = None
+
+    def record(self, stream: FakeStream) -> None:
+        self.stream = stream
+        self.log.append(("record", self.n, stream.name))
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.log.append(("sync", self.n))
+        self.done = True
+
+
+class FakeStream:
+    def __init__(self, name: str, log: list[tuple[Any, ...]]) -> None:
+        self.name, self.log = name, log
+
+    def wait_stream(self, other: FakeStream) -> None:
+        self.log.append(("wait_stream", self.name, other.name))
+
+    def wait_event(self, event: FakeEvent) -> None:
+        self.log.append(("wait_event", self.name, event.n))
+
+
+class FakeBackend:
+    """Stands in for torch.cuda: tensors stay on the CPU, 'device' copies are clones."""
+
+    def __init__(self, available: bool = True, count: int = 2, current: int = 0) -> None:
+        self.log: list[tuple[Any, ...]] = []
+        self.available, self.count, self.current = available, count, current
+        self.consumer = FakeStream("consumer", self.log)
+        self.streams: list[FakeStream] = []
+        self.events: list[FakeEvent] = []
+        self.active: FakeStream | None = None
+        self.devices_entered: list[torch.device] = []
+        self._on_device: dict[int, weakref.ref[torch.Tensor]] = {}
+        self._pinned: dict[int, weakref.ref[torch.Tensor]] = {}
+        self.pins: list[weakref.ref[torch.Tensor]] = []
+        self.fail_pin_at: int | None = None
+
+    def is_available(self) -> bool:
+        return self.available
+
+    def device_count(self) -> int:
+        return self.count
+
+    def current_device(self) -> int:
+        return self.current
+
+    @contextlib.contextmanager
+    def device(self, device: torch.device) -> Iterator[None]:
+        self.devices_entered.append(device)
+        yield
+
+    def new_stream(self, device: torch.device) -> FakeStream:
+        s = FakeStream(f"copy{len(self.streams)}", self.log)
+        self.streams.append(s)
+        return s
+
+    def current_stream(self, device: torch.device) -> FakeStream:
+        return self.consumer
+
+    @contextlib.contextmanager
+    def stream(self, stream: FakeStream) -> Iterator[None]:
+        prev, self.active = self.active, stream
+        try:
+            yield
+        finally:
+            self.active = prev
+
+    def new_event(self, enable_timing: bool) -> FakeEvent:
+        e = FakeEvent(len(self.events), enable_timing, self.log)
+        self.events.append(e)
+        return e
+
+    @staticmethod
+    def _has(table: dict[int, weakref.ref[torch.Tensor]], t: torch.Tensor) -> bool:
+        ref = table.get(id(t))
+        return ref is not None and ref() is t
+
+    def is_on(self, t: torch.Tensor, device: torch.device) -> bool:
+        return self._has(self._on_device, t)
+
+    def is_pinned(self, t: torch.Tensor) -> bool:
+        return self._has(self._pinned, t)
+
+    def mark_pinned(self, t: torch.Tensor) -> torch.Tensor:
+        self._pinned[id(t)] = weakref.ref(t)
+        return t
+
+    def mark_on_device(self, t: torch.Tensor) -> torch.Tensor:
+        self._on_device[id(t)] = weakref.ref(t)
+        return t
+
+    def pin(self, t: torch.Tensor) -> torch.Tensor:
+        if self.fail_pin_at is not None and len(self.pins) == self.fail_pin_at:
+            raise RuntimeError("pinned allocation failed")
+        p = self.mark_pinned(t.clone())
+        self.pins.append(weakref.ref(p))
+        self.log.append(("pin",))
+        return p
+
+    def copy(self, t: torch.Tensor, device: torch.device, non_blocking: bool) -> torch.Tensor:
+        # Every copy must be queued on the loader's copy stream, never the consumer's.
+        assert self.active is not None and self.active is not self.consumer
+        self.log.append(("copy", self.active.name, tuple(t.shape), non_blocking))
+        return self.mark_on_device(t.clone())
+
+
+class FakeTracer:
+    def __init__(self, log: list[tuple[Any, ...]], recording: bool = True) -> None:
+        self.log, self.recording = log, recording
+
+    def open_phase(self, name: str) -> str:
+        self.log.append(("open", name))
+        return name
+
+    def close_phase(self, token: str) -> None:
+        self.log.append(("close", token))
+
+    def add_side_span(self, name: str, start: FakeEvent, end: FakeEvent) -> None:
+        self.log.append(("side", name, start.n, end.n))
+
+    def add_counter(self, name: str, value: float) -> None:
+        self.log.append(("counter", name, value))
+
+
+def fake_loader(
+    source: Any, recording: bool = True, **kwargs: Any
+) -> tuple[PrefetchLoader, FakeBackend]:
+    be = FakeBackend()
+    tracer = FakeTracer(be.log, recording)
+    return PrefetchLoader(source, device=CUDA0, tracer=tracer, _backend=be, **kwargs), be
+
+
+# ---------------------------------------------------------------- data helpers
+
+
+class NestedDataset(Dataset[dict[str, Any]]):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {
+            "x": torch.full((3,), float(i)),
+            "pair": Pair(torch.tensor([i, i + 1]), i),
+            "tags": [f"s{i}", torch.tensor(i * 2)],
+            "name": f"item{i}",
+        }
+
+
+@dataclasses.dataclass
+class DataBatch:
+    x: torch.Tensor
+    meta: dict[str, Any]
+
+
+def to_dataclass(items: list[dict[str, Any]]) -> DataBatch:
+    return DataBatch(torch.stack([d["x"] for d in items]), {"names": [d["name"] for d in items],
+                                                           "arr": np.arange(len(items))})
+
+
+def assert_same(a: Any, b: Any) -> None:
+    """Same structure, same types, equal tensors and leaves."""
+    assert type(a) is type(b), (type(a), type(b))
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert list(a) == list(b)
+        for k in a:
+            assert_same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_same(x, y)
+    elif dataclasses.is_dataclass(a):
+        for f in dataclasses.fields(a):
+            assert_same(getattr(a, f.name), getattr(b, f.name))
+    elif isinstance(a, np.ndarray):
+        assert np.array_equal(a, b)
+    else:
+        assert a == b
+
+
+def make(kind: str, source: Any) -> PrefetchLoader:
+    """The same wrapper on the CPU pass-through or on the (fake) CUDA prefetch path."""
+    if kind == "cpu":
+        return PrefetchLoader(source)
+    return fake_loader(source)[0]
+
+
+PATHS = ["cpu", "fake_cuda"]
+
+
+class Boom(Exception):
+    pass
+
+
+class FlakySource:
+    """An iterable whose iterator raises at given positions and then goes on (like DataLoader)."""
+
+    def __init__(self, n: int, fail_at: set[int]) -> None:
+        self.n, self.fail_at = n, fail_at
+        self.raised: list[Boom] = []
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return _FlakyIter(self)
+
+
+class _FlakyIter:
+    def __init__(self, owner: FlakySource) -> None:
+        self.owner, self.i = owner, 0
+
+    def __iter__(self) -> _FlakyIter:
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        i = self.i
+        if i >= self.owner.n:
+            raise StopIteration
+        self.i += 1
+        if i in self.owner.fail_at:
+            exc = Boom(f"bad batch {i}")
+            self.owner.raised.append(exc)
+            raise exc
+        return torch.tensor([float(i)])
+
+
+# ----------------------------------------------------------- semantics, both paths
+
+
+@pytest.mark.parametrize("kind", PATHS)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_same_batches_same_order_on_dataloader(kind: str, workers: int) -> None:
+    dl = DataLoader(NestedDataset(7), batch_size=2, num_workers=workers)
+    expected = list(DataLoader(NestedDataset(7), batch_size=2))
+    wrapped = make(kind, dl)
+    assert len(wrapped) == len(dl) == 4
+    got = list(wrapped)
+    assert len(got) == 4  # last, partial batch included
+    for a, b in zip(got, expected, strict=True):
+        assert_same(a, b)
+    assert got[-1]["x"].shape == (1, 3)
+
+
+@pytest.mark.parametrize("kind", PATHS)
+def test_dataclass_batches_from_a_collate_fn(kind: str) -> None:
+    dl = DataLoader(NestedDataset(5), batch_size=2, collate_fn=to_dataclass)
+    got = list(make(kind, dl))
+    for a, b in zip(got, list(dl), strict=True):
+        assert_same(a, b)
+    assert isinstance(got[0], DataBatch) and got[0].meta["names"] == ["item0", "item1"]
+
+
+@pytest.mark.parametrize("kind", PATHS)
+def test_empty_loader_and_stopiteration_after_end(kind: str) -> None:
+    wrapped = make(kind, DataLoader(NestedDataset(0), batch_size=2))
+    assert len(wrapped) == 0
+    it = iter(wrapped)
+    for _ in range(3):
+        with pytest.raises(StopIteration):
+            next(it)
+    it2 = iter(make(kind, [torch.zeros(1)]))
+    assert torch.equal(next(it2), torch.zeros(1))
+    for _ in range(3):
+        with pytest.raises(StopIteration):
+            next(it2)
+
+
+@pytest.mark.parametrize("kind", PATHS)
+def test_fresh_iterator_each_epoch(kind: str) -> None:
+    wrapped = make(kind, DataLoader(NestedDataset(5), batch_size=2))
+    first = iter(wrapped)
+    second = iter(wrapped)
+    assert first is not second
+    epochs = [[b["x"][:, 0].tolist() for b in wrapped] for _ in range(3)]
+    assert epochs == [[[0.0, 1.0], [2.0, 3.0], [4.0]]] * 3
+    # a half-consumed iterator does not leak into a new one
+    assert next(first)["x"][0, 0].item() == 0.0
+    assert [b["x"][0, 0].item() for b in wrapped] == [0.0, 2.0, 4.0]
+
+
+@pytest.mark.parametrize("kind", PATHS)
+def test_len_forwarded_or_typeerror(kind: str) -> None:
+    assert len(make(kind, [1, 2, 3])) == 3
+    gen_wrapped = make(kind, (torch.zeros(1) for _ in range(2)))
+    with pytest.raises(TypeError):
+        len(gen_wrapped)
+    assert len(list(gen_wrapped)) == 2  # list() copes with the missing len
+
+
+@pytest.mark.parametrize("kind", PATHS)
+def test_source_exception_reraised_unchanged_in_order(kind: str) -> None:
+    src = FlakySource(5, fail_at={2})
+    it = iter(make(kind, src))
+    got = [next(it).item(), next(it).item()]
+    with pytest.raises(Boom) as info:
+        next(it)
+    assert info.value is src.raised[0]
+    # like the source, iteration can go on after the failing batch
+    got += [b.item() for b in it]
+    assert got == [0.0, 1.0, 3.0, 4.0]
+
+
+@pytest.mark.parametrize("kind", PATHS)
+def test_exception_in_first_batch(kind: str) -> None:
+    src = FlakySource(2, fail_at={0})
+    it = iter(make(kind, src))
+    with pytest.raises(Boom):
+        next(it)
+    assert next(it).item() == 1.0
+
+
+@pytest.mark.parametrize("kind", PATHS)
+def test_dataloader_worker_exception_surfaces(kind: str) -> None:
+    class Bad(NestedDataset):
+        def __getitem__(self, i: int) -> dict[str, Any]:
+            if i == 3:
+                raise KeyError("sample 3 is broken")
+            return super().__getitem__(i)
+
+    it = iter(make(kind, DataLoader(Bad(6), batch_size=2)))
+    assert next(it)["x"][0, 0].item() == 0.0
+    with pytest.raises(KeyError, match="sample 3 is broken"):
+        next(it)
+
+
+@pytest.mark.parametrize("kind", PATHS)
+def test_break_frees_everything(kind: str) -> None:
+    refs: list[weakref.ref[torch.Tensor]] = []
+
+    def make_batch(i: int) -> dict[str, torch.Tensor]:
+        t = torch.full((4,), float(i))
+        refs.append(weakref.ref(t))
+        return {"x": t}
+
+    def source() -> Iterator[dict[str, torch.Tensor]]:
+        for i in range(10):
+            yield make_batch(i)  # the generator frame keeps no reference
+
+    wrapped = make(kind, source())
+    for batch in wrapped:
+        refs.append(weakref.ref(batch["x"]))
+        if batch["x"][0].item() == 2.0:
+            break
+    del batch
+    gc.collect()
+    # no batch, prefetched or handed over, source or copy, is kept alive
+    assert len(refs) >= 6 if kind == "fake_cuda" else len(refs) == 6
+    assert [r() for r in refs if r() is not None] == []
+
+
+def test_cpu_path_is_a_true_pass_through() -> None:
+    batch = {"x": torch.zeros(2), "s": "a"}
+    wrapped = PrefetchLoader([batch, batch])
+    assert wrapped.device == torch.device("cpu")
+    assert all(b is batch for b in wrapped)
+
+
+def test_cpu_path_touches_no_tracer() -> None:
+    class Exploding:
+        def __getattr__(self, name: str) -> Any:
+            raise AssertionError(f"tracer.{name} used on the CPU path")
+
+    assert len(list(PrefetchLoader([torch.zeros(1)] * 3, tracer=Exploding()))) == 3
+
+
+def test_cuda_requested_without_cuda_is_a_pass_through() -> None:
+    be = FakeBackend(available=False)
+    wrapped = PrefetchLoader([torch.ones(1)], device="cuda:1", _backend=be)
+    assert wrapped.device == torch.device("cpu")
+    assert [b.item() for b in wrapped] == [1.0]
+    assert be.streams == [] and be.events == []
+
+
+def test_attributes_forwarded_to_the_wrapped_loader() -> None:
+    dl = DataLoader(NestedDataset(4), batch_size=2)
+    wrapped = PrefetchLoader(dl)
+    assert wrapped.batch_size == 2 and wrapped.dataset is dl.dataset
+    with pytest.raises(AttributeError):
+        _ = wrapped.no_such_attribute
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(TypeError, match="iterable"):
+        PrefetchLoader(42)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="device"):
+        PrefetchLoader([], device=1.5)  # type: ignore[arg-type]
+
+
+# -------------------------------------------------- CUDA logic through fake streams
+
+
+def names(log: list[tuple[Any, ...]]) -> list[str]:
+    return [e[0] for e in log]
+
+
+def test_first_next_hands_over_batch_0_and_queues_batch_1() -> None:
+    loader, be = fake_loader([torch.zeros(2), torch.ones(3)])
+    it = iter(loader)
+    b0 = next(it)
+    assert torch.equal(b0, torch.zeros(2))
+    copy = be.streams[0].name
+    assert be.log == [
+        # stage batch 0: copy stream waits for the consumer, then timed copy
+        ("wait_stream", copy, "consumer"),
+        ("record", 0, copy),
+        ("pin",),
+        ("copy", copy, (2,), True),
+        ("record", 1, copy),
+        # hand over batch 0: the exposed wait is timed on the consumer stream
+        ("open", "h2d"),
+        ("wait_event", "consumer", 1),
+        ("close", "h2d"),
+        ("side", "h2d_copy", 0, 1),
+        ("counter", "h2d_bytes", 8),
+        # batch 1 is already queued before batch 0 is returned: it overlaps the compute
+        ("wait_stream", copy, "consumer"),
+        ("record", 2, copy),
+        ("pin",),
+        ("copy", copy, (3,), True),
+        ("record", 3, copy),
+    ]
+    assert be.events[0].timing and be.events[1].timing
+
+
+def test_consumer_waits_on_the_event_of_its_own_batch() -> None:
+    loader, be = fake_loader([torch.full((1,), float(i)) for i in range(4)])
+    out = [b.item() for b in loader]
+    assert out == [0.0, 1.0, 2.0, 3.0]
+    waits = [e[2] for e in be.log if e[0] == "wait_event"]
+    done_events = [e[1] for e in be.log if e[0] == "record"][1::2]
+    assert waits == done_events  # batch k waits exactly on the event after copy k
+    # every copy is ordered after the consumer (safe reuse of freed batch memory)
+    copies = [i for i, e in enumerate(be.log) if e[0] == "copy"]
+    for i in copies:
+        before = [e for e in be.log[:i] if e[0] in ("wait_stream", "copy")]
+        assert before[-1][0] == "wait_stream"
+    # the host never synchronises while batches flow (only the end waits out the tail)
+    last_wait = max(i for i, e in enumerate(be.log) if e[0] == "wait_event")
+    assert "sync" not in names(be.log[: last_wait + 1])
+
+
+def test_safe_reuse_follows_the_current_consumer_stream() -> None:
+    loader, be = fake_loader([torch.zeros(1)] * 3)
+    it = iter(loader)
+    next(it)
+    be.consumer = FakeStream("side", be.log)  # caller switched streams
+    be.log.clear()
+    next(it)
+    assert ("wait_event", "side", 3) in be.log
+    assert ("wait_stream", be.streams[0].name, "side") in be.log
+
+
+def test_one_copy_stream_reused_across_epochs() -> None:
+    loader, be = fake_loader([torch.zeros(1)] * 2)
+    for _ in range(3):
+        assert len(list(loader)) == 2
+    assert len(be.streams) == 1
+    used = {e[1] for e in be.log if e[0] in ("copy", "wait_stream")}
+    assert used == {be.streams[0].name}
+    # the stream was created under the target device
+    assert be.devices_entered[0] == CUDA0
+
+
+def test_pinned_source_kept_alive_until_its_copy_event_completes() -> None:
+    src = [torch.full((2,), float(i)) for i in range(3)]
+    originals = [t.clone() for t in src]
+    loader, be = fake_loader(src)
+    it = iter(loader)
+    next(it)  # batch 0 handed over (its copy may still run), batch 1 staged
+    gc.collect()
+    assert be.pins[0]() is not None and be.pins[1]() is not None
+    next(it)  # batch 0's event is not done yet: its pinned source must survive
+    gc.collect()
+    assert be.pins[0]() is not None
+    be.events[1].done = True  # batch 0's copy completed
+    next(it)
+    gc.collect()
+    assert be.pins[0]() is None  # released at the next poll, without a sync
+    assert be.pins[1]() is not None
+    assert "sync" not in names(be.log)
+    for t, o in zip(src, originals, strict=True):
+        assert torch.equal(t, o)  # sources never modified
+
+
+def test_end_of_epoch_leaves_nothing_in_flight() -> None:
+    loader, be = fake_loader([torch.zeros(1)] * 2)
+    assert len(list(loader)) == 2
+    gc.collect()
+    # unfinished copies were waited out once, at the end, then every pinned source freed
+    assert all(e.done for e in be.events if e.n % 2 == 1)
+    assert [p() for p in be.pins] == [None, None]
+
+
+def test_break_waits_for_the_prefetched_copy_and_frees_it() -> None:
+    loader, be = fake_loader([torch.full((4,), float(i)) for i in range(5)])
+    for batch in loader:
+        if batch[0].item() == 1.0:
+            break
+    # batch 2 was queued; the loop's iterator is gone, so its copy was waited out
+    assert be.log[-1] == ("sync", 5)
+    del batch
+    gc.collect()
+    assert [p() for p in be.pins] == [None, None, None]
+
+
+def test_already_pinned_and_on_device_tensors() -> None:
+    be = FakeBackend()
+    pinned = be.mark_pinned(torch.ones(3))
+    on_dev = be.mark_on_device(torch.ones(5))
+    loader = PrefetchLoader([{"p": pinned, "d": on_dev, "n": 3, "s": "x"}], device=CUDA0,
+                            tracer=FakeTracer(be.log), _backend=be)
+    (out,) = list(loader)
+    assert out["d"] is on_dev  # left alone, not copied
+    assert torch.equal(out["p"], pinned) and out["p"] is not pinned
+    assert out["n"] == 3 and out["s"] == "x"
+    assert be.pins == []  # already pinned: used as it is
+    assert [e for e in be.log if e[0] == "copy"] == [("copy", "copy0", (3,), True)]
+    assert ("counter", "h2d_bytes", 12) in be.log
+
+
+def test_pin_memory_false_and_blocking_copies() -> None:
+    loader, be = fake_loader([torch.zeros(2)], pin_memory=False, non_blocking=False)
+    assert len(list(loader)) == 1
+    assert be.pins == []
+    assert ("copy", "copy0", (2,), False) in be.log
+
+
+def test_objects_with_to_are_moved_on_the_copy_stream() -> None:
+    calls: list[tuple[Any, ...]] = []
+
+    class Encoding:
+        def __init__(self, be: FakeBackend) -> None:
+            self.be = be
+
+        def to(self, device: torch.device, non_blocking: bool = False) -> str:
+            assert self.be.active is not None and self.be.active.name == "copy0"
+            calls.append((device, non_blocking))
+            return "moved"
+
+    be = FakeBackend()
+    loader = PrefetchLoader([[Encoding(be), np.ones(2)]], device=CUDA0,
+                            tracer=FakeTracer(be.log), _backend=be)
+    (out,) = list(loader)
+    assert out[0] == "moved" and calls == [(CUDA0, True)]
+    assert isinstance(out[1], np.ndarray)  # numpy leaves pass through
+
+
+def test_not_recording_does_no_extra_work() -> None:
+    loader, be = fake_loader([torch.zeros(1)] * 3, recording=False)
+    assert len(list(loader)) == 3
+    assert not {"open", "close", "side", "counter"} & set(names(be.log))
+    assert all(not e.timing for e in be.events)
+    assert len(be.events) == 3  # one plain "copy done" event per batch, no start events
+
+
+def test_recording_switched_on_mid_epoch_reports_only_measured_spans() -> None:
+    be = FakeBackend()
+    tracer = FakeTracer(be.log, recording=False)
+    loader = PrefetchLoader([torch.zeros(1)] * 3, device=CUDA0, tracer=tracer, _backend=be)
+    it = iter(loader)
+    next(it)  # batch 1 staged untimed
+    tracer.recording = True
+    be.log.clear()
+    next(it)  # batch 1: exposed wait and bytes, but no copy span (it was not timed)
+    reported = [e for e in be.log if e[0] in ("open", "side", "counter")]
+    assert reported == [("open", "h2d"), ("counter", "h2d_bytes", 4)]
+    be.log.clear()
+    next(it)  # batch 2 was staged while recording: full report
+    assert [e[0] for e in be.log if e[0] in ("open", "side", "counter")] == [
+        "open", "side", "counter"]
+
+
+def test_failure_while_staging_keeps_the_previous_batch() -> None:
+    loader, be = fake_loader([torch.full((1,), float(i)) for i in range(4)])
+    be.fail_pin_at = 1  # pinning batch 1 fails
+    it = iter(loader)
+    assert next(it).item() == 0.0  # batch 0 still delivered
+    with pytest.raises(RuntimeError, match="pinned allocation failed"):
+        next(it)
+    be.fail_pin_at = None
+    assert [b.item() for b in it] == [2.0, 3.0]
+
+
+def test_device_from_local_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    be = FakeBackend(count=4, current=0)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert PrefetchLoader([], _backend=be).device == torch.device("cuda", 3)
+    assert PrefetchLoader([], device="cuda", _backend=be).device == torch.device("cuda", 3)
+    assert PrefetchLoader([], device=1, _backend=be).device == torch.device("cuda", 1)
+    # CUDA_VISIBLE_DEVICES narrowed to one GPU per rank: LOCAL_RANK is out of range
+    be_one = FakeBackend(count=1, current=0)
+    assert PrefetchLoader([], _backend=be_one).device == torch.device("cuda", 0)
+    monkeypatch.delenv("LOCAL_RANK")
+    be.current = 2
+    assert PrefetchLoader([], _backend=be).device == torch.device("cuda", 2)
+
+
+def test_device_resolved_at_first_iteration_and_everything_under_it() -> None:
+    be = FakeBackend(count=4, current=0)
+    loader = PrefetchLoader([torch.zeros(1)] * 2, tracer=FakeTracer(be.log), _backend=be)
+    be.current = 2  # the user calls torch.cuda.set_device after building the loader
+    assert len(list(loader)) == 2
+    assert set(be.devices_entered) == {torch.device("cuda", 2)}
+
+
+def test_default_tracer_looked_up_when_iteration_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    import stepscope.tracer
+
+    be = FakeBackend()
+    lookups = itertools.count()
+
+    def fake_current() -> FakeTracer:
+        next(lookups)
+        return FakeTracer(be.log)
+
+    monkeypatch.setattr(stepscope.tracer, "current_tracer", fake_current)
+    loader = PrefetchLoader([torch.zeros(1)] * 2, device=CUDA0, _backend=be)
+    assert next(lookups) == 0  # not at construction
+    assert len(list(loader)) == 2
+    assert len(list(loader)) == 2
+    assert next(lookups) == 3  # once per epoch
+    assert ("counter", "h2d_bytes", 4) in be.log
