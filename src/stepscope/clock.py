@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 class Clock(Protocol):
     kind: str
+    device: str
 
     def mark(self) -> Any: ...
 
@@ -27,6 +28,7 @@ class CpuClock:
     """Monotonic wall clock (``time.perf_counter_ns``); marks are ints, always ready."""
 
     kind = "cpu"
+    device = "cpu"
 
     def mark(self) -> int:
         return time.perf_counter_ns()
@@ -53,9 +55,12 @@ class CudaClock:
 
     kind = "cuda"
 
-    def __init__(self, event_factory: Any = None, pool_size: int = 4096) -> None:
+    def __init__(self, event_factory: Any = None, pool_size: int = 4096, device: str = "cuda") -> None:
+        self.device = device
         if event_factory is None:
             import torch
+
+            self.device = f"cuda:{torch.cuda.current_device()}"
 
             def event_factory() -> Any:
                 return torch.cuda.Event(enable_timing=True)

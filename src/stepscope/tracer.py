@@ -146,11 +146,7 @@ class Tracer:
 
         self._recent = RecentRecords()
         self._listeners.append(self._recent)
-        self.device = "cuda" if self.clock.kind == "cuda" else "cpu"
-        if self.clock.kind == "cuda":
-            import torch
-
-            self.device = f"cuda:{torch.cuda.current_device()}"
+        self.device: str = getattr(self.clock, "device", self.clock.kind)
         self._writer = BackgroundWriter(
             sink if sink is not None else open_sink(config.sink, config.out_dir, self.rank.rank),
             on_error=self._fail,
@@ -659,6 +655,7 @@ def create(
     Bad arguments were already rejected by ``Config``; what can still go wrong here (an
     unwritable directory, a broken CUDA runtime) disables timing with one warning.
     """
+    _check_targets(model, optimizer)
     if not config.enabled:
         return NULL_TRACER
     info = rank_info()
@@ -680,6 +677,17 @@ def create(
                 f"stepscope: timing disabled, could not start: {exc!r}", StepscopeWarning, stacklevel=3
             )
         return NULL_TRACER
+
+
+def _check_targets(model: Any, optimizer: Any) -> None:
+    import torch
+
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module or None; got {type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer or None; got {type(optimizer).__name__}"
+        )
 
 
 def _meta(tracer: Tracer) -> dict[str, Any]:
