@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gzip
 import io
 import os
 import re
@@ -71,12 +70,64 @@ def _ns(v: Any) -> int:
 
 
 def _open(path: Path) -> BinaryIO:
-    f = open(path, "rb")  # noqa: SIM115 - returned to the caller, who closes it
-    magic = f.read(2)
-    f.seek(0)
+    # Sniff the gzip magic rather than trust the suffix: people rename files.
+    with open(path, "rb") as f:
+        magic = f.read(2)
     if magic == b"\x1f\x8b":
-        return gzip.GzipFile(fileobj=f, mode="rb")  # type: ignore[return-value]
-    return f
+        return _TolerantGzip(path)  # type: ignore[return-value]
+    return open(path, "rb")  # returned to the caller, who closes it
+
+
+class _TolerantGzip(io.RawIOBase):
+    """A gzip reader that ends quietly at a cut-off stream instead of raising EOFError.
+
+    gzip.GzipFile raises on the read that hits the cut and drops what it decoded in that
+    read; decoding with zlib ourselves keeps every byte, so the JSON parser yields every
+    complete event and then reports the truncation itself.
+    """
+
+    _CHUNK = 1 << 16
+
+    def __init__(self, path: Path) -> None:
+        self._raw = open(path, "rb")  # noqa: SIM115 - closed in close()
+        self._z = zlib.decompressobj(16 + zlib.MAX_WBITS)  # 16+: expect a gzip header
+        self._buf = b""
+        self.truncated = False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        data = self.read(len(b))
+        b[: len(data)] = data
+        return len(data)
+
+    def read(self, size: int = -1) -> bytes:
+        if size == 0:  # ijson probes with read(0) to tell bytes from text
+            return b""
+        want = size if size > 0 else 1 << 62
+        while len(self._buf) < want:
+            chunk = self._raw.read(self._CHUNK)
+            if not chunk:
+                if not self._z.eof:
+                    self.truncated = True
+                break
+            try:
+                self._buf += self._z.decompress(chunk)
+                # Concatenated gzip members (rare, but legal): start a new decoder.
+                while self._z.eof and self._z.unused_data:
+                    rest = self._z.unused_data
+                    self._z = zlib.decompressobj(16 + zlib.MAX_WBITS)
+                    self._buf += self._z.decompress(rest)
+            except zlib.error:
+                self.truncated = True
+                break
+        out, self._buf = self._buf[:want], self._buf[want:]
+        return out
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()
 
 
 def _read_head_meta(path: Path) -> dict[str, Any]:
@@ -85,10 +136,14 @@ def _read_head_meta(path: Path) -> dict[str, Any]:
     try:
         with _open(path) as f:
             head = f.read(_HEAD_BYTES)
+        # Close the object just before traceEvents so that parsing the head never builds
+        # events (the head may hold a megabyte of them).
+        cut = head.find(b'"traceEvents"')
+        if cut >= 0:
+            head = head[:cut] + b'"traceEvents": []}'
         for key, value in ijson.kvitems(io.BytesIO(head), ""):
-            if key == "traceEvents":
-                break
-            meta[key] = value
+            if key != "traceEvents":
+                meta[key] = value
     except (ijson.JSONError, OSError, EOFError, zlib.error, ValueError):
         # The head was cut mid-value (expected when traceEvents starts) or is not JSON; the
         # full parse reports real damage.

@@ -1,0 +1,65 @@
+"""Tests of ``stepscope trace`` in-process: terminal, --json, --markdown, and bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from stepscope.cli import main
+
+TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
+
+
+def _need_traces() -> None:
+    if not TRACES.is_dir():
+        pytest.skip(f"shared real traces not found at {TRACES}")
+
+
+def test_json_document(capsys: pytest.CaptureFixture[str]) -> None:
+    _need_traces()
+    assert main(["trace", str(TRACES / "trace_filter"), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["schema"].startswith("stepscope.trace/")
+    assert doc["taxonomy_version"]
+    assert [r["rank"] for r in doc["ranks"]] == [0, 1]
+    step = doc["ranks"][0]["steps"][0]
+    assert step["label"] == "ProfilerStep#551"
+    assert step["busy_us"] + step["idle_us"] == pytest.approx(step["wall_us"], abs=0.01)
+    assert doc["cross_rank"]["last_arriving_rank"] in (0, 1)
+    assert {d["kind"] for d in doc["diagnosis"]} >= {"exposed_comm"}
+
+
+def test_terminal_and_markdown(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _need_traces()
+    md = tmp_path / "summary.md"
+    assert main(["trace", str(TRACES / "nccl_parser_config"), "--markdown", str(md)]) == 0
+    out = capsys.readouterr().out
+    assert "ProfilerStep#4" in out and "Diagnosis" in out
+    text = md.read_text()
+    assert text.startswith("# stepscope trace summary")
+    assert "| ProfilerStep#4 |" in text and "## Diagnosis" in text and "top kernels" in text
+
+
+def test_cpu_only_trace_is_not_an_error(capsys: pytest.CaptureFixture[str]) -> None:
+    _need_traces()
+    assert main(["trace", str(TRACES / "cpu_only"), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["ranks"][0]["total"] is None and doc["ranks"][0]["rank"] == 34
+
+
+@pytest.mark.parametrize("content", [None, b"", b"garbage", b"\x1f\x8bnot really gzip"])
+def test_bad_input_exits_2_without_traceback(tmp_path: Path, content: bytes | None,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    p = tmp_path / "t.json"
+    if content is not None:
+        p.write_bytes(content)
+    assert main(["trace", str(p)]) == 2
+    err = capsys.readouterr().err
+    assert "stepscope trace:" in err and "Traceback" not in err
+
+
+def test_empty_directory_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["trace", str(tmp_path)]) == 2
+    assert "no .json" in capsys.readouterr().err
