@@ -438,9 +438,9 @@ def test_first_next_hands_over_batch_0_and_queues_batch_1() -> None:
     copy = be.streams[0].name
     assert be.log == [
         # stage batch 0: copy stream waits for the consumer, then timed copy
+        ("pin",),  # on the host, before the timed span starts
         ("wait_stream", copy, "consumer"),
         ("record", 0, copy),
-        ("pin",),
         ("copy", copy, (2,), True),
         ("record", 1, copy),
         # hand over batch 0: the exposed wait is timed on the consumer stream
@@ -450,9 +450,9 @@ def test_first_next_hands_over_batch_0_and_queues_batch_1() -> None:
         ("side", "h2d_copy", 0, 1),
         ("counter", "h2d_bytes", 8),
         # batch 1 is already queued before batch 0 is returned: it overlaps the compute
+        ("pin",),
         ("wait_stream", copy, "consumer"),
         ("record", 2, copy),
-        ("pin",),
         ("copy", copy, (3,), True),
         ("record", 3, copy),
     ]

@@ -250,7 +250,12 @@ class _CudaPrefetchIter:
             return _END
         except Exception as exc:  # not swallowed: re-raised unchanged at this batch's turn
             return _Failed(exc)
-        be, dev, stream = self._be, self._device, self._stream
+        be, dev, stream, owner = self._be, self._device, self._stream, self._owner
+        try:
+            # Pin first, on the host, so the copy span below times the copies alone.
+            src = map_tensors(self._pinned, raw) if owner.pin_memory else raw
+        except Exception as exc:  # e.g. pinned OOM: batch N still goes out, this one fails
+            return _Failed(exc)
         timing = bool(self._tracer.recording)
         # Safe reuse: the copy stream waits for everything already queued on the consumer
         # stream before copying. Batch memory is allocated on the copy stream, so a batch
@@ -268,31 +273,34 @@ class _CudaPrefetchIter:
             nonlocal nbytes
             if be.is_on(t, dev):
                 return t
-            src = t
-            if t.device.type == "cpu" and self._owner.pin_memory and not be.is_pinned(t):
-                src = be.pin(t)
-            keep.append(src)
-            nbytes += src.numel() * src.element_size()
-            return be.copy(src, dev, self._owner.non_blocking)
+            keep.append(t)
+            nbytes += t.numel() * t.element_size()
+            return be.copy(t, dev, owner.non_blocking)
 
         def other(obj: Any) -> Any:
             to = getattr(obj, "to", None)
             if not callable(to):
                 return obj
             keep.append(obj)
-            return to(dev, non_blocking=self._owner.non_blocking)
+            return to(dev, non_blocking=owner.non_blocking)
 
         with be.stream(stream):
             if start is not None:
                 start.record(stream)
             try:
-                batch = map_tensors(copy, raw, leaf=other)
-            except Exception as exc:  # e.g. pinning OOM: batch N still goes out, this one fails
+                batch = map_tensors(copy, src, leaf=other)
+            except Exception as exc:  # a failing .to() or device OOM: deferred to its turn too
                 done.record(stream)
                 self._inflight.append((done, keep))
                 return _Failed(exc)
             done.record(stream)
         return _Staged(batch, done, start, nbytes, keep)
+
+    def _pinned(self, t: torch.Tensor) -> torch.Tensor:
+        be = self._be
+        if be.is_on(t, self._device) or t.device.type != "cpu" or be.is_pinned(t):
+            return t  # already pinned (e.g. DataLoader pin_memory=True): used as it is
+        return be.pin(t)
 
     def _hand_over(self, cur: _Staged, consumer: Any) -> None:
         tracer = self._tracer
