@@ -16,7 +16,11 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+import stepscope
+from stepscope.clock import CudaClock
+from stepscope.instrument import h2d
 from stepscope.prefetch import PrefetchLoader
+from stepscope.records import read_run
 
 CUDA0 = torch.device("cuda", 0)
 Pair = namedtuple("Pair", ["image", "label"])
@@ -26,14 +30,23 @@ Pair = namedtuple("Pair", ["image", "label"])
 
 
 class FakeEvent:
-    def __init__(self, n: int, timing: bool, log: list[tuple[Any, ...]]) -> None:
-        self.n, self.timing, self.log = n, timing, log
+    def __init__(
+        self, n: int, timing: bool, log: list[tuple[Any, ...]], gpu: FakeBackend | None = None
+    ) -> None:
+        self.n, self.timing, self.log, self.gpu = n, timing, log, gpu
         self.done = False
         self.stream: FakeStream | None = None
+        self.t = 0.0
 
-    def record(self, stream: FakeStream) -> None:
+    def record(self, stream: FakeStream | None = None) -> None:
         self.stream = stream
-        self.log.append(("record", self.n, stream.name))
+        if self.gpu is not None:
+            self.t, self.done = self.gpu.now, self.gpu.instant
+        self.log.append(("record", self.n, stream.name if stream else "current"))
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        assert self.done and end.done, "elapsed_time before the events completed"
+        return end.t - self.t
 
     def query(self) -> bool:
         return self.done
@@ -69,6 +82,10 @@ class FakeBackend:
         self._pinned: dict[int, weakref.ref[torch.Tensor]] = {}
         self.pins: list[weakref.ref[torch.Tensor]] = []
         self.fail_pin_at: int | None = None
+        self.now = 0.0  # ms on a fake GPU timeline; copies take copy_ms
+        self.copy_ms = 0.0
+        self.instant = False  # events complete as soon as they are recorded
+        self.auto_h2d_active: list[object] = []
 
     def is_available(self) -> bool:
         return self.available
@@ -101,7 +118,7 @@ class FakeBackend:
             self.active = prev
 
     def new_event(self, enable_timing: bool) -> FakeEvent:
-        e = FakeEvent(len(self.events), enable_timing, self.log)
+        e = FakeEvent(len(self.events), enable_timing, self.log, self)
         self.events.append(e)
         return e
 
@@ -136,6 +153,8 @@ class FakeBackend:
         # Every copy must be queued on the loader's copy stream, never the consumer's.
         assert self.active is not None and self.active is not self.consumer
         self.log.append(("copy", self.active.name, tuple(t.shape), non_blocking))
+        self.auto_h2d_active.append(h2d._active())
+        self.now += self.copy_ms
         return self.mark_on_device(t.clone())
 
 
@@ -657,3 +676,57 @@ def test_default_tracer_looked_up_when_iteration_starts(monkeypatch: pytest.Monk
     assert len(list(loader)) == 2
     assert next(lookups) == 3  # once per epoch
     assert ("counter", "h2d_bytes", 4) in be.log
+
+
+def test_internal_copies_are_hidden_from_the_automatic_h2d_timing() -> None:
+    loader, be = fake_loader([torch.zeros(1)] * 2)
+    h2d.set_step_tracer(FakeTracer([]))  # as inside a sampled step() on this thread
+    try:
+        assert h2d._active() is not None
+        assert len(list(loader)) == 2
+        assert h2d._active() is not None  # restored afterwards
+    finally:
+        h2d.set_step_tracer(None)
+    assert be.auto_h2d_active == [None, None]
+
+
+def test_real_tracer_gets_exposed_copy_hidden_and_bytes(mem_tracer: Any) -> None:
+    """Through the real Tracer with CUDA-clock logic on fake events: 5 ms copies fully
+    hidden behind 10 ms of compute, bytes counted, nothing forced to wait."""
+    be = FakeBackend()
+    be.copy_ms, be.instant = 5.0, True
+    tr = mem_tracer(clock=CudaClock(event_factory=lambda: be.new_event(True)), auto=False,
+                    flush_every_n_steps=1)
+    loader = PrefetchLoader([torch.zeros(8)] * 4, device=CUDA0, tracer=tr, _backend=be)
+    for _batch in loader:
+        with tr.step():
+            be.now += 10.0
+    tr.finish()
+    recs = tr.sink.records
+    assert len(recs) == 4
+    for rec in recs:
+        h2d_phase = [p for p in rec["phases"] if p["name"] == "h2d"]
+        assert len(h2d_phase) == 1 and h2d_phase[0]["ms"] == 0.0
+        assert rec["side_ms"] == {"h2d_copy": 5.0}
+        assert rec["h2d_hidden_ms"] == 5.0
+        assert rec["counters"]["h2d_bytes"] == 32
+    assert "sync" not in names(be.log)
+
+
+def test_real_init_on_cpu_passes_batches_and_reports_no_h2d(tmp_path: Any) -> None:
+    batches = [{"x": torch.full((2,), float(i)), "id": i} for i in range(3)]
+    stepscope.init(out_dir=str(tmp_path), flush_every_n_steps=1)
+    try:
+        seen = []
+        for batch in PrefetchLoader(batches):
+            with stepscope.step():
+                seen.append(batch)
+    finally:
+        stepscope.finish()
+    assert len(seen) == 3 and all(a is b for a, b in zip(seen, batches, strict=True))
+    recs = read_run(tmp_path)
+    assert len(recs) == 3
+    for rec in recs:
+        assert "h2d" not in {p["name"] for p in rec["phases"]}
+        assert "h2d_bytes" not in rec.get("counters", {})
+        assert "side_ms" not in rec and "h2d_hidden_ms" not in rec

@@ -12,14 +12,9 @@ from typing import Any
 import torch
 
 from stepscope.batch import iter_tensors, map_tensors
+from stepscope.instrument.h2d import auto_h2d_suppressed
 
 __all__ = ["PrefetchLoader"]
-
-try:
-    from stepscope.instrument.h2d import auto_h2d_suppressed as _auto_h2d_suppressed
-except ImportError:  # pragma: no cover - the automatic H2D instrument is optional
-    # Without the automatic Tensor.to timing there is nothing to double count.
-    _auto_h2d_suppressed = contextlib.nullcontext  # type: ignore[assignment]
 
 DeviceLike = torch.device | str | int
 
@@ -197,7 +192,9 @@ class _CudaPrefetchIter:
     def __next__(self) -> Any:
         if self._closed:
             raise StopIteration
-        with self._be.device(self._device), _auto_h2d_suppressed():
+        # Our copies are timed on the copy stream; the automatic Tensor.to timing must not
+        # count them a second time as exposed H2D.
+        with self._be.device(self._device), auto_h2d_suppressed():
             self._release_finished()
             cur = self._pending if self._pending is not None else self._stage()
             self._pending = None
