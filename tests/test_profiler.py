@@ -93,3 +93,19 @@ def test_bad_config_raises_config_error(tmp_path: Path, kwargs: dict[str, Any]) 
 def test_bad_out_dir() -> None:
     with pytest.raises(ConfigError):
         Profiler("", 0, 1)
+
+
+def test_step_timer_drives_the_profiler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RANK", raising=False)
+    from stepscope.config import Config
+    from stepscope.tracer import create
+
+    tracer = create(Config(out_dir=str(tmp_path), profile_steps=(1, 3), auto=False))
+    model = torch.nn.Linear(8, 2)
+    for _ in range(5):
+        with tracer.step():
+            model(torch.randn(4, 8)).sum().backward()
+    tracer.finish()
+    trace = tmp_path / "traces" / "rank0.pt.trace.json.gz"
+    assert trace.exists()
+    assert _steps_in(trace) == [1, 2]
