@@ -181,29 +181,42 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-mib", type=int, default=256)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--compute-ratio", type=float, default=1.5,
-                   help="compute time per step as a multiple of the copy time")
+    p.add_argument(
+        "--compute-ratio",
+        type=float,
+        default=1.5,
+        help="compute time per step as a multiple of the copy time",
+    )
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         _emit(skipped="no CUDA device")
         return 0
-    if args.steps < 2 or args.reps < 1:
-        p.error(f"--steps must be >= 2 and --reps >= 1, got {args.steps} and {args.reps}")
+    if args.steps < 2 or args.reps < 1 or args.batch_mib < 16:
+        p.error(
+            f"need --steps >= 2, --reps >= 1, --batch-mib >= 16 (the compute reads a "
+            f"4096x4096 slice), got {args.steps}, {args.reps}, {args.batch_mib}"
+        )
     dev = torch.device("cuda", torch.cuda.current_device())
     pageable = _make_batches(2, args.batch_mib)
     pinned = [{k: v.pin_memory() for k, v in b.items()} for b in pageable]
     ref_gbps = _reference_gbps(pinned[0], dev)
     copy_ms = _nbytes(pinned[0]) / (ref_gbps * 1e9) * 1e3
     compute = _Compute(dev, target_ms=args.compute_ratio * copy_ms)
-    _emit(kind="reference", gpu=torch.cuda.get_device_name(dev), batch_mib=args.batch_mib,
-          pinned_memcpy_gbps=round(ref_gbps, 2), copy_ms=round(copy_ms, 3),
-          compute_ratio=args.compute_ratio, matmuls_per_step=compute.reps)
+    _emit(
+        kind="reference",
+        gpu=torch.cuda.get_device_name(dev),
+        batch_mib=args.batch_mib,
+        pinned_memcpy_gbps=round(ref_gbps, 2),
+        copy_ms=round(copy_ms, 3),
+        compute_ratio=args.compute_ratio,
+        matmuls_per_step=compute.reps,
+    )
 
     variants = ["naive", "pinned", "prefetch", "prefetch_autopin"]
     results: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
     _run("prefetch", pageable, pinned, dev, compute, 2)  # warm-up: allocator, pinned pool
     for rep in range(args.reps):
-        order = variants[rep % len(variants):] + variants[: rep % len(variants)]
+        order = variants[rep % len(variants) :] + variants[: rep % len(variants)]
         for v in order:
             results[v].append(_run(v, pageable, pinned, dev, compute, args.steps))
     summary = {}

@@ -104,16 +104,21 @@ def test_dataclass_type_itself_is_a_leaf() -> None:
 def test_objects_with_to_are_left_to_the_leaf_callback() -> None:
     obj = HasTo(torch.zeros(1))
     assert map_tensors(_plus_one, [obj])[0] is obj
-    out = map_tensors(_plus_one, [obj, "s"], leaf=lambda o: o.to(torch.float64) if
-                      isinstance(o, HasTo) else o)
+    out = map_tensors(
+        _plus_one, [obj, "s"], leaf=lambda o: o.to(torch.float64) if isinstance(o, HasTo) else o
+    )
     assert isinstance(out[0], HasTo) and out[0].t.dtype == torch.float64
     assert out[1] == "s"
 
 
 def test_iter_tensors_order_matches_map_order() -> None:
     t = [torch.tensor(float(i)) for i in range(6)]
-    batch = {"a": t[0], "b": Pair(t[1], [t[2], "x"]), "c": Sample(t[3], "n", [t[4]]),
-             "d": (np.zeros(1), t[5])}
+    batch = {
+        "a": t[0],
+        "b": Pair(t[1], [t[2], "x"]),
+        "c": Sample(t[3], "n", [t[4]]),
+        "d": (np.zeros(1), t[5]),
+    }
     assert [x.item() for x in iter_tensors(batch)] == [0, 1, 2, 3, 4, 5]
     seen: list[float] = []
     map_tensors(lambda x: seen.append(x.item()), batch)

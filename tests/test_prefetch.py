@@ -176,9 +176,7 @@ class FakeTracer:
         self.log.append(("counter", name, value))
 
 
-def fake_loader(
-    source: Any, recording: bool = True, **kwargs: Any
-) -> tuple[PrefetchLoader, FakeBackend]:
+def fake_loader(source: Any, recording: bool = True, **kwargs: Any) -> tuple[PrefetchLoader, FakeBackend]:
     be = FakeBackend()
     tracer = FakeTracer(be.log, recording)
     return PrefetchLoader(source, device=CUDA0, tracer=tracer, _backend=be, **kwargs), be
@@ -210,8 +208,10 @@ class DataBatch:
 
 
 def to_dataclass(items: list[dict[str, Any]]) -> DataBatch:
-    return DataBatch(torch.stack([d["x"] for d in items]), {"names": [d["name"] for d in items],
-                                                           "arr": np.arange(len(items))})
+    return DataBatch(
+        torch.stack([d["x"] for d in items]),
+        {"names": [d["name"] for d in items], "arr": np.arange(len(items))},
+    )
 
 
 def assert_same(a: Any, b: Any) -> None:
@@ -563,8 +563,9 @@ def test_already_pinned_and_on_device_tensors() -> None:
     be = FakeBackend()
     pinned = be.mark_pinned(torch.ones(3))
     on_dev = be.mark_on_device(torch.ones(5))
-    loader = PrefetchLoader([{"p": pinned, "d": on_dev, "n": 3, "s": "x"}], device=CUDA0,
-                            tracer=FakeTracer(be.log), _backend=be)
+    loader = PrefetchLoader(
+        [{"p": pinned, "d": on_dev, "n": 3, "s": "x"}], device=CUDA0, tracer=FakeTracer(be.log), _backend=be
+    )
     (out,) = list(loader)
     assert out["d"] is on_dev  # left alone, not copied
     assert torch.equal(out["p"], pinned) and out["p"] is not pinned
@@ -594,8 +595,9 @@ def test_objects_with_to_are_moved_on_the_copy_stream() -> None:
             return "moved"
 
     be = FakeBackend()
-    loader = PrefetchLoader([[Encoding(be), np.ones(2)]], device=CUDA0,
-                            tracer=FakeTracer(be.log), _backend=be)
+    loader = PrefetchLoader(
+        [[Encoding(be), np.ones(2)]], device=CUDA0, tracer=FakeTracer(be.log), _backend=be
+    )
     (out,) = list(loader)
     assert out[0] == "moved" and calls == [(CUDA0, True)]
     assert isinstance(out[1], np.ndarray)  # numpy leaves pass through
@@ -622,8 +624,7 @@ def test_recording_switched_on_mid_epoch_reports_only_measured_spans() -> None:
     assert reported == [("open", "h2d"), ("counter", "h2d_bytes", 4)]
     be.log.clear()
     next(it)  # batch 2 was staged while recording: full report
-    assert [e[0] for e in be.log if e[0] in ("open", "side", "counter")] == [
-        "open", "side", "counter"]
+    assert [e[0] for e in be.log if e[0] in ("open", "side", "counter")] == ["open", "side", "counter"]
 
 
 def test_failure_while_staging_keeps_the_previous_batch() -> None:
@@ -695,8 +696,9 @@ def test_real_tracer_gets_exposed_copy_hidden_and_bytes(mem_tracer: Any) -> None
     hidden behind 10 ms of compute, bytes counted, nothing forced to wait."""
     be = FakeBackend()
     be.copy_ms, be.instant = 5.0, True
-    tr = mem_tracer(clock=CudaClock(event_factory=lambda: be.new_event(True)), auto=False,
-                    flush_every_n_steps=1)
+    tr = mem_tracer(
+        clock=CudaClock(event_factory=lambda: be.new_event(True)), auto=False, flush_every_n_steps=1
+    )
     loader = PrefetchLoader([torch.zeros(8)] * 4, device=CUDA0, tracer=tr, _backend=be)
     for _batch in loader:
         with tr.step():

@@ -125,8 +125,9 @@ def test_no_race_under_the_cuda_sanitizer() -> None:
         assert [o.item() for o in out] == [float(i) * (1 << 16) for i in range(6)]
     """)
     env = dict(os.environ, TORCH_CUDA_SANITIZER="1")
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                          text=True, timeout=240)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=240
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "data race" not in proc.stderr, proc.stderr[-4000:]
 

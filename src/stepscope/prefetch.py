@@ -171,9 +171,7 @@ _END = object()
 class _CudaPrefetchIter:
     """One epoch: batch N is handed over while batch N+1 is already being copied."""
 
-    def __init__(
-        self, owner: PrefetchLoader, device: torch.device, stream: Any, tracer: Any
-    ) -> None:
+    def __init__(self, owner: PrefetchLoader, device: torch.device, stream: Any, tracer: Any) -> None:
         self._closed = True  # until the source iterator exists, there is nothing to close
         self._owner = owner
         self._be = owner._backend
@@ -332,7 +330,7 @@ class _CudaBackend:
         return torch.cuda.device(device)
 
     def new_stream(self, device: torch.device) -> torch.cuda.Stream:
-        return torch.cuda.Stream(device=device)
+        return torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
 
     def current_stream(self, device: torch.device) -> torch.cuda.Stream:
         return torch.cuda.current_stream(device)
@@ -341,7 +339,7 @@ class _CudaBackend:
         return torch.cuda.stream(stream)
 
     def new_event(self, enable_timing: bool) -> torch.cuda.Event:
-        return torch.cuda.Event(enable_timing=enable_timing)
+        return torch.cuda.Event(enable_timing=enable_timing)  # type: ignore[no-untyped-call]
 
     def is_on(self, t: torch.Tensor, device: torch.device) -> bool:
         return t.device == device
@@ -354,4 +352,3 @@ class _CudaBackend:
 
     def copy(self, t: torch.Tensor, device: torch.device, non_blocking: bool) -> torch.Tensor:
         return t.to(device, non_blocking=non_blocking)
-
