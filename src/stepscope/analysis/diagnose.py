@@ -89,7 +89,9 @@ def diagnose(
     out += _host_verdicts(run, stragglers)
 
     wait_share = _med([r["wait_share"] or 0.0 for r in ranks])
-    if sync and wait_share >= WAIT_SHARE[0]:
+    # Without a culprit, waiting is arrival jitter (OS scheduling, noise): it is reported in
+    # the balanced verdict, not raised as an alarm.
+    if sync and wait_share >= WAIT_SHARE[0] and (stragglers or windows):
         waiting = [r["rank"] for r in ranks if (r["wait_share"] or 0.0) >= WAIT_SHARE[0]]
         cause = (f"rank {stragglers[0]['rank']} ({stragglers[0]['phase']}) arrives last"
                  if stragglers else "arrival order varies from step to step (jitter, no single culprit)")
@@ -173,7 +175,7 @@ def diagnose(
             "kind": "balanced", "severity": "info",
             "evidence": f"{len(ranks)} rank(s) over {run['steps']} steps stay within noise: no "
             f"rank or step window stands out (median step {step_med:.2f} ms, rank medians "
-            f"differ by {diff:.2f} ms)",
+            f"differ by {diff:.2f} ms)" + _balanced_notes(run, wait_share),
             "suggestion": "No straggler to fix" + (
                 "; see the bottleneck verdict for where step time goes" if bottlenecks else ""),
         })
@@ -189,6 +191,19 @@ def diagnose(
             "evaluation, shared storage or network contention); correlate with your logs",
         })
     out.sort(key=lambda v: _SEVERITY_ORDER[v["severity"]])
+    return out
+
+
+def _balanced_notes(run: dict[str, Any], wait_share: float) -> str:
+    al = run["alignment"]
+    out = ""
+    if al["sync_phase"] and wait_share > 0.0:
+        out += (f"; ranks wait a median {_pct(wait_share)} of each step in {al['sync_phase']} for "
+                "jittery arrivals, with no rank consistently late")
+    if al["sync_phase"] == "backward" and al["arrival"] == "backward":
+        out += ("; note: backward holds the all-reduce and no collective timing was recorded, "
+                "so a rank slow inside backward compute delays every rank equally and cannot be "
+                "singled out")
     return out
 
 

@@ -1,0 +1,66 @@
+"""``stepscope report``: analyse a run directory and render it (terminal, JSON, md, HTML)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from stepscope.errors import AnalysisError
+
+
+def load_document(run_dir: str, keep: bool = False) -> dict[str, Any]:
+    """``analyze_run`` with every input problem turned into :class:`AnalysisError`."""
+    import duckdb
+
+    from stepscope.analysis.run import analyze_run
+
+    try:
+        return analyze_run(run_dir, keep=keep)
+    except (duckdb.Error, OSError, UnicodeError) as exc:
+        # DuckDB/IO errors on user files are input problems, reported as one line.
+        raise AnalysisError(f"{run_dir}: cannot read run ({type(exc).__name__}: {exc})") from exc
+
+
+def public(doc: dict[str, Any]) -> dict[str, Any]:
+    """The JSON contract: ``doc`` without private (underscore) keys."""
+    return {k: v for k, v in doc.items() if not k.startswith("_")}
+
+
+def report_command(run_dir: str, as_json: bool, markdown: str | None, html: str | None) -> int:
+    """Run ``stepscope report``; returns the exit code (0 ok, 2 unusable input)."""
+    need_rows = bool(markdown or html)
+    try:
+        doc = load_document(run_dir, keep=need_rows)
+    except AnalysisError as exc:
+        print(f"stepscope report: {exc}", file=sys.stderr)
+        return 2
+    data = doc.get("_data")
+    # With --json stdout carries only the document; notes go to stderr.
+    note = sys.stderr if as_json else sys.stdout
+    try:
+        if as_json:
+            json.dump(public(doc), sys.stdout, indent=2)
+            sys.stdout.write("\n")
+            for s in doc["run"]["skipped"]:
+                print(f"stepscope report: skipped: {s}", file=sys.stderr)
+        else:
+            from stepscope.report.terminal import render_terminal
+
+            render_terminal(doc)
+        if markdown:
+            from stepscope.report.markdown import write_markdown
+
+            written = write_markdown(doc, markdown)
+            print(f"wrote {', '.join(written)}", file=note)
+        if html:
+            from stepscope.report.html import write_html
+
+            print(f"wrote {write_html(doc, html)}", file=note)
+    except OSError as exc:
+        print(f"stepscope report: cannot write output ({exc})", file=sys.stderr)
+        return 2
+    finally:
+        if data is not None:
+            data.close()
+    return 0
