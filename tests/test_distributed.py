@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -33,13 +34,15 @@ def test_two_gloo_ranks_record_their_own_files(tmp_path):
     fwd = {(x["rank"], x["step"]): next(p["ms"] for p in x["phases"] if p["name"] == "forward")
            for x in recs}
     assert min(fwd[(1, s)] for s in range(10, 20)) >= 10.0
-    assert max(fwd[(0, s)] for s in range(30)) < 10.0
+    assert statistics.median(fwd[(0, s)] for s in range(30)) < 5.0
+    assert statistics.median(fwd[(1, s)] for s in [*range(10), *range(20, 30)]) < 5.0
     # DDP equalises steps: rank 0 waits for rank 1 inside backward (the all-reduce).
     bwd0 = [next(p["ms"] for p in x["phases"] if p["name"] == "backward") for x in by_rank[0][10:20]]
     assert sorted(bwd0)[len(bwd0) // 2] >= 5.0
     # Step starts on one host are on one timeline: the same step starts close together.
     starts = {(x["rank"], x["step"]): x["start_unix_ns"] for x in recs}
-    assert abs(starts[(0, 25)] - starts[(1, 25)]) < 50e6
+    gaps = [abs(starts[(0, s)] - starts[(1, s)]) / 1e6 for s in range(30)]
+    assert statistics.median(gaps) < 20.0, gaps
 
 
 KILLED_JOB = textwrap.dedent(

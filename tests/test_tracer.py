@@ -72,11 +72,19 @@ def test_sampling_and_explicit_step_index(mem_tracer):
 
 def test_flush_cadence_hands_records_over_every_n_sampled_steps(mem_tracer):
     tr = mem_tracer(flush_every_n_steps=4, auto=False)
-    for _ in range(5):
+    for _ in range(3):
         with tr.step():
             pass
-    time.sleep(0.2)  # the writer thread
-    assert len(tr.sink.records) == 4
+    time.sleep(0.2)  # give the writer thread a chance: nothing may be handed over yet
+    assert tr.sink.records == []
+    with tr.step():
+        pass
+    deadline = time.monotonic() + 5
+    while len(tr.sink.records) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [r["step"] for r in tr.sink.records] == [0, 1, 2, 3]
+    with tr.step():
+        pass
     tr.finish()
     assert len(tr.sink.records) == 5 and tr.sink.closed
 
@@ -188,6 +196,9 @@ def test_summary_gives_recent_medians(mem_tracer):
     for _ in range(5):
         with tr.step(), tr.phase("work"):
             time.sleep(0.002)
+    deadline = time.monotonic() + 5
+    while tr.summary()["steps"] < 5 and time.monotonic() < deadline:
+        time.sleep(0.01)  # records reach the summary at flush cadence, off-thread
     s = tr.summary()
     assert s["steps"] == 5 and s["phases"]["work"]["median_ms"] >= 2.0
     assert 0 < s["phases"]["work"]["share"] <= 1.0

@@ -94,10 +94,11 @@ _STOP = object()
 
 
 class BackgroundWriter:
-    """Runs ``sink.write`` on a daemon thread so file I/O never runs in the training loop.
+    """Runs record resolution and ``sink.write`` on a daemon thread, off the training loop.
 
-    ``submit`` never blocks: when the queue is full (a stalled file system), the batch is
-    dropped and counted. The first sink error calls ``on_error`` once and stops writing.
+    Items are lists of records, or callables returning one (the tracer's resolver). ``submit``
+    never blocks: when the queue is full (a stalled file system), the item is dropped and
+    counted. The first sink error calls ``on_error`` once and stops writing.
     """
 
     def __init__(
@@ -107,20 +108,20 @@ class BackgroundWriter:
         max_batches: int = 64,
     ) -> None:
         self.sink = sink
-        self.dropped_records = 0
+        self.dropped_batches = 0
         self._on_error = on_error
         self._q: queue.Queue[Any] = queue.Queue(maxsize=max_batches)
         self._failed = False
         self._thread = threading.Thread(target=self._run, name="stepscope-writer", daemon=True)
         self._thread.start()
 
-    def submit(self, records: list[dict[str, Any]]) -> None:
-        if not records or self._failed:
+    def submit(self, item: list[dict[str, Any]] | Callable[[], list[dict[str, Any]]]) -> None:
+        if self._failed:
             return
         try:
-            self._q.put_nowait(records)
+            self._q.put_nowait(item)
         except queue.Full:
-            self.dropped_records += len(records)
+            self.dropped_batches += 1
 
     def _run(self) -> None:
         while True:
@@ -130,14 +131,18 @@ class BackgroundWriter:
             if self._failed:
                 continue
             try:
-                self.sink.write(item)
+                records = item() if callable(item) else item
+                if records:
+                    self.sink.write(records)
             except Exception as exc:  # protect the job: a full disk must not kill training
                 self._failed = True
                 self._on_error(exc)
 
-    def close(self, timeout: float = 10.0) -> bool:
-        """Drain and close; returns False if the writer did not finish within ``timeout``."""
+    def close(self, final: Callable[[], list[dict[str, Any]]] | None = None, timeout: float = 10.0) -> bool:
+        """Run ``final`` (if any), drain and close; False if not done within ``timeout``."""
         try:
+            if final is not None:
+                self._q.put(final, timeout=timeout)
             self._q.put(_STOP, timeout=timeout)
         except queue.Full:
             return False

@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import threading
 import time
 import uuid
 import warnings
@@ -134,8 +135,9 @@ class Tracer:
         self._pre: list[_Span] = []
         self._pre_unix_ns = 0
         self._pre_holder: _Step | None = None
+        # Filled by the training thread, emptied by the writer thread's resolver.
         self._pending: deque[_Step] = deque()
-        self._ready: list[dict[str, Any]] = []
+        self._pending_lock = threading.Lock()
         self._since_flush = 0
         self._warned = False
         self._finished = False
@@ -234,12 +236,10 @@ class Tracer:
         try:
             self._stop_profiler()
             self._uninstall()
-            if self.enabled:
-                self._drain(timeout=FINISH_TIMEOUT_S)
-                self._flush()
         except Exception as exc:  # protect the job: finishing must never raise into it
             self._fail(exc)
-        closed = self._writer.close()
+        final = (lambda: self._resolve_ready(FINISH_TIMEOUT_S)) if self.enabled else None
+        closed = self._writer.close(final, timeout=FINISH_TIMEOUT_S + 10.0)
         if not closed:
             self._warn("the writer did not finish within its timeout; the last records may be missing")
 
@@ -367,14 +367,16 @@ class Tracer:
                         span.end = end
                 self._stack.clear()
                 step.end = end
-                self._pending.append(step)
-                if len(self._pending) > self.config.max_pending_steps:
-                    self._release(self._pending.popleft())
-                    self.dropped["pending_overflow"] += 1
+                pending = self._pending
+                pending.append(step)
+                if len(pending) > self.config.max_pending_steps:
+                    with self._pending_lock:
+                        self._release(pending.popleft())
+                        self.dropped["pending_overflow"] += 1
                 self._since_flush += 1
                 if self._since_flush >= self.config.flush_every_n_steps:
-                    self._drain(timeout=0.0)
-                    self._flush()
+                    self._since_flush = 0
+                    self._writer.submit(self._resolve_ready)
             self._cur = None
             self._in_step = False
             self._index += 1
@@ -386,24 +388,39 @@ class Tracer:
 
     # -------------------------------------------------------------- resolution
 
-    def _drain(self, timeout: float) -> None:
-        """Resolve pending steps in order while their marks are ready; poll up to ``timeout``."""
+    def _resolve_ready(self, timeout: float = 0.0) -> list[dict[str, Any]]:
+        """Resolve pending steps, in order, while their marks are ready (writer thread).
+
+        With ``timeout`` > 0 (at finish) it polls that long for late events, then counts
+        what is still pending as dropped.
+        """
         deadline = time.monotonic() + timeout
         pending = self._pending
-        while pending:
-            step = pending[0]
-            if not self._step_ready(step):
+        out: list[dict[str, Any]] = []
+        while True:
+            with self._pending_lock:
+                step = pending[0] if pending else None
+                ready = step is not None and self._step_ready(step)
+                if ready:
+                    pending.popleft()
+            if step is None:
+                break
+            if not ready:
                 if time.monotonic() >= deadline:
                     break
-                # Only reached from finish(): polling outside the training loop, no sync call.
+                # Polling on the writer thread at finish: the host never calls synchronize.
                 time.sleep(0.001)
                 continue
-            pending.popleft()
-            self._ready.append(self._resolve(step))
+            out.append(self._resolve(step))
             self._release(step)
         if timeout > 0 and pending:
-            self.dropped["unresolved_at_finish"] += len(pending)
-            pending.clear()
+            with self._pending_lock:
+                self.dropped["unresolved_at_finish"] += len(pending)
+                pending.clear()
+        for fn in self._listeners:
+            for rec in out:
+                fn(rec)
+        return out
 
     def _step_ready(self, step: _Step) -> bool:
         ready = self.clock.ready
@@ -468,9 +485,10 @@ class Tracer:
                 rec["h2d_hidden_ms"] = _r(max(0.0, side["h2d_copy"] - exposed))
         if step.counters:
             rec["counters"] = dict(step.counters)
-        new_drops = self.dropped - self._dropped_reported
+        with self._pending_lock:
+            new_drops = self.dropped - self._dropped_reported
+            self._dropped_reported.update(new_drops)
         rec["dropped"] = dict(new_drops)
-        self._dropped_reported.update(new_drops)
         return rec
 
     def _release(self, step: _Step) -> None:
@@ -482,16 +500,6 @@ class Tracer:
                 rel(s.start)
             if s.end is not step.end:
                 rel(s.end)
-
-    def _flush(self) -> None:
-        self._since_flush = 0
-        if not self._ready:
-            return
-        batch, self._ready = self._ready, []
-        for fn in self._listeners:
-            for rec in batch:
-                fn(rec)
-        self._writer.submit(batch)
 
     # ------------------------------------------------------ install / failure
 

@@ -1,10 +1,11 @@
 """Host-to-device copies: step-scoped ``Tensor.to``/``Tensor.cuda`` timing, and ``wrap_h2d``.
 
-The automatic mode patches ``torch.Tensor.to`` and ``torch.Tensor.cuda`` once per process,
-but the patched functions only time anything while a thread-local tracer is set, which
-happens only inside a sampled ``step()`` on that thread. Only CPU → accelerator copies
-count; dtype casts and CPU → CPU moves take the original path untouched, and so does
-anything traced by ``torch.compile``.
+The automatic mode swaps in patched ``torch.Tensor.to`` and ``torch.Tensor.cuda`` only while
+some thread is inside a sampled ``step()``, so code outside steps (model init, checkpoint
+loading, unsampled steps) runs the original methods at no cost. Inside, the patched methods
+time only calls made on a thread whose step is active (a thread-local), and only CPU →
+accelerator copies; dtype casts and CPU → CPU moves take the original path untouched, and
+so does anything traced by ``torch.compile``.
 """
 
 from __future__ import annotations
@@ -25,24 +26,43 @@ if TYPE_CHECKING:
 #: on machines without an accelerator.
 TARGET_DEVICE_TYPES: set[str] = {"cuda"}
 
-_tls = threading.local()
+
+
+class _ThreadState(threading.local):
+    tracer: Tracer | None = None
+    suppressed = False
+
+
+_tls = _ThreadState()
 _orig_to = torch.Tensor.to
 _orig_cuda = torch.Tensor.cuda
 _parse_to = torch._C._nn._parse_to
 _is_compiling = torch.compiler.is_compiling
-_installs = 0
 _lock = threading.Lock()
+_in_step_threads = 0
 
 
 def set_step_tracer(tracer: Tracer | None) -> None:
-    """Raise (tracer) or lower (None) the in-step flag for this thread."""
+    """Raise (tracer) or lower (None) this thread's in-step flag; patch while any is raised."""
+    global _in_step_threads
+    was = _tls.tracer
     _tls.tracer = tracer
+    if (was is None) == (tracer is None):
+        return
+    with _lock:
+        _in_step_threads += 1 if tracer is not None else -1
+        if _in_step_threads == 1 and tracer is not None:
+            torch.Tensor.to = _patched_to  # type: ignore[method-assign]
+            torch.Tensor.cuda = _patched_cuda  # type: ignore[method-assign]
+        elif _in_step_threads == 0:
+            torch.Tensor.to = _orig_to  # type: ignore[method-assign]
+            torch.Tensor.cuda = _orig_cuda  # type: ignore[method-assign]
 
 
 @contextmanager
 def auto_h2d_suppressed() -> Iterator[None]:
     """Turn automatic H2D timing off on this thread (for copies timed another way)."""
-    prev = getattr(_tls, "suppressed", False)
+    prev = _tls.suppressed
     _tls.suppressed = True
     try:
         yield
@@ -61,13 +81,15 @@ def _timed_copy(tracer: Tracer, src: torch.Tensor, copy: Callable[[], torch.Tens
 
 
 def _active() -> Tracer | None:
-    tracer: Tracer | None = getattr(_tls, "tracer", None)
-    if tracer is None or getattr(_tls, "suppressed", False) or _is_compiling():
+    # is_compiling first: while dynamo traces, it folds to True and nothing else is touched.
+    if _is_compiling() or _tls.suppressed:
         return None
-    return tracer
+    return _tls.tracer
 
 
 def _patched_to(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    if args and isinstance(args[0], torch.dtype):  # the common dtype-only cast, fast
+        return _orig_to(self, *args, **kwargs)
     tracer = _active()
     if tracer is None or self.device.type != "cpu":
         return _orig_to(self, *args, **kwargs)
@@ -88,26 +110,15 @@ def _patched_cuda(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
 
 
 def install_patch() -> Callable[[], None]:
-    """Install the step-scoped patch (reference counted); returns its remover."""
-    global _installs
-    with _lock:
-        if _installs == 0:
-            torch.Tensor.to = _patched_to  # type: ignore[method-assign]
-            torch.Tensor.cuda = _patched_cuda  # type: ignore[method-assign]
-        _installs += 1
-    removed = False
+    """Enable automatic H2D timing for a tracer; the remover lowers this thread's flag.
+
+    Nothing is patched here: ``set_step_tracer`` swaps the methods in for the duration of
+    sampled steps only.
+    """
 
     def remove() -> None:
-        global _installs
-        nonlocal removed
-        with _lock:
-            if removed:
-                return
-            removed = True
-            _installs -= 1
-            if _installs == 0:
-                torch.Tensor.to = _orig_to  # type: ignore[method-assign]
-                torch.Tensor.cuda = _orig_cuda  # type: ignore[method-assign]
+        if _tls.tracer is not None:
+            set_step_tracer(None)
 
     return remove
 

@@ -18,7 +18,7 @@ import torch
 if TYPE_CHECKING:
     from stepscope.tracer import Tracer
 
-_disable = torch.compiler.disable
+_is_compiling = torch.compiler.is_compiling
 
 
 def _first_grad_tensors(output: Any, limit: int = 4) -> list[torch.Tensor]:
@@ -46,19 +46,17 @@ class _ModelHooks:
         self.backward = backward
         self._fwd: list[Any] = []
         self._bwd: Any = None
-        # One object per hook function; torch.compiler.disable keeps them out of graphs
-        # when the hooked module itself is compiled.
-        self.pre = _disable(self._pre)
-        self.post = _disable(self._post)
-        self.on_grad = _disable(self._on_grad)
 
-    def _pre(self, module: Any, args: Any) -> None:
-        if self.forward and self.tracer._cur is not None:
+    # When dynamo traces a compiled module's hooks, is_compiling() is a constant True, so the
+    # hooks trace to nothing: no graph break, and the compiled wrapper's own hooks (called
+    # eagerly) do the timing. Cheaper than torch.compiler.disable wrappers on every call.
+    def pre(self, module: Any, args: Any) -> None:
+        if self.forward and self.tracer._cur is not None and not _is_compiling():
             self._fwd.append(self.tracer.open_phase("forward"))
 
-    def _post(self, module: Any, args: Any, output: Any) -> None:
+    def post(self, module: Any, args: Any, output: Any) -> None:
         tracer = self.tracer
-        if tracer._cur is None:
+        if tracer._cur is None or _is_compiling():
             return
         if self.forward and self._fwd:
             tracer.close_phase(self._fwd.pop())
@@ -69,7 +67,7 @@ class _ModelHooks:
             except Exception as exc:  # protect the job: an odd output type must not break it
                 tracer._fail(exc)
 
-    def _on_grad(self, grad: Any) -> None:
+    def on_grad(self, grad: Any) -> None:
         tracer = self.tracer
         if self._bwd is not None or tracer._cur is None:
             return
