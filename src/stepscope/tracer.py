@@ -369,10 +369,13 @@ class Tracer:
                 step.end = end
                 pending = self._pending
                 pending.append(step)
-                if len(pending) > self.config.max_pending_steps:
+                limit = self.config.max_pending_steps
+                if len(pending) > limit:
+                    # Re-checked under the lock: the resolver may have drained it meanwhile.
                     with self._pending_lock:
-                        self._release(pending.popleft())
-                        self.dropped["pending_overflow"] += 1
+                        while len(pending) > limit:
+                            self._release(pending.popleft())
+                            self.dropped["pending_overflow"] += 1
                 self._since_flush += 1
                 if self._since_flush >= self.config.flush_every_n_steps:
                     self._since_flush = 0
