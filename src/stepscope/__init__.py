@@ -69,6 +69,8 @@ def init(
     auto: bool | Iterable[str] = True,
     enabled: bool = True,
     profile_steps: tuple[int, int] | None = None,
+    log_every_n_steps: int = 0,
+    auto_profile: Any = False,
     run_id: str | None = None,
 ) -> Tracer | NullTracer:
     """Start recording this rank's steps; returns the tracer (a no-op one when disabled).
@@ -89,6 +91,8 @@ def init(
         auto=auto,
         enabled=enabled,
         profile_steps=profile_steps,
+        log_every_n_steps=log_every_n_steps,
+        auto_profile=auto_profile,
         run_id=run_id,
     )
     args.update(env_overrides())

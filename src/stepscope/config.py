@@ -45,6 +45,11 @@ class Config:
     max_pending_steps: int = 256
     #: Optional ``(start, end)`` step window for a ``torch.profiler`` capture.
     profile_steps: tuple[int, int] | None = None
+    #: Rank 0 prints a one-line cross-rank summary every ``n`` steps; 0 = off.
+    log_every_n_steps: int = 0
+    #: Capture a ``torch.profiler`` trace when a step is anomalously slow: ``True`` for the
+    #: defaults, or a ``stepscope.autoprofile.AutoProfileConfig``.
+    auto_profile: Any = False
     #: Run identifier shared by all ranks; default from env or generated.
     run_id: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -64,6 +69,7 @@ class Config:
         _check_int("every_n_steps", self.every_n_steps, minimum=1)
         _check_int("flush_every_n_steps", self.flush_every_n_steps, minimum=1)
         _check_int("max_pending_steps", self.max_pending_steps, minimum=1)
+        _check_int("log_every_n_steps", self.log_every_n_steps, minimum=0)
         if self.sink not in SINKS:
             raise ConfigError(f"sink must be one of {SINKS}; got {self.sink!r}")
         if not isinstance(self.out_dir, str | os.PathLike) or not os.fspath(self.out_dir):
@@ -90,7 +96,11 @@ class Config:
         out: dict[str, Any] = {}
         for f in fields(self):
             v = getattr(self, f.name)
-            out[f.name] = sorted(v) if isinstance(v, frozenset) else v
+            if isinstance(v, frozenset):
+                v = sorted(v)
+            elif not isinstance(v, str | int | float | bool | list | tuple | dict | type(None)):
+                v = repr(v)
+            out[f.name] = v
         return out
 
 

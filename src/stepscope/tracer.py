@@ -153,9 +153,22 @@ class Tracer:
             sink if sink is not None else open_sink(config.sink, config.out_dir, self.rank.rank),
             on_error=self._fail,
         )
+        #: Called as ``fn(tracer, step_index)`` on the training thread after every step
+        #: (sampled or not); must be cheap. Used by the live summary and auto-profiling.
+        self.step_end_callbacks: list[Callable[[Tracer, int], None]] = []
+        #: Called as ``fn(tracer)`` at the start of ``finish()``.
+        self.finish_callbacks: list[Callable[[Tracer], None]] = []
         self._install(model, optimizer)
         if config.profile_steps is not None:
             self._start_profiler()
+        if config.log_every_n_steps:
+            from stepscope.live import attach_live
+
+            attach_live(self)
+        if config.auto_profile:
+            from stepscope.autoprofile import attach_autoprofile
+
+            attach_autoprofile(self)
         ref = weakref.ref(self)
         atexit.register(lambda: (t := ref()) is not None and t.finish())
 
@@ -234,6 +247,8 @@ class Tracer:
             return
         self._finished = True
         try:
+            for fn in self.finish_callbacks:
+                fn(self)
             self._stop_profiler()
             self._uninstall()
         except Exception as exc:  # protect the job: finishing must never raise into it
@@ -382,9 +397,12 @@ class Tracer:
                     self._writer.submit(self._resolve_ready)
             self._cur = None
             self._in_step = False
+            done = self._index
             self._index += 1
             if self._profiler is not None:
                 self._profiler.step()
+            for fn in self.step_end_callbacks:
+                fn(self, done)
         except Exception as exc:  # protect the job
             self._in_step = False
             self._fail(exc)
