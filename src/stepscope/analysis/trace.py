@@ -193,6 +193,8 @@ def parse_trace(path: str | os.PathLike[str]) -> ParsedTrace:
 def _scan_events(events: Iterable[Any], out: ParsedTrace) -> None:
     dev = out.device_events
     launches = out.launches
+    # Kernel names repeat thousands of times and run to hundreds of characters; keep one copy.
+    names: dict[str, str] = {}
     for e in events:
         out.events_seen += 1
         if not isinstance(e, dict) or e.get("ph") != "X":
@@ -203,6 +205,7 @@ def _scan_events(events: Iterable[Any], out: ParsedTrace) -> None:
                 args = e.get("args") or {}
                 start = _ns(e["ts"])
                 name = str(e.get("name", ""))
+                name = names.setdefault(name, name)
                 category = K.classify(name, cat)
                 kind = ""
                 nbytes = 0

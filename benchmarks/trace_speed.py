@@ -1,0 +1,133 @@
+"""Trace analysis speed and memory: stepscope's streaming analyser vs HTA on the same trace.
+
+Builds a Kineto-shaped trace of the requested size by repeating the steps of a real trace
+(shifted in time, correlation ids renumbered), then runs each tool in a fresh process,
+interleaved, and prints one JSON line per run (wall seconds, peak RSS) and a summary line::
+
+    python benchmarks/trace_speed.py --size-mb 300 --hta-python /tmp/hta-venv/bin/python
+
+HTA (PyPI ``traceinsight``) must live in its own venv; it is not a dependency of stepscope.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces"
+SEED = SHARED / "ns_resolution_trace" / "rank-0.Apr_03_18_51_38.1102.pt.trace.json.gz"
+
+# Each child measures itself: wall time of the analysis and the process's peak RSS.
+OURS = """
+import json, resource, sys, time
+t = time.perf_counter()
+from stepscope.analysis.trace import analyse
+r = analyse(sys.argv[1], workers=1).ranks[0]
+wall = time.perf_counter() - t
+print(json.dumps({"wall_s": wall, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "busy_us": r.total.busy_us, "idle_us": r.total.idle_us}))
+"""
+HTA = """
+import contextlib, io, json, logging, os, resource, sys, time
+logging.disable(logging.CRITICAL)
+os.environ["HTA_DISABLE_NS_ROUNDING"] = "1"
+t = time.perf_counter()
+from hta.trace_analysis import TraceAnalysis
+with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+    a = TraceAnalysis(trace_dir=sys.argv[1], include_last_profiler_step=True)
+    df = a.get_temporal_breakdown(visualize=False)
+wall = time.perf_counter() - t
+row = df.iloc[0]
+print(json.dumps({"wall_s": wall, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "busy_us": float(row["kernel_time(us)"] - row["idle_time(us)"]),
+                  "idle_us": float(row["idle_time(us)"])}))
+"""
+
+
+def build_trace(out: Path, size_mb: float, seed: Path = SEED) -> int:
+    """Write a trace of about `size_mb` MB made of time-shifted copies of `seed`'s events."""
+    with gzip.open(seed, "rt") as f:
+        doc: dict[str, Any] = json.load(f)
+    events = doc.pop("traceEvents")
+    body = [e for e in events if e.get("ph") != "M"]
+    head = [e for e in events if e.get("ph") == "M"]
+    ts = [float(e["ts"]) for e in body if "ts" in e]
+    span = max(ts) - min(ts) + 1000.0
+    one = len(json.dumps(body))
+    copies = max(1, int(size_mb * 1e6 / one))
+    with open(out, "w") as f:
+        f.write("{\n")
+        for k, v in doc.items():
+            f.write(f"  {json.dumps(k)}: {json.dumps(v)},\n")
+        f.write('  "traceEvents": [\n')
+        f.write(",\n".join(json.dumps(e) for e in head))
+        for c in range(copies):
+            shift = c * span
+            for e in body:
+                e2 = dict(e)
+                if "ts" in e2:
+                    e2["ts"] = round(float(e["ts"]) + shift, 3)
+                args = e2.get("args")
+                if isinstance(args, dict) and "correlation" in args:
+                    e2["args"] = {**args, "correlation": args["correlation"] + c * 10_000_000}
+                f.write(",\n  " + json.dumps(e2))
+        f.write("\n  ]\n}\n")
+    return copies
+
+
+def run(python: str, code: str, trace_dir: Path) -> dict[str, Any]:
+    p = subprocess.run([python, "-c", code, str(trace_dir)], capture_output=True, text=True,
+                       check=False)
+    if p.returncode != 0:
+        return {"error": (p.stderr or p.stdout)[-500:]}
+    return json.loads(p.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--size-mb", type=float, default=300.0)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--hta-python", default="/tmp/hta-venv/bin/python")
+    ap.add_argument("--trace", help="use this trace file instead of building one")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp)
+        if args.trace:
+            src = Path(args.trace)
+            (d / src.name).symlink_to(src.resolve())
+            size = src.stat().st_size
+        else:
+            copies = build_trace(d / "rank0.pt.trace.json", args.size_mb)
+            size = (d / "rank0.pt.trace.json").stat().st_size
+            print(json.dumps({"trace": "synthetic from ns_resolution_trace", "copies": copies,
+                              "size_mb": round(size / 1e6, 1)}), flush=True)
+        results: dict[str, list[dict[str, Any]]] = {"stepscope": [], "hta": []}
+        for i in range(args.repeats):  # interleaved, so drift hits both tools alike
+            for tool, py, code in (("stepscope", sys.executable, OURS),
+                                   ("hta", args.hta_python, HTA)):
+                r = run(py, code, d)
+                r.update(tool=tool, run=i, size_mb=round(size / 1e6, 1))
+                print(json.dumps(r), flush=True)
+                results[tool].append(r)
+    ok = {t: [r for r in rs if "error" not in r] for t, rs in results.items()}
+    if ok["stepscope"] and ok["hta"]:
+        ours_s = statistics.median(r["wall_s"] for r in ok["stepscope"])
+        hta_s = statistics.median(r["wall_s"] for r in ok["hta"])
+        ours_m = max(r["peak_rss_mb"] for r in ok["stepscope"])
+        hta_m = max(r["peak_rss_mb"] for r in ok["hta"])
+        print(json.dumps({"summary": True, "stepscope_wall_s": round(ours_s, 2),
+                          "hta_wall_s": round(hta_s, 2), "speedup": round(hta_s / ours_s, 2),
+                          "stepscope_peak_rss_mb": round(ours_m), "hta_peak_rss_mb": round(hta_m),
+                          "memory_ratio": round(ours_m / hta_m, 3)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
