@@ -1,0 +1,87 @@
+"""The markdown rendering (``summary.md``) with PNG plots beside it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from stepscope.report.plots import have_matplotlib, plot_data, write_pngs
+
+
+def _f(x: float | None, nd: int = 2) -> str:
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+def render_markdown(doc: dict[str, Any], images: list[str] | None = None) -> str:
+    """Markdown text of ``doc``; ``images`` are relative PNG paths to embed."""
+    run = doc["run"]
+    al = run["alignment"]
+    lines = [
+        f"# stepscope report — `{run['dir']}`",
+        "",
+        f"{run['ranks']} rank(s) on {len(run['hosts'])} host(s), {run['steps']} sampled steps "
+        f"({run['first_step']}–{run['last_step']}), {run['duration']:.1f} s, clock `{run['clock']}`. "
+        f"Median step {_f(run['step_ms']['median'])} ms (p90 {_f(run['step_ms']['p90'])} ms).",
+        "",
+        f"Timeline: {al['method']}"
+        + (f"; ranks synchronise in `{al['sync_phase']}`." if al["sync_phase"] else "."),
+        "",
+    ]
+    if run["skipped"]:
+        lines += ["**Partial report.** Skipped:", ""]
+        lines += [f"- {s}" for s in run["skipped"]] + [""]
+    lines += ["## Verdicts", ""]
+    for v in doc["verdicts"]:
+        lines += [f"- **{v['severity']} · {v['kind']}** — {v['evidence']}",
+                  f"  - *What to do:* {v['suggestion']}"]
+    lines.append("")
+    if doc["stragglers"]:
+        lines += ["## Stragglers", "",
+                  "| rank | host | phase | excess ms | steps | first | last | kind | confidence |",
+                  "|---:|---|---|---:|---:|---:|---:|---|---:|"]
+        for s in doc["stragglers"]:
+            lines.append(f"| {s['rank']} | {s.get('host') or '-'} | {s['phase']} | "
+                         f"{_f(s['excess_ms'])} | {s['steps']} | {s['first_step']} | "
+                         f"{s['last_step']} | {s['persistence']} | {_f(s['confidence'])} |")
+        lines.append("")
+    if doc["windows"]:
+        lines += ["## Slow step windows", "", "| steps | ranks | phase | slowdown |",
+                  "|---|---|---|---:|"]
+        for w in doc["windows"]:
+            ranks = ", ".join(str(r) for r in w["ranks"][:16])
+            lines.append(f"| {w['start_step']}–{w['end_step']} | {ranks} | {w['phase']} | "
+                         f"{w['slowdown']:.2f}× |")
+        lines.append("")
+    lines += ["## Phases", "", "| phase | median ms | p90 ms | p99 ms | max ms | share |",
+              "|---|---:|---:|---:|---:|---:|"]
+    for name, p in doc["phases"].items():
+        label = name if p["parent"] is None else f"{name} (in {p['parent']})"
+        share = "-" if p["share"] is None else f"{100 * p['share']:.1f}%"
+        lines.append(f"| {label} | {_f(p['median_ms'])} | {_f(p['p90_ms'])} | "
+                     f"{_f(p['p99_ms'])} | {_f(p['max_ms'])} | {share} |")
+    lines += ["", "## Ranks", "", "| rank | host | step ms | p90 | own ms | wait ms |",
+              "|---:|---|---:|---:|---:|---:|"]
+    for r in doc["ranks"][:64]:
+        lines.append(f"| {r['rank']} | {r['host']} | {_f(r['step_ms']['median'])} | "
+                     f"{_f(r['step_ms']['p90'])} | {_f(r['own_ms']['median'])} | "
+                     f"{_f(r['wait_ms']['median'])} |")
+    if len(doc["ranks"]) > 64:
+        lines.append(f"\n({len(doc['ranks']) - 64} more ranks in the JSON report)")
+    lines.append("")
+    if images:
+        lines += ["## Plots", ""] + [f"![{Path(i).stem}]({i})" for i in images] + [""]
+    elif images is not None:
+        lines += ["*Plots skipped: install matplotlib (`pip install stepscope[plots]`).*", ""]
+    return "\n".join(lines)
+
+
+def write_markdown(doc: dict[str, Any], path: str) -> list[str]:
+    """Write the markdown file (and PNGs beside it when matplotlib is there); paths written."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    pngs: list[Path] = []
+    data = doc.get("_data")
+    if data is not None and have_matplotlib():
+        pngs = write_pngs(plot_data(doc, data), out.parent, out.stem)
+    out.write_text(render_markdown(doc, [p.name for p in pngs]))
+    return [str(out), *(str(p) for p in pngs)]
