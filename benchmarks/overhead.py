@@ -1,0 +1,128 @@
+"""Overhead of stepscope on a CPU training loop: bare vs instrumented, interleaved.
+
+Prints one JSON line: median step-time ratio (instrumented / bare) over interleaved
+repetitions, and the host cost of the tracer's primitives in µs (a phase open+close, a
+step enter+exit, a forward/backward/optimizer hook set) measured in isolation.
+
+    python benchmarks/overhead.py [--reps 15] [--steps 60] [--hidden 768]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+
+import torch
+
+from stepscope.clock import CpuClock
+from stepscope.config import Config
+from stepscope.tracer import Tracer
+
+
+def make_job(hidden: int, batch: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, list[torch.Tensor]]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(hidden, hidden), torch.nn.ReLU(),
+        torch.nn.Linear(hidden, hidden), torch.nn.ReLU(),
+        torch.nn.Linear(hidden, 1),
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    data = [torch.randn(batch, hidden) for _ in range(8)]
+    return model, opt, data
+
+
+def bare(model: torch.nn.Module, opt: torch.optim.Optimizer, data: list[torch.Tensor], steps: int) -> float:
+    t0 = time.perf_counter()
+    for i in range(steps):
+        x = data[i % len(data)].to(torch.float32)
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss.item()
+    return (time.perf_counter() - t0) / steps
+
+
+def instrumented(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, data: list[torch.Tensor], steps: int, out: str
+) -> float:
+    tracer = Tracer(Config(out_dir=out), model=model, optimizer=opt)
+    source = (data[i % len(data)] for i in range(steps))
+    t0 = time.perf_counter()
+    for x in tracer.wrap_loader(source):
+        with tracer.step():
+            x = x.to(torch.float32)
+            loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            with tracer.phase("metrics"):
+                loss.item()
+    dt = (time.perf_counter() - t0) / steps
+    tracer.finish()
+    return dt
+
+
+def primitive_costs(n: int = 20000) -> dict[str, float]:
+    """µs per call of the tracer's hot-path primitives, CPU clock, memory-free sink."""
+    from stepscope.sinks import MemorySink
+
+    tracer = Tracer(Config(out_dir="unused", flush_every_n_steps=100), clock=CpuClock(), sink=MemorySink())
+    with tracer.step():
+        t0 = time.perf_counter_ns()
+        for _ in range(n):
+            tracer.close_phase(tracer.open_phase("x"))
+        phase_ns = (time.perf_counter_ns() - t0) / n
+    t0 = time.perf_counter_ns()
+    for _ in range(n):
+        with tracer.step():
+            pass
+    step_ns = (time.perf_counter_ns() - t0) / n
+    tracer.finish()
+    return {"phase_open_close_us": phase_ns / 1e3, "step_enter_exit_us": step_ns / 1e3}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--hidden", type=int, default=768)
+    ap.add_argument("--batch", type=int, default=64)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    model, opt, data = make_job(args.hidden, args.batch)
+    bare(model, opt, data, 20)  # warm-up
+    ratios, bare_ms, inst_ms = [], [], []
+    with tempfile.TemporaryDirectory() as out:
+        for rep in range(args.reps):
+            # Alternate the order so drift on a noisy machine hits both sides alike.
+            if rep % 2:
+                b = bare(model, opt, data, args.steps)
+                i = instrumented(model, opt, data, args.steps, out)
+            else:
+                i = instrumented(model, opt, data, args.steps, out)
+                b = bare(model, opt, data, args.steps)
+            ratios.append(i / b)
+            bare_ms.append(b * 1e3)
+            inst_ms.append(i * 1e3)
+    costs = primitive_costs()
+    b_med, i_med = statistics.median(bare_ms), statistics.median(inst_ms)
+    print(json.dumps({
+        "benchmark": "overhead",
+        "device": "cpu",
+        "reps": args.reps,
+        "steps_per_rep": args.steps,
+        "bare_step_ms_median": round(b_med, 3),
+        "instrumented_step_ms_median": round(i_med, 3),
+        "ratio_median": round(statistics.median(ratios), 4),
+        "per_step_overhead_us": round((i_med - b_med) * 1e3, 1),
+        "phases_per_step": 6,
+        **{k: round(v, 2) for k, v in costs.items()},
+    }))
+
+
+if __name__ == "__main__":
+    main()
