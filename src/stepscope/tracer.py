@@ -170,7 +170,14 @@ class Tracer:
 
             attach_autoprofile(self)
         ref = weakref.ref(self)
-        atexit.register(lambda: (t := ref()) is not None and t.finish())
+
+        def _at_exit() -> None:
+            tracer = ref()
+            if tracer is not None:
+                tracer.finish()
+
+        self._at_exit = _at_exit
+        atexit.register(_at_exit)
 
     # ------------------------------------------------------------------ public API
 
@@ -246,6 +253,7 @@ class Tracer:
         if self._finished:
             return
         self._finished = True
+        atexit.unregister(self._at_exit)
         try:
             for fn in self.finish_callbacks:
                 fn(self)
