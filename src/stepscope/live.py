@@ -1,54 +1,433 @@
-"""Rolling per-rank summary of the most recent records (``stepscope.summary()``)."""
+"""Live summaries: this rank's recent records, the cross-rank exchange and the one-line log."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import threading
+import time
+import warnings
 from collections import deque
+from collections.abc import Callable
+from datetime import timedelta
 from statistics import median
 from typing import TYPE_CHECKING, Any
+
+from stepscope.errors import StepscopeWarning
 
 if TYPE_CHECKING:
     from stepscope.tracer import Tracer
 
+#: Records kept per rank for ``summary()`` and the live exchange.
 WINDOW = 100
+#: Bytes of JSON each rank contributes to one exchange (phases are dropped to fit).
+PAYLOAD_BYTES = 1024
+#: Timeout of the side gloo group. Ranks issue their exchange at the same step count, so a
+#: long wait means a rank stopped stepping; a short timeout keeps a pending exchange from
+#: holding up process exit (gloo joins its worker threads on destroy).
+EXCHANGE_TIMEOUT_S = 120.0
+#: How long ``finish()`` waits for exchanges still in flight (seconds).
+FINISH_WAIT_S = 2.0
+
+# One side group per member set and process: creating a second group over the same ranks
+# with local synchronisation would reuse its store keys.
+_SIDE_GROUPS: dict[tuple[int, ...], Any] = {}
 
 
 class RecentRecords:
-    """Keeps the last ``WINDOW`` resolved records of one tracer (fed at flush cadence)."""
+    """Keeps the last ``WINDOW`` resolved records of one tracer (fed at flush cadence).
+
+    Appended on the writer thread and read from any thread, hence the lock.
+    """
 
     def __init__(self, window: int = WINDOW) -> None:
         self.records: deque[dict[str, Any]] = deque(maxlen=window)
+        self._lock = threading.Lock()
 
     def __call__(self, record: dict[str, Any]) -> None:
-        self.records.append(record)
+        with self._lock:
+            self.records.append(record)
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return list(self.records)
 
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """Median step and phase times (ms) and shares of step time over ``records``."""
+    """Median step and phase times (ms) and shares of step time over ``records``.
+
+    ``h2d_share`` and ``dataloader_share`` are the exposed parts: time the step spent in
+    those phases (a copy hidden by a prefetcher is not in them).
+    """
     if not records:
         return {"steps": 0}
     step_med = median(r["step_ms"] for r in records)
     by_phase: dict[str, list[float]] = {}
+    starts: dict[str, list[float]] = {}
     for r in records:
         for p in r["phases"]:
             if p.get("parent") is None:
                 by_phase.setdefault(p["name"], []).append(p["ms"])
+                starts.setdefault(p["name"], []).append(p.get("start_ms", 0.0))
         by_phase.setdefault("residual", []).append(r.get("residual_ms", 0.0))
+    n = len(records)
     phases = {
-        name: {"median_ms": median(v), "share": (sum(v) / len(records)) / step_med if step_med else 0.0}
+        name: {
+            "median_ms": median(v),
+            "share": (sum(v) / n) / step_med if step_med else 0.0,
+            # Mean offset from step start: orders phases on the cross-rank line.
+            "start_ms": sum(starts[name]) / len(starts[name]) if name in starts else float("inf"),
+        }
         for name, v in by_phase.items()
     }
+    top = max(phases, key=lambda k: phases[k]["median_ms"])
     return {
         "rank": records[-1]["rank"],
-        "steps": len(records),
+        "steps": n,
         "last_step": records[-1]["step"],
         "step_ms_median": step_med,
         "step_ms_max": max(r["step_ms"] for r in records),
+        "top_phase": top,
+        "h2d_share": phases["h2d"]["share"] if "h2d" in phases else 0.0,
+        "dataloader_share": phases["dataloader"]["share"] if "dataloader" in phases else 0.0,
         "phases": phases,
     }
 
 
 def local_summary(tracer: Tracer) -> dict[str, Any]:
+    """This rank's summary, plus ``cross_rank`` once a cross-rank exchange has completed."""
     recent = getattr(tracer, "_recent", None)
     if recent is None:
         return {"steps": 0}
-    return summarize(list(recent.records))
+    out = summarize(recent.snapshot())
+    view: LiveView | None = getattr(tracer, "_live", None)
+    if view is not None and view.latest is not None and view.distributed:
+        out["cross_rank"] = dict(view.latest)
+    return out
+
+
+# ----------------------------------------------------------------- payload codec
+
+
+def encode_payload(summary: dict[str, Any], extras: dict[str, Any] | None = None) -> bytes:
+    """This rank's summary as compact JSON of at most ``PAYLOAD_BYTES`` bytes."""
+    if not summary.get("steps"):
+        return b""
+    phases = {
+        name: [round(p["median_ms"], 3), round(p["share"], 4),
+               round(p["start_ms"], 3) if p["start_ms"] != float("inf") else 1e9]
+        for name, p in summary["phases"].items()
+    }
+    body: dict[str, Any] = {
+        "r": summary["rank"],
+        "s": summary["last_step"],
+        "n": summary["steps"],
+        "m": round(summary["step_ms_median"], 3),
+        "x": round(summary["step_ms_max"], 3),
+        "p": phases,
+        "e": extras or {},
+    }
+    raw = json.dumps(body, separators=(",", ":")).encode()
+    # Too many user phases: drop the smallest until it fits (the line needs the big ones).
+    while len(raw) > PAYLOAD_BYTES and len(phases) > 1:
+        del phases[min(phases, key=lambda k: phases[k][0])]
+        raw = json.dumps(body, separators=(",", ":")).encode()
+    return raw if len(raw) <= PAYLOAD_BYTES else b""
+
+
+def decode_payload(raw: bytes) -> dict[str, Any] | None:
+    raw = raw.rstrip(b"\0")
+    if not raw:
+        return None
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return None
+    return body if isinstance(body, dict) else None
+
+
+def cross_rank_summary(payloads: list[dict[str, Any] | None], world_size: int) -> dict[str, Any] | None:
+    """Median/max step time across ranks, the slowest rank and its phase, exposed shares.
+
+    The slowest rank is the one whose phase exceeds the cross-rank median of that phase by
+    the most: in synchronous training every rank's step takes as long as the slowest, and
+    the ranks that wait show it in a later phase (the all-reduce in backward). With two
+    ranks the two excesses tie, and the earlier phase in the step (the cause) wins.
+    """
+    got = [p for p in payloads if p]
+    if not got:
+        return None
+    step_meds = {p["r"]: p["m"] for p in got}
+    max_rank = max(step_meds, key=lambda r: step_meds[r])
+    names = sorted({n for p in got for n in p["p"] if n != "residual"},
+                   key=lambda n: median(p["p"][n][2] for p in got if n in p["p"]))
+    cands: list[tuple[float, int, int, str, float]] = []
+    for order, name in enumerate(names):
+        vals = {p["r"]: p["p"][name][0] if name in p["p"] else 0.0 for p in got}
+        mid = median(vals.values())
+        for r, v in vals.items():
+            cands.append((v - mid, order, r, name, v))
+    step_mid = median(step_meds.values())
+    threshold = max(0.5, 0.05 * step_mid)
+    best = max((c[0] for c in cands), default=0.0)
+    if len(got) > 1 and best >= threshold:
+        # Near-ties go to the phase that comes first in the step.
+        excess, _, slow_rank, slow_phase, slow_ms = min(
+            (c for c in cands if c[0] >= 0.8 * best), key=lambda c: (c[1], -c[0])
+        )
+    else:
+        slow_rank = max_rank
+        mine = next(p for p in got if p["r"] == slow_rank)["p"]
+        slow_phase = max(mine, key=lambda k: mine[k][0])
+        slow_ms = mine[slow_phase][0]
+        others = [p["p"].get(slow_phase, [0.0])[0] for p in got]
+        excess = slow_ms - median(others)
+
+    def share(p: dict[str, Any], name: str) -> float:
+        return float(p["p"][name][1]) if name in p["p"] else 0.0
+
+    h2d = [share(p, "h2d") for p in got]
+    dl = [share(p, "dataloader") for p in got]
+    return {
+        "step": min(p["s"] for p in got),
+        "ranks": len(got),
+        "world_size": world_size,
+        "step_ms_median": step_mid,
+        "step_ms_max": step_meds[max_rank],
+        "step_ms_max_rank": max_rank,
+        "slowest_rank": slow_rank,
+        "slowest_phase": slow_phase,
+        "slowest_phase_ms": slow_ms,
+        "slowest_phase_excess_ms": round(excess, 3),
+        "h2d_share": sum(h2d) / len(h2d),
+        "h2d_share_max": max(h2d),
+        "dataloader_share": sum(dl) / len(dl),
+        "dataloader_share_max": max(dl),
+        "per_rank": {str(p["r"]): {"step_ms_median": p["m"], "step_ms_max": p["x"]} for p in got},
+    }
+
+
+def format_line(s: dict[str, Any]) -> str:
+    """The one-line live log (rich markup)."""
+    return (
+        f"[bold]stepscope[/] step {s['step']} | {s['ranks']}/{s['world_size']} ranks | "
+        f"step {s['step_ms_median']:.1f} ms med, {s['step_ms_max']:.1f} max (r{s['step_ms_max_rank']}) | "
+        f"slowest [bold red]r{s['slowest_rank']}[/]: {s['slowest_phase']} "
+        f"{s['slowest_phase_ms']:.1f} ms ({s['slowest_phase_excess_ms']:+.1f}) | "
+        f"exposed h2d {s['h2d_share']:.0%} dl {s['dataloader_share']:.0%}"
+    )
+
+
+# ----------------------------------------------------------------- the live view
+
+
+class LiveView:
+    """Exchanges per-rank summaries on a side gloo group and prints the cross-rank line.
+
+    The training thread only enqueues an asynchronous ``all_gather`` of a prepared byte
+    tensor every ``flush_every_n_steps`` steps; summarising, decoding and printing run on
+    the tracer's writer thread, and a gather is read at a later cadence, never waited for.
+    Every member rank issues the same number of gathers (one per cadence of step calls),
+    so they pair up without a barrier.
+    """
+
+    def __init__(self, tracer: Tracer, log_every: int, group: Any = None, members: list[int] | None = None):
+        self.tracer = tracer
+        self.log_every = log_every
+        self.exchange_every = tracer.config.flush_every_n_steps
+        self.group = group
+        self.members = members if members is not None else [tracer.rank.rank]
+        self.distributed = group is not None
+        self.printer = tracer.rank.rank == min(self.members)
+        #: The latest cross-rank summary (``None`` until an exchange completed).
+        self.latest: dict[str, Any] | None = None
+        #: Decoded payloads of the latest completed exchange, by position in ``members``.
+        self.latest_payloads: list[dict[str, Any] | None] = []
+        #: ``fn() -> dict`` merged into this rank's payload (auto-profile trigger state).
+        self.payload_extras: list[Callable[[], dict[str, Any]]] = []
+        #: ``fn(payloads)`` after each completed exchange, on the writer thread.
+        self.gather_callbacks: list[Callable[[list[dict[str, Any] | None]], None]] = []
+        #: Lines printed so far (plain text), for tests and notebooks.
+        self.lines: deque[str] = deque(maxlen=100)
+        self.exchanges_done = 0
+        self._printed_at = 0
+        self._calls = 0
+        self._next: Any = None
+        self._works: deque[tuple[Any, Any]] = deque()
+        self._broken = False
+        self._console: Any = None
+        # The writer thread and finish() (training thread) may both read completed gathers.
+        self._collect_lock = threading.Lock()
+
+    # -- training thread
+
+    def on_step_end(self, tracer: Tracer, step: int) -> None:
+        try:
+            self._calls += 1
+            calls = self._calls
+            exchange = calls % self.exchange_every == 0
+            log = self.log_every > 0 and self.printer and calls % self.log_every == 0
+            if exchange and self.distributed and not self._broken:
+                self._issue()
+            if exchange or log:
+                tracer._writer.submit(lambda: self._writer_job(log))
+        except Exception as exc:  # protect the job: the live view is optional
+            tracer._fail(exc)
+
+    def _issue(self) -> None:
+        import torch
+        import torch.distributed as dist
+
+        send = self._next
+        if send is None:
+            send = torch.zeros(PAYLOAD_BYTES, dtype=torch.uint8)
+        out = torch.empty(len(self.members) * PAYLOAD_BYTES, dtype=torch.uint8)
+        # Newer torch renamed it and warns on the old name; older torch lacks the new one.
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        # Asynchronous on the side gloo group: returns at once, read at a later cadence.
+        work = gather(out, send, group=self.group, async_op=True)
+        self._works.append((work, out))
+
+    # -- writer thread
+
+    def _writer_job(self, log: bool) -> None:
+        try:
+            self._collect()
+            payload = self._local_payload()
+            if self.distributed:
+                self._next = _to_tensor(payload)
+            else:
+                self._set_latest([decode_payload(payload)])
+            if log and self.latest is not None:
+                self._print(self.latest)
+        except Exception as exc:  # protect the job: a broken view must not stop the writer
+            self._break(exc)
+
+    def _local_payload(self) -> bytes:
+        extras: dict[str, Any] = {}
+        for fn in self.payload_extras:
+            extras.update(fn())
+        return encode_payload(summarize(self.tracer._recent.snapshot()), extras)
+
+    def _collect(self, wait_s: float = 0.0) -> None:
+        with self._collect_lock:
+            self._collect_locked(wait_s)
+
+    def _collect_locked(self, wait_s: float) -> None:
+        deadline = time.monotonic() + wait_s
+        works = self._works
+        while works:
+            work, out = works[0]
+            if not work.is_completed():
+                if time.monotonic() >= deadline:
+                    return
+                time.sleep(0.005)  # only at finish(), bounded by FINISH_WAIT_S
+                continue
+            works.popleft()
+            try:
+                work.wait()  # already completed: returns or raises at once
+            except Exception as exc:  # protect the job: a dead peer only ends the live view
+                self._break(exc)
+                works.clear()
+                return
+            data = out.numpy().tobytes()
+            self._set_latest(
+                [decode_payload(data[i * PAYLOAD_BYTES:(i + 1) * PAYLOAD_BYTES])
+                 for i in range(len(self.members))]
+            )
+
+    def _set_latest(self, payloads: list[dict[str, Any] | None]) -> None:
+        self.exchanges_done += 1
+        self.latest_payloads = payloads
+        summary = cross_rank_summary(payloads, len(self.members))
+        if summary is not None:
+            self.latest = summary
+        for fn in self.gather_callbacks:
+            fn(payloads)
+
+    def _print(self, summary: dict[str, Any]) -> None:
+        self._printed_at = self.exchanges_done
+        line = format_line(summary)
+        if self._console is None:
+            from rich.console import Console
+
+            self._console = Console(highlight=False, soft_wrap=True)
+        from rich.text import Text
+
+        self.lines.append(Text.from_markup(line).plain)
+        self._console.print(line)
+
+    def _break(self, exc: BaseException) -> None:
+        if self._broken:
+            return
+        self._broken = True
+        # protect the job: warnings configured as errors must not escape into it
+        with contextlib.suppress(Exception):
+            warnings.warn(f"stepscope: live summary stopped: {exc!r}", StepscopeWarning, stacklevel=2)
+
+    # -- finish
+
+    def on_finish(self, tracer: Tracer) -> None:
+        try:
+            # Bounded: a peer that stopped stepping must not hold up this rank's exit.
+            self._collect(wait_s=FINISH_WAIT_S)
+            # Numbers that arrived after the last printed line (peers were behind): say them.
+            if self.log_every and self.printer and self.latest and self.exchanges_done > self._printed_at:
+                self._print(self.latest)
+        except Exception as exc:  # protect the job
+            self._break(exc)
+
+
+def _to_tensor(payload: bytes) -> Any:
+    import torch
+
+    buf = bytearray(PAYLOAD_BYTES)
+    buf[: len(payload)] = payload
+    return torch.frombuffer(buf, dtype=torch.uint8).clone()
+
+
+def _side_group(members: list[int], world: int) -> Any:
+    """The gloo group for summaries; collective over ``members`` (all ranks call init)."""
+    import torch.distributed as dist
+
+    key = tuple(members)
+    group = _SIDE_GROUPS.get(key)
+    if group is None:
+        timeout = timedelta(seconds=EXCHANGE_TIMEOUT_S)
+        if len(members) == world:
+            group = dist.new_group(backend="gloo", timeout=timeout)
+        else:
+            # Ranks filtered out by ``ranks=`` have no tracer and never get here.
+            group = dist.new_group(members, backend="gloo", timeout=timeout, use_local_synchronization=True)
+        _SIDE_GROUPS[key] = group
+    return group
+
+
+def attach_live(tracer: Tracer) -> LiveView:
+    """Start the live view on ``tracer`` (idempotent): side group when distributed, log line.
+
+    Called from ``Tracer.__init__`` on every rank when ``log_every_n_steps`` is set, and by
+    auto-profiling, which compares against a healthy rank through the same exchange.
+    """
+    view: LiveView | None = getattr(tracer, "_live", None)
+    log_every = tracer.config.log_every_n_steps
+    if view is not None:
+        view.log_every = view.log_every or log_every
+        return view
+    group = None
+    members: list[int] | None = None
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        world = dist.get_world_size()
+        ranks = tracer.config.ranks
+        members = sorted(r for r in ranks if r < world) if ranks is not None else list(range(world))
+        if len(members) > 1:
+            group = _side_group(members, world)
+        else:
+            members = None
+    view = LiveView(tracer, log_every, group, members)
+    tracer._live = view  # type: ignore[attr-defined]
+    tracer.step_end_callbacks.append(view.on_step_end)
+    tracer.finish_callbacks.append(view.on_finish)
+    return view
