@@ -120,9 +120,8 @@ def test_live_off_by_default(mem_tracer):
 def test_failing_live_view_disables_timing_with_one_warning(mem_tracer, monkeypatch):
     tracer = mem_tracer(log_every_n_steps=1, flush_every_n_steps=1)
     monkeypatch.setattr(tracer._writer, "submit", lambda item: 1 / 0)
-    with pytest.warns(RuntimeWarning, match="timing disabled"):
-        with tracer.step():
-            pass
+    with pytest.warns(RuntimeWarning, match="timing disabled"), tracer.step():
+        pass
     assert tracer.enabled is False
 
 

@@ -290,7 +290,8 @@ class LiveView:
 
     # -- writer thread
 
-    def _writer_job(self, log: bool) -> None:
+    def _writer_job(self, log: bool) -> list[dict[str, Any]]:
+        # Runs as a writer item; the empty list means "no records to write".
         try:
             self._collect()
             payload = self._local_payload()
@@ -302,6 +303,7 @@ class LiveView:
                 self._print(self.latest)
         except Exception as exc:  # protect the job: a broken view must not stop the writer
             self._break(exc)
+        return []
 
     def _local_payload(self) -> bytes:
         extras: dict[str, Any] = {}
