@@ -68,7 +68,9 @@ class RunData:
 def _connect(tmp: str, threads: int | None, memory_limit: str | None) -> Any:
     import duckdb
 
-    con = duckdb.connect(":memory:")
+    # A database file (in the temp dir) rather than :memory: lets DuckDB evict table pages
+    # to disk, so runs far larger than the memory limit still analyse.
+    con = duckdb.connect(str(Path(tmp) / "run.duckdb"))
     con.execute(f"SET temp_directory = '{tmp}'")
     con.execute("SET preserve_insertion_order = false")  # lets big scans stream in parallel
     if threads:
@@ -147,7 +149,7 @@ def _build_tables(con: Any, root: Path, sources: list[Path], skipped: list[str])
     # ignore_errors turns each unparsable line into an all-NULL row, so counting NULL rows
     # per file tells how many lines were corrupt without a second pass over the bytes.
     con.execute(
-        f"""CREATE TEMP TABLE raw AS SELECT * FROM read_json({files},
+        f"""CREATE TABLE raw AS SELECT * FROM read_json({files},
             format='newline_delimited', columns={cols}, ignore_errors=true,
             filename=true, maximum_object_size=67108864)"""
     )
@@ -185,7 +187,7 @@ def _build_tables(con: Any, root: Path, sources: list[Path], skipped: list[str])
             )
 
     con.execute(
-        f"""CREATE TEMP TABLE rec AS SELECT * FROM raw
+        f"""CREATE TABLE rec AS SELECT * FROM raw
             WHERE {valid} AND schema = {SCHEMA_VERSION} AND step_ms >= 0"""
     )
     con.execute("DROP TABLE raw")
@@ -195,7 +197,7 @@ def _build_tables(con: Any, root: Path, sources: list[Path], skipped: list[str])
     if n_pairs < n_rec:
         skipped.append(f"{n_rec - n_pairs} duplicate (rank, step) record(s) skipped")
         con.execute(
-            """CREATE OR REPLACE TEMP TABLE rec AS SELECT * FROM rec
+            """CREATE OR REPLACE TABLE rec AS SELECT * FROM rec
                QUALIFY row_number() OVER (PARTITION BY rank, step ORDER BY start_unix_ns) = 1"""
         )
 
@@ -218,7 +220,7 @@ def _build_tables(con: Any, root: Path, sources: list[Path], skipped: list[str])
     # Cross-rank comparison needs the same steps on every rank; keep the common ones.
     n_ranks = len(ranks)
     con.execute(
-        f"""CREATE TEMP TABLE common AS SELECT step FROM rec GROUP BY step
+        f"""CREATE TABLE common AS SELECT step FROM rec GROUP BY step
             HAVING count(*) = {n_ranks}"""
     )
     n_common, n_all = con.execute(
@@ -246,14 +248,14 @@ def _build_tables(con: Any, root: Path, sources: list[Path], skipped: list[str])
 
     t_min = int(meta[1])
     con.execute(
-        f"""CREATE TEMP TABLE steps AS SELECT CAST(rank AS INTEGER) AS rank, step,
+        f"""CREATE TABLE steps AS SELECT CAST(rank AS INTEGER) AS rank, step,
                coalesce(hostname, 'unknown') AS host,
                CAST(start_unix_ns - {t_min} AS DOUBLE) / 1e6 AS t0,
                step_ms, coalesce(residual_ms, 0.0) AS residual_ms, h2d_hidden_ms
             FROM rec WHERE {keep}"""
     )
     con.execute(
-        f"""CREATE TEMP TABLE phases AS
+        f"""CREATE TABLE phases AS
             SELECT CAST(rank AS INTEGER) AS rank, step, p.name AS name, p.parent AS parent,
                    coalesce(p.ms, 0.0) AS ms, coalesce(p.start_ms, 0.0) AS s,
                    coalesce(p.end_ms, p.start_ms + p.ms, 0.0) AS e

@@ -37,7 +37,7 @@ def create_phase_samples(con: Any) -> None:
     A phase absent on a step did not happen, so it contributes no row (not a zero).
     """
     con.execute(
-        f"""CREATE OR REPLACE TEMP TABLE samples AS
+        f"""CREATE OR REPLACE TABLE samples AS
             SELECT rank, step, name, parent, ms FROM phases
             UNION ALL SELECT rank, step, '{RESIDUAL}', NULL, residual_ms FROM steps
             UNION ALL SELECT rank, step, '{H2D_HIDDEN}', NULL, h2d_hidden_ms FROM steps

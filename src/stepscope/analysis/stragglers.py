@@ -108,11 +108,11 @@ def align(con: Any, hosts: dict[str, list[int]], n_ranks: int, median_step: floa
     elif multi_host:
         method = (f"{len(hosts)} hosts and no synchronising phase: clocks compared as "
                   "recorded (offsets unknown)")
-    con.execute("CREATE OR REPLACE TEMP TABLE hoff (host VARCHAR, off DOUBLE)")
+    con.execute("CREATE OR REPLACE TABLE hoff (host VARCHAR, off DOUBLE)")
     if offsets:
         con.executemany("INSERT INTO hoff VALUES (?, ?)", list(offsets.items()))
     con.execute(
-        """CREATE OR REPLACE TEMP TABLE st AS
+        """CREATE OR REPLACE TABLE st AS
            SELECT s.rank, s.step, s.host, s.t0 - coalesce(h.off, 0.0) AS t, s.step_ms
            FROM steps s LEFT JOIN hoff h USING (host)"""
     )
@@ -134,18 +134,18 @@ def build_wait(con: Any, al: Alignment) -> None:
     """Table ``wait`` (rank, step, wait_ms): time a rank spent waiting for the last arrival."""
     if al.sync_phase is None:
         con.execute(
-            "CREATE OR REPLACE TEMP TABLE wait AS SELECT rank, step, CAST(0 AS DOUBLE) AS wait_ms FROM st"
+            "CREATE OR REPLACE TABLE wait AS SELECT rank, step, CAST(0 AS DOUBLE) AS wait_ms FROM st"
         )
         return
     parent = "p.parent IS NULL" if al.arrival == al.sync_phase else f"p.parent = '{al.sync_phase}'"
     con.execute(
-        f"""CREATE OR REPLACE TEMP TABLE arr AS
+        f"""CREATE OR REPLACE TABLE arr AS
             SELECT st.rank, st.step, st.t + p.s AS a, p.e - p.s AS dur
             FROM st JOIN phases p USING (rank, step)
             WHERE p.name = '{al.arrival}' AND {parent}"""
     )
     con.execute(
-        """CREATE OR REPLACE TEMP TABLE wait AS
+        """CREATE OR REPLACE TABLE wait AS
            WITH last AS (SELECT step, max(a) AS l FROM arr GROUP BY 1)
            SELECT st.rank, st.step,
                   CAST(coalesce(least(greatest(last.l - arr.a, 0.0), greatest(arr.dur, 0.0)), 0.0) AS DOUBLE)
@@ -163,7 +163,7 @@ def build_excess(con: Any, al: Alignment) -> dict[str, float]:
     """
     sync = al.sync_phase or ""
     con.execute(
-        f"""CREATE OR REPLACE TEMP TABLE own AS
+        f"""CREATE OR REPLACE TABLE own AS
             SELECT p.rank, p.step, p.name,
                    CASE WHEN p.name = '{sync}' THEN greatest(p.ms - w.wait_ms, 0.0)
                         ELSE p.ms END AS own
@@ -171,7 +171,7 @@ def build_excess(con: Any, al: Alignment) -> dict[str, float]:
             UNION ALL SELECT rank, step, '{RESIDUAL}', residual_ms FROM steps"""
     )
     con.execute(
-        """CREATE OR REPLACE TEMP TABLE ex AS
+        """CREATE OR REPLACE TABLE ex AS
            WITH med AS (SELECT step, name, median(own) AS m FROM own GROUP BY 1, 2)
            SELECT o.rank, o.step, o.name, o.own, o.own - med.m AS excess
            FROM own o JOIN med USING (step, name)"""
@@ -183,7 +183,7 @@ def build_excess(con: Any, al: Alignment) -> dict[str, float]:
         name: max(SIGMAS * 1.4826 * float(mad or 0.0), floor)
         for name, mad in con.execute("SELECT name, median(abs(excess)) FROM ex GROUP BY 1").fetchall()
     }
-    con.execute("CREATE OR REPLACE TEMP TABLE thr (name VARCHAR, thr DOUBLE)")
+    con.execute("CREATE OR REPLACE TABLE thr (name VARCHAR, thr DOUBLE)")
     con.executemany("INSERT INTO thr VALUES (?, ?)", list(thr.items()))
     return thr
 

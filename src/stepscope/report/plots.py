@@ -33,10 +33,10 @@ def plot_data(doc: dict[str, Any], data: Any) -> dict[str, Any]:
     ranks = _shown_ranks(doc, MAX_RANKS)
     n_steps = doc["run"]["steps"]
     width = max(1, -(-n_steps // MAX_STEPS))
-    con.execute("CREATE OR REPLACE TEMP TABLE shown (rank INTEGER)")
+    con.execute("CREATE OR REPLACE TABLE shown (rank INTEGER)")
     con.executemany("INSERT INTO shown VALUES (?)", [(r,) for r in ranks])
     con.execute(
-        f"""CREATE OR REPLACE TEMP TABLE bucket AS SELECT step,
+        f"""CREATE OR REPLACE TABLE bucket AS SELECT step,
                CAST((row_number() OVER (ORDER BY step) - 1) // {width} AS INTEGER) AS b
             FROM (SELECT DISTINCT step FROM steps)"""
     )
