@@ -321,24 +321,25 @@ class Tracer:
 
     def add_side_span(self, name: str, start: Any, end: Any) -> None:
         """A span measured on another stream (e.g. the prefetch copy); not in the step sum."""
-        step = self._cur if self._in_step else None
-        if step is None and not self._in_step and self.recording:
-            step = self._pending_pre_step()
+        step = self._reporting_step()
         if step is not None:
             step.side.append((name, start, end))
 
     def add_counter(self, name: str, value: float) -> None:
         """Add ``value`` to the per-step counter ``name`` (e.g. ``h2d_bytes``)."""
-        step = self._cur if self._in_step else None
-        if step is None and not self._in_step and self.recording:
-            step = self._pending_pre_step()
+        step = self._reporting_step()
         if step is not None:
             step.counters[name] = step.counters.get(name, 0) + value
 
     # ------------------------------------------------------------- step lifecycle
 
-    def _pending_pre_step(self) -> _Step:
-        # Side spans and counters reported between steps wait in a placeholder step.
+    def _reporting_step(self) -> _Step | None:
+        """The step a side span or counter belongs to: the current one, or the next sampled one."""
+        if self._in_step:
+            return self._cur
+        if not self.recording:
+            return None
+        # Reported between steps (prefetch): held in a placeholder until the step opens.
         if self._pre_holder is None or self._pre_holder.index != self._index:
             self._pre_holder = _Step(self._index, None, 0, [])
         return self._pre_holder
@@ -640,14 +641,8 @@ class NullTracer:
     def close_phase(self, token: Any) -> None:
         return None
 
-    def discard_phase(self, token: _Span | None) -> None:
-        """Forget an open span (e.g. the loader's wait that ended in StopIteration)."""
-        if token is None:
-            return
-        for seq in (self._stack, self._pre, self._cur.spans if self._cur else []):
-            if token in seq:
-                seq.remove(token)
-        self.clock.release(token.start)
+    def discard_phase(self, token: Any) -> None:
+        return None
 
     def add_side_span(self, name: str, start: Any, end: Any) -> None:
         return None
