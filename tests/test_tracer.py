@@ -202,3 +202,19 @@ def test_summary_gives_recent_medians(mem_tracer):
     s = tr.summary()
     assert s["steps"] == 5 and s["phases"]["work"]["median_ms"] >= 2.0
     assert 0 < s["phases"]["work"]["share"] <= 1.0
+
+
+def test_null_tracer_mirrors_the_tracer_interface():
+    import inspect
+
+    from stepscope.tracer import NullTracer, Tracer
+
+    public = {n for n, v in vars(Tracer).items() if not n.startswith("_") and callable(v)}
+    missing = {n for n in public if not callable(getattr(NullTracer, n, None))}
+    assert not missing, f"NullTracer lacks {sorted(missing)}"
+    null = NullTracer()
+    for name in public:
+        params = inspect.signature(getattr(Tracer, name)).parameters
+        args = [object()] * (len([p for p in params.values() if p.default is p.empty]) - 1)
+        result = getattr(null, name)(*args)
+        assert result is None or name in {"step", "phase", "wrap_loader", "wrap_h2d", "summary"}
