@@ -1,0 +1,176 @@
+"""Auto-profile: the slow-step detector, bounded captures, triggers.jsonl, a healthy rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from stepscope.autoprofile import (
+    TRIGGERS_FILE,
+    AutoProfileConfig,
+    SlowStepDetector,
+    resolve_auto_profile,
+)
+from stepscope.errors import ConfigError
+
+
+def _feed(det: SlowStepDetector, values) -> list[int]:
+    return [i for i, v in enumerate(values) if det.update(v) is not None]
+
+
+def test_detector_needs_history_patience_and_a_real_slowdown():
+    cfg = AutoProfileConfig(window=30, min_history=20, k=5.0, min_slowdown=0.5, patience=2)
+    base = [10.0 + 0.1 * (i % 3) for i in range(25)]
+    # A single spike is not a slow window (patience 2).
+    assert _feed(SlowStepDetector(cfg), [*base, 40.0, 10.0, 10.1]) == []
+    # Two in a row trigger, on the second.
+    hits = _feed(SlowStepDetector(cfg), [*base, 40.0, 41.0, 10.0])
+    assert hits == [26]
+    # Far above k*MAD (tiny MAD) but only 20 % slower: below min_slowdown, no trigger.
+    assert _feed(SlowStepDetector(cfg), [*base, 12.0, 12.0, 12.0]) == []
+    # Slow steps before min_history are start-up, not anomalies.
+    assert _feed(SlowStepDetector(cfg), [10.0] * 5 + [50.0] * 3 + base) == []
+
+
+def test_detector_reports_its_numbers():
+    det = SlowStepDetector(AutoProfileConfig(min_history=10, window=20, patience=1))
+    for _ in range(15):
+        det.update(8.0)
+    hit = det.update(30.0)
+    assert hit is not None
+    assert hit["baseline_ms"] == 8.0 and hit["step_ms"] == 30.0
+    assert hit["threshold_ms"] == pytest.approx(12.0)  # MAD 0: the 50 % floor decides
+    assert "median 8.0 ms" in hit["reason"]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"window": 2}, {"steps": 0}, {"k": -1.0}, {"min_slowdown": "a"}, {"patience": True},
+     {"min_history": 60, "window": 50}, {"compare_healthy": 1}, {"max_captures": 0}],
+)
+def test_config_rejects_bad_values(kwargs):
+    with pytest.raises(ConfigError):
+        AutoProfileConfig(**kwargs)
+
+
+def test_resolve_auto_profile():
+    assert resolve_auto_profile(False) is None
+    assert resolve_auto_profile(True) == AutoProfileConfig()
+    cfg = AutoProfileConfig(steps=2)
+    assert resolve_auto_profile(cfg) is cfg
+    with pytest.raises(ConfigError, match="auto_profile"):
+        resolve_auto_profile("yes")
+
+
+def _train(tracer, steps: int, slow: range, slow_s: float = 0.03, base_s: float = 0.004) -> None:
+    model = torch.nn.Linear(16, 16)
+    x = torch.randn(8, 16)
+    for i in range(steps):
+        with tracer.step():
+            model(x).sum().backward()
+            time.sleep(slow_s if i in slow else base_s)
+
+
+def test_slow_window_is_captured_and_the_healthy_part_is_not(mem_tracer, tmp_path):
+    cfg = AutoProfileConfig(min_history=15, window=30, steps=3, warmup=1, cooldown=100)
+    tracer = mem_tracer(out_dir=str(tmp_path), auto_profile=cfg)
+    _train(tracer, 40, slow=range(20, 26))
+    tracer.finish()
+    lines = [json.loads(x) for x in (tmp_path / TRIGGERS_FILE).read_text().splitlines()]
+    assert len(lines) == 1, lines
+    t = lines[0]
+    assert t["status"] == "captured" and t["role"] == "affected" and t["rank"] == 0
+    assert t["step"] == 21  # the second slow step (patience 2)
+    assert t["window"] == [23, 26]  # warm-up at 22, then 3 captured steps, all slow
+    assert t["step_ms"] > 25.0 and t["baseline_ms"] < 15.0
+    assert "single process" in t["note"]
+    trace = tmp_path / t["trace"]
+    assert trace.exists() and trace.stat().st_size > 0
+    # Exactly one trace: nothing for the healthy steps before or after.
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.pt.trace.json*")) == [
+        t["trace"]
+    ]
+    assert tracer._autoprofile.captures == 1
+
+
+def test_captures_are_bounded_with_cooldown(mem_tracer, tmp_path):
+    cfg = AutoProfileConfig(min_history=10, window=20, steps=1, warmup=0, cooldown=5, max_captures=2)
+    tracer = mem_tracer(out_dir=str(tmp_path), auto_profile=cfg)
+    # Three slow windows; the second starts inside the first one's cooldown, the fourth
+    # finds the budget spent.
+    slow = {*range(20, 23), *range(26, 29), *range(40, 43), *range(55, 58)}
+    _train(tracer, 65, slow=slow, slow_s=0.04, base_s=0.005)
+    tracer.finish()
+    lines = [json.loads(x) for x in (tmp_path / TRIGGERS_FILE).read_text().splitlines()]
+    assert [x["step"] for x in lines] == [21, 41], lines
+    assert all(x["status"] == "captured" for x in lines)
+    assert len(list(tmp_path.rglob("*.pt.trace.json*"))) == 2
+
+
+def test_user_profile_window_wins(mem_tracer, tmp_path):
+    cfg = AutoProfileConfig(min_history=10, window=20, patience=1, steps=1)
+    tracer = mem_tracer(out_dir=str(tmp_path), auto_profile=cfg, profile_steps=(50, 51))
+    _train(tracer, 14, slow=range(12, 13), base_s=0.003)
+    tracer.finish()
+    (line,) = [json.loads(x) for x in (tmp_path / TRIGGERS_FILE).read_text().splitlines()]
+    assert line["status"] == "skipped" and line["trace"] is None
+    assert "profile_steps" in line["note"]
+
+
+# ----------------------------------------------------------------- real gloo ranks
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    import stepscope
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        cfg = AutoProfileConfig(min_history=15, window=30, steps=2, warmup=1)
+        stepscope.init(out_dir=out, auto=False, flush_every_n_steps=5, auto_profile=cfg)
+        # Paced loop without a collective per step, so rank 1's slow window does not slow
+        # rank 0; a barrier every 10 steps (an eval, say) keeps them within 10 steps, which
+        # shows on rank 0 as single slow steps, below the patience of 2.
+        period, t0 = 0.008, time.perf_counter()
+        for i in range(110):
+            with stepscope.step():
+                if rank == 1 and 20 <= i < 30:
+                    time.sleep(0.04)
+            time.sleep(max(0.0, t0 + (i + 1) * period - time.perf_counter()))
+            if i % 10 == 9:
+                dist.barrier()
+        stepscope.finish()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_slow_rank_captures_and_a_healthy_rank_compares(tmp_path):
+    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    lines = [json.loads(x) for x in (tmp_path / TRIGGERS_FILE).read_text().splitlines()]
+    by_role = {x["role"]: x for x in lines}
+    assert [x["rank"] for x in lines if x["role"] == "affected"] == [1], lines
+    aff, healthy = by_role["affected"], by_role.get("healthy")
+    assert 20 <= aff["step"] < 30 and aff["status"] == "captured"
+    assert healthy is not None, lines
+    assert healthy["rank"] == 0 and healthy["trigger_ranks"] == [1]
+    assert healthy["trigger_step"] == aff["step"] and healthy["status"] == "captured"
+    for x in (aff, healthy):
+        assert (tmp_path / x["trace"]).exists()
+        assert x["trace"].endswith(f"rank{x['rank']}.pt.trace.json.gz")
