@@ -91,13 +91,14 @@ class DemoModel(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.injector.sleep("forward")
-        return _SlowGrad.apply(self.net(x), self.injector)  # type: ignore[no-any-return]
+        out: torch.Tensor = _SlowGrad.apply(self.net(x), self.injector)
+        return out
 
 
 class _SlowSGD(torch.optim.SGD):
     injector: _Injector
 
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Any = None) -> Any:
         self.injector.sleep("optimizer")
         return super().step(closure)
 
@@ -213,7 +214,7 @@ def launch(
     for old in [*out.glob("rank*.jsonl"), *out.glob("rank*.sqlite"), out / "meta.json"]:
         old.unlink(missing_ok=True)
     run_id = time.strftime("demo-%Y%m%d-%H%M%S")
-    mp.spawn(
+    mp.spawn(  # type: ignore[attr-defined]
         _worker,
         args=(ranks, _free_port(), str(out), steps, tuple(slow), sink, seed, run_id, progress),
         nprocs=ranks,

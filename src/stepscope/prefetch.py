@@ -330,7 +330,7 @@ class _CudaBackend:
         return torch.cuda.device(device)
 
     def new_stream(self, device: torch.device) -> torch.cuda.Stream:
-        return torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+        return torch.cuda.Stream(device=device)
 
     def current_stream(self, device: torch.device) -> torch.cuda.Stream:
         return torch.cuda.current_stream(device)
@@ -339,7 +339,7 @@ class _CudaBackend:
         return torch.cuda.stream(stream)
 
     def new_event(self, enable_timing: bool) -> torch.cuda.Event:
-        return torch.cuda.Event(enable_timing=enable_timing)  # type: ignore[no-untyped-call]
+        return torch.cuda.Event(enable_timing=enable_timing)
 
     def is_on(self, t: torch.Tensor, device: torch.device) -> bool:
         return t.device == device

@@ -651,7 +651,7 @@ def diagnose(results: list[RankResult], cross: dict[str, Any] | None) -> list[di
         wall = sum(w.wall_us for w in ws) or 1.0
 
         def pct(attr: str, ws: list[Breakdown] = ws, wall: float = wall) -> float:
-            return 100.0 * sum(getattr(w, attr) for w in ws) / wall
+            return 100.0 * float(sum(getattr(w, attr) for w in ws)) / wall
 
         exposed, mem, idle = pct("exposed_comm_us"), pct("exposed_memory_us"), pct("idle_us")
         host = pct("idle_host_wait_us")

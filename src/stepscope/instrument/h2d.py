@@ -52,8 +52,8 @@ def set_step_tracer(tracer: Tracer | None) -> None:
     with _lock:
         _in_step_threads += 1 if tracer is not None else -1
         if _in_step_threads == 1 and tracer is not None:
-            torch.Tensor.to = _patched_to  # type: ignore[method-assign]
-            torch.Tensor.cuda = _patched_cuda  # type: ignore[method-assign]
+            torch.Tensor.to = _patched_to  # type: ignore[method-assign,assignment]
+            torch.Tensor.cuda = _patched_cuda  # type: ignore[method-assign,assignment]
         elif _in_step_threads == 0:
             torch.Tensor.to = _orig_to  # type: ignore[method-assign]
             torch.Tensor.cuda = _orig_cuda  # type: ignore[method-assign]
