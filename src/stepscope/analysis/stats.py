@@ -60,8 +60,10 @@ def phase_stats(con: Any, n_rows: int) -> dict[str, dict[str, Any]]:
                    bool_and(parent IS NULL)
             FROM samples GROUP BY name"""
     ).fetchall()
+    # Exact per rank: a t-digest state per (phase, rank) group costs more memory than the
+    # few thousand values each group holds.
     per_rank = con.execute(
-        f"""SELECT name, rank, {_q('ms', exact)}, max(ms), sum(ms), count(*)
+        f"""SELECT name, rank, {_q('ms', True)}, max(ms), sum(ms), count(*)
             FROM samples GROUP BY name, rank ORDER BY name, rank"""
     ).fetchall()
     out: dict[str, dict[str, Any]] = {}
@@ -94,16 +96,15 @@ def phase_stats(con: Any, n_rows: int) -> dict[str, dict[str, Any]]:
     return {name: out[name] for name in phase_order(list(out))}
 
 
-def rank_stats(con: Any, hosts: dict[str, list[int]], n_rows: int) -> list[dict[str, Any]]:
+def rank_stats(con: Any, hosts: dict[str, list[int]], n_rows: int = 0) -> list[dict[str, Any]]:
     """Per rank: step time, own work (step minus estimated wait) and wait, median and p90.
 
     Needs the ``wait`` table (rank, step, wait_ms) built by the straggler analysis.
     """
-    exact = n_rows <= EXACT_QUANTILE_ROWS
     host_of = {r: h for h, rs in hosts.items() for r in rs}
     rows = con.execute(
-        f"""SELECT s.rank, count(*), {_q('s.step_ms', exact)},
-                   {_q('s.step_ms - w.wait_ms', exact)}, {_q('w.wait_ms', exact)},
+        f"""SELECT s.rank, count(*), {_q('s.step_ms', True)},
+                   {_q('s.step_ms - w.wait_ms', True)}, {_q('w.wait_ms', True)},
                    sum(w.wait_ms), sum(s.step_ms)
             FROM steps s JOIN wait w USING (rank, step) GROUP BY 1 ORDER BY 1"""
     ).fetchall()
