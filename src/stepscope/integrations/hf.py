@@ -44,7 +44,8 @@ class StepscopeCallback(TrainerCallback):  # type: ignore[misc,valid-type]
         auto = kwargs.pop("auto", {"forward", "backward", "h2d"})
         auto = {"forward", "backward", "h2d"} if auto is True else set(auto or ())
         # The optimizer and the batch wait are timed by Trainer events, not hooks.
-        self.tracer = stepscope.init(self.out_dir, model=model, auto=auto - {"optimizer", "dataloader"}, **kwargs)
+        auto -= {"optimizer", "dataloader"}
+        self.tracer = stepscope.init(self.out_dir, model=model, auto=auto, **kwargs)
         self._driver = StepDriver(self.tracer)
         self._driver.restart_wait()
 
