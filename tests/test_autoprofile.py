@@ -144,7 +144,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        cfg = AutoProfileConfig(min_history=15, window=30, steps=2, warmup=1)
+        cfg = AutoProfileConfig(min_history=15, window=30, steps=2, warmup=1, min_slowdown=2.0)
         stepscope.init(out_dir=out, auto=False, flush_every_n_steps=5, auto_profile=cfg)
         # Paced loop without a collective per step, so rank 1's slow window does not slow
         # rank 0; a barrier every 10 steps (an eval, say) keeps them within 10 steps, which
@@ -153,7 +153,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         for i in range(110):
             with stepscope.step():
                 if rank == 1 and 20 <= i < 30:
-                    time.sleep(0.04)
+                    time.sleep(0.06)
             time.sleep(max(0.0, t0 + (i + 1) * period - time.perf_counter()))
             if i % 10 == 9:
                 dist.barrier()
