@@ -309,7 +309,10 @@ class LiveView:
         extras: dict[str, Any] = {}
         for fn in self.payload_extras:
             extras.update(fn())
-        return encode_payload(summarize(self.tracer._recent.snapshot()), extras)
+        # The line describes the last logging interval (Megatron-timer style), not the
+        # whole window: a slow stretch of ten steps must not vanish in a 100-step median.
+        interval = max(self.log_every, self.exchange_every)
+        return encode_payload(summarize(self.tracer._recent.snapshot()[-interval:]), extras)
 
     def _collect(self, wait_s: float = 0.0) -> None:
         with self._collect_lock:
@@ -351,12 +354,13 @@ class LiveView:
         self._printed_at = self.exchanges_done
         line = format_line(summary)
         if self._console is None:
-            from rich.console import Console
-
-            self._console = Console(highlight=False, soft_wrap=True)
+            self._console = _console()
         from rich.text import Text
 
-        self.lines.append(Text.from_markup(line).plain)
+        plain = Text.from_markup(line).plain
+        if self.lines and self.lines[-1] == plain:
+            return  # nothing new since the last line (finish() right after a cadence)
+        self.lines.append(plain)
         self._console.print(line)
 
     def _break(self, exc: BaseException) -> None:
@@ -378,6 +382,12 @@ class LiveView:
                 self._print(self.latest)
         except Exception as exc:  # protect the job
             self._break(exc)
+
+
+def _console() -> Any:
+    from rich.console import Console
+
+    return Console(highlight=False, soft_wrap=True)
 
 
 def _to_tensor(payload: bytes) -> Any:
@@ -414,7 +424,10 @@ def attach_live(tracer: Tracer) -> LiveView:
     view: LiveView | None = getattr(tracer, "_live", None)
     log_every = tracer.config.log_every_n_steps
     if view is not None:
-        view.log_every = view.log_every or log_every
+        if log_every and not view.log_every:
+            view.log_every = log_every
+            if view.printer and view._console is None:
+                view._console = _console()
         return view
     group = None
     members: list[int] | None = None
@@ -429,6 +442,10 @@ def attach_live(tracer: Tracer) -> LiveView:
         else:
             members = None
     view = LiveView(tracer, log_every, group, members)
+    if log_every and view.printer:
+        # Import rich now, at init: importing it later on the writer thread holds the GIL
+        # long enough to stall a training step (and trip auto-profiling).
+        view._console = _console()
     tracer._live = view  # type: ignore[attr-defined]
     tracer.step_end_callbacks.append(view.on_step_end)
     tracer.finish_callbacks.append(view.on_finish)
