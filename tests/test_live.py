@@ -189,3 +189,14 @@ def test_two_gloo_ranks_exchange_without_blocking(tmp_path):
     assert r1["lines"] == []
     assert r0["lines"], r0
     assert "2/2 ranks" in r0["lines"][-1] and "r1: dataloader" in r0["lines"][-1]
+
+
+def test_live_line_covers_the_last_interval_not_the_whole_window(mem_tracer):
+    tracer = mem_tracer(log_every_n_steps=5, flush_every_n_steps=5)
+    for i in range(30):
+        with tracer.step(), tracer.phase("dataloader"):
+            time.sleep(0.02 if i >= 20 else 0.001)
+    tracer.finish()
+    # 10 slow steps out of 30: the 30-step median stays fast, the last interval does not.
+    assert tracer.summary()["step_ms_median"] < 10.0
+    assert tracer._live.latest["step_ms_median"] >= 15.0
