@@ -17,7 +17,7 @@ demo = pytest.importorskip("stepscope.demo")
 pytestmark = pytest.mark.slow
 
 STEPS = 60
-MS = 15.0
+MS = 25.0  # well above the scheduling noise of 4 ranks on 2 cores
 SCENARIOS: dict[str, tuple[Any, ...]] = {
     "balanced": (),
     "dataloader": (demo.SlowSpec(1, "dataloader", ms=MS),),
@@ -66,9 +66,9 @@ def test_window_culprit(docs: dict[str, dict[str, Any]]) -> None:
     assert _culprits(doc) == [(3, "forward")]
     s = doc["stragglers"][0]
     assert s["persistence"] == "window"
-    assert abs(s["first_step"] - 20) <= 2 and abs(s["last_step"] - 39) <= 2
+    assert abs(s["first_step"] - 20) <= 3 and abs(s["last_step"] - 39) <= 3
     assert any(w["ranks"] == [3] and w["phase"] == "forward"
-               and abs(w["start_step"] - 20) <= 2 and abs(w["end_step"] - 39) <= 2
+               and abs(w["start_step"] - 20) <= 3 and abs(w["end_step"] - 39) <= 3
                for w in doc["windows"])
 
 
@@ -79,20 +79,19 @@ def test_balanced_no_false_alarm(docs: dict[str, dict[str, Any]]) -> None:
     assert "balanced" in kinds and "straggler" not in kinds and "comm_wait" not in kinds
 
 
-def test_backward_compute_straggler_is_not_misattributed(docs: dict[str, dict[str, Any]]) -> None:
+def test_backward_compute_straggler_is_named(docs: dict[str, dict[str, Any]]) -> None:
     """A sleep inside backward compute (before the all-reduce) delays all ranks equally.
 
-    Without collective timing in the records no rank can be singled out (TraceML #252);
-    the report must not blame a wrong rank or phase, and must say why it abstains. With a
-    nested collective phase the culprit is named (see the synthetic test).
+    Phase ends alone cannot single it out (TraceML #252): every rank leaves backward
+    together. The tracer's nested ``grad_sync`` phase marks each rank's arrival at the
+    gradient all-reduce, and the late arrival names the culprit.
     """
     doc = docs["backward"]
-    assert all(c == (2, "backward") for c in _culprits(doc))
-    if doc["run"]["alignment"]["arrival"] != "backward":  # collective timing is recorded
-        assert _culprits(doc) == [(2, "backward")]
-    else:
-        balanced = [v for v in doc["verdicts"] if v["kind"] == "balanced"]
-        assert balanced and "cannot be singled out" in balanced[0]["evidence"]
+    assert doc["run"]["alignment"]["arrival"] == "grad_sync"
+    assert _culprits(doc) == [(2, "backward")]
+    s = doc["stragglers"][0]
+    assert s["steps"] >= 0.5 * STEPS and MS * 0.6 < s["excess_ms"] < MS * 1.6
+    assert set(s["victims"]) <= {0, 1, 3} and len(s["victims"]) >= 2
     # Everyone's step got slower by about the injected time.
     assert doc["run"]["step_ms"]["median"] > docs["balanced"]["run"]["step_ms"]["median"] + 0.5 * MS
 

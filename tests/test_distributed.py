@@ -27,8 +27,10 @@ def test_two_gloo_ranks_record_their_own_files(tmp_path):
         assert [x["step"] for x in rs] == list(range(30))
         assert {x["world_size"] for x in rs} == {2}
         assert {x["local_rank"] for x in rs} == {rank}
-        names = [p["name"] for p in rs[5]["phases"]]
+        names = [p["name"] for p in rs[5]["phases"] if p["parent"] is None]
         assert names[:5] == ["dataloader", "h2d", "forward", "backward", "optimizer"], names
+        nested = {p["name"]: p["parent"] for p in rs[5]["phases"] if p["parent"] is not None}
+        assert nested == {"grad_sync": "backward"}
     assert len({x["run_id"] for x in recs}) == 1
     # The injected 10 ms forward on rank 1, steps 10-19, and nowhere else.
     fwd = {(x["rank"], x["step"]): next(p["ms"] for p in x["phases"] if p["name"] == "forward")

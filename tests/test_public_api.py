@@ -9,7 +9,7 @@ import sys
 import stepscope
 
 EXPECTED = {
-    "AnalysisError", "Config", "ConfigError", "InstrumentationError", "NullTracer",
+    "AnalysisError", "AutoProfileConfig", "Config", "ConfigError", "InstrumentationError", "NullTracer",
     "PrefetchLoader", "Profiler", "StepscopeError", "StepscopeWarning", "Tracer",
     "__version__", "current", "finish", "init", "phase", "step", "summary", "wrap_h2d",
     "wrap_loader",

@@ -34,6 +34,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AnalysisError",
+    "AutoProfileConfig",
     "Config",
     "ConfigError",
     "InstrumentationError",
@@ -146,6 +147,10 @@ def __getattr__(name: str) -> Any:
         from stepscope.prefetch import PrefetchLoader
 
         return PrefetchLoader
+    if name == "AutoProfileConfig":
+        from stepscope.autoprofile import AutoProfileConfig
+
+        return AutoProfileConfig
     if name == "Profiler":
         from stepscope.profiler import Profiler
 

@@ -352,7 +352,7 @@ def attach_autoprofile(tracer: Tracer) -> AutoProfiler:
             if not view.distributed:
                 view = None
     ap = AutoProfiler(tracer, cfg, view)
-    tracer._autoprofile = ap  # type: ignore[attr-defined]
+    tracer._autoprofile = ap
     tracer.step_end_callbacks.append(ap.on_step_end)
     tracer.finish_callbacks.append(ap.on_finish)
     return ap

@@ -70,6 +70,10 @@ class Config:
         _check_int("flush_every_n_steps", self.flush_every_n_steps, minimum=1)
         _check_int("max_pending_steps", self.max_pending_steps, minimum=1)
         _check_int("log_every_n_steps", self.log_every_n_steps, minimum=0)
+        if self.auto_profile is not False:
+            from stepscope.autoprofile import resolve_auto_profile
+
+            resolve_auto_profile(self.auto_profile)  # raises ConfigError on a bad value
         if self.sink not in SINKS:
             raise ConfigError(f"sink must be one of {SINKS}; got {self.sink!r}")
         if not isinstance(self.out_dir, str | os.PathLike) or not os.fspath(self.out_dir):
@@ -142,7 +146,7 @@ def _normalise_ranks(ranks: Any) -> frozenset[int]:
     return out
 
 
-_ENV_INT = ("start_step", "end_step", "every_n_steps", "flush_every_n_steps")
+_ENV_INT = ("start_step", "end_step", "every_n_steps", "flush_every_n_steps", "log_every_n_steps")
 
 
 def env_overrides(environ: dict[str, str] | os._Environ[str] | None = None) -> dict[str, Any]:

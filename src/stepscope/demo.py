@@ -131,6 +131,7 @@ def _worker(
     seed: int,
     run_id: str,
     progress: bool,
+    log_every: int,
 ) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -155,6 +156,7 @@ def _worker(
         stepscope.init(
             out_dir=out_dir, model=model, optimizer=opt, sink=sink, run_id=run_id,
             auto={"dataloader", "forward", "backward", "optimizer"},
+            log_every_n_steps=log_every,
         )
         loss_fn = nn.CrossEntropyLoss()
         step = 0
@@ -173,7 +175,7 @@ def _worker(
                         value = loss.item()
                 step += 1
                 injector.step = step
-                if progress and rank == 0 and step % 50 == 0:
+                if progress and rank == 0 and step % 50 == 0 and not log_every:
                     print(
                         f"  step {step}/{steps}  loss {value:.3f}  {time.monotonic() - t0:.1f}s",
                         flush=True,
@@ -197,6 +199,7 @@ def launch(
     sink: str = "jsonl",
     seed: int = 0,
     progress: bool = False,
+    log_every_n_steps: int = 0,
 ) -> Path:
     """Run the demo job with one process per rank and return the run directory.
 
@@ -216,7 +219,10 @@ def launch(
     run_id = time.strftime("demo-%Y%m%d-%H%M%S")
     mp.spawn(  # type: ignore[attr-defined]
         _worker,
-        args=(ranks, _free_port(), str(out), steps, tuple(slow), sink, seed, run_id, progress),
+        args=(
+            ranks, _free_port(), str(out), steps, tuple(slow), sink, seed, run_id, progress,
+            log_every_n_steps,
+        ),
         nprocs=ranks,
         join=True,
     )
@@ -241,7 +247,7 @@ def run_demo(out_dir: str, ranks: int = 4, steps: int = 200, slow_rank: int = 1)
         f"{spec.ms:g} ms longer for data in steps {window[0]}-{window[1] - 1}"
     )
     t0 = time.monotonic()
-    out = launch(out_dir, ranks=ranks, steps=steps, slow=(spec,), progress=True)
+    out = launch(out_dir, ranks=ranks, steps=steps, slow=(spec,), progress=True, log_every_n_steps=25)
     print(f"recorded {out}/ in {time.monotonic() - t0:.1f}s\n")
     return _print_report(out)
 

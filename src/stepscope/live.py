@@ -446,7 +446,7 @@ def attach_live(tracer: Tracer) -> LiveView:
         # Import rich now, at init: importing it later on the writer thread holds the GIL
         # long enough to stall a training step (and trip auto-profiling).
         view._console = _console()
-    tracer._live = view  # type: ignore[attr-defined]
+    tracer._live = view
     tracer.step_end_callbacks.append(view.on_step_end)
     tracer.finish_callbacks.append(view.on_finish)
     return view

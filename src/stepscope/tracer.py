@@ -158,6 +158,8 @@ class Tracer:
         self.step_end_callbacks: list[Callable[[Tracer, int], None]] = []
         #: Called as ``fn(tracer)`` at the start of ``finish()``.
         self.finish_callbacks: list[Callable[[Tracer], None]] = []
+        self._live: Any = None  # set by stepscope.live.attach_live
+        self._autoprofile: Any = None  # set by stepscope.autoprofile.attach_autoprofile
         self._install(model, optimizer)
         if config.profile_steps is not None:
             self._start_profiler()

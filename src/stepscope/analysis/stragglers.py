@@ -32,6 +32,7 @@ FLOOR_FRAC = 0.02
 MIN_SEGMENT = 5  # flagged steps needed before a rank is called a straggler
 MAX_GAP = 2  # unflagged samples tolerated inside one segment
 CHRONIC_COVER = 0.8  # a segment spanning this fraction of analysed steps is chronic
+CHRONIC_DENSITY = 0.5  # flagged share of a segment's span (or of the run) for it to count
 
 
 @dataclass
@@ -201,7 +202,7 @@ def _segments(idx: list[int], max_gap: int = MAX_GAP) -> list[list[int]]:
 
 def _confidence(n: int, density: float, ratio: float) -> float:
     # More flagged steps, denser runs and excess further above the threshold all raise it.
-    c = (1.0 - 0.5 ** (n / 3.0)) * min(1.0, density) * min(1.0, ratio / 3.0)
+    c = float((1.0 - 0.5 ** (n / 3.0)) * min(1.0, density) * min(1.0, ratio / 3.0))
     return round(min(0.99, max(0.0, c)), 2)
 
 
@@ -221,10 +222,16 @@ def find_stragglers(
     out: list[dict[str, Any]] = []
     for (rank, name), hits in flagged.items():
         excess_at = dict(hits)
-        for seg in _segments([i for i, _ in hits]):
+        idx = [i for i, _ in hits]
+        segments = _segments(idx)
+        if len(idx) >= CHRONIC_DENSITY * n_steps and idx[-1] - idx[0] + 1 >= CHRONIC_COVER * n_steps:
+            # Flagged on most steps across the run but with noise-sized holes: one chronic
+            # straggler, not a string of windows.
+            segments = [idx]
+        for seg in segments:
             span = seg[-1] - seg[0] + 1
             density = len(seg) / span
-            if len(seg) < min_n or density < 0.6:
+            if len(seg) < min_n or density < CHRONIC_DENSITY:
                 continue
             ex = sorted(excess_at[i] for i in seg)
             med = ex[len(ex) // 2] if len(ex) % 2 else 0.5 * (ex[len(ex) // 2 - 1] + ex[len(ex) // 2])

@@ -5,6 +5,11 @@
   them; it closes from an autograd *final callback* queued one level deep, so it runs after
   every other end-of-backward callback, DDP's gradient all-reduce wait included. That is
   what makes a rank that waits in the all-reduce show a long backward.
+- grad_sync (distributed only): nested in backward, from the moment this rank's last
+  parameter gradient is accumulated (its arrival at the gradient all-reduce) to the end of
+  backward. A rank slow in backward *compute* arrives late and has a short grad_sync; the
+  ranks that wait for it have a long one. Which parameter finishes last is learnt on the
+  first distributed backward (a hook on every parameter, once), then one hook remains.
 - optimizer: ``Optimizer.register_step_pre_hook``/``register_step_post_hook``.
 """
 
@@ -39,13 +44,26 @@ def _first_grad_tensors(output: Any, limit: int = 4) -> list[torch.Tensor]:
     return found
 
 
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 class _ModelHooks:
-    def __init__(self, tracer: Tracer, forward: bool, backward: bool) -> None:
+    def __init__(self, tracer: Tracer, model: torch.nn.Module, forward: bool, backward: bool) -> None:
         self.tracer = tracer
+        self.model = model
         self.forward = forward
         self.backward = backward
         self._fwd: list[Any] = []
         self._bwd: Any = None
+        self._sync: Any = None
+        # grad_sync state: None = not decided yet, False = off (not distributed).
+        self._sync_param: torch.Tensor | bool | None = None
+        self._calibration: list[Any] = []
+        self._last_seen: torch.Tensor | None = None
+        self._sync_handle: Any = None
 
     # When dynamo traces a compiled module's hooks, is_compiling() is a constant True, so the
     # hooks trace to nothing: no graph break, and the compiled wrapper's own hooks (called
@@ -80,12 +98,59 @@ class _ModelHooks:
             # behind callbacks queued during backward (DDP's all-reduce finalisation).
             engine = torch.autograd.Variable._execution_engine
             engine.queue_callback(lambda: engine.queue_callback(self._close_backward))
+            if self._sync_param is None:
+                self._start_calibration()
         except Exception as exc:  # protect the job
             tracer._fail(exc)
 
     def _close_backward(self) -> None:
+        if self._sync is not None:
+            self.tracer.close_phase(self._sync)
+            self._sync = None
         token, self._bwd = self._bwd, None
         self.tracer.close_phase(token)
+        if self._calibration:
+            self._finish_calibration()
+
+    # ----------------------------------------------------------- grad_sync marker
+
+    def _start_calibration(self) -> None:
+        if not _distributed():
+            self._sync_param = False
+            return
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if not params:
+            self._sync_param = False
+            return
+
+        def seen(p: torch.Tensor) -> None:
+            self._last_seen = p
+
+        self._calibration = [p.register_post_accumulate_grad_hook(seen) for p in params]
+
+    def _finish_calibration(self) -> None:
+        for h in self._calibration:
+            h.remove()
+        self._calibration = []
+        last = self._last_seen
+        self._last_seen = None
+        if last is None:
+            self._sync_param = False
+            return
+        self._sync_param = last
+        self._sync_handle = last.register_post_accumulate_grad_hook(self._on_last_grad)
+
+    def _on_last_grad(self, p: torch.Tensor) -> None:
+        if self._bwd is not None and self._sync is None and self.tracer._cur is not None:
+            self._sync = self.tracer.open_phase("grad_sync")
+
+    def remove(self) -> None:
+        for h in self._calibration:
+            h.remove()
+        self._calibration = []
+        if self._sync_handle is not None:
+            self._sync_handle.remove()
+            self._sync_handle = None
 
 
 def attach_model(
@@ -94,7 +159,7 @@ def attach_model(
     """Hook ``model``; returns a function that removes the hooks."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
-    hooks = _ModelHooks(tracer, forward, backward)
+    hooks = _ModelHooks(tracer, model, forward, backward)
     handles = [
         model.register_forward_pre_hook(hooks.pre),
         model.register_forward_hook(hooks.post),
@@ -103,6 +168,7 @@ def attach_model(
     def remove() -> None:
         for h in handles:
             h.remove()
+        hooks.remove()
 
     return remove
 

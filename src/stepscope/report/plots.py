@@ -100,7 +100,7 @@ def write_pngs(pd: dict[str, Any], out_dir: Path, stem: str) -> list[Path]:
     import numpy as np
 
     out: list[Path] = []
-    ext = [pd["steps"][0], pd["steps"][-1] + pd["bucket_width"], len(pd["ranks"]) - 0.5, -0.5]
+    ext = (float(pd["steps"][0]), float(pd["steps"][-1] + pd["bucket_width"]), len(pd["ranks"]) - 0.5, -0.5)
 
     def heat(grid: list[list[float | None]], title: str, name: str) -> None:
         arr = np.array([[np.nan if v is None else v for v in row] for row in grid], dtype=float)

@@ -18,7 +18,7 @@ def _pct(x: float | None) -> str:
 
 def _rank_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
     """All ranks when few; otherwise stragglers plus the slowest and most-waiting ranks."""
-    ranks = doc["ranks"]
+    ranks: list[dict[str, Any]] = doc["ranks"]
     if len(ranks) <= MAX_RANK_ROWS:
         return ranks
     keep = {s["rank"] for s in doc["stragglers"]}
