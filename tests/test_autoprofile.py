@@ -176,3 +176,15 @@ def test_slow_rank_captures_and_a_healthy_rank_compares(tmp_path):
     for x in (aff, healthy):
         assert (tmp_path / x["trace"]).exists()
         assert x["trace"].endswith(f"rank{x['rank']}.pt.trace.json.gz")
+    # The run report links the captures and summarises each trace (CPU traces here).
+    from stepscope.analysis.run import analyze_run
+    from stepscope.analysis.triggers import link_triggers
+
+    doc = analyze_run(tmp_path)
+    assert sorted((t["role"], t["rank"]) for t in doc["triggers"]) == [("affected", 1), ("healthy", 0)]
+    for t in doc["triggers"]:
+        assert t["trace_summary"]["platform"] == "cpu", t["trace_summary"]
+    windows = [{"start_step": 20, "end_step": 29}, {"start_step": 80, "end_step": 90}]
+    linked, skipped = link_triggers(tmp_path, windows)
+    assert len(linked) == 2 and skipped == []
+    assert windows[0]["captures"] == [0, 1] and windows[1]["captures"] == []

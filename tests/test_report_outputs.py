@@ -97,3 +97,16 @@ def test_recording_side_does_not_import_analysis_deps() -> None:
     code = ("import sys, stepscope; bad = {'duckdb', 'matplotlib', 'rich'} & set(sys.modules); "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_corrupt_triggers_file_is_reported_not_fatal(tmp_path):
+    from stepscope.analysis.triggers import link_triggers
+
+    (tmp_path / "triggers.jsonl").write_text(
+        '{"trigger_step": 5, "rank": 1, "trace": "traces/missing.pt.trace.json.gz"}\nnot json\n'
+    )
+    windows = [{"start_step": 0, "end_step": 9}]
+    triggers, skipped = link_triggers(tmp_path, windows)
+    assert [t["rank"] for t in triggers] == [1] and triggers[0]["trace_summary"] is None
+    assert windows[0]["captures"] == [0]
+    assert any("line 2" in s for s in skipped) and any("missing" in s for s in skipped)

@@ -15,6 +15,7 @@ from stepscope.analysis.stragglers import (
     find_stragglers,
     find_windows,
 )
+from stepscope.analysis.triggers import link_triggers
 
 #: Version of the JSON document; bump when a key changes meaning.
 REPORT_VERSION = 1
@@ -105,6 +106,8 @@ def _analyze(data: RunData) -> dict[str, Any]:
         "partial": bool(data.skipped),
     }
     verdicts = diagnose(run, phases, ranks, stragglers, windows)
+    triggers, trigger_skips = link_triggers(data.run_dir, windows)
+    run["skipped"].extend(trigger_skips)
     return {
         "run": run,
         "phases": phases,
@@ -112,6 +115,7 @@ def _analyze(data: RunData) -> dict[str, Any]:
         "stragglers": stragglers,
         "windows": windows,
         "verdicts": verdicts,
+        "triggers": triggers,
     }
 
 

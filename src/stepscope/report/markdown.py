@@ -52,6 +52,18 @@ def render_markdown(doc: dict[str, Any], images: list[str] | None = None) -> str
             lines.append(f"| {w['start_step']}–{w['end_step']} | {ranks} | {w['phase']} | "
                          f"{w['slowdown']:.2f}× |")
         lines.append("")
+    if doc.get("triggers"):
+        lines += ["## Auto-profile captures", "",
+                  "| trigger step | rank | role | status | trace | GPU busy | top kernels | reason |",
+                  "|---:|---:|---|---|---|---:|---|---|"]
+        for t in doc["triggers"]:
+            summ = t.get("trace_summary") or {}
+            busy = f"{summ['gpu_busy_pct']:.0f}%" if "gpu_busy_pct" in summ else summ.get("platform", "-")
+            tops = ", ".join(str(k) for k in summ.get("top_kernels", [])) or "-"
+            lines.append(f"| {t['trigger_step']} | {t['rank']} | {t.get('role', '-')} | "
+                         f"{t.get('status', '-')} | `{t.get('trace') or '-'}` | {busy} | {tops} | "
+                         f"{t.get('reason', '')} |")
+        lines.append("")
     lines += ["## Phases", "", "| phase | median ms | p90 ms | p99 ms | max ms | share |",
               "|---|---:|---:|---:|---:|---:|"]
     for name, p in doc["phases"].items():

@@ -30,6 +30,16 @@ def _rank_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
     return [r for r in ranks if r["rank"] in keep]
 
 
+def _trigger_cells(tr: dict[str, Any]) -> list[str]:
+    summ = tr.get("trace_summary") or {}
+    if "gpu_busy_pct" in summ:
+        view = f"{summ['gpu_busy_pct']:.0f}% busy; " + ", ".join(str(k) for k in summ["top_kernels"])
+    else:
+        view = summ.get("error") or (f"{summ['platform']} trace" if summ else "-")
+    return [str(tr["trigger_step"]), str(tr["rank"]), str(tr.get("role", "-")),
+            str(tr.get("status", "-")), str(tr.get("trace") or "-"), view, str(tr.get("reason", ""))]
+
+
 def render_terminal(doc: dict[str, Any], console: Any = None) -> None:
     """Print ``doc`` (from :func:`stepscope.analysis.run.analyze_run`) with rich."""
     from rich.console import Console
@@ -80,6 +90,13 @@ def render_terminal(doc: dict[str, Any], console: Any = None) -> None:
         for w in doc["windows"]:
             ranks = ", ".join(str(r) for r in w["ranks"][:12]) + (" …" if len(w["ranks"]) > 12 else "")
             t.add_row(f"{w['start_step']}–{w['end_step']}", ranks, w["phase"], f"{w['slowdown']:.2f}×")
+        con.print(t)
+    if doc.get("triggers"):
+        t = Table(title="Auto-profile captures (stepscope trace <run>/<trace> for the full analysis)")
+        for c in ("step", "rank", "role", "status", "trace", "GPU busy / top kernels", "reason"):
+            t.add_column(c)
+        for tr in doc["triggers"]:
+            t.add_row(*_trigger_cells(tr))
         con.print(t)
 
     t = Table(title="Phases (all ranks)")
