@@ -181,8 +181,8 @@ def test_slow_rank_captures_and_a_healthy_rank_compares(tmp_path):
     from stepscope.analysis.triggers import link_triggers
 
     doc = analyze_run(tmp_path)
-    assert sorted((t["role"], t["rank"]) for t in doc["triggers"]) == [("affected", 1), ("healthy", 0)]
-    for t in doc["triggers"]:
+    assert sorted((t["role"], t["rank"]) for t in doc["run"]["captures"]) == [("affected", 1), ("healthy", 0)]
+    for t in doc["run"]["captures"]:
         assert t["trace_summary"]["platform"] == "cpu", t["trace_summary"]
     windows = [{"start_step": 20, "end_step": 29}, {"start_step": 80, "end_step": 90}]
     linked, skipped = link_triggers(tmp_path, windows)

@@ -106,7 +106,8 @@ def _analyze(data: RunData) -> dict[str, Any]:
         "partial": bool(data.skipped),
     }
     verdicts = diagnose(run, phases, ranks, stragglers, windows)
-    triggers, trigger_skips = link_triggers(data.run_dir, windows)
+    # Auto-profile captures live under run: the six top-level keys are the contract.
+    run["captures"], trigger_skips = link_triggers(data.run_dir, windows)
     run["skipped"].extend(trigger_skips)
     return {
         "run": run,
@@ -115,7 +116,6 @@ def _analyze(data: RunData) -> dict[str, Any]:
         "stragglers": stragglers,
         "windows": windows,
         "verdicts": verdicts,
-        "triggers": triggers,
     }
 
 

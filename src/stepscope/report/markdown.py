@@ -52,11 +52,11 @@ def render_markdown(doc: dict[str, Any], images: list[str] | None = None) -> str
             lines.append(f"| {w['start_step']}–{w['end_step']} | {ranks} | {w['phase']} | "
                          f"{w['slowdown']:.2f}× |")
         lines.append("")
-    if doc.get("triggers"):
+    if doc["run"].get("captures"):
         lines += ["## Auto-profile captures", "",
                   "| trigger step | rank | role | status | trace | GPU busy | top kernels | reason |",
                   "|---:|---:|---|---|---|---:|---|---|"]
-        for t in doc["triggers"]:
+        for t in doc["run"]["captures"]:
             summ = t.get("trace_summary") or {}
             busy = f"{summ['gpu_busy_pct']:.0f}%" if "gpu_busy_pct" in summ else summ.get("platform", "-")
             tops = ", ".join(str(k) for k in summ.get("top_kernels", [])) or "-"

@@ -91,11 +91,11 @@ def render_terminal(doc: dict[str, Any], console: Any = None) -> None:
             ranks = ", ".join(str(r) for r in w["ranks"][:12]) + (" …" if len(w["ranks"]) > 12 else "")
             t.add_row(f"{w['start_step']}–{w['end_step']}", ranks, w["phase"], f"{w['slowdown']:.2f}×")
         con.print(t)
-    if doc.get("triggers"):
+    if doc["run"].get("captures"):
         t = Table(title="Auto-profile captures (stepscope trace <run>/<trace> for the full analysis)")
         for c in ("step", "rank", "role", "status", "trace", "GPU busy / top kernels", "reason"):
             t.add_column(c)
-        for tr in doc["triggers"]:
+        for tr in doc["run"]["captures"]:
             t.add_row(*_trigger_cells(tr))
         con.print(t)
 
