@@ -86,12 +86,10 @@ class CudaClock:
             self._pool.append(mark)
 
 
-def default_clock(device: Any = None) -> CpuClock | CudaClock:
-    """CUDA events when CUDA is available (and the device, if given, is CUDA), else CPU."""
+def default_clock() -> CpuClock | CudaClock:
+    """CUDA events when CUDA is available, else the CPU clock."""
     import torch
 
-    if device is not None and getattr(device, "type", str(device).split(":")[0]) != "cuda":
-        return CpuClock()
     if torch.cuda.is_available():
         return CudaClock()
     return CpuClock()

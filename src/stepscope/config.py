@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 from stepscope.errors import ConfigError
@@ -52,7 +52,6 @@ class Config:
     auto_profile: Any = False
     #: Run identifier shared by all ranks; default from env or generated.
     run_id: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.auto = _normalise_auto(self.auto)

@@ -11,7 +11,7 @@ import os
 import socket
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,8 +57,6 @@ class _Injector:
     rank: int
     slow: tuple[SlowSpec, ...]
     step: int = 0
-    noise_ms: float = 0.0
-    _rng: Any = field(default=None)
 
     def sleep(self, phase: str) -> None:
         delay = sum(s.delay_s(self.rank, phase, self.step) for s in self.slow)
@@ -253,42 +251,6 @@ def run_demo(out_dir: str, ranks: int = 4, steps: int = 200, slow_rank: int = 1)
 
 
 def _print_report(run_dir: Path) -> int:
-    try:
-        from stepscope.report.render import report_command
-    except ImportError:
-        return _median_table(run_dir)
+    from stepscope.report.render import report_command
+
     return report_command(str(run_dir), as_json=False, markdown=None, html=None)
-
-
-def _median_table(run_dir: Path) -> int:
-    """Fallback report: median ms per rank and phase."""
-    from statistics import median
-
-    from rich.console import Console
-    from rich.table import Table
-
-    from stepscope.records import read_run
-
-    recs = read_run(run_dir)
-    by_rank: dict[int, list[dict[str, Any]]] = {}
-    for r in recs:
-        by_rank.setdefault(r["rank"], []).append(r)
-    names: list[str] = []
-    for r in recs:
-        for p in r["phases"]:
-            if p["name"] not in names:
-                names.append(p["name"])
-    table = Table(title=f"median ms per step — {run_dir}")
-    table.add_column("rank")
-    table.add_column("step")
-    for n in [*names, "residual"]:
-        table.add_column(n, justify="right")
-    for rank, rs in sorted(by_rank.items()):
-        cells = [str(rank), f"{median(r['step_ms'] for r in rs):.2f}"]
-        for n in names:
-            vals = [p["ms"] for r in rs for p in r["phases"] if p["name"] == n]
-            cells.append(f"{median(vals):.2f}" if vals else "-")
-        cells.append(f"{median(r['residual_ms'] for r in rs):.2f}")
-        table.add_row(*cells)
-    Console().print(table)
-    return 0

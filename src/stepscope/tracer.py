@@ -21,12 +21,12 @@ from functools import wraps
 from pathlib import Path
 from typing import Any, TypeVar
 
-from stepscope.clock import Clock, CpuClock, default_clock
+from stepscope.clock import Clock, default_clock
 from stepscope.config import Config
 from stepscope.dist import RankInfo, rank_info
 from stepscope.errors import InstrumentationError, StepscopeWarning
 from stepscope.records import SCHEMA_VERSION
-from stepscope.sinks import BackgroundWriter, MemorySink, Sink, open_sink, write_json_atomic
+from stepscope.sinks import BackgroundWriter, Sink, open_sink, write_json_atomic
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -119,6 +119,7 @@ class Tracer:
         sink: Sink | None = None,
         rank: RankInfo | None = None,
     ) -> None:
+        _check_targets(model, optimizer)
         self.config = config
         self.rank = rank if rank is not None else rank_info()
         self.clock: Clock = clock if clock is not None else default_clock()
@@ -764,10 +765,3 @@ def _default_run_id() -> str:
 def _r(x: float) -> float:
     return round(x, 4)
 
-
-def memory_tracer(config: Config | None = None, **kwargs: Any) -> tuple[Tracer, MemorySink]:
-    """A tracer writing to memory, CPU clock unless given; for tests and notebooks."""
-    sink = MemorySink()
-    cfg = config or Config(out_dir=os.devnull)
-    kwargs.setdefault("clock", CpuClock())
-    return Tracer(cfg, sink=sink, **kwargs), sink

@@ -157,8 +157,6 @@ def attach_model(
     tracer: Tracer, model: torch.nn.Module, *, forward: bool, backward: bool
 ) -> Callable[[], None]:
     """Hook ``model``; returns a function that removes the hooks."""
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
     hooks = _ModelHooks(tracer, model, forward, backward)
     handles = [
         model.register_forward_pre_hook(hooks.pre),
@@ -175,8 +173,6 @@ def attach_model(
 
 def attach_optimizer(tracer: Tracer, optimizer: torch.optim.Optimizer) -> Callable[[], None]:
     """Time ``optimizer.step()`` inside steps; returns a function that removes the hooks."""
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}")
     tokens: list[Any] = []
 
     def pre(opt: Any, args: Any, kwargs: Any) -> None:
