@@ -14,7 +14,7 @@ import threading
 import pytest
 import torch
 
-from stepscope.instrument import h2d
+from stepscope.instrument import gate, h2d
 
 
 @pytest.fixture
@@ -62,7 +62,7 @@ def test_finishing_inside_a_step_lowers_the_flag(mem_tracer, meta_is_device):
     other = mem_tracer(auto={"h2d"})
     torch.ones(2).to("meta")  # outside any step of `other`: must not reach the dead tracer
     other.finish()
-    assert h2d._tls.tracer is None
+    assert gate.current() is None
 
 
 def test_other_threads_are_not_counted(mem_tracer, meta_is_device):

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from stepscope.batch import map_tensors
+from stepscope.instrument import gate
 
 if TYPE_CHECKING:
     from stepscope.tracer import Tracer
@@ -33,7 +34,6 @@ TARGET_DEVICE_TYPES: set[str] = {"cuda"}
 
 
 class _ThreadState(threading.local):
-    tracer: Tracer | None = None
     suppressed = False
 
 
@@ -47,8 +47,8 @@ _installs = 0
 
 
 def set_step_tracer(tracer: Tracer | None) -> None:
-    """Raise (tracer) or lower (None) this thread's in-step flag."""
-    _tls.tracer = tracer
+    """Raise (tracer) or lower (None) this thread's in-step gate (see :mod:`.gate`)."""
+    gate.set_current(tracer)
 
 
 @contextmanager
@@ -76,7 +76,7 @@ def _active() -> Tracer | None:
     # is_compiling first: while dynamo traces, it folds to True and nothing else is touched.
     if _is_compiling():
         return None
-    tracer = _tls.tracer
+    tracer = gate.current()
     if tracer is None or _tls.suppressed:
         return None
     return tracer
@@ -125,7 +125,7 @@ def install_patch() -> Callable[[], None]:
             if _installs == 0:
                 torch.Tensor.to = _orig_to  # type: ignore[method-assign]
                 torch.Tensor.cuda = _orig_cuda  # type: ignore[method-assign]
-        if _tls.tracer is not None:
+        if gate.current() is not None:
             set_step_tracer(None)
 
     return remove

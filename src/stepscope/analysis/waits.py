@@ -1,0 +1,46 @@
+"""Who waited for whom: the one wait rule, used by the report, the live line and traces.
+
+A synchronising collective (an all-reduce, all-gather, reduce-scatter, barrier, DDP's
+gradient all-reduce timed as ``grad_sync``) ends at about the same moment on every rank that
+takes part, however late each arrived. So the rank that arrived last spent the *least* time
+in it, and every other rank's extra time in it is time spent waiting for that rank::
+
+    wait[r] = time_in_collective[r] - min over ranks of time_in_collective
+
+This needs no clock agreement across ranks or hosts: each duration is measured on one rank's
+own clock (host or CUDA events). It holds for one collective instance, and for a sum of
+matched instances when the same rank is last in each (the usual straggler case); where the
+last rank changes from instance to instance, summing first under-states waits, never
+inflates them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TypeVar
+
+K = TypeVar("K")
+
+
+def waits(durations: Mapping[K, float]) -> dict[K, float]:
+    """Each participant's wait in one matched collective: its duration minus the shortest."""
+    if not durations:
+        return {}
+    lo = min(durations.values())
+    return {k: max(0.0, float(d) - lo) for k, d in durations.items()}
+
+
+def last_arriver(durations: Mapping[K, float]) -> K | None:
+    """The participant the others waited for: the one with the shortest time in the collective."""
+    if not durations:
+        return None
+    return min(durations, key=lambda k: durations[k])
+
+
+def sql_wait(ms: str, partition: str) -> str:
+    """The same rule as a DuckDB window expression over rows of one matched collective.
+
+    ``partition`` names the columns that identify one collective instance across ranks
+    (e.g. ``"step, phase, op, pg"``).
+    """
+    return f"greatest({ms} - min({ms}) OVER (PARTITION BY {partition}), 0.0)"
