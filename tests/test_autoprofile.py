@@ -97,7 +97,7 @@ def test_slow_window_is_captured_and_the_healthy_part_is_not(mem_tracer, tmp_pat
     assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.pt.trace.json*")) == [
         t["trace"]
     ]
-    assert tracer._autoprofile.captures == 1
+    assert tracer.autoprofile.captures == 1
 
 
 def test_captures_are_bounded_with_cooldown(mem_tracer, tmp_path):

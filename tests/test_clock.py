@@ -62,7 +62,7 @@ def no_sync(monkeypatch):
 
 def test_cuda_clock_defers_reads_until_events_complete(mem_tracer, no_sync):
     gpu = FakeGpu()
-    tr = mem_tracer(auto=False, clock=CudaClock(lambda: FakeEvent(gpu)), flush_every_n_steps=2)
+    tr = mem_tracer(auto=False, clock=fake_clock(gpu), flush_every_n_steps=2)
     for _ in range(4):
         with tr.step():
             with tr.phase("forward"):
@@ -71,7 +71,7 @@ def test_cuda_clock_defers_reads_until_events_complete(mem_tracer, no_sync):
                 gpu.work(5.0)
             gpu.work(1.0)
     # Nothing completed on the "GPU" yet: flushes found nothing ready and did not wait.
-    assert tr.sink.records == [] and len(tr._pending) == 4
+    assert tr.sink.records == [] and len(tr.resolver.pending) == 4
     gpu.complete()
     tr.finish()
     recs = tr.sink.records
@@ -86,7 +86,7 @@ def test_cuda_clock_defers_reads_until_events_complete(mem_tracer, no_sync):
 
 def test_events_are_pooled_and_reused(mem_tracer, no_sync):
     gpu = FakeGpu()
-    tr = mem_tracer(auto=False, clock=CudaClock(lambda: FakeEvent(gpu)), flush_every_n_steps=1)
+    tr = mem_tracer(auto=False, clock=fake_clock(gpu), flush_every_n_steps=1)
     for _ in range(50):
         with tr.step(), tr.phase("forward"):
             gpu.work(1.0)
@@ -101,13 +101,13 @@ def test_stuck_event_never_stalls_and_drops_are_counted(mem_tracer, no_sync):
     gpu = FakeGpu()
     gpu.stuck = True
     tr = mem_tracer(
-        auto=False, clock=CudaClock(lambda: FakeEvent(gpu)), max_pending_steps=8, flush_every_n_steps=1
+        auto=False, clock=fake_clock(gpu), max_pending_steps=8, flush_every_n_steps=1
     )
     for _ in range(20):
         with tr.step(), tr.phase("forward"):
             gpu.work(1.0)
-    assert len(tr._pending) == 8, "the pending queue is bounded"
-    assert tr.dropped["pending_overflow"] == 12
+    assert len(tr.resolver.pending) == 8, "the pending queue is bounded"
+    assert tr.resolver.dropped["pending_overflow"] == 12
     import stepscope.tracer as tmod
 
     old = tmod.FINISH_TIMEOUT_S
@@ -116,13 +116,13 @@ def test_stuck_event_never_stalls_and_drops_are_counted(mem_tracer, no_sync):
         tr.finish()
     finally:
         tmod.FINISH_TIMEOUT_S = old
-    assert tr.dropped["unresolved_at_finish"] == 8
+    assert tr.resolver.dropped["unresolved_at_finish"] == 8
     assert tr.sink.records == []
 
 
 def test_drop_counts_are_reported_in_the_next_record(mem_tracer):
     gpu = FakeGpu()
-    tr = mem_tracer(auto=False, clock=CudaClock(lambda: FakeEvent(gpu)), max_pending_steps=2)
+    tr = mem_tracer(auto=False, clock=fake_clock(gpu), max_pending_steps=2)
     for _ in range(5):
         with tr.step():
             gpu.work(1.0)
@@ -141,3 +141,7 @@ def test_cpu_clock_is_monotonic_ms():
     a = c.mark()
     b = c.mark()
     assert c.ready(a) and c.elapsed_ms(a, b) >= 0
+
+
+def fake_clock(gpu: FakeGpu) -> CudaClock:
+    return CudaClock(lambda: FakeEvent(gpu), current_device=lambda: 0)

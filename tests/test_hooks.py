@@ -112,5 +112,5 @@ def test_wrong_model_type_is_a_type_error_at_construction():
     from stepscope.config import Config
     from stepscope.sinks import MemorySink
 
-    with pytest.raises(TypeError, match=r"model must be a torch\.nn\.Module"):
+    with pytest.raises(ValueError, match=r"model must be a torch\.nn\.Module"):
         Tracer(Config(out_dir="x"), model=object(), sink=MemorySink())

@@ -72,7 +72,7 @@ def test_callback_passes_init_options_and_summary(tmp_path):
     assert cb.tracer.config.log_every_n_steps == 2
     s = cb.tracer.summary()
     assert s["steps"] == 6 and s["top_phase"] == "dataloader"
-    assert cb.tracer._live.lines, "the live line was printed"
+    assert cb.tracer.live.lines, "the live line was printed"
     assert stepscope.current() is not cb.tracer  # finished and reset at train end
 
 

@@ -44,7 +44,7 @@ def test_tensorboard_scalars_per_phase_per_rank(mem_tracer, tmp_path):
 def test_tensorboard_on_a_disabled_tracer_is_none():
     pytest.importorskip("tensorboard", reason="tensorboard is not installed")
     from stepscope.integrations.tensorboard import attach_tensorboard
-    from stepscope.tracer import NULL_TRACER
+    from stepscope.lifecycle import NULL_TRACER
 
     assert attach_tensorboard(NULL_TRACER) is None
 
@@ -75,7 +75,7 @@ def test_wandb_logs_monotonic_steps_on_its_own_axis(mem_tracer, tmp_path, wandb_
     sink = attach_wandb(tracer, run, commit=True)
     assert sink is not None
     _steps(tracer, 4)
-    tracer._resolve_ready(1.0)  # what the writer thread does at the next flush
+    tracer.flush()  # what the tracer does at the next flush cadence
     with tracer.step(index=1):  # the loop restarts its step count: not logged again
         pass
     _steps(tracer, 4)  # steps 2..5: only 4 and 5 move the axis forward

@@ -159,8 +159,8 @@ class FakeBackend:
 
 
 class FakeTracer:
-    def __init__(self, log: list[tuple[Any, ...]], recording: bool = True) -> None:
-        self.log, self.recording = log, recording
+    def __init__(self, log: list[tuple[Any, ...]], recording: bool = True, enabled: bool = True) -> None:
+        self.log, self.recording, self.enabled = log, recording, enabled
 
     def open_phase(self, name: str) -> str:
         self.log.append(("open", name))
@@ -176,9 +176,11 @@ class FakeTracer:
         self.log.append(("counter", name, value))
 
 
-def fake_loader(source: Any, recording: bool = True, **kwargs: Any) -> tuple[PrefetchLoader, FakeBackend]:
+def fake_loader(
+    source: Any, recording: bool = True, enabled: bool = True, **kwargs: Any
+) -> tuple[PrefetchLoader, FakeBackend]:
     be = FakeBackend()
-    tracer = FakeTracer(be.log, recording)
+    tracer = FakeTracer(be.log, recording, enabled)
     return PrefetchLoader(source, device=CUDA0, tracer=tracer, _backend=be, **kwargs), be
 
 
@@ -603,28 +605,36 @@ def test_objects_with_to_are_moved_on_the_copy_stream() -> None:
     assert isinstance(out[1], np.ndarray)  # numpy leaves pass through
 
 
-def test_not_recording_does_no_extra_work() -> None:
-    loader, be = fake_loader([torch.zeros(1)] * 3, recording=False)
+def test_disabled_tracer_does_no_extra_work() -> None:
+    loader, be = fake_loader([torch.zeros(1)] * 3, recording=False, enabled=False)
     assert len(list(loader)) == 3
     assert not {"open", "close", "side", "counter"} & set(names(be.log))
     assert all(not e.timing for e in be.events)
     assert len(be.events) == 3  # one plain "copy done" event per batch, no start events
 
 
-def test_recording_switched_on_mid_epoch_reports_only_measured_spans() -> None:
+def test_unsampled_steps_report_nothing_but_copies_stay_timed() -> None:
+    loader, be = fake_loader([torch.zeros(1)] * 3, recording=False)
+    assert len(list(loader)) == 3
+    assert not {"open", "close", "side", "counter"} & set(names(be.log))
+
+
+def test_sampling_is_decided_at_hand_over_for_the_consuming_step() -> None:
+    """every_n_steps >= 2: batch N+1 is staged while step N is not sampled, yet step N+1 is.
+    The copy is timed anyway and reported in full when the sampled step consumes it."""
     be = FakeBackend()
     tracer = FakeTracer(be.log, recording=False)
     loader = PrefetchLoader([torch.zeros(1)] * 3, device=CUDA0, tracer=tracer, _backend=be)
     it = iter(loader)
-    next(it)  # batch 1 staged untimed
+    next(it)  # batch 0 handed over unsampled; batch 1 staged while not recording
     tracer.recording = True
     be.log.clear()
-    next(it)  # batch 1: exposed wait and bytes, but no copy span (it was not timed)
-    reported = [e for e in be.log if e[0] in ("open", "side", "counter")]
-    assert reported == [("open", "h2d"), ("counter", "h2d_bytes", 4)]
-    be.log.clear()
-    next(it)  # batch 2 was staged while recording: full report
+    next(it)  # batch 1 consumed by a sampled step: exposed wait, copy span and bytes
     assert [e[0] for e in be.log if e[0] in ("open", "side", "counter")] == ["open", "side", "counter"]
+    tracer.recording = False
+    be.log.clear()
+    next(it)  # an unsampled consumer: nothing reported
+    assert not {"open", "side", "counter"} & set(names(be.log))
 
 
 def test_failure_while_staging_keeps_the_previous_batch() -> None:
@@ -661,7 +671,7 @@ def test_device_resolved_at_first_iteration_and_everything_under_it() -> None:
 
 
 def test_default_tracer_looked_up_when_iteration_starts(monkeypatch: pytest.MonkeyPatch) -> None:
-    import stepscope.tracer
+    import stepscope.lifecycle
 
     be = FakeBackend()
     lookups = itertools.count()
@@ -670,7 +680,7 @@ def test_default_tracer_looked_up_when_iteration_starts(monkeypatch: pytest.Monk
         next(lookups)
         return FakeTracer(be.log)
 
-    monkeypatch.setattr(stepscope.tracer, "current_tracer", fake_current)
+    monkeypatch.setattr(stepscope.lifecycle, "current_tracer", fake_current)
     loader = PrefetchLoader([torch.zeros(1)] * 2, device=CUDA0, _backend=be)
     assert next(lookups) == 0  # not at construction
     assert len(list(loader)) == 2
@@ -697,7 +707,9 @@ def test_real_tracer_gets_exposed_copy_hidden_and_bytes(mem_tracer: Any) -> None
     be = FakeBackend()
     be.copy_ms, be.instant = 5.0, True
     tr = mem_tracer(
-        clock=CudaClock(event_factory=lambda: be.new_event(True)), auto=False, flush_every_n_steps=1
+        clock=CudaClock(event_factory=lambda: be.new_event(True), current_device=lambda: 0),
+        auto=False,
+        flush_every_n_steps=1,
     )
     loader = PrefetchLoader([torch.zeros(8)] * 4, device=CUDA0, tracer=tr, _backend=be)
     for _batch in loader:

@@ -98,7 +98,7 @@ def test_bad_out_dir() -> None:
 def test_step_timer_drives_the_profiler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("RANK", raising=False)
     from stepscope.config import Config
-    from stepscope.tracer import create
+    from stepscope.lifecycle import create
 
     tracer = create(Config(out_dir=str(tmp_path), profile_steps=(1, 3), auto=False))
     model = torch.nn.Linear(8, 2)

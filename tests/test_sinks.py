@@ -127,6 +127,6 @@ def test_error_inside_instrumentation_disables_timing_not_the_job(mem_tracer):
 
 
 def test_bad_model_argument_raises(tmp_path):
-    with pytest.raises(TypeError, match=r"model must be a torch\.nn\.Module"):
+    with pytest.raises(ValueError, match=r"model must be a torch\.nn\.Module"):
         stepscope.init(out_dir=str(tmp_path), model="resnet")
     assert not os.listdir(tmp_path)

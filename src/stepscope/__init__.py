@@ -28,7 +28,8 @@ from stepscope.errors import (
     StepscopeError,
     StepscopeWarning,
 )
-from stepscope.tracer import NullTracer, Tracer, create, current_tracer, set_current
+from stepscope.lifecycle import NullTracer, create, current_tracer, set_current
+from stepscope.tracer import PhaseContext, Tracer, check_phase_name
 
 __version__ = "0.1.0"
 
@@ -114,9 +115,18 @@ def step(index: int | None = None) -> Any:
     return current_tracer().step(index)
 
 
-def phase(name: str) -> Any:
-    """Time a named region inside a step; a context manager and a decorator."""
-    return current_tracer().phase(name)
+def phase(name: str, *, host: bool = False) -> Any:
+    """Time a named region inside a step; a context manager and a decorator.
+
+    The default tracer is looked up each time the region is entered, so a function decorated
+    at import time (before ``init()``) is timed once ``init()`` has run.
+    """
+    tracer = current_tracer()
+    if isinstance(tracer, Tracer):
+        tracer.phase(name, host=host)  # validates the name and the manual/automatic split now
+    else:
+        check_phase_name(name)
+    return PhaseContext(None, name, host)
 
 
 def wrap_loader(loader: Any) -> Any:

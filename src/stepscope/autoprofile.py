@@ -206,7 +206,7 @@ class AutoProfiler:
             self.last_trigger_step = step
             self._arm(step, "affected", hit)
         except Exception as exc:  # protect the job: profiling is optional, training is not
-            tracer._fail(exc)
+            tracer.fail(exc)
 
     def on_finish(self, tracer: Tracer) -> None:
         cap, self._capture = self._capture, None
@@ -223,7 +223,7 @@ class AutoProfiler:
         cfg = self.cfg
         self._cooldown_until = step + 1 + cfg.warmup + cfg.steps + cfg.cooldown
         window = (step + 1 + cfg.warmup, step + 1 + cfg.warmup + cfg.steps)
-        user = self.tracer._profiler
+        user = self.tracer.profiler
         if user is not None and user.enabled and user.step_num < user.end_step:
             # torch.profiler allows one session per process; the user's window wins.
             self._write({**self._base(step, role, info, window), "trace": None, "status": "skipped",
@@ -300,7 +300,7 @@ class AutoProfiler:
             return []
 
         # File I/O belongs on the writer thread, not the training loop.
-        self.tracer._writer.submit(job)
+        self.tracer.submit_background(job)
 
     # -- writer thread (live exchange)
 
@@ -352,7 +352,6 @@ def attach_autoprofile(tracer: Tracer) -> AutoProfiler:
             if not view.distributed:
                 view = None
     ap = AutoProfiler(tracer, cfg, view)
-    tracer._autoprofile = ap
-    tracer.step_end_callbacks.append(ap.on_step_end)
-    tracer.finish_callbacks.append(ap.on_finish)
+    tracer.autoprofile = ap
+    tracer.add_listener(ap)
     return ap

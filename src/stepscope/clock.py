@@ -1,13 +1,31 @@
-"""Clocks behind phase timing: CUDA events resolved later with ``query()``, or perf_counter.
+"""Clocks behind phase timing: CUDA events read only once complete, or ``perf_counter_ns``.
 
-Both clocks share one interface: ``mark()`` takes a timestamp handle in the hot path,
-``ready(mark)`` says (without blocking) whether it can be read, ``elapsed_ms(a, b)`` reads
-it, ``release(mark)`` returns pooled resources.
+Both clocks share one interface. ``mark()`` takes a timestamp handle in the hot path;
+``ready(mark)`` says, without blocking, whether it can be read; ``elapsed_ms(a, b)`` reads
+two ready marks; ``release(mark)`` returns pooled resources. ``same_device(a, b)`` says
+whether two marks can be compared at all.
+
+CUDA specifics, each the fix for a failure seen on real clusters:
+
+- **One event pool per device.** A pooled event that was recorded on GPU 0 raises when
+  recorded again on GPU 1 (one process driving several GPUs, pipeline stages,
+  ``device_map="auto"``). Each mark remembers its device; marks are only compared with
+  marks of the same device.
+- **Device label at the first mark**, not at construction: ``init()`` often runs before
+  ``torch.cuda.set_device``.
+- **No CUDA call off the training thread.** The resolver queries events on the training
+  thread at step exit (see :mod:`stepscope.resolver`); a background thread would create a
+  context on GPU 0 and break CUDA-graph capture.
+- **Wall-clock anchor.** :class:`GpuAnchor` turns "ms after the step's start event" into
+  wall-clock time on the GPU's own timeline, so ranks are placed on one timeline without
+  shifting each by its host-ahead-of-GPU lag.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
+from collections.abc import Callable
 from typing import Any, Protocol
 
 
@@ -19,9 +37,13 @@ class Clock(Protocol):
 
     def ready(self, mark: Any) -> bool: ...
 
+    def same_device(self, a: Any, b: Any) -> bool: ...
+
     def elapsed_ms(self, start: Any, end: Any) -> float: ...
 
     def release(self, mark: Any) -> None: ...
+
+    def foreign(self, mark: Any) -> Any: ...
 
 
 class CpuClock:
@@ -36,54 +58,159 @@ class CpuClock:
     def ready(self, mark: Any) -> bool:
         return True
 
+    def same_device(self, a: Any, b: Any) -> bool:
+        return True
+
     def elapsed_ms(self, start: int, end: int) -> float:
         return (end - start) / 1e6
 
     def release(self, mark: Any) -> None:
         pass
 
+    def foreign(self, mark: Any) -> Any:
+        return mark
+
+
+class CudaMark:
+    """A CUDA event and the device index it belongs to; ``pooled`` if the clock owns it."""
+
+    __slots__ = ("device", "event", "pooled")
+
+    def __init__(self, event: Any, device: int, pooled: bool = True) -> None:
+        self.event = event
+        self.device = device
+        self.pooled = pooled
+
 
 class CudaClock:
-    """CUDA events recorded on the current stream, pooled and reused.
+    """CUDA events recorded on the current stream of the current device, pooled per device.
 
-    ``mark()`` records an event and returns it; nothing here waits for the GPU. The tracer
-    calls ``ready()`` (``Event.query()``) before ``elapsed_ms()`` so that reading a time never
-    blocks the host.
+    ``mark()`` records an event and returns it; nothing here waits for the GPU. Callers check
+    ``ready()`` (``Event.query()``) on both ends before ``elapsed_ms()``, so reading a time
+    never blocks the host.
 
-    ``event_factory`` exists so tests can drive the logic with fake events on CPU.
+    ``event_factory`` and ``current_device`` exist so tests can drive the logic with fake
+    events on CPU.
     """
 
     kind = "cuda"
 
-    def __init__(self, event_factory: Any = None, pool_size: int = 4096, device: str = "cuda") -> None:
-        self.device = device
-        if event_factory is None:
+    def __init__(
+        self,
+        event_factory: Callable[[], Any] | None = None,
+        pool_size: int = 4096,
+        current_device: Callable[[], int] | None = None,
+    ) -> None:
+        if event_factory is None or current_device is None:
             import torch
 
-            self.device = f"cuda:{torch.cuda.current_device()}"
+            if event_factory is None:
 
-            def event_factory() -> Any:
-                return torch.cuda.Event(enable_timing=True)
+                def event_factory() -> Any:
+                    return torch.cuda.Event(enable_timing=True)
 
+            if current_device is None:
+                current_device = torch.cuda.current_device
         self._new = event_factory
-        self._pool: list[Any] = []
+        self._current_device = current_device
+        self._pools: dict[int, list[CudaMark]] = {}
         self._pool_size = pool_size
+        #: ``"cuda:N"`` of the first mark (the training device); "cuda" before any mark.
+        self.device = "cuda"
+        self.device_index: int | None = None
 
-    def mark(self) -> Any:
-        ev = self._pool.pop() if self._pool else self._new()
-        ev.record()
-        return ev
+    def mark(self) -> CudaMark:
+        dev = self._current_device()
+        pool = self._pools.get(dev)
+        if pool:
+            m = pool.pop()
+        else:
+            if self.device_index is None:
+                self.device_index = dev
+                self.device = f"cuda:{dev}"
+            m = CudaMark(self._new(), dev)
+        m.event.record()
+        return m
 
-    def ready(self, mark: Any) -> bool:
-        return bool(mark.query())
+    def ready(self, mark: CudaMark) -> bool:
+        return bool(mark.event.query())
 
-    def elapsed_ms(self, start: Any, end: Any) -> float:
-        # Only called after ready(end) is True, so elapsed_time does not wait on the GPU.
-        return float(start.elapsed_time(end))
+    def same_device(self, a: CudaMark, b: CudaMark) -> bool:
+        return a.device == b.device
 
-    def release(self, mark: Any) -> None:
-        if len(self._pool) < self._pool_size:
-            self._pool.append(mark)
+    def elapsed_ms(self, start: CudaMark, end: CudaMark) -> float:
+        # Only called after ready() is True on both, so elapsed_time does not wait on the GPU.
+        return float(start.event.elapsed_time(end.event))
+
+    def release(self, mark: CudaMark) -> None:
+        if not mark.pooled:
+            return  # someone else's event (e.g. PrefetchLoader's copy events): never reused here
+        pool = self._pools.setdefault(mark.device, [])
+        if len(pool) < self._pool_size:
+            pool.append(mark)
+
+    def foreign(self, event: Any) -> CudaMark:
+        """Wrap an event recorded by someone else (on the current device) as a mark."""
+        return CudaMark(event, self._current_device(), pooled=False)
+
+
+class GpuAnchor:
+    """Places GPU marks on the wall clock without ever waiting for the GPU.
+
+    Every step start is a CUDA event recorded at a known host time ``host_ns``. The GPU runs
+    that event at ``host_ns`` or later (the GPU lags the host, never leads it), so
+    ``host_ns - gpu_offset(event)`` is a lower bound of the GPU-to-wall offset. The tightest
+    bound over recent steps (their maximum) is exact whenever the GPU caught up with the host
+    at one of them (any ``.item()``, any data wait), and it tracks drift because old steps
+    leave the window. Offsets are measured from a base event that is moved forward every
+    ``rebase_ms`` so that float32 ``elapsed_time`` keeps microsecond precision on long runs.
+
+    All methods are called by the resolver on the training thread, with ready marks only.
+    """
+
+    def __init__(self, clock: CudaClock, window: int = 512, rebase_ms: float = 60_000.0) -> None:
+        self._clock = clock
+        self._window = window
+        self._rebase_ms = rebase_ms
+        self._base: CudaMark | None = None
+        self._base_wall_ns = 0  # provisional wall time of the base event
+        self._seen = 0
+        # Sliding maximum of (host_ns - provisional wall ns) over the last ``window`` steps.
+        self._lags: deque[tuple[int, float]] = deque()
+
+    def wall_ns(self, start: CudaMark, host_ns: int) -> int | None:
+        """Wall-clock ns at which the GPU ran ``start``, recorded when the host was at ``host_ns``.
+
+        ``None`` for a mark on another device than the anchor's (the record then has the host
+        entry time only).
+        """
+        clock = self._clock
+        if self._base is None:
+            self._base, self._base_wall_ns = start, host_ns
+        elif not clock.same_device(self._base, start):
+            return None
+        g = clock.elapsed_ms(self._base, start)
+        provisional = self._base_wall_ns + g * 1e6
+        i = self._seen
+        self._seen += 1
+        lag = host_ns - provisional
+        lags = self._lags
+        while lags and lags[-1][1] <= lag:
+            lags.pop()
+        lags.append((i, lag))
+        while lags[0][0] <= i - self._window:
+            lags.popleft()
+        wall = int(provisional + max(0.0, lags[0][1]))
+        if g >= self._rebase_ms:
+            # Move the base forward. Provisional times keep their meaning (the new base's
+            # provisional time is the old base's plus g), so the recorded lags stay valid.
+            old, self._base, self._base_wall_ns = self._base, start, int(provisional)
+            clock.release(old)
+        return wall
+
+    def owns(self, mark: CudaMark) -> bool:
+        """True when ``mark`` is the base event, which the resolver must not release."""
+        return mark is self._base
 
 
 def default_clock() -> CpuClock | CudaClock:

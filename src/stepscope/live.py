@@ -10,9 +10,9 @@ import warnings
 from collections import deque
 from collections.abc import Callable
 from datetime import timedelta
-from statistics import median
 from typing import TYPE_CHECKING, Any
 
+from stepscope.analysis.robust import median
 from stepscope.errors import StepscopeWarning
 
 if TYPE_CHECKING:
@@ -34,25 +34,6 @@ FINISH_WAIT_S = 2.0
 _SIDE_GROUPS: dict[tuple[int, ...], Any] = {}
 
 
-class RecentRecords:
-    """Keeps the last ``WINDOW`` resolved records of one tracer (fed at flush cadence).
-
-    Appended on the writer thread and read from any thread, hence the lock.
-    """
-
-    def __init__(self, window: int = WINDOW) -> None:
-        self.records: deque[dict[str, Any]] = deque(maxlen=window)
-        self._lock = threading.Lock()
-
-    def __call__(self, record: dict[str, Any]) -> None:
-        with self._lock:
-            self.records.append(record)
-
-    def snapshot(self) -> list[dict[str, Any]]:
-        with self._lock:
-            return list(self.records)
-
-
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     """Median step and phase times (ms) and shares of step time over ``records``.
 
@@ -62,6 +43,8 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     if not records:
         return {"steps": 0}
     step_med = median(r["step_ms"] for r in records)
+    # Shares are one statistic over one set of steps: total phase time / total step time.
+    step_total = sum(r["step_ms"] for r in records)
     by_phase: dict[str, list[float]] = {}
     starts: dict[str, list[float]] = {}
     for r in records:
@@ -74,7 +57,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     phases = {
         name: {
             "median_ms": median(v),
-            "share": (sum(v) / n) / step_med if step_med else 0.0,
+            "share": sum(v) / step_total if step_total else 0.0,
             # Mean offset from step start: orders phases on the cross-rank line.
             "start_ms": sum(starts[name]) / len(starts[name]) if name in starts else float("inf"),
         }
@@ -96,11 +79,8 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 def local_summary(tracer: Tracer) -> dict[str, Any]:
     """This rank's summary, plus ``cross_rank`` once a cross-rank exchange has completed."""
-    recent = getattr(tracer, "_recent", None)
-    if recent is None:
-        return {"steps": 0}
-    out = summarize(recent.snapshot())
-    view: LiveView | None = getattr(tracer, "_live", None)
+    out = summarize(tracer.recent_records())
+    view: LiveView | None = tracer.live
     if view is not None and view.latest is not None and view.distributed:
         out["cross_rank"] = dict(view.latest)
     return out
@@ -270,9 +250,9 @@ class LiveView:
             if exchange and self.distributed and not self._broken:
                 self._issue()
             if exchange or log:
-                tracer._writer.submit(lambda: self._writer_job(log))
+                tracer.submit_background(lambda: self._writer_job(log))
         except Exception as exc:  # protect the job: the live view is optional
-            tracer._fail(exc)
+            tracer.fail(exc)
 
     def _issue(self) -> None:
         import torch
@@ -312,7 +292,7 @@ class LiveView:
         # The line describes the last logging interval (Megatron-timer style), not the
         # whole window: a slow stretch of ten steps must not vanish in a 100-step median.
         interval = max(self.log_every, self.exchange_every)
-        return encode_payload(summarize(self.tracer._recent.snapshot()[-interval:]), extras)
+        return encode_payload(summarize(self.tracer.recent_records()[-interval:]), extras)
 
     def _collect(self, wait_s: float = 0.0) -> None:
         with self._collect_lock:
@@ -421,7 +401,7 @@ def attach_live(tracer: Tracer) -> LiveView:
     Called from ``Tracer.__init__`` on every rank when ``log_every_n_steps`` is set, and by
     auto-profiling, which compares against a healthy rank through the same exchange.
     """
-    view: LiveView | None = getattr(tracer, "_live", None)
+    view: LiveView | None = tracer.live
     log_every = tracer.config.log_every_n_steps
     if view is not None:
         if log_every and not view.log_every:
@@ -446,7 +426,6 @@ def attach_live(tracer: Tracer) -> LiveView:
         # Import rich now, at init: importing it later on the writer thread holds the GIL
         # long enough to stall a training step (and trip auto-profiling).
         view._console = _console()
-    tracer._live = view
-    tracer.step_end_callbacks.append(view.on_step_end)
-    tracer.finish_callbacks.append(view.on_finish)
+    tracer.live = view
+    tracer.add_listener(view)
     return view

@@ -123,7 +123,7 @@ def _local_device_index(be: Any) -> int:
 
 
 def _current_tracer() -> Any:
-    from stepscope.tracer import current_tracer
+    from stepscope.lifecycle import current_tracer
 
     return current_tracer()
 
@@ -155,7 +155,7 @@ class _Staged:
 
     batch: Any
     done: Any  # event recorded on the copy stream after the last copy
-    start: Any | None  # timing start event, only when the tracer was recording
+    start: Any | None  # timing start event, only when a tracer was enabled
     nbytes: int
     keepalive: list[Any] = field(default_factory=list)  # pinned sources of the copies
 
@@ -251,7 +251,9 @@ class _CudaPrefetchIter:
             src = map_tensors(self._pinned, raw) if owner.pin_memory else raw
         except Exception as exc:  # e.g. pinned OOM: batch N still goes out, this one fails
             return _Failed(exc)
-        timing = bool(self._tracer.recording)
+        # Time every copy while a tracer lives; whether it is reported is decided at
+        # hand-over, for the step that consumes the batch (sampling may differ by then).
+        timing = bool(getattr(self._tracer, "enabled", False))
         # Safe reuse: the copy stream waits for everything already queued on the consumer
         # stream before copying. Batch memory is allocated on the copy stream, so a batch
         # the caller freed can only be reused by a later copy, and that copy is ordered

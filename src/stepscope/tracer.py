@@ -1,83 +1,151 @@
-"""Tracer: step lifecycle, phase stack, sampling, deferred event resolution, flushing.
+"""Tracer: the step lifecycle, the phase stack and sampling on one rank.
 
-The hot path (inside ``step()``) only takes clock marks and appends small objects to
-lists. Marks are turned into numbers later, when ``Clock.ready`` says they can be read
-without blocking, and records reach the files through a background writer.
+This module is the *recorder* that instruments talk to. Its whole instrument-facing surface
+is a handful of public methods (the recorder protocol): ``open_phase`` / ``close_phase`` /
+``discard_phase``, ``add_side_span``, ``add_counter``, ``add_collective``, ``current_path``,
+``in_step`` and ``recording``. Observers (live view, auto-profiling, metric sinks, the
+heartbeat) are *listeners*: objects with any of ``on_step_end(tracer, index)``,
+``on_record(record)``, ``on_exception(tracer, exc)``, ``on_finish(tracer)``; the tracer does
+not import them (:mod:`stepscope.lifecycle` wires them from the config).
+
+The hot path (inside ``step()``) takes clock marks and appends small objects to lists.
+Everything a step collects before it opens (the dataloader wait, a prefetch hand-over, their
+counters and collectives) goes to one object, the *next step*, which the step adopts when it
+opens. Finished steps go to the :class:`~stepscope.resolver.Resolver`; records reach the files
+through a background writer that makes no CUDA calls.
+
+Steps belong to the thread that opened them. A ``step()`` nested in another, or opened by a
+second thread while one is open, is not timed and warns once: the job is never interrupted.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import os
 import threading
 import time
-import uuid
 import warnings
 import weakref
-from collections import Counter, deque
-from collections.abc import Callable, Iterable
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 from functools import wraps
-from pathlib import Path
 from typing import Any, TypeVar
 
-from stepscope.clock import Clock, default_clock
+from stepscope.clock import Clock, CudaClock, GpuAnchor, default_clock
 from stepscope.config import Config
 from stepscope.dist import RankInfo, rank_info
 from stepscope.errors import InstrumentationError, StepscopeWarning
-from stepscope.records import SCHEMA_VERSION
-from stepscope.sinks import BackgroundWriter, Sink, open_sink, write_json_atomic
+from stepscope.instrument import gate
+from stepscope.resolver import Resolver
+from stepscope.sinks import BackgroundWriter, Sink, open_sink
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 #: How long ``finish()`` keeps polling CUDA events before giving up on them (seconds).
 FINISH_TIMEOUT_S = 5.0
+#: Records kept for ``summary()`` and the live view.
+RECENT_RECORDS = 256
 
 
-class _Span:
-    __slots__ = ("end", "name", "parent", "start")
+class Span:
+    """One timed region: a phase occurrence. ``path`` is ``parent/name`` (``forward/h2d``)."""
 
-    def __init__(self, name: str, parent: str | None, start: Any) -> None:
+    __slots__ = ("end", "end_ms", "host_end", "host_start", "name", "parent", "path", "start", "start_ms")
+
+    def __init__(self, name: str, parent: str | None, start: Any, host: bool) -> None:
         self.name = name
         self.parent = parent
+        self.path = name if parent is None else f"{parent}/{name}"
         self.start = start
         self.end: Any = None
+        self.host_start: int | None = time.perf_counter_ns() if host else None
+        self.host_end: int | None = None
+        self.start_ms = 0.0
+        self.end_ms = 0.0
 
 
-class _Step:
-    __slots__ = ("counters", "end", "index", "side", "spans", "start", "start_unix_ns")
+class Step:
+    """A sampled step: its marks while open and pending, its numbers once resolved."""
 
-    def __init__(self, index: int, start: Any, start_unix_ns: int, spans: list[_Span]) -> None:
+    __slots__ = (
+        "collective_summary",
+        "collectives",
+        "counters",
+        "end",
+        "extra",
+        "gpu_start_unix_ns",
+        "index",
+        "side",
+        "side_ms",
+        "spans",
+        "start",
+        "start_unix_ns",
+        "step_ms",
+    )
+
+    def __init__(self, index: int) -> None:
         self.index = index
-        self.start = start
-        self.start_unix_ns = start_unix_ns
-        self.spans = spans
+        self.start: Any = None
+        self.start_unix_ns = 0
+        self.end: Any = None
+        self.spans: list[Span] = []
         self.side: list[tuple[str, Any, Any]] = []
         self.counters: dict[str, float] = {}
-        self.end: Any = None
+        self.collectives: list[Any] = []
+        self.extra: dict[str, Any] = {}
+        self.step_ms = 0.0
+        self.side_ms: list[tuple[str, float]] = []
+        self.collective_summary: list[dict[str, Any]] | None = None
+        self.gpu_start_unix_ns: int | None = None
+
+    def marks(self) -> Iterator[Any]:
+        """Every clock mark this step holds, each once (start, end, spans, side, collectives)."""
+        start = self.start
+        yield start
+        yield self.end
+        end = self.end
+        for s in self.spans:
+            if s.start is not start:
+                yield s.start
+            if s.end is not end:
+                yield s.end
+        for _, a, b in self.side:
+            yield a
+            yield b
+        for c in self.collectives:
+            yield from c.marks()
 
 
-class _PhaseContext:
+class PhaseContext:
     """``with tracer.phase("x"):`` and ``@tracer.phase("x")``."""
 
-    __slots__ = ("_name", "_tokens", "_tracer")
+    __slots__ = ("_host", "_name", "_tokens", "_tracer")
 
-    def __init__(self, tracer: Tracer, name: str) -> None:
-        self._tracer = tracer
+    def __init__(self, tracer: Tracer | None, name: str, host: bool) -> None:
+        self._tracer = tracer  # None: resolve the default tracer at each use
         self._name = name
-        self._tokens: list[Any] = []
+        self._host = host
+        self._tokens: list[tuple[Any, Any]] = []
 
-    def __enter__(self) -> _PhaseContext:
-        self._tokens.append(self._tracer.open_phase(self._name))
+    def __enter__(self) -> PhaseContext:
+        tracer = self._tracer
+        if tracer is None:
+            from stepscope.lifecycle import current_tracer
+
+            tracer = current_tracer()
+        self._tokens.append((tracer, tracer.open_phase(self._name, host=self._host)))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._tracer.close_phase(self._tokens.pop())
+        tracer, token = self._tokens.pop()
+        tracer.close_phase(token)
 
     def __call__(self, fn: F) -> F:
+        ctx = self
+
         @wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            with self:
+            with ctx:
                 return fn(*args, **kwargs)
 
         return wrapper  # type: ignore[return-value]
@@ -93,8 +161,24 @@ class _StepContext:
         self._tracer._enter_step()
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self._tracer._exit_step()
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        self._tracer._exit_step(exc)
+
+
+class _RecentRecords:
+    """The last resolved records (a listener), for ``summary()`` and the live view."""
+
+    def __init__(self, size: int = RECENT_RECORDS) -> None:
+        self._buf: deque[dict[str, Any]] = deque(maxlen=size)
+        self._lock = threading.Lock()
+
+    def on_record(self, record: dict[str, Any]) -> None:
+        with self._lock:
+            self._buf.append(record)
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return list(self._buf)
 
 
 class Tracer:
@@ -125,53 +209,53 @@ class Tracer:
         self.clock: Clock = clock if clock is not None else default_clock()
         self.run_id = config.run_id or _default_run_id()
         self.enabled = True
-        self.dropped: Counter[str] = Counter()
-        self._dropped_reported: Counter[str] = Counter()
         self._auto_active: set[str] = set()
         self._uninstallers: list[Callable[[], None]] = []
         self._index = 0
+        self._cur: Step | None = None  # the open sampled step
+        self._next: Step | None = None  # what arrived before the next step opened
+        self._stack: list[Span] = []
+        self._owner: int | None = None  # thread that opened the current step
+        self._ignored = threading.local()  # per thread: step() entries not timed (nested, other thread)
         self._in_step = False
-        self._cur: _Step | None = None
-        self._stack: list[_Span] = []
-        self._pre: list[_Span] = []
-        self._pre_unix_ns = 0
-        self._pre_holder: _Step | None = None
-        # Filled by the training thread, emptied by the writer thread's resolver.
-        self._pending: deque[_Step] = deque()
-        self._pending_lock = threading.Lock()
         self._since_flush = 0
-        self._warned = False
+        self._warned: set[str] = set()
+        self._failed = False
         self._finished = False
         self._step_cm = _StepContext(self)
-        self._profiler: Any = None
-        self._listeners: list[Callable[[dict[str, Any]], None]] = []
-        from stepscope.live import RecentRecords
-
-        self._recent = RecentRecords()
+        self._listeners: list[Any] = []
+        self._step_end: list[Callable[[Tracer, int], None]] = []
+        self._forward_seen = False
+        self._sampled_seen = 0
+        self._recent = _RecentRecords()
         self._listeners.append(self._recent)
-        self.device: str = getattr(self.clock, "device", self.clock.kind)
+        anchor = GpuAnchor(self.clock) if isinstance(self.clock, CudaClock) else None
+        self.resolver = Resolver(
+            self.clock,
+            {
+                "run_id": self.run_id,
+                "rank": self.rank.rank,
+                "local_rank": self.rank.local_rank,
+                "world_size": self.rank.world_size,
+                "hostname": self.rank.hostname,
+                "device": self.clock.device,
+            },
+            config.max_pending_steps,
+            anchor,
+            _capture_probe() if anchor is not None else None,
+        )
         self._writer = BackgroundWriter(
             sink if sink is not None else open_sink(config.sink, config.out_dir, self.rank.rank),
-            on_error=self._fail,
+            on_error=self.fail,
         )
-        #: Called as ``fn(tracer, step_index)`` on the training thread after every step
-        #: (sampled or not); must be cheap. Used by the live summary and auto-profiling.
-        self.step_end_callbacks: list[Callable[[Tracer, int], None]] = []
-        #: Called as ``fn(tracer)`` at the start of ``finish()``.
-        self.finish_callbacks: list[Callable[[Tracer], None]] = []
-        self._live: Any = None  # set by stepscope.live.attach_live
-        self._autoprofile: Any = None  # set by stepscope.autoprofile.attach_autoprofile
+        #: Observers attached by :mod:`stepscope.lifecycle` (opaque here), for users and tests.
+        self.profiler: Any = None
+        self.live: Any = None
+        self.autoprofile: Any = None
         self._install(model, optimizer)
-        if config.profile_steps is not None:
-            self._start_profiler()
-        if config.log_every_n_steps:
-            from stepscope.live import attach_live
+        from stepscope.lifecycle import wire
 
-            attach_live(self)
-        if config.auto_profile:
-            from stepscope.autoprofile import attach_autoprofile
-
-            attach_autoprofile(self)
+        wire(self)
         ref = weakref.ref(self)
 
         def _at_exit() -> None:
@@ -194,6 +278,11 @@ class Tracer:
         return self.config.samples(self._index)
 
     @property
+    def in_step(self) -> bool:
+        """True while a sampled step is open (on whichever thread asks)."""
+        return self._cur is not None
+
+    @property
     def step_index(self) -> int:
         """Index of the current step inside ``step()``, else of the next one."""
         return self._index
@@ -203,20 +292,24 @@ class Tracer:
         if index is not None:
             if isinstance(index, bool) or not isinstance(index, int) or index < 0:
                 raise ValueError(f"step index must be a non-negative int; got {index!r}")
-            self._index = index
+            if not self._in_step:
+                self._index = index
         return self._step_cm
 
-    def phase(self, name: str) -> _PhaseContext:
-        """A user-named (or manual canonical) phase: a context manager and a decorator."""
-        if not isinstance(name, str) or not name or name == "residual":
-            raise ValueError(f"phase name must be a non-empty string other than 'residual'; got {name!r}")
+    def phase(self, name: str, *, host: bool = False) -> PhaseContext:
+        """A user-named (or manual canonical) phase: a context manager and a decorator.
+
+        ``host=True`` marks a phase with no GPU work of its own (waiting on a queue, a file,
+        a remote service): on GPU its record carries the host time too (``host_ms``).
+        """
+        check_phase_name(name)
         if name in self._auto_active:
             raise InstrumentationError(
                 f"phase {name!r} is already timed automatically; time it either automatically "
                 f"or with phase({name!r}), not both (pass auto=False or auto={{...}} without "
                 f"{name!r} to init() to time it manually)"
             )
-        return _PhaseContext(self, name)
+        return PhaseContext(self, name, host)
 
     def wrap_loader(self, loader: Iterable[Any]) -> Any:
         """Time the wait for each next batch as ``dataloader``."""
@@ -247,9 +340,41 @@ class Tracer:
 
         return local_summary(self)
 
-    def add_listener(self, fn: Callable[[dict[str, Any]], None]) -> None:
-        """Call ``fn(record)`` for each resolved record (at flush cadence, off the hot path)."""
-        self._listeners.append(fn)
+    def recent_records(self) -> list[dict[str, Any]]:
+        """The last resolved records of this rank (oldest first)."""
+        return self._recent.snapshot()
+
+    def add_listener(self, listener: Any) -> None:
+        """Register an observer: an object with any of ``on_step_end(tracer, index)``,
+        ``on_record(record)``, ``on_exception(tracer, exc)``, ``on_finish(tracer)``; a plain
+        callable is taken as ``on_record``. ``on_record`` runs on the writer thread."""
+        if callable(listener) and not hasattr(listener, "on_record"):
+            fn = listener
+
+            class _OnRecord:
+                def on_record(self, record: dict[str, Any]) -> None:
+                    fn(record)
+
+            listener = _OnRecord()
+        self._listeners.append(listener)
+        if hasattr(listener, "on_step_end"):
+            self._step_end.append(listener.on_step_end)
+
+    def submit_background(self, job: Callable[[], Any]) -> None:
+        """Run ``job()`` on the writer thread (never blocks; no CUDA calls allowed there)."""
+
+        def run() -> list[dict[str, Any]]:
+            job()
+            return []
+
+        self._writer.submit(run)
+
+    def flush(self) -> None:
+        """Hand every record resolved so far to the writer now (it writes them in order)."""
+        if self.enabled and not self._finished:
+            self.resolver.poll()
+            self._since_flush = 0
+            self._writer.submit(self._flush_job())
 
     def finish(self) -> None:
         """Resolve pending events, flush, close files and remove hooks. Idempotent."""
@@ -257,76 +382,152 @@ class Tracer:
             return
         self._finished = True
         atexit.unregister(self._at_exit)
+        for listener in list(self._listeners):
+            fn = getattr(listener, "on_finish", None)
+            if fn is not None:
+                try:
+                    fn(self)
+                except Exception as exc:  # protect the job: finishing must never raise into it
+                    self.fail(exc)
         try:
-            for fn in self.finish_callbacks:
-                fn(self)
-            self._stop_profiler()
             self._uninstall()
-        except Exception as exc:  # protect the job: finishing must never raise into it
-            self._fail(exc)
-        final = (lambda: self._resolve_ready(FINISH_TIMEOUT_S)) if self.enabled else None
+        except Exception as exc:  # protect the job
+            self.fail(exc)
+        if self.enabled:
+            deadline = time.monotonic() + FINISH_TIMEOUT_S
+
+            def late() -> bool:
+                # Polling for late events at finish only; the host never calls synchronize.
+                time.sleep(0.001)
+                return time.monotonic() >= deadline
+
+            try:
+                self.resolver.drain(late)
+            except Exception as exc:  # protect the job
+                self.fail(exc)
+        final = self._flush_job() if self.enabled else None
         closed = self._writer.close(final, timeout=FINISH_TIMEOUT_S + 10.0)
         if not closed:
-            self._warn("the writer did not finish within its timeout; the last records may be missing")
+            self.warn("the writer did not finish within its timeout; the last records may be missing")
+
+    def fail(self, exc: BaseException) -> None:
+        """Report once, turn timing off, and let the training job go on."""
+        if self._failed:
+            return
+        self._failed = True
+        self.enabled = False
+        self._in_step = False
+        self._cur = None
+        self._next = None
+        self._stack.clear()
+        gate.set_current(None)
+        with contextlib.suppress(Exception):  # protect the job: we are already failing
+            self._uninstall()
+        self.warn(f"timing disabled after an internal error: {exc!r}")
+
+    def warn(self, msg: str, key: str | None = None) -> None:
+        """One ``StepscopeWarning`` per ``key`` (default: the message) for this tracer."""
+        key = key or msg
+        if key in self._warned:
+            return
+        self._warned.add(key)
+        # protect the job: warnings configured as errors must not escape into it
+        with contextlib.suppress(Exception):
+            warnings.warn(f"stepscope: {msg}", StepscopeWarning, stacklevel=3)
+
+    def state(self) -> dict[str, Any]:
+        """A cheap snapshot for observers on other threads (heartbeat): step and open phases."""
+        stack = list(self._stack)
+        return {
+            "step": self._index,
+            "in_step": self._in_step,
+            "phase_stack": [s.name for s in stack],
+        }
 
     # ------------------------------------------------- instrument-facing interface
 
-    def open_phase(self, name: str) -> _Span | None:
+    def current_path(self) -> str | None:
+        """Path of the innermost open phase (``forward/h2d``); None outside any phase."""
+        stack = self._stack
+        return stack[-1].path if stack else None
+
+    def open_phase(self, name: str, host: bool = False) -> Span | None:
         """Start timing ``name``; returns a token for :meth:`close_phase` (``None`` = not timed).
 
-        Between steps, the span is kept and attached to the next step (dataloader wait,
-        prefetch wait), whose start moves back to the span's start.
+        Between steps, the span goes to the next step (dataloader wait, prefetch hand-over),
+        whose start moves back to the span's start; while it is open the in-step gate is
+        raised on this thread, so collectives inside a batch fetch are seen.
         """
         if not self.enabled:
             return None
         try:
             if self._in_step:
-                if self._cur is None:
+                cur = self._cur
+                if cur is None:
                     return None
-                parent = self._stack[-1].name if self._stack else None
-                span = _Span(name, parent, self.clock.mark())
-                self._cur.spans.append(span)
+                stack = self._stack
+                span = Span(name, stack[-1].path if stack else None, self.clock.mark(), host)
+                cur.spans.append(span)
             else:
-                if not self.config.samples(self._index):
+                nxt = self._next_step()
+                if nxt is None:
                     return None
-                if not self._pre:
-                    self._pre_unix_ns = time.time_ns()
-                span = _Span(name, None, self.clock.mark())
-                self._pre.append(span)
-            self._stack.append(span)
+                stack = self._stack
+                span = Span(name, stack[-1].path if stack else None, self.clock.mark(), host)
+                if nxt.start is None:
+                    nxt.start = span.start
+                    nxt.start_unix_ns = time.time_ns()
+                nxt.spans.append(span)
+                gate.set_current(self)
+            stack.append(span)
             return span
         except Exception as exc:  # protect the job: timing errors disable timing only
-            self._fail(exc)
+            self.fail(exc)
             return None
 
-    def close_phase(self, token: _Span | None) -> None:
+    def close_phase(self, token: Span | None) -> None:
         if token is None or token.end is not None or not self.enabled:
             return
         try:
             token.end = self.clock.mark()
+            if token.host_start is not None:
+                token.host_end = time.perf_counter_ns()
             stack = self._stack
             if stack and stack[-1] is token:
                 stack.pop()
             elif token in stack:
                 # Backward closes on an autograd thread while a user phase may be open.
                 stack.remove(token)
+            if not self._in_step and not stack:
+                gate.set_current(None)
         except Exception as exc:  # protect the job
-            self._fail(exc)
+            self.fail(exc)
 
-    def discard_phase(self, token: _Span | None) -> None:
-        """Forget an open span (e.g. the loader's wait that ended in StopIteration)."""
+    def discard_phase(self, token: Span | None) -> None:
+        """Forget a span (e.g. the loader's wait that ended in StopIteration)."""
         if token is None:
             return
-        for seq in (self._stack, self._pre, self._cur.spans if self._cur else []):
-            if token in seq:
-                seq.remove(token)
-        self.clock.release(token.start)
+        if token in self._stack:
+            self._stack.remove(token)
+        for step in (self._next, self._cur):
+            if step is not None and token in step.spans:
+                step.spans.remove(token)
+                self._forget(step, token)
+        if not self._in_step and not self._stack:
+            gate.set_current(None)
+
+    def drop_unconsumed(self, token: Span | None) -> None:
+        """Forget a pre-step span that no step has adopted (a loader abandoned by ``break``)."""
+        nxt = self._next
+        if token is not None and nxt is not None and token in nxt.spans:
+            self.discard_phase(token)
 
     def add_side_span(self, name: str, start: Any, end: Any) -> None:
         """A span measured on another stream (e.g. the prefetch copy); not in the step sum."""
         step = self._reporting_step()
         if step is not None:
-            step.side.append((name, start, end))
+            foreign = self.clock.foreign
+            step.side.append((name, foreign(start), foreign(end)))
 
     def add_counter(self, name: str, value: float) -> None:
         """Add ``value`` to the per-step counter ``name`` (e.g. ``h2d_bytes``)."""
@@ -334,205 +535,160 @@ class Tracer:
         if step is not None:
             step.counters[name] = step.counters.get(name, 0) + value
 
+    def add_collective(self, entry: Any) -> None:
+        """Attach one timed collective (an object with ``marks()``) to the step it belongs to."""
+        step = self._reporting_step()
+        if step is not None:
+            step.collectives.append(entry)
+
+    def set_step_fields(self, fields: dict[str, Any]) -> None:
+        """Merge extra top-level record sections (throughput, memory, ...) into the open step."""
+        step = self._cur
+        if step is not None:
+            step.extra.update(fields)
+
     # ------------------------------------------------------------- step lifecycle
 
-    def _reporting_step(self) -> _Step | None:
-        """The step a side span or counter belongs to: the current one, or the next sampled one."""
+    def _next_step(self) -> Step | None:
+        """The step that things reported between steps belong to (None if not sampled)."""
+        nxt = self._next
+        if nxt is not None and nxt.index == self._index:
+            return nxt
+        if nxt is not None:  # the step index moved on (step(index=...)): stale
+            self._drop_next()
+        if not self.config.samples(self._index):
+            return None
+        nxt = self._next = Step(self._index)
+        return nxt
+
+    def _reporting_step(self) -> Step | None:
         if self._in_step:
             return self._cur
-        if not self.recording:
+        if not self.enabled:
             return None
-        # Reported between steps (prefetch): held in a placeholder until the step opens.
-        if self._pre_holder is None or self._pre_holder.index != self._index:
-            self._pre_holder = _Step(self._index, None, 0, [])
-        return self._pre_holder
+        return self._next_step()
+
+    def _drop_next(self) -> None:
+        nxt, self._next = self._next, None
+        if nxt is None:
+            return
+        self._stack = [s for s in self._stack if s not in nxt.spans]
+        rel = self.clock.release
+        for m in nxt.marks():
+            if m is not None:
+                rel(m)
+
+    def _forget(self, step: Step, span: Span) -> None:
+        if step.start is span.start:
+            step.start = step.spans[0].start if step.spans else None
+            if step.start is None:
+                step.start_unix_ns = 0
+        else:
+            self.clock.release(span.start)
+        if span.end is not None:
+            self.clock.release(span.end)
 
     def _enter_step(self) -> None:
         if not self.enabled:
             return
         if self._in_step:
-            raise InstrumentationError("step() is already active; steps cannot be nested")
+            tl = self._ignored
+            tl.n = getattr(tl, "n", 0) + 1
+            if self._owner == threading.get_ident():
+                self.warn("step() entered inside an open step(); the inner one is not timed",
+                          key="nested")
+            else:
+                self.warn("step() entered on a second thread while another thread's step is open; "
+                          "steps are per thread, the second one is not timed", key="threads")
+            return
         try:
             self._in_step = True
+            self._owner = threading.get_ident()
             if not self.config.samples(self._index):
-                self._pre.clear()
+                self._drop_next()
                 return
-            pre = self._pre
-            if pre:
-                step = _Step(self._index, pre[0].start, self._pre_unix_ns, list(pre))
-                pre.clear()
-            else:
-                step = _Step(self._index, self.clock.mark(), time.time_ns(), [])
-            holder = self._pre_holder
-            if holder is not None and holder.index == self._index:
-                step.side, step.counters = holder.side, holder.counters
-                self._pre_holder = None
-            # Spans left open by the pre-step phase (none normally) stay on the stack.
+            step = self._next_step()
+            self._next = None
+            assert step is not None
+            if step.start is None:
+                step.start = self.clock.mark()
+                step.start_unix_ns = time.time_ns()
+            # Pre-step spans still open (none normally) stay on the stack.
             self._stack = [s for s in self._stack if s.end is None]
             self._cur = step
-            if "h2d" in self._auto_active:
-                from stepscope.instrument.h2d import set_step_tracer
-
-                set_step_tracer(self)
+            self._sampled_seen += 1
+            gate.set_current(self)
         except Exception as exc:  # protect the job
-            self._fail(exc)
+            self.fail(exc)
 
-    def _exit_step(self) -> None:
+    def _exit_step(self, exc: BaseException | None = None) -> None:
+        tl = self._ignored
+        n = getattr(tl, "n", 0)
+        if n:  # the matching entry was not timed
+            tl.n = n - 1
+            return
         if not self.enabled:
             self._in_step = False
             return
         try:
             step = self._cur
             if step is not None:
-                if "h2d" in self._auto_active:
-                    from stepscope.instrument.h2d import set_step_tracer
-
-                    set_step_tracer(None)
+                gate.set_current(None)
                 end = self.clock.mark()
                 for span in self._stack:
                     if span.end is None:
                         span.end = end
                 self._stack.clear()
                 step.end = end
-                pending = self._pending
-                pending.append(step)
-                limit = self.config.max_pending_steps
-                if len(pending) > limit:
-                    # Re-checked under the lock: the resolver may have drained it meanwhile.
-                    with self._pending_lock:
-                        while len(pending) > limit:
-                            self._release(pending.popleft())
-                            self.dropped["pending_overflow"] += 1
+                if not self._forward_seen and "forward" in self._auto_active:
+                    self._check_forward(step)
+                self.resolver.add(step)
                 self._since_flush += 1
-                if self._since_flush >= self.config.flush_every_n_steps:
-                    self._since_flush = 0
-                    self._writer.submit(self._resolve_ready)
             self._cur = None
             self._in_step = False
+            self._owner = None
             done = self._index
             self._index += 1
-            if self._profiler is not None:
-                self._profiler.step()
-            for fn in self.step_end_callbacks:
+            if step is not None:
+                self.resolver.poll()
+                if self._since_flush >= self.config.flush_every_n_steps:
+                    self._since_flush = 0
+                    self._writer.submit(self._flush_job())
+            if exc is not None:
+                for listener in self._listeners:
+                    fn = getattr(listener, "on_exception", None)
+                    if fn is not None:
+                        fn(self, exc)
+            for fn in self._step_end:
                 fn(self, done)
-        except Exception as exc:  # protect the job
+        except Exception as err:  # protect the job
             self._in_step = False
-            self._fail(exc)
+            self.fail(err)
 
-    # -------------------------------------------------------------- resolution
+    def _check_forward(self, step: Step) -> None:
+        if any(s.name == "forward" for s in step.spans):
+            self._forward_seen = True
+        elif self._sampled_seen >= 3:
+            self._forward_seen = True  # warn once, then stop checking
+            self.warn(
+                "three sampled steps had no forward span although a model was passed to init(); "
+                "if the model was compiled after init() (torch.compile(model) or model.compile()), "
+                "pass the compiled module to init() instead, or time it with phase('forward')",
+                key="no-forward",
+            )
 
-    def _resolve_ready(self, timeout: float = 0.0) -> list[dict[str, Any]]:
-        """Resolve pending steps, in order, while their marks are ready (writer thread).
+    def _flush_job(self) -> Callable[[], list[dict[str, Any]]]:
+        steps = self.resolver.take_ready()
+        listeners = [fn for fn in (getattr(x, "on_record", None) for x in self._listeners) if fn]
 
-        With ``timeout`` > 0 (at finish) it polls that long for late events, then counts
-        what is still pending as dropped.
-        """
-        deadline = time.monotonic() + timeout
-        pending = self._pending
-        out: list[dict[str, Any]] = []
-        while True:
-            with self._pending_lock:
-                step = pending[0] if pending else None
-                ready = step is not None and self._step_ready(step)
-                if ready:
-                    pending.popleft()
-            if step is None:
-                break
-            if not ready:
-                if time.monotonic() >= deadline:
-                    break
-                # Polling on the writer thread at finish: the host never calls synchronize.
-                time.sleep(0.001)
-                continue
-            out.append(self._resolve(step))
-            self._release(step)
-        if timeout > 0 and pending:
-            with self._pending_lock:
-                self.dropped["unresolved_at_finish"] += len(pending)
-                pending.clear()
-        for fn in self._listeners:
-            for rec in out:
-                fn(rec)
-        return out
+        def job() -> list[dict[str, Any]]:
+            records = self.resolver.build(steps)
+            for fn in listeners:
+                for rec in records:
+                    fn(rec)
+            return records
 
-    def _step_ready(self, step: _Step) -> bool:
-        ready = self.clock.ready
-        if not ready(step.end):
-            return False
-        return all(ready(s.end) for s in step.spans) and all(
-            ready(e) for _, _, e in step.side
-        )
-
-    def _resolve(self, step: _Step) -> dict[str, Any]:
-        el = self.clock.elapsed_ms
-        t0 = step.start
-        phases: dict[str, dict[str, Any]] = {}
-        top = 0.0
-        for s in step.spans:
-            ms = el(s.start, s.end)
-            start_ms = el(t0, s.start)
-            end_ms = el(t0, s.end)
-            p = phases.get(s.name)
-            if p is None:
-                phases[s.name] = {
-                    "name": s.name,
-                    "parent": s.parent,
-                    "ms": ms,
-                    "calls": 1,
-                    "start_ms": start_ms,
-                    "end_ms": end_ms,
-                }
-            else:
-                p["ms"] += ms
-                p["calls"] += 1
-                p["start_ms"] = min(p["start_ms"], start_ms)
-                p["end_ms"] = max(p["end_ms"], end_ms)
-            if s.parent is None:
-                top += ms
-        step_ms = el(t0, step.end)
-        rec: dict[str, Any] = {
-            "schema": SCHEMA_VERSION,
-            "run_id": self.run_id,
-            "rank": self.rank.rank,
-            "local_rank": self.rank.local_rank,
-            "world_size": self.rank.world_size,
-            "hostname": self.rank.hostname,
-            "device": self.device,
-            "step": step.index,
-            "start_unix_ns": step.start_unix_ns,
-            "clock": self.clock.kind,
-            "step_ms": _r(step_ms),
-            "phases": [
-                {**p, "ms": _r(p["ms"]), "start_ms": _r(p["start_ms"]), "end_ms": _r(p["end_ms"])}
-                for p in phases.values()
-            ],
-            "residual_ms": _r(max(0.0, step_ms - top)),
-        }
-        if step.side:
-            side: dict[str, float] = {}
-            for name, a, b in step.side:
-                side[name] = side.get(name, 0.0) + el(a, b)
-            rec["side_ms"] = {k: _r(v) for k, v in side.items()}
-            if "h2d_copy" in side:
-                exposed = phases["h2d"]["ms"] if "h2d" in phases else 0.0
-                rec["h2d_hidden_ms"] = _r(max(0.0, side["h2d_copy"] - exposed))
-        if step.counters:
-            rec["counters"] = dict(step.counters)
-        with self._pending_lock:
-            new_drops = self.dropped - self._dropped_reported
-            self._dropped_reported.update(new_drops)
-        rec["dropped"] = dict(new_drops)
-        return rec
-
-    def _release(self, step: _Step) -> None:
-        rel = self.clock.release
-        rel(step.start)
-        rel(step.end)
-        for s in step.spans:
-            if s.start is not step.start:
-                rel(s.start)
-            if s.end is not step.end:
-                rel(s.end)
+        return job
 
     # ------------------------------------------------------ install / failure
 
@@ -556,212 +712,52 @@ class Tracer:
             self._uninstallers.append(install_patch())
             self._auto_active.add("h2d")
 
-    def _uninstall(self) -> None:
-        if "h2d" in self._auto_active:
-            from stepscope.instrument.h2d import set_step_tracer
+    def add_uninstaller(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` when the tracer finishes (instruments installed from outside)."""
+        self._uninstallers.append(fn)
 
-            set_step_tracer(None)
+    def _uninstall(self) -> None:
+        if gate.current() is self:
+            gate.set_current(None)
         while self._uninstallers:
             try:
                 self._uninstallers.pop()()
             except Exception as exc:  # protect the job: a stale hook handle is harmless
-                self._warn(f"could not remove a hook: {exc!r}")
+                self.warn(f"could not remove a hook: {exc!r}")
         self._auto_active.clear()
 
-    def _start_profiler(self) -> None:
-        from stepscope.profiler import Profiler
 
-        start, end = self.config.profile_steps  # type: ignore[misc]
-        self._profiler = Profiler(
-            out_dir=os.path.join(self.config.out_dir, "traces"),
-            start_step=start,
-            end_step=end,
-            ranks=self.config.ranks,
+def check_phase_name(name: Any) -> None:
+    if not isinstance(name, str) or not name or name == "residual" or "/" in name:
+        raise ValueError(
+            f"phase name must be a non-empty string other than 'residual', without '/'; got {name!r}"
         )
-        self._profiler.start()
-
-    def _stop_profiler(self) -> None:
-        if self._profiler is not None:
-            prof, self._profiler = self._profiler, None
-            prof.stop()
-
-    def _warn(self, msg: str) -> None:
-        # protect the job: warnings configured as errors must not escape into it
-        with contextlib.suppress(Exception):
-            warnings.warn(f"stepscope: {msg}", StepscopeWarning, stacklevel=3)
-
-    def _fail(self, exc: BaseException) -> None:
-        """Report once, turn timing off, and let the training job go on."""
-        if self._warned:
-            return
-        self._warned = True
-        self.enabled = False
-        self._in_step = False
-        self._cur = None
-        self._pre.clear()
-        self._stack.clear()
-        with contextlib.suppress(Exception):  # protect the job: we are already failing
-            self._uninstall()
-        self._warn(f"timing disabled after an internal error: {exc!r}")
 
 
-class NullTracer:
-    """What a disabled (or filtered-out rank's) ``init()`` returns: every call is a no-op."""
+def _capture_probe() -> Callable[[], bool]:
+    import torch
 
-    enabled = False
-    recording = False
-    step_index = 0
-
-    class _Null:
-        __slots__ = ()
-
-        def __enter__(self) -> NullTracer._Null:
-            return self
-
-        def __exit__(self, *exc: object) -> None:
-            return None
-
-        def __call__(self, fn: F) -> F:
-            return fn
-
-    _NULL = _Null()
-
-    def step(self, index: int | None = None) -> NullTracer._Null:
-        return self._NULL
-
-    def phase(self, name: str) -> NullTracer._Null:
-        return self._NULL
-
-    def wrap_loader(self, loader: Any) -> Any:
-        return loader
-
-    def wrap_h2d(self, batch: Any) -> Any:
-        return batch
-
-    def open_phase(self, name: str) -> None:
-        return None
-
-    def close_phase(self, token: Any) -> None:
-        return None
-
-    def discard_phase(self, token: Any) -> None:
-        return None
-
-    def add_side_span(self, name: str, start: Any, end: Any) -> None:
-        return None
-
-    def add_counter(self, name: str, value: float) -> None:
-        return None
-
-    def add_listener(self, fn: Callable[[dict[str, Any]], None]) -> None:
-        return None
-
-    def summary(self) -> dict[str, Any]:
-        return {}
-
-    def finish(self) -> None:
-        return None
-
-
-NULL_TRACER = NullTracer()
-_current: Tracer | NullTracer = NULL_TRACER
-
-
-def current_tracer() -> Tracer | NullTracer:
-    """The default tracer the module-level functions forward to."""
-    return _current
-
-
-def set_current(tracer: Tracer | NullTracer) -> None:
-    global _current
-    _current = tracer
-
-
-def create(
-    config: Config,
-    *,
-    model: Any = None,
-    optimizer: Any = None,
-    clock: Clock | None = None,
-    sink: Sink | None = None,
-) -> Tracer | NullTracer:
-    """Build the tracer ``init()`` asks for, or a no-op one, never raising for runtime trouble.
-
-    Bad arguments were already rejected by ``Config``; what can still go wrong here (an
-    unwritable directory, a broken CUDA runtime) disables timing with one warning.
-    """
-    _check_targets(model, optimizer)
-    if not config.enabled:
-        return NULL_TRACER
-    info = rank_info()
-    if config.ranks is not None and info.rank not in config.ranks:
-        return NULL_TRACER
-    try:
-        if sink is None:
-            Path(config.out_dir).mkdir(parents=True, exist_ok=True)
-        tracer = Tracer(
-            config, model=model, optimizer=optimizer, clock=clock, sink=sink, rank=info
-        )
-        if sink is None and info.rank == (min(config.ranks) if config.ranks else 0):
-            write_json_atomic(Path(config.out_dir) / "meta.json", _meta(tracer))
-        return tracer
-    except Exception as exc:  # protect the job: a bad runtime environment disables timing
-        # protect the job: warnings configured as errors must not escape into it
-        with contextlib.suppress(Exception):
-            warnings.warn(
-                f"stepscope: timing disabled, could not start: {exc!r}", StepscopeWarning, stacklevel=3
-            )
-        return NULL_TRACER
+    if not torch.cuda.is_available():  # fake CUDA clocks in tests: nothing can be capturing
+        return lambda: False
+    return torch.cuda.is_current_stream_capturing
 
 
 def _check_targets(model: Any, optimizer: Any) -> None:
     import torch
 
     if model is not None and not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module or None; got {type(model).__name__}")
+        raise ValueError(f"model must be a torch.nn.Module or None; got {type(model).__name__}")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
+        raise ValueError(
             f"optimizer must be a torch.optim.Optimizer or None; got {type(optimizer).__name__}"
         )
 
 
-def _meta(tracer: Tracer) -> dict[str, Any]:
-    import platform
-
-    import torch
-
-    devices: list[str] = []
-    if torch.cuda.is_available():
-        devices = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    return {
-        "schema": SCHEMA_VERSION,
-        "run_id": tracer.run_id,
-        "created_unix_ns": time.time_ns(),
-        "world_size": tracer.rank.world_size,
-        "hostname": tracer.rank.hostname,
-        "clock": tracer.clock.kind,
-        "config": tracer.config.to_json(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "devices": devices,
-        "python": platform.python_version(),
-        "stepscope": _version(),
-    }
-
-
-def _version() -> str:
-    from stepscope import __version__
-
-    return __version__
-
-
 def _default_run_id() -> str:
+    import os
+    import uuid
+
     for var in ("STEPSCOPE_RUN_ID", "TORCHELASTIC_RUN_ID"):
         if os.environ.get(var):
             return os.environ[var]
     return time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:8]
-
-
-def _r(x: float) -> float:
-    return round(x, 4)
-

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from stepscope.instrument import gate
+
 if TYPE_CHECKING:
     from stepscope.tracer import Tracer
 
@@ -58,6 +60,7 @@ class _ModelHooks:
         self.backward = backward
         self._fwd: list[Any] = []
         self._bwd: Any = None
+        self._bwd_step = -1  # step index the open backward belongs to (stale after a raise)
         self._sync: Any = None
         # grad_sync state: None = not decided yet, False = off (not distributed).
         self._sync_param: torch.Tensor | bool | None = None
@@ -68,13 +71,15 @@ class _ModelHooks:
     # When dynamo traces a compiled module's hooks, is_compiling() is a constant True, so the
     # hooks trace to nothing: no graph break, and the compiled wrapper's own hooks (called
     # eagerly) do the timing. Cheaper than torch.compiler.disable wrappers on every call.
+    # The gate (a thread-local) is raised only on the thread that owns the open sampled
+    # step, so forwards run by other threads (evaluation, EMA) are not counted.
     def pre(self, module: Any, args: Any) -> None:
-        if self.forward and self.tracer._cur is not None and not _is_compiling():
+        if self.forward and not _is_compiling() and gate.current() is self.tracer:
             self._fwd.append(self.tracer.open_phase("forward"))
 
     def post(self, module: Any, args: Any, output: Any) -> None:
         tracer = self.tracer
-        if tracer._cur is None or _is_compiling():
+        if _is_compiling() or gate.current() is not tracer:
             return
         if self.forward and self._fwd:
             tracer.close_phase(self._fwd.pop())
@@ -83,13 +88,20 @@ class _ModelHooks:
                 for t in _first_grad_tensors(output):
                     t.register_hook(self.on_grad)
             except Exception as exc:  # protect the job: an odd output type must not break it
-                tracer._fail(exc)
+                tracer.fail(exc)
 
+    # Gradient hooks and engine callbacks run on autograd's threads (one per device on GPU),
+    # so they cannot use the gate; they were registered only from the owning thread's forward.
     def on_grad(self, grad: Any) -> None:
         tracer = self.tracer
-        if self._bwd is not None or tracer._cur is None:
+        if not tracer.in_step:
             return
+        if self._bwd is not None and self._bwd_step == tracer.step_index:
+            return
+        # A backward of an earlier step that raised never closed: forget it.
+        self._sync = None
         self._bwd = tracer.open_phase("backward")
+        self._bwd_step = tracer.step_index
         if self._bwd is None:
             return
         try:
@@ -101,7 +113,7 @@ class _ModelHooks:
             if self._sync_param is None:
                 self._start_calibration()
         except Exception as exc:  # protect the job
-            tracer._fail(exc)
+            tracer.fail(exc)
 
     def _close_backward(self) -> None:
         if self._sync is not None:
@@ -135,13 +147,15 @@ class _ModelHooks:
         last = self._last_seen
         self._last_seen = None
         if last is None:
-            self._sync_param = False
+            # No parameter accumulated (e.g. torch.autograd.grad for a gradient penalty):
+            # learn on a later backward instead of switching grad_sync off for the run.
+            self._sync_param = None
             return
         self._sync_param = last
         self._sync_handle = last.register_post_accumulate_grad_hook(self._on_last_grad)
 
     def _on_last_grad(self, p: torch.Tensor) -> None:
-        if self._bwd is not None and self._sync is None and self.tracer._cur is not None:
+        if self._bwd is not None and self._sync is None and self.tracer.in_step:
             self._sync = self.tracer.open_phase("grad_sync")
 
     def remove(self) -> None:
@@ -176,11 +190,11 @@ def attach_optimizer(tracer: Tracer, optimizer: torch.optim.Optimizer) -> Callab
     tokens: list[Any] = []
 
     def pre(opt: Any, args: Any, kwargs: Any) -> None:
-        if tracer._cur is not None:
+        if not _is_compiling() and gate.current() is tracer:
             tokens.append(tracer.open_phase("optimizer"))
 
     def post(opt: Any, args: Any, kwargs: Any) -> None:
-        if tokens:
+        if tokens and not _is_compiling():
             tracer.close_phase(tokens.pop())
 
     handles = [optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post)]

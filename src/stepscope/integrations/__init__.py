@@ -10,7 +10,8 @@ import importlib
 from types import ModuleType
 from typing import Any
 
-from stepscope.tracer import NullTracer, Tracer
+from stepscope.lifecycle import NullTracer
+from stepscope.tracer import Tracer
 
 
 def require(module: str, extra: str, what: str) -> ModuleType:

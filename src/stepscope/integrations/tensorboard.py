@@ -9,7 +9,8 @@ from typing import Any
 
 from stepscope.errors import StepscopeWarning
 from stepscope.integrations import require
-from stepscope.tracer import NullTracer, Tracer
+from stepscope.lifecycle import NullTracer
+from stepscope.tracer import Tracer
 
 require("tensorboard", "tensorboard", "stepscope.integrations.tensorboard")
 
