@@ -117,6 +117,9 @@ class NullTracer:
     def warn(self, msg: str, key: str | None = None) -> None:
         return None
 
+    def flush(self) -> None:
+        return None
+
     def finish(self) -> None:
         return None
 

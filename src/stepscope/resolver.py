@@ -181,9 +181,11 @@ class Resolver:
     def build(self, steps: list[Step]) -> list[dict[str, Any]]:
         if self._host_clock:
             steps = [s for s in steps if self._time(s)]
-        with self._lock:
-            new = self.dropped - self._dropped_reported
-            self._dropped_reported.update(new)
+        new: Counter[str] = Counter()
+        if steps:  # counts ride on the next record written, so none is lost in an empty batch
+            with self._lock:
+                new = self.dropped - self._dropped_reported
+                self._dropped_reported.update(new)
         out = []
         for i, step in enumerate(steps):
             out.append(self._record(step, dict(new) if i == 0 else {}))

@@ -463,8 +463,8 @@ class Tracer:
         try:
             if self._in_step:
                 cur = self._cur
-                if cur is None:
-                    return None
+                if cur is None or getattr(self._ignored, "n", 0):
+                    return None  # unsampled, or inside a step() this thread was refused
                 stack = self._stack
                 span = Span(name, stack[-1].path if stack else None, self.clock.mark(), host)
                 cur.spans.append(span)
