@@ -36,7 +36,7 @@ def test_phases_residual_and_absent_phases(mem_tracer):
         assert r["residual_ms"] >= 3.0
         top = sum(p["ms"] for p in r["phases"] if p["parent"] is None)
         assert r["residual_ms"] == pytest.approx(r["step_ms"] - top, abs=0.01)
-        assert r["clock"] == "cpu" and r["schema"] == 1
+        assert r["clock"] == "cpu" and r["schema"] == 2
         assert 0 <= fwd["start_ms"] <= fwd["end_ms"] <= r["step_ms"]
 
 

@@ -4,23 +4,27 @@ One record is one sampled step on one rank, written as one JSON object per line 
 ``rank{R}.jsonl`` (or as one row of the SQLite table ``step_time_samples``)::
 
     {
-      "schema": 1,                      # SCHEMA_VERSION
+      "schema": 2,                      # SCHEMA_VERSION (1 is still read: path = parent/name)
       "run_id": "20261122-...",         # same on every rank of a launch
       "rank": 1, "local_rank": 1, "world_size": 4, "hostname": "node-a",
-      "device": "cpu",                  # or "cuda:1"
+      "device_name": "cpu",             # or "cuda:1" (the device of the step's first mark)
       "step": 17,                       # the training loop's step index
-      "start_unix_ns": 1763...,         # wall clock at step start: aligns ranks on one timeline
+      "start_unix_ns": 1763...,         # host wall clock when the step was entered
+      "gpu_start_unix_ns": 1763...,     # CUDA clock only: when the GPU ran the step start (wall)
       "clock": "cpu",                   # "cpu" (perf_counter_ns) or "cuda" (CUDA events)
       "step_ms": 12.5,                  # first phase (or step entry) to step exit
       "phases": [                       # in order of first start; absent phase = did not happen
-        {"name": "dataloader", "parent": null, "ms": 3.1, "calls": 1,
-         "start_ms": 0.0, "end_ms": 3.1},
-        {"name": "forward", ...}, ...
-      ],
+        {"name": "dataloader", "path": "dataloader", "parent": null, "ms": 3.1, "calls": 1,
+         "start_ms": 0.0, "end_ms": 3.1, "host_ms": 3.1},   # host_ms: host-only phases on GPU
+        {"name": "forward", "path": "forward", ...},
+        {"name": "h2d", "path": "forward/h2d", "parent": "forward", ...}, ...
+      ],                                # keyed by path: a name under two parents is two rows
       "residual_ms": 0.4,               # step_ms - sum(ms of phases whose parent is null)
       "side_ms": {"h2d_copy": 2.0},     # spans on other streams, not part of the step sum
       "counters": {"h2d_bytes": 1048576},
       "h2d_hidden_ms": 1.8,             # only when a PrefetchLoader reported its copy
+      "collectives": [{"phase": "backward", "op": "all_reduce", "pg": "g0-1", ...}],
+      "throughput": {...}, "flops": {...}, "memory": {...}, "device": {...},  # when measured
       "dropped": {"pending_overflow": 0}  # counts since the previous record
     }
 
@@ -38,7 +42,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+#: Schema versions the analysis reads (1 lacks ``path``: it is derived from parent and name).
+READABLE_SCHEMAS: tuple[int, ...] = (1, 2)
 
 #: Canonical phase names, in report order. User-named phases follow, then "residual".
 CANONICAL_PHASES: tuple[str, ...] = ("dataloader", "h2d", "forward", "backward", "optimizer")
@@ -54,9 +60,10 @@ SQLITE_COLUMNS: tuple[tuple[str, str], ...] = (
     ("local_rank", "INTEGER"),
     ("world_size", "INTEGER"),
     ("hostname", "TEXT"),
-    ("device", "TEXT"),
+    ("device_name", "TEXT"),
     ("step", "INTEGER"),
     ("start_unix_ns", "INTEGER"),
+    ("gpu_start_unix_ns", "INTEGER"),
     ("clock", "TEXT"),
     ("step_ms", "REAL"),
     ("phases", "TEXT"),
@@ -65,9 +72,16 @@ SQLITE_COLUMNS: tuple[tuple[str, str], ...] = (
     ("counters", "TEXT"),
     ("h2d_hidden_ms", "REAL"),
     ("dropped", "TEXT"),
+    ("collectives", "TEXT"),
+    ("throughput", "TEXT"),
+    ("flops", "TEXT"),
+    ("memory", "TEXT"),
+    ("device", "TEXT"),
 )
 SQLITE_TABLE = "step_time_samples"
-_JSON_COLUMNS = frozenset({"phases", "side_ms", "counters", "dropped"})
+_JSON_COLUMNS = frozenset(
+    {"phases", "side_ms", "counters", "dropped", "collectives", "throughput", "flops", "memory", "device"}
+)
 
 REQUIRED_KEYS: frozenset[str] = frozenset(
     {"schema", "rank", "step", "start_unix_ns", "clock", "step_ms", "phases"}
@@ -86,16 +100,6 @@ def record_to_row(record: dict[str, Any]) -> tuple[Any, ...]:
         json.dumps(record.get(name)) if name in _JSON_COLUMNS else record.get(name)
         for name, _ in SQLITE_COLUMNS
     )
-
-
-def row_to_record(row: tuple[Any, ...] | list[Any]) -> dict[str, Any]:
-    """Inverse of :func:`record_to_row`; ``None`` fields are dropped like in JSONL."""
-    out: dict[str, Any] = {}
-    for (name, _), value in zip(SQLITE_COLUMNS, row, strict=True):
-        if value is None:
-            continue
-        out[name] = json.loads(value) if name in _JSON_COLUMNS else value
-    return out
 
 
 @dataclass
@@ -145,11 +149,21 @@ def read_sqlite(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
     con = sqlite3.connect(f"file:{os.fspath(path)}?mode=ro", uri=True)
     try:
-        cols = ", ".join(f'"{name}"' for name, _ in SQLITE_COLUMNS)
+        # Columns by name: files written by other stepscope versions have other column sets.
+        present = {r[1] for r in con.execute(f"PRAGMA table_info({SQLITE_TABLE})")}
+        names = [name for name, _ in SQLITE_COLUMNS if name in present]
+        cols = ", ".join(f'"{name}"' for name in names)
         rows = con.execute(f"SELECT {cols} FROM {SQLITE_TABLE} ORDER BY step").fetchall()
     finally:
         con.close()
-    return [row_to_record(r) for r in rows]
+    out = []
+    for row in rows:
+        rec: dict[str, Any] = {}
+        for name, value in zip(names, row, strict=True):
+            if value is not None:
+                rec[name] = json.loads(value) if name in _JSON_COLUMNS else value
+        out.append(rec)
+    return out
 
 
 def read_run(out_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:

@@ -223,6 +223,7 @@ class Resolver:
             **self.identity,
             "step": step.index,
             "start_unix_ns": step.start_unix_ns,
+            "device_name": self.clock.device,
             "clock": self.clock.kind,
             "step_ms": _r(step.step_ms),
             "phases": [

@@ -238,7 +238,6 @@ class Tracer:
                 "local_rank": self.rank.local_rank,
                 "world_size": self.rank.world_size,
                 "hostname": self.rank.hostname,
-                "device": self.clock.device,
             },
             config.max_pending_steps,
             anchor,
@@ -463,8 +462,10 @@ class Tracer:
         try:
             if self._in_step:
                 cur = self._cur
-                if cur is None or getattr(self._ignored, "n", 0):
-                    return None  # unsampled, or inside a step() this thread was refused
+                if cur is None:
+                    return None
+                if getattr(self._ignored, "n", 0) and threading.get_ident() != self._owner:
+                    return None  # inside a step() refused to this (second) thread
                 stack = self._stack
                 span = Span(name, stack[-1].path if stack else None, self.clock.mark(), host)
                 cur.spans.append(span)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from stepscope.errors import AnalysisError
-from stepscope.records import SCHEMA_VERSION, read_sqlite
+from stepscope.records import READABLE_SCHEMAS, SCHEMA_VERSION, read_sqlite
 
 _PHASE_TYPE = (
     "STRUCT(name VARCHAR, parent VARCHAR, ms DOUBLE, calls BIGINT, start_ms DOUBLE, end_ms DOUBLE)[]"
@@ -173,14 +173,14 @@ def _build_tables(con: Any, root: Path, sources: list[Path], skipped: list[str])
     )
     if not schemas:
         raise AnalysisError(f"{root}: no valid step records (every line was corrupt)")
-    if SCHEMA_VERSION not in schemas:
+    if not set(READABLE_SCHEMAS) & set(schemas):
         found = ", ".join(str(s) for s in sorted(schemas))
         raise AnalysisError(
             f"{root}: records use schema version(s) {found}; this stepscope reads schema "
             f"{SCHEMA_VERSION}"
         )
     for ver, n in sorted(schemas.items()):
-        if ver != SCHEMA_VERSION:
+        if ver not in READABLE_SCHEMAS:
             skipped.append(
                 f"{n} record(s) with schema version {ver} skipped (this stepscope reads "
                 f"schema {SCHEMA_VERSION}; mixed versions in one run directory)"
@@ -188,7 +188,7 @@ def _build_tables(con: Any, root: Path, sources: list[Path], skipped: list[str])
 
     con.execute(
         f"""CREATE TABLE rec AS SELECT * FROM raw
-            WHERE {valid} AND schema = {SCHEMA_VERSION} AND step_ms >= 0"""
+            WHERE {valid} AND schema IN {tuple(READABLE_SCHEMAS)} AND step_ms >= 0"""
     )
     con.execute("DROP TABLE raw")
     n_rec, n_pairs = con.execute(
