@@ -15,9 +15,12 @@ def trace_command(path: str, as_json: bool = False, markdown: str | None = None)
     Returns 0 on success, 2 when the input cannot be analysed at all (message on stderr).
     """
     from stepscope.analysis.trace import analyse
+    from stepscope.report.progress import input_bytes, progress
 
     try:
-        doc = analyse(path).to_dict()
+        with progress(input_bytes(path) or None, "stepscope trace: reading", unit="bytes",
+                      track_reads=True, done_desc="stepscope trace: analysing"):
+            doc = analyse(path).to_dict()
     except AnalysisError as e:
         print(f"stepscope trace: {e}", file=sys.stderr)
         return 2
