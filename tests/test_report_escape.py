@@ -123,3 +123,12 @@ def test_trace_terminal_and_markdown_with_hostile_names(tmp_path: Path,
     for block in (b for b in md.split("\n\n") if b.startswith("|")):
         assert len({len(r) for r in _table_rows(block)}) == 1, block
     assert "evil[/]kern\\|el [bold]" in md
+
+
+def test_report_json_is_valid_with_non_finite_numbers(tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    from stepscope.report.render import public
+
+    doc = {"run": {"x": float("nan"), "skipped": []}, "y": [float("inf"), 1.0], "_data": None}
+    text = json.dumps(escape.finite(public(doc)), allow_nan=False)
+    assert json.loads(text) == {"run": {"x": None, "skipped": []}, "y": [None, 1.0]}

@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 from stepscope.errors import AnalysisError
+from stepscope.report.escape import finite
 
 
 def load_document(run_dir: str, keep: bool = False) -> dict[str, Any]:
@@ -45,7 +46,8 @@ def report_command(run_dir: str, as_json: bool, markdown: str | None, html: str 
     note = sys.stderr if as_json else sys.stdout
     try:
         if as_json:
-            json.dump(public(doc), sys.stdout, indent=2)
+            # Non-finite numbers (NaN/inf from bad records) become null: always valid JSON.
+            json.dump(finite(public(doc)), sys.stdout, indent=2, allow_nan=False)
             sys.stdout.write("\n")
             for s in doc["run"]["skipped"]:
                 print(f"stepscope report: skipped: {s}", file=sys.stderr)
