@@ -105,10 +105,8 @@ function heat(box, grid, sc, label, width) {
     if (i >= 0) ctx.strokeRect(xs(w.start_step), i * ch + 1, Math.max(2, xs(w.end_step + 1) - xs(w.start_step)), ch - 2);
   }));
   ctx.fillStyle = '#555'; ctx.textBaseline = 'top';
-  [0, 0.25, 0.5, 0.75, 1].forEach(q => {
-    const st = Math.round(first + q * (span - 1));
-    ctx.fillText(String(st), Math.min(xs(st), c.width - 30), ch * R + 4);
-  });
+  const mag = Math.pow(10, Math.floor(Math.log10(Math.max(span / 4, 1)))), tick = Math.ceil(span / 4 / mag) * mag;
+  for (let st = Math.ceil(first / tick) * tick; st < first + span; st += tick) ctx.fillText(String(st), Math.min(xs(st), c.width - 30), ch * R + 4);
   const tip = document.getElementById('tip');
   c.addEventListener('mousemove', e => {
     const j = Math.floor((e.offsetX - lab) / cw), i = Math.floor(e.offsetY / ch);
@@ -183,9 +181,10 @@ function build() {
   }
   right.appendChild(el('h2', {}, 'Slow step windows'));
   right.appendChild(DOC.windows.length ? table('windows', ['steps', 'ranks', 'phase', 'slowdown', 'captures'], DOC.windows.map(w => [`${w.start_step}–${w.end_step}`, w.ranks.slice(0, 12).join(', ') + (w.ranks.length > 12 ? ' …' : ''), w.phase, w.slowdown.toFixed(2) + '×', capText(w)])) : el('p', {}, 'No slow step window.'));
+  const multiHost = Object.keys(run.hosts).length > 1;
   if (DOC.stragglers.length) {
     right.appendChild(el('h2', {}, 'Stragglers'));
-    right.appendChild(table('stragglers', ['rank', 'host', 'phase', 'excess ms', 'steps', 'from–to', 'waiting ranks'], DOC.stragglers.map(s => [s.rank, s.host || '-', s.phase, f2(s.excess_ms), `${s.steps} (${s.persistence})`, `${s.first_step}–${s.last_step}`, (s.victims || []).join(', ') || '-'])));
+    right.appendChild(table('stragglers', [...(multiHost ? ['rank', 'host'] : ['rank']), 'phase', 'excess ms', 'steps', 'from–to', 'waiting ranks'], DOC.stragglers.map(s => [...(multiHost ? [s.rank, s.host || '-'] : [s.rank]), s.phase, f2(s.excess_ms), `${s.steps} (${s.persistence})`, `${s.first_step}–${s.last_step}`, (s.victims || []).join(', ') || '-'])));
   }
   const rest = el('div', {class: 'rest'}); root.appendChild(rest);
   if (D) {
