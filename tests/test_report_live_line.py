@@ -44,3 +44,15 @@ def test_line_goes_through_tqdm_when_a_bar_is_open(mem_tracer, monkeypatch) -> N
         bar.close()
     assert len(written) >= 4 and all(w.startswith("stepscope step") for w in written)
     assert view._console.file.getvalue() == ""  # nothing printed around the bar
+
+
+def test_phase_name_with_markup_prints_literally() -> None:
+    from rich.text import Text
+
+    from stepscope.live import format_line
+
+    s = {"step": 9, "ranks": 2, "world_size": 2, "step_ms_median": 10.0, "step_ms_max": 12.0,
+         "step_ms_max_rank": 1, "slowest_rank": 1, "slowest_phase": "load[/]\\[bold]x",
+         "slowest_phase_ms": 5.0, "slowest_phase_excess_ms": 2.0, "h2d_share": 0.1,
+         "dataloader_share": 0.2}
+    assert "r1: load[/]\\[bold]x 5.0 ms" in Text.from_markup(format_line(s)).plain

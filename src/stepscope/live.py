@@ -209,11 +209,14 @@ def cross_rank_summary(payloads: list[dict[str, Any] | None], world_size: int) -
 
 
 def format_line(s: dict[str, Any]) -> str:
-    """The one-line live log (rich markup)."""
+    """The one-line live log (rich markup; the phase name is escaped)."""
+    from stepscope.report.escape import one_line
+    from stepscope.report.escape import rich as rich_escape
+
     return (
         f"[bold]stepscope[/] step {s['step']} | {s['ranks']}/{s['world_size']} ranks | "
         f"step {s['step_ms_median']:.1f} ms med, {s['step_ms_max']:.1f} max (r{s['step_ms_max_rank']}) | "
-        f"slowest [bold red]r{s['slowest_rank']}[/]: {s['slowest_phase']} "
+        f"slowest [bold red]r{s['slowest_rank']}[/]: {rich_escape(one_line(s['slowest_phase']))} "
         f"{s['slowest_phase_ms']:.1f} ms ({s['slowest_phase_excess_ms']:+.1f}) | "
         f"exposed h2d {s['h2d_share']:.0%} dl {s['dataloader_share']:.0%}"
     )
