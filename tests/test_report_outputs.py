@@ -65,8 +65,8 @@ def test_html_is_self_contained(run_dir: Path, tmp_path: Path) -> None:
     assert main(["report", str(run_dir), "--html", str(page)]) == 0
     text = page.read_text()
     assert "<script src" not in text and "https://" not in text.split("<script>")[1]
-    data = text.split('id="plotdata">')[1].split("</script>")[0]
-    pd = json.loads(data)
+    data = text.split('id="stepscope-data">')[1].split("</script>")[0]
+    pd = json.loads(data)["plot"]
     assert pd["ranks"] == [0, 1, 2, 3] and pd["phase"] == "dataloader"
     assert len(pd["step_ms"]) == 4 and len(pd["step_ms"][0]) == len(pd["steps"])
     # The slow rank's dataloader cells inside the window stand out.

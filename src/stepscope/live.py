@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 import threading
 import time
 import warnings
@@ -188,11 +189,14 @@ def cross_rank_summary(payloads: list[dict[str, Any] | None], world_size: int) -
 
 
 def format_line(s: dict[str, Any]) -> str:
-    """The one-line live log (rich markup)."""
+    """The one-line live log (rich markup; the phase name is escaped)."""
+    from stepscope.report.escape import one_line
+    from stepscope.report.escape import rich as rich_escape
+
     return (
         f"[bold]stepscope[/] step {s['step']} | {s['ranks']}/{s['world_size']} ranks | "
         f"step {s['step_ms_median']:.1f} ms med, {s['step_ms_max']:.1f} max (r{s['step_ms_max_rank']}) | "
-        f"slowest [bold red]r{s['slowest_rank']}[/]: {s['slowest_phase']} "
+        f"slowest [bold red]r{s['slowest_rank']}[/]: {rich_escape(one_line(s['slowest_phase']))} "
         f"{s['slowest_phase_ms']:.1f} ms ({s['slowest_phase_excess_ms']:+.1f}) | "
         f"exposed h2d {s['h2d_share']:.0%} dl {s['dataloader_share']:.0%}"
     )
@@ -250,7 +254,7 @@ class LiveView:
             if exchange and self.distributed and not self._broken:
                 self._issue()
             if exchange or log:
-                tracer.submit_background(lambda: self._writer_job(log))
+                tracer.submit_background(lambda: self._writer_job(log, step))
         except Exception as exc:  # protect the job: the live view is optional
             tracer.fail(exc)
 
@@ -270,7 +274,7 @@ class LiveView:
 
     # -- writer thread
 
-    def _writer_job(self, log: bool) -> list[dict[str, Any]]:
+    def _writer_job(self, log: bool, at_step: int | None = None) -> list[dict[str, Any]]:
         # Runs as a writer item; the empty list means "no records to write".
         try:
             self._collect()
@@ -279,8 +283,8 @@ class LiveView:
                 self._next = _to_tensor(payload)
             else:
                 self._set_latest([decode_payload(payload)])
-            if log and self.latest is not None:
-                self._print(self.latest)
+            if log:
+                self._print_cadence(at_step)
         except Exception as exc:  # protect the job: a broken view must not stop the writer
             self._break(exc)
         return []
@@ -330,18 +334,45 @@ class LiveView:
         for fn in self.gather_callbacks:
             fn(payloads)
 
+    def _print_cadence(self, at_step: int | None) -> None:
+        """The line due every ``log_every`` steps: always printed, saying why when stale."""
+        label = at_step if at_step is not None else "?"
+        if self.latest is None:
+            self._emit(f"[bold]stepscope[/] step {label} | no cross-rank numbers yet "
+                       "(the first exchange of summaries has not completed)")
+            return
+        fresh = self.exchanges_done > self._printed_at
+        self._printed_at = self.exchanges_done
+        line = format_line(dict(self.latest, step=label))
+        if not fresh and self.distributed:
+            line += f" | (same numbers as before: no new exchange since; data to step {self.latest['step']})"
+        elif at_step is not None and self.latest["step"] < at_step - self.log_every:
+            line += f" | (data to step {self.latest['step']}: records still resolving)"
+        self._emit(line)
+
     def _print(self, summary: dict[str, Any]) -> None:
         self._printed_at = self.exchanges_done
         line = format_line(summary)
+        from rich.text import Text
+
+        plain = Text.from_markup(line).plain
+        if self.lines and self.lines[-1].split(" | ", 1)[-1] == plain.split(" | ", 1)[-1]:
+            return  # nothing new since the last line (finish() right after a cadence)
+        self._emit(line)
+
+    def _emit(self, line: str) -> None:
+        """Print one line: through tqdm when a tqdm bar is active (so the bar is not broken)."""
         if self._console is None:
             self._console = _console()
         from rich.text import Text
 
         plain = Text.from_markup(line).plain
-        if self.lines and self.lines[-1] == plain:
-            return  # nothing new since the last line (finish() right after a cadence)
         self.lines.append(plain)
-        self._console.print(line)
+        bar = _active_tqdm()
+        if bar is not None:
+            bar.write(plain, file=self._console.file)
+        else:
+            self._console.print(line)
 
     def _break(self, exc: BaseException) -> None:
         if self._broken:
@@ -359,9 +390,19 @@ class LiveView:
             self._collect(wait_s=FINISH_WAIT_S)
             # Numbers that arrived after the last printed line (peers were behind): say them.
             if self.log_every and self.printer and self.latest and self.exchanges_done > self._printed_at:
-                self._print(self.latest)
+                self._print(dict(self.latest, step=f"{self._calls - 1} (final)"))
         except Exception as exc:  # protect the job
             self._break(exc)
+
+
+def _active_tqdm() -> Any:
+    """tqdm's class when tqdm is already imported and a bar is open, else None (never imports it)."""
+    mod = sys.modules.get("tqdm.std") or sys.modules.get("tqdm")
+    cls = getattr(mod, "tqdm", None)
+    try:
+        return cls if cls is not None and len(getattr(cls, "_instances", ())) > 0 else None
+    except TypeError:
+        return None
 
 
 def _console() -> Any:

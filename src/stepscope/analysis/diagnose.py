@@ -37,7 +37,16 @@ def _pct(x: float | None) -> str:
 def _ranks_text(ranks: list[int]) -> str:
     if len(ranks) > 8:
         return ", ".join(str(r) for r in ranks[:8]) + f", … ({len(ranks)} ranks)"
+    if len(ranks) > 1:
+        return ", ".join(str(r) for r in ranks[:-1]) + f" and {ranks[-1]}"
     return ", ".join(str(r) for r in ranks)
+
+
+def ranks_subject(ranks: list[int], verb: str, verb_plural: str) -> str:
+    """``rank 0 waits`` / ``ranks 0 and 2 wait``: the subject and its verb, in agreement."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]} {verb}"
+    return f"ranks {_ranks_text(ranks)} {verb_plural}"
 
 
 def _med(values: list[float]) -> float:
@@ -79,9 +88,9 @@ def diagnose(
                 else f"on {s['steps']} steps in the window {s['first_step']}–{s['last_step']}")
         ev = (f"rank {s['rank']}" + (f" (host {s['host']})" if s.get("host") else "")
               + f" spends {s['excess_ms']:.1f} ms more than the median rank in "
-              f"{s['phase']} {when}, {_pct(impact)} of the {step_med:.1f} ms step")
+              f"{s['phase']} {when} ({_pct(impact)} of the run's median step, {step_med:.1f} ms)")
         if s.get("victims"):
-            ev += (f"; ranks {_ranks_text(s['victims'])} wait ≈ {s['victim_wait_ms']:.1f} ms "
+            ev += (f"; {ranks_subject(s['victims'], 'waits', 'wait')} ≈ {s['victim_wait_ms']:.1f} ms "
                    f"per step for it in {sync} (the collective)")
         out.append({"kind": "straggler", "severity": sev, "evidence": ev,
                     "suggestion": f"Look at rank {s['rank']}'s {s['phase']}: "
@@ -92,14 +101,22 @@ def diagnose(
     # Without a culprit, waiting is arrival jitter (OS scheduling, noise): it is reported in
     # the balanced verdict, not raised as an alarm.
     if sync and wait_share >= WAIT_SHARE[0] and (stragglers or windows):
-        waiting = [r["rank"] for r in ranks if (r["wait_share"] or 0.0) >= WAIT_SHARE[0]]
+        # The culprits arrive last: they are what the others wait for, never among the waiters.
+        culprits = {s["rank"] for s in stragglers}
+        waiting = [r for r in ranks
+                   if (r["wait_share"] or 0.0) >= WAIT_SHARE[0] and r["rank"] not in culprits]
+        waiting = waiting or [r for r in ranks if r["rank"] not in culprits] or ranks
+        shown_share = _med([r["wait_share"] or 0.0 for r in waiting])
         cause = (f"rank {stragglers[0]['rank']} ({stragglers[0]['phase']}) arrives last"
                  if stragglers else "arrival order varies from step to step (jitter, no single culprit)")
+        who = ranks_subject([r["rank"] for r in waiting], "spends", "spend")
+        of = "its" if len(waiting) == 1 else "their"
+        med = "" if len(waiting) == 1 else " (median over these ranks)"
         out.append({
             "kind": "comm_wait",
             "severity": "critical" if wait_share >= WAIT_SHARE[1] else "warning",
-            "evidence": f"ranks {_ranks_text(waiting)} spend a median {_pct(wait_share)} of each "
-            f"step waiting in {sync} for the last rank to arrive at the collective; {cause}",
+            "evidence": f"{who} {_pct(shown_share)} of {of} step time{med} waiting in {sync} "
+            f"for the last rank to arrive at the collective; {cause}",
             "suggestion": "Fix the late rank first; then balance per-rank work (equal shard "
             "sizes, sequence-length bucketing) so ranks arrive together",
         })
@@ -111,9 +128,7 @@ def diagnose(
         bottlenecks.append({
             "kind": "input_bound",
             "severity": "critical" if dl >= INPUT_SHARE[1] else "warning",
-            "evidence": f"dataloader takes {_pct(dl)} of step time (median over "
-            f"{len(ranks)} ranks, median {phases['dataloader']['median_ms']:.2f} ms per step over "
-            f"{run['steps']} steps)",
+            "evidence": _input_evidence(dl, phases["dataloader"], len(ranks), run["steps"], step_med),
             "suggestion": "Raise DataLoader num_workers, set persistent_workers=True and "
             "pin_memory=True, increase prefetch_factor, or move decoding/augmentation off the "
             "training process; stepscope.PrefetchLoader overlaps the next batch's copy",
@@ -186,7 +201,7 @@ def diagnose(
         out.append({
             "kind": _window_kind(w["phase"]), "severity": "warning",
             "evidence": f"steps {w['start_step']}–{w['end_step']} are {w['slowdown']:.2f}× the "
-            f"median step on ranks {_ranks_text(w['ranks'])}; {w['phase']} grew most",
+            f"median step on {ranks_subject(w['ranks'], '', '').strip()}; {w['phase']} grew most",
             "suggestion": "Something happened to every rank in that window (checkpoint, "
             "evaluation, shared storage or network contention); correlate with your logs",
         })
@@ -198,13 +213,24 @@ def _balanced_notes(run: dict[str, Any], wait_share: float) -> str:
     al = run["alignment"]
     out = ""
     if al["sync_phase"] and wait_share > 0.0:
-        out += (f"; ranks wait a median {_pct(wait_share)} of each step in {al['sync_phase']} for "
-                "jittery arrivals, with no rank consistently late")
+        out += (f"; ranks wait {_pct(wait_share)} of their step time (median over ranks) in "
+                f"{al['sync_phase']} for jittery arrivals, with no rank consistently late")
     if al["sync_phase"] == "backward" and al["arrival"] == "backward":
         out += ("; note: backward holds the all-reduce and no collective timing was recorded, "
                 "so a rank slow inside backward compute delays every rank equally and cannot be "
                 "singled out")
     return out
+
+
+def _input_evidence(share: float, ph: dict[str, Any], n_ranks: int, steps: int,
+                    step_med: float) -> str:
+    """The input_bound sentence: a share of total time and the per-step median, reconciled."""
+    ev = (f"dataloader takes {_pct(share)} of total step time (median over {n_ranks} "
+          f"rank{'s' if n_ranks != 1 else ''}); per step it takes a median {ph['median_ms']:.2f} ms "
+          f"and a p90 {ph['p90_ms']:.2f} ms over {steps} steps")
+    if step_med and ph["median_ms"] is not None and ph["median_ms"] < 0.5 * share * step_med:
+        ev += ": the time is concentrated in the slow steps, not spread over every step"
+    return ev
 
 
 def _window_kind(phase: str) -> str:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
 from stepscope.errors import AnalysisError
 
@@ -16,9 +15,12 @@ def trace_command(path: str, as_json: bool = False, markdown: str | None = None)
     Returns 0 on success, 2 when the input cannot be analysed at all (message on stderr).
     """
     from stepscope.analysis.trace import analyse
+    from stepscope.report.progress import input_bytes, progress
 
     try:
-        doc = analyse(path).to_dict()
+        with progress(input_bytes(path) or None, "stepscope trace: reading", unit="bytes",
+                      track_reads=True, done_desc="stepscope trace: analysing"):
+            doc = analyse(path).to_dict()
     except AnalysisError as e:
         print(f"stepscope trace: {e}", file=sys.stderr)
         return 2
@@ -38,53 +40,8 @@ def trace_command(path: str, as_json: bool = False, markdown: str | None = None)
     if as_json:
         sys.stdout.write(json.dumps(doc, indent=1) + "\n")
     else:
-        _print_rich(doc)
+        from stepscope.report.trace_terminal import render_trace_terminal
+
+        render_trace_terminal(doc)
     return 0
 
-
-def _print_rich(doc: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    from stepscope.report.trace_markdown import short_name
-
-    con = Console()
-    for r in doc["ranks"]:
-        rows = r["steps"] or ([r["total"]] if r["total"] else [])
-        t = Table(title=f"rank {r['rank']} · {r['platform']} · {Path(r['file']).name}")
-        for col in ("window", "wall ms", "compute", "exp. comm", "exp. memcpy", "idle",
-                    "host wait", "overlap", "kernel sum ms", "launches"):
-            if col == "window":
-                t.add_column(col, no_wrap=True, min_width=16)
-            else:
-                t.add_column(col, justify="right")
-        for s in rows:
-            w = s["wall_us"] or 1.0
-            ov = s["comm_compute_overlap_pct"]
-            t.add_row(
-                s["label"], f"{s['wall_us'] / 1e3:,.2f}", f"{100 * s['compute_us'] / w:.1f}%",
-                f"{100 * s['exposed_comm_us'] / w:.1f}%", f"{100 * s['exposed_memory_us'] / w:.1f}%",
-                f"{100 * s['idle_us'] / w:.1f}%", f"{100 * s['idle_host_wait_us'] / w:.1f}%",
-                "–" if ov is None else f"{ov:.1f}%", f"{s['kernel_sum_us'] / 1e3:,.2f}",
-                str(s["launches"]),
-            )
-        if rows:
-            con.print(t)
-        if r["top_kernels"]:
-            k = Table(title="top kernels")
-            for col in ("kernel", "category", "count", "total ms", "% of sum"):
-                k.add_column(col, justify="left" if col in ("kernel", "category") else "right")
-            for row in r["top_kernels"][:8]:
-                k.add_row(short_name(row["name"], 60), row["category"], str(row["count"]),
-                          f"{row['total_us'] / 1e3:,.2f}", f"{row['pct_of_kernel_sum']:.1f}")
-            con.print(k)
-    cross = doc.get("cross_rank")
-    if cross and cross.get("collectives_matched"):
-        con.print(f"collectives matched across ranks: {cross['collectives_matched']}, "
-                  f"last to arrive: rank {cross['last_arriving_rank']}, waits (µs): "
-                  f"{cross['collective_wait_us']}")
-    con.print("[bold]Diagnosis[/bold]")
-    for d in doc["diagnosis"]:
-        con.print(f" • {d['message']}")
-    for w in list(doc["warnings"]) + [w for r in doc["ranks"] for w in r["warnings"]]:
-        con.print(f"[yellow]warning:[/yellow] {w}")

@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from stepscope.report.escape import md, md_code
 from stepscope.report.plots import have_matplotlib, plot_data, write_pngs
+from stepscope.report.terminal import capture_label, window_captures
 
 
 def _f(x: float | None, nd: int = 2) -> str:
@@ -17,40 +19,41 @@ def render_markdown(doc: dict[str, Any], images: list[str] | None = None) -> str
     run = doc["run"]
     al = run["alignment"]
     lines = [
-        f"# stepscope report — `{run['dir']}`",
+        f"# stepscope report — {md_code(run['dir'])}",
         "",
         f"{run['ranks']} rank(s) on {len(run['hosts'])} host(s), {run['steps']} sampled steps "
-        f"({run['first_step']}–{run['last_step']}), {run['duration']:.1f} s, clock `{run['clock']}`. "
+        f"({run['first_step']}–{run['last_step']}), {run['duration']:.1f} s, clock {md_code(run['clock'])}. "
         f"Median step {_f(run['step_ms']['median'])} ms (p90 {_f(run['step_ms']['p90'])} ms).",
         "",
-        f"Timeline: {al['method']}"
-        + (f"; ranks synchronise in `{al['sync_phase']}`." if al["sync_phase"] else "."),
+        f"Timeline: {md(al['method'])}"
+        + (f"; ranks synchronise in {md_code(al['sync_phase'])}." if al["sync_phase"] else "."),
         "",
     ]
     if run["skipped"]:
         lines += ["**Partial report.** Skipped:", ""]
-        lines += [f"- {s}" for s in run["skipped"]] + [""]
+        lines += [f"- {md(s)}" for s in run["skipped"]] + [""]
     lines += ["## Verdicts", ""]
     for v in doc["verdicts"]:
-        lines += [f"- **{v['severity']} · {v['kind']}** — {v['evidence']}",
-                  f"  - *What to do:* {v['suggestion']}"]
+        lines += [f"- **{md(v['severity'])} · {md(v['kind'])}** — {md(v['evidence'])}",
+                  f"  - *What to do:* {md(v['suggestion'])}"]
     lines.append("")
     if doc["stragglers"]:
         lines += ["## Stragglers", "",
                   "| rank | host | phase | excess ms | steps | first | last | kind | confidence |",
                   "|---:|---|---|---:|---:|---:|---:|---|---:|"]
         for s in doc["stragglers"]:
-            lines.append(f"| {s['rank']} | {s.get('host') or '-'} | {s['phase']} | "
+            lines.append(f"| {s['rank']} | {md(s.get('host') or '-')} | {md(s['phase'])} | "
                          f"{_f(s['excess_ms'])} | {s['steps']} | {s['first_step']} | "
-                         f"{s['last_step']} | {s['persistence']} | {_f(s['confidence'])} |")
+                         f"{s['last_step']} | {md(s['persistence'])} | {_f(s['confidence'])} |")
         lines.append("")
     if doc["windows"]:
-        lines += ["## Slow step windows", "", "| steps | ranks | phase | slowdown |",
-                  "|---|---|---|---:|"]
+        lines += ["## Slow step windows", "", "| steps | ranks | phase | slowdown | captures |",
+                  "|---|---|---|---:|---|"]
         for w in doc["windows"]:
             ranks = ", ".join(str(r) for r in w["ranks"][:16])
-            lines.append(f"| {w['start_step']}–{w['end_step']} | {ranks} | {w['phase']} | "
-                         f"{w['slowdown']:.2f}× |")
+            caps = ", ".join(capture_label(c) for c in window_captures(doc, w)) or "-"
+            lines.append(f"| {w['start_step']}–{w['end_step']} | {ranks} | {md(w['phase'])} | "
+                         f"{w['slowdown']:.2f}× | {md(caps)} |")
         lines.append("")
     if doc["run"].get("captures"):
         lines += ["## Auto-profile captures", "",
@@ -60,28 +63,28 @@ def render_markdown(doc: dict[str, Any], images: list[str] | None = None) -> str
             summ = t.get("trace_summary") or {}
             busy = f"{summ['gpu_busy_pct']:.0f}%" if "gpu_busy_pct" in summ else summ.get("platform", "-")
             tops = ", ".join(str(k) for k in summ.get("top_kernels", [])) or "-"
-            lines.append(f"| {t['trigger_step']} | {t['rank']} | {t.get('role', '-')} | "
-                         f"{t.get('status', '-')} | `{t.get('trace') or '-'}` | {busy} | {tops} | "
-                         f"{t.get('reason', '')} |")
+            lines.append(f"| {md(t['trigger_step'])} | {md(t['rank'])} | {md(t.get('role', '-'))} | "
+                         f"{md(t.get('status', '-'))} | {md_code(t.get('trace') or '-')} | {md(busy)} | "
+                         f"{md(tops)} | {md(t.get('reason', ''))} |")
         lines.append("")
     lines += ["## Phases", "", "| phase | median ms | p90 ms | p99 ms | max ms | share |",
               "|---|---:|---:|---:|---:|---:|"]
     for name, p in doc["phases"].items():
-        label = name if p["parent"] is None else f"{name} (in {p['parent']})"
+        label = md(name) if p["parent"] is None else f"{md(name)} (in {md(p['parent'])})"
         share = "-" if p["share"] is None else f"{100 * p['share']:.1f}%"
         lines.append(f"| {label} | {_f(p['median_ms'])} | {_f(p['p90_ms'])} | "
                      f"{_f(p['p99_ms'])} | {_f(p['max_ms'])} | {share} |")
     lines += ["", "## Ranks", "", "| rank | host | step ms | p90 | own ms | wait ms |",
               "|---:|---|---:|---:|---:|---:|"]
     for r in doc["ranks"][:64]:
-        lines.append(f"| {r['rank']} | {r['host']} | {_f(r['step_ms']['median'])} | "
+        lines.append(f"| {r['rank']} | {md(r['host'])} | {_f(r['step_ms']['median'])} | "
                      f"{_f(r['step_ms']['p90'])} | {_f(r['own_ms']['median'])} | "
                      f"{_f(r['wait_ms']['median'])} |")
     if len(doc["ranks"]) > 64:
         lines.append(f"\n({len(doc['ranks']) - 64} more ranks in the JSON report)")
     lines.append("")
     if images:
-        lines += ["## Plots", ""] + [f"![{Path(i).stem}]({i})" for i in images] + [""]
+        lines += ["## Plots", ""] + [f"![{md(Path(i).stem)}]({i})" for i in images] + [""]
     elif images is not None:
         lines += ["*Plots skipped: install matplotlib (`pip install stepscope[plots]`).*", ""]
     return "\n".join(lines)

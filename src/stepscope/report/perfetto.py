@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from stepscope.errors import AnalysisError
+from stepscope.report.escape import finite
 
 _BATCH = 50_000
 
@@ -29,7 +30,11 @@ def write_perfetto(doc: dict[str, Any], data: Any, path: str) -> int:
 
         def emit(ev: dict[str, Any]) -> None:
             nonlocal first
-            fh.write(("" if first else ",\n") + json.dumps(ev, separators=(",", ":")))
+            try:
+                text = json.dumps(ev, separators=(",", ":"), allow_nan=False)
+            except ValueError:  # NaN/inf from a bad record: null keeps the file valid JSON
+                text = json.dumps(finite(ev), separators=(",", ":"), allow_nan=False)
+            fh.write(("" if first else ",\n") + text)
             first = False
 
         for rank in doc["run"]["rank_ids"]:

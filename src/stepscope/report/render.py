@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 from stepscope.errors import AnalysisError
+from stepscope.report.escape import finite
 
 
 def load_document(run_dir: str, keep: bool = False) -> dict[str, Any]:
@@ -29,9 +30,14 @@ def public(doc: dict[str, Any]) -> dict[str, Any]:
 
 def report_command(run_dir: str, as_json: bool, markdown: str | None, html: str | None) -> int:
     """Run ``stepscope report``; returns the exit code (0 ok, 2 unusable input)."""
+    from stepscope.report.progress import input_bytes, progress
+
     need_rows = bool(markdown or html)
     try:
-        doc = load_document(run_dir, keep=need_rows)
+        # Progress on stderr only when it is a terminal: bytes of rank files read, then analysis.
+        with progress(input_bytes(run_dir, "rank*") or None, "reading rank files", unit="bytes",
+                      track_reads=True, done_desc="analysing (DuckDB)"):
+            doc = load_document(run_dir, keep=need_rows)
     except AnalysisError as exc:
         print(f"stepscope report: {exc}", file=sys.stderr)
         return 2
@@ -40,7 +46,8 @@ def report_command(run_dir: str, as_json: bool, markdown: str | None, html: str 
     note = sys.stderr if as_json else sys.stdout
     try:
         if as_json:
-            json.dump(public(doc), sys.stdout, indent=2)
+            # Non-finite numbers (NaN/inf from bad records) become null: always valid JSON.
+            json.dump(finite(public(doc)), sys.stdout, indent=2, allow_nan=False)
             sys.stdout.write("\n")
             for s in doc["run"]["skipped"]:
                 print(f"stepscope report: skipped: {s}", file=sys.stderr)
@@ -51,12 +58,15 @@ def report_command(run_dir: str, as_json: bool, markdown: str | None, html: str 
         if markdown:
             from stepscope.report.markdown import write_markdown
 
-            written = write_markdown(doc, markdown)
+            with progress(None, "writing markdown and plots"):
+                written = write_markdown(doc, markdown)
             print(f"wrote {', '.join(written)}", file=note)
         if html:
             from stepscope.report.html import write_html
 
-            print(f"wrote {write_html(doc, html)}", file=note)
+            with progress(None, "writing HTML"):
+                page = write_html(doc, html)
+            print(f"wrote {page}", file=note)
     except OSError as exc:
         print(f"stepscope report: cannot write output ({exc})", file=sys.stderr)
         return 2

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from stepscope.report.escape import md, md_code, one_line
+
 
 def _f(v: Any, nd: int = 1) -> str:
     if v is None:
@@ -23,7 +25,7 @@ def _pct(part: float, whole: float) -> str:
 
 def short_name(name: str, width: int = 70) -> str:
     """A kernel name without its argument list, cut to `width` characters."""
-    n = name.replace("(anonymous namespace)::", "").split("(", 1)[0].removeprefix("void ")
+    n = one_line(name).replace("(anonymous namespace)::", "").split("(", 1)[0].removeprefix("void ")
     return n if len(n) <= width else n[: width - 1] + "…"
 
 
@@ -33,10 +35,11 @@ def render_markdown(doc: dict[str, Any]) -> str:
     out.append("## Diagnosis")
     out.append("")
     for d in doc["diagnosis"] or [{"message": "Nothing to diagnose (no GPU activity)."}]:
-        out.append(f"- {d['message']}")
+        out.append(f"- {md(d['message'])}")
     out.append("")
     for r in doc["ranks"]:
-        out.append(f"## Rank {r['rank']} ({r['platform']}, `{r['file'].rsplit('/', 1)[-1]}`)")
+        fname = md_code(str(r["file"]).rsplit("/", 1)[-1])
+        out.append(f"## Rank {md(r['rank'])} ({md(r['platform'])}, {fname})")
         out.append("")
         rows = r["steps"] or ([r["total"]] if r["total"] else [])
         if not rows:
@@ -50,7 +53,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
                 w = s["wall_us"]
                 ov = s["comm_compute_overlap_pct"]
                 out.append(
-                    f"| {s['label']} | {_ms(w)} | {_pct(s['compute_us'], w)} | "
+                    f"| {md(s['label'])} | {_ms(w)} | {_pct(s['compute_us'], w)} | "
                     f"{_pct(s['exposed_comm_us'], w)} | {_pct(s['exposed_memory_us'], w)} | "
                     f"{_pct(s['idle_us'], w)} ({_pct(s['idle_host_wait_us'], w)} / "
                     f"{_pct(s['idle_kernel_wait_us'], w)}) | "
@@ -62,14 +65,14 @@ def render_markdown(doc: dict[str, Any]) -> str:
             out.append("| top kernels | category | count | total ms | mean µs | % of kernel sum |")
             out.append("|---|---|---:|---:|---:|---:|")
             for k in r["top_kernels"][:10]:
-                out.append(f"| `{short_name(k['name'])}` | {k['category']} | {k['count']} | "
+                out.append(f"| {md_code(short_name(k['name']))} | {md(k['category'])} | {k['count']} | "
                            f"{_ms(k['total_us'])} | {_f(k['mean_us'])} | {_f(k['pct_of_kernel_sum'])} |")
             out.append("")
         if r["copies"]:
             out.append("| copies | count | MB | time ms | GB/s |")
             out.append("|---|---:|---:|---:|---:|")
             for kind, c in sorted(r["copies"].items()):
-                out.append(f"| {kind} | {int(c['count'])} | {c['bytes'] / 1e6:,.2f} | "
+                out.append(f"| {md(kind)} | {int(c['count'])} | {c['bytes'] / 1e6:,.2f} | "
                            f"{_ms(c['time_us'])} | {_f(c['gbps'], 2)} |")
             out.append("")
         if r["unclassified_pct"] is not None:
@@ -97,6 +100,6 @@ def render_markdown(doc: dict[str, Any]) -> str:
     if warnings:
         out.append("## Warnings")
         out.append("")
-        out.extend(f"- {w}" for w in warnings)
+        out.extend(f"- {md(w)}" for w in warnings)
         out.append("")
     return "\n".join(out)

@@ -1,0 +1,56 @@
+"""The rich terminal rendering of ``stepscope trace`` (every string from the trace escaped)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from stepscope.report.escape import one_line
+from stepscope.report.escape import rich as esc
+from stepscope.report.terminal import fit_table, make_console
+from stepscope.report.trace_markdown import short_name
+
+
+def render_trace_terminal(doc: dict[str, Any], console: Any = None) -> None:
+    """Print the document of ``stepscope trace --json`` as tables, a diagnosis and warnings."""
+    con = console or make_console()
+    width = con.width
+    for r in doc["ranks"]:
+        rows = r["steps"] or ([r["total"]] if r["total"] else [])
+        cells = []
+        for s in rows:
+            w = s["wall_us"] or 1.0
+            ov = s["comm_compute_overlap_pct"]
+            cells.append([
+                one_line(s["label"]), f"{s['wall_us'] / 1e3:,.2f}", f"{100 * s['compute_us'] / w:.1f}%",
+                f"{100 * s['exposed_comm_us'] / w:.1f}%", f"{100 * s['exposed_memory_us'] / w:.1f}%",
+                f"{100 * s['idle_us'] / w:.1f}%", f"{100 * s['idle_host_wait_us'] / w:.1f}%",
+                "–" if ov is None else f"{ov:.1f}%", f"{s['kernel_sum_us'] / 1e3:,.2f}",
+                str(s["launches"]),
+            ])
+        cols = [(c, "left" if c == "window" else "right")
+                for c in ("window", "wall ms", "compute", "exp. comm", "exp. memcpy", "idle",
+                          "host wait", "overlap", "kernel sum ms", "launches")]
+        title = f"rank {r['rank']} · {one_line(r['platform'])} · {one_line(Path(str(r['file'])).name)}"
+        if cells:
+            con.print(fit_table(esc(title), cols, [[esc(c) for c in row] for row in cells], width,
+                                optional=("launches", "kernel sum ms", "host wait", "overlap"),
+                                plain_rows=cells))
+        if r["top_kernels"]:
+            krows = [[short_name(row["name"], 60), one_line(row["category"]), str(row["count"]),
+                      f"{row['total_us'] / 1e3:,.2f}", f"{row['pct_of_kernel_sum']:.1f}"]
+                     for row in r["top_kernels"][:8]]
+            kcols = [(c, "left" if c in ("kernel", "category") else "right")
+                     for c in ("kernel", "category", "count", "total ms", "% of sum")]
+            con.print(fit_table("top kernels", kcols, [[esc(c) for c in row] for row in krows],
+                                width, optional=("category", "count"), plain_rows=krows))
+    cross = doc.get("cross_rank")
+    if cross and cross.get("collectives_matched"):
+        con.print(f"collectives matched across ranks: {cross['collectives_matched']}, "
+                  f"last to arrive: rank {esc(cross['last_arriving_rank'])}, waits (µs): "
+                  f"{esc(cross['collective_wait_us'])}")
+    con.print("[bold]Diagnosis[/bold]")
+    for d in doc["diagnosis"]:
+        con.print(f" • {esc(one_line(d['message']))}")
+    for w in list(doc["warnings"]) + [w for r in doc["ranks"] for w in r["warnings"]]:
+        con.print(f"[yellow]warning:[/yellow] {esc(one_line(w))}")
