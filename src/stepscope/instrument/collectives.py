@@ -132,7 +132,10 @@ def group_info(group: Any) -> tuple[str, int] | None:
     hit = _groups.get(group)
     if hit is not None:
         return hit
-    ranks = c10d.get_process_group_ranks(group)
+    try:
+        ranks = c10d.get_process_group_ranks(group)
+    except Exception:  # a destroyed (or foreign) group: this call goes untimed, quietly
+        return None
     if c10d.is_initialized() and group is c10d._get_default_group():
         pid = "world"
     else:
