@@ -706,6 +706,12 @@ class NullTracer:
     def add_listener(self, fn: Callable[[dict[str, Any]], None]) -> None:
         return None
 
+    def current_path(self) -> None:  # [collectives]
+        return None
+
+    def add_collective(self, *args: Any, **kwargs: Any) -> None:  # [collectives]
+        return None
+
     def summary(self) -> dict[str, Any]:
         return {}
 
