@@ -517,3 +517,15 @@ def test_fsdp2_all_gathers_in_forward_and_reduce_scatters_in_backward(tmp_path: 
             assert sum(c["bytes"] for c in bwd) == 4 * (16 * 32 + 32 + 32 * 4 + 4)
             per_rank.append(sorted((str(c["phase"]), c["op"], c["seq_first"], c["seq_last"]) for c in cs))
         assert per_rank[0] == per_rank[1]
+
+
+def test_config_switch_and_environment_override():
+    from stepscope.config import Config, env_overrides
+    from stepscope.errors import ConfigError
+
+    assert Config().collectives is True
+    assert env_overrides({"STEPSCOPE_COLLECTIVES": "0"}) == {"collectives": False}
+    assert env_overrides({"STEPSCOPE_COLLECTIVES": "1"}) == {"collectives": True}
+    assert "collectives" not in env_overrides({})
+    with pytest.raises(ConfigError, match="collectives must be a bool"):
+        Config(collectives="yes")  # type: ignore[arg-type]

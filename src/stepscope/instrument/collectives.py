@@ -123,23 +123,22 @@ def _compact(ranks: Iterable[int]) -> str:
 def group_info(group: Any) -> tuple[str, int] | None:
     """``(stable id, size)`` of ``group`` (``None`` = the default group), or None if unknown."""
     c10d = torch.distributed.distributed_c10d
+    default = c10d._world.default_pg
     if group is None:
-        if not c10d.is_initialized():
+        if default is None:
             return None
-        group = c10d._get_default_group()
-    if not isinstance(group, c10d.ProcessGroup):
-        return None  # e.g. GroupMember.NON_GROUP_MEMBER: this rank is not in the group
-    hit = _groups.get(group)
+        group = default
+    hit = _groups.get(group) if isinstance(group, c10d.ProcessGroup) else None
     if hit is not None:
         return hit
+    if not isinstance(group, c10d.ProcessGroup):
+        return None  # e.g. GroupMember.NON_GROUP_MEMBER: this rank is not in the group
     try:
         ranks = c10d.get_process_group_ranks(group)
     except Exception:  # a destroyed (or foreign) group: this call goes untimed, quietly
         return None
-    if c10d.is_initialized() and group is c10d._get_default_group():
-        pid = "world"
-    else:
-        pid = f"g{_compact(ranks)}#{getattr(group, 'group_name', '')}"
+    name = getattr(group, "group_name", "")
+    pid = "world" if group is default else f"g{_compact(ranks)}#{name}"
     info = (pid, len(ranks))
     _groups[group] = info
     return info
