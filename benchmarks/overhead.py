@@ -17,6 +17,7 @@ collective timing on vs off for a DDP and an FSDP2 (``fully_shard``) job on CPU.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -144,31 +145,28 @@ def per_instrument(reps: int = 7, steps: int = 1500) -> dict[str, float]:
 # ------------------------------------------------------------------ --collectives
 
 
-def _coll_call_us(n: int, timed: bool, async_op: bool, tracer: Tracer) -> float:
-    """Mean µs per tiny all_reduce, inside a sampled step (timed) or between steps (not)."""
+def _coll_call_us(n: int, timed: bool, async_op: bool, tracer: Tracer) -> tuple[float, float]:
+    """(wall, thread-CPU) µs per tiny all_reduce, inside a sampled step (timed) or not.
+
+    Thread CPU time leaves out the time this thread was preempted or blocked waiting for the
+    peer, so on a shared machine it isolates what the timing code itself costs.
+    """
     import torch.distributed as dist
 
     t = torch.ones(4)
-    if timed:
-        with tracer.step():
-            t0 = time.perf_counter_ns()
-            for _ in range(n):
-                w = dist.all_reduce(t, async_op=async_op)
-                if async_op:
-                    w.wait()
-            dt = time.perf_counter_ns() - t0
-    else:
-        t0 = time.perf_counter_ns()
+    ctx = tracer.step() if timed else contextlib.nullcontext()
+    with ctx:
+        w0, c0 = time.perf_counter_ns(), time.thread_time_ns()
         for _ in range(n):
             w = dist.all_reduce(t, async_op=async_op)
             if async_op:
                 w.wait()
-        dt = time.perf_counter_ns() - t0
-    return dt / n / 1e3
+        w1, c1 = time.perf_counter_ns(), time.thread_time_ns()
+    return (w1 - w0) / n / 1e3, (c1 - c0) / n / 1e3
 
 
 def _coll_host_costs(blocks: int, n: int) -> dict[str, float]:
-    """Timed minus untimed µs per call: median over interleaved blocks of ``n`` calls."""
+    """Timed minus untimed µs per call: medians over interleaved blocks of ``n`` calls."""
     import torch.distributed as dist
 
     from stepscope.sinks import MemorySink
@@ -177,19 +175,18 @@ def _coll_host_costs(blocks: int, n: int) -> dict[str, float]:
                     sink=MemorySink())
     out: dict[str, float] = {}
     for async_op in (False, True):
-        timed, untimed = [], []
+        got: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
         _coll_call_us(n, False, async_op, tracer)  # warm-up
         for b in range(blocks):
             dist.barrier()
-            order = (True, False) if b % 2 else (False, True)
-            for on in order:
-                (timed if on else untimed).append(_coll_call_us(n, on, async_op, tracer))
+            for on in ((True, False) if b % 2 else (False, True)):
+                got[on].append(_coll_call_us(n, on, async_op, tracer))
         key = "async" if async_op else "sync"
-        out[f"{key}_untimed_us"] = round(statistics.median(untimed), 2)
-        out[f"{key}_timed_us"] = round(statistics.median(timed), 2)
-        out[f"{key}_added_us"] = round(statistics.median(timed) - statistics.median(untimed), 2)
-        # On a loaded machine the minimum is the least noisy estimate of a fixed added cost.
-        out[f"{key}_added_us_min"] = round(min(timed) - min(untimed), 2)
+        for i, kind in ((0, "wall"), (1, "cpu")):
+            on_med = statistics.median(v[i] for v in got[True])
+            off_med = statistics.median(v[i] for v in got[False])
+            out[f"{key}_untimed_{kind}_us"] = round(off_med, 2)
+            out[f"{key}_added_{kind}_us"] = round(on_med - off_med, 2)
     tracer.finish()
     return out
 
@@ -218,7 +215,7 @@ def _coll_steps(kind: str, hidden: int, batch: int, steps: int, reps: int, out: 
     model, opt = _coll_job(kind, hidden)
     x = torch.randn(batch, hidden)
 
-    def run(collectives: bool) -> tuple[float, int]:
+    def run(collectives: bool) -> tuple[float, float, int]:
         from stepscope.sinks import MemorySink
 
         tracer = Tracer(Config(out_dir=out, collectives=collectives, flush_every_n_steps=1000),
@@ -226,34 +223,32 @@ def _coll_steps(kind: str, hidden: int, batch: int, steps: int, reps: int, out: 
         recs: list[dict[str, Any]] = []
         tracer.add_listener(recs.append)
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         for _ in range(steps):
             with tracer.step():
                 model(x).square().mean().backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-        dt = (time.perf_counter() - t0) / steps
+        dt, dc = (time.perf_counter() - t0) / steps, (time.thread_time() - c0) / steps
         tracer.finish()
-        return dt, sum(c["count"] for r in recs for c in r.get("collectives", []))
+        return dt, dc, sum(c["count"] for r in recs for c in r.get("collectives", []))
 
     run(False)  # warm-up
-    ratios, on_ms, off_ms = [], [], []
+    ratios, cpu_ratios, on_ms, off_ms = [], [], [], []
     timed_per_step = 0.0
     for rep in range(reps):
-        order = (True, False) if rep % 2 else (False, True)
-        got = {}
-        for on in order:
-            got[on] = run(on)
+        got = {on: run(on) for on in ((True, False) if rep % 2 else (False, True))}
         ratios.append(got[True][0] / got[False][0])
+        cpu_ratios.append(got[True][1] / got[False][1])
         on_ms.append(got[True][0] * 1e3)
         off_ms.append(got[False][0] * 1e3)
-        timed_per_step = got[True][1] / steps
+        timed_per_step = got[True][2] / steps
     return {
         "job": kind, "reps": reps, "steps_per_rep": steps, "hidden": hidden,
         "step_ms_off_median": round(statistics.median(off_ms), 3),
         "step_ms_on_median": round(statistics.median(on_ms), 3),
         "ratio_median": round(statistics.median(ratios), 4),
-        "ratio_of_minima": round(min(on_ms) / min(off_ms), 4),
+        "thread_cpu_ratio_median": round(statistics.median(cpu_ratios), 4),
         "timed_collectives_per_step": timed_per_step,
     }
 
