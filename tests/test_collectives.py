@@ -529,3 +529,21 @@ def test_config_switch_and_environment_override():
     assert "collectives" not in env_overrides({})
     with pytest.raises(ConfigError, match="collectives must be a bool"):
         Config(collectives="yes")  # type: ignore[arg-type]
+
+
+def test_async_work_waited_twice_or_after_the_step_does_not_break(world1, mem_tracer):
+    tr = mem_tracer(auto=False)
+    with tr.step():
+        kept = dist.all_reduce(torch.ones(2), async_op=True)
+        twice = dist.all_reduce(torch.ones(2), async_op=True)
+        twice.wait()
+        twice.wait()  # the second wait is the real one's, untimed
+        never = dist.all_reduce(torch.ones(2), async_op=True)  # never waited: never recorded
+    kept.wait()  # after the step: attached to the next sampled step, not lost, no error
+    assert kept.is_completed() and never.is_completed() is not None
+    with tr.step():
+        pass
+    tr.finish()
+    first, second = tr.sink.records
+    assert [(c["op"], c["count"]) for c in first["collectives"]] == [("all_reduce", 1)]
+    assert [(c["op"], c["count"], c["seq_first"]) for c in second["collectives"]] == [("all_reduce", 1, 1)]

@@ -34,8 +34,11 @@ rank that samples the same steps), and the phase path open at arrival.
 Not seen: DDP's bucketed all-reduce (issued from C++; timed by the ``grad_sync`` phase),
 functional collectives (``torch.distributed._functional_collectives``, DTensor), calls inside a
 ``_coalescing_manager`` block (the real work happens at its exit, in C++), and
-``batch_isend_irecv``. Nested calls (``all_gather_into_tensor`` → ``all_gather_single``,
-``all_gather_object`` → ``all_gather``) are timed once, as the outermost.
+``batch_isend_irecv``, and functions a module bound by name (``from torch.distributed import
+all_reduce``) before the patch went in. An async Work waited after its step ends is attached
+to the next sampled step; one never waited is never recorded. Nested calls
+(``all_gather_into_tensor`` → ``all_gather_single``, ``all_gather_object`` → ``all_gather``)
+are timed once, as the outermost.
 
 Protecting the job: an exception raised by the real collective propagates unchanged and that
 call's timing is dropped; an error in this module turns collective timing off with one
