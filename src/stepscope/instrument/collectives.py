@@ -36,7 +36,8 @@ functional collectives (``torch.distributed._functional_collectives``, DTensor),
 ``_coalescing_manager`` block (the real work happens at its exit, in C++), and
 ``batch_isend_irecv``, and functions a module bound by name (``from torch.distributed import
 all_reduce``) before the patch went in. An async Work waited after its step ends is attached
-to the next sampled step; one never waited is never recorded. Nested calls
+to the next sampled step; one never waited (e.g. only ``get_future()``, as DDP comm hooks do)
+is never recorded. Nested calls
 (``all_gather_into_tensor`` → ``all_gather_single``, ``all_gather_object`` → ``all_gather``)
 are timed once, as the outermost.
 
