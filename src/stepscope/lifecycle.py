@@ -84,7 +84,7 @@ class NullTracer:
     def add_counter(self, name: str, value: float) -> None:
         return None
 
-    def add_collective(self, entry: Any) -> None:
+    def add_collective(self, *args: Any, **kwargs: Any) -> None:
         return None
 
     def set_step_fields(self, fields: dict[str, Any]) -> None:

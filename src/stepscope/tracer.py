@@ -112,8 +112,12 @@ class Step:
         for _, a, b in self.side:
             yield a
             yield b
-        for c in self.collectives:
-            yield from c.marks()
+        for c in self.collectives:  # (op, pg, pg_size, nbytes, start, end, path, seq, gap)
+            yield c[4]
+            yield c[5]
+            if c[8] is not None:
+                yield c[8][0]
+                yield c[8][1]
 
 
 class PhaseContext:
@@ -536,11 +540,21 @@ class Tracer:
         if step is not None:
             step.counters[name] = step.counters.get(name, 0) + value
 
-    def add_collective(self, entry: Any) -> None:
-        """Attach one timed collective (an object with ``marks()``) to the step it belongs to."""
+    def add_collective(
+        self, op: str, pg: str, pg_size: int, nbytes: int, start: Any, end: Any,
+        phase_path: str | None, *, seq: int = 0, gap: tuple[Any, Any] | None = None,
+    ) -> None:
+        """One timed collective (see :mod:`stepscope.instrument.collectives`), attached to the
+        current step or, during a pre-step phase, to the next one. ``gap`` is the
+        ``(issue_end, wait_start)`` marks of an async call: overlapped work, not collective time.
+        """
         step = self._reporting_step()
-        if step is not None:
-            step.collectives.append(entry)
+        if step is None:
+            rel = self.clock.release
+            for m in (start, end, *(gap or ())):
+                rel(m)
+            return
+        step.collectives.append((op, pg, pg_size, nbytes, start, end, phase_path, seq, gap))
 
     def set_step_fields(self, fields: dict[str, Any]) -> None:
         """Merge extra top-level record sections (throughput, memory, ...) into the open step."""
@@ -712,6 +726,10 @@ class Tracer:
 
             self._uninstallers.append(install_patch())
             self._auto_active.add("h2d")
+        if self.config.collectives:
+            from stepscope.instrument import collectives
+
+            self._uninstallers.append(collectives.install_patch())
 
     def add_uninstaller(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` when the tracer finishes (instruments installed from outside)."""

@@ -78,11 +78,16 @@ class _ModelHooks:
             self._fwd.append(self.tracer.open_phase("forward"))
 
     def post(self, module: Any, args: Any, output: Any) -> None:
+        # Appended: runs after other forward hooks (FSDP2's reshard belongs to forward).
+        if self.forward and self._fwd and not _is_compiling() and gate.current() is self.tracer:
+            self.tracer.close_phase(self._fwd.pop())
+
+    def post_grad(self, module: Any, args: Any, output: Any) -> None:
+        # Prepended: our gradient hook is registered on the outputs before FSDP2's
+        # pre-backward hook, so backward is open when its all-gathers start.
         tracer = self.tracer
         if _is_compiling() or gate.current() is not tracer:
             return
-        if self.forward and self._fwd:
-            tracer.close_phase(self._fwd.pop())
         if self.backward and torch.is_grad_enabled():
             try:
                 for t in _first_grad_tensors(output):
@@ -172,9 +177,12 @@ def attach_model(
 ) -> Callable[[], None]:
     """Hook ``model``; returns a function that removes the hooks."""
     hooks = _ModelHooks(tracer, model, forward, backward)
+    # Pre-hook first and close-hook last, so collectives other forward hooks issue (FSDP2's
+    # unshard and reshard of the root) are inside ``forward``.
     handles = [
-        model.register_forward_pre_hook(hooks.pre),
+        model.register_forward_pre_hook(hooks.pre, prepend=True),
         model.register_forward_hook(hooks.post),
+        model.register_forward_hook(hooks.post_grad, prepend=True),
     ]
 
     def remove() -> None:
