@@ -73,6 +73,8 @@ def init(
     log_every_n_steps: int = 0,
     auto_profile: Any = False,
     run_id: str | None = None,
+    heartbeat_s: float = 5.0,
+    dump_stacks_after_s: float | None = None,
 ) -> Tracer | NullTracer:
     """Start recording this rank's steps; returns the tracer (a no-op one when disabled).
 
@@ -95,6 +97,8 @@ def init(
         log_every_n_steps=log_every_n_steps,
         auto_profile=auto_profile,
         run_id=run_id,
+        heartbeat_s=heartbeat_s,
+        dump_stacks_after_s=dump_stacks_after_s,
     )
     args.update(env_overrides())
     config = Config(**args)

@@ -35,13 +35,14 @@ FINISH_TIMEOUT_S = 5.0
 
 
 class _Span:
-    __slots__ = ("end", "name", "parent", "start")
+    __slots__ = ("end", "name", "parent", "start", "wall")
 
     def __init__(self, name: str, parent: str | None, start: Any) -> None:
         self.name = name
         self.parent = parent
         self.start = start
         self.end: Any = None
+        self.wall = time.time()  # [ops] heartbeat: when the phase opened (wall clock)
 
 
 class _Step:
@@ -71,7 +72,9 @@ class _PhaseContext:
         self._tokens.append(self._tracer.open_phase(self._name))
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is not None:  # [ops] crash evidence: the stack where it was raised
+            self._tracer._note_raise(exc)
         self._tracer.close_phase(self._tokens.pop())
 
     def __call__(self, fn: F) -> F:
@@ -93,8 +96,16 @@ class _StepContext:
         self._tracer._enter_step()
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self._tracer._exit_step()
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        # [ops] crash evidence: tell listeners before _exit_step clears the phase stack.
+        tracer = self._tracer
+        if exc_type is not None:
+            tracer._step_raised(exc_type, exc)
+        tracer._exit_step()
+        if exc_type is not None and tracer.enabled:
+            # [ops] resolved records (the failing step included) reach the file now, not at exit.
+            tracer._since_flush = 0
+            tracer._writer.submit(tracer._resolve_ready)
 
 
 class Tracer:
@@ -160,6 +171,12 @@ class Tracer:
         #: Called as ``fn(tracer)`` at the start of ``finish()``.
         self.finish_callbacks: list[Callable[[Tracer], None]] = []
         self._live: Any = None  # set by stepscope.live.attach_live
+        # [ops] heartbeat state, read by stepscope.status through state().
+        self._step_wall: float | None = None
+        self._last_step: tuple[int, float, float] | None = None
+        self._raised: tuple[int, list[str]] | None = None  # (id(exc), open phases when raised)
+        #: [ops] Called as ``fn(tracer, exc_type, exc, phase_stack)`` when an exception leaves step().
+        self.exception_callbacks: list[Callable[[Tracer, type, BaseException, list[str]], None]] = []
         self._autoprofile: Any = None  # set by stepscope.autoprofile.attach_autoprofile
         self._install(model, optimizer)
         if config.profile_steps is not None:
@@ -172,6 +189,10 @@ class Tracer:
             from stepscope.autoprofile import attach_autoprofile
 
             attach_autoprofile(self)
+        if config.heartbeat_s and sink is None:  # [ops] heartbeat file + crash evidence
+            from stepscope.status import attach_heartbeat
+
+            attach_heartbeat(self)
         ref = weakref.ref(self)
 
         def _at_exit() -> None:
@@ -246,6 +267,27 @@ class Tracer:
         from stepscope.live import local_summary
 
         return local_summary(self)
+
+    def state(self) -> dict[str, Any]:
+        """[ops] A snapshot for the heartbeat thread: plain values, no clock (no CUDA) calls.
+
+        Safe to call from another thread: it copies the phase stack first. Phases are known on
+        sampled steps only (an unsampled step opens no spans).
+        """
+        stack = [s for s in list(self._stack) if s.end is None]
+        last = self._last_step
+        return {
+            "step": self._index,
+            "in_step": self._in_step,
+            "step_started": self._step_wall if self._in_step else None,
+            "phase_stack": [s.name for s in stack],
+            "phase_started": stack[-1].wall if stack else None,
+            "last_step": last[0] if last else None,
+            "last_step_end": last[1] if last else None,
+            "last_step_s": last[2] if last else None,
+            "finished": self._finished,
+            "enabled": self.enabled,
+        }
 
     def add_listener(self, fn: Callable[[dict[str, Any]], None]) -> None:
         """Call ``fn(record)`` for each resolved record (at flush cadence, off the hot path)."""
@@ -353,6 +395,7 @@ class Tracer:
         if self._in_step:
             raise InstrumentationError("step() is already active; steps cannot be nested")
         try:
+            self._step_wall = time.time()  # [ops] heartbeat
             self._in_step = True
             if not self.config.samples(self._index):
                 self._pre.clear()
@@ -410,6 +453,9 @@ class Tracer:
             self._cur = None
             self._in_step = False
             done = self._index
+            if self._step_wall is not None:  # [ops] heartbeat: last completed step
+                now = time.time()
+                self._last_step = (done, now, now - self._step_wall)
             self._index += 1
             if self._profiler is not None:
                 self._profiler.step()
@@ -418,6 +464,24 @@ class Tracer:
         except Exception as exc:  # protect the job
             self._in_step = False
             self._fail(exc)
+
+    def _note_raise(self, exc: BaseException) -> None:
+        """[ops] The innermost phase an exception passes through keeps the stack it left."""
+        if self._raised is None or self._raised[0] != id(exc):
+            self._raised = (id(exc), [s.name for s in list(self._stack) if s.end is None])
+
+    def _step_raised(self, exc_type: type, exc: BaseException) -> None:
+        """[ops] An exception is leaving step(): hand the open phase stack to the crash listeners."""
+        raised, self._raised = self._raised, None
+        if raised is not None and raised[0] == id(exc):
+            stack = raised[1]
+        else:
+            stack = [s.name for s in list(self._stack) if s.end is None]
+        for fn in self.exception_callbacks:
+            try:
+                fn(self, exc_type, exc, stack)
+            except Exception as err:  # protect the job: never replace the user's exception
+                self._warn(f"crash evidence could not be written: {err!r}")
 
     # -------------------------------------------------------------- resolution
 
