@@ -277,15 +277,18 @@ def read_stack_top(path: Path, n: int = TOP_FRAMES) -> list[str]:
     m = re.search(r"^# main thread: (0x[0-9a-f]+)", text, re.M)
     if m:
         main = m.group(1)
-    blocks = re.split(r"\n(?=(?:Current thread|Thread) 0x)", text)
+    blocks = [
+        b.lstrip() for b in re.split(r"\n(?=(?:Current thread|Thread) 0x)", text)
+        if b.lstrip().startswith(("Thread", "Current thread"))
+    ]
     chosen = None
     for block in blocks:
-        head = block.lstrip().split("\n", 1)[0]
+        head = block.split("\n", 1)[0]
         if main and main in head:
             chosen = block
             break
     if chosen is None:
-        chosen = next((b for b in blocks if b.lstrip().startswith(("Thread", "Current thread"))), "")
+        chosen = blocks[0] if blocks else ""
     frames = [ln.strip() for ln in chosen.splitlines()[1:] if ln.strip().startswith("File ")]
     return frames[:n]
 
