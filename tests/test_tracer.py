@@ -188,7 +188,7 @@ def test_rank_filter_makes_other_ranks_no_ops(tmp_path, monkeypatch):
         pass
     stepscope.finish()
     assert tr.rank.rank == 3 and tr.rank.world_size == 4
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["meta.json", "rank3.jsonl"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["meta.json", "rank3.jsonl", "rank3.status.json"]
 
 
 def test_summary_gives_recent_medians(mem_tracer):
@@ -217,4 +217,4 @@ def test_null_tracer_mirrors_the_tracer_interface():
         params = inspect.signature(getattr(Tracer, name)).parameters
         args = [object()] * (len([p for p in params.values() if p.default is p.empty]) - 1)
         result = getattr(null, name)(*args)
-        assert result is None or name in {"step", "phase", "wrap_loader", "wrap_h2d", "summary"}
+        assert result is None or name in {"step", "phase", "wrap_loader", "wrap_h2d", "summary", "state"}

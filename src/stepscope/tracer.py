@@ -723,6 +723,9 @@ class NullTracer:
     def summary(self) -> dict[str, Any]:
         return {}
 
+    def state(self) -> dict[str, Any]:  # [ops] nothing runs, nothing to report
+        return {}
+
     def finish(self) -> None:
         return None
 
