@@ -15,7 +15,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from stepscope.demo import run_demo
 
     return run_demo(
-        out_dir=args.out, ranks=args.ranks, steps=args.steps, slow_rank=args.slow_rank
+        out_dir=args.out, ranks=args.ranks, steps=args.steps, slow_rank=args.slow_rank,
+        fixed=not args.no_fixed,
     )
 
 
@@ -64,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--ranks", type=int, default=4, help="number of ranks (default: 4)")
     d.add_argument("--steps", type=int, default=200, help="training steps (default: 200)")
     d.add_argument("--slow-rank", type=int, default=1, help="rank made slow on purpose")
+    d.add_argument(
+        "--no-fixed", action="store_true",
+        help="skip the second run (slow rank fixed, in OUT-fixed) and its `stepscope compare`",
+    )
     d.set_defaults(func=_cmd_demo)
 
     r = sub.add_parser("report", help="cross-rank report of a run directory")

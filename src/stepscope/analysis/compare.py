@@ -351,8 +351,13 @@ def verdict(step: dict[str, Any], phases: list[dict[str, Any]]) -> str:
     if not drivers:
         return out + "; no single phase changed beyond noise"
     out += f": {_moved(drivers[0])}"
-    if len(drivers) > 1:
-        out += "; also " + ", ".join(_moved(p) for p in drivers[1:3])
+    # Others are named only when they matter next to the step's change (ms, not percent).
+    floor = max(0.1, 0.1 * abs(float(step["b_ms"] or 0.0) - float(step["a_ms"] or 0.0)))
+    more = [p for p in drivers[1:] if abs(float(p["b_ms"] or 0) - float(p["a_ms"] or 0)) >= floor]
+    if more:
+        out += "; also " + ", ".join(_moved(p) for p in more[:2])
+    elif len(drivers) > 1:
+        out += f"; every other phase moved less than {floor:.1f} ms"
     else:
         out += "; the rest is within noise"
     return out

@@ -46,21 +46,23 @@ def render_compare(doc: dict[str, Any], console: Any = None) -> None:
             f"{run['steps']} steps ({run['first_step']}–{run['last_step']}), clock {run['clock']}"
         )
     table = Table(show_edge=False, pad_edge=False)
+    wide = con.width >= 110  # p90 columns only where they fit (always in JSON/markdown)
     table.add_column("median ms", no_wrap=True)
-    for col in ("A", "B", "change", "95% CI", "share A→B", "A p90", "B p90", ""):
-        table.add_column(col, justify="right", no_wrap=col in ("change", "95% CI", ""))
+    cols = ("A", "B", "change", "95% CI", "share A→B", *(("A p90", "B p90") if wide else ()), "")
+    for col in cols:
+        table.add_column(col, justify="right", no_wrap=True)
     for name, row in _rows(doc):
         style = ("bold green" if (row["change_pct"] or 0) < 0 else "bold red") if row["significant"] else ""
         change = _pct(row["change_pct"])
         share = ""
         if row.get("a_share") is not None:
             share = f"{_share(row.get('a_share'))}→{_share(row.get('b_share'))}"
+        p90 = (_ms(row.get("a_p90_ms")), _ms(row.get("b_p90_ms"))) if wide else ()
         table.add_row(
             escape(name),
             _ms(row["a_ms"]), _ms(row["b_ms"]),
             f"[{style}]{change}[/]" if style else change,
-            _ci(row), share,
-            _ms(row.get("a_p90_ms")), _ms(row.get("b_p90_ms")),
+            _ci(row), share, *p90,
             "*" if row["significant"] else "",
         )
     con.print(table)
