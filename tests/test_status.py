@@ -93,6 +93,10 @@ def test_exception_leaving_step_is_recorded_with_its_phase_and_propagates(tmp_pa
     # Resolved records of the steps before the crash reached the file (flushed on raise/exit).
     steps = [json.loads(x)["step"] for x in (run / "rank0.jsonl").read_text().splitlines()]
     assert list(range(5)) == steps[:5]
+    # `stepscope report` says it too.
+    assert main(["report", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "rank 0 raised ValueError in outer/inner at step 5: bad batch at five" in out
 
 
 def test_caught_exception_is_not_a_crash(tmp_path, capsys):
@@ -362,3 +366,44 @@ def test_analyze_status_reads_the_stack_dump_of_the_culprit(tmp_path):
     assert doc["culprit"]["stack_top"] == [
         'File "train.py", line 42 in forward', 'File "train.py", line 99 in <module>'
     ]
+
+
+def test_heartbeat_config_validation_and_env(tmp_path):
+    from stepscope.config import Config, env_overrides
+    from stepscope.errors import ConfigError
+
+    assert Config(heartbeat_s=0).heartbeat_s == 0
+    for bad in (-1, float("nan"), "5", True, float("inf")):
+        with pytest.raises(ConfigError):
+            Config(heartbeat_s=bad)
+    with pytest.raises(ConfigError):
+        Config(dump_stacks_after_s=0)
+    env = env_overrides({"STEPSCOPE_HEARTBEAT_S": "0.5", "STEPSCOPE_DUMP_STACKS_AFTER_S": "30"})
+    assert env == {"heartbeat_s": 0.5, "dump_stacks_after_s": 30.0}
+    with pytest.raises(ConfigError):
+        env_overrides({"STEPSCOPE_HEARTBEAT_S": "soon"})
+
+
+def test_heartbeat_off_writes_no_file_and_on_writes_running_then_finished(tmp_path):
+    import stepscope
+
+    off = tmp_path / "off"
+    stepscope.init(out_dir=str(off), auto=False, heartbeat_s=0)
+    with stepscope.step(), stepscope.phase("work"):
+        pass
+    stepscope.finish()
+    assert not list(off.glob("*.status.json"))
+
+    on = tmp_path / "on"
+    tr = stepscope.init(out_dir=str(on), auto=False, heartbeat_s=0.2)
+    with stepscope.step(), stepscope.phase("outer"), stepscope.phase("inner"):
+        st = tr.state()
+        assert st["phase_stack"] == ["outer", "inner"] and st["in_step"] and st["step"] == 0
+        time.sleep(0.5)  # two heartbeats while the phases are open
+        hb = json.loads((on / "rank0.status.json").read_text())
+        assert hb["state"] == "running" and hb["phase_stack"] == ["outer", "inner"]
+        assert hb["in_phase_s"] >= 0.15 and hb["step"] == 0
+    stepscope.finish()
+    hb = json.loads((on / "rank0.status.json").read_text())
+    assert hb["state"] == "finished" and hb["last_step"] == 0 and hb["last_step_s"] >= 0.4
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handler removed at finish

@@ -395,3 +395,34 @@ def _summary(views: list[dict[str, Any]], culprit: dict[str, Any] | None, why: s
 def _message(view: dict[str, Any]) -> str:
     crash = view.get("crash") or {}
     return str(crash.get("message") or view.get("error") or "")
+
+
+def crash_evidence(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Crashes recorded in the heartbeat files (for ``stepscope report``); never raises.
+
+    One entry per crashed rank: ``rank``, ``type``, ``message``, ``step``, ``phase_stack``,
+    ``where`` (``step``, ``signal`` or ``exit``) and ``text`` ("rank 2 raised RuntimeError in
+    backward at step 1412: CUDA out of memory").
+    """
+    try:
+        beats, _, _ = read_heartbeats(run_dir)
+    except AnalysisError:
+        return []
+    out = []
+    for b in sorted(beats, key=lambda x: x["rank"]):
+        err = b.get("error")
+        if b.get("state") != "crashed" or not isinstance(err, dict):
+            continue
+        stack = [str(p) for p in err.get("phase_stack") or []]
+        where = "/".join(stack) or "no open phase"
+        out.append({
+            "rank": b["rank"],
+            "type": err.get("type"),
+            "message": err.get("message"),
+            "step": err.get("step"),
+            "phase_stack": stack,
+            "where": err.get("where"),
+            "text": f"rank {b['rank']} raised {err.get('type')} in {where} at step {err.get('step')}: "
+            f"{err.get('message')}",
+        })
+    return out

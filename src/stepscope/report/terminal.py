@@ -43,6 +43,7 @@ def _trigger_cells(tr: dict[str, Any]) -> list[str]:
 def render_terminal(doc: dict[str, Any], console: Any = None) -> None:
     """Print ``doc`` (from :func:`stepscope.analysis.run.analyze_run`) with rich."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.panel import Panel
     from rich.table import Table
 
@@ -60,6 +61,8 @@ def render_terminal(doc: dict[str, Any], console: Any = None) -> None:
            "; no synchronising phase found (ranks analysed independently)")
     )
     con.print(Panel(head, title="stepscope report", expand=False))
+    for crash in run.get("crashes") or []:  # [ops] crash evidence from the heartbeats
+        con.print(f"[bold red]crash:[/] {escape(crash['text'])}")
     if run["skipped"]:
         con.print("[yellow]Partial report — skipped:[/]")
         for s in run["skipped"]:
