@@ -384,7 +384,9 @@ def _summary(views: list[dict[str, Any]], culprit: dict[str, Any] | None, why: s
     if culprit["state"] == "dead":
         return (
             f"{parts}; rank {culprit['rank']} died in {where} at step {culprit['step']} "
-            f"(last heartbeat {culprit['since_s']:.0f} s ago); the others wait for it"
+            f"(last heartbeat {culprit['since_s']:.0f} s ago); "
+            + ("the others wait for it" if states.get("waiting") or states.get("running")
+               or states.get("stalled") else "the others stopped after it")
         )
     return (
         f"{parts}; the others wait for rank {culprit['rank']}, in {where} at step "

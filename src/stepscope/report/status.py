@@ -44,7 +44,12 @@ def render_status(doc: dict[str, Any], console: Any = None) -> None:
         )
     con.print(table)
     for v in doc["ranks"]:
-        note = "; ".join(x for x in (v.get("reason"), v.get("error")) if x)
+        crash = v.get("crash") or {}
+        if crash:
+            msg = str(crash.get("message") or "")
+            note = f"{v.get('reason')}: {msg if len(msg) <= 200 else msg[:200] + '…'}"
+        else:
+            note = str(v.get("reason") or v.get("error") or "")
         if note:
             con.print(f"  rank {v['rank']}: {escape(note)}", soft_wrap=True)
     cul = doc["culprit"]
