@@ -407,3 +407,28 @@ def test_heartbeat_off_writes_no_file_and_on_writes_running_then_finished(tmp_pa
     hb = json.loads((on / "rank0.status.json").read_text())
     assert hb["state"] == "finished" and hb["last_step"] == 0 and hb["last_step_s"] >= 0.4
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handler removed at finish
+
+
+def test_forked_child_killed_by_sigterm_does_not_touch_the_rank_file(tmp_path):
+    import stepscope
+
+    run = tmp_path / "run"
+    stepscope.init(out_dir=str(run), auto=False, heartbeat_s=30.0)
+    try:
+        with stepscope.step(), stepscope.phase("work"):
+            pass
+        before = json.loads((run / "rank0.status.json").read_text())
+        pid = os.fork()
+        if pid == 0:  # child: inherits the Python SIGTERM handler, as a DataLoader worker does
+            try:
+                time.sleep(30)
+            finally:
+                os._exit(3)
+        time.sleep(0.5)
+        os.kill(pid, signal.SIGTERM)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM
+        after = json.loads((run / "rank0.status.json").read_text())
+        assert after["state"] == "running" and after["pid"] == before["pid"] == os.getpid()
+    finally:
+        stepscope.finish()

@@ -161,6 +161,8 @@ class Heartbeat:
         }
 
     def _write(self, payload: dict[str, Any]) -> None:
+        if os.getpid() != self.pid:
+            return  # a forked child (a DataLoader worker) must not speak for the rank
         locked = self._lock.acquire(timeout=LOCK_TIMEOUT_S)
         try:
             write_json_atomic(self.path, payload)
@@ -276,6 +278,12 @@ class Heartbeat:
         self._prev_sigterm = None
 
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
+        if os.getpid() != self.pid:
+            # Inherited by a forked child (a DataLoader worker being shut down): just die.
+            with contextlib.suppress(ValueError, OSError):
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
         try:
             st = self.tracer.state()
             self._crash(
