@@ -142,3 +142,16 @@ def test_bootstrap_interval_covers_a_known_shift():
     lo, hi = bootstrap_change(a, rng.permutation(b))
     assert lo < 20.0 < hi and hi - lo < 8.0
     assert bootstrap_change(a[:2], b) is None
+
+
+@pytest.mark.slow
+def test_demo_writes_a_fixed_run_and_compares_it(tmp_path, capsys):
+    from stepscope.demo import run_demo
+
+    out = tmp_path / "demo"
+    assert run_demo(str(out), ranks=2, steps=40, slow_rank=1) == 0
+    fixed = tmp_path / "demo-fixed"
+    assert sorted(p.name for p in fixed.glob("rank*.jsonl")) == ["rank0.jsonl", "rank1.jsonl"]
+    text = capsys.readouterr().out
+    assert f"$ stepscope compare {out} {fixed} --steps 16:28" in text
+    assert "faster per step" in text and "dataloader fell" in text, text[-2000:]
