@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print one JSON document")
     s.add_argument(
         "--stalled-after", type=float, metavar="S", default=None,
-        help="call a rank stalled after S s on one step (default: max(10 s, 5 heartbeats, 20 steps))",
+        help="call a rank stalled after S s on one step (default: max(5 s, 2 heartbeats, 10 steps))",
     )
     s.set_defaults(func=_cmd_status)
 

@@ -41,9 +41,9 @@ from stepscope.status import KIND
 DEAD_INTERVALS = 3.0
 DEAD_FLOOR_S = 10.0
 #: Default stall threshold: the largest of these (seconds, × interval, × last step time).
-STALL_FLOOR_S = 10.0
-STALL_INTERVALS = 5.0
-STALL_STEPS = 20.0
+STALL_FLOOR_S = 5.0
+STALL_INTERVALS = 2.0
+STALL_STEPS = 10.0
 #: Frames shown from the culprit's stack dump.
 TOP_FRAMES = 8
 
