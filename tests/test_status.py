@@ -103,12 +103,15 @@ def test_caught_exception_is_not_a_crash(tmp_path, capsys):
     run, proc = _single(tmp_path, "caught")
     try:
         _wait_ready(proc)
-        time.sleep(1.0)  # a heartbeat or two after step 8
+        deadline = time.monotonic() + 60
+        hb = json.loads((run / "rank0.status.json").read_text())
+        while hb["step"] < 9 and time.monotonic() < deadline:  # the heartbeat after step 8
+            time.sleep(0.1)
+            hb = json.loads((run / "rank0.status.json").read_text())
         rc, doc = _status(run, capsys=capsys)
         assert rc == 0
         (r,) = doc["ranks"]
         assert r["state"] == "running", r
-        hb = json.loads((run / "rank0.status.json").read_text())
         assert hb["last_error"]["message"] == "bad batch at five"
         assert hb["last_error"]["phase_stack"] == ["outer", "inner"]
     finally:
@@ -399,8 +402,12 @@ def test_heartbeat_off_writes_no_file_and_on_writes_running_then_finished(tmp_pa
     with stepscope.step(), stepscope.phase("outer"), stepscope.phase("inner"):
         st = tr.state()
         assert st["phase_stack"] == ["outer", "inner"] and st["in_step"] and st["step"] == 0
-        time.sleep(0.5)  # two heartbeats while the phases are open
+        time.sleep(0.5)
+        deadline = time.monotonic() + 30
         hb = json.loads((on / "rank0.status.json").read_text())
+        while hb["in_phase_s"] < 0.15 and time.monotonic() < deadline:  # a beat 0.15 s in
+            time.sleep(0.05)
+            hb = json.loads((on / "rank0.status.json").read_text())
         assert hb["state"] == "running" and hb["phase_stack"] == ["outer", "inner"]
         assert hb["in_phase_s"] >= 0.15 and hb["step"] == 0
     stepscope.finish()
