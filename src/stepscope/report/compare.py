@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -119,6 +120,17 @@ def to_markdown(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _reading(run_a: str, run_b: str) -> Any:
+    """Progress on stderr (a terminal only) while both runs' rank files are read."""
+    try:
+        from stepscope.report.progress import input_bytes, progress
+    except ImportError:  # render's progress helper not merged on this branch yet
+        return contextlib.nullcontext()
+    total = (input_bytes(run_a, "rank*") + input_bytes(run_b, "rank*")) or None
+    return progress(total, "reading rank files of both runs", unit="bytes", track_reads=True,
+                    done_desc="comparing")
+
+
 def compare_command(
     run_a: str, run_b: str, as_json: bool, markdown: str | None = None, steps: str | None = None
 ) -> int:
@@ -128,7 +140,8 @@ def compare_command(
     from stepscope.analysis.compare import compare_runs
 
     try:
-        doc = compare_runs(run_a, run_b, steps=steps)
+        with _reading(run_a, run_b):
+            doc = compare_runs(run_a, run_b, steps=steps)
     except ValueError as exc:  # a bad --steps
         print(f"stepscope compare: {exc}", file=sys.stderr)
         return 2
