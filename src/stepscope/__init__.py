@@ -75,6 +75,8 @@ def init(
     auto_profile: Any = False,
     run_id: str | None = None,
     collectives: bool = True,
+    heartbeat_s: float = 5.0,
+    dump_stacks_after_s: float | None = None,
 ) -> Tracer | NullTracer:
     """Start recording this rank's steps; returns the tracer (a no-op one when disabled).
 
@@ -98,6 +100,8 @@ def init(
         auto_profile=auto_profile,
         run_id=run_id,
         collectives=collectives,
+        heartbeat_s=heartbeat_s,
+        dump_stacks_after_s=dump_stacks_after_s,
     )
     args.update(env_overrides())
     config = Config(**args)

@@ -15,7 +15,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from stepscope.demo import run_demo
 
     return run_demo(
-        out_dir=args.out, ranks=args.ranks, steps=args.steps, slow_rank=args.slow_rank
+        out_dir=args.out, ranks=args.ranks, steps=args.steps, slow_rank=args.slow_rank,
+        fixed=not args.no_fixed,
     )
 
 
@@ -39,6 +40,20 @@ def _cmd_trace(args: argparse.Namespace) -> int:
     return trace_command(args.path, as_json=args.json, markdown=args.markdown)
 
 
+def _cmd_status(args: argparse.Namespace) -> int:
+    from stepscope.report.status import status_command
+
+    return status_command(args.run_dir, as_json=args.json, stalled_after_s=args.stalled_after)
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from stepscope.report.compare import compare_command
+
+    return compare_command(
+        args.run_a, args.run_b, as_json=args.json, markdown=args.markdown, steps=args.steps
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="stepscope", description="Why is my PyTorch training step slow?"
@@ -50,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--ranks", type=int, default=4, help="number of ranks (default: 4)")
     d.add_argument("--steps", type=int, default=200, help="training steps (default: 200)")
     d.add_argument("--slow-rank", type=int, default=1, help="rank made slow on purpose")
+    d.add_argument(
+        "--no-fixed", action="store_true",
+        help="skip the second run (slow rank fixed, in OUT-fixed) and its `stepscope compare`",
+    )
     d.set_defaults(func=_cmd_demo)
 
     r = sub.add_parser("report", help="cross-rank report of a run directory")
@@ -69,6 +88,26 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--json", action="store_true", help="print one JSON document")
     t.add_argument("--markdown", metavar="FILE", help="write summary.md")
     t.set_defaults(func=_cmd_trace)
+
+    s = sub.add_parser("status", help="which rank is stuck, dead or crashed, from the heartbeats")
+    s.add_argument("run_dir")
+    s.add_argument("--json", action="store_true", help="print one JSON document")
+    s.add_argument(
+        "--stalled-after", type=float, metavar="S", default=None,
+        help="call a rank stalled after S s on one step (default: max(5 s, 2 heartbeats, 10 steps))",
+    )
+    s.set_defaults(func=_cmd_status)
+
+    c = sub.add_parser("compare", help="did B get faster than A? step and phases, with a CI")
+    c.add_argument("run_a")
+    c.add_argument("run_b")
+    c.add_argument("--json", action="store_true", help="print one JSON document")
+    c.add_argument("--markdown", metavar="FILE", help="write a markdown comparison")
+    c.add_argument(
+        "--steps", metavar="START:END", default=None,
+        help="compare only these step indices (e.g. 100: or 100:500); default drops the warm-up",
+    )
+    c.set_defaults(func=_cmd_compare)
     return p
 
 

@@ -55,6 +55,12 @@ class Config:
     #: Time ``torch.distributed`` collectives issued inside sampled steps (the record's
     #: ``collectives`` section); ``STEPSCOPE_COLLECTIVES=0`` turns it off.
     collectives: bool = True
+    #: Seconds between heartbeat writes of ``rank{R}.status.json`` (``stepscope status``);
+    #: 0 = no heartbeat file and no crash evidence.
+    heartbeat_s: float = 5.0
+    #: Write all threads' Python stacks to ``rank{R}.stacks.txt`` once a step has been open
+    #: this many seconds (once per stuck step); ``None`` = never. Needs ``heartbeat_s`` > 0.
+    dump_stacks_after_s: float | None = None
 
     def __post_init__(self) -> None:
         self.auto = _normalise_auto(self.auto)
@@ -72,6 +78,9 @@ class Config:
         _check_int("flush_every_n_steps", self.flush_every_n_steps, minimum=1)
         _check_int("max_pending_steps", self.max_pending_steps, minimum=1)
         _check_int("log_every_n_steps", self.log_every_n_steps, minimum=0)
+        _check_seconds("heartbeat_s", self.heartbeat_s, allow_zero=True)
+        if self.dump_stacks_after_s is not None:
+            _check_seconds("dump_stacks_after_s", self.dump_stacks_after_s, allow_zero=False)
         if self.auto_profile is not False:
             from stepscope.autoprofile import resolve_auto_profile
 
@@ -117,6 +126,14 @@ def _check_int(name: str, value: Any, *, minimum: int) -> None:
         raise ConfigError(f"{name} must be an int; got {value!r} ({type(value).__name__})")
     if value < minimum:
         raise ConfigError(f"{name} must be >= {minimum}; got {value}")
+
+
+def _check_seconds(name: str, value: Any, *, allow_zero: bool) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
+        raise ConfigError(f"{name} must be a number of seconds; got {value!r}")
+    if value < 0 or (value == 0 and not allow_zero) or value == float("inf"):
+        low = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{name} must be finite and {low}; got {value}")
 
 
 def _normalise_auto(auto: Any) -> frozenset[str]:
@@ -177,6 +194,13 @@ def env_overrides(environ: dict[str, str] | os._Environ[str] | None = None) -> d
                 out[name] = int(raw)
             except ValueError:
                 raise ConfigError(f"STEPSCOPE_{name.upper()} must be an int; got {raw!r}") from None
+    for name in ("heartbeat_s", "dump_stacks_after_s"):
+        raw = env.get(f"STEPSCOPE_{name.upper()}")
+        if raw:
+            try:
+                out[name] = float(raw)
+            except ValueError:
+                raise ConfigError(f"STEPSCOPE_{name.upper()} must be a number; got {raw!r}") from None
     raw_ranks = env.get("STEPSCOPE_RANKS")
     if raw_ranks:
         try:

@@ -212,7 +212,10 @@ def launch(
             raise ValueError(f"slow rank {s.rank} is not in 0..{ranks - 1}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    for old in [*out.glob("rank*.jsonl"), *out.glob("rank*.sqlite"), out / "meta.json"]:
+    for old in [
+        *out.glob("rank*.jsonl"), *out.glob("rank*.sqlite"), out / "meta.json",
+        *out.glob("rank*.status.json"), *out.glob("rank*.stacks.txt"),  # [ops] heartbeats
+    ]:
         old.unlink(missing_ok=True)
     run_id = time.strftime("demo-%Y%m%d-%H%M%S")
     mp.spawn(  # type: ignore[attr-defined]
@@ -227,8 +230,14 @@ def launch(
     return out
 
 
-def run_demo(out_dir: str, ranks: int = 4, steps: int = 200, slow_rank: int = 1) -> int:
-    """``stepscope demo``: train, record, print the report. Returns a process exit code."""
+def run_demo(
+    out_dir: str, ranks: int = 4, steps: int = 200, slow_rank: int = 1, fixed: bool = True
+) -> int:
+    """``stepscope demo``: train, record, print the report. Returns a process exit code.
+
+    With ``fixed`` it then trains the same job without the slow rank into ``<out_dir>-fixed``
+    and compares the two runs over the slow window (``stepscope compare``).
+    """
     if ranks < 2:
         print("stepscope demo: --ranks must be at least 2 (one slow rank, one to wait)", file=sys.stderr)
         return 2
@@ -247,7 +256,24 @@ def run_demo(out_dir: str, ranks: int = 4, steps: int = 200, slow_rank: int = 1)
     t0 = time.monotonic()
     out = launch(out_dir, ranks=ranks, steps=steps, slow=(spec,), progress=True, log_every_n_steps=25)
     print(f"recorded {out}/ in {time.monotonic() - t0:.1f}s\n")
-    return _print_report(out)
+    rc = _print_report(out)
+    if rc != 0 or not fixed:
+        return rc
+    return _fixed_and_compare(out, ranks, steps, window)
+
+
+def _fixed_and_compare(out: Path, ranks: int, steps: int, window: tuple[int, int]) -> int:
+    """The same job with the slow rank fixed, then ``stepscope compare`` over the slow window."""
+    from stepscope.report.compare import compare_command
+
+    fixed_dir = out.with_name(out.name + "-fixed")
+    print(f"\nstepscope demo: the same job with the slow rank fixed, into {fixed_dir}/")
+    t0 = time.monotonic()
+    launch(fixed_dir, ranks=ranks, steps=steps, slow=(), progress=True)
+    print(f"recorded {fixed_dir}/ in {time.monotonic() - t0:.1f}s\n")
+    span = f"{window[0]}:{window[1]}"
+    print(f"$ stepscope compare {out} {fixed_dir} --steps {span}")
+    return compare_command(str(out), str(fixed_dir), as_json=False, steps=span)
 
 
 def _print_report(run_dir: Path) -> int:

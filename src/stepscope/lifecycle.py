@@ -209,6 +209,10 @@ def wire(tracer: Tracer) -> None:
         from stepscope.autoprofile import attach_autoprofile
 
         attach_autoprofile(tracer)
+    if config.heartbeat_s and tracer.writes_files:
+        from stepscope.status import attach_heartbeat
+
+        attach_heartbeat(tracer)
 
 
 def meta(tracer: Tracer) -> dict[str, Any]:

@@ -5,7 +5,8 @@ is a handful of public methods (the recorder protocol): ``open_phase`` / ``close
 ``discard_phase``, ``add_side_span``, ``add_counter``, ``add_collective``, ``current_path``,
 ``in_step`` and ``recording``. Observers (live view, auto-profiling, metric sinks, the
 heartbeat) are *listeners*: objects with any of ``on_step_end(tracer, index)``,
-``on_record(record)``, ``on_exception(tracer, exc)``, ``on_finish(tracer)``; the tracer does
+``on_record(record)``, ``on_exception(tracer, exc_type, exc, phase_stack)``,
+``on_finish(tracer)``; the tracer does
 not import them (:mod:`stepscope.lifecycle` wires them from the config).
 
 The hot path (inside ``step()``) takes clock marks and appends small objects to lists.
@@ -50,7 +51,9 @@ RECENT_RECORDS = 256
 class Span:
     """One timed region: a phase occurrence. ``path`` is ``parent/name`` (``forward/h2d``)."""
 
-    __slots__ = ("end", "end_ms", "host_end", "host_start", "name", "parent", "path", "start", "start_ms")
+    __slots__ = (
+        "end", "end_ms", "host_end", "host_start", "name", "parent", "path", "start", "start_ms", "wall",
+    )
 
     def __init__(self, name: str, parent: str | None, start: Any, host: bool) -> None:
         self.name = name
@@ -62,6 +65,7 @@ class Span:
         self.host_end: int | None = None
         self.start_ms = 0.0
         self.end_ms = 0.0
+        self.wall = time.time()  # for observers (heartbeat): when this phase opened
 
 
 class Step:
@@ -140,8 +144,10 @@ class PhaseContext:
         self._tokens.append((tracer, tracer.open_phase(self._name, host=self._host)))
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         tracer, token = self._tokens.pop()
+        if exc is not None:
+            tracer.note_raise(exc)  # the innermost phase an exception left, before it closes
         tracer.close_phase(token)
 
     def __call__(self, fn: F) -> F:
@@ -231,6 +237,11 @@ class Tracer:
         self._step_end: list[Callable[[Tracer, int], None]] = []
         self._forward_seen = False
         self._sampled_seen = 0
+        self._step_wall = 0.0  # time.time() at step entry
+        self._last_step: tuple[int, float, float] | None = None  # index, end wall, seconds
+        self._raised: tuple[BaseException, list[str]] | None = None
+        #: False when records go to a sink passed in (tests): no files beside them (heartbeat).
+        self.writes_files = sink is None
         self._recent = _RecentRecords()
         self._listeners.append(self._recent)
         anchor = GpuAnchor(self.clock) if isinstance(self.clock, CudaClock) else None
@@ -349,7 +360,8 @@ class Tracer:
 
     def add_listener(self, listener: Any) -> None:
         """Register an observer: an object with any of ``on_step_end(tracer, index)``,
-        ``on_record(record)``, ``on_exception(tracer, exc)``, ``on_finish(tracer)``; a plain
+        ``on_record(record)``, ``on_exception(tracer, exc_type, exc, phase_stack)``,
+        ``on_finish(tracer)``; a plain
         callable is taken as ``on_record``. ``on_record`` runs on the writer thread."""
         if callable(listener) and not hasattr(listener, "on_record"):
             fn = listener
@@ -439,13 +451,27 @@ class Tracer:
             warnings.warn(f"stepscope: {msg}", StepscopeWarning, stacklevel=3)
 
     def state(self) -> dict[str, Any]:
-        """A cheap snapshot for observers on other threads (heartbeat): step and open phases."""
-        stack = list(self._stack)
+        """A snapshot for observers on other threads (the heartbeat): plain values, no clock
+        (no CUDA) call. Phases are known on sampled steps only."""
+        stack = [sp for sp in list(self._stack) if sp.end is None]  # copied first: thread-safe
+        last = self._last_step
         return {
             "step": self._index,
             "in_step": self._in_step,
-            "phase_stack": [s.name for s in stack],
+            "step_started": self._step_wall if self._in_step else None,
+            "phase_stack": [sp.name for sp in stack],
+            "phase_started": stack[-1].wall if stack else None,
+            "last_step": last[0] if last else None,
+            "last_step_end": last[1] if last else None,
+            "last_step_s": last[2] if last else None,
+            "finished": self._finished,
+            "enabled": self.enabled,
         }
+
+    def note_raise(self, exc: BaseException) -> None:
+        """Remember the open phases where ``exc`` was first seen (for crash evidence)."""
+        if self._raised is None or self._raised[0] is not exc:
+            self._raised = (exc, [sp.name for sp in self._stack if sp.end is None])
 
     # ------------------------------------------------- instrument-facing interface
 
@@ -619,6 +645,7 @@ class Tracer:
         try:
             self._in_step = True
             self._owner = threading.get_ident()
+            self._step_wall = time.time()
             if not self.config.samples(self._index):
                 self._drop_next()
                 return
@@ -646,6 +673,18 @@ class Tracer:
             self._in_step = False
             return
         try:
+            raised_in: list[str] = []
+            if exc is not None:
+                noted = self._raised
+                raised_in = noted[1] if noted is not None and noted[0] is exc else [
+                    sp.name for sp in self._stack if sp.end is None
+                ]
+                self._raised = None
+                # Observers see the state as it was when the step raised (step, phases).
+                for listener in self._listeners:
+                    fn = getattr(listener, "on_exception", None)
+                    if fn is not None:
+                        fn(self, type(exc), exc, raised_in)
             step = self._cur
             if step is not None:
                 gate.set_current(None)
@@ -664,16 +703,15 @@ class Tracer:
             self._owner = None
             done = self._index
             self._index += 1
+            now = time.time()
+            self._last_step = (done, now, now - self._step_wall)
             if step is not None:
                 self.resolver.poll()
-                if self._since_flush >= self.config.flush_every_n_steps:
+                # An exception may end the job: what is resolved goes to the file now.
+                if self._since_flush >= self.config.flush_every_n_steps or exc is not None:
                     self._since_flush = 0
                     self._writer.submit(self._flush_job())
-            if exc is not None:
-                for listener in self._listeners:
-                    fn = getattr(listener, "on_exception", None)
-                    if fn is not None:
-                        fn(self, exc)
+
             for fn in self._step_end:
                 fn(self, done)
         except Exception as err:  # protect the job

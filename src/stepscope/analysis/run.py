@@ -8,6 +8,7 @@ from typing import Any
 from stepscope.analysis.diagnose import diagnose
 from stepscope.analysis.load import RunData, load_run
 from stepscope.analysis.stats import create_phase_samples, phase_stats, rank_stats
+from stepscope.analysis.status import crash_evidence
 from stepscope.analysis.stragglers import (
     align,
     build_excess,
@@ -109,6 +110,7 @@ def _analyze(data: RunData) -> dict[str, Any]:
     # Auto-profile captures live under run: the six top-level keys are the contract.
     run["captures"], trigger_skips = link_triggers(data.run_dir, windows)
     run["skipped"].extend(trigger_skips)
+    run["crashes"] = crash_evidence(data.run_dir)  # [ops] from the heartbeat files
     return {
         "run": run,
         "phases": phases,

@@ -134,6 +134,8 @@ def render_terminal(doc: dict[str, Any], console: Any = None) -> None:
            "; no synchronising phase found (ranks analysed independently)")
     )
     con.print(Panel(head, title="stepscope report", expand=False))
+    for crash in run.get("crashes") or []:  # [ops] crash evidence from the heartbeats
+        con.print(f"[bold red]crash:[/] {esc(crash['text'])}")
     if run["skipped"]:
         con.print("[yellow]Partial report — skipped:[/]")
         for s in run["skipped"]:

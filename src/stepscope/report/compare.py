@@ -1,0 +1,169 @@
+"""``stepscope compare``: two runs side by side (terminal, JSON, markdown)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from stepscope.errors import AnalysisError
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:+.1f}%"
+
+
+def _ci(row: dict[str, Any]) -> str:
+    lo, hi = row.get("ci_low_pct"), row.get("ci_high_pct")
+    return "-" if lo is None or hi is None else f"{lo:+.1f}…{hi:+.1f}%"
+
+
+def _share(x: float | None) -> str:
+    return "" if x is None else f"{100 * x:.0f}%"
+
+
+def _rows(doc: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    return [("step", doc["step"]), *((p["name"], p) for p in doc["phases"])]
+
+
+def render_compare(doc: dict[str, Any], console: Any = None) -> None:
+    """Print the comparison document with rich."""
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    con = console or Console()
+    a, b = doc["a"], doc["b"]
+    for tag, run in (("A", a), ("B", b)):
+        con.print(
+            f"[bold]{tag}[/] {escape(run['dir'])}  run {escape(str(run['id']))}, "
+            f"{run['world_size']} rank(s), "
+            f"{run['steps']} steps ({run['first_step']}–{run['last_step']}), clock {run['clock']}"
+        )
+    table = Table(show_edge=False, pad_edge=False)
+    wide = con.width >= 110  # p90 columns only where they fit (always in JSON/markdown)
+    table.add_column("median ms", no_wrap=True)
+    cols = ("A", "B", "change", "95% CI", "share A→B", *(("A p90", "B p90") if wide else ()), "")
+    for col in cols:
+        table.add_column(col, justify="right", no_wrap=True)
+    for name, row in _rows(doc):
+        style = ("bold green" if (row["change_pct"] or 0) < 0 else "bold red") if row["significant"] else ""
+        change = _pct(row["change_pct"])
+        share = ""
+        if row.get("a_share") is not None:
+            share = f"{_share(row.get('a_share'))}→{_share(row.get('b_share'))}"
+        p90 = (_ms(row.get("a_p90_ms")), _ms(row.get("b_p90_ms"))) if wide else ()
+        table.add_row(
+            escape(name),
+            _ms(row["a_ms"]), _ms(row["b_ms"]),
+            f"[{style}]{change}[/]" if style else change,
+            _ci(row), share, *p90,
+            "*" if row["significant"] else "",
+        )
+    con.print(table)
+    if doc.get("per_rank"):
+        rt = Table(show_edge=False, pad_edge=False, title="step time per rank")
+        for col in ("rank", "A median ms", "B median ms", "change", "95% CI"):
+            rt.add_column(col, justify="right")
+        for r in doc["per_rank"]:
+            rt.add_row(str(r["rank"]), _ms(r["a_ms"]), _ms(r["b_ms"]), _pct(r["change_pct"]), _ci(r))
+        con.print(rt)
+    con.print(f"[bold]{escape(doc['verdict'])}[/]")
+    for note in doc["notes"]:
+        con.print(f"[dim]note: {escape(note)}[/]")
+    method = doc["method"]
+    con.print(f"[dim]* significant: {escape(method['significant'])}; {escape(method['interval'])}[/]")
+
+
+def _md_escape(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
+
+
+def to_markdown(doc: dict[str, Any]) -> str:
+    a, b = doc["a"], doc["b"]
+    lines = [
+        "# stepscope compare",
+        "",
+        f"- **A**: `{_md_escape(a['dir'])}` (run `{_md_escape(str(a['id']))}`, {a['world_size']} ranks, "
+        f"{a['steps']} steps)",
+        f"- **B**: `{_md_escape(b['dir'])}` (run `{_md_escape(str(b['id']))}`, {b['world_size']} ranks, "
+        f"{b['steps']} steps)",
+        "",
+        f"**{_md_escape(doc['verdict'])}**",
+        "",
+        "| | A median ms | A p90 | B median ms | B p90 | change | 95% CI | significant |",
+        "|---|---:|---:|---:|---:|---:|---:|:---:|",
+    ]
+    for name, row in _rows(doc):
+        lines.append(
+            f"| {_md_escape(name)} | {_ms(row['a_ms'])} | {_ms(row.get('a_p90_ms'))} | {_ms(row['b_ms'])} "
+            f"| {_ms(row.get('b_p90_ms'))} | {_pct(row['change_pct'])} | {_ci(row)} "
+            f"| {'yes' if row['significant'] else ''} |"
+        )
+    if doc.get("per_rank"):
+        lines += ["", "| rank | A median ms | B median ms | change |", "|---:|---:|---:|---:|"]
+        lines += [
+            f"| {r['rank']} | {_ms(r['a_ms'])} | {_ms(r['b_ms'])} | {_pct(r['change_pct'])} |"
+            for r in doc["per_rank"]
+        ]
+    lines += ["", *(f"- {_md_escape(n)}" for n in doc["notes"])]
+    lines += [
+        f"- significant: {doc['method']['significant']}; {doc['method']['interval']}",
+        f"- samples: {doc['method']['step_sample']}; phases: {doc['method']['phase_sample']}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _reading(run_a: str, run_b: str) -> Any:
+    """Progress on stderr (a terminal only) while both runs' rank files are read."""
+    try:
+        from stepscope.report.progress import input_bytes, progress
+    except ImportError:  # render's progress helper not merged on this branch yet
+        return contextlib.nullcontext()
+    total = (input_bytes(run_a, "rank*") + input_bytes(run_b, "rank*")) or None
+    return progress(total, "reading rank files of both runs", unit="bytes", track_reads=True,
+                    done_desc="comparing")
+
+
+def compare_command(
+    run_a: str, run_b: str, as_json: bool, markdown: str | None = None, steps: str | None = None
+) -> int:
+    """Run ``stepscope compare``; 0 when the runs compared, 2 when either is unusable."""
+    import duckdb
+
+    from stepscope.analysis.compare import compare_runs
+
+    try:
+        with _reading(run_a, run_b):
+            doc = compare_runs(run_a, run_b, steps=steps)
+    except ValueError as exc:  # a bad --steps
+        print(f"stepscope compare: {exc}", file=sys.stderr)
+        return 2
+    except AnalysisError as exc:
+        print(f"stepscope compare: {exc}", file=sys.stderr)
+        return 2
+    except (duckdb.Error, OSError, UnicodeError) as exc:
+        print(f"stepscope compare: cannot read runs ({type(exc).__name__}: {exc})", file=sys.stderr)
+        return 2
+    note = sys.stderr if as_json else sys.stdout
+    if as_json:
+        json.dump(doc, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        for n in doc["notes"]:
+            print(f"stepscope compare: {n}", file=sys.stderr)
+    else:
+        render_compare(doc)
+    if markdown:
+        try:
+            Path(markdown).write_text(to_markdown(doc), encoding="utf-8")
+        except OSError as exc:
+            print(f"stepscope compare: cannot write {markdown} ({exc})", file=sys.stderr)
+            return 2
+        print(f"wrote {markdown}", file=note)
+    return 0

@@ -1,0 +1,87 @@
+"""``stepscope status``: one screen saying which rank is stuck, where, and for how long."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from stepscope.errors import AnalysisError
+
+_STATE_STYLE = {
+    "running": "green",
+    "waiting": "yellow",
+    "stalled": "bold red",
+    "dead": "bold red",
+    "crashed": "bold red",
+    "finished": "cyan",
+}
+
+
+def render_status(doc: dict[str, Any], console: Any = None) -> None:
+    """Print the status document with rich."""
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    con = console or Console()
+    run = doc["run"]
+    con.print(f"[bold]{escape(run['dir'])}[/]  run {escape(str(run['id']))}, world size {run['world_size']}")
+    table = Table(show_edge=False, pad_edge=False)
+    for col in ("rank", "host", "pid", "state", "step", "phase", "in phase", "heartbeat"):
+        table.add_column(col, justify="right" if col in ("rank", "pid", "step") else "left")
+    for v in doc["ranks"]:
+        style = _STATE_STYLE.get(v["state"], "")
+        table.add_row(
+            str(v["rank"]),
+            escape(str(v.get("host") or "-")),
+            str(v.get("pid") or "-"),
+            f"[{style}]{v['state']}[/]" if style else v["state"],
+            str(v.get("step")),
+            escape("/".join(v["phase_stack"]) or "-"),
+            f"{v['in_phase_s']:.1f} s",
+            f"{v['updated_s_ago']:.1f} s ago",
+        )
+    con.print(table)
+    for v in doc["ranks"]:
+        crash = v.get("crash") or {}
+        if crash:
+            msg = str(crash.get("message") or "")
+            note = f"{v.get('reason')}: {msg if len(msg) <= 200 else msg[:200] + '…'}"
+        else:
+            note = str(v.get("reason") or v.get("error") or "")
+        if note:
+            con.print(f"  rank {v['rank']}: {escape(note)}", soft_wrap=True)
+    cul = doc["culprit"]
+    if cul is not None:
+        where = "/".join(cul["phase_stack"]) or "no phase"
+        con.print(
+            f"[bold red]culprit: rank {cul['rank']}[/] ({cul['state']}) in [bold]{escape(where)}[/] "
+            f"at step {cul['step']} for {cul['since_s']:.1f} s — {escape(cul['why'])}"
+        )
+        if cul.get("stack_top"):
+            con.print(f"top frames of rank {cul['rank']}'s main thread ({escape(cul['stack_file'])}):")
+            for frame in cul["stack_top"]:
+                con.print(f"  {escape(frame)}", soft_wrap=True)
+    con.print(escape(doc["summary"]))
+    for note in doc["notes"]:
+        con.print(f"[dim]note: {escape(note)}[/]")
+
+
+def status_command(run_dir: str, as_json: bool, stalled_after_s: float | None = None) -> int:
+    """Run ``stepscope status``; 0 when any heartbeat was readable, 2 when none."""
+    from stepscope.analysis.status import analyze_status
+
+    try:
+        doc = analyze_status(run_dir, stalled_after_s=stalled_after_s)
+    except AnalysisError as exc:
+        print(f"stepscope status: {exc}", file=sys.stderr)
+        return 2
+    if as_json:
+        json.dump(doc, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        for note in doc["notes"]:
+            print(f"stepscope status: {note}", file=sys.stderr)
+    else:
+        render_status(doc)
+    return 0
