@@ -198,7 +198,7 @@ def test_rank_filter_makes_other_ranks_no_ops(tmp_path, monkeypatch):
         pass
     stepscope.finish()
     assert tr.rank.rank == 3 and tr.rank.world_size == 4
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["meta.json", "rank3.jsonl"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["meta.json", "rank3.jsonl", "rank3.status.json"]
 
 
 def test_summary_gives_recent_medians(mem_tracer):

@@ -120,6 +120,9 @@ class NullTracer:
     def flush(self) -> None:
         return None
 
+    def note_raise(self, exc: BaseException) -> None:
+        return None
+
     def finish(self) -> None:
         return None
 
