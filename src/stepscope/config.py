@@ -52,6 +52,13 @@ class Config:
     auto_profile: Any = False
     #: Run identifier shared by all ranks; default from env or generated.
     run_id: str | None = None
+    #: [metrics] FLOPs of one step on this rank (for TFLOP/s and MFU); or use ``model_flops``.
+    flops_per_step: float | None = None
+    #: [metrics] ``"auto"``: count the model's FLOPs on the first sampled step (that step is
+    #: marked ``untimed`` and left out of timing statistics).
+    model_flops: str | None = None
+    #: [metrics] Peak TFLOP/s of one device, overriding the built-in table (MFU denominator).
+    peak_tflops: float | None = None
 
     def __post_init__(self) -> None:
         self.auto = _normalise_auto(self.auto)
@@ -73,6 +80,9 @@ class Config:
             from stepscope.autoprofile import resolve_auto_profile
 
             resolve_auto_profile(self.auto_profile)  # raises ConfigError on a bad value
+        from stepscope.instrument.resources import check_config  # [metrics]
+
+        check_config(self.flops_per_step, self.model_flops, self.peak_tflops)
         if self.sink not in SINKS:
             raise ConfigError(f"sink must be one of {SINKS}; got {self.sink!r}")
         if not isinstance(self.out_dir, str | os.PathLike) or not os.fspath(self.out_dir):

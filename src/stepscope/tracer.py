@@ -45,7 +45,7 @@ class _Span:
 
 
 class _Step:
-    __slots__ = ("counters", "end", "index", "side", "spans", "start", "start_unix_ns")
+    __slots__ = ("counters", "end", "index", "res", "side", "spans", "start", "start_unix_ns")
 
     def __init__(self, index: int, start: Any, start_unix_ns: int, spans: list[_Span]) -> None:
         self.index = index
@@ -55,6 +55,7 @@ class _Step:
         self.side: list[tuple[str, Any, Any]] = []
         self.counters: dict[str, float] = {}
         self.end: Any = None
+        self.res: Any = None  # [metrics] ResourceMonitor.on_step_end snapshot
 
 
 class _PhaseContext:
@@ -162,6 +163,16 @@ class Tracer:
         self._live: Any = None  # set by stepscope.live.attach_live
         self._autoprofile: Any = None  # set by stepscope.autoprofile.attach_autoprofile
         self._install(model, optimizer)
+        # [metrics] issue 13: throughput / FLOPs / memory / device health per sampled step.
+        from stepscope.instrument.resources import ResourceMonitor
+
+        self._step_counts: tuple[int | None, int | None] | None = None
+        self._resources = ResourceMonitor(
+            device=self.device, flops_per_step=config.flops_per_step,
+            model_flops=config.model_flops, peak_tflops=config.peak_tflops,
+        )
+        self.finish_callbacks.append(lambda _t: self._resources.close())
+        # [/metrics]
         if config.profile_steps is not None:
             self._start_profiler()
         if config.log_every_n_steps:
@@ -198,8 +209,17 @@ class Tracer:
         """Index of the current step inside ``step()``, else of the next one."""
         return self._index
 
-    def step(self, index: int | None = None) -> _StepContext:
-        """Context manager around one optimizer step; ``index`` overrides the step counter."""
+    def step(
+        self, index: int | None = None, *, tokens: int | None = None, samples: int | None = None
+    ) -> _StepContext:
+        """Context manager around one optimizer step; ``index`` overrides the step counter.
+
+        ``tokens``/``samples`` (non-negative ints) give the step's throughput numbers.
+        """
+        # [metrics] validated at the call (ValueError), applied when the step opens
+        from stepscope.instrument.resources import check_counts
+
+        self._step_counts = check_counts(tokens, samples)
         if index is not None:
             if isinstance(index, bool) or not isinstance(index, int) or index < 0:
                 raise ValueError(f"step index must be a non-negative int; got {index!r}")
@@ -328,6 +348,22 @@ class Tracer:
         if step is not None:
             step.side.append((name, start, end))
 
+    def count(self, name: str, n: int) -> None:
+        """[metrics] Add ``n`` (int >= 0) to the step's ``tokens``/``samples`` (or any counter).
+
+        Outside a step: a warning, nothing counted.
+        """
+        from stepscope.instrument.resources import check_count, warn_outside_step
+
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"counter name must be a non-empty string; got {name!r}")
+        check_count(name, n)
+        if not self._in_step:
+            warn_outside_step(name)
+            return
+        if self._cur is not None:
+            self._cur.counters[name] = self._cur.counters.get(name, 0) + n
+
     def add_counter(self, name: str, value: float) -> None:
         """Add ``value`` to the per-step counter ``name`` (e.g. ``h2d_bytes``)."""
         step = self._reporting_step()
@@ -356,6 +392,7 @@ class Tracer:
             self._in_step = True
             if not self.config.samples(self._index):
                 self._pre.clear()
+                self._step_counts = None  # [metrics]
                 return
             pre = self._pre
             if pre:
@@ -370,6 +407,14 @@ class Tracer:
             # Spans left open by the pre-step phase (none normally) stay on the stack.
             self._stack = [s for s in self._stack if s.end is None]
             self._cur = step
+            # [metrics]
+            counts, self._step_counts = self._step_counts, None
+            if counts is not None:
+                for cname, cval in zip(("tokens", "samples"), counts, strict=True):
+                    if cval is not None:
+                        step.counters[cname] = step.counters.get(cname, 0) + cval
+            self._resources.on_step_start(step.index)
+            # [/metrics]
             if "h2d" in self._auto_active:
                 from stepscope.instrument.h2d import set_step_tracer
 
@@ -394,6 +439,7 @@ class Tracer:
                         span.end = end
                 self._stack.clear()
                 step.end = end
+                step.res = self._resources.on_step_end(step.index)  # [metrics]
                 pending = self._pending
                 pending.append(step)
                 limit = self.config.max_pending_steps
@@ -516,8 +562,13 @@ class Tracer:
             if "h2d_copy" in side:
                 exposed = phases["h2d"]["ms"] if "h2d" in phases else 0.0
                 rec["h2d_hidden_ms"] = _r(max(0.0, side["h2d_copy"] - exposed))
-        if step.counters:
-            rec["counters"] = dict(step.counters)
+        counters = dict(step.counters)
+        # [metrics] pops tokens/samples from counters into the throughput section
+        rec.update(
+            self._resources.step_fields(step.index, step.start_unix_ns, step_ms, counters, step.res)
+        )
+        if counters:
+            rec["counters"] = counters
         with self._pending_lock:
             new_drops = self.dropped - self._dropped_reported
             self._dropped_reported.update(new_drops)
@@ -626,8 +677,17 @@ class NullTracer:
 
     _NULL = _Null()
 
-    def step(self, index: int | None = None) -> NullTracer._Null:
+    def step(
+        self, index: int | None = None, *, tokens: int | None = None, samples: int | None = None
+    ) -> NullTracer._Null:
+        if tokens is not None or samples is not None:  # [metrics] same ValueError as Tracer.step
+            from stepscope.instrument.resources import check_counts
+
+            check_counts(tokens, samples)
         return self._NULL
+
+    def count(self, name: str, n: int) -> None:
+        return None
 
     def phase(self, name: str) -> NullTracer._Null:
         return self._NULL

@@ -1,0 +1,505 @@
+"""Beyond time: throughput, FLOPs/MFU, memory and device health for each sampled step.
+
+The tracer owns one :class:`ResourceMonitor` and calls it at three points:
+
+* ``on_step_start(index)`` (training thread, sampled steps only): resets the CUDA
+  allocator's peak counters; on the step chosen for FLOP counting, starts the counter.
+* ``on_step_end(index) -> snapshot`` (training thread): stops the counter and reads the
+  allocator's peak/current bytes. The tracer keeps the snapshot on the step.
+* ``step_fields(index, start_unix_ns, step_ms, counters, snapshot) -> dict`` (writer thread,
+  at resolve time): builds the record's ``throughput``/``flops``/``memory``/``device``
+  sections (and ``untimed`` for the FLOP-counted step). It pops ``tokens``/``samples`` from
+  ``counters`` (filled by ``step(tokens=, samples=)`` and ``count(...)``).
+
+What is read where, and why none of it waits for the GPU:
+
+* CUDA memory: ``torch.cuda.reset_peak_memory_stats`` and
+  ``torch.cuda.memory_stats_as_nested_dict`` (the dict ``max_memory_allocated``,
+  ``max_memory_reserved`` and ``memory_allocated`` are flattened from) only read or reset the
+  caching allocator's host-side counters under its mutex (``CUDACachingAllocator``'s
+  ``getDeviceStats``/``resetPeakStats``): no ``cudaDeviceSynchronize``, no event query, no
+  stream wait. The counters describe allocations as the host issued them, which is what
+  limits memory. ``tests/test_resources.py`` runs this code against fakes whose
+  ``synchronize`` raises. Alloc retries and OOMs are read on the writer thread at flush cadence.
+* Host memory (psutil): process RSS and the summed RSS of DataLoader worker processes, read on
+  the writer thread (at most every ``RSS_EVERY_S`` / ``WORKERS_EVERY_S``), so a record carries
+  the latest reading at its resolve time.
+* Device health (NVML, extra ``gpu``): a daemon thread samples utilisation, SM clock, power
+  and temperature every ``NVML_INTERVAL_S``; a step gets the mean of the samples taken during
+  it, or else the sample nearest to it in time (within one interval). Without NVML the
+  ``device`` section is absent; a metric whose NVML call fails stops alone.
+
+Fields never measured are absent, never 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+import warnings
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from stepscope.errors import StepscopeWarning
+from stepscope.flops import FlopCount, device_key, peak_tflops, warn_unknown_peak
+
+MB = float(1 << 20)
+#: Seconds between NVML samples.
+NVML_INTERVAL_S = 0.5
+#: Minimum seconds between process RSS reads (writer thread).
+RSS_EVERY_S = 0.05
+#: Minimum seconds between DataLoader worker scans (listing children walks /proc).
+WORKERS_EVERY_S = 1.0
+#: Minimum seconds between reads of alloc retries / OOMs (writer thread, flush cadence).
+ALLOC_STATS_EVERY_S = 0.05
+
+COUNT_NAMES = ("tokens", "samples")
+
+
+# --------------------------------------------------------------------- validation
+
+
+def check_count(name: str, value: Any) -> int:
+    """``value`` as a non-negative int, else ``ValueError`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative int; got {value!r}")
+    return value
+
+
+def check_counts(tokens: Any, samples: Any) -> tuple[int | None, int | None] | None:
+    """Validate ``step(tokens=, samples=)``; ``None`` when neither was given."""
+    if tokens is None and samples is None:
+        return None
+    return (
+        None if tokens is None else check_count("tokens", tokens),
+        None if samples is None else check_count("samples", samples),
+    )
+
+
+def check_config(flops_per_step: Any, model_flops: Any, peak_tflops: Any) -> None:
+    """Validate the ``init()`` FLOP arguments (raises ``ConfigError``, a ``ValueError``)."""
+    from stepscope.errors import ConfigError
+
+    if flops_per_step is not None and (
+        isinstance(flops_per_step, bool)
+        or not isinstance(flops_per_step, int | float)
+        or not flops_per_step > 0
+        or flops_per_step == float("inf")
+    ):
+        raise ConfigError(f"flops_per_step must be a positive number or None; got {flops_per_step!r}")
+    if model_flops not in (None, "auto"):
+        raise ConfigError(f"model_flops must be 'auto' or None; got {model_flops!r}")
+    if flops_per_step is not None and model_flops is not None:
+        raise ConfigError("give either flops_per_step or model_flops='auto', not both")
+    if peak_tflops is not None and (
+        isinstance(peak_tflops, bool)
+        or not isinstance(peak_tflops, int | float)
+        or not peak_tflops > 0
+        or peak_tflops == float("inf")
+    ):
+        raise ConfigError(f"peak_tflops must be a positive number (TFLOP/s) or None; got {peak_tflops!r}")
+
+
+def warn_outside_step(name: str) -> None:
+    with contextlib.suppress(Exception):  # protect the job: warnings-as-errors must not escape
+        warnings.warn(
+            f"stepscope: count({name!r}, ...) called outside a step; ignored (call it inside "
+            "`with stepscope.step():`)",
+            StepscopeWarning,
+            stacklevel=3,
+        )
+
+
+# --------------------------------------------------------------------- back ends
+
+
+class CudaMemory(Protocol):
+    def reset_peak(self) -> None: ...
+
+    def read(self) -> tuple[int, int, int]: ...  # peak allocated, peak reserved, allocated
+
+    def alloc_stats(self) -> tuple[int, int]: ...  # alloc retries, OOMs (cumulative)
+
+
+class TorchCudaMemory:
+    """The caching allocator's counters for one device (host-side reads only, see module doc)."""
+
+    def __init__(self, index: int) -> None:
+        import torch
+
+        self.index = index
+        self._cuda = torch.cuda
+
+    def reset_peak(self) -> None:
+        self._cuda.reset_peak_memory_stats(self.index)
+
+    def read(self) -> tuple[int, int, int]:
+        # One C++ call returning the nested dict; max_memory_allocated() & co. each build and
+        # flatten this same dict, so reading it once costs a third.
+        s = self._cuda.memory_stats_as_nested_dict(self.index)
+        alloc = s["allocated_bytes"]["all"]
+        return int(alloc["peak"]), int(s["reserved_bytes"]["all"]["peak"]), int(alloc["current"])
+
+    def alloc_stats(self) -> tuple[int, int]:
+        s = self._cuda.memory_stats(self.index)
+        return int(s.get("num_alloc_retries", 0)), int(s.get("num_ooms", 0))
+
+
+class HostMemory:
+    """Process RSS and DataLoader workers' RSS through psutil."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        self._psutil = psutil
+        self.proc = psutil.Process()
+        try:
+            self._cmd = self.proc.cmdline()
+        except Exception:  # an unreadable cmdline only weakens worker matching
+            self._cmd = []
+
+    def rss_bytes(self) -> int:
+        return int(self.proc.memory_info().rss)
+
+    def workers_rss_bytes(self) -> int | None:
+        """Summed RSS of child processes that look like DataLoader workers; ``None`` if none.
+
+        Workers are forked (same command line as this process) or spawned through
+        ``multiprocessing``; compile workers and other helpers are left out. Shared pages
+        count once per worker, so the sum overstates unique memory.
+        """
+        total, seen = 0, 0
+        for child in self.proc.children(recursive=False):
+            try:
+                cmd = child.cmdline()
+                if "compile_worker" in " ".join(cmd):
+                    continue
+                if cmd != self._cmd and not any("multiprocessing" in c for c in cmd):
+                    continue
+                total += int(child.memory_info().rss)
+                seen += 1
+            except self._psutil.Error:
+                continue  # exited meanwhile
+        return total if seen else None
+
+
+# --------------------------------------------------------------------- NVML sampler
+
+_NVML_METRICS = ("util_pct", "sm_clock_mhz", "power_w", "temp_c")
+
+
+def _nvml_readers(nvml: Any, handle: Any) -> dict[str, Callable[[], float]]:
+    return {
+        "util_pct": lambda: float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu),
+        "sm_clock_mhz": lambda: float(nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_SM)),
+        "power_w": lambda: nvml.nvmlDeviceGetPowerUsage(handle) / 1000.0,  # mW
+        "temp_c": lambda: float(nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU)),
+    }
+
+
+def _nvml_handle(nvml: Any, index: int) -> Any:
+    """NVML's handle for CUDA device ``index`` (by UUID: CUDA_VISIBLE_DEVICES renumbers)."""
+    try:
+        import torch
+
+        uuid = str(torch.cuda.get_device_properties(index).uuid)
+        return nvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else "GPU-" + uuid)
+    except Exception:  # fall back to the index through CUDA_VISIBLE_DEVICES
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+        ids = [v.strip() for v in visible.split(",") if v.strip()]
+        phys = int(ids[index]) if index < len(ids) and ids[index].isdigit() else index
+        return nvml.nvmlDeviceGetHandleByIndex(phys)
+
+
+class NvmlSampler:
+    """Background thread sampling NVML every ``interval_s``; ``window()`` averages a time span.
+
+    Every reader runs in its own ``try``: one failing metric is dropped (with one warning),
+    the others go on; when none is left the thread ends.
+    """
+
+    def __init__(self, readers: dict[str, Callable[[], float]], interval_s: float = NVML_INTERVAL_S,
+                 maxlen: int = 1200) -> None:
+        self.readers = dict(readers)
+        self.interval_s = interval_s
+        self.interval_ns = int(interval_s * 1e9)
+        self.samples: deque[tuple[int, dict[str, float]]] = deque(maxlen=maxlen)
+        self.failed: dict[str, str] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stepscope-nvml", daemon=True)
+
+    def start(self) -> NvmlSampler:
+        self._thread.start()
+        return self
+
+    def sample_once(self) -> None:
+        vals: dict[str, float] = {}
+        for name, read in list(self.readers.items()):
+            try:
+                vals[name] = read()
+            except Exception as exc:  # protect the job: this metric stops alone
+                del self.readers[name]
+                self.failed[name] = repr(exc)
+                with contextlib.suppress(Exception):
+                    warnings.warn(f"stepscope: NVML {name} stopped after an error: {exc!r}",
+                                  StepscopeWarning, stacklevel=2)
+        if vals:
+            with self._lock:
+                self.samples.append((time.time_ns(), vals))
+
+    def _run(self) -> None:
+        while not self._stop.is_set() and self.readers:
+            self.sample_once()
+            self._stop.wait(self.interval_s)
+
+    def window(self, start_ns: int, end_ns: int) -> dict[str, float]:
+        """Mean of the samples taken in ``[start_ns, end_ns]``, else the nearest one within an interval."""
+        with self._lock:
+            samples = list(self.samples)
+        inside = [v for t, v in samples if start_ns <= t <= end_ns]
+        if not inside:
+            best: tuple[int, dict[str, float]] | None = None
+            for t, v in samples:
+                d = start_ns - t if t < start_ns else t - end_ns
+                if d <= self.interval_ns and (best is None or d < best[0]):
+                    best = (d, v)
+            inside = [best[1]] if best else []
+        out: dict[str, float] = {}
+        for name in _NVML_METRICS:
+            vals = [v[name] for v in inside if name in v]
+            if vals:
+                out[name] = round(sum(vals) / len(vals), 1)
+        return out
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2.0)
+
+
+def start_nvml(index: int, nvml: Any = None, interval_s: float = NVML_INTERVAL_S) -> NvmlSampler | None:
+    """A started sampler for CUDA device ``index``; ``None`` when NVML is missing or fails."""
+    try:
+        if nvml is None:
+            import pynvml  # from nvidia-ml-py (extra "gpu")
+
+            nvml = pynvml
+        nvml.nvmlInit()
+        handle = _nvml_handle(nvml, index)
+    except Exception:  # no NVML (not installed, no driver): the section is absent
+        return None
+    sampler = NvmlSampler(_nvml_readers(nvml, handle), interval_s)
+    sampler.sample_once()
+    return sampler.start() if sampler.readers else None
+
+
+# --------------------------------------------------------------------- the monitor
+
+
+def _sig(x: float, digits: int = 5) -> float:
+    """``x`` rounded to ``digits`` significant digits (TFLOP/s spans 1e-6 on CPU to 1e3)."""
+    return float(f"{x:.{digits}g}")
+
+
+def _cuda_index(device: str) -> int | None:
+    if not device.startswith("cuda"):
+        return None
+    _, _, idx = device.partition(":")
+    if idx.isdigit():
+        return int(idx)
+    import torch
+
+    return int(torch.cuda.current_device())
+
+
+class ResourceMonitor:
+    """Per-step throughput, FLOPs/MFU, memory and device health for one tracer.
+
+    ``flops_per_step``/``model_flops``/``peak_tflops`` come from ``Config``. The back ends
+    (``cuda``, ``host``, ``nvml``) are injectable for tests; by default CUDA memory and NVML
+    are used when ``device`` is ``cuda[:N]``, and host memory always (when psutil imports).
+
+    Example::
+
+        mon = ResourceMonitor(flops_per_step=6e9, device="cpu", peak_tflops=1.0)
+        mon.on_step_start(0); ...; snap = mon.on_step_end(0)
+        rec.update(mon.step_fields(0, t0_ns, 12.5, {"tokens": 4096}, snap))
+    """
+
+    def __init__(
+        self,
+        *,
+        device: str,
+        flops_per_step: float | None = None,
+        model_flops: str | None = None,
+        peak_tflops: float | None = None,
+        device_name: str | None = None,
+        cuda: CudaMemory | None = None,
+        host: Any = None,
+        nvml: Any = None,
+        nvml_interval_s: float = NVML_INTERVAL_S,
+    ) -> None:
+        self.device = device
+        index = _cuda_index(device)
+        if cuda is None and index is not None:
+            cuda = TorchCudaMemory(index)
+        self.cuda = cuda
+        if host is None:
+            with contextlib.suppress(Exception):  # psutil missing: host memory is absent
+                host = HostMemory()
+        self.host = host
+        self.sampler: NvmlSampler | None = None
+        if index is not None or nvml is not None:
+            self.sampler = start_nvml(index or 0, nvml, nvml_interval_s)
+        if device_name is None:
+            device_name = "cpu"
+            if index is not None:
+                import torch
+
+                device_name = torch.cuda.get_device_name(index)
+        self.device_name = device_name
+        # FLOPs: the user's number, or counted on the first sampled step.
+        self.flops_per_step: float | None = flops_per_step
+        self.peak: float | None = peak_tflops
+        want_flops = flops_per_step is not None or model_flops == "auto"
+        known_device = device_key(device_name) is not None
+        self._known_device = known_device
+        # Counting also tells the dtype the peak depends on: needed for a table lookup.
+        self._count_pending = want_flops and (
+            model_flops == "auto" or (self.peak is None and known_device)
+        )
+        self._set_total = model_flops == "auto"
+        self._counter: FlopCount | None = None
+        self.counted_step: int | None = None
+        if want_flops and self.peak is None and not known_device:
+            warn_unknown_peak(device_name, None)
+        self._rss: tuple[float, int | None] = (0.0, None)
+        self._workers: tuple[float, int | None] = (-1e9, None)
+        self._alloc: tuple[float, tuple[int, int] | None] = (0.0, None)
+
+    # ---------------------------------------------------------------- hot path
+
+    def on_step_start(self, index: int) -> None:
+        """Training thread, at a sampled step's entry."""
+        if self._count_pending:
+            self._count_pending = False
+            self._counter = FlopCount()
+            self._counter.start()
+            self.counted_step = index
+        if self.cuda is not None:
+            self.cuda.reset_peak()
+
+    def on_step_end(self, index: int) -> Any:
+        """Training thread, at a sampled step's exit; the returned snapshot goes to ``step_fields``."""
+        counted = False
+        if self._counter is not None:
+            counter, self._counter = self._counter, None
+            counter.stop()
+            counted = True
+            self._counted(counter)
+        mem = self.cuda.read() if self.cuda is not None else None
+        if counted:
+            return (mem, True)
+        return mem
+
+    def _counted(self, counter: FlopCount) -> None:
+        if self._set_total:
+            self.flops_per_step = float(counter.total or 0) or None
+        if self.peak is None and self._known_device:
+            peak = peak_tflops(self.device_name, counter.dtype) if counter.dtype else None
+            if peak is None:
+                warn_unknown_peak(self.device_name, counter.dtype)
+            self.peak = peak
+
+    # ------------------------------------------------------------- writer side
+
+    def step_fields(
+        self,
+        index: int,
+        start_unix_ns: int,
+        step_ms: float,
+        counters: dict[str, float],
+        snapshot: Any,
+    ) -> dict[str, Any]:
+        """The record's ``throughput``/``flops``/``memory``/``device`` (and ``untimed``) keys."""
+        out: dict[str, Any] = {}
+        counted = isinstance(snapshot, tuple) and len(snapshot) == 2 and snapshot[1] is True
+        mem = snapshot[0] if counted else snapshot
+        secs = step_ms / 1000.0
+        thr: dict[str, Any] = {}
+        for name in COUNT_NAMES:
+            if name in counters:
+                n = int(counters.pop(name))
+                thr[name] = n
+                if secs > 0 and not counted:
+                    thr[f"{name}_per_s"] = round(n / secs, 3)
+        if thr:
+            out["throughput"] = thr
+        if counted:
+            out["untimed"] = True
+            if self.flops_per_step is not None:
+                out["flops"] = {"per_step": int(self.flops_per_step), "counted_step": True}
+        elif self.flops_per_step is not None and secs > 0 and (
+            self.counted_step is None or index > self.counted_step or not self._set_total
+        ):
+            tflops = self.flops_per_step / secs / 1e12
+            fl: dict[str, Any] = {"per_step": int(self.flops_per_step), "tflops": _sig(tflops)}
+            if self.peak:
+                fl["mfu"] = _sig(tflops / self.peak)
+            out["flops"] = fl
+        memory: dict[str, Any] = {}
+        if mem is not None:
+            memory["peak_allocated_mb"] = round(mem[0] / MB, 3)
+            memory["peak_reserved_mb"] = round(mem[1] / MB, 3)
+            memory["allocated_mb"] = round(mem[2] / MB, 3)
+            stats = self._alloc_stats()
+            if stats is not None:
+                memory["alloc_retries"], memory["ooms"] = stats
+        self._host_fields(memory)
+        if memory:
+            out["memory"] = memory
+        if self.sampler is not None:
+            dev = self.sampler.window(start_unix_ns, start_unix_ns + int(step_ms * 1e6))
+            if dev:
+                # The record's "device" string (e.g. "cuda:0") moves into the section as "name".
+                out["device"] = {"name": self.device, **dev}
+        return out
+
+    def _alloc_stats(self) -> tuple[int, int] | None:
+        now = time.monotonic()
+        if self._alloc[1] is None or now - self._alloc[0] >= ALLOC_STATS_EVERY_S:
+            try:
+                self._alloc = (now, self.cuda.alloc_stats() if self.cuda is not None else None)
+            except Exception:  # protect the job: these two fields go missing
+                self._alloc = (now, None)
+        return self._alloc[1]
+
+    def _host_fields(self, memory: dict[str, Any]) -> None:
+        if not self.host:  # None (psutil missing, or stopped after an error) or False (off)
+            return
+        now = time.monotonic()
+        try:
+            if self._rss[1] is None or now - self._rss[0] >= RSS_EVERY_S:
+                self._rss = (now, self.host.rss_bytes())
+            if now - self._workers[0] >= WORKERS_EVERY_S:
+                self._workers = (now, self.host.workers_rss_bytes())
+        except Exception:  # protect the job: host memory stops, training goes on
+            self.host = None
+            return
+        if self._rss[1] is not None:
+            memory["rss_mb"] = round(self._rss[1] / MB, 3)
+        if self._workers[1] is not None:
+            memory["workers_rss_mb"] = round(self._workers[1] / MB, 3)
+
+    def close(self) -> None:
+        """Stop the NVML thread and any counter left open by an aborted step."""
+        if self.sampler is not None:
+            self.sampler.stop()
+        if self._counter is not None:
+            with contextlib.suppress(Exception):
+                self._counter.stop()
+            self._counter = None
