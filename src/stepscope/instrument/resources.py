@@ -503,3 +503,131 @@ class ResourceMonitor:
             with contextlib.suppress(Exception):
                 self._counter.stop()
             self._counter = None
+
+
+# --------------------------------------------------------------------- live view / summary()
+
+
+def summarize_records(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians of tokens/s, samples/s, TFLOP/s, MFU and the max peak memory over ``records``.
+
+    Keys are present only for what the records measured (for ``stepscope.summary()``).
+    """
+    from statistics import median
+
+    out: dict[str, Any] = {}
+    for key, sec, name in (("tokens_per_s", "throughput", "tokens_per_s"),
+                           ("samples_per_s", "throughput", "samples_per_s"),
+                           ("tflops", "flops", "tflops"), ("mfu", "flops", "mfu")):
+        vals = [r[sec][name] for r in records if name in (r.get(sec) or {})]
+        if vals:
+            out[key] = median(vals)
+    for key in ("peak_allocated_mb", "rss_mb"):
+        vals = [r["memory"][key] for r in records if key in (r.get("memory") or {})]
+        if vals:
+            out[key] = max(vals)
+    return out
+
+
+#: Short payload keys for the live exchange (the payload is capped at 1 KiB).
+_PAYLOAD_KEYS = {"tokens_per_s": "tps", "samples_per_s": "sps", "mfu": "mfu", "peak_allocated_mb": "pam",
+                 "rss_mb": "rss"}
+
+
+def payload_fields(summary: dict[str, Any]) -> dict[str, float]:
+    """This rank's resource numbers for the cross-rank live exchange."""
+    return {short: round(float(summary[k]), 5) for k, short in _PAYLOAD_KEYS.items() if k in summary}
+
+
+def cross_rank_fields(payloads: list[dict[str, Any]]) -> dict[str, Any]:
+    """Job tokens/s and samples/s (sum over ranks), mean MFU, max peak memory (and its rank)."""
+    out: dict[str, Any] = {}
+    got = [(p.get("r"), p.get("t") or {}) for p in payloads]
+    for key, short in (("tokens_per_s", "tps"), ("samples_per_s", "sps")):
+        vals = [t[short] for _, t in got if short in t]
+        if vals and len(vals) == len(got):
+            out[key] = sum(vals)
+    mfus = [t["mfu"] for _, t in got if "mfu" in t]
+    if mfus:
+        out["mfu"] = sum(mfus) / len(mfus)
+    for key, short in (("peak_allocated_mb", "pam"), ("rss_mb", "rss")):
+        ranked = [(t[short], r) for r, t in got if short in t]
+        if ranked:
+            value, rank = max(ranked)
+            out[key], out[f"{key}_rank"] = value, rank
+    return out
+
+
+def line_suffix(s: dict[str, Any]) -> str:
+    """`` | 12,345 tok/s MFU 41% | peak 30.1 GB (r3)`` for the live line; empty when unmeasured."""
+    parts = []
+    if "tokens_per_s" in s:
+        parts.append(f"{s['tokens_per_s']:,.0f} tok/s")
+    elif "samples_per_s" in s:
+        parts.append(f"{s['samples_per_s']:,.1f} samples/s")
+    if "mfu" in s:
+        parts.append(f"MFU {100 * s['mfu']:.1f}%")
+    if "peak_allocated_mb" in s:
+        where = f" (r{s['peak_allocated_mb_rank']})" if "peak_allocated_mb_rank" in s else ""
+        parts.append(f"peak mem {s['peak_allocated_mb'] / 1024:.1f} GB{where}")
+    elif "rss_mb" in s:
+        parts.append(f"RSS {s['rss_mb'] / 1024:.2f} GB")
+    return (" | " + " ".join(parts)) if parts else ""
+
+
+def record_scalars(record: dict[str, Any]) -> dict[str, float]:
+    """The record's resource numbers as flat ``section/name`` scalars (TensorBoard, W&B)."""
+    out: dict[str, float] = {}
+    for sec, names in (("throughput", ("tokens_per_s", "samples_per_s")),
+                       ("flops", ("tflops", "mfu")),
+                       ("memory", ("peak_allocated_mb", "peak_reserved_mb", "allocated_mb", "rss_mb",
+                                   "workers_rss_mb", "alloc_retries", "ooms")),
+                       ("device", ("util_pct", "sm_clock_mhz", "power_w", "temp_c"))):
+        body = record.get(sec)
+        if isinstance(body, dict):
+            for name in names:
+                if isinstance(body.get(name), int | float):
+                    out[f"{sec}/{name}"] = float(body[name])
+    return out
+
+
+def batch_counts(batch: Any) -> tuple[int | None, int | None]:
+    """``(tokens, samples)`` of a batch, without waiting for the GPU.
+
+    Samples: the first dimension of ``input_ids`` (or of the batch's first tensor). Tokens:
+    only for batches with ``input_ids``/``attention_mask`` — the mask's sum when it is on the
+    CPU, else ``input_ids.numel()`` (padded positions count: summing a GPU mask would
+    synchronise the host with the device).
+    """
+    import torch
+
+    def first_tensor(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return x
+        if isinstance(x, dict):
+            for v in x.values():
+                t = first_tensor(v)
+                if t is not None:
+                    return t
+        if isinstance(x, list | tuple):
+            for v in x:
+                t = first_tensor(v)
+                if t is not None:
+                    return t
+        return None
+
+    ids = mask = None
+    if isinstance(batch, dict) or hasattr(batch, "keys"):
+        with contextlib.suppress(Exception):
+            ids = batch.get("input_ids")
+            mask = batch.get("attention_mask")
+    tokens: int | None = None
+    if isinstance(mask, torch.Tensor) and mask.device.type == "cpu":
+        tokens = int(mask.sum())
+    elif isinstance(ids, torch.Tensor):
+        tokens = int(ids.numel())
+    elif isinstance(mask, torch.Tensor):
+        tokens = int(mask.numel())
+    lead = ids if isinstance(ids, torch.Tensor) else first_tensor(batch)
+    samples = int(lead.shape[0]) if isinstance(lead, torch.Tensor) and lead.dim() > 0 else None
+    return tokens, samples
