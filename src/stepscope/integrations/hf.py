@@ -50,7 +50,7 @@ class StepscopeCallback(TrainerCallback):  # type: ignore[misc,valid-type]
         self._driver.restart_wait()
         # Trainer callbacks never see the batch: a forward pre-hook counts each micro-batch
         # (gradient accumulation sums them into the optimizer step); evaluation is outside steps.
-        self._count_hook = None
+        self._count_hook: Any = None
         if model is not None and hasattr(model, "register_forward_pre_hook"):
             driver = self._driver
 
@@ -89,8 +89,9 @@ class StepscopeCallback(TrainerCallback):  # type: ignore[misc,valid-type]
         if self._driver is not None:
             self._driver.stop()
             self._driver = None
-        if getattr(self, "_count_hook", None) is not None:
-            self._count_hook.remove()
+        hook = getattr(self, "_count_hook", None)
+        if hook is not None:
+            hook.remove()
             self._count_hook = None
         if self.tracer is not None:
             if stepscope.current() is self.tracer:
