@@ -6,6 +6,7 @@ step enter+exit, a forward/backward/optimizer hook set) measured in isolation.
 
     python benchmarks/overhead.py [--reps 15] [--steps 60] [--hidden 768]
     python benchmarks/overhead.py --per-instrument   # µs/step each automatic instrument adds
+    python benchmarks/overhead.py --resources        # issue 13: throughput and memory read costs
 """
 
 from __future__ import annotations
@@ -132,6 +133,84 @@ def per_instrument(reps: int = 7, steps: int = 1500) -> dict[str, float]:
     }
 
 
+class _FakeTorchCuda:
+    """``torch.cuda``'s allocator calls, answered from a prebuilt dict (CPU-only timing)."""
+
+    def __init__(self) -> None:
+        self.nested = {"allocated_bytes": {"all": {"peak": 3 << 30, "current": 2 << 30}},
+                       "reserved_bytes": {"all": {"peak": 4 << 30}}}
+
+    def reset_peak_memory_stats(self, device: int) -> None:
+        return None
+
+    def memory_stats_as_nested_dict(self, device: int) -> dict[str, object]:
+        return self.nested
+
+    def memory_stats(self, device: int) -> dict[str, int]:
+        return {"num_alloc_retries": 0, "num_ooms": 0}
+
+
+def resource_costs(n: int = 20000, reps: int = 5) -> dict[str, float]:
+    """Issue 13 hot-path costs in µs per step (minimum over ``reps``).
+
+    throughput: ``step(tokens=, samples=)`` + one ``count()`` over a bare ``step()``.
+    memory: the monitor's step-start reset + step-end read with a fake allocator (CPU), and
+    with the real one when CUDA is available.
+    """
+    from stepscope.instrument.resources import ResourceMonitor, TorchCudaMemory
+    from stepscope.sinks import MemorySink
+
+    def per_step(fn: object) -> float:
+        best = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter_ns()
+            fn()  # type: ignore[operator]
+            best = min(best, (time.perf_counter_ns() - t0) / n / 1e3)
+        return best
+
+    tracer = Tracer(Config(out_dir="unused", flush_every_n_steps=100, max_pending_steps=n + 1),
+                    clock=CpuClock(), sink=MemorySink())
+
+    def plain() -> None:
+        for _ in range(n):
+            with tracer.step():
+                pass
+
+    def counted() -> None:
+        for _ in range(n):
+            with tracer.step(tokens=4096, samples=8):
+                tracer.count("tokens", 1)
+
+    base = per_step(plain)
+    thr = per_step(counted)
+    tracer.finish()
+    fake_mem = TorchCudaMemory.__new__(TorchCudaMemory)
+    fake_mem.index, fake_mem._cuda = 0, _FakeTorchCuda()
+    out = {"throughput_added_us": round(thr - base, 3), "step_enter_exit_us": round(base, 3)}
+    for label, mem in (("memory_fake", fake_mem), ("memory_cuda", None)):
+        if mem is None:
+            if not torch.cuda.is_available():
+                continue
+            mem = TorchCudaMemory(torch.cuda.current_device())
+        mon = ResourceMonitor(device="cpu", cuda=mem, host=False)
+
+        def hot(mon: ResourceMonitor = mon) -> None:
+            for i in range(n):
+                mon.on_step_start(i)
+                mon.on_step_end(i)
+
+        out[f"{label}_step_start_end_us"] = round(per_step(hot), 3)
+        snap = mon.on_step_end(0)
+        mon_host = ResourceMonitor(device="cpu", cuda=mem)
+
+        def writer(mon: ResourceMonitor = mon_host, snap: object = snap) -> None:
+            for i in range(n):
+                mon.step_fields(i, 0, 5.0, {"tokens": 4096}, snap)
+
+        out[f"{label}_step_fields_writer_us"] = round(per_step(writer), 3)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=15)
@@ -139,8 +218,13 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=768)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--per-instrument", action="store_true", help="cost of each instrument instead")
+    ap.add_argument("--resources", action="store_true", help="throughput / memory instrument costs")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.resources:
+        dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        print(json.dumps({"benchmark": "overhead_resources", "device": dev, **resource_costs()}))
+        return
     if args.per_instrument:
         print(json.dumps({"benchmark": "overhead_per_instrument", "device": "cpu", **per_instrument()}))
         return

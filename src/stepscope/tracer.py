@@ -25,6 +25,12 @@ from stepscope.clock import Clock, default_clock
 from stepscope.config import Config
 from stepscope.dist import RankInfo, rank_info
 from stepscope.errors import InstrumentationError, StepscopeWarning
+from stepscope.instrument.resources import (  # [metrics]
+    ResourceMonitor,
+    check_count,
+    check_counts,
+    warn_outside_step,
+)
 from stepscope.records import SCHEMA_VERSION
 from stepscope.sinks import BackgroundWriter, Sink, open_sink, write_json_atomic
 
@@ -164,8 +170,6 @@ class Tracer:
         self._autoprofile: Any = None  # set by stepscope.autoprofile.attach_autoprofile
         self._install(model, optimizer)
         # [metrics] issue 13: throughput / FLOPs / memory / device health per sampled step.
-        from stepscope.instrument.resources import ResourceMonitor
-
         self._step_counts: tuple[int | None, int | None] | None = None
         self._resources = ResourceMonitor(
             device=self.device, flops_per_step=config.flops_per_step,
@@ -217,8 +221,6 @@ class Tracer:
         ``tokens``/``samples`` (non-negative ints) give the step's throughput numbers.
         """
         # [metrics] validated at the call (ValueError), applied when the step opens
-        from stepscope.instrument.resources import check_counts
-
         self._step_counts = check_counts(tokens, samples)
         if index is not None:
             if isinstance(index, bool) or not isinstance(index, int) or index < 0:
@@ -353,8 +355,6 @@ class Tracer:
 
         Outside a step: a warning, nothing counted.
         """
-        from stepscope.instrument.resources import check_count, warn_outside_step
-
         if not isinstance(name, str) or not name:
             raise ValueError(f"counter name must be a non-empty string; got {name!r}")
         check_count(name, n)
@@ -681,8 +681,6 @@ class NullTracer:
         self, index: int | None = None, *, tokens: int | None = None, samples: int | None = None
     ) -> NullTracer._Null:
         if tokens is not None or samples is not None:  # [metrics] same ValueError as Tracer.step
-            from stepscope.instrument.resources import check_counts
-
             check_counts(tokens, samples)
         return self._NULL
 
