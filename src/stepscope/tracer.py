@@ -408,11 +408,13 @@ class Tracer:
             self._stack = [s for s in self._stack if s.end is None]
             self._cur = step
             # [metrics]
-            counts, self._step_counts = self._step_counts, None
+            counts = self._step_counts
             if counts is not None:
-                for cname, cval in zip(("tokens", "samples"), counts, strict=True):
-                    if cval is not None:
-                        step.counters[cname] = step.counters.get(cname, 0) + cval
+                self._step_counts = None
+                if counts[0] is not None:
+                    step.counters["tokens"] = step.counters.get("tokens", 0) + counts[0]
+                if counts[1] is not None:
+                    step.counters["samples"] = step.counters.get("samples", 0) + counts[1]
             self._resources.on_step_start(step.index)
             # [/metrics]
             if "h2d" in self._auto_active:
