@@ -473,3 +473,20 @@ def test_nvml_on_a_real_device():
     finally:
         sampler.stop()
     assert dev["sm_clock_mhz"] > 0 and dev["temp_c"] > 0 and 0 <= dev["util_pct"] <= 100
+
+
+def test_sqlite_sink_keeps_the_new_sections(tmp_path):
+    from stepscope.sinks import SqliteSink
+
+    rec = {"schema": SCHEMA_VERSION, "rank": 0, "step": 3, "start_unix_ns": 1, "clock": "cuda",
+           "step_ms": 2.0, "phases": [], "throughput": {"tokens": 8, "tokens_per_s": 4000.0},
+           "flops": {"per_step": 10, "tflops": 1.0, "mfu": 0.5}, "memory": {"rss_mb": 12.5},
+           "device": {"name": "cuda:0", "sm_clock_mhz": 1410.0}, "untimed": True}
+    sink = SqliteSink(tmp_path, 0)
+    sink.write([rec])
+    sink.close()
+    from stepscope.records import read_sqlite
+
+    back = read_sqlite(tmp_path / "rank0.sqlite")[0]
+    for key in ("throughput", "flops", "memory", "device", "untimed"):
+        assert back[key] == rec[key], key

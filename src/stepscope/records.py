@@ -65,9 +65,14 @@ SQLITE_COLUMNS: tuple[tuple[str, str], ...] = (
     ("counters", "TEXT"),
     ("h2d_hidden_ms", "REAL"),
     ("dropped", "TEXT"),
+    # [metrics] issue 13 sections (JSON text; "device" stays a plain column for the string)
+    ("throughput", "TEXT"),
+    ("flops", "TEXT"),
+    ("memory", "TEXT"),
+    ("untimed", "INTEGER"),
 )
 SQLITE_TABLE = "step_time_samples"
-_JSON_COLUMNS = frozenset({"phases", "side_ms", "counters", "dropped"})
+_JSON_COLUMNS = frozenset({"phases", "side_ms", "counters", "dropped", "throughput", "flops", "memory"})
 
 REQUIRED_KEYS: frozenset[str] = frozenset(
     {"schema", "rank", "step", "start_unix_ns", "clock", "step_ms", "phases"}
@@ -83,7 +88,9 @@ def rank_file(out_dir: str | os.PathLike[str], rank: int, sink: str = "jsonl") -
 def record_to_row(record: dict[str, Any]) -> tuple[Any, ...]:
     """Flatten a record into a ``step_time_samples`` row (nested fields as JSON text)."""
     return tuple(
-        json.dumps(record.get(name)) if name in _JSON_COLUMNS else record.get(name)
+        json.dumps(record.get(name))
+        if name in _JSON_COLUMNS or isinstance(record.get(name), dict)  # [metrics] device section
+        else record.get(name)
         for name, _ in SQLITE_COLUMNS
     )
 
@@ -95,6 +102,11 @@ def row_to_record(row: tuple[Any, ...] | list[Any]) -> dict[str, Any]:
         if value is None:
             continue
         out[name] = json.loads(value) if name in _JSON_COLUMNS else value
+    # [metrics] the device-health section is JSON text in the "device" column; untimed a bool
+    if isinstance(out.get("device"), str) and out["device"].startswith("{"):
+        out["device"] = json.loads(out["device"])
+    if "untimed" in out:
+        out["untimed"] = bool(out["untimed"])
     return out
 
 
