@@ -125,8 +125,8 @@ def render_terminal(doc: dict[str, Any], console: Any = None) -> None:
         cells += [_f(per_rank[n].get(r["rank"], {}).get("median_ms")) for n in top]
         t.add_row(*cells)
     con.print(t)
+    if slow:
+        con.print("[dim]* straggler. Medians per step; own = step − wait at the collective.[/]")
     from stepscope.report import resources as _res  # [metrics] tokens/s, MFU, memory, device
 
     _res.render_terminal(doc, con)
-    if slow:
-        con.print("[dim]* straggler. Medians per step; own = step − wait at the collective.[/]")
