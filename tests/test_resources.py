@@ -357,6 +357,11 @@ def test_job_throughput_memory_and_pressure(tmp_path):
     assert len(pressure) == 1 and "rank 1: 4 allocator retries" in pressure[0]["evidence"]
     assert "expandable_segments:True" in pressure[0]["suggestion"]
     assert "memory_creep" not in _kinds(doc), "allocated flat: a rising RSS is not what GPU runs judge"
+    from stepscope.report.markdown import render_markdown
+
+    md = render_markdown(doc)
+    assert "2,100 tokens/s" in md and "MFU 50.0%" in md and "peak allocated 1,001 MB" in md
+    assert "| 1 | 1,100 | 50.0% | 1,001 |" in md
 
 
 def test_untimed_flop_counting_step_is_left_out_of_timing(tmp_path):
