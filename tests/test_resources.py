@@ -495,3 +495,19 @@ def test_sqlite_sink_keeps_the_new_sections(tmp_path):
     back = read_sqlite(tmp_path / "rank0.sqlite")[0]
     for key in ("throughput", "flops", "memory", "device", "untimed"):
         assert back[key] == rec[key], key
+
+
+def test_a_failing_allocator_read_stops_memory_not_timing(mem_tracer):
+    class Broken(FakeCudaMemory):
+        def read(self):
+            raise KeyError("allocated_bytes")
+
+    tr = mem_tracer(auto=False, flush_every_n_steps=1)
+    tr._resources = ResourceMonitor(device="cpu", cuda=Broken(), host=False)
+    with pytest.warns(StepscopeWarning, match="CUDA memory stopped"):
+        for _ in range(3):
+            with tr.step(tokens=4):
+                pass
+    tr.finish()
+    assert tr.enabled and len(tr.sink.records) == 3
+    assert all("memory" not in r and r["throughput"]["tokens"] == 4 for r in tr.sink.records)

@@ -140,7 +140,7 @@ class TorchCudaMemory:
         # One C++ call returning the nested dict; max_memory_allocated() & co. each build and
         # flatten this same dict, so reading it once costs a third.
         s = self._cuda.memory_stats_as_nested_dict(self.index)
-        alloc = s["allocated_bytes"]["all"]
+        alloc = s["allocated_bytes"]["all"]  # KeyError before CUDA init: the monitor stops it
         return int(alloc["peak"]), int(s["reserved_bytes"]["all"]["peak"]), int(alloc["current"])
 
     def alloc_stats(self) -> tuple[int, int]:
@@ -387,21 +387,42 @@ class ResourceMonitor:
         """Training thread, at a sampled step's entry."""
         if self._count_pending:
             self._count_pending = False
-            self._counter = FlopCount()
-            self._counter.start()
-            self.counted_step = index
+            try:
+                counter = FlopCount()
+                counter.start()
+                self._counter, self.counted_step = counter, index
+            except Exception as exc:  # protect the job: no FLOP count, timing goes on
+                self._stop_metric("FLOP counting", exc)
         if self.cuda is not None:
-            self.cuda.reset_peak()
+            try:
+                self.cuda.reset_peak()
+            except Exception as exc:  # protect the job: memory fields stop, timing goes on
+                self.cuda = None
+                self._stop_metric("CUDA memory", exc)
+
+    def _stop_metric(self, what: str, exc: BaseException) -> None:
+        with contextlib.suppress(Exception):  # warnings-as-errors must not escape into the job
+            warnings.warn(f"stepscope: {what} stopped after an error: {exc!r}", StepscopeWarning,
+                          stacklevel=3)
 
     def on_step_end(self, index: int) -> Any:
         """Training thread, at a sampled step's exit; the returned snapshot goes to ``step_fields``."""
         counted = False
         if self._counter is not None:
             counter, self._counter = self._counter, None
-            counter.stop()
-            counted = True
-            self._counted(counter)
-        mem = self.cuda.read() if self.cuda is not None else None
+            try:
+                counter.stop()
+                counted = True
+                self._counted(counter)
+            except Exception as exc:  # protect the job
+                self._stop_metric("FLOP counting", exc)
+        mem = None
+        if self.cuda is not None:
+            try:
+                mem = self.cuda.read()
+            except Exception as exc:  # protect the job: memory fields stop, timing goes on
+                self.cuda = None
+                self._stop_metric("CUDA memory", exc)
         if counted:
             return (mem, True)
         return mem
