@@ -189,6 +189,15 @@ def resource_costs(n: int = 20000, reps: int = 11) -> dict[str, float]:
     fake_mem = TorchCudaMemory.__new__(TorchCudaMemory)
     fake_mem.index, fake_mem._cuda = 0, _FakeTorchCuda()
     out = {"throughput_added_us": round(thr - base, 3), "step_enter_exit_us": round(base, 3)}
+    cpu_mon = ResourceMonitor(device="cpu")  # host RSS read at step end (/proc/self/statm)
+
+    def cpu_hot(mon: ResourceMonitor = cpu_mon) -> None:
+        for i in range(n):
+            mon.on_step_start(i)
+            mon.on_step_end(i)
+
+    out["memory_cpu_rss_step_start_end_us"] = round(per_step(cpu_hot), 3)
+    cpu_mon.close()
     for label, mem in (("memory_fake", fake_mem), ("memory_cuda", None)):
         if mem is None:
             if not torch.cuda.is_available():

@@ -427,8 +427,11 @@ def test_memory_creep_on_a_real_leak_and_not_on_a_steady_loop(tmp_path):
 
 def test_creep_test_ignores_one_jump_and_noise():
     steps = list(range(200))
-    flat_jump = [300.0 if s < 120 else 340.0 for s in steps]
-    assert res_creep(steps, flat_jump) is None
+    for at in (60, 100, 120, 160):
+        flat_jump = [300.0 if s < at else 340.0 for s in steps]
+        assert res_creep(steps, flat_jump) is None, at
+    small_leak = [300.0 + 0.05 * s for s in steps]  # 10 MB over the run, 50 KB a step
+    assert res_creep(steps, small_leak) is not None
     noisy = [300.0 + (7 * s % 11) for s in steps]
     assert res_creep(steps, noisy) is None
     rising = [300.0 + 0.5 * s + (7 * s % 3) for s in steps]

@@ -55,8 +55,11 @@ CLOCK_SOFT = 0.97
 #: over the run, in robust sigmas of the residual noise and at least a floor (MB / share).
 CREEP_CONSISTENCY = 0.6
 CREEP_SIGMAS = 8.0
-CREEP_FLOOR_MB = {"allocated_mb": 16.0, "rss_mb": 32.0}
-CREEP_FLOOR_SHARE = 0.05
+CREEP_FLOOR_MB = {"allocated_mb": 2.0, "rss_mb": 2.0}
+CREEP_FLOOR_SHARE = 0.01
+#: Each third of the run must sit at least this share of the total rise above the one before
+#: (a leak grows throughout; a one-off jump or a warm-up step does not).
+CREEP_THIRDS_SHARE = 0.2
 #: Points kept per rank for the O(n²) Theil–Sen fit (evenly thinned beyond this).
 CREEP_MAX_POINTS = 300
 
@@ -207,6 +210,11 @@ def creep_test(steps: list[int], values: list[float], metric: str) -> dict[str, 
     level = median(ys)
     floor = max(CREEP_FLOOR_MB.get(metric, 16.0), CREEP_FLOOR_SHARE * level)
     if rising < CREEP_CONSISTENCY or rise < max(CREEP_SIGMAS * noise, floor):
+        return None
+    k = len(ys) // 3
+    thirds = [median(ys[:k]), median(ys[k:2 * k]), median(ys[2 * k:])]
+    if not (thirds[1] - thirds[0] >= CREEP_THIRDS_SHARE * rise
+            and thirds[2] - thirds[1] >= CREEP_THIRDS_SHARE * rise):
         return None
     return {
         "metric": metric,
