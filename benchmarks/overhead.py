@@ -12,6 +12,7 @@ step enter+exit, a forward/backward/optimizer hook set) measured in isolation.
 untimed one (2 gloo ranks, tiny ``all_reduce``, sync and async, blocks of calls interleaved;
 also on a one-rank group where the network does not add noise), and the step-time ratio with
 collective timing on vs off for a DDP and an FSDP2 (``fully_shard``) job on CPU.
+    python benchmarks/overhead.py --resources        # issue 13: throughput and memory read costs
 """
 
 from __future__ import annotations
@@ -293,6 +294,95 @@ def collectives_main(args: argparse.Namespace) -> None:
     mp.spawn(_coll_worker, args=(2, port, args), nprocs=2, join=True)  # type: ignore[attr-defined]
 
 
+class _FakeTorchCuda:
+    """``torch.cuda``'s allocator calls, answered from a prebuilt dict (CPU-only timing)."""
+
+    def __init__(self) -> None:
+        self.nested = {"allocated_bytes": {"all": {"peak": 3 << 30, "current": 2 << 30}},
+                       "reserved_bytes": {"all": {"peak": 4 << 30}}}
+
+    def reset_peak_memory_stats(self, device: int) -> None:
+        return None
+
+    def memory_stats_as_nested_dict(self, device: int) -> dict[str, object]:
+        return self.nested
+
+    def memory_stats(self, device: int) -> dict[str, int]:
+        return {"num_alloc_retries": 0, "num_ooms": 0}
+
+
+def resource_costs(n: int = 20000, reps: int = 11) -> dict[str, float]:
+    """Issue 13 hot-path costs in µs per step (minimum over ``reps``).
+
+    throughput: ``step(tokens=, samples=)`` + one ``count()`` over a bare ``step()``.
+    memory: the monitor's step-start reset + step-end read with a fake allocator (CPU), and
+    with the real one when CUDA is available.
+    """
+    from stepscope.instrument.resources import ResourceMonitor, TorchCudaMemory
+    from stepscope.sinks import MemorySink
+
+    def per_step(fn: object) -> float:
+        best = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter_ns()
+            fn()  # type: ignore[operator]
+            best = min(best, (time.perf_counter_ns() - t0) / n / 1e3)
+        return best
+
+    tracer = Tracer(Config(out_dir="unused", flush_every_n_steps=100, max_pending_steps=n + 1),
+                    clock=CpuClock(), sink=MemorySink())
+
+    def plain() -> None:
+        for _ in range(n):
+            with tracer.step():
+                pass
+
+    def counted() -> None:
+        for _ in range(n):
+            with tracer.step(tokens=4096, samples=8):
+                tracer.count("tokens", 1)
+
+    base = thr = float("inf")
+    for _ in range(reps):  # interleaved: machine drift hits both alike
+        base = min(base, per_step(plain))
+        thr = min(thr, per_step(counted))
+    tracer.finish()
+    fake_mem = TorchCudaMemory.__new__(TorchCudaMemory)
+    fake_mem.index, fake_mem._cuda = 0, _FakeTorchCuda()
+    out = {"throughput_added_us": round(thr - base, 3), "step_enter_exit_us": round(base, 3)}
+    cpu_mon = ResourceMonitor(device="cpu")  # host RSS read at step end (/proc/self/statm)
+
+    def cpu_hot(mon: ResourceMonitor = cpu_mon) -> None:
+        for i in range(n):
+            mon.on_step_start(i)
+            mon.on_step_end(i)
+
+    out["memory_cpu_rss_step_start_end_us"] = round(per_step(cpu_hot), 3)
+    cpu_mon.close()
+    for label, mem in (("memory_fake", fake_mem), ("memory_cuda", None)):
+        if mem is None:
+            if not torch.cuda.is_available():
+                continue
+            mem = TorchCudaMemory(torch.cuda.current_device())
+        mon = ResourceMonitor(device="cpu", cuda=mem, host=False)
+
+        def hot(mon: ResourceMonitor = mon) -> None:
+            for i in range(n):
+                mon.on_step_start(i)
+                mon.on_step_end(i)
+
+        out[f"{label}_step_start_end_us"] = round(per_step(hot), 3)
+        snap = mon.on_step_end(0)
+        mon_host = ResourceMonitor(device="cpu", cuda=mem)
+
+        def writer(mon: ResourceMonitor = mon_host, snap: object = snap) -> None:
+            for i in range(n):
+                mon.step_fields(i, 0, 5.0, {"tokens": 4096}, snap)
+
+        out[f"{label}_step_fields_writer_us"] = round(per_step(writer), 3)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=15)
@@ -303,6 +393,7 @@ def main() -> None:
     ap.add_argument("--collectives", action="store_true", help="collective timing on 2 gloo ranks")
     ap.add_argument("--blocks", type=int, default=21, help="--collectives: interleaved blocks")
     ap.add_argument("--calls", type=int, default=500, help="--collectives: calls per block")
+    ap.add_argument("--resources", action="store_true", help="throughput / memory instrument costs")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.collectives:
@@ -313,6 +404,10 @@ def main() -> None:
         if args.reps == 15:
             args.reps = 7
         collectives_main(args)
+        return
+    if args.resources:
+        dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        print(json.dumps({"benchmark": "overhead_resources", "device": dev, **resource_costs()}))
         return
     if args.per_instrument:
         print(json.dumps({"benchmark": "overhead_per_instrument", "device": "cpu", **per_instrument()}))

@@ -11,7 +11,7 @@ import stepscope
 EXPECTED = {
     "AnalysisError", "AutoProfileConfig", "Config", "ConfigError", "InstrumentationError", "NullTracer",
     "PrefetchLoader", "Profiler", "StepscopeError", "StepscopeWarning", "Tracer",
-    "__version__", "current", "finish", "init", "phase", "step", "summary", "wrap_h2d",
+    "__version__", "count", "current", "finish", "init", "phase", "step", "summary", "wrap_h2d",
     "wrap_loader",
 }
 

@@ -46,6 +46,7 @@ __all__ = [
     "StepscopeWarning",
     "Tracer",
     "__version__",
+    "count",
     "current",
     "finish",
     "init",
@@ -77,6 +78,9 @@ def init(
     collectives: bool = True,
     heartbeat_s: float = 5.0,
     dump_stacks_after_s: float | None = None,
+    flops_per_step: float | None = None,
+    model_flops: str | None = None,
+    peak_tflops: float | None = None,
 ) -> Tracer | NullTracer:
     """Start recording this rank's steps; returns the tracer (a no-op one when disabled).
 
@@ -102,6 +106,9 @@ def init(
         collectives=collectives,
         heartbeat_s=heartbeat_s,
         dump_stacks_after_s=dump_stacks_after_s,
+        flops_per_step=flops_per_step,
+        model_flops=model_flops,
+        peak_tflops=peak_tflops,
     )
     args.update(env_overrides())
     config = Config(**args)
@@ -116,9 +123,21 @@ def current() -> Tracer | NullTracer:
     return current_tracer()
 
 
-def step(index: int | None = None) -> Any:
-    """Context manager around one training step of the default tracer."""
-    return current_tracer().step(index)
+def step(index: int | None = None, *, tokens: int | None = None, samples: int | None = None) -> Any:
+    """Context manager around one training step of the default tracer.
+
+    ``tokens``/``samples``: the step's batch size in tokens / samples (ints >= 0), for the
+    per-step throughput (``ValueError`` otherwise).
+    """
+    return current_tracer().step(index, tokens=tokens, samples=samples)
+
+
+def count(name: str, n: int) -> None:
+    """Add ``n`` to the current step's ``"tokens"`` or ``"samples"`` (when known only later).
+
+    Outside a step it warns (``StepscopeWarning``) and counts nothing.
+    """
+    current_tracer().count(name, n)
 
 
 def phase(name: str, *, host: bool = False) -> Any:

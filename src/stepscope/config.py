@@ -61,6 +61,13 @@ class Config:
     #: Write all threads' Python stacks to ``rank{R}.stacks.txt`` once a step has been open
     #: this many seconds (once per stuck step); ``None`` = never. Needs ``heartbeat_s`` > 0.
     dump_stacks_after_s: float | None = None
+    #: [metrics] FLOPs of one step on this rank (for TFLOP/s and MFU); or use ``model_flops``.
+    flops_per_step: float | None = None
+    #: [metrics] ``"auto"``: count the model's FLOPs on the first sampled step (that step is
+    #: marked ``untimed`` and left out of timing statistics).
+    model_flops: str | None = None
+    #: [metrics] Peak TFLOP/s of one device, overriding the built-in table (MFU denominator).
+    peak_tflops: float | None = None
 
     def __post_init__(self) -> None:
         self.auto = _normalise_auto(self.auto)
@@ -85,6 +92,9 @@ class Config:
             from stepscope.autoprofile import resolve_auto_profile
 
             resolve_auto_profile(self.auto_profile)  # raises ConfigError on a bad value
+        from stepscope.instrument.resources import check_config  # [metrics]
+
+        check_config(self.flops_per_step, self.model_flops, self.peak_tflops)
         if self.sink not in SINKS:
             raise ConfigError(f"sink must be one of {SINKS}; got {self.sink!r}")
         if not isinstance(self.out_dir, str | os.PathLike) or not os.fspath(self.out_dir):

@@ -163,7 +163,8 @@ def _worker(
             for batch in stepscope.wrap_loader(_batches(loader, injector)):
                 if step >= steps:
                     break
-                with stepscope.step():
+                # [metrics] throughput: each sample's 64 features stand in for 64 tokens
+                with stepscope.step(tokens=batch.x.numel(), samples=len(batch.x)):
                     x, y = stepscope.wrap_h2d(batch).to("cpu")
                     loss = loss_fn(model(x), y)
                     loss.backward()

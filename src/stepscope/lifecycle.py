@@ -54,8 +54,17 @@ class NullTracer:
 
     _NULL = _Null()
 
-    def step(self, index: int | None = None) -> NullTracer._Null:
+    def step(
+        self, index: int | None = None, *, tokens: int | None = None, samples: int | None = None
+    ) -> NullTracer._Null:
+        if tokens is not None or samples is not None:  # the same ValueError as Tracer.step
+            from stepscope.instrument.resources import check_counts
+
+            check_counts(tokens, samples)
         return self._NULL
+
+    def count(self, name: str, n: int) -> None:
+        return None
 
     def phase(self, name: str, *, host: bool = False) -> NullTracer._Null:
         return self._NULL

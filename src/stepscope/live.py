@@ -65,7 +65,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         for name, v in by_phase.items()
     }
     top = max(phases, key=lambda k: phases[k]["median_ms"])
-    return {
+    out: dict[str, Any] = {
         "rank": records[-1]["rank"],
         "steps": n,
         "last_step": records[-1]["step"],
@@ -76,6 +76,10 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         "dataloader_share": phases["dataloader"]["share"] if "dataloader" in phases else 0.0,
         "phases": phases,
     }
+    from stepscope.instrument.resources import summarize_records  # [metrics]
+
+    out.update(summarize_records(records))
+    return out
 
 
 def local_summary(tracer: Tracer) -> dict[str, Any]:
@@ -108,6 +112,10 @@ def encode_payload(summary: dict[str, Any], extras: dict[str, Any] | None = None
         "p": phases,
         "e": extras or {},
     }
+    from stepscope.instrument.resources import payload_fields  # [metrics]
+
+    if payload_fields(summary):
+        body["t"] = payload_fields(summary)
     raw = json.dumps(body, separators=(",", ":")).encode()
     # Too many user phases: drop the smallest until it fits (the line needs the big ones).
     while len(raw) > PAYLOAD_BYTES and len(phases) > 1:
@@ -185,7 +193,14 @@ def cross_rank_summary(payloads: list[dict[str, Any] | None], world_size: int) -
         "dataloader_share": sum(dl) / len(dl),
         "dataloader_share_max": max(dl),
         "per_rank": {str(p["r"]): {"step_ms_median": p["m"], "step_ms_max": p["x"]} for p in got},
+        **_resources_cross(got),  # [metrics] job tokens/s, MFU, peak memory
     }
+
+
+def _resources_cross(got: list[dict[str, Any]]) -> dict[str, Any]:
+    from stepscope.instrument.resources import cross_rank_fields
+
+    return cross_rank_fields(got)
 
 
 def format_line(s: dict[str, Any]) -> str:
@@ -199,7 +214,14 @@ def format_line(s: dict[str, Any]) -> str:
         f"slowest [bold red]r{s['slowest_rank']}[/]: {rich_escape(one_line(s['slowest_phase']))} "
         f"{s['slowest_phase_ms']:.1f} ms ({s['slowest_phase_excess_ms']:+.1f}) | "
         f"exposed h2d {s['h2d_share']:.0%} dl {s['dataloader_share']:.0%}"
+        + _resources_suffix(s)  # [metrics]
     )
+
+
+def _resources_suffix(s: dict[str, Any]) -> str:
+    from stepscope.instrument.resources import line_suffix
+
+    return line_suffix(s)
 
 
 # ----------------------------------------------------------------- the live view

@@ -77,6 +77,7 @@ SQLITE_COLUMNS: tuple[tuple[str, str], ...] = (
     ("flops", "TEXT"),
     ("memory", "TEXT"),
     ("device", "TEXT"),
+    ("untimed", "INTEGER"),
 )
 SQLITE_TABLE = "step_time_samples"
 _JSON_COLUMNS = frozenset(
@@ -97,7 +98,9 @@ def rank_file(out_dir: str | os.PathLike[str], rank: int, sink: str = "jsonl") -
 def record_to_row(record: dict[str, Any]) -> tuple[Any, ...]:
     """Flatten a record into a ``step_time_samples`` row (nested fields as JSON text)."""
     return tuple(
-        json.dumps(record.get(name)) if name in _JSON_COLUMNS else record.get(name)
+        json.dumps(record.get(name))
+        if name in _JSON_COLUMNS or isinstance(record.get(name), dict)  # [metrics] device section
+        else record.get(name)
         for name, _ in SQLITE_COLUMNS
     )
 

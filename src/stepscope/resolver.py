@@ -49,12 +49,16 @@ class Resolver:
         max_pending: int,
         anchor: GpuAnchor | None = None,
         capturing: Callable[[], bool] | None = None,
+        fields: Callable[..., dict[str, Any]] | None = None,
     ) -> None:
         self.clock = clock
         self.identity = identity  # run_id, rank, ... copied into every record
         self.max_pending = max_pending
         self.anchor = anchor
         self._capturing = capturing
+        #: ``fields(index, start_unix_ns, step_ms, counters, snapshot) -> sections`` (writer
+        #: thread): throughput, flops, memory, device; may pop entries from ``counters``.
+        self._fields = fields
         #: Finished steps whose marks are not known to be complete (training thread only).
         self.pending: deque[Step] = deque()
         #: Timed steps waiting for the writer (filled on the training thread, drained by
@@ -243,8 +247,11 @@ class Resolver:
             if "h2d_copy" in side:
                 exposed = sum(p["ms"] for p in phases.values() if p["name"] == "h2d")
                 rec["h2d_hidden_ms"] = _r(max(0.0, side["h2d_copy"] - exposed))
-        if step.counters:
-            rec["counters"] = dict(step.counters)
+        counters = dict(step.counters)
+        if self._fields is not None:
+            rec.update(self._fields(step.index, step.start_unix_ns, step.step_ms, counters, step.res))
+        if counters:
+            rec["counters"] = counters
         if step.collective_summary:
             rec["collectives"] = step.collective_summary
         if step.extra:

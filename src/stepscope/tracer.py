@@ -37,6 +37,7 @@ from stepscope.config import Config
 from stepscope.dist import RankInfo, rank_info
 from stepscope.errors import InstrumentationError, StepscopeWarning
 from stepscope.instrument import gate
+from stepscope.instrument.resources import ResourceMonitor, check_count, check_counts, warn_outside_step
 from stepscope.resolver import Resolver
 from stepscope.sinks import BackgroundWriter, Sink, open_sink
 
@@ -79,6 +80,7 @@ class Step:
         "extra",
         "gpu_start_unix_ns",
         "index",
+        "res",
         "side",
         "side_ms",
         "spans",
@@ -101,6 +103,7 @@ class Step:
         self.side_ms: list[tuple[str, float]] = []
         self.collective_summary: list[dict[str, Any]] | None = None
         self.gpu_start_unix_ns: int | None = None
+        self.res: Any = None  # ResourceMonitor.on_step_end snapshot (memory at step end)
 
     def marks(self) -> Iterator[Any]:
         """Every clock mark this step holds, each once (start, end, spans, side, collectives)."""
@@ -240,6 +243,10 @@ class Tracer:
         self._step_wall = 0.0  # time.time() at step entry
         self._last_step: tuple[int, float, float] | None = None  # index, end wall, seconds
         self._raised: tuple[BaseException, list[str]] | None = None
+        # Throughput, FLOPs, memory, device health (issue 13). Built at the first sampled step,
+        # once the clock knows its device (init() often runs before set_device).
+        self._step_counts: tuple[int | None, int | None] | None = None
+        self._resources: ResourceMonitor | None = None
         #: False when records go to a sink passed in (tests): no files beside them (heartbeat).
         self.writes_files = sink is None
         self._recent = _RecentRecords()
@@ -257,6 +264,7 @@ class Tracer:
             config.max_pending_steps,
             anchor,
             _capture_probe() if anchor is not None else None,
+            self._step_fields,
         )
         self._writer = BackgroundWriter(
             sink if sink is not None else open_sink(config.sink, config.out_dir, self.rank.rank),
@@ -301,8 +309,15 @@ class Tracer:
         """Index of the current step inside ``step()``, else of the next one."""
         return self._index
 
-    def step(self, index: int | None = None) -> _StepContext:
-        """Context manager around one optimizer step; ``index`` overrides the step counter."""
+    def step(
+        self, index: int | None = None, *, tokens: int | None = None, samples: int | None = None
+    ) -> _StepContext:
+        """Context manager around one optimizer step; ``index`` overrides the step counter.
+
+        ``tokens``/``samples`` (non-negative ints) give the step's throughput numbers.
+        """
+        # Validated at the call (ValueError), applied when the step opens.
+        self._step_counts = check_counts(tokens, samples)
         if index is not None:
             if isinstance(index, bool) or not isinstance(index, int) or index < 0:
                 raise ValueError(f"step index must be a non-negative int; got {index!r}")
@@ -406,6 +421,8 @@ class Tracer:
                     self.fail(exc)
         try:
             self._uninstall()
+            if self._resources is not None:
+                self._resources.close()
         except Exception as exc:  # protect the job
             self.fail(exc)
         if self.enabled:
@@ -560,6 +577,21 @@ class Tracer:
             foreign = self.clock.foreign
             step.side.append((name, foreign(start), foreign(end)))
 
+    def count(self, name: str, n: int) -> None:
+        """Add ``n`` (int >= 0) to the open step's ``tokens``/``samples`` (or any counter).
+
+        Outside a step: a warning, nothing counted.
+        """
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"counter name must be a non-empty string; got {name!r}")
+        check_count(name, n)
+        if not self._in_step:
+            warn_outside_step(name)
+            return
+        cur = self._cur
+        if cur is not None:
+            cur.counters[name] = cur.counters.get(name, 0) + n
+
     def add_counter(self, name: str, value: float) -> None:
         """Add ``value`` to the per-step counter ``name`` (e.g. ``h2d_bytes``)."""
         step = self._reporting_step()
@@ -648,6 +680,7 @@ class Tracer:
             self._step_wall = time.time()
             if not self.config.samples(self._index):
                 self._drop_next()
+                self._step_counts = None
                 return
             step = self._next_step()
             self._next = None
@@ -659,6 +692,21 @@ class Tracer:
             self._stack = [s for s in self._stack if s.end is None]
             self._cur = step
             self._sampled_seen += 1
+            counts = self._step_counts
+            if counts is not None:
+                self._step_counts = None
+                if counts[0] is not None:
+                    step.counters["tokens"] = step.counters.get("tokens", 0) + counts[0]
+                if counts[1] is not None:
+                    step.counters["samples"] = step.counters.get("samples", 0) + counts[1]
+            res = self._resources
+            if res is None:
+                cfg = self.config
+                res = self._resources = ResourceMonitor(
+                    device=self.clock.device, flops_per_step=cfg.flops_per_step,
+                    model_flops=cfg.model_flops, peak_tflops=cfg.peak_tflops,
+                )
+            res.on_step_start(step.index)
             gate.set_current(self)
         except Exception as exc:  # protect the job
             self.fail(exc)
@@ -694,6 +742,8 @@ class Tracer:
                         span.end = end
                 self._stack.clear()
                 step.end = end
+                if self._resources is not None:
+                    step.res = self._resources.on_step_end(step.index)
                 if not self._forward_seen and "forward" in self._auto_active:
                     self._check_forward(step)
                 self.resolver.add(step)
@@ -717,6 +767,15 @@ class Tracer:
         except Exception as err:  # protect the job
             self._in_step = False
             self.fail(err)
+
+    def _step_fields(
+        self, index: int, start_unix_ns: int, step_ms: float, counters: dict[str, float], res: Any
+    ) -> dict[str, Any]:
+        """Record sections from the resource monitor (writer thread); pops tokens/samples."""
+        mon = self._resources
+        if mon is None:
+            return {}
+        return mon.step_fields(index, start_unix_ns, step_ms, counters, res)
 
     def _check_forward(self, step: Step) -> None:
         if any(s.name == "forward" for s in step.spans):

@@ -205,6 +205,9 @@ def diagnose(
             "suggestion": "Something happened to every rank in that window (checkpoint, "
             "evaluation, shared storage or network contention); correlate with your logs",
         })
+    from stepscope.analysis.resources import resource_verdicts  # [metrics]
+
+    out += resource_verdicts(run, stragglers)
     out.sort(key=lambda v: _SEVERITY_ORDER[v["severity"]])
     return out
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stepscope.analysis.resources import RESOURCE_COLUMNS, TIMED_FILTER, create_resource_table
 from stepscope.errors import AnalysisError
 from stepscope.records import READABLE_SCHEMAS, SCHEMA_VERSION, read_sqlite
 
@@ -41,6 +42,7 @@ _COLUMNS = {
     "residual_ms": "DOUBLE",
     "h2d_hidden_ms": "DOUBLE",
 }
+_COLUMNS.update(RESOURCE_COLUMNS)  # [metrics] throughput/flops/memory/device/untimed
 _REQUIRED = ("schema", "rank", "step", "start_unix_ns", "step_ms", "phases")
 
 
@@ -188,7 +190,7 @@ def _build_tables(con: Any, root: Path, sources: list[Path], skipped: list[str])
 
     con.execute(
         f"""CREATE TABLE rec AS SELECT * FROM raw
-            WHERE {valid} AND schema IN {tuple(READABLE_SCHEMAS)} AND step_ms >= 0"""
+            WHERE {valid} AND schema IN {tuple(READABLE_SCHEMAS)} AND step_ms >= 0 AND {TIMED_FILTER}"""
     )
     con.execute("DROP TABLE raw")
     n_rec, n_pairs = con.execute(
@@ -262,6 +264,7 @@ def _build_tables(con: Any, root: Path, sources: list[Path], skipped: list[str])
             FROM (SELECT rank, step, unnest(phases) AS p FROM rec WHERE {keep})
             WHERE p.name IS NOT NULL"""
     )
+    create_resource_table(con, keep)  # [metrics] table res
     con.execute("DROP TABLE rec")
     hosts: dict[str, list[int]] = {}
     for host, rank in con.execute(

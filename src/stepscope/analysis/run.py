@@ -7,6 +7,7 @@ from typing import Any
 
 from stepscope.analysis.diagnose import diagnose
 from stepscope.analysis.load import RunData, load_run
+from stepscope.analysis.resources import analyze_resources
 from stepscope.analysis.stats import create_phase_samples, phase_stats, rank_stats
 from stepscope.analysis.status import crash_evidence
 from stepscope.analysis.stragglers import (
@@ -106,6 +107,7 @@ def _analyze(data: RunData) -> dict[str, Any]:
         "skipped": list(data.skipped),
         "partial": bool(data.skipped),
     }
+    run.update(analyze_resources(con))  # [metrics] run.throughput / run.memory / run.device
     verdicts = diagnose(run, phases, ranks, stragglers, windows)
     # Auto-profile captures live under run: the six top-level keys are the contract.
     run["captures"], trigger_skips = link_triggers(data.run_dir, windows)

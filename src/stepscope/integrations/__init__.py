@@ -56,6 +56,21 @@ class StepDriver:
         self._in_step = False
         self.restart_wait()
 
+    def count_batch(self, batch: Any) -> None:
+        """Add the batch's samples (and tokens, for ``input_ids``/``attention_mask``) to the step."""
+        if not self._in_step:
+            return
+        from stepscope.instrument.resources import batch_counts
+
+        try:
+            tokens, samples = batch_counts(batch)
+            if tokens is not None:
+                self.tracer.count("tokens", tokens)
+            if samples is not None:
+                self.tracer.count("samples", samples)
+        except Exception:  # protect the job: an odd batch only loses its counts
+            return
+
     def restart_wait(self) -> None:
         token = self._open.pop("__wait__", None)
         if token is not None:

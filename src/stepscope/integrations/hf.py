@@ -48,6 +48,16 @@ class StepscopeCallback(TrainerCallback):  # type: ignore[misc,valid-type]
         self.tracer = stepscope.init(self.out_dir, model=model, auto=auto, **kwargs)
         self._driver = StepDriver(self.tracer)
         self._driver.restart_wait()
+        # Trainer callbacks never see the batch: a forward pre-hook counts each micro-batch
+        # (gradient accumulation sums them into the optimizer step); evaluation is outside steps.
+        self._count_hook: Any = None
+        if model is not None and hasattr(model, "register_forward_pre_hook"):
+            driver = self._driver
+
+            def _count(_mod: Any, args: Any, kwargs: Any) -> None:
+                driver.count_batch(kwargs if kwargs else (args[0] if args else None))
+
+            self._count_hook = model.register_forward_pre_hook(_count, with_kwargs=True)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._driver is not None:
@@ -79,6 +89,10 @@ class StepscopeCallback(TrainerCallback):  # type: ignore[misc,valid-type]
         if self._driver is not None:
             self._driver.stop()
             self._driver = None
+        hook = getattr(self, "_count_hook", None)
+        if hook is not None:
+            hook.remove()
+            self._count_hook = None
         if self.tracer is not None:
             if stepscope.current() is self.tracer:
                 stepscope.finish()

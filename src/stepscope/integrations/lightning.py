@@ -157,6 +157,7 @@ class StepscopeCallback(_pl.Callback):  # type: ignore[misc,name-defined]
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if self._driver is not None:
             self._driver.begin_step()
+            self._driver.count_batch(batch)  # [metrics] samples / tokens
             self._driver.open("forward")
 
     def on_before_zero_grad(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:

@@ -8,6 +8,7 @@ import warnings
 from typing import Any
 
 from stepscope.errors import StepscopeWarning
+from stepscope.instrument.resources import record_scalars
 from stepscope.integrations import require
 from stepscope.lifecycle import NullTracer
 from stepscope.tracer import Tracer
@@ -41,6 +42,8 @@ class TensorBoardSink:
                 if p.get("parent") is None:
                     add(f"stepscope/phase/{p['name']}_ms", p["ms"], step)
             add("stepscope/phase/residual_ms", record.get("residual_ms", 0.0), step)
+            for key, value in record_scalars(record).items():  # [metrics] tokens/s, MFU, memory
+                add(f"stepscope/{key}", value, step)
             # Flushed per record (a file flush, on the writer thread): nothing tells a
             # listener that the run ended, and unflushed events would be lost at exit.
             self.writer.flush()

@@ -7,6 +7,7 @@ import warnings
 from typing import Any
 
 from stepscope.errors import StepscopeWarning
+from stepscope.instrument.resources import record_scalars
 from stepscope.integrations import require
 from stepscope.lifecycle import NullTracer
 from stepscope.tracer import Tracer
@@ -50,6 +51,8 @@ class WandbSink:
                 if p.get("parent") is None:
                     data[f"{pre}/phase/{p['name']}_ms"] = p["ms"]
             data[f"{pre}/phase/residual_ms"] = record.get("residual_ms", 0.0)
+            for key, value in record_scalars(record).items():  # [metrics] tokens/s, MFU, memory
+                data[f"{pre}/{key}"] = value
             if self.cross:
                 for k in CROSS_KEYS:
                     if k in self.cross:

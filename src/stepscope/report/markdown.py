@@ -83,6 +83,9 @@ def render_markdown(doc: dict[str, Any], images: list[str] | None = None) -> str
     if len(doc["ranks"]) > 64:
         lines.append(f"\n({len(doc['ranks']) - 64} more ranks in the JSON report)")
     lines.append("")
+    from stepscope.report.resources import markdown_lines  # [metrics]
+
+    lines += markdown_lines(doc)
     if images:
         lines += ["## Plots", ""] + [f"![{md(Path(i).stem)}]({i})" for i in images] + [""]
     elif images is not None:

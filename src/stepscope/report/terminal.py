@@ -217,3 +217,6 @@ def render_terminal(doc: dict[str, Any], console: Any = None) -> None:
                         width, optional=("p90", *heads[5:]), plain_rows=plain))
     if slow:
         con.print("[dim]* straggler. Medians per step; own = step − wait at the collective.[/]")
+    from stepscope.report import resources as _res  # [metrics] tokens/s, MFU, memory, device
+
+    _res.render_terminal(doc, con)
