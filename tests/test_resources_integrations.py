@@ -30,7 +30,7 @@ def test_live_line_and_summary_show_tokens_mfu_memory(tmp_path):
         with stepscope.step(tokens=1000, samples=2):
             time.sleep(0.005)
     s = stepscope.summary()
-    lines = list(tr._live.lines)
+    lines = list(tr.live.lines)
     stepscope.finish()
     assert s["tokens_per_s"] == pytest.approx(1000 / (s["step_ms_median"] / 1e3), rel=0.2)
     assert s["mfu"] == pytest.approx(s["tflops"] / 1.0) and s["rss_mb"] > 0

@@ -701,11 +701,7 @@ class Tracer:
                     step.counters["samples"] = step.counters.get("samples", 0) + counts[1]
             res = self._resources
             if res is None:
-                cfg = self.config
-                res = self._resources = ResourceMonitor(
-                    device=self.clock.device, flops_per_step=cfg.flops_per_step,
-                    model_flops=cfg.model_flops, peak_tflops=cfg.peak_tflops,
-                )
+                res = self._resources = self._new_resources()
             res.on_step_start(step.index)
             gate.set_current(self)
         except Exception as exc:  # protect the job
@@ -767,6 +763,16 @@ class Tracer:
         except Exception as err:  # protect the job
             self._in_step = False
             self.fail(err)
+
+    def _new_resources(self) -> ResourceMonitor:
+        cfg = self.config
+        kw = dict(flops_per_step=cfg.flops_per_step, model_flops=cfg.model_flops,
+                  peak_tflops=cfg.peak_tflops)
+        try:
+            return ResourceMonitor(device=self.clock.device, **kw)
+        except Exception as exc:  # protect the job: device metrics are optional, timing is not
+            self.warn(f"device memory and health are not recorded: {exc!r}", key="resources")
+            return ResourceMonitor(device="cpu", **kw)
 
     def _step_fields(
         self, index: int, start_unix_ns: int, step_ms: float, counters: dict[str, float], res: Any
