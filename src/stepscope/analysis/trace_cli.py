@@ -10,15 +10,21 @@ from typing import Any
 from stepscope.errors import AnalysisError
 
 
-def trace_command(path: str, as_json: bool = False, markdown: str | None = None) -> int:
+def trace_command(path: str, as_json: bool = False, markdown: str | None = None,
+                  max_inflated_mb: float | None = None) -> int:
     """Analyse `path` (a trace file or a directory of per-rank traces).
 
     Returns 0 on success, 2 when the input cannot be analysed at all (message on stderr).
     """
-    from stepscope.analysis.trace import analyse
+    from stepscope.analysis.trace import MAX_INFLATED_BYTES, analyse
 
+    cap = MAX_INFLATED_BYTES if max_inflated_mb is None else int(max_inflated_mb * (1 << 20))
+    if cap <= 0:
+        print(f"stepscope trace: --max-inflated-mb must be positive, got {max_inflated_mb}",
+              file=sys.stderr)
+        return 2
     try:
-        doc = analyse(path).to_dict()
+        doc = analyse(path, max_bytes=cap).to_dict()
     except AnalysisError as e:
         print(f"stepscope trace: {e}", file=sys.stderr)
         return 2
@@ -30,8 +36,12 @@ def trace_command(path: str, as_json: bool = False, markdown: str | None = None)
     if markdown:
         from stepscope.report.trace_markdown import render_markdown
 
+        # The markdown renderer shows GPU step breakdowns; CPU-only ranks' steps (no GPU
+        # fields) are in their `cpu` section.
+        md_doc = {**doc, "ranks": [r if r.get("total") is not None else {**r, "steps": []}
+                                   for r in doc["ranks"]]}
         try:
-            Path(markdown).write_text(render_markdown(doc), encoding="utf-8")
+            Path(markdown).write_text(render_markdown(md_doc), encoding="utf-8")
         except OSError as e:
             print(f"stepscope trace: cannot write {markdown}: {e}", file=sys.stderr)
             return 2
@@ -50,6 +60,9 @@ def _print_rich(doc: dict[str, Any]) -> None:
 
     con = Console()
     for r in doc["ranks"]:
+        if r.get("cpu") is not None:
+            _print_cpu(con, r)
+            continue
         rows = r["steps"] or ([r["total"]] if r["total"] else [])
         t = Table(title=f"rank {r['rank']} · {r['platform']} · {Path(r['file']).name}")
         for col in ("window", "wall ms", "compute", "exp. comm", "exp. memcpy", "idle",
@@ -88,3 +101,32 @@ def _print_rich(doc: dict[str, Any]) -> None:
         con.print(f" • {d['message']}")
     for w in list(doc["warnings"]) + [w for r in doc["ranks"] for w in r["warnings"]]:
         con.print(f"[yellow]warning:[/yellow] {w}")
+
+
+def _print_cpu(con: Any, r: dict[str, Any]) -> None:
+    """A CPU-only trace: per-step wall, dataloader and collective time; top CPU ops."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    cpu = r["cpu"]
+    if r["steps"]:
+        t = Table(title=escape(f"rank {r['rank']} · cpu · {Path(r['file']).name}"))
+        for col in ("window", "wall ms", "dataloader ms", "collective ms", "cpu ops"):
+            t.add_column(col, justify="left" if col == "window" else "right")
+        for s in r["steps"]:
+            t.add_row(escape(s["label"]), f"{s['wall_us'] / 1e3:,.2f}", f"{s['dataloader_us'] / 1e3:,.2f}",
+                      f"{s['collective_us'] / 1e3:,.2f}", str(s["cpu_ops"]))
+        con.print(t)
+    for key, title in (("top_ops_by_self", "top CPU ops by self time"),
+                       ("top_ops_by_total", "top CPU ops by total time")):
+        if cpu[key]:
+            k = Table(title=title)
+            for col in ("op", "count", "self ms", "total ms"):
+                k.add_column(col, justify="left" if col == "op" else "right")
+            for row in cpu[key][:8]:
+                k.add_row(escape(row["name"][:60]), str(row["count"]), f"{row['self_us'] / 1e3:,.2f}",
+                          f"{row['total_us'] / 1e3:,.2f}")
+            con.print(k)
+    if cpu["collectives"]:
+        con.print("collectives: " + escape(", ".join(
+            f"{c['name']} ×{c['count']} {c['total_us'] / 1e3:,.1f} ms" for c in cpu["collectives"][:6])))
