@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import os
@@ -145,7 +146,9 @@ class _DepthGuard:
             self.carry, data = data[len(data) - n_back:], data[: len(data) - n_back]
         else:
             self.carry = b""
-        kept = data.replace(b"\\\\", b"").replace(b'\\"', b"").translate(None, _DROP)
+        if b"\\" in data:  # escapes are rare in traces; skip the copies when there are none
+            data = data.replace(b"\\\\", b"").replace(b'\\"', b"")
+        kept = data.translate(None, _DROP)
         if not kept:
             return len(chunk)
         # Only brackets and quotes remain. A quote's running count (plus the string state
@@ -345,6 +348,7 @@ def parse_trace(path: str | os.PathLike[str], max_bytes: int = MAX_INFLATED_BYTE
         with _open(p, max_bytes) as reader:
             _scan_events(ijson.items(reader, "traceEvents.item", buf_size=1 << 16), out)
     except (ijson.JSONError, EOFError, zlib.error, OSError, ValueError) as e:
+        _cpu_pass(p, out, max_bytes)
         # ijson reports truncation as IncompleteJSONError. Everything yielded before the
         # damage is already in `out`.
         if reader is not None and reader.stopped:
@@ -355,7 +359,18 @@ def parse_trace(path: str | os.PathLike[str], max_bytes: int = MAX_INFLATED_BYTE
                 f"{p.name}: trace is truncated or malformed after {out.events_seen} events "
                 f"({type(e).__name__}: {str(e)[:120]}); results are partial"
             )
+        return out
+    _cpu_pass(p, out, max_bytes)
     return out
+
+
+def _cpu_pass(p: Path, out: ParsedTrace, max_bytes: int) -> None:
+    if out.device_events or not out.events_seen:
+        return
+    # The same bounds as the first pass; damage there ends this pass at the same point.
+    with contextlib.suppress(ijson.JSONError, EOFError, zlib.error, OSError, ValueError), \
+            _open(p, max_bytes) as reader:
+        _scan_cpu(ijson.items(reader, "traceEvents.item", buf_size=1 << 16), out)
 
 
 # |ts| beyond ~146 years in µs is not a timestamp; checking before int() keeps a hostile
@@ -369,14 +384,22 @@ class _BadEvent(ValueError):
 
 def _num(v: Any, what: str) -> int:
     """A finite µs value as integer ns; anything else raises :class:`_BadEvent`."""
-    if isinstance(v, bool) or not isinstance(v, (int, float, Decimal)):
+    t = type(v)
+    if t is Decimal:  # ijson's type for every non-integer; adjusted() is the exponent
+        if v.is_finite() and v.adjusted() < 16:
+            return int(v * 1000)
+    elif t is int:
+        if -_MAX_US_INT <= v <= _MAX_US_INT:
+            return int(v * 1000)
+    elif t is float:
+        if math.isfinite(v) and abs(v) <= _MAX_US:
+            return int(v * 1000)
+    else:
         raise _BadEvent(f"{what} is not a number")
-    if isinstance(v, Decimal):
-        if not v.is_finite() or abs(v) > _MAX_US:
-            raise _BadEvent(f"{what} is out of range")
-    elif not math.isfinite(v) or abs(v) > _MAX_US:
-        raise _BadEvent(f"{what} is out of range")
-    return int(v * 1000)
+    raise _BadEvent(f"{what} is out of range")
+
+
+_MAX_US_INT = int(_MAX_US)
 
 
 def _span(e: dict[str, Any]) -> tuple[int, int]:
@@ -421,7 +444,6 @@ def _comm_key(args: dict[str, Any]) -> tuple[str, str, int] | None:
 def _scan_events(events: Iterable[Any], out: ParsedTrace) -> None:
     dev = out.device_events
     launches = out.launches
-    cpu = out.cpu_ops
     # Kernel names repeat thousands of times and run to hundreds of characters; keep one copy.
     names: dict[str, str] = {}
     for e in events:
@@ -455,39 +477,70 @@ def _scan_events(events: Iterable[Any], out: ParsedTrace) -> None:
                     launches[_int_arg(corr)] = _num(e.get("ts"), "ts")
                 if str(cat).startswith("hip"):
                     out.is_rocm = True
-            elif cat in ("user_annotation", "cpu_op"):
-                args = _args(e)
-                name = str(e.get("name", ""))
-                m = _STEP_RE.match(name) if cat == "user_annotation" else None
-                start, end = _span(e)
+            elif cat == "user_annotation":
+                m = _STEP_RE.match(str(e.get("name", "")))
                 if m:
+                    start, end = _span(e)
                     out.steps.append((int(m.group(1)), start, end))
+            elif cat == "cpu_op":
+                args = e.get("args")
+                if args is None:
                     continue
-                if cat == "cpu_op":
-                    fl = args.get("flops")
-                    if fl:
-                        if isinstance(fl, bool) or not isinstance(fl, (int, float, Decimal)):
-                            raise _BadEvent("flops is not a number")
-                        fv = float(fl)
-                        if not math.isfinite(fv) or fv < 0:
-                            raise _BadEvent("flops is out of range")
-                        out.flops.append((start, fv))
-                    if name == "record_param_comms":
-                        key = _comm_key(args)
+                if type(args) is not dict:
+                    raise _BadEvent("args is not an object")
+                fl = args.get("flops")
+                if fl:
+                    if isinstance(fl, bool) or not isinstance(fl, (int, float, Decimal)):
+                        raise _BadEvent("flops is not a number")
+                    fv = float(fl)
+                    if not math.isfinite(fv) or fv < 0:
+                        raise _BadEvent("flops is out of range")
+                    out.flops.append((_num(e.get("ts"), "ts"), fv))
+                if e.get("name") == "record_param_comms":
+                    key = _comm_key(args)
+                    if key is not None:
+                        start, end = _span(e)
                         ext = _int_arg(args.get("External id", -1))
-                        if key is not None:
-                            if key[2] >= 0 and ext >= 0:
-                                out.comm_seq[ext] = key
-                            out.comm_ops.append((start, end, key))
-                        continue
-                tid = e.get("tid", 0)
-                cpu.add(start, end, name, tid if isinstance(tid, (int, str)) else 0)
+                        if key[2] >= 0 and ext >= 0:
+                            out.comm_seq[ext] = key
+                        out.comm_ops.append((start, end, key))
         except (_BadEvent, KeyError, TypeError, ValueError, ArithmeticError) as exc:
             # One malformed event (missing ts, a string where a number belongs, args that
             # are not an object) must not cost the whole file: skip it and count it.
             out.skipped_events += 1
             if out.skipped_events == 1:
                 out.first_skip_reason = str(exc)[:120] or type(exc).__name__
+
+
+def _scan_cpu(events: Iterable[Any], out: ParsedTrace) -> None:
+    """Second pass over a trace with no device events: collect its CPU ops and annotations.
+
+    Only CPU-only traces pay for it; events the first pass already used (steps, flops,
+    record_param_comms) or skipped (args not an object) are not counted again.
+    """
+    cpu = out.cpu_ops
+    for e in events:
+        if not isinstance(e, dict) or e.get("ph") != "X":
+            continue
+        cat = e.get("cat")
+        if cat != "cpu_op" and cat != "user_annotation":
+            continue
+        name = e.get("name", "")
+        name = name if isinstance(name, str) else str(name)
+        if name == "record_param_comms" or (cat == "user_annotation" and _STEP_RE.match(name)):
+            continue
+        a = e.get("args")
+        if a is not None and not isinstance(a, dict):
+            continue
+        try:
+            start, end = _span(e)
+        except _BadEvent as exc:
+            out.skipped_events += 1
+            if out.skipped_events == 1:
+                out.first_skip_reason = str(exc)
+            continue
+        tid = e.get("tid", 0)
+        cpu.add(start, end, name, tid if isinstance(tid, (int, str)) else 0)
 
 
 # ----------------------------------------------------------------------------- intervals
