@@ -483,11 +483,12 @@ def _scan_events(events: Iterable[Any], out: ParsedTrace) -> None:
                     start, end = _span(e)
                     out.steps.append((int(m.group(1)), start, end))
             elif cat == "cpu_op":
-                args = e.get("args")
-                if args is None:
+                cargs = e.get("args")
+                if cargs is None:
                     continue
-                if type(args) is not dict:
+                if type(cargs) is not dict:
                     raise _BadEvent("args is not an object")
+                args = cargs
                 fl = args.get("flops")
                 if fl:
                     if isinstance(fl, bool) or not isinstance(fl, (int, float, Decimal)):
