@@ -90,6 +90,22 @@ def build_trace(out: Path, size_mb: float, seed: Path = SEED) -> int:
     return copies
 
 
+def build_whitespace_trace(out: Path, size_mb: float, seed: Path = SEED) -> int:
+    """One copy of `seed`'s events after `size_mb` MB of whitespace: the worst case for a
+    gzip reader (whitespace compresses ~1000:1, so each compressed read inflates hugely)."""
+    with gzip.open(seed, "rt") as f:
+        doc: dict[str, Any] = json.load(f)
+    events = doc.pop("traceEvents")
+    with open(out, "w") as f:
+        f.write('{"traceEvents": [')
+        block = " " * (1 << 20)
+        for _ in range(int(size_mb * 1e6) >> 20):
+            f.write(block)
+        f.write(",\n".join(json.dumps(e) for e in events))
+        f.write("]}\n")
+    return 1
+
+
 def run(python: str, code: str, trace_dir: Path) -> dict[str, Any]:
     p = subprocess.run([python, "-c", code, str(trace_dir)], capture_output=True, text=True,
                        check=False)
@@ -107,6 +123,8 @@ def main() -> int:
     ap.add_argument("--gzip", choices=("no", "yes", "both"), default="no",
                     help="analyse the synthetic trace gzipped (real traces ship as .json.gz), or both ways")
     ap.add_argument("--no-hta", action="store_true", help="time stepscope only")
+    ap.add_argument("--whitespace", action="store_true",
+                    help="pad one copy of the seed with --size-mb of whitespace instead of repeating it")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
@@ -115,7 +133,8 @@ def main() -> int:
             (d / src.name).symlink_to(src.resolve())
             size = src.stat().st_size
         else:
-            copies = build_trace(d / "rank0.pt.trace.json", args.size_mb)
+            build = build_whitespace_trace if args.whitespace else build_trace
+            copies = build(d / "rank0.pt.trace.json", args.size_mb)
             size = (d / "rank0.pt.trace.json").stat().st_size
             print(json.dumps({"trace": "synthetic from ns_resolution_trace", "copies": copies,
                               "size_mb": round(size / 1e6, 1)}), flush=True)
