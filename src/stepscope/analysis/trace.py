@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import ijson
-import numpy as np
 
 from stepscope.analysis import kernels as K
 from stepscope.errors import AnalysisError
@@ -151,6 +150,8 @@ class _DepthGuard:
         kept = data.translate(None, _DROP)
         if not kept:
             return len(chunk)
+        import numpy as np  # imported on first use: small traces skip its import time
+
         # Only brackets and quotes remain. A quote's running count (plus the string state
         # carried in) is odd inside a string; brackets outside strings set the depth:
         # "[" (91) and "{" (123) have bit 1 set, "]" (93) and "}" (125) do not, so
