@@ -5,6 +5,7 @@ Builds a Kineto-shaped trace of the requested size by repeating the steps of a r
 interleaved, and prints one JSON line per run (wall seconds, peak RSS) and a summary line::
 
     python benchmarks/trace_speed.py --size-mb 300 --hta-python /tmp/hta-venv/bin/python
+    python benchmarks/trace_speed.py --size-mb 100 --gzip both --no-hta   # plain vs .json.gz
 
 HTA (PyPI ``traceinsight``) must live in its own venv; it is not a dependency of stepscope.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -21,7 +23,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces"
+# The shared real traces sit next to the checkout (../shared/traces) or one level further up
+# in a worktree layout; STEPSCOPE_TRACES overrides both.
+SHARED = next((p / "shared" / "traces" for p in Path(__file__).resolve().parents[1:4]
+               if (p / "shared" / "traces").is_dir()),
+              Path(__file__).resolve().parents[2] / "shared" / "traces")
+if os.environ.get("STEPSCOPE_TRACES"):
+    SHARED = Path(os.environ["STEPSCOPE_TRACES"])
 SEED = SHARED / "ns_resolution_trace" / "rank-0.Apr_03_18_51_38.1102.pt.trace.json.gz"
 
 # Each child measures itself: wall time of the analysis and the process's peak RSS.
@@ -82,6 +90,22 @@ def build_trace(out: Path, size_mb: float, seed: Path = SEED) -> int:
     return copies
 
 
+def build_whitespace_trace(out: Path, size_mb: float, seed: Path = SEED) -> int:
+    """One copy of `seed`'s events after `size_mb` MB of whitespace: the worst case for a
+    gzip reader (whitespace compresses ~1000:1, so each compressed read inflates hugely)."""
+    with gzip.open(seed, "rt") as f:
+        doc: dict[str, Any] = json.load(f)
+    events = doc.pop("traceEvents")
+    with open(out, "w") as f:
+        f.write('{"traceEvents": [')
+        block = " " * (1 << 20)
+        for _ in range(int(size_mb * 1e6) >> 20):
+            f.write(block)
+        f.write(",\n".join(json.dumps(e) for e in events))
+        f.write("]}\n")
+    return 1
+
+
 def run(python: str, code: str, trace_dir: Path) -> dict[str, Any]:
     p = subprocess.run([python, "-c", code, str(trace_dir)], capture_output=True, text=True,
                        check=False)
@@ -96,6 +120,11 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--hta-python", default="/tmp/hta-venv/bin/python")
     ap.add_argument("--trace", help="use this trace file instead of building one")
+    ap.add_argument("--gzip", choices=("no", "yes", "both"), default="no",
+                    help="analyse the synthetic trace gzipped (real traces ship as .json.gz), or both ways")
+    ap.add_argument("--no-hta", action="store_true", help="time stepscope only")
+    ap.add_argument("--whitespace", action="store_true",
+                    help="pad one copy of the seed with --size-mb of whitespace instead of repeating it")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
@@ -104,20 +133,42 @@ def main() -> int:
             (d / src.name).symlink_to(src.resolve())
             size = src.stat().st_size
         else:
-            copies = build_trace(d / "rank0.pt.trace.json", args.size_mb)
+            build = build_whitespace_trace if args.whitespace else build_trace
+            copies = build(d / "rank0.pt.trace.json", args.size_mb)
             size = (d / "rank0.pt.trace.json").stat().st_size
             print(json.dumps({"trace": "synthetic from ns_resolution_trace", "copies": copies,
                               "size_mb": round(size / 1e6, 1)}), flush=True)
-        results: dict[str, list[dict[str, Any]]] = {"stepscope": [], "hta": []}
-        for i in range(args.repeats):  # interleaved, so drift hits both tools alike
-            for tool, py, code in (("stepscope", sys.executable, OURS),
-                                   ("hta", args.hta_python, HTA)):
-                r = run(py, code, d)
-                r.update(tool=tool, run=i, size_mb=round(size / 1e6, 1))
-                print(json.dumps(r), flush=True)
-                results[tool].append(r)
+        variants = {"no": [("", d)], "yes": [], "both": [("", d)]}[args.gzip]
+        if args.gzip != "no" and not args.trace:
+            gz_dir = d / "gz"
+            gz_dir.mkdir()
+            with open(d / "rank0.pt.trace.json", "rb") as src_f, \
+                    gzip.open(gz_dir / "rank0.pt.trace.json.gz", "wb", compresslevel=6) as dst:
+                while chunk := src_f.read(1 << 22):
+                    dst.write(chunk)
+            gz_size = (gz_dir / "rank0.pt.trace.json.gz").stat().st_size
+            print(json.dumps({"gzipped_size_mb": round(gz_size / 1e6, 1)}), flush=True)
+            variants.append(("-gz", gz_dir))
+            if args.gzip == "yes":
+                variants = [("-gz", gz_dir)]
+        tools = [("stepscope", sys.executable, OURS)]
+        if not args.no_hta:
+            tools.append(("hta", args.hta_python, HTA))
+        results: dict[str, list[dict[str, Any]]] = {}
+        for i in range(args.repeats):  # interleaved, so drift hits every tool alike
+            for suffix, where in variants:
+                for tool, py, code in tools:
+                    r = run(py, code, where)
+                    r.update(tool=tool + suffix, run=i, size_mb=round(size / 1e6, 1))
+                    print(json.dumps(r), flush=True)
+                    results.setdefault(tool + suffix, []).append(r)
     ok = {t: [r for r in rs if "error" not in r] for t, rs in results.items()}
-    if ok["stepscope"] and ok["hta"]:
+    if ok.get("stepscope") and ok.get("stepscope-gz"):
+        plain = statistics.median(r["wall_s"] for r in ok["stepscope"])
+        gz = statistics.median(r["wall_s"] for r in ok["stepscope-gz"])
+        print(json.dumps({"summary": "gzip", "plain_wall_s": round(plain, 2), "gz_wall_s": round(gz, 2),
+                          "gz_over_plain": round(gz / plain, 2)}))
+    if ok.get("stepscope") and ok.get("hta"):
         ours_s = statistics.median(r["wall_s"] for r in ok["stepscope"])
         hta_s = statistics.median(r["wall_s"] for r in ok["hta"])
         ours_m = max(r["peak_rss_mb"] for r in ok["stepscope"])

@@ -37,7 +37,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
 def _cmd_trace(args: argparse.Namespace) -> int:
     from stepscope.analysis.trace_cli import trace_command
 
-    return trace_command(args.path, as_json=args.json, markdown=args.markdown)
+    return trace_command(args.path, as_json=args.json, markdown=args.markdown,
+                         max_inflated_mb=args.max_inflated_mb)
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
@@ -87,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("path", help="a trace file (.json/.json.gz) or a directory of them")
     t.add_argument("--json", action="store_true", help="print one JSON document")
     t.add_argument("--markdown", metavar="FILE", help="write summary.md")
+    t.add_argument("--max-inflated-mb", type=float, default=None, metavar="MB",
+                   help="stop reading a trace file after this many MB of JSON (after gzip "
+                        "inflation); default 4096")
     t.set_defaults(func=_cmd_trace)
 
     s = sub.add_parser("status", help="which rank is stuck, dead or crashed, from the heartbeats")

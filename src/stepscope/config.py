@@ -104,9 +104,14 @@ class Config:
             raise ConfigError(f"enabled must be a bool; got {self.enabled!r}")
         if not isinstance(self.collectives, bool):
             raise ConfigError(f"collectives must be a bool; got {self.collectives!r}")
+        if self.run_id is not None and (not isinstance(self.run_id, str) or not self.run_id
+                                        or len(self.run_id) > 200):
+            raise ConfigError(f"run_id must be None or a non-empty str of at most 200 characters; "
+                              f"got {self.run_id!r} ({type(self.run_id).__name__})")
         if self.profile_steps is not None:
-            ps = tuple(self.profile_steps)
-            if len(ps) != 2 or not all(isinstance(v, int) and v >= 0 for v in ps) or ps[1] <= ps[0]:
+            ps = tuple(self.profile_steps) if isinstance(self.profile_steps, tuple | list) else ()
+            if (len(ps) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                                        for v in ps) or ps[1] <= ps[0]):
                 raise ConfigError(
                     f"profile_steps must be (start, end) with 0 <= start < end; "
                     f"got {self.profile_steps!r}"

@@ -27,7 +27,9 @@ PAYLOAD_BYTES = 1024
 #: long wait means a rank stopped stepping; a short timeout keeps a pending exchange from
 #: holding up process exit (gloo joins its worker threads on destroy).
 EXCHANGE_TIMEOUT_S = 120.0
-#: How long ``finish()`` waits for exchanges still in flight (seconds).
+#: How long ``finish()`` waits for exchanges still in flight (seconds). Past it, a peer
+#: is behind or stuck: the pending exchanges are left unfinished (see ``_park``), so this is
+#: the longest the live view adds to a rank's exit, however long a peer stays stuck.
 FINISH_WAIT_S = 2.0
 
 # One side group per member set and process: creating a second group over the same ranks
@@ -410,6 +412,9 @@ class LiveView:
         try:
             # Bounded: a peer that stopped stepping must not hold up this rank's exit.
             self._collect(wait_s=FINISH_WAIT_S)
+            if self._works:
+                _park(self.group, list(self._works))
+                self._works.clear()
             # Numbers that arrived after the last printed line (peers were behind): say them.
             if self.log_every and self.printer and self.latest and self.exchanges_done > self._printed_at:
                 self._print(dict(self.latest, step=f"{self._calls - 1} (final)"))
@@ -425,6 +430,42 @@ def _active_tqdm() -> Any:
         return cls if cls is not None and len(getattr(cls, "_instances", ())) > 0 else None
     except TypeError:
         return None
+def _park(group: Any, works: list[Any]) -> None:
+    """Keep a side group with exchanges a stuck peer never joined alive until process exit.
+
+    Destroying a gloo group joins its worker threads, which sit in the pending exchange
+    until the peer arrives or ``EXCHANGE_TIMEOUT_S`` passes: that held up exit by minutes.
+    A daemon thread holding the last references is never joined and, at interpreter exit,
+    never drops them, so the group's destructor (and its join) does not run. The group is
+    also taken out of torch's registry, so a later ``destroy_process_group()`` skips it.
+    """
+    try:
+        import torch.distributed.distributed_c10d as c10d
+
+        world = c10d._world
+        for table in (world.pg_map, world.pg_names, world.pg_group_ranks, world.pg_backend_config,
+                      world.pg_to_tag, world.pg_coalesce_state):
+            name = table.get(group) if table is world.pg_names else None
+            table.pop(group, None)
+            if name is not None:
+                with contextlib.suppress(Exception):
+                    getattr(c10d, "_unregister_process_group")(name)  # noqa: B009 - private
+        for pgs in world.tags_to_pg.values():
+            while group in pgs:
+                pgs.remove(group)
+    except Exception:  # torch internals differ across versions: parking still bounds exit
+        pass
+    for key, g in list(_SIDE_GROUPS.items()):
+        if g is group:
+            del _SIDE_GROUPS[key]
+    threading.Thread(target=_hold, args=([group, works],), daemon=True,
+                     name="stepscope-parked-exchange").start()
+
+
+def _hold(refs: list[Any]) -> None:
+    # This frame owns the references; a daemon thread's frame is never torn down at exit.
+    threading.Event().wait()
+    refs.clear()  # unreachable; keeps `refs` alive in the frame
 
 
 def _console() -> Any:

@@ -10,7 +10,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from stepscope.errors import ConfigError
+from stepscope.errors import ConfigError, StepscopeWarning
 
 
 def current_rank() -> int:
@@ -187,7 +187,7 @@ class Profiler:
         self.enabled = False
         # protect the job: warnings configured as errors must not escape into training
         with contextlib.suppress(Exception):
-            warnings.warn(f"stepscope: {msg}; profiling is off", RuntimeWarning, stacklevel=3)
+            warnings.warn(f"stepscope: {msg}; profiling is off", StepscopeWarning, stacklevel=3)
 
     def __repr__(self) -> str:
         state = "enabled" if self.enabled else "disabled"

@@ -42,6 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stepscope.errors import StepscopeWarning
+
 SCHEMA_VERSION = 2
 #: Schema versions the analysis reads (1 lacks ``path``: it is derived from parent and name).
 READABLE_SCHEMAS: tuple[int, ...] = (1, 2)
@@ -80,6 +82,7 @@ SQLITE_COLUMNS: tuple[tuple[str, str], ...] = (
     ("untimed", "INTEGER"),
 )
 SQLITE_TABLE = "step_time_samples"
+_KNOWN_COLUMNS = frozenset(name for name, _ in SQLITE_COLUMNS)
 _JSON_COLUMNS = frozenset(
     {"phases", "side_ms", "counters", "dropped", "collectives", "throughput", "flops", "memory", "device"}
 )
@@ -146,6 +149,24 @@ def iter_jsonl(path: str | os.PathLike[str], report: ReadReport | None = None) -
         yield rec
 
 
+def row_to_record(names: list[str], row: tuple[Any, ...] | list[Any]) -> dict[str, Any]:
+    """A ``step_time_samples`` row (columns ``names``) as a record; NULLs are left out.
+
+    Raises ``ValueError`` when a nested column is not valid JSON.
+    """
+    rec: dict[str, Any] = {}
+    for name, value in zip(names, row, strict=True):
+        if value is None or name not in _KNOWN_COLUMNS:
+            continue
+        if name == "device" and isinstance(value, str) and not value.startswith("{"):
+            rec["device_name"] = value  # schema 1 kept the device's name in this column
+            continue
+        rec[name] = json.loads(value) if name in _JSON_COLUMNS else value
+    if "untimed" in rec:
+        rec["untimed"] = bool(rec["untimed"])
+    return rec
+
+
 def read_sqlite(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """All records of one rank's SQLite file, in step order."""
     import sqlite3
@@ -159,14 +180,7 @@ def read_sqlite(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
         rows = con.execute(f"SELECT {cols} FROM {SQLITE_TABLE} ORDER BY step").fetchall()
     finally:
         con.close()
-    out = []
-    for row in rows:
-        rec: dict[str, Any] = {}
-        for name, value in zip(names, row, strict=True):
-            if value is not None:
-                rec[name] = json.loads(value) if name in _JSON_COLUMNS else value
-        out.append(rec)
-    return out
+    return [row_to_record(names, row) for row in rows]
 
 
 def read_run(out_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
@@ -181,7 +195,8 @@ def read_run(out_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
         rep = ReadReport(path)
         out.extend(iter_jsonl(path, rep))
         if rep.bad_lines:
-            warnings.warn(f"{path}: skipped corrupt lines {rep.bad_lines[:10]}", stacklevel=2)
+            warnings.warn(f"{path}: skipped corrupt lines {rep.bad_lines[:10]}", StepscopeWarning,
+                          stacklevel=2)
     for path in sorted(root.glob("rank*.sqlite")):
         out.extend(read_sqlite(path))
     return out

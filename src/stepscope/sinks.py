@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
 import sqlite3
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -34,10 +36,17 @@ class JsonlSink:
         self.path = rank_file(out_dir, rank, "jsonl")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fh = open(self.path, "ab")  # noqa: SIM115 - lives as long as the sink
+        self._warned = False
 
     def write(self, records: Sequence[dict[str, Any]]) -> None:
         if not records:
             return
+        if _file_gone(self.path, self._fh.fileno()):
+            # Writing on would append to an unlinked file: every record lost, silently.
+            self._warned = _warn_gone(self.path, self._warned)
+            self._fh.close()
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fh = open(self.path, "ab")  # noqa: SIM115 - lives as long as the sink
         # orjson: the encoding runs in this process and competes with training for the GIL,
         # so the faster encoder is worth its (small, wheel-only) dependency.
         self._fh.write(b"".join(orjson.dumps(r, option=orjson.OPT_APPEND_NEWLINE) for r in records))
@@ -47,24 +56,60 @@ class JsonlSink:
         self._fh.close()
 
 
+def _file_gone(path: Path, fd: int) -> bool:
+    """Whether ``path`` no longer names the open file ``fd`` (deleted, or its dir removed)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return True
+    own = os.fstat(fd)
+    return (st.st_ino, st.st_dev) != (own.st_ino, own.st_dev)
+
+
+def _warn_gone(path: Path, warned: bool) -> bool:
+    if not warned:
+        from stepscope.errors import StepscopeWarning
+
+        with contextlib.suppress(Exception):  # warnings set as errors must not reach the job
+            warnings.warn(f"stepscope: {path} was deleted while the run was writing to it (output "
+                          "directory removed?); records written before are lost, it is recreated "
+                          "for the rest", StepscopeWarning, stacklevel=2)
+    return True
+
+
 class SqliteSink:
     """``rank{R}.sqlite`` with the table ``step_time_samples``; one transaction per batch."""
 
     def __init__(self, out_dir: str | os.PathLike[str], rank: int) -> None:
         self.path = rank_file(out_dir, rank, "sqlite")
+        self._warned = False
+        self._open()
+        self._insert = (
+            f"INSERT INTO {SQLITE_TABLE} VALUES ({', '.join('?' for _ in SQLITE_COLUMNS)})"
+        )
+
+    def _open(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # The writer thread is the only user of this connection after construction.
         self._con = sqlite3.connect(self.path, check_same_thread=False)
         cols = ", ".join(f'"{name}" {kind}' for name, kind in SQLITE_COLUMNS)
         self._con.execute(f"CREATE TABLE IF NOT EXISTS {SQLITE_TABLE} ({cols})")
         self._con.commit()
-        self._insert = (
-            f"INSERT INTO {SQLITE_TABLE} VALUES ({', '.join('?' for _ in SQLITE_COLUMNS)})"
-        )
+        st = os.stat(self.path)
+        self._id = (st.st_ino, st.st_dev)
 
     def write(self, records: Sequence[dict[str, Any]]) -> None:
         if not records:
             return
+        try:
+            st = os.stat(self.path)
+            gone = (st.st_ino, st.st_dev) != self._id
+        except OSError:
+            gone = True
+        if gone:
+            self._warned = _warn_gone(self.path, self._warned)
+            self._con.close()
+            self._open()
         with self._con:
             self._con.executemany(self._insert, [record_to_row(r) for r in records])
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from stepscope.analysis.resources import RESOURCE_COLUMNS, TIMED_FILTER, create_resource_table
 from stepscope.errors import AnalysisError
-from stepscope.records import READABLE_SCHEMAS, SCHEMA_VERSION, read_sqlite
+from stepscope.records import READABLE_SCHEMAS, SCHEMA_VERSION, SQLITE_TABLE, row_to_record
 
 _PHASE_TYPE = (
     "STRUCT(name VARCHAR, parent VARCHAR, ms DOUBLE, calls BIGINT, start_ms DOUBLE, end_ms DOUBLE)[]"
@@ -44,6 +44,25 @@ _COLUMNS = {
 }
 _COLUMNS.update(RESOURCE_COLUMNS)  # [metrics] throughput/flops/memory/device/untimed
 _REQUIRED = ("schema", "rank", "step", "start_unix_ns", "step_ms", "phases")
+
+#: Bounds on values taken from the data; a record outside them is implausible (hostile or
+#: corrupt) and skipped. No job has a million ranks; no step takes 11 days; a start time
+#: past 2^62 ns (year 2116) or before 1970 is not a wall clock; one record is a few KB.
+MAX_RANKS = 1_000_000
+MAX_MS = 1e9
+MAX_START_NS = 1 << 62
+MAX_LINE_BYTES = 32 << 20
+_PLAUSIBLE = f"""rank >= 0 AND rank < {MAX_RANKS}
+    AND (world_size IS NULL OR (world_size >= 1 AND world_size <= {MAX_RANKS} AND rank < world_size))
+    AND isfinite(step_ms) AND step_ms >= 0 AND step_ms <= {MAX_MS}
+    AND start_unix_ns >= 0 AND start_unix_ns < {MAX_START_NS}
+    AND (residual_ms IS NULL OR (isfinite(residual_ms) AND abs(residual_ms) <= {MAX_MS}))
+    AND (h2d_hidden_ms IS NULL OR (isfinite(h2d_hidden_ms) AND abs(h2d_hidden_ms) <= {MAX_MS}))
+    AND coalesce(list_bool_and([
+        (p.ms IS NULL OR (isfinite(p.ms) AND abs(p.ms) <= {MAX_MS}))
+        AND (p.start_ms IS NULL OR (isfinite(p.start_ms) AND abs(p.start_ms) <= {MAX_MS}))
+        AND (p.end_ms IS NULL OR (isfinite(p.end_ms) AND abs(p.end_ms) <= {MAX_MS}))
+        for p in phases]), TRUE)"""
 
 
 @dataclass
@@ -83,15 +102,80 @@ def _connect(tmp: str, threads: int | None, memory_limit: str | None) -> Any:
 
 
 def _sqlite_to_jsonl(path: Path, tmp: Path, skipped: list[str]) -> Path | None:
+    out = tmp / (path.stem + ".from-sqlite.jsonl")
+    bad = 0
     try:
-        recs = read_sqlite(path)
+        con = sqlite3.connect(f"file:{os.fspath(path)}?mode=ro", uri=True)
+        try:
+            # Columns by name: files from other stepscope versions have other column sets.
+            names = [r[1] for r in con.execute(f"PRAGMA table_info({SQLITE_TABLE})")]
+            cols = ", ".join(f'"{n}"' for n in names)
+            cur = con.execute(f"SELECT {cols} FROM {SQLITE_TABLE} ORDER BY step")
+            with open(out, "w") as fh:
+                for row in cur:
+                    try:  # a nested column that is not JSON costs that record only
+                        fh.write(json.dumps(row_to_record(names, row)) + "\n")
+                    except (ValueError, TypeError):
+                        bad += 1
+        finally:
+            con.close()
     except sqlite3.Error as exc:
         skipped.append(f"{path.name}: unreadable SQLite file ({exc}); skipped")
         return None
-    out = tmp / (path.stem + ".from-sqlite.jsonl")
-    with open(out, "w") as fh:
-        for rec in recs:
-            fh.write(json.dumps(rec) + "\n")
+    if bad:
+        skipped.append(f"{path.name}: {bad} record(s) with a column that is not valid JSON skipped")
+    return out
+
+
+def _drop_long_lines(path: Path, tmp: Path, skipped: list[str]) -> Path:
+    """``path``, or a copy without lines longer than :data:`MAX_LINE_BYTES`.
+
+    DuckDB rejects a whole file for one object above its ``maximum_object_size``; a real
+    record is a few KB, so a line of many MB is damage. One pass of large reads finds them
+    (a line that long must span reads), and only a file that has one is copied.
+    """
+    chunk = 8 << 20
+    since_nl = 0
+    long_lines = False
+    with open(path, "rb") as fh:
+        while data := fh.read(chunk):
+            first = data.find(b"\n")
+            if first < 0:
+                since_nl += len(data)
+            else:
+                long_lines |= since_nl + first > MAX_LINE_BYTES
+                since_nl = len(data) - data.rfind(b"\n") - 1
+            if since_nl > MAX_LINE_BYTES:
+                long_lines = True
+            if long_lines:
+                break
+    if not long_lines:
+        return path
+    out = tmp / (path.name + ".bounded.jsonl")
+    dropped = 0
+    with open(path, "rb") as src, open(out, "wb") as dst:
+        buf = b""
+        skipping = False
+        while data := src.read(chunk):
+            buf += data
+            while True:
+                nl = buf.find(b"\n")
+                if nl < 0:
+                    break
+                if not skipping and nl <= MAX_LINE_BYTES:
+                    dst.write(buf[: nl + 1])
+                elif not skipping:
+                    dropped += 1
+                skipping = False
+                buf = buf[nl + 1:]
+            if len(buf) > MAX_LINE_BYTES:
+                if not skipping:
+                    dropped += 1
+                skipping, buf = True, b""
+        if buf and not skipping:
+            dst.write(buf)
+    skipped.append(f"{path.name}: {dropped} line(s) longer than {MAX_LINE_BYTES >> 20} MiB skipped "
+                   "(a record is a few KB)")
     return out
 
 
@@ -122,13 +206,17 @@ def load_run(
         raise AnalysisError(f"{root}: not a directory (expected a run directory of rank files)")
     jsonl = sorted(p for p in root.glob("rank*.jsonl") if p.is_file())
     sqlite_files = sorted(p for p in root.glob("rank*.sqlite") if p.is_file())
+    outside = [p for p in jsonl + sqlite_files if not _inside(root, p)]
+    jsonl = [p for p in jsonl if p not in outside]
+    sqlite_files = [p for p in sqlite_files if p not in outside]
     if not jsonl and not sqlite_files:
         raise AnalysisError(f"{root}: no rank*.jsonl or rank*.sqlite files (is this a run directory?)")
 
     tmpdir = tempfile.TemporaryDirectory(prefix="stepscope-")
-    skipped: list[str] = []
+    skipped: list[str] = [f"{p.name}: links outside the run directory; not read" for p in outside]
     try:
-        sources = [p for p in jsonl if p.stat().st_size > 0]
+        sources = [_drop_long_lines(p, Path(tmpdir.name), skipped)
+                   for p in jsonl if p.stat().st_size > 0]
         skipped += [f"{p.name}: empty file" for p in jsonl if p.stat().st_size == 0]
         for p in sqlite_files:
             conv = _sqlite_to_jsonl(p, Path(tmpdir.name), skipped)
@@ -143,6 +231,18 @@ def load_run(
     except BaseException:
         tmpdir.cleanup()
         raise
+
+
+def _inside(root: Path, p: Path) -> bool:
+    try:
+        base = root.resolve(strict=True)
+        return base in p.resolve(strict=True).parents
+    except (OSError, RuntimeError):
+        return False
+
+
+def _display_name(fname: str) -> str:
+    return Path(fname).name.replace(".bounded.jsonl", "").replace(".from-sqlite.jsonl", ".sqlite")
 
 
 def _build_tables(con: Any, root: Path, sources: list[Path], skipped: list[str]) -> RunData:
@@ -163,7 +263,7 @@ def _build_tables(con: Any, root: Path, sources: list[Path], skipped: list[str])
         if not bad:
             continue
         path = Path(fname)
-        name = path.name.replace(".from-sqlite.jsonl", ".sqlite")
+        name = _display_name(fname)
         if not _ends_with_newline(path):
             bad -= 1
             skipped.append(f"{name}: truncated last line skipped (process killed mid-write?)")
@@ -188,9 +288,19 @@ def _build_tables(con: Any, root: Path, sources: list[Path], skipped: list[str])
                 f"schema {SCHEMA_VERSION}; mixed versions in one run directory)"
             )
 
+    for fname, n in con.execute(
+        f"""SELECT filename, count(*) FROM raw WHERE {valid} AND schema = {SCHEMA_VERSION}
+            AND NOT coalesce({_PLAUSIBLE}, FALSE) GROUP BY 1 ORDER BY 1"""
+    ).fetchall():
+        skipped.append(
+            f"{_display_name(fname)}: {n} record(s) with implausible values skipped (rank outside "
+            f"0..{MAX_RANKS - 1} or not below world_size, a time that is negative, not finite or "
+            f"over {MAX_MS:.0e} ms, or start_unix_ns outside 0..2^62)"
+        )
     con.execute(
         f"""CREATE TABLE rec AS SELECT * FROM raw
-            WHERE {valid} AND schema IN {tuple(READABLE_SCHEMAS)} AND step_ms >= 0 AND {TIMED_FILTER}"""
+            WHERE {valid} AND schema IN {tuple(READABLE_SCHEMAS)} AND coalesce({_PLAUSIBLE}, FALSE)
+                  AND {TIMED_FILTER}"""
     )
     con.execute("DROP TABLE raw")
     n_rec, n_pairs = con.execute(
@@ -204,6 +314,8 @@ def _build_tables(con: Any, root: Path, sources: list[Path], skipped: list[str])
         )
 
     ranks = [int(r) for (r,) in con.execute("SELECT DISTINCT rank FROM rec ORDER BY 1").fetchall()]
+    if not ranks:
+        raise AnalysisError(f"{root}: no plausible step records (see the skipped lines)")
     meta = con.execute(
         """SELECT max(world_size), min(start_unix_ns), any_value(run_id),
                   mode(clock), count(DISTINCT run_id) FROM rec"""
@@ -212,11 +324,14 @@ def _build_tables(con: Any, root: Path, sources: list[Path], skipped: list[str])
     world_size = max(world_size, max(ranks) + 1)
     if meta[4] and meta[4] > 1:
         skipped.append(f"records come from {meta[4]} different run_ids; analysed together")
-    missing = sorted(set(range(world_size)) - set(ranks))
-    if missing:
+    # Never materialise range(world_size): the ranks present are bounded by the files, and
+    # only the first few missing ones are named.
+    if world_size > len(ranks):
+        present = set(ranks)
+        missing = [r for r in range(min(world_size, len(ranks) + 17)) if r not in present][:17]
         skipped.append(
-            f"no records for rank(s) {_fmt_ranks(missing)} of world size {world_size} "
-            f"(file missing or empty); analysed {len(ranks)} rank(s)"
+            f"no records for rank(s) {_fmt_ranks(missing, world_size - len(ranks))} of world size "
+            f"{world_size} (file missing or empty); analysed {len(ranks)} rank(s)"
         )
 
     # Cross-rank comparison needs the same steps on every rank; keep the common ones.
@@ -287,6 +402,7 @@ def _build_tables(con: Any, root: Path, sources: list[Path], skipped: list[str])
     )
 
 
-def _fmt_ranks(ranks: list[int]) -> str:
+def _fmt_ranks(ranks: list[int], total: int | None = None) -> str:
+    total = len(ranks) if total is None else total
     shown = ", ".join(str(r) for r in ranks[:16])
-    return shown + (f", … (+{len(ranks) - 16})" if len(ranks) > 16 else "")
+    return shown + (f", … (+{total - 16})" if total > 16 else "")

@@ -9,18 +9,24 @@ from pathlib import Path
 from stepscope.errors import AnalysisError
 
 
-def trace_command(path: str, as_json: bool = False, markdown: str | None = None) -> int:
+def trace_command(path: str, as_json: bool = False, markdown: str | None = None,
+                  max_inflated_mb: float | None = None) -> int:
     """Analyse `path` (a trace file or a directory of per-rank traces).
 
     Returns 0 on success, 2 when the input cannot be analysed at all (message on stderr).
     """
-    from stepscope.analysis.trace import analyse
+    from stepscope.analysis.trace import MAX_INFLATED_BYTES, analyse
     from stepscope.report.progress import input_bytes, progress
 
+    cap = MAX_INFLATED_BYTES if max_inflated_mb is None else int(max_inflated_mb * (1 << 20))
+    if cap <= 0:
+        print(f"stepscope trace: --max-inflated-mb must be positive, got {max_inflated_mb}",
+              file=sys.stderr)
+        return 2
     try:
         with progress(input_bytes(path) or None, "stepscope trace: reading", unit="bytes",
                       track_reads=True, done_desc="stepscope trace: analysing"):
-            doc = analyse(path).to_dict()
+            doc = analyse(path, max_bytes=cap).to_dict()
     except AnalysisError as e:
         print(f"stepscope trace: {e}", file=sys.stderr)
         return 2
@@ -32,8 +38,12 @@ def trace_command(path: str, as_json: bool = False, markdown: str | None = None)
     if markdown:
         from stepscope.report.trace_markdown import render_markdown
 
+        # The markdown renderer shows GPU step breakdowns; CPU-only ranks' steps (no GPU
+        # fields) are in their `cpu` section.
+        md_doc = {**doc, "ranks": [r if r.get("total") is not None else {**r, "steps": []}
+                                   for r in doc["ranks"]]}
         try:
-            Path(markdown).write_text(render_markdown(doc), encoding="utf-8")
+            Path(markdown).write_text(render_markdown(md_doc), encoding="utf-8")
         except OSError as e:
             print(f"stepscope trace: cannot write {markdown}: {e}", file=sys.stderr)
             return 2

@@ -1,32 +1,88 @@
-"""Auto-profile captures of a run: triggers.jsonl read back, linked to windows and summarised."""
+"""Auto-profile captures of a run: triggers.jsonl read back, linked to windows and summarised.
+
+The paths in triggers.jsonl come from the run directory's own files, which may have been
+edited, truncated or planted. A path is only read when it resolves inside the run directory,
+names a regular file (never a FIFO or device: opening one can block forever) and is not
+larger than a bound; anything else is skipped with the reason in the report.
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
 TRIGGERS_FILE = "triggers.jsonl"
 #: Steps of slack when matching a capture to a slow window (captures start after detection).
 WINDOW_SLACK = 10
+#: Largest triggers.jsonl read (a real one holds a few lines per capture).
+MAX_TRIGGERS_BYTES = 16 << 20
+#: Largest captured trace file summarised (on disk, usually gzipped).
+MAX_TRACE_BYTES = 2 << 30
+_MAX_STEP = 1 << 62
+
+
+def run_file(root: Path, rel: object, max_bytes: int) -> tuple[Path | None, str]:
+    """``rel`` resolved inside ``root`` if it is a regular file of at most ``max_bytes``.
+
+    Returns ``(path, "")`` or ``(None, reason)``. Never opens the file: ``os.stat`` tells a
+    FIFO from a file without blocking.
+    """
+    if not isinstance(rel, str) or not rel or len(rel) > 4096 or "\0" in rel:
+        return None, "is not a file name"
+    try:
+        base = root.resolve(strict=True)
+        target = (base / rel).resolve(strict=False)
+    except (OSError, RuntimeError, ValueError):  # RuntimeError: a symlink loop
+        return None, "cannot be resolved"
+    if target != base and base not in target.parents:
+        return None, "is outside the run directory; not read"
+    try:
+        st = os.stat(target)
+    except OSError:
+        return None, "is missing"
+    if not stat.S_ISREG(st.st_mode):
+        return None, "is not a regular file; not read"
+    if st.st_size > max_bytes:
+        return None, f"is larger than {max_bytes:,} bytes; not read"
+    return target, ""
+
+
+def _plain_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and abs(v) <= _MAX_STEP
 
 
 def load_triggers(run_dir: str | Path) -> tuple[list[dict[str, Any]], list[str]]:
     """Triggers recorded by ``auto_profile`` (empty when none), plus what was skipped."""
-    path = Path(run_dir) / TRIGGERS_FILE
-    if not path.exists():
+    root = Path(run_dir)
+    if not os.path.lexists(root / TRIGGERS_FILE):
         return [], []
+    path, why = run_file(root, TRIGGERS_FILE, MAX_TRIGGERS_BYTES)
+    if path is None:
+        return [], [f"{TRIGGERS_FILE} {why}"]
     out: list[dict[str, Any]] = []
     skipped: list[str] = []
-    for n, line in enumerate(path.read_bytes().splitlines(), 1):
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(MAX_TRIGGERS_BYTES + 1)
+    except OSError as exc:
+        return [], [f"{TRIGGERS_FILE}: unreadable ({exc.strerror})"]
+    for n, line in enumerate(data[:MAX_TRIGGERS_BYTES].splitlines(), 1):
         if not line.strip():
             continue
         try:
             t = json.loads(line)
-            if not isinstance(t, dict) or "trigger_step" not in t or "rank" not in t:
-                raise ValueError("not a trigger")
         except ValueError:
-            skipped.append(f"{path.name}: line {n} is not a trigger record")
+            skipped.append(f"{TRIGGERS_FILE}: line {n} is not a trigger record")
+            continue
+        if not isinstance(t, dict) or not _plain_int(t.get("trigger_step")) or not _plain_int(t.get("rank")):
+            skipped.append(f"{TRIGGERS_FILE}: line {n} is not a trigger record "
+                           "(trigger_step and rank must be integers)")
+            continue
+        if t.get("trace") is not None and not isinstance(t["trace"], str):
+            skipped.append(f"{TRIGGERS_FILE}: line {n}: trace is not a file name; skipped")
             continue
         out.append(t)
     return out, skipped
@@ -63,11 +119,11 @@ def link_triggers(
         trace = t.get("trace")
         t["trace_summary"] = None
         if trace:
-            path = root / trace
-            if path.exists():
+            path, why = run_file(root, trace, MAX_TRACE_BYTES)
+            if path is not None:
                 t["trace_summary"] = summarize_trace(path)
             else:
-                skipped.append(f"{TRIGGERS_FILE}: trace {trace} is missing")
+                skipped.append(f"{TRIGGERS_FILE}: trace {str(trace)[:200]!r} {why}")
     for w in windows:
         w["captures"] = [
             i for i, t in enumerate(triggers)

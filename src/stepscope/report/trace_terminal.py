@@ -16,6 +16,9 @@ def render_trace_terminal(doc: dict[str, Any], console: Any = None) -> None:
     con = console or make_console()
     width = con.width
     for r in doc["ranks"]:
+        if r.get("cpu") is not None:
+            _render_cpu_rank(con, r, width)
+            continue
         rows = r["steps"] or ([r["total"]] if r["total"] else [])
         cells = []
         for s in rows:
@@ -54,3 +57,28 @@ def render_trace_terminal(doc: dict[str, Any], console: Any = None) -> None:
         con.print(f" • {esc(one_line(d['message']))}")
     for w in list(doc["warnings"]) + [w for r in doc["ranks"] for w in r["warnings"]]:
         con.print(f"[yellow]warning:[/yellow] {esc(one_line(w))}")
+
+
+def _render_cpu_rank(con: Any, r: dict[str, Any], width: int) -> None:
+    """A CPU-only trace: per-step wall, dataloader and collective time; top CPU ops."""
+    cpu = r["cpu"]
+    if r["steps"]:
+        cells = [[one_line(s["label"]), f"{s['wall_us'] / 1e3:,.2f}", f"{s['dataloader_us'] / 1e3:,.2f}",
+                  f"{s['collective_us'] / 1e3:,.2f}", str(s["cpu_ops"])] for s in r["steps"]]
+        cols = [(c, "left" if c == "window" else "right")
+                for c in ("window", "wall ms", "dataloader ms", "collective ms", "cpu ops")]
+        title = f"rank {r['rank']} · cpu · {one_line(Path(str(r['file'])).name)}"
+        con.print(fit_table(esc(title), cols, [[esc(c) for c in row] for row in cells], width,
+                            optional=("cpu ops",), plain_rows=cells))
+    for key, title in (("top_ops_by_self", "top CPU ops by self time"),
+                       ("top_ops_by_total", "top CPU ops by total time")):
+        if cpu[key]:
+            rows = [[short_name(row["name"], 60), str(row["count"]), f"{row['self_us'] / 1e3:,.2f}",
+                     f"{row['total_us'] / 1e3:,.2f}"] for row in cpu[key][:8]]
+            cols = [(c, "left" if c == "op" else "right") for c in ("op", "count", "self ms", "total ms")]
+            con.print(fit_table(title, cols, [[esc(c) for c in row] for row in rows], width,
+                                optional=("count",), plain_rows=rows))
+    if cpu["collectives"]:
+        parts = [f"{one_line(c['name'])} ×{c['count']} {c['total_us'] / 1e3:,.1f} ms"
+                 for c in cpu["collectives"][:6]]
+        con.print("collectives: " + esc(", ".join(parts)))
