@@ -289,7 +289,7 @@ def _build_tables(con: Any, root: Path, sources: list[Path], skipped: list[str])
             )
 
     for fname, n in con.execute(
-        f"""SELECT filename, count(*) FROM raw WHERE {valid} AND schema = {SCHEMA_VERSION}
+        f"""SELECT filename, count(*) FROM raw WHERE {valid} AND schema IN {tuple(READABLE_SCHEMAS)}
             AND NOT coalesce({_PLAUSIBLE}, FALSE) GROUP BY 1 ORDER BY 1"""
     ).fetchall():
         skipped.append(

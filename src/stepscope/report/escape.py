@@ -13,7 +13,9 @@ import math
 import re
 from typing import Any
 
-_MD_SPECIAL = re.compile(r"([\\`*\[\]<>|#!~])")
+# "#" only starts a heading at the beginning of a line; inside text ("ProfilerStep#4") it is
+# harmless, and cells never start a line.
+_MD_SPECIAL = re.compile(r"([\\`*\[\]<>|!~]|^#)")
 # An underscore only starts or ends emphasis at a word boundary (``grad_sync`` is safe).
 _MD_UNDERSCORE = re.compile(r"(?<![A-Za-z0-9])_|_(?![A-Za-z0-9])")
 _NEWLINES = re.compile(r"[\r\n\u2028\u2029\x0b\x0c\x85]+")
