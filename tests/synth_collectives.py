@@ -95,21 +95,11 @@ def make_records(spec: CollRun) -> dict[int, list[dict[str, Any]]]:
         opened: list[dict[str, float]] = [{} for _ in range(n)]
         coll: list[dict[tuple[str, str, str], dict[str, Any]]] = [{} for _ in range(n)]
 
-        def open_(r: int, path: str) -> None:
-            opened[r][path] = t[r]
-
-        def close(r: int, path: str) -> None:
-            s0 = opened[r].pop(path)
-            e = ph[r].setdefault(path, {"ms": 0.0, "calls": 0, "start": s0 - start[r]})
-            e["ms"] += t[r] - s0
-            e["calls"] += 1
-            e["end"] = t[r] - start[r]
-
         for it in spec.program:
             kind = it[0]
             if kind in ("open", "close"):
                 for r in range(n):
-                    (open_ if kind == "open" else close)(r, it[1])
+                    _mark(kind, it[1], t[r], start[r], opened[r], ph[r])
             elif kind == "work":
                 top = it[1].split("/")[0]
                 for r in range(n):
@@ -118,14 +108,11 @@ def make_records(spec: CollRun) -> dict[int, list[dict[str, Any]]]:
             elif kind in ("ddp", "nosync"):
                 path = it[1] + "/grad_sync"
                 for r in range(n):
-                    open_(r, path)
-                if kind == "ddp":
-                    end = max(t) + 1.0
-                    t = [end] * n
-                else:
-                    t = [x + 0.05 for x in t]
+                    _mark("open", path, t[r], start[r], opened[r], ph[r])
+                end = max(t) + 1.0
+                t = [end] * n if kind == "ddp" else [x + 0.05 for x in t]
                 for r in range(n):
-                    close(r, path)
+                    _mark("close", path, t[r], start[r], opened[r], ph[r])
             else:
                 _, path, op, pg, nbytes, xfer = it
                 end = max(t) + xfer
@@ -164,6 +151,19 @@ def make_records(spec: CollRun) -> dict[int, list[dict[str, Any]]]:
                 rec["collectives"] = list(coll[r].values())
             out[r].append(rec)
     return out
+
+
+def _mark(kind: str, path: str, now: float, start: float, opened: dict[str, float],
+          ph: dict[str, dict[str, Any]]) -> None:
+    """Open or close phase ``path`` at ``now`` on one rank (repeats add calls and time)."""
+    if kind == "open":
+        opened[path] = now
+        return
+    s0 = opened.pop(path)
+    e = ph.setdefault(path, {"ms": 0.0, "calls": 0, "start": s0 - start})
+    e["ms"] += now - s0
+    e["calls"] += 1
+    e["end"] = now - start
 
 
 def write(out_dir: str | Path, recs: dict[int, list[dict[str, Any]]]) -> Path:

@@ -313,7 +313,7 @@ def build_own(con: Any) -> None:
     con.execute(
         """CREATE OR REPLACE TABLE pw AS
            SELECT p.rank, p.step, p.path, any_value(p.parent) AS parent, any_value(p.ms) AS ms,
-                  CAST(coalesce(sum(c.wait), 0.0) AS DOUBLE) AS wait
+                  CAST(coalesce(sum(c.wait), 0.0) AS DOUBLE) AS wait, count(c.rank) AS ncoll
            FROM phases p LEFT JOIN cw c
              ON c.rank = p.rank AND c.step = p.step
             AND (c.phase = p.path OR starts_with(c.phase, p.path || '/'))
@@ -321,8 +321,13 @@ def build_own(con: Any) -> None:
     )
     con.execute(
         f"""CREATE OR REPLACE TABLE own AS
-            SELECT rank, step, path AS name, greatest(ms - wait, 0.0) AS own, wait
-            FROM pw WHERE parent IS NULL
+            SELECT rank, step, name, own, wait FROM (
+                SELECT rank, step, path AS name, greatest(ms - wait, 0.0) AS own, wait, ncoll,
+                       max(ncoll) OVER (PARTITION BY step, path) AS any_coll
+                FROM pw WHERE parent IS NULL)
+            -- A rank with no collective timing in a phase where others have some: its
+            -- waits are unknown, so its own work there is not compared.
+            WHERE NOT (ncoll = 0 AND any_coll > 0)
             UNION ALL
             SELECT s.rank, s.step, '{RESIDUAL}', greatest(s.residual_ms - coalesce(r.w, 0.0), 0.0),
                    coalesce(r.w, 0.0)
