@@ -1,0 +1,80 @@
+"""Real gloo DDP runs for the wait-attribution tests: accumulation and static_graph variants.
+
+Reuses the demo job's model, slow-injection points and loader (:mod:`stepscope.demo`), with
+``micro`` micro-batches per step (``no_sync`` on all but the last) and DDP options. One
+process per rank, one intra-op thread each.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import stepscope
+from stepscope import demo
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str, steps: int,
+            slow: tuple[demo.SlowSpec, ...], micro: int, ddp_kw: dict[str, Any]) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        injector = demo._Injector(rank, slow)
+        model = DDP(demo.DemoModel(injector), **ddp_kw)
+        opt = demo._SlowSGD(model.parameters(), lr=0.01)
+        opt.injector = injector
+        g = torch.Generator().manual_seed(rank)
+        n = 32 * 16 * micro
+        data = torch.utils.data.TensorDataset(torch.randn(n, 64, generator=g),
+                                              torch.randint(0, 10, (n,), generator=g))
+        loader = torch.utils.data.DataLoader(data, batch_size=16 * micro, shuffle=True, generator=g)
+        stepscope.init(out_dir=out_dir, model=model, optimizer=opt, run_id="harness",
+                       auto={"dataloader", "forward", "backward", "optimizer"})
+        loss_fn = nn.CrossEntropyLoss()
+        step = 0
+        while step < steps:
+            for batch in stepscope.wrap_loader(demo._batches(loader, injector)):
+                if step >= steps:
+                    break
+                with stepscope.step():
+                    x, y = batch.to("cpu")
+                    for m, (xm, ym) in enumerate(zip(x.chunk(micro), y.chunk(micro), strict=True)):
+                        if m < micro - 1:
+                            with model.no_sync():
+                                loss_fn(model(xm), ym).backward()
+                        else:
+                            loss_fn(model(xm), ym).backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                step += 1
+                injector.step = step
+        stepscope.finish()
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch(out_dir: str | os.PathLike[str], ranks: int = 2, steps: int = 60,
+           slow: tuple[demo.SlowSpec, ...] = (), micro: int = 1, **ddp_kw: Any) -> Path:
+    """Run the job with one process per rank; returns the run directory."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    mp.spawn(_worker, args=(ranks, _free_port(), str(out), steps, tuple(slow), micro, ddp_kw),  # type: ignore[attr-defined]
+             nprocs=ranks, join=True)
+    return out
