@@ -203,3 +203,27 @@ def test_sequence_shift_is_noted(tmp_path: Path) -> None:
     doc = analyze_run(write(tmp_path / "run", recs))
     assert any("sequence numbers differ" in s for s in doc["run"]["skipped"])
     _quiet(doc)
+
+
+def test_collectives_terminal_and_markdown_sections(tmp_path: Path) -> None:
+    from rich.console import Console
+
+    from stepscope.report.markdown import render_markdown
+    from stepscope.report.terminal import render_terminal
+
+    doc = _doc(tmp_path, CollRun(fsdp_program(), ranks=2, slow=(Slow(1, "forward", 20.0),)))
+    md = render_markdown(doc)
+    assert "## Collectives" in md
+    row = next(line for line in md.splitlines() if line.startswith("| all_gather |"))
+    assert "0 (n=2)" in row and "backward, forward" in row and "8.0" in row
+    con = Console(record=True, width=200)
+    render_terminal(doc, con)
+    text = con.export_text()
+    assert "Collectives (per rank and step)" in text and "reduce_scatter" in text
+    assert "wait = time in a matched collective" in text
+    # A run without collective timing (schema-1 records, timeline fallback) prints none.
+    from synth_runs import SynthRun, write_run
+
+    plain = analyze_run(write_run(tmp_path / "plain", SynthRun(ranks=2, steps=20)))
+    assert plain["run"]["alignment"]["wait_source"] == "timeline"
+    assert "## Collectives" not in render_markdown(plain)

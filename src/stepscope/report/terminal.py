@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from stepscope.report.collectives import print_terminal as print_collectives
+
 _SEV_STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
 MAX_RANK_ROWS = 16
 
@@ -109,6 +111,7 @@ def render_terminal(doc: dict[str, Any], console: Any = None) -> None:
         t.add_row(label, _f(p["median_ms"]), _f(p["p90_ms"]), _f(p["p99_ms"]), _f(p["max_ms"]),
                   _pct(p["share"]))
     con.print(t)
+    print_collectives(doc, con)
 
     rows = _rank_rows(doc)
     t = Table(title="Ranks" + (f" ({len(rows)} of {len(doc['ranks'])} shown)"
