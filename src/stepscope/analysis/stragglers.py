@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stepscope.analysis import robust
-from stepscope.analysis.stats import RESIDUAL
+from stepscope.analysis.stats import RESIDUAL, phase_order
 from stepscope.analysis.waits import sql_wait
 
 #: A phase nested in the sync phase with one of these names times the collective itself;
@@ -565,7 +565,7 @@ def collectives_section(con: Any, source: str, notes: list[str]) -> dict[str, An
     for (op, pg, size, ranks, calls, nbytes, ms, wait, phases, m_bytes, m_xfer,
          matched) in con.execute(
         """SELECT op, pg, max(pg_size), count(DISTINCT rank), sum(count), sum(bytes), sum(ms),
-                  sum(wait), list(DISTINCT coalesce(phase, 'residual') ORDER BY 1),
+                  sum(wait), list(DISTINCT coalesce(phase, 'residual')),
                   sum(bytes) FILTER (WHERE matched), sum(ms - wait) FILTER (WHERE matched),
                   sum(count) FILTER (WHERE matched)
            FROM cw WHERE pg <> 'timeline' GROUP BY 1, 2 ORDER BY sum(ms) DESC"""
@@ -577,7 +577,7 @@ def collectives_section(con: Any, source: str, notes: list[str]) -> dict[str, An
             bus = round(factor * float(m_bytes) / float(m_xfer) / 1e6, 3)
         ops.append({
             "op": op, "pg": pg, "pg_size": int(size or 0), "ranks": int(ranks),
-            "phases": list(phases),
+            "phases": phase_order(list(phases)),
             "calls_per_step": round(float(calls) / per, 3),
             "bytes_per_step": None if nbytes is None else round(float(nbytes) / per, 1),
             "ms_per_step": round(float(ms) / per, 3),
