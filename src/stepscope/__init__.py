@@ -73,6 +73,7 @@ def init(
     log_every_n_steps: int = 0,
     auto_profile: Any = False,
     run_id: str | None = None,
+    collectives: bool = True,
 ) -> Tracer | NullTracer:
     """Start recording this rank's steps; returns the tracer (a no-op one when disabled).
 
@@ -95,6 +96,7 @@ def init(
         log_every_n_steps=log_every_n_steps,
         auto_profile=auto_profile,
         run_id=run_id,
+        collectives=collectives,
     )
     args.update(env_overrides())
     config = Config(**args)

@@ -52,6 +52,9 @@ class Config:
     auto_profile: Any = False
     #: Run identifier shared by all ranks; default from env or generated.
     run_id: str | None = None
+    #: Time ``torch.distributed`` collectives issued inside sampled steps (the record's
+    #: ``collectives`` section); ``STEPSCOPE_COLLECTIVES=0`` turns it off.
+    collectives: bool = True
 
     def __post_init__(self) -> None:
         self.auto = _normalise_auto(self.auto)
@@ -80,6 +83,8 @@ class Config:
         self.out_dir = os.fspath(self.out_dir)
         if not isinstance(self.enabled, bool):
             raise ConfigError(f"enabled must be a bool; got {self.enabled!r}")
+        if not isinstance(self.collectives, bool):
+            raise ConfigError(f"collectives must be a bool; got {self.collectives!r}")
         if self.profile_steps is not None:
             ps = tuple(self.profile_steps)
             if len(ps) != 2 or not all(isinstance(v, int) and v >= 0 for v in ps) or ps[1] <= ps[0]:
@@ -162,6 +167,9 @@ def env_overrides(environ: dict[str, str] | os._Environ[str] | None = None) -> d
         out["out_dir"] = env["STEPSCOPE_OUT_DIR"]
     if env.get("STEPSCOPE_SINK"):
         out["sink"] = env["STEPSCOPE_SINK"]
+    raw_coll = env.get("STEPSCOPE_COLLECTIVES", "").strip().lower()
+    if raw_coll:
+        out["collectives"] = raw_coll not in ("0", "false", "no", "off")
     for name in _ENV_INT:
         raw = env.get(f"STEPSCOPE_{name.upper()}")
         if raw:

@@ -25,6 +25,7 @@ from stepscope.clock import Clock, default_clock
 from stepscope.config import Config
 from stepscope.dist import RankInfo, rank_info
 from stepscope.errors import InstrumentationError, StepscopeWarning
+from stepscope.instrument import gate
 from stepscope.records import SCHEMA_VERSION
 from stepscope.sinks import BackgroundWriter, Sink, open_sink, write_json_atomic
 
@@ -45,7 +46,7 @@ class _Span:
 
 
 class _Step:
-    __slots__ = ("counters", "end", "index", "side", "spans", "start", "start_unix_ns")
+    __slots__ = ("colls", "counters", "end", "index", "side", "spans", "start", "start_unix_ns")
 
     def __init__(self, index: int, start: Any, start_unix_ns: int, spans: list[_Span]) -> None:
         self.index = index
@@ -54,6 +55,8 @@ class _Step:
         self.spans = spans
         self.side: list[tuple[str, Any, Any]] = []
         self.counters: dict[str, float] = {}
+        # [collectives] entries from tracer.add_collective (see instrument/collectives.py)
+        self.colls: list[tuple[Any, ...]] = []
         self.end: Any = None
 
 
@@ -128,6 +131,8 @@ class Tracer:
         self.dropped: Counter[str] = Counter()
         self._dropped_reported: Counter[str] = Counter()
         self._auto_active: set[str] = set()
+        # [collectives] whether the in-step gate is raised (h2d and/or collectives patched)
+        self._gated = False
         self._uninstallers: list[Callable[[], None]] = []
         self._index = 0
         self._in_step = False
@@ -293,6 +298,8 @@ class Tracer:
                     self._pre_unix_ns = time.time_ns()
                 span = _Span(name, None, self.clock.mark())
                 self._pre.append(span)
+                if self._gated:  # [collectives] gate raised over sampled pre-step spans
+                    gate.set_current(self)
             self._stack.append(span)
             return span
         except Exception as exc:  # protect the job: timing errors disable timing only
@@ -310,6 +317,8 @@ class Tracer:
             elif token in stack:
                 # Backward closes on an autograd thread while a user phase may be open.
                 stack.remove(token)
+            if self._gated and not self._in_step and not stack:  # [collectives] pre-step gate
+                gate.set_current(None)
         except Exception as exc:  # protect the job
             self._fail(exc)
 
@@ -320,6 +329,8 @@ class Tracer:
         for seq in (self._stack, self._pre, self._cur.spans if self._cur else []):
             if token in seq:
                 seq.remove(token)
+        if self._gated and not self._in_step and not self._stack:  # [collectives] pre-step gate
+            gate.set_current(None)
         self.clock.release(token.start)
 
     def add_side_span(self, name: str, start: Any, end: Any) -> None:
@@ -333,6 +344,30 @@ class Tracer:
         step = self._reporting_step()
         if step is not None:
             step.counters[name] = step.counters.get(name, 0) + value
+
+    # [collectives] --- begin: recorder methods for instrument/collectives.py
+    def current_path(self) -> str | None:
+        """Path of the innermost open phase ("forward/h2d"), or None when none is open."""
+        stack = self._stack
+        if not stack:
+            return None
+        if len(stack) == 1:
+            return stack[0].name
+        return "/".join(s.name for s in stack)
+
+    def add_collective(
+        self, op: str, pg: str, pg_size: int, nbytes: int, start: Any, end: Any,
+        phase_path: str | None, *, seq: int = 0, gap: tuple[Any, Any] | None = None,
+    ) -> None:
+        """One timed collective, attached to the current (or the next sampled) step."""
+        step = self._reporting_step() if self.enabled else None
+        if step is None:
+            rel = self.clock.release
+            for m in (start, end, *(gap or ())):
+                rel(m)
+            return
+        step.colls.append((op, pg, pg_size, nbytes, start, end, phase_path, seq, gap))
+    # [collectives] --- end
 
     # ------------------------------------------------------------- step lifecycle
 
@@ -366,14 +401,13 @@ class Tracer:
             holder = self._pre_holder
             if holder is not None and holder.index == self._index:
                 step.side, step.counters = holder.side, holder.counters
+                step.colls = holder.colls  # [collectives]
                 self._pre_holder = None
             # Spans left open by the pre-step phase (none normally) stay on the stack.
             self._stack = [s for s in self._stack if s.end is None]
             self._cur = step
-            if "h2d" in self._auto_active:
-                from stepscope.instrument.h2d import set_step_tracer
-
-                set_step_tracer(self)
+            if self._gated:  # [collectives] was: if "h2d" in self._auto_active
+                gate.set_current(self)
         except Exception as exc:  # protect the job
             self._fail(exc)
 
@@ -384,10 +418,8 @@ class Tracer:
         try:
             step = self._cur
             if step is not None:
-                if "h2d" in self._auto_active:
-                    from stepscope.instrument.h2d import set_step_tracer
-
-                    set_step_tracer(None)
+                if self._gated:  # [collectives] was: if "h2d" in self._auto_active
+                    gate.set_current(None)
                 end = self.clock.mark()
                 for span in self._stack:
                     if span.end is None:
@@ -459,8 +491,10 @@ class Tracer:
         ready = self.clock.ready
         if not ready(step.end):
             return False
-        return all(ready(s.end) for s in step.spans) and all(
-            ready(e) for _, _, e in step.side
+        return (
+            all(ready(s.end) for s in step.spans)
+            and all(ready(e) for _, _, e in step.side)
+            and all(ready(c[5]) for c in step.colls)  # [collectives]
         )
 
     def _resolve(self, step: _Step) -> dict[str, Any]:
@@ -518,6 +552,10 @@ class Tracer:
                 rec["h2d_hidden_ms"] = _r(max(0.0, side["h2d_copy"] - exposed))
         if step.counters:
             rec["counters"] = dict(step.counters)
+        if step.colls:  # [collectives]
+            from stepscope.instrument.collectives import summarize
+
+            rec["collectives"] = summarize(step.colls, el)
         with self._pending_lock:
             new_drops = self.dropped - self._dropped_reported
             self._dropped_reported.update(new_drops)
@@ -533,6 +571,12 @@ class Tracer:
                 rel(s.start)
             if s.end is not step.end:
                 rel(s.end)
+        for c in step.colls:  # [collectives]
+            rel(c[4])
+            rel(c[5])
+            if c[8] is not None:
+                rel(c[8][0])
+                rel(c[8][1])
 
     # ------------------------------------------------------ install / failure
 
@@ -555,12 +599,18 @@ class Tracer:
 
             self._uninstallers.append(install_patch())
             self._auto_active.add("h2d")
+            self._gated = True
+        if self.config.collectives:  # [collectives]
+            from stepscope.instrument import collectives
+
+            if collectives.available():
+                self._uninstallers.append(collectives.install_patch())
+                self._gated = True
 
     def _uninstall(self) -> None:
-        if "h2d" in self._auto_active:
-            from stepscope.instrument.h2d import set_step_tracer
-
-            set_step_tracer(None)
+        if self._gated and gate.current() is self:  # [collectives] was: if "h2d" in ...
+            gate.set_current(None)
+        self._gated = False
         while self._uninstallers:
             try:
                 self._uninstallers.pop()()
@@ -654,6 +704,12 @@ class NullTracer:
         return None
 
     def add_listener(self, fn: Callable[[dict[str, Any]], None]) -> None:
+        return None
+
+    def current_path(self) -> None:  # [collectives]
+        return None
+
+    def add_collective(self, *args: Any, **kwargs: Any) -> None:  # [collectives]
         return None
 
     def summary(self) -> dict[str, Any]:

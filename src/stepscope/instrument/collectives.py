@@ -1,0 +1,434 @@
+"""Collectives: step-scoped timing of the ``torch.distributed`` calls a job issues.
+
+While a tracer with collective timing lives, the collective functions of
+``torch.distributed.distributed_c10d`` (and the same names re-exported on ``torch.distributed``,
+which is how FSDP2, accelerate, Lightning and user code reach them) are replaced, once and
+reference counted, by versions that first read the in-step gate (:mod:`.gate`). Outside a
+sampled span on the calling thread, and while ``torch.compile`` traces, they call the original
+untouched. Inside, each call becomes one entry handed to ``tracer.add_collective``.
+
+What "time in the collective" means (the quantity the wait rule in ``analysis/waits.py``
+subtracts across ranks):
+
+- On gloo/CPU it is **host-blocking time**: for a synchronous call, from entering the call
+  (this rank's arrival) to its return; for ``async_op=True`` (and ``isend``/``irecv``), the
+  issuing call's duration plus the duration of ``wait()`` on the returned Work. The compute
+  the job overlaps between issue and wait is excluded (the entry carries that gap as a pair of
+  marks and :func:`summarize` subtracts it): on gloo the blocking happens inside ``wait()``,
+  so a rank that arrives late makes the other ranks' ``wait()`` longer. The arrival is the
+  issue.
+- On GPU the marks are the tracer's clock marks, i.e. CUDA events recorded on the *current*
+  stream: the start completes when the current stream reaches the collective, the end
+  (recorded after the call, or after ``wait()`` for async work, which makes the current stream
+  wait on the communication stream) completes when the current stream may proceed past the
+  collective. So the figure is the time the current stream was held by the collective.
+  Nothing here synchronises the host; the tracer reads the events later, after ``query()``.
+
+Every entry carries the op (the function's name), a process-group id identical on all ranks
+of that group (``"world"`` for the default group, else the member ranks and the group's name,
+e.g. ``"g0-1#1"``), the group size, the bytes moved (the full buffer in nccl-tests' convention:
+all-gather counts the output, reduce-scatter the input, the rest the tensors passed), a
+per-group sequence number (counted over the calls this process timed, so the same on every
+rank that samples the same steps), and the phase path open at arrival.
+
+Not seen: DDP's bucketed all-reduce (issued from C++; timed by the ``grad_sync`` phase),
+functional collectives (``torch.distributed._functional_collectives``, DTensor), calls inside a
+``_coalescing_manager`` block (the real work happens at its exit, in C++), and
+``batch_isend_irecv``. Nested calls (``all_gather_into_tensor`` → ``all_gather_single``,
+``all_gather_object`` → ``all_gather``) are timed once, as the outermost.
+
+Protecting the job: an exception raised by the real collective propagates unchanged and that
+call's timing is dropped; an error in this module turns collective timing off with one
+``StepscopeWarning`` and the call goes through untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import threading
+import warnings
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from stepscope.errors import StepscopeWarning
+from stepscope.instrument import gate
+
+#: function name → the parameter whose tensor(s) give the byte count (None: no payload).
+OPS: dict[str, str | None] = {
+    "all_reduce": "tensor",
+    "all_reduce_coalesced": "tensors",
+    "all_gather": "tensor_list",
+    "all_gather_single": "output_tensor",
+    "all_gather_into_tensor": "output_tensor",
+    "_all_gather_base": "output_tensor",
+    "all_gather_coalesced": "output_tensor_lists",
+    "reduce_scatter": "input_list",
+    "reduce_scatter_single": "input",
+    "reduce_scatter_tensor": "input",
+    "_reduce_scatter_base": "input",
+    "broadcast": "tensor",
+    "reduce": "tensor",
+    "all_to_all_single": "input",
+    "all_to_all": "input_tensor_list",
+    "gather": "tensor",
+    "scatter": "tensor",
+    "barrier": None,
+    "send": "tensor",
+    "recv": "tensor",
+    "isend": "tensor",
+    "irecv": "tensor",
+    "all_gather_object": None,
+    "broadcast_object_list": None,
+}
+
+#: Ops that return a Work without an ``async_op`` argument.
+_ALWAYS_ASYNC = frozenset({"isend", "irecv"})
+
+
+class _ThreadState(threading.local):
+    inside = False
+
+
+_tls = _ThreadState()
+_is_compiling = torch.compiler.is_compiling
+_lock = threading.Lock()
+_installs = 0
+_disabled = False
+_originals: dict[str, Callable[..., Any]] = {}
+# Per process-group object: (id string, size); weak so destroyed groups are forgotten.
+_groups: weakref.WeakKeyDictionary[Any, tuple[str, int]] = weakref.WeakKeyDictionary()
+# Per group id string: the number of calls timed so far.
+_seq: dict[str, int] = {}
+
+
+def available() -> bool:
+    """Whether this torch build has ``torch.distributed`` (so there is something to time)."""
+    return bool(torch.distributed.is_available())
+
+
+# ------------------------------------------------------------------ group / bytes helpers
+
+
+def _compact(ranks: Iterable[int]) -> str:
+    rs = list(ranks)
+    if len(rs) > 2 and rs == list(range(rs[0], rs[0] + len(rs))):
+        return f"{rs[0]}..{rs[-1]}"
+    return "-".join(str(r) for r in rs)
+
+
+def group_info(group: Any) -> tuple[str, int] | None:
+    """``(stable id, size)`` of ``group`` (``None`` = the default group), or None if unknown."""
+    c10d = torch.distributed.distributed_c10d
+    default = c10d._world.default_pg
+    if group is None:
+        if default is None:
+            return None
+        group = default
+    hit = _groups.get(group) if isinstance(group, c10d.ProcessGroup) else None
+    if hit is not None:
+        return hit
+    if not isinstance(group, c10d.ProcessGroup):
+        return None  # e.g. GroupMember.NON_GROUP_MEMBER: this rank is not in the group
+    try:
+        ranks = c10d.get_process_group_ranks(group)
+    except Exception:  # a destroyed (or foreign) group: this call goes untimed, quietly
+        return None
+    name = getattr(group, "group_name", "")
+    pid = "world" if group is default else f"g{_compact(ranks)}#{name}"
+    info = (pid, len(ranks))
+    _groups[group] = info
+    return info
+
+
+def _nbytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, list | tuple):
+        return sum(_nbytes(o) for o in obj)
+    return 0
+
+
+class _Spec:
+    """Where a function's group / async_op / payload arguments sit, found once at install."""
+
+    __slots__ = ("async_i", "group_i", "name", "orig", "payload", "payload_i")
+
+    def __init__(self, name: str, orig: Callable[..., Any]) -> None:
+        self.name = name
+        self.orig = orig
+        params = list(inspect.signature(orig).parameters)
+        self.payload = OPS[name]
+        self.payload_i = params.index(self.payload) if self.payload in params else -1
+        self.group_i = params.index("group") if "group" in params else -1
+        self.async_i = params.index("async_op") if "async_op" in params else -1
+
+    def arg(self, args: tuple[Any, ...], kwargs: dict[str, Any], i: int, key: str | None) -> Any:
+        if 0 <= i < len(args):
+            return args[i]
+        return kwargs.get(key) if key is not None else None
+
+
+# ------------------------------------------------------------------ the patched calls
+
+
+def _disable(exc: BaseException) -> None:
+    global _disabled
+    if _disabled:
+        return
+    _disabled = True
+    # protect the job: warnings configured as errors must not escape into it
+    with contextlib.suppress(Exception):
+        warnings.warn(
+            f"stepscope: collective timing disabled after an internal error: {exc!r}",
+            StepscopeWarning,
+            stacklevel=3,
+        )
+
+
+def _make_patched(spec: _Spec) -> Callable[..., Any]:
+    orig = spec.orig
+    name = spec.name
+    always_async = name in _ALWAYS_ASYNC
+    world = torch.distributed.distributed_c10d._world
+
+    def patched(*args: Any, **kwargs: Any) -> Any:
+        # is_compiling first: while dynamo traces, it folds to True and nothing else is touched.
+        if _is_compiling():
+            return orig(*args, **kwargs)
+        rec = gate.current()
+        if rec is None or _tls.inside or _disabled or world.pg_coalesce_state:
+            return orig(*args, **kwargs)
+        try:
+            path = rec.current_path()
+            start = rec.clock.mark()  # this rank's arrival
+        except Exception as exc:  # protect the job: our error, the call goes through
+            _disable(exc)
+            return orig(*args, **kwargs)
+        _tls.inside = True
+        try:
+            out = orig(*args, **kwargs)
+        except BaseException:
+            _tls.inside = False
+            with contextlib.suppress(Exception):
+                rec.clock.release(start)
+            raise  # the collective's own error, unchanged
+        _tls.inside = False
+        try:
+            is_async = always_async or bool(spec.arg(args, kwargs, spec.async_i, "async_op"))
+            if is_async and not isinstance(out, torch.distributed.distributed_c10d.Work):
+                rec.clock.release(start)  # not in the group, or an illegal (coalesced) work
+                return out
+            info = group_info(spec.arg(args, kwargs, spec.group_i, "group"))
+            if info is None:
+                rec.clock.release(start)
+                return out
+            pid, size = info
+            seq = _seq.get(pid, 0) + 1
+            _seq[pid] = seq
+            payload = spec.arg(args, kwargs, spec.payload_i, spec.payload)
+            nbytes = _nbytes(payload) if spec.payload is not None else 0
+            if is_async:
+                issued = rec.clock.mark()
+                return _timed_work(out, (rec, name, pid, size, nbytes, start, path, seq, issued))
+            rec.add_collective(name, pid, size, nbytes, start, rec.clock.mark(), path, seq=seq)
+        except Exception as exc:  # protect the job: the call already happened; return its result
+            _disable(exc)
+        return out
+
+    patched.__name__ = name
+    patched.__qualname__ = name
+    patched.__doc__ = orig.__doc__
+    patched.__wrapped__ = orig  # type: ignore[attr-defined]
+    return patched
+
+
+_WORK_FORWARDED = (
+    "is_completed", "is_success", "exception", "get_future", "get_future_result", "result",
+    "source_rank", "_source_rank", "boxed", "_get_duration", "_get_op_type",
+)
+
+
+def _build_work_class() -> type:
+    base = torch.distributed.distributed_c10d.Work
+
+    class TimedWork(base):  # type: ignore[misc,valid-type]
+        """A ``Work`` that takes the end mark when ``wait()`` (or ``synchronize()``) returns.
+
+        It is an instance of ``torch.distributed.Work`` (FSDP2 checks ``isinstance``); every
+        method forwards to the real work.
+        """
+
+        __slots__ = ("_ss_inner", "_ss_pending")
+
+        def __init__(self, inner: Any, pending: tuple[Any, ...]) -> None:
+            super().__init__()
+            self._ss_inner = inner
+            self._ss_pending: tuple[Any, ...] | None = pending
+
+        def _ss_begin(self) -> Any:
+            pending = self._ss_pending
+            if pending is None or _disabled:
+                return None
+            try:
+                return pending[0].clock.mark()
+            except Exception as exc:  # protect the job
+                _disable(exc)
+                return None
+
+        def _ss_done(self, wait_start: Any) -> None:
+            pending, self._ss_pending = self._ss_pending, None
+            if pending is None or wait_start is None:
+                return
+            try:
+                rec, name, pid, size, nbytes, start, path, seq, issued = pending
+                end = rec.clock.mark()
+                rec.add_collective(
+                    name, pid, size, nbytes, start, end, path, seq=seq, gap=(issued, wait_start)
+                )
+            except Exception as exc:  # protect the job
+                _disable(exc)
+
+        def _ss_drop(self) -> None:
+            # The real wait raised: its error propagates, this timing is forgotten.
+            pending, self._ss_pending = self._ss_pending, None
+            if pending is not None:
+                with contextlib.suppress(Exception):
+                    pending[0].clock.release(pending[5])
+                    pending[0].clock.release(pending[8])
+
+        def _ss_call(self, attr: str, args: Any, kwargs: Any) -> Any:
+            wait_start = self._ss_begin()
+            try:
+                out = getattr(self._ss_inner, attr)(*args, **kwargs)
+            except BaseException:
+                self._ss_drop()
+                raise
+            self._ss_done(wait_start)
+            return out
+
+        def wait(self, *args: Any, **kwargs: Any) -> Any:
+            return self._ss_call("wait", args, kwargs)
+
+        def synchronize(self, *args: Any, **kwargs: Any) -> Any:
+            return self._ss_call("synchronize", args, kwargs)
+
+        def block_current_stream(self, *args: Any, **kwargs: Any) -> Any:
+            return self._ss_call("block_current_stream", args, kwargs)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._ss_inner, name)
+
+        def __repr__(self) -> str:
+            return f"TimedWork({self._ss_inner!r})"
+
+    def forward(attr: str) -> Callable[..., Any]:
+        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return getattr(self._ss_inner, attr)(*args, **kwargs)
+
+        method.__name__ = attr
+        return method
+
+    for attr in _WORK_FORWARDED:
+        if hasattr(base, attr):
+            setattr(TimedWork, attr, forward(attr))
+    return TimedWork
+
+
+_work_cls: type | None = None
+
+
+def _timed_work(inner: Any, pending: tuple[Any, ...]) -> Any:
+    global _work_cls
+    if _work_cls is None:
+        _work_cls = _build_work_class()
+    return _work_cls(inner, pending)
+
+
+# ------------------------------------------------------------------ install / remove
+
+
+def _targets() -> list[Any]:
+    import torch.distributed as dist
+
+    return [dist.distributed_c10d, dist]
+
+
+def install_patch() -> Callable[[], None]:
+    """Install the patched collectives (reference counted); returns their remover."""
+    global _installs, _disabled
+    with _lock:
+        if _installs == 0:
+            _disabled = False
+            _seq.clear()
+            c10d = torch.distributed.distributed_c10d
+            for name in OPS:
+                orig = getattr(c10d, name, None)
+                if orig is None:
+                    continue
+                _originals[name] = orig
+                patched = _make_patched(_Spec(name, orig))
+                for mod in _targets():
+                    if getattr(mod, name, None) is orig:
+                        setattr(mod, name, patched)
+        _installs += 1
+    removed = False
+
+    def remove() -> None:
+        global _installs
+        nonlocal removed
+        with _lock:
+            if removed:
+                return
+            removed = True
+            _installs -= 1
+            if _installs == 0:
+                for name, orig in _originals.items():
+                    for mod in _targets():
+                        cur = getattr(mod, name, None)
+                        if getattr(cur, "__wrapped__", None) is orig:
+                            setattr(mod, name, orig)
+                _originals.clear()
+
+    return remove
+
+
+# ------------------------------------------------------------------ the record section
+
+
+def summarize(
+    entries: Iterable[tuple[Any, ...]], elapsed_ms: Callable[[Any, Any], float]
+) -> list[dict[str, Any]]:
+    """The record's ``collectives`` section: one dict per (phase, op, pg), first-seen order.
+
+    ``entries`` are the tuples the tracer kept: ``(op, pg, pg_size, nbytes, start, end,
+    phase_path, seq, gap)``, ``gap`` being ``None`` or the ``(issue_end, wait_start)`` marks of
+    an async call, whose span (overlapped work) is not time in the collective;
+    ``elapsed_ms`` is the clock's reader (all marks are ready by now).
+    """
+    out: dict[tuple[Any, str, str], dict[str, Any]] = {}
+    for op, pg, size, nbytes, start, end, path, seq, gap in entries:
+        ms = elapsed_ms(start, end)
+        if gap is not None:
+            ms -= elapsed_ms(gap[0], gap[1])
+        key = (path, op, pg)
+        e = out.get(key)
+        if e is None:
+            out[key] = {
+                "phase": path, "op": op, "pg": pg, "pg_size": size, "count": 1, "bytes": nbytes,
+                "ms": ms, "max_ms": ms, "seq_first": seq, "seq_last": seq,
+            }
+        else:
+            e["count"] += 1
+            e["bytes"] += nbytes
+            e["ms"] += ms
+            e["max_ms"] = max(e["max_ms"], ms)
+            e["seq_first"] = min(e["seq_first"], seq)
+            e["seq_last"] = max(e["seq_last"], seq)
+    for e in out.values():
+        e["ms"] = round(e["ms"], 4)
+        e["max_ms"] = round(e["max_ms"], 4)
+    return list(out.values())
