@@ -78,3 +78,76 @@ def launch(out_dir: str | os.PathLike[str], ranks: int = 2, steps: int = 60,
     mp.spawn(_worker, args=(ranks, _free_port(), str(out), steps, tuple(slow), micro, ddp_kw),  # type: ignore[attr-defined]
              nprocs=ranks, join=True)
     return out
+
+
+class _Sleep(nn.Module):
+    """Sleeps in forward (and, through demo's _SlowGrad, in backward) when injected."""
+
+    def __init__(self, injector: Any) -> None:
+        super().__init__()
+        self.injector = injector
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.injector.sleep("forward")
+        out: torch.Tensor = demo._SlowGrad.apply(x, self.injector)
+        return out
+
+
+def _fsdp_worker(rank: int, world: int, port: int, out_dir: str, steps: int,
+                 slow: tuple[demo.SlowSpec, ...], layers: int) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        injector = demo._Injector(rank, slow)
+        mods: list[nn.Module] = [nn.Linear(64, 128), nn.ReLU()]
+        for i in range(layers):
+            if i == layers // 2:
+                # Mid-model: the fast ranks wait in the next layer's all-gather (forward) and
+                # in a backward all-gather / reduce-scatter (backward).
+                mods.append(_Sleep(injector))
+            mods += [nn.Linear(128, 128), nn.ReLU()]
+        mods.append(nn.Linear(128, 10))
+        model = nn.Sequential(*mods)
+        for m in model:
+            if isinstance(m, nn.Linear):
+                fully_shard(m)
+        fully_shard(model)
+        opt = demo._SlowSGD(model.parameters(), lr=0.01)
+        opt.injector = injector
+        g = torch.Generator().manual_seed(rank)
+        data = torch.utils.data.TensorDataset(torch.randn(32 * 16, 64, generator=g),
+                                              torch.randint(0, 10, (32 * 16,), generator=g))
+        loader = torch.utils.data.DataLoader(data, batch_size=32, shuffle=True, generator=g)
+        stepscope.init(out_dir=out_dir, model=model, optimizer=opt, run_id="fsdp",
+                       auto={"dataloader", "forward", "backward", "optimizer"})
+        loss_fn = nn.CrossEntropyLoss()
+        step = 0
+        while step < steps:
+            for batch in stepscope.wrap_loader(demo._batches(loader, injector)):
+                if step >= steps:
+                    break
+                with stepscope.step():
+                    x, y = batch.to("cpu")
+                    loss_fn(model(x), y).backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                step += 1
+                injector.step = step
+        stepscope.finish()
+    finally:
+        dist.destroy_process_group()
+
+
+def launch_fsdp(out_dir: str | os.PathLike[str], ranks: int = 2, steps: int = 60,
+                slow: tuple[demo.SlowSpec, ...] = (), layers: int = 4) -> Path:
+    """FSDP2 (``fully_shard`` per Linear and the root) over gloo; returns the run directory."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    mp.spawn(_fsdp_worker, args=(ranks, _free_port(), str(out), steps, tuple(slow), layers),  # type: ignore[attr-defined]
+             nprocs=ranks, join=True)
+    return out
