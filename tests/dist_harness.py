@@ -151,3 +151,50 @@ def launch_fsdp(out_dir: str | os.PathLike[str], ranks: int = 2, steps: int = 60
     mp.spawn(_fsdp_worker, args=(ranks, _free_port(), str(out), steps, tuple(slow), layers),  # type: ignore[attr-defined]
              nprocs=ranks, join=True)
     return out
+
+
+def _hf_worker(rank: int, world: int, port: int, out_dir: str, steps: int, slow_rank: int,
+               phase: str, ms: float) -> None:
+    import time
+
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+    from stepscope.integrations.hf import StepscopeCallback
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128,
+                                       n_positions=32, bos_token_id=0, eos_token_id=0))
+    delay = ms / 1000.0 if rank == slow_rank else 0.0
+
+    class SlowOptimizer(TrainerCallback):  # type: ignore[misc]
+        def on_pre_optimizer_step(self, *a: Any, **k: Any) -> None:
+            if phase == "optimizer" and delay:
+                time.sleep(delay)
+
+    if phase == "forward" and delay:
+        model.transformer.h[1].register_forward_pre_hook(lambda *_: time.sleep(delay))
+    g = torch.Generator().manual_seed(rank)
+    ids = torch.randint(0, 128, (steps * 8 * world + 64, 32), generator=g)
+    data = [{"input_ids": x, "labels": x} for x in ids]
+    args = TrainingArguments(
+        output_dir=os.path.join(out_dir, "hf"), per_device_train_batch_size=8, max_steps=steps,
+        use_cpu=True, ddp_backend="gloo", report_to=[], logging_steps=10_000, save_strategy="no",
+        disable_tqdm=True, dataloader_num_workers=0, learning_rate=1e-4)
+    trainer = Trainer(model=model, args=args, train_dataset=data,
+                      callbacks=[StepscopeCallback(out_dir=out_dir, run_id="hf"), SlowOptimizer()])
+    trainer.train()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def launch_hf(out_dir: str | os.PathLike[str], ranks: int = 2, steps: int = 60, slow_rank: int = -1,
+              phase: str = "", ms: float = 0.0) -> Path:
+    """The HF Trainer under DDP (gloo, CPU) on a tiny GPT-2 built from a config."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    mp.spawn(_hf_worker, args=(ranks, _free_port(), str(out), steps, slow_rank, phase, ms),  # type: ignore[attr-defined]
+             nprocs=ranks, join=True)
+    return out

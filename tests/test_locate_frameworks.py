@@ -51,3 +51,41 @@ def test_fsdp2_balanced_is_quiet(fsdp: dict[str, dict[str, Any]]) -> None:
     assert doc["stragglers"] == [] and doc["windows"] == []
     assert "balanced" in [v["kind"] for v in doc["verdicts"]]
     assert all(v["severity"] == "info" for v in doc["verdicts"])
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    pytest.importorskip("transformers")
+    root = tmp_path_factory.mktemp("hf")
+    runs = {"balanced": (-1, ""), "optimizer": (1, "optimizer"), "forward": (0, "forward")}
+    return {name: analyze_run(harness.launch_hf(root / name, ranks=2, steps=60, slow_rank=r,
+                                                phase=p, ms=30.0))
+            for name, (r, p) in runs.items()}
+
+
+@pytest.mark.parametrize(("name", "rank"), [("optimizer", 1), ("forward", 0)])
+def test_hf_trainer_slow_rank_is_named_not_input_bound(hf: dict[str, dict[str, Any]], name: str,
+                                                       rank: int) -> None:
+    doc = hf[name]
+    assert doc["stragglers"], doc["verdicts"]
+    s = doc["stragglers"][0]
+    assert (s["rank"], s["phase"]) == (rank, name)
+    assert 0.8 * 30.0 < s["excess_ms"] < 1.3 * 30.0
+    assert s["victims"] == [1 - rank]
+    kinds = [v["kind"] for v in doc["verdicts"]]
+    assert "input_bound" not in kinds and "balanced" not in kinds
+    assert kinds[0] == "straggler"
+    if name == "optimizer":
+        # The fast rank waits for the slow optimizer in the next batch fetch's gather
+        # (num_items_in_batch): inside its dataloader phase, which stays own data time.
+        assert s["wait_phase"] == "dataloader"
+        dl = {p["rank"]: p for p in doc["phases"]["dataloader"]["per_rank"]}
+        assert dl[1 - rank]["wait_ms"] > 0.7 * 30.0
+
+
+def test_hf_trainer_balanced_is_quiet(hf: dict[str, dict[str, Any]]) -> None:
+    doc = hf["balanced"]
+    assert doc["stragglers"] == [] and doc["windows"] == []
+    kinds = [v["kind"] for v in doc["verdicts"]]
+    assert "balanced" in kinds and "input_bound" not in kinds
+    assert all(v["severity"] == "info" for v in doc["verdicts"])

@@ -227,3 +227,24 @@ def test_collectives_terminal_and_markdown_sections(tmp_path: Path) -> None:
     plain = analyze_run(write_run(tmp_path / "plain", SynthRun(ranks=2, steps=20)))
     assert plain["run"]["alignment"]["wait_source"] == "timeline"
     assert "## Collectives" not in render_markdown(plain)
+
+
+def test_warmup_is_noted_not_a_window(tmp_path: Path) -> None:
+    slow = tuple(Slow(r, "forward", 20.0, 0, 7) for r in range(4))
+    doc = _doc(tmp_path, CollRun(ddp_program(), ranks=4, steps=80, slow=slow))
+    _quiet(doc)
+    w = doc["run"]["warmup"]
+    assert (w["start_step"], w["end_step"], w["phase"]) == (0, 7, "forward")
+
+
+def test_scattered_scheduling_spikes_are_not_a_window(tmp_path: Path) -> None:
+    # A busy host deschedules rank 0 now and then (7 ms in a ~1 ms optimizer), four of the
+    # hiccups close together: what its own spike rate makes likely, not a slow window.
+    spikes = (4, 8, 10, 11, 14, 31, 34, 35, 43, 51)  # as seen on rank 0 of a real run
+    slow = tuple(Slow(0, "optimizer", 7.0, s, s) for s in spikes)
+    base = ddp_program(opt_ms=0.8)
+    _quiet(_doc(tmp_path, CollRun(base, ranks=2, steps=60, slow=slow)))
+    # The same density held over a long stretch is a window.
+    doc = _doc(tmp_path / "w", CollRun(base, ranks=2, steps=60, slow=(Slow(0, "optimizer", 7.0, 20, 34),)))
+    assert [(s["rank"], s["phase"], s["persistence"]) for s in doc["stragglers"]] == [
+        (0, "optimizer", "window")]

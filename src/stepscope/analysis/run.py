@@ -92,6 +92,8 @@ def _analyze(data: RunData) -> dict[str, Any]:
         "duration": round((float(step_q[2]) - float(step_q[1])) / 1000.0, 3),
         "step_ms": {"median": round(median_step, 3), "p90": round(float(step_q[0][1]), 3)},
         "thresholds_ms": {k: round(v, 3) for k, v in thr.items()},
+        # Slow first steps on every rank (warm-up): noted, not a window.
+        "warmup": att.warmup,
         "skipped": list(data.skipped) + att.notes,
         "partial": bool(data.skipped or att.notes),
     }

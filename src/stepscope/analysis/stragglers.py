@@ -54,6 +54,8 @@ MIN_SEGMENT = 5  # flagged steps needed before a rank is called a straggler
 MAX_GAP = 2  # unflagged samples tolerated inside one segment
 CHRONIC_COVER = 0.8  # a segment spanning this fraction of analysed steps is chronic
 CHRONIC_DENSITY = 0.5  # flagged share of a segment's span (or of the run) for it to count
+WINDOW_DENSITY = 0.8  # slow share of a step-time window's steps (one host hiccup slows two)
+WINDOW_ALPHA = 0.01  # chance of a window of flags arising from a rank's scattered spikes
 VICTIM_FRACTION = 0.5  # a victim's wait exceeds the culprit's by this share of the excess
 
 #: Bus-bandwidth factors (NCCL-tests convention), by op, for a group of n ranks.
@@ -214,6 +216,7 @@ class Attribution:
     windows: list[dict[str, Any]]
     collectives: dict[str, Any]
     notes: list[str] = field(default_factory=list)
+    warmup: dict[str, Any] | None = None
 
 
 def _q(s: str) -> str:
@@ -386,6 +389,18 @@ def _segments(idx: list[int], max_gap: int = MAX_GAP) -> list[list[int]]:
     return out
 
 
+def _unlikely_by_chance(k: int, span: int, k_out: int, n_out: int, n_steps: int) -> bool:
+    """Is ``k`` flagged steps in ``span`` more than this rank's spike rate explains?
+
+    Scheduling hiccups on a busy host flag single steps at some rate; the rate outside the
+    window (at least one per run, so a clean rank is not infinitely strict) gives the chance
+    of so dense a cluster anywhere in the run (binomial tail times the window positions).
+    """
+    p = min(0.99, max(k_out, 1) / max(n_out, 1))
+    tail = sum(math.comb(span, j) * p**j * (1.0 - p) ** (span - j) for j in range(k, span + 1))
+    return tail * max(1, n_steps - span + 1) < WINDOW_ALPHA
+
+
 def _confidence(n: int, density: float, ratio: float) -> float:
     # More flagged steps, denser runs and excess further above the threshold all raise it.
     c = float((1.0 - 0.5 ** (n / 3.0)) * min(1.0, density) * min(1.0, ratio / 3.0))
@@ -421,6 +436,9 @@ def find_stragglers(
                 continue
             med = robust.median(excess_at[i] for i in seg)
             chronic = span >= CHRONIC_COVER * n_steps
+            if not chronic and not _unlikely_by_chance(len(seg), span, len(idx) - len(seg),
+                                                       n_steps - span, n_steps):
+                continue  # as dense as this rank's scattered spikes make likely
             s: dict[str, Any] = {
                 "rank": rank,
                 "host": host_of.get(rank),
@@ -485,14 +503,19 @@ def own_slowdown(con: Any, name: str, first: int, last: int, rank: int | None = 
 
 
 def find_windows(
-    con: Any, steps: list[int], stragglers: list[dict[str, Any]], all_ranks: list[int]
+    con: Any, steps: list[int], stragglers: list[dict[str, Any]], all_ranks: list[int],
+    warmup: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Runs of steps whose step time stands out from the run's median (robustly).
 
-    A window's ``slowdown`` is the named phase's own slowdown there (own time inside the
-    window over its median outside), not the whole step's.
+    A slow start on every rank with no straggler is warm-up: it goes into ``warmup``
+    (start_step, end_step, phase, slowdown), not the windows. A window's ``slowdown`` is
+    the named phase's own slowdown there (own time inside the window over its median
+    outside), not the whole step's.
     """
     rows = con.execute("SELECT step, max(step_ms) FROM steps GROUP BY 1 ORDER BY 1").fetchall()
+    if warmup is None:
+        warmup = {}
     if len(rows) < 2 * MIN_SEGMENT:
         return []
     wall = [float(v) for _, v in rows]
@@ -504,8 +527,10 @@ def find_windows(
     covered: set[tuple[int, int]] = set()
     for seg in _segments(idx):
         span = seg[-1] - seg[0] + 1
-        if len(seg) < MIN_SEGMENT or len(seg) / span < 0.5 or span >= CHRONIC_COVER * len(steps):
+        if len(seg) < MIN_SEGMENT or len(seg) / span < WINDOW_DENSITY or span >= CHRONIC_COVER * len(steps):
             continue
+        if not _unlikely_by_chance(len(seg), span, len(idx) - len(seg), len(steps) - span, len(steps)):
+            continue  # scattered slow steps (host hiccups) that happen to sit close together
         first, last = steps[seg[0]], steps[seg[-1]]
         hits = [s for s in stragglers if s["first_step"] <= last and s["last_step"] >= first]
         if hits:
@@ -517,6 +542,12 @@ def find_windows(
         else:
             ranks, phase = list(all_ranks), _window_phase(con, first, last)
             slowdown = own_slowdown(con, phase, first, last) if phase != "step" else 1.0
+            if seg[0] == 0:
+                # Every rank slow from the first analysed step: warm-up (lazy init, caches,
+                # allocator), not something that happened to the run. Noted, not flagged.
+                warmup.update(start_step=first, end_step=last, phase=phase,
+                              slowdown=round(slowdown, 3))
+                continue
         out.append({"start_step": first, "end_step": last, "ranks": ranks, "phase": phase,
                     "slowdown": round(slowdown, 3)})
     # A windowed straggler that did not slow the whole step (no collective) is a window too.
@@ -642,10 +673,11 @@ def attribute(con: Any, hosts: dict[str, list[int]], ranks: list[int], median_st
     thr = build_thresholds(con, median_step)
     host_of = {r: h for h, rs in hosts.items() for r in rs}
     stragglers = find_stragglers(con, steps, host_of, thr)
-    windows = find_windows(con, steps, stragglers, ranks)
+    warmup: dict[str, Any] = {}
+    windows = find_windows(con, steps, stragglers, ranks, warmup)
     by_phase: dict[str, list[float]] = {}
     for (_, name), t in thr.items():
         by_phase.setdefault(name, []).append(t)
     thresholds = {n: robust.median(v) for n, v in by_phase.items()}
     return Attribution(al, source, thresholds, stragglers, windows,
-                       collectives_section(con, source, notes), notes)
+                       collectives_section(con, source, notes), notes, warmup or None)
