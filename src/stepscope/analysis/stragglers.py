@@ -54,6 +54,10 @@ MIN_SEGMENT = 5  # flagged steps needed before a rank is called a straggler
 MAX_GAP = 2  # unflagged samples tolerated inside one segment
 CHRONIC_COVER = 0.8  # a segment spanning this fraction of analysed steps is chronic
 CHRONIC_DENSITY = 0.5  # flagged share of a segment's span (or of the run) for it to count
+#: Smallest excess worth naming, as a share of the median step: a rank a few percent slower
+#: for a while is what a shared host does; a chronic gap needs less evidence than a window.
+CHRONIC_IMPACT = 0.05
+WINDOW_IMPACT = 0.10
 WINDOW_DENSITY = 0.8  # slow share of a step-time window's steps (one host hiccup slows two)
 WINDOW_ALPHA = 0.01  # chance of a window of flags arising from a rank's scattered spikes
 VICTIM_FRACTION = 0.5  # a victim's wait exceeds the culprit's by this share of the excess
@@ -408,7 +412,8 @@ def _confidence(n: int, density: float, ratio: float) -> float:
 
 
 def find_stragglers(
-    con: Any, steps: list[int], host_of: dict[int, str], thr: dict[tuple[int, str], float]
+    con: Any, steps: list[int], host_of: dict[int, str], thr: dict[tuple[int, str], float],
+    median_step: float = 0.0,
 ) -> list[dict[str, Any]]:
     """Ranks whose own work in a phase exceeds the other ranks' median over a run of steps."""
     pos = {s: i for i, s in enumerate(steps)}
@@ -436,6 +441,8 @@ def find_stragglers(
                 continue
             med = robust.median(excess_at[i] for i in seg)
             chronic = span >= CHRONIC_COVER * n_steps
+            if med < (CHRONIC_IMPACT if chronic else WINDOW_IMPACT) * median_step:
+                continue  # real perhaps, but too small to matter (shared-host jitter)
             if not chronic and not _unlikely_by_chance(len(seg), span, len(idx) - len(seg),
                                                        n_steps - span, n_steps):
                 continue  # as dense as this rank's scattered spikes make likely
@@ -672,7 +679,7 @@ def attribute(con: Any, hosts: dict[str, list[int]], ranks: list[int], median_st
     build_own(con)
     thr = build_thresholds(con, median_step)
     host_of = {r: h for h, rs in hosts.items() for r in rs}
-    stragglers = find_stragglers(con, steps, host_of, thr)
+    stragglers = find_stragglers(con, steps, host_of, thr, median_step)
     warmup: dict[str, Any] = {}
     windows = find_windows(con, steps, stragglers, ranks, warmup)
     by_phase: dict[str, list[float]] = {}
