@@ -198,3 +198,4 @@ def launch_hf(out_dir: str | os.PathLike[str], ranks: int = 2, steps: int = 60, 
     mp.spawn(_hf_worker, args=(ranks, _free_port(), str(out), steps, slow_rank, phase, ms),  # type: ignore[attr-defined]
              nprocs=ranks, join=True)
     return out
+
