@@ -51,7 +51,8 @@ def _med(values: list[float]) -> float:
 def rank_share(phases: dict[str, Any], name: str, key: str = "share") -> float:
     """Median over ranks of the phase's share of that rank's step time (0 when absent).
 
-    ``key="own_share"`` takes the phase's waits out first (falls back to ``share``).
+    ``key="own_share"`` takes the phase's waits out first, ``"work_share"`` all collective
+    time inside it (both fall back to ``share``).
     """
     ph = phases.get(name)
     if not ph or ph["share"] is None:
@@ -111,7 +112,7 @@ def diagnose(
     shares = {n: rank_share(phases, n) for n in phases}
     bottlenecks: list[dict[str, Any]] = []
     # Waits inside the batch fetch (a gather across ranks) are not input time.
-    dl = rank_share(phases, "dataloader", "own_share")
+    dl = rank_share(phases, "dataloader", "work_share")
     if dl >= INPUT_SHARE[0]:
         bottlenecks.append({
             "kind": "input_bound",
@@ -123,7 +124,7 @@ def diagnose(
             "pin_memory=True, increase prefetch_factor, or move decoding/augmentation off the "
             "training process; stepscope.PrefetchLoader overlaps the next batch's copy",
         })
-    h2d = rank_share(phases, "h2d", "own_share")
+    h2d = rank_share(phases, "h2d", "work_share")
     if h2d >= H2D_SHARE[0]:
         ev = (f"exposed host-to-device copy takes {_pct(h2d)} of step time (median "
               f"{phases['h2d']['median_ms']:.2f} ms per step on {len(ranks)} ranks)")

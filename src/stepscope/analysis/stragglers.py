@@ -227,7 +227,8 @@ def _q(s: str) -> str:
     return "'" + s.replace("'", "''") + "'"
 
 
-def build_waits(con: Any, n_ranks: int, al: Alignment) -> tuple[str, list[str]]:
+def build_waits(con: Any, n_ranks: int, al: Alignment,
+                info: list[str] | None = None) -> tuple[str, list[str]]:
     """Tables ``cw`` (one row per rank, step, phase, op, pg with its ``wait``) and ``wait``.
 
     ``wait`` (rank, step, wait_ms) is each rank's total wait per step. Returns the wait
@@ -292,6 +293,29 @@ def build_waits(con: Any, n_ranks: int, al: Alignment) -> tuple[str, list[str]]:
             f"collective sequence numbers differ across ranks on {shifted} step(s) (a rank "
             "issued extra or fewer calls earlier); calls were matched by step and phase")
     source = "collectives" if n_coll else "grad_sync" if n_calls else "none"
+    if info is None:
+        info = []
+    n_gs, n_bw = con.execute(
+        f"""SELECT count(*) FILTER (WHERE op = '{DDP_OP}'),
+                   count(*) FILTER (WHERE phase = 'backward' OR starts_with(phase, 'backward/'))
+            FROM call"""
+    ).fetchone()
+    if n_calls and not n_gs and not n_bw and n_ranks > 1 and al.sync_phase == "backward":
+        # Collectives recorded elsewhere, but none in backward and no grad_sync phase
+        # (e.g. Lightning's callback): DDP's all-reduce still ends backward, unseen. Its
+        # wait comes from arrival gaps on the aligned timeline, as for records without
+        # collective timing.
+        _timeline_wait(con, al)
+        con.execute(
+            f"""INSERT INTO cw (rank, step, phase, op, pg, pg_size, count, ms, matched,
+                                seq_shift, wait)
+                SELECT rank, step, 'backward', 'arrival_gap', 'timeline', {n_ranks}, 1,
+                       wait_ms, TRUE, FALSE, wait_ms FROM tw"""
+        )
+        con.execute("DROP TABLE tw")
+        source = "collectives+timeline"
+        info.append("no grad_sync phase: DDP's all-reduce wait in backward is estimated from "
+                    "arrival gaps on the aligned timeline (clocks compared across ranks)")
     if not n_calls and n_ranks > 1 and al.sync_phase is not None:
         # No collective timing at all: fall back to arrival gaps on the aligned timeline.
         _timeline_wait(con, al)
@@ -320,7 +344,8 @@ def build_own(con: Any) -> None:
     con.execute(
         """CREATE OR REPLACE TABLE pw AS
            SELECT p.rank, p.step, p.path, any_value(p.parent) AS parent, any_value(p.ms) AS ms,
-                  CAST(coalesce(sum(c.wait), 0.0) AS DOUBLE) AS wait, count(c.rank) AS ncoll
+                  CAST(coalesce(sum(c.wait), 0.0) AS DOUBLE) AS wait, count(c.rank) AS ncoll,
+                  CAST(coalesce(sum(c.ms), 0.0) AS DOUBLE) AS coll_ms
            FROM phases p LEFT JOIN cw c
              ON c.rank = p.rank AND c.step = p.step
             AND (c.phase = p.path OR starts_with(c.phase, p.path || '/'))
@@ -628,36 +653,36 @@ def collectives_section(con: Any, source: str, notes: list[str]) -> dict[str, An
 
 
 def phase_waits(con: Any, phases: dict[str, Any]) -> None:
-    """Add ``wait_ms`` (median wait inside, per step) and ``own_share`` to each phase entry.
+    """Add ``wait_ms`` (median wait inside, per step), ``own_share`` and ``work_share``.
 
-    ``own_share`` is the phase's share of step time once its waits are taken out: a
+    ``own_share`` is the phase's share of step time once its waits are taken out;
+    ``work_share`` takes out all collective time inside it (waits and transfers), so a
     ``dataloader`` that gathers across ranks is judged on its own data time.
     """
     total = con.execute("SELECT sum(step_ms) FROM steps").fetchone()[0] or 0.0
     rank_step = dict(con.execute("SELECT rank, sum(step_ms) FROM steps GROUP BY 1").fetchall())
     rows = con.execute(
-        f"""SELECT path, NULL AS rank, median(wait), sum(ms - wait), bool_and(parent IS NULL)
+        f"""SELECT path, NULL AS rank, median(wait), sum(ms - wait), bool_and(parent IS NULL),
+                   sum(greatest(ms - coll_ms, 0.0))
             FROM pw GROUP BY 1
-            UNION ALL SELECT '{RESIDUAL}', NULL, median(wait), sum(own), TRUE FROM ex
+            UNION ALL SELECT '{RESIDUAL}', NULL, median(wait), sum(own), TRUE, sum(own) FROM ex
                       WHERE name = '{RESIDUAL}'
-            UNION ALL SELECT path, rank, median(wait), sum(ms - wait), bool_and(parent IS NULL)
+            UNION ALL SELECT path, rank, median(wait), sum(ms - wait), bool_and(parent IS NULL),
+                             sum(greatest(ms - coll_ms, 0.0))
             FROM pw GROUP BY 1, 2
-            UNION ALL SELECT '{RESIDUAL}', rank, median(wait), sum(own), TRUE FROM ex
+            UNION ALL SELECT '{RESIDUAL}', rank, median(wait), sum(own), TRUE, sum(own) FROM ex
                       WHERE name = '{RESIDUAL}' GROUP BY 2"""
     ).fetchall()
-    for path, rank, wmed, own_sum, top in rows:
+    for path, rank, wmed, own_sum, top, work_sum in rows:
         ph = phases.get(str(path))
         if ph is None:
             continue
-        if rank is None:
-            ph["wait_ms"] = round(float(wmed or 0.0), 3)
-            ph["own_share"] = round(float(own_sum) / total, 4) if top and total else None
-            continue
-        for pr in ph["per_rank"]:
-            if pr["rank"] == int(rank):
-                denom = rank_step.get(rank) or 0.0
-                pr["wait_ms"] = round(float(wmed or 0.0), 3)
-                pr["own_share"] = round(float(own_sum) / denom, 4) if top and denom else None
+        targets = [ph] if rank is None else [p for p in ph["per_rank"] if p["rank"] == int(rank)]
+        denom = total if rank is None else (rank_step.get(rank) or 0.0)
+        for t in targets:
+            t["wait_ms"] = round(float(wmed or 0.0), 3)
+            t["own_share"] = round(float(own_sum) / denom, 4) if top and denom else None
+            t["work_share"] = round(float(work_sum) / denom, 4) if top and denom else None
 
 
 def attribute(con: Any, hosts: dict[str, list[int]], ranks: list[int], median_step: float,
@@ -665,8 +690,9 @@ def attribute(con: Any, hosts: dict[str, list[int]], ranks: list[int], median_st
     """Waits, own work, stragglers, windows and the collectives view for a loaded run."""
     n_ranks = len(ranks)
     al = align(con, hosts, n_ranks, median_step)
-    source, notes = build_waits(con, n_ranks, al)
-    if source in ("collectives", "grad_sync"):
+    info: list[str] = []
+    source, notes = build_waits(con, n_ranks, al, info)
+    if source in ("collectives", "grad_sync", "collectives+timeline"):
         row = con.execute(
             """SELECT coalesce(phase, 'residual'), arg_max(op, ms) FROM (
                    SELECT phase, op, sum(wait) + 1e-9 * sum(ms) AS ms FROM cw GROUP BY 1, 2)
@@ -687,4 +713,4 @@ def attribute(con: Any, hosts: dict[str, list[int]], ranks: list[int], median_st
         by_phase.setdefault(name, []).append(t)
     thresholds = {n: robust.median(v) for n, v in by_phase.items()}
     return Attribution(al, source, thresholds, stragglers, windows,
-                       collectives_section(con, source, notes), notes, warmup or None)
+                       collectives_section(con, source, notes + info), notes, warmup or None)

@@ -33,6 +33,8 @@ def _footer(doc: dict[str, Any]) -> str:
     src = {"collectives": "recorded collectives and DDP's grad_sync",
            "grad_sync": "DDP's grad_sync phase (no other collectives recorded)",
            "timeline": "no collective timing: arrival gaps on the aligned timeline",
+           "collectives+timeline": "recorded collectives; DDP's all-reduce in backward from "
+           "arrival gaps on the aligned timeline (no grad_sync phase)",
            "none": "no collectives"}.get(col.get("source", ""), col.get("source", ""))
     return f"Waits from {src}. {col.get('wait_rule', '')}."
 
