@@ -23,7 +23,8 @@ def _analyze(tmp_path: Path, spec: SynthRun) -> dict:
 
 def test_document_contract(tmp_path: Path) -> None:
     doc = _analyze(tmp_path, SynthRun(slow=(Slow(1, "dataloader"),)))
-    assert set(doc) == {"run", "phases", "ranks", "stragglers", "windows", "verdicts"}
+    # The six contract keys, plus the additive collectives view.
+    assert set(doc) == {"run", "phases", "ranks", "stragglers", "windows", "verdicts", "collectives"}
     json.dumps(doc)  # plain data only
     run = doc["run"]
     assert run["ranks"] == 4 and run["steps"] == 60 and run["clock"] == "cpu"
@@ -141,6 +142,8 @@ def test_sqlite_rank_files(tmp_path: Path) -> None:
 
 def test_nested_phase_has_parent_and_no_share(tmp_path: Path) -> None:
     doc = _analyze(tmp_path, SynthRun(comm_child=True))
-    assert doc["phases"]["allreduce"]["parent"] == "backward"
-    assert doc["phases"]["allreduce"]["share"] is None
+    # Phases are keyed by path (schema-1 records: derived from parent and name).
+    assert doc["phases"]["backward/allreduce"]["parent"] == "backward"
+    assert doc["phases"]["backward/allreduce"]["share"] is None
+    assert "allreduce" not in doc["phases"]
     assert doc["run"]["alignment"]["arrival"] == "allreduce"

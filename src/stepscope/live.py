@@ -14,6 +14,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from stepscope.analysis.robust import median
+from stepscope.analysis.waits import last_arriver, waits
 from stepscope.errors import StepscopeWarning
 
 if TYPE_CHECKING:
@@ -67,6 +68,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         for name, v in by_phase.items()
     }
     top = max(phases, key=lambda k: phases[k]["median_ms"])
+    out_colls = _collective_medians(records)
     out: dict[str, Any] = {
         "rank": records[-1]["rank"],
         "steps": n,
@@ -77,11 +79,34 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         "h2d_share": phases["h2d"]["share"] if "h2d" in phases else 0.0,
         "dataloader_share": phases["dataloader"]["share"] if "dataloader" in phases else 0.0,
         "phases": phases,
+        "collectives": out_colls,
     }
     from stepscope.instrument.resources import summarize_records  # [metrics]
 
     out.update(summarize_records(records))
     return out
+
+
+def _collective_medians(records: list[dict[str, Any]]) -> dict[str, float]:
+    """Median per-step time in each collective, keyed ``"phase|op|pg"`` (the wait rule's match).
+
+    DDP's gradient all-reduce is the ``grad_sync`` phase (op ``ddp_allreduce`` in its parent).
+    """
+    per_key: dict[str, list[float]] = {}
+    for r in records:
+        per: dict[str, float] = {}
+        for p in r.get("phases") or ():
+            if p.get("name") == "grad_sync":
+                key = f"{p.get('parent') or ''}|ddp_allreduce|ddp"
+                per[key] = per.get(key, 0.0) + float(p.get("ms") or 0.0)
+        for c in r.get("collectives") or ():
+            if isinstance(c, dict) and c.get("op") and isinstance(c.get("ms"), int | float):
+                key = f"{c.get('phase') or ''}|{c['op']}|{c.get('pg')}"
+                per[key] = per.get(key, 0.0) + float(c["ms"])
+        for k, v in per.items():
+            per_key.setdefault(k, []).append(v)
+    n = len(records)
+    return {k: median(v + [0.0] * (n - len(v))) for k, v in per_key.items()}
 
 
 def local_summary(tracer: Tracer) -> dict[str, Any]:
@@ -118,7 +143,14 @@ def encode_payload(summary: dict[str, Any], extras: dict[str, Any] | None = None
 
     if payload_fields(summary):
         body["t"] = payload_fields(summary)
+    colls = {k: round(v, 3) for k, v in (summary.get("collectives") or {}).items()}
+    if colls:
+        body["c"] = colls
     raw = json.dumps(body, separators=(",", ":")).encode()
+    # Collectives first: the smallest matter least to who waited.
+    while len(raw) > PAYLOAD_BYTES and colls:
+        del colls[min(colls, key=lambda k: colls[k])]
+        raw = json.dumps(body, separators=(",", ":")).encode()
     # Too many user phases: drop the smallest until it fits (the line needs the big ones).
     while len(raw) > PAYLOAD_BYTES and len(phases) > 1:
         del phases[min(phases, key=lambda k: phases[k][0])]
@@ -161,7 +193,10 @@ def cross_rank_summary(payloads: list[dict[str, Any] | None], world_size: int) -
     step_mid = median(step_meds.values())
     threshold = max(0.5, 0.05 * step_mid)
     best = max((c[0] for c in cands), default=0.0)
-    if len(got) > 1 and best >= threshold:
+    late = _late_by_waits(got, names, threshold)
+    if late is not None:
+        slow_rank, slow_phase, slow_ms, excess = late
+    elif len(got) > 1 and best >= threshold:
         # Near-ties go to the phase that comes first in the step.
         excess, _, slow_rank, slow_phase, slow_ms = min(
             (c for c in cands if c[0] >= 0.8 * best), key=lambda c: (c[1], -c[0])
@@ -203,6 +238,44 @@ def _resources_cross(got: list[dict[str, Any]]) -> dict[str, Any]:
     from stepscope.instrument.resources import cross_rank_fields
 
     return cross_rank_fields(got)
+def _late_by_waits(
+    got: list[dict[str, Any]], names: list[str], threshold: float
+) -> tuple[int, str, float, float] | None:
+    """The late rank by the wait rule on the exchanged collective times, and its phase.
+
+    For each collective every rank reported, ``waits`` gives each rank's wait; the rank
+    the others waited for most (the last arriver of the collective with the largest total
+    wait) is late, and its phase is the one where its own work (phase time minus its waits
+    there) exceeds the other ranks' median the most. None without a clear wait.
+    """
+    if len(got) < 2 or not all(p.get("c") for p in got):
+        return None
+    keys = set.intersection(*(set(p["c"]) for p in got))
+    wait: dict[int, dict[str, float]] = {p["r"]: {} for p in got}
+    best_key, best_total = None, 0.0
+    for key in sorted(keys):
+        times = {p["r"]: float(p["c"][key]) for p in got}
+        w = waits(times)
+        top = key.split("|", 1)[0].split("/", 1)[0] or "residual"
+        for r, x in w.items():
+            wait[r][top] = wait[r].get(top, 0.0) + x
+        if sum(w.values()) > best_total:
+            best_key, best_total = key, sum(w.values())
+    if best_key is None or best_total < threshold:
+        return None
+    late = last_arriver({p["r"]: float(p["c"][best_key]) for p in got})
+    if late is None:
+        return None
+
+    def own(p: dict[str, Any], name: str) -> float:
+        ms = float(p["p"][name][0]) if name in p["p"] else 0.0
+        return max(0.0, ms - wait[p["r"]].get(name, 0.0))
+
+    mine = next(p for p in got if p["r"] == late)
+    rows = [(own(mine, n) - median(own(p, n) for p in got if p["r"] != late), n)
+            for n in [*names, "residual"]]
+    excess, phase = max(rows)
+    return late, phase, own(mine, phase), excess
 
 
 def format_line(s: dict[str, Any]) -> str:

@@ -57,13 +57,18 @@ def _med(values: list[float]) -> float:
     return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
 
 
-def rank_share(phases: dict[str, Any], name: str) -> float:
-    """Median over ranks of the phase's share of that rank's step time (0 when absent)."""
+def rank_share(phases: dict[str, Any], name: str, key: str = "share") -> float:
+    """Median over ranks of the phase's share of that rank's step time (0 when absent).
+
+    ``key="own_share"`` takes the phase's waits out first, ``"work_share"`` all collective
+    time inside it (both fall back to ``share``).
+    """
     ph = phases.get(name)
     if not ph or ph["share"] is None:
         return 0.0
     n_ranks = max(1, len(ph["per_rank"]))
-    shares = [p["share"] or 0.0 for p in ph["per_rank"]]
+    shares = [(p.get(key, p["share"]) if p.get(key) is not None else p["share"]) or 0.0
+              for p in ph["per_rank"]]
     shares += [0.0] * (n_ranks - len(shares))
     return _med(shares)
 
@@ -91,7 +96,7 @@ def diagnose(
               f"{s['phase']} {when} ({_pct(impact)} of the run's median step, {step_med:.1f} ms)")
         if s.get("victims"):
             ev += (f"; {ranks_subject(s['victims'], 'waits', 'wait')} ≈ {s['victim_wait_ms']:.1f} ms "
-                   f"per step for it in {sync} (the collective)")
+                   f"per step for it in {s.get('wait_phase') or sync} (the collective)")
         out.append({"kind": "straggler", "severity": sev, "evidence": ev,
                     "suggestion": f"Look at rank {s['rank']}'s {s['phase']}: "
                     + _STRAGGLER_FIX.get(s["phase"], "time its sub-steps with stepscope.phase(...)")})
@@ -123,7 +128,8 @@ def diagnose(
 
     shares = {n: rank_share(phases, n) for n in phases}
     bottlenecks: list[dict[str, Any]] = []
-    dl = shares.get("dataloader", 0.0)
+    # Waits inside the batch fetch (a gather across ranks) are not input time.
+    dl = rank_share(phases, "dataloader", "work_share")
     if dl >= INPUT_SHARE[0]:
         bottlenecks.append({
             "kind": "input_bound",
@@ -133,7 +139,7 @@ def diagnose(
             "pin_memory=True, increase prefetch_factor, or move decoding/augmentation off the "
             "training process; stepscope.PrefetchLoader overlaps the next batch's copy",
         })
-    h2d = shares.get("h2d", 0.0)
+    h2d = rank_share(phases, "h2d", "work_share")
     if h2d >= H2D_SHARE[0]:
         ev = (f"exposed host-to-device copy takes {_pct(h2d)} of step time (median "
               f"{phases['h2d']['median_ms']:.2f} ms per step on {len(ranks)} ranks)")

@@ -7,8 +7,11 @@ sqlite extension needs a network download. The result is two tables on one conne
 
 ``steps``  (rank, step, host, t0, step_ms, residual_ms, h2d_hidden_ms) — one row per sampled
            step; ``t0`` is the step start in ms since the run's earliest start (raw clock).
-``phases`` (rank, step, name, parent, ms, s, e) — one row per phase; ``s``/``e`` are offsets
-           in ms from the step start.
+``phases`` (rank, step, name, parent, ms, s, calls, e, path) — one row per phase; ``s``/``e`` are
+           offsets in ms from the step start; ``path`` ("forward/h2d") is the key (derived
+           from name and parent for schema-1 records, whose ``parent`` is a name).
+``colls``  (rank, step, phase, op, pg, pg_size, count, bytes, ms, max_ms, seq_first, seq_last) —
+           the records' ``collectives`` sections (schema 2), one row per (phase, op, pg).
 """
 
 from __future__ import annotations
@@ -26,8 +29,15 @@ from stepscope.errors import AnalysisError
 from stepscope.records import READABLE_SCHEMAS, SCHEMA_VERSION, SQLITE_TABLE, row_to_record
 
 _PHASE_TYPE = (
-    "STRUCT(name VARCHAR, parent VARCHAR, ms DOUBLE, calls BIGINT, start_ms DOUBLE, end_ms DOUBLE)[]"
+    "STRUCT(name VARCHAR, parent VARCHAR, ms DOUBLE, calls BIGINT, start_ms DOUBLE, end_ms DOUBLE,"
+    " path VARCHAR)[]"
 )
+_COLL_TYPE = (
+    "STRUCT(phase VARCHAR, op VARCHAR, pg VARCHAR, pg_size BIGINT, count BIGINT, bytes BIGINT,"
+    " ms DOUBLE, max_ms DOUBLE, seq_first BIGINT, seq_last BIGINT)[]"
+)
+#: Schema versions this reader understands (2 adds phase paths and collectives).
+READABLE_SCHEMAS = frozenset({1, SCHEMA_VERSION, 2})
 _COLUMNS = {
     "schema": "BIGINT",
     "run_id": "VARCHAR",
@@ -41,6 +51,7 @@ _COLUMNS = {
     "phases": _PHASE_TYPE,
     "residual_ms": "DOUBLE",
     "h2d_hidden_ms": "DOUBLE",
+    "collectives": _COLL_TYPE,
 }
 _COLUMNS.update(RESOURCE_COLUMNS)  # [metrics] throughput/flops/memory/device/untimed
 _REQUIRED = ("schema", "rank", "step", "start_unix_ns", "step_ms", "phases")
@@ -279,13 +290,13 @@ def _build_tables(con: Any, root: Path, sources: list[Path], skipped: list[str])
         found = ", ".join(str(s) for s in sorted(schemas))
         raise AnalysisError(
             f"{root}: records use schema version(s) {found}; this stepscope reads schema "
-            f"{SCHEMA_VERSION}"
+            f"{readable}"
         )
     for ver, n in sorted(schemas.items()):
         if ver not in READABLE_SCHEMAS:
             skipped.append(
                 f"{n} record(s) with schema version {ver} skipped (this stepscope reads "
-                f"schema {SCHEMA_VERSION}; mixed versions in one run directory)"
+                f"schema {readable}; mixed versions in one run directory)"
             )
 
     for fname, n in con.execute(
@@ -375,11 +386,24 @@ def _build_tables(con: Any, root: Path, sources: list[Path], skipped: list[str])
         f"""CREATE TABLE phases AS
             SELECT CAST(rank AS INTEGER) AS rank, step, p.name AS name, p.parent AS parent,
                    coalesce(p.ms, 0.0) AS ms, coalesce(p.start_ms, 0.0) AS s,
-                   coalesce(p.end_ms, p.start_ms + p.ms, 0.0) AS e
+                   coalesce(p.calls, 1) AS calls,
+                   coalesce(p.end_ms, p.start_ms + p.ms, 0.0) AS e,
+                   coalesce(p.path, CASE WHEN p.parent IS NULL THEN p.name
+                                         ELSE p.parent || '/' || p.name END) AS path
             FROM (SELECT rank, step, unnest(phases) AS p FROM rec WHERE {keep})
             WHERE p.name IS NOT NULL"""
     )
     create_resource_table(con, keep)  # [metrics] table res
+    con.execute(
+        f"""CREATE TABLE colls AS
+            SELECT CAST(rank AS INTEGER) AS rank, step, c.phase AS phase, c.op AS op,
+                   coalesce(c.pg, 'default') AS pg, c.pg_size AS pg_size,
+                   coalesce(c.count, 1) AS count, c.bytes AS bytes, c.ms AS ms,
+                   c.max_ms AS max_ms, c.seq_first AS seq_first, c.seq_last AS seq_last
+            FROM (SELECT rank, step, unnest(collectives) AS c FROM rec
+                  WHERE {keep} AND collectives IS NOT NULL)
+            WHERE c.op IS NOT NULL AND c.ms IS NOT NULL AND c.ms >= 0"""
+    )
     con.execute("DROP TABLE rec")
     hosts: dict[str, list[int]] = {}
     for host, rank in con.execute(

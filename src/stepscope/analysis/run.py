@@ -10,13 +10,7 @@ from stepscope.analysis.load import RunData, load_run
 from stepscope.analysis.resources import analyze_resources
 from stepscope.analysis.stats import create_phase_samples, phase_stats, rank_stats
 from stepscope.analysis.status import crash_evidence
-from stepscope.analysis.stragglers import (
-    align,
-    build_excess,
-    build_wait,
-    find_stragglers,
-    find_windows,
-)
+from stepscope.analysis.stragglers import attribute, phase_waits
 from stepscope.analysis.triggers import link_triggers
 
 #: Version of the JSON document; bump when a key changes meaning.
@@ -65,18 +59,13 @@ def _analyze(data: RunData) -> dict[str, Any]:
         "SELECT quantile_cont(step_ms, [0.5, 0.9]), min(t0), max(t0 + step_ms) FROM steps"
     ).fetchone()
     median_step = float(step_q[0][0])
-    al = align(con, data.hosts, len(data.ranks), median_step)
-    build_wait(con, al)
-    thr = build_excess(con, al)
     steps = [int(s) for (s,) in con.execute("SELECT DISTINCT step FROM steps ORDER BY 1").fetchall()]
-    host_of = {r: h for h, rs in data.hosts.items() for r in rs}
+    att = attribute(con, data.hosts, data.ranks, median_step, steps)
+    al, thr, stragglers, windows = att.alignment, att.thresholds, att.stragglers, att.windows
 
     phases = phase_stats(con, n_rows)
+    phase_waits(con, phases)
     ranks = rank_stats(con, data.hosts, n_rows)
-    stragglers = find_stragglers(con, steps, host_of, thr)
-    for s in stragglers:
-        _add_victims(con, s)
-    windows = find_windows(con, steps, stragglers, data.ranks)
 
     run: dict[str, Any] = {
         "report_version": REPORT_VERSION,
@@ -99,13 +88,16 @@ def _analyze(data: RunData) -> dict[str, Any]:
             "arrival": al.arrival,
             "offsets_ms": {h: round(o, 3) for h, o in al.offsets_ms.items()},
             "end_spread_ms": None if al.end_spread_ms is None else round(al.end_spread_ms, 3),
+            "wait_source": att.source,
         },
         # Wall time from the first step start to the last step end, aligned timeline.
         "duration": round((float(step_q[2]) - float(step_q[1])) / 1000.0, 3),
         "step_ms": {"median": round(median_step, 3), "p90": round(float(step_q[0][1]), 3)},
         "thresholds_ms": {k: round(v, 3) for k, v in thr.items()},
-        "skipped": list(data.skipped),
-        "partial": bool(data.skipped),
+        # Slow first steps on every rank (warm-up): noted, not a window.
+        "warmup": att.warmup,
+        "skipped": list(data.skipped) + att.notes,
+        "partial": bool(data.skipped or att.notes),
     }
     run.update(analyze_resources(con))  # [metrics] run.throughput / run.memory / run.device
     verdicts = diagnose(run, phases, ranks, stragglers, windows)
@@ -120,18 +112,6 @@ def _analyze(data: RunData) -> dict[str, Any]:
         "stragglers": stragglers,
         "windows": windows,
         "verdicts": verdicts,
+        # Additive: per op and process group (the six keys above are the contract).
+        "collectives": att.collectives,
     }
-
-
-def _add_victims(con: Any, s: dict[str, Any]) -> None:
-    """Ranks that waited for straggler ``s`` during its steps, and their median wait."""
-    rows = con.execute(
-        f"""SELECT rank, median(wait_ms) FROM wait
-            WHERE step BETWEEN {s['first_step']} AND {s['last_step']} AND rank <> {s['rank']}
-            GROUP BY 1 ORDER BY 1"""
-    ).fetchall()
-    floor = 0.5 * s["excess_ms"]
-    victims = [(int(r), float(w)) for r, w in rows if w is not None and w >= floor]
-    s["victims"] = [r for r, _ in victims]
-    waits = sorted(w for _, w in victims)
-    s["victim_wait_ms"] = round(waits[len(waits) // 2], 3) if waits else 0.0

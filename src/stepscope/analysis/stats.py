@@ -14,12 +14,23 @@ H2D_HIDDEN = "h2d_hidden"
 
 
 def phase_order(names: list[str] | set[str]) -> list[str]:
-    """Canonical phases first, then user-named phases alphabetically, then ``residual``."""
+    """Canonical phases first, then user-named phases alphabetically, then ``residual``.
+
+    Names are paths: a nested phase ("backward/grad_sync") follows its parent, its siblings
+    ordered the same way.
+    """
     names = set(names)
-    out = [p for p in CANONICAL_PHASES if p in names]
-    out += sorted(n for n in names if n not in CANONICAL_PHASES and n not in (RESIDUAL, H2D_HIDDEN))
-    out += [n for n in (RESIDUAL, H2D_HIDDEN) if n in names]
-    return out
+    canon = {p: i for i, p in enumerate(CANONICAL_PHASES)}
+    tail = {RESIDUAL: 1, H2D_HIDDEN: 2}
+
+    def key(path: str) -> tuple[tuple[int, int, str], ...]:
+        parts = path.split("/")
+        head = parts[0]
+        top = (2, tail[head], head) if head in tail and len(parts) == 1 else (
+            (0, canon[head], head) if head in canon else (1, 0, head))
+        return (top, *((0 if p in canon else 1, canon.get(p, 0), p) for p in parts[1:]))
+
+    return sorted(names, key=key)
 
 
 def _q(col: str, exact: bool) -> str:
@@ -34,11 +45,13 @@ def _r(x: Any, nd: int = 3) -> float | None:
 def create_phase_samples(con: Any) -> None:
     """Table ``samples`` (rank, step, name, parent, ms): phases plus residual and h2d_hidden.
 
-    A phase absent on a step did not happen, so it contributes no row (not a zero).
+    ``name`` is the phase's *path* ("forward/h2d"), so a phase nested under another is a row
+    of its own and never mixed with a top-level phase of the same leaf name. A phase absent
+    on a step did not happen, so it contributes no row (not a zero).
     """
     con.execute(
         f"""CREATE OR REPLACE TABLE samples AS
-            SELECT rank, step, name, parent, ms FROM phases
+            SELECT rank, step, path AS name, parent, ms FROM phases
             UNION ALL SELECT rank, step, '{RESIDUAL}', NULL, residual_ms FROM steps
             UNION ALL SELECT rank, step, '{H2D_HIDDEN}', NULL, h2d_hidden_ms FROM steps
                 WHERE h2d_hidden_ms IS NOT NULL"""

@@ -1,38 +1,85 @@
-"""Cross-rank alignment, wait estimation and straggler/slow-window detection.
+"""Who waited, who made them wait, and where the culprit spent its extra time.
 
-Under DDP the gradient all-reduce runs inside ``backward``, so the collective's end is
-(nearly) simultaneous on every rank while its *arrival* is not: the rank that arrives last
-made the others wait, and their wait shows up as a long backward. Per step we place every
-rank's phases on one aligned timeline, take the last arrival at the synchronising phase,
-and estimate each rank's wait as its arrival gap (capped by the time it spent there). A
-rank's *own* work in a phase is its time there minus that wait. The straggler is the rank
-whose own work in some phase exceeds the cross-rank median by more than the noise (MAD),
-over a run of steps; the phase with the excess is where to look.
+Waits come from the one rule in :mod:`stepscope.analysis.waits`: a synchronising collective
+ends together on every rank of its group, so a rank's time in it beyond the shortest is time
+spent waiting for the last arrival. Collectives are the records' ``collectives`` sections
+(schema 2) plus every ``grad_sync`` phase (DDP's bucketed all-reduce, issued from C++: op
+``ddp_allreduce``, group ``ddp``, in the grad_sync's parent phase). No clocks are compared
+across ranks. Matching is per (step, phase path, op, group): the summed time of the matched
+calls on each rank. A partition counts only when every rank of the group recorded it with the
+same number of calls; partial or mismatched partitions contribute no wait (stated in the
+report's ``skipped`` list), so a missing rank or a skipped call can under-state waits, never
+invent them.
+
+A rank's *own* work in phase P is P's time minus the waits of collectives inside P at any
+depth (so a ``dataloader`` that gathers across ranks is split into data time and wait);
+untimed ``residual`` time gets the waits of collectives outside any phase. A rank is a
+straggler in P when its own work exceeds the median of the *other* ranks' own work at the
+same step by more than its noise: ``SIGMAS`` robust sigmas of its own step-to-step variation
+(successive differences of that gap, so a level shift or a slow window does not inflate it),
+floored. ``excess_ms`` is the median gap over the flagged steps (with two ranks, the gap
+itself).
+
+Only when a run carries no collective timing at all does the old timeline estimate (arrival
+gaps at the synchronising phase, clocks compared) stand in, and the report says so.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from stepscope.analysis.stats import RESIDUAL
+from stepscope.analysis import robust
+from stepscope.analysis.stats import RESIDUAL, phase_order
+from stepscope.analysis.waits import sql_wait
 
 #: A phase nested in the sync phase with one of these names times the collective itself;
-#: its start is then the rank's arrival (it separates own backward compute from waiting).
+#: its start is then the rank's arrival (timeline fallback only).
 _COMM_NAME = re.compile(r"all_?reduce|allgather|reduce_scatter|collective|comm|grad_sync|sync|wait",
                         re.IGNORECASE)
 
-#: Thresholds are in robust sigmas (1.4826 * MAD) of cross-rank excess, floored so that
-#: near-noiseless runs do not flag microseconds.
-SIGMAS = 5.0
+GRAD_SYNC = "grad_sync"
+DDP_OP = "ddp_allreduce"
+DDP_PG = "ddp"
+
+#: Flag threshold: SIGMAS robust sigmas of the rank's own step-to-step variation, floored so
+#: near-noiseless data does not flag microseconds.
+SIGMAS = robust.SIGMAS
 FLOOR_MS = 0.25
-FLOOR_FRAC = 0.02
+FLOOR_FRAC = 0.02  # of the median step
 MIN_SEGMENT = 5  # flagged steps needed before a rank is called a straggler
 MAX_GAP = 2  # unflagged samples tolerated inside one segment
 CHRONIC_COVER = 0.8  # a segment spanning this fraction of analysed steps is chronic
 CHRONIC_DENSITY = 0.5  # flagged share of a segment's span (or of the run) for it to count
+#: Smallest excess worth naming, as a share of the median step: a rank a few percent slower
+#: for a while is what a shared host does; a chronic gap needs less evidence than a window.
+CHRONIC_IMPACT = 0.05
+WINDOW_IMPACT = 0.10
+WINDOW_DENSITY = 0.8  # slow share of a step-time window's steps (one host hiccup slows two)
+WINDOW_ALPHA = 0.01  # chance of a window of flags arising from a rank's scattered spikes
+VICTIM_FRACTION = 0.5  # a victim's wait exceeds the culprit's by this share of the excess
+
+#: Bus-bandwidth factors (NCCL-tests convention), by op, for a group of n ranks.
+_BUS_FACTOR: dict[str, Any] = {
+    "all_reduce": lambda n: 2.0 * (n - 1) / n,
+    "allreduce": lambda n: 2.0 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "allgather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "alltoall": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "reduce": lambda n: 1.0,
+    "send": lambda n: 1.0,
+    "recv": lambda n: 1.0,
+}
+
+WAIT_RULE = ("wait = time in a matched collective minus the shortest time any rank of its group "
+             "spent in it (per step, phase, op, group); own work = phase time minus the waits "
+             "inside it")
 
 
 @dataclass
@@ -131,11 +178,15 @@ def align(con: Any, hosts: dict[str, list[int]], n_ranks: int, median_step: floa
     return Alignment(sync, arrival, sync is not None, method, offsets, spread)
 
 
-def build_wait(con: Any, al: Alignment) -> None:
-    """Table ``wait`` (rank, step, wait_ms): time a rank spent waiting for the last arrival."""
+def _timeline_wait(con: Any, al: Alignment) -> None:
+    """Table ``tw`` (rank, step, wait_ms): arrival gaps on the aligned timeline.
+
+    Only a fallback for records without any collective timing (no ``collectives`` section,
+    no ``grad_sync`` phase): it compares clocks across ranks, which the wait rule never does.
+    """
     if al.sync_phase is None:
         con.execute(
-            "CREATE OR REPLACE TABLE wait AS SELECT rank, step, CAST(0 AS DOUBLE) AS wait_ms FROM st"
+            "CREATE OR REPLACE TABLE tw AS SELECT rank, step, CAST(0 AS DOUBLE) AS wait_ms FROM st"
         )
         return
     parent = "p.parent IS NULL" if al.arrival == al.sync_phase else f"p.parent = '{al.sync_phase}'"
@@ -146,7 +197,7 @@ def build_wait(con: Any, al: Alignment) -> None:
             WHERE p.name = '{al.arrival}' AND {parent}"""
     )
     con.execute(
-        """CREATE OR REPLACE TABLE wait AS
+        """CREATE OR REPLACE TABLE tw AS
            WITH last AS (SELECT step, max(a) AS l FROM arr GROUP BY 1)
            SELECT st.rank, st.step,
                   CAST(coalesce(least(greatest(last.l - arr.a, 0.0), greatest(arr.dur, 0.0)), 0.0) AS DOUBLE)
@@ -156,36 +207,203 @@ def build_wait(con: Any, al: Alignment) -> None:
     con.execute("DROP TABLE arr")
 
 
-def build_excess(con: Any, al: Alignment) -> dict[str, float]:
-    """Table ``ex`` (rank, step, name, own, excess); returns the flag threshold per phase.
 
-    Own work is the phase time minus the wait when the phase is the synchronising one;
-    excess is own work minus the cross-rank median at that step.
+
+@dataclass
+class Attribution:
+    """Everything the wait/straggler analysis adds to the report."""
+
+    alignment: Alignment
+    source: str  # "collectives", "grad_sync", "timeline" or "none"
+    thresholds: dict[str, float]
+    stragglers: list[dict[str, Any]]
+    windows: list[dict[str, Any]]
+    collectives: dict[str, Any]
+    notes: list[str] = field(default_factory=list)
+    warmup: dict[str, Any] | None = None
+
+
+def _q(s: str) -> str:
+    return "'" + s.replace("'", "''") + "'"
+
+
+def build_waits(con: Any, n_ranks: int, al: Alignment,
+                info: list[str] | None = None) -> tuple[str, list[str]]:
+    """Tables ``cw`` (one row per rank, step, phase, op, pg with its ``wait``) and ``wait``.
+
+    ``wait`` (rank, step, wait_ms) is each rank's total wait per step. Returns the wait
+    source and notes on partitions that could not be matched.
     """
-    sync = al.sync_phase or ""
+    con.execute(
+        f"""CREATE OR REPLACE TABLE call AS
+            SELECT rank, step, phase, op, pg, max(pg_size) AS pg_size, sum(count) AS count,
+                   sum(bytes) AS bytes, sum(ms) AS ms, min(seq_first) AS seq_first,
+                   max(seq_last) AS seq_last
+            FROM (SELECT rank, step, phase, op, pg, coalesce(pg_size, {n_ranks}) AS pg_size,
+                         count, bytes, ms, seq_first, seq_last FROM colls
+                  UNION ALL
+                  SELECT rank, step, parent, '{DDP_OP}', '{DDP_PG}', {n_ranks}, calls, NULL, ms,
+                         NULL, NULL FROM phases WHERE name = '{GRAD_SYNC}')
+            GROUP BY 1, 2, 3, 4, 5"""
+    )
+    notes: list[str] = []
+    n_calls, n_coll = con.execute(
+        f"SELECT count(*), count(*) FILTER (WHERE op <> '{DDP_OP}') FROM call").fetchone()
+    # A group is expected on as many ranks as its size, capped by the ranks that ever
+    # recorded it (a rank file or a rank's collective timing may be missing).
+    con.execute(
+        """CREATE OR REPLACE TABLE cexp AS
+           SELECT pg, least(max(pg_size), count(DISTINCT rank)) AS n, max(pg_size) AS size,
+                  count(DISTINCT rank) AS seen FROM call GROUP BY 1"""
+    )
+    for pg, size, seen in con.execute(
+        "SELECT pg, size, seen FROM cexp WHERE seen < size ORDER BY 1").fetchall():
+        if pg == DDP_PG and seen == n_ranks:
+            continue
+        notes.append(
+            f"collectives of group {pg!r} (size {size}) recorded on {seen} rank(s) only: waits "
+            "are computed among those (under-stated if a missing rank was the late one)")
+    part = "step, coalesce(phase, ''), op, pg"
+    con.execute(
+        f"""CREATE OR REPLACE TABLE cm AS
+            SELECT c.*, count(*) OVER w = e.n AND min(c.count) OVER w = max(c.count) OVER w
+                        AS matched,
+                   min(c.seq_first) OVER w IS DISTINCT FROM max(c.seq_first) OVER w AS seq_shift
+            FROM call c JOIN cexp e USING (pg)
+            WINDOW w AS (PARTITION BY {part})"""
+    )
+    con.execute(
+        f"""CREATE OR REPLACE TABLE cw AS
+            SELECT *, {sql_wait('ms', part)} AS wait FROM cm WHERE matched
+            UNION ALL SELECT *, CAST(0.0 AS DOUBLE) AS wait FROM cm WHERE NOT matched"""
+    )
+    con.execute("DROP TABLE cm")
+    bad = con.execute(
+        """SELECT count(*), count(DISTINCT step), string_agg(DISTINCT op || '@' || pg, ', ')
+            FROM (SELECT DISTINCT step, phase, op, pg FROM cw WHERE NOT matched)"""
+    ).fetchone()
+    if bad[0]:
+        notes.append(
+            f"{bad[0]} collective group(s) on {bad[1]} step(s) ({bad[2]}) were not recorded on "
+            "every rank of their group or with different call counts (a rank skipped or added "
+            "a call): their time is not counted as waiting")
+    shifted = con.execute("SELECT count(DISTINCT step) FROM cw WHERE matched AND seq_shift").fetchone()[0]
+    if shifted:
+        notes.append(
+            f"collective sequence numbers differ across ranks on {shifted} step(s) (a rank "
+            "issued extra or fewer calls earlier); calls were matched by step and phase")
+    source = "collectives" if n_coll else "grad_sync" if n_calls else "none"
+    if info is None:
+        info = []
+    n_gs, n_bw = con.execute(
+        f"""SELECT count(*) FILTER (WHERE op = '{DDP_OP}'),
+                   count(*) FILTER (WHERE phase = 'backward' OR starts_with(phase, 'backward/'))
+            FROM call"""
+    ).fetchone()
+    if n_calls and not n_gs and not n_bw and n_ranks > 1 and al.sync_phase == "backward":
+        # Collectives recorded elsewhere, but none in backward and no grad_sync phase
+        # (e.g. Lightning's callback): DDP's all-reduce still ends backward, unseen. Its
+        # wait comes from arrival gaps on the aligned timeline, as for records without
+        # collective timing.
+        _timeline_wait(con, al)
+        con.execute(
+            f"""INSERT INTO cw (rank, step, phase, op, pg, pg_size, count, ms, matched,
+                                seq_shift, wait)
+                SELECT rank, step, 'backward', 'arrival_gap', 'timeline', {n_ranks}, 1,
+                       wait_ms, TRUE, FALSE, wait_ms FROM tw"""
+        )
+        con.execute("DROP TABLE tw")
+        source = "collectives+timeline"
+        info.append("no grad_sync phase: DDP's all-reduce wait in backward is estimated from "
+                    "arrival gaps on the aligned timeline (clocks compared across ranks)")
+    if not n_calls and n_ranks > 1 and al.sync_phase is not None:
+        # No collective timing at all: fall back to arrival gaps on the aligned timeline.
+        _timeline_wait(con, al)
+        con.execute(
+            f"""INSERT INTO cw (rank, step, phase, op, pg, pg_size, count, ms, matched,
+                                seq_shift, wait)
+                SELECT rank, step, {_q(al.sync_phase)}, 'arrival_gap', 'timeline', {n_ranks}, 1,
+                       wait_ms, TRUE, FALSE, wait_ms FROM tw"""
+        )
+        con.execute("DROP TABLE tw")
+        source = "timeline"
+    con.execute(
+        """CREATE OR REPLACE TABLE wait AS
+           SELECT s.rank, s.step, CAST(coalesce(sum(c.wait), 0.0) AS DOUBLE) AS wait_ms
+           FROM steps s LEFT JOIN cw c USING (rank, step) GROUP BY 1, 2"""
+    )
+    return source, notes
+
+
+def build_own(con: Any) -> None:
+    """Tables ``pw`` (waits inside each phase path) and ``ex`` (own work vs the other ranks).
+
+    ``ex`` (rank, step, name, own, wait, others, excess): top-level phases and residual;
+    ``others`` is the median own work of the *other* ranks at that step, ``excess`` the gap.
+    """
+    con.execute(
+        """CREATE OR REPLACE TABLE pw AS
+           SELECT p.rank, p.step, p.path, any_value(p.parent) AS parent, any_value(p.ms) AS ms,
+                  CAST(coalesce(sum(c.wait), 0.0) AS DOUBLE) AS wait, count(c.rank) AS ncoll,
+                  CAST(coalesce(sum(c.ms), 0.0) AS DOUBLE) AS coll_ms
+           FROM phases p LEFT JOIN cw c
+             ON c.rank = p.rank AND c.step = p.step
+            AND (c.phase = p.path OR starts_with(c.phase, p.path || '/'))
+           GROUP BY 1, 2, 3"""
+    )
     con.execute(
         f"""CREATE OR REPLACE TABLE own AS
-            SELECT p.rank, p.step, p.name,
-                   CASE WHEN p.name = '{sync}' THEN greatest(p.ms - w.wait_ms, 0.0)
-                        ELSE p.ms END AS own
-            FROM phases p JOIN wait w USING (rank, step) WHERE p.parent IS NULL
-            UNION ALL SELECT rank, step, '{RESIDUAL}', residual_ms FROM steps"""
+            SELECT rank, step, name, own, wait FROM (
+                SELECT rank, step, path AS name, greatest(ms - wait, 0.0) AS own, wait, ncoll,
+                       max(ncoll) OVER (PARTITION BY step, path) AS any_coll
+                FROM pw WHERE parent IS NULL)
+            -- A rank with no collective timing in a phase where others have some: its
+            -- waits are unknown, so its own work there is not compared.
+            WHERE NOT (ncoll = 0 AND any_coll > 0)
+            UNION ALL
+            SELECT s.rank, s.step, '{RESIDUAL}', greatest(s.residual_ms - coalesce(r.w, 0.0), 0.0),
+                   coalesce(r.w, 0.0)
+            FROM steps s LEFT JOIN (SELECT rank, step, sum(wait) AS w FROM cw
+                                    WHERE phase IS NULL GROUP BY 1, 2) r USING (rank, step)"""
     )
+
+    # Median of the other ranks without an n^2 self-join: drop this rank's position k from
+    # the step's sorted values v and take the middle of what remains.
+    def rem(j: str) -> str:
+        return f"(CASE WHEN {j} < o.k THEN v.v[{j}] ELSE v.v[{j} + 1] END)"
+
     con.execute(
-        """CREATE OR REPLACE TABLE ex AS
-           WITH med AS (SELECT step, name, median(own) AS m FROM own GROUP BY 1, 2)
-           SELECT o.rank, o.step, o.name, o.own, o.own - med.m AS excess
-           FROM own o JOIN med USING (step, name)"""
+        f"""CREATE OR REPLACE TABLE ex AS
+            WITH o AS (SELECT *, row_number() OVER (PARTITION BY step, name ORDER BY own, rank) AS k,
+                              count(*) OVER (PARTITION BY step, name) AS n FROM own),
+                 v AS (SELECT step, name, list(own ORDER BY own, rank) AS v FROM own GROUP BY 1, 2)
+            SELECT o.rank, o.step, o.name, o.own, o.wait, m.others, o.own - m.others AS excess
+            FROM o JOIN v USING (step, name),
+            LATERAL (SELECT CASE WHEN o.n < 2 THEN NULL
+                                 WHEN (o.n - 1) % 2 = 1 THEN {rem('o.n // 2')}
+                                 ELSE 0.5 * ({rem('(o.n - 1) // 2')} + {rem('(o.n - 1) // 2 + 1')})
+                            END AS others) m"""
     )
     con.execute("DROP TABLE own")
-    med_step = con.execute("SELECT median(step_ms) FROM steps").fetchone()[0] or 0.0
-    floor = max(FLOOR_MS, FLOOR_FRAC * med_step)
-    thr = {
-        name: max(SIGMAS * 1.4826 * float(mad or 0.0), floor)
-        for name, mad in con.execute("SELECT name, median(abs(excess)) FROM ex GROUP BY 1").fetchall()
-    }
-    con.execute("CREATE OR REPLACE TABLE thr (name VARCHAR, thr DOUBLE)")
-    con.executemany("INSERT INTO thr VALUES (?, ?)", list(thr.items()))
+
+
+def build_thresholds(con: Any, median_step: float) -> dict[tuple[int, str], float]:
+    """Flag threshold per (rank, phase): the rank's own noise in its gap to the others.
+
+    Noise is the robust sigma of successive differences of the gap (divided by sqrt 2), so
+    a level shift or a window of slow steps does not inflate it; floored.
+    """
+    floor = max(FLOOR_MS, FLOOR_FRAC * median_step)
+    thr: dict[tuple[int, str], float] = {}
+    for rank, name, xs in con.execute(
+        "SELECT rank, name, list(excess ORDER BY step) FROM ex WHERE excess IS NOT NULL GROUP BY 1, 2"
+    ).fetchall():
+        d = [float(b) - float(a) for a, b in itertools.pairwise(xs)]
+        sigma = robust.robust_sigma(d) / math.sqrt(2.0) if len(d) >= 2 else 0.0
+        thr[(int(rank), str(name))] = max(SIGMAS * sigma, floor)
+    con.execute("CREATE OR REPLACE TABLE thr (rank INTEGER, name VARCHAR, thr DOUBLE)")
+    if thr:
+        con.executemany("INSERT INTO thr VALUES (?, ?, ?)", [(r, n, t) for (r, n), t in thr.items()])
     return thr
 
 
@@ -200,6 +418,18 @@ def _segments(idx: list[int], max_gap: int = MAX_GAP) -> list[list[int]]:
     return out
 
 
+def _unlikely_by_chance(k: int, span: int, k_out: int, n_out: int, n_steps: int) -> bool:
+    """Is ``k`` flagged steps in ``span`` more than this rank's spike rate explains?
+
+    Scheduling hiccups on a busy host flag single steps at some rate; the rate outside the
+    window (at least one per run, so a clean rank is not infinitely strict) gives the chance
+    of so dense a cluster anywhere in the run (binomial tail times the window positions).
+    """
+    p = min(0.99, max(k_out, 1) / max(n_out, 1))
+    tail = sum(math.comb(span, j) * p**j * (1.0 - p) ** (span - j) for j in range(k, span + 1))
+    return tail * max(1, n_steps - span + 1) < WINDOW_ALPHA
+
+
 def _confidence(n: int, density: float, ratio: float) -> float:
     # More flagged steps, denser runs and excess further above the threshold all raise it.
     c = float((1.0 - 0.5 ** (n / 3.0)) * min(1.0, density) * min(1.0, ratio / 3.0))
@@ -207,13 +437,14 @@ def _confidence(n: int, density: float, ratio: float) -> float:
 
 
 def find_stragglers(
-    con: Any, steps: list[int], host_of: dict[int, str], thr: dict[str, float]
+    con: Any, steps: list[int], host_of: dict[int, str], thr: dict[tuple[int, str], float],
+    median_step: float = 0.0,
 ) -> list[dict[str, Any]]:
-    """Ranks whose own work in a phase exceeds the median over a run of steps."""
+    """Ranks whose own work in a phase exceeds the other ranks' median over a run of steps."""
     pos = {s: i for i, s in enumerate(steps)}
     flagged: dict[tuple[int, str], list[tuple[int, float]]] = {}
     for rank, name, step, excess in con.execute(
-        """SELECT ex.rank, ex.name, ex.step, ex.excess FROM ex JOIN thr USING (name)
+        """SELECT ex.rank, ex.name, ex.step, ex.excess FROM ex JOIN thr USING (rank, name)
            WHERE ex.excess > thr.thr ORDER BY 1, 2, 3"""
     ).fetchall():
         flagged.setdefault((int(rank), str(name)), []).append((pos[int(step)], float(excess)))
@@ -233,67 +464,129 @@ def find_stragglers(
             density = len(seg) / span
             if len(seg) < min_n or density < CHRONIC_DENSITY:
                 continue
-            ex = sorted(excess_at[i] for i in seg)
-            med = ex[len(ex) // 2] if len(ex) % 2 else 0.5 * (ex[len(ex) // 2 - 1] + ex[len(ex) // 2])
+            med = robust.median(excess_at[i] for i in seg)
             chronic = span >= CHRONIC_COVER * n_steps
-            out.append(
-                {
-                    "rank": rank,
-                    "host": host_of.get(rank),
-                    "phase": name,
-                    "excess_ms": round(med, 3),
-                    "steps": len(seg),
-                    "first_step": steps[seg[0]],
-                    "last_step": steps[seg[-1]],
-                    "persistence": "chronic" if chronic else "window",
-                    "confidence": _confidence(len(seg), density, med / thr[name]),
-                }
-            )
+            if med < (CHRONIC_IMPACT if chronic else WINDOW_IMPACT) * median_step:
+                continue  # real perhaps, but too small to matter (shared-host jitter)
+            if not chronic and not _unlikely_by_chance(len(seg), span, len(idx) - len(seg),
+                                                       n_steps - span, n_steps):
+                continue  # as dense as this rank's scattered spikes make likely
+            s: dict[str, Any] = {
+                "rank": rank,
+                "host": host_of.get(rank),
+                "phase": name,
+                "excess_ms": round(med, 3),
+                "steps": len(seg),
+                "first_step": steps[seg[0]],
+                "last_step": steps[seg[-1]],
+                "persistence": "chronic" if chronic else "window",
+                "confidence": _confidence(len(seg), density, med / thr[(rank, name)]),
+            }
+            _add_victims(con, s, [steps[i] for i in seg])
+            out.append(s)
     out.sort(key=lambda s: -s["excess_ms"] * s["steps"])
     return out
 
 
+def _add_victims(con: Any, s: dict[str, Any], flagged: list[int]) -> None:
+    """Ranks whose wait rose while straggler ``s`` was slow: they waited more than it did."""
+    con.execute("CREATE OR REPLACE TEMP TABLE fl (step BIGINT)")
+    con.executemany("INSERT INTO fl VALUES (?)", [(x,) for x in flagged])
+    rows = con.execute(
+        f"""SELECT q.rank, median(q.wait_ms - r.wait_ms), median(q.wait_ms)
+            FROM wait q JOIN wait r ON q.step = r.step AND r.rank = {int(s['rank'])}
+            WHERE q.rank <> {int(s['rank'])} AND q.step IN (SELECT step FROM fl)
+            GROUP BY 1 ORDER BY 1"""
+    ).fetchall()
+    bar = max(FLOOR_MS, VICTIM_FRACTION * s["excess_ms"])
+    victims = [(int(r), float(w)) for r, rise, w in rows if rise is not None and rise >= bar]
+    s["victims"] = [r for r, _ in victims]
+    s["victim_wait_ms"] = round(robust.median(w for _, w in victims), 3)
+    s["wait_phase"] = None
+    if victims:
+        ids = ", ".join(str(r) for r, _ in victims)
+        row = con.execute(
+            f"""SELECT coalesce(phase, '{RESIDUAL}'), sum(wait) FROM cw
+                WHERE rank IN ({ids}) AND step IN (SELECT step FROM fl)
+                GROUP BY 1 ORDER BY 2 DESC LIMIT 1"""
+        ).fetchone()
+        s["wait_phase"] = str(row[0]) if row and row[1] else None
+    con.execute("DROP TABLE fl")
+
+
+def own_slowdown(con: Any, name: str, first: int, last: int, rank: int | None = None) -> float:
+    """Median own time of ``name`` inside steps [first, last] over its median outside.
+
+    For one rank when given (its own baseline; the other ranks' median when the window
+    covers the whole run), else over all ranks.
+    """
+    who = f"AND rank = {int(rank)}" if rank is not None else ""
+    r = con.execute(
+        f"""SELECT median(own) FILTER (WHERE step BETWEEN {first} AND {last}),
+                   median(own) FILTER (WHERE step NOT BETWEEN {first} AND {last}),
+                   median(others) FILTER (WHERE step BETWEEN {first} AND {last})
+            FROM ex WHERE name = {_q(name)} {who}"""
+    ).fetchone()
+    inside, outside, others = r if r else (None, None, None)
+    base = outside if outside is not None and outside > 1e-9 else others
+    if inside is None or base is None or base <= 1e-9:
+        return 1.0
+    return float(inside) / float(base)
+
+
 def find_windows(
-    con: Any, steps: list[int], stragglers: list[dict[str, Any]], all_ranks: list[int]
+    con: Any, steps: list[int], stragglers: list[dict[str, Any]], all_ranks: list[int],
+    warmup: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
-    """Runs of steps whose step time stands out from the run's median (robustly)."""
+    """Runs of steps whose step time stands out from the run's median (robustly).
+
+    A slow start on every rank with no straggler is warm-up: it goes into ``warmup``
+    (start_step, end_step, phase, slowdown), not the windows. A window's ``slowdown`` is
+    the named phase's own slowdown there (own time inside the window over its median
+    outside), not the whole step's.
+    """
     rows = con.execute("SELECT step, max(step_ms) FROM steps GROUP BY 1 ORDER BY 1").fetchall()
+    if warmup is None:
+        warmup = {}
     if len(rows) < 2 * MIN_SEGMENT:
         return []
     wall = [float(v) for _, v in rows]
-    srt = sorted(wall)
-    med = srt[len(srt) // 2]
-    mad = sorted(abs(v - med) for v in wall)[len(wall) // 2]
-    thr = max(SIGMAS * 1.4826 * mad, max(FLOOR_MS, 0.03 * med))
+    med = robust.median(wall)
+    thr = robust.threshold(wall, SIGMAS, max(FLOOR_MS, 0.03 * med))
     pos = {s: i for i, s in enumerate(steps)}
     idx = [pos[int(s)] for (s, _), v in zip(rows, wall, strict=True) if v > med + thr]
     out: list[dict[str, Any]] = []
     covered: set[tuple[int, int]] = set()
     for seg in _segments(idx):
         span = seg[-1] - seg[0] + 1
-        if len(seg) < MIN_SEGMENT or len(seg) / span < 0.5 or span >= CHRONIC_COVER * len(steps):
+        if len(seg) < MIN_SEGMENT or len(seg) / span < WINDOW_DENSITY or span >= CHRONIC_COVER * len(steps):
             continue
+        if not _unlikely_by_chance(len(seg), span, len(idx) - len(seg), len(steps) - span, len(steps)):
+            continue  # scattered slow steps (host hiccups) that happen to sit close together
         first, last = steps[seg[0]], steps[seg[-1]]
-        inside = [wall[i] for i in range(seg[0], seg[-1] + 1)]
-        slowdown = sorted(inside)[len(inside) // 2] / med if med else 1.0
         hits = [s for s in stragglers if s["first_step"] <= last and s["last_step"] >= first]
         if hits:
+            top = max(hits, key=lambda s: s["excess_ms"] * s["steps"])
             ranks = sorted({s["rank"] for s in hits})
-            phase = max(hits, key=lambda s: s["excess_ms"] * s["steps"])["phase"]
+            phase = top["phase"]
+            slowdown = own_slowdown(con, phase, top["first_step"], top["last_step"], top["rank"])
             covered.update((s["rank"], s["first_step"]) for s in hits)
         else:
             ranks, phase = list(all_ranks), _window_phase(con, first, last)
+            slowdown = own_slowdown(con, phase, first, last) if phase != "step" else 1.0
+            if seg[0] == 0:
+                # Every rank slow from the first analysed step: warm-up (lazy init, caches,
+                # allocator), not something that happened to the run. Noted, not flagged.
+                warmup.update(start_step=first, end_step=last, phase=phase,
+                              slowdown=round(slowdown, 3))
+                continue
         out.append({"start_step": first, "end_step": last, "ranks": ranks, "phase": phase,
                     "slowdown": round(slowdown, 3)})
     # A windowed straggler that did not slow the whole step (no collective) is a window too.
     for s in stragglers:
         if s["persistence"] != "window" or (s["rank"], s["first_step"]) in covered:
             continue
-        r = con.execute(
-            f"""SELECT median(step_ms) FILTER (WHERE step BETWEEN {s['first_step']}
-                       AND {s['last_step']}), median(step_ms) FROM steps WHERE rank = {s['rank']}"""
-        ).fetchone()
-        slowdown = (r[0] / r[1]) if r[0] and r[1] else 1.0
+        slowdown = own_slowdown(con, s["phase"], s["first_step"], s["last_step"], s["rank"])
         if slowdown <= 1.0:
             continue
         out.append({"start_step": s["first_step"], "end_step": s["last_step"],
@@ -310,3 +603,114 @@ def _window_phase(con: Any, first: int, last: int) -> str:
             FROM ex GROUP BY 1 ORDER BY grow DESC NULLS LAST LIMIT 1"""
     ).fetchone()
     return str(row[0]) if row else "step"
+
+
+def _bus_factor(op: str, n: int) -> float | None:
+    if n < 1:
+        return None
+    for key, f in _BUS_FACTOR.items():
+        if op == key or op.startswith(key + "_"):
+            return float(f(n))
+    return 2.0 * (n - 1) / n if op == DDP_OP else None
+
+
+def collectives_section(con: Any, source: str, notes: list[str]) -> dict[str, Any]:
+    """The report's ``collectives`` view: per op and process group, per step and rank.
+
+    ``bus_gbps`` follows NCCL-tests (algorithm bandwidth = bytes / transfer time, times
+    2(n-1)/n for all-reduce, (n-1)/n for all-gather, reduce-scatter and all-to-all), with
+    ``bytes`` the full buffer of a call as recorded and the transfer time the part not spent
+    waiting (time in the collective minus wait). None where bytes are unknown (DDP's
+    all-reduce) or nothing was matched.
+    """
+    n_steps = con.execute("SELECT count(DISTINCT step) FROM steps").fetchone()[0] or 1
+    ops: list[dict[str, Any]] = []
+    for (op, pg, size, ranks, calls, nbytes, ms, wait, phases, m_bytes, m_xfer,
+         matched) in con.execute(
+        """SELECT op, pg, max(pg_size), count(DISTINCT rank), sum(count), sum(bytes), sum(ms),
+                  sum(wait), list(DISTINCT coalesce(phase, 'residual')),
+                  sum(bytes) FILTER (WHERE matched), sum(ms - wait) FILTER (WHERE matched),
+                  sum(count) FILTER (WHERE matched)
+           FROM cw WHERE pg <> 'timeline' GROUP BY 1, 2 ORDER BY sum(ms) DESC"""
+    ).fetchall():
+        per = float(ranks * n_steps)
+        bus = None
+        factor = _bus_factor(str(op), int(size or 0))
+        if factor is not None and m_bytes and m_xfer and m_xfer > 0:
+            bus = round(factor * float(m_bytes) / float(m_xfer) / 1e6, 3)
+        ops.append({
+            "op": op, "pg": pg, "pg_size": int(size or 0), "ranks": int(ranks),
+            "phases": phase_order(list(phases)),
+            "calls_per_step": round(float(calls) / per, 3),
+            "bytes_per_step": None if nbytes is None else round(float(nbytes) / per, 1),
+            "ms_per_step": round(float(ms) / per, 3),
+            "wait_ms_per_step": round(float(wait) / per, 3),
+            "wait_share": round(float(wait) / float(ms), 4) if ms else 0.0,
+            "matched_share": round(float(matched or 0) / float(calls), 4) if calls else 0.0,
+            "bus_gbps": bus,
+        })
+    return {"source": source, "wait_rule": WAIT_RULE, "ops": ops, "notes": list(notes)}
+
+
+def phase_waits(con: Any, phases: dict[str, Any]) -> None:
+    """Add ``wait_ms`` (median wait inside, per step), ``own_share`` and ``work_share``.
+
+    ``own_share`` is the phase's share of step time once its waits are taken out;
+    ``work_share`` takes out all collective time inside it (waits and transfers), so a
+    ``dataloader`` that gathers across ranks is judged on its own data time.
+    """
+    total = con.execute("SELECT sum(step_ms) FROM steps").fetchone()[0] or 0.0
+    rank_step = dict(con.execute("SELECT rank, sum(step_ms) FROM steps GROUP BY 1").fetchall())
+    rows = con.execute(
+        f"""SELECT path, NULL AS rank, median(wait), sum(ms - wait), bool_and(parent IS NULL),
+                   sum(greatest(ms - coll_ms, 0.0))
+            FROM pw GROUP BY 1
+            UNION ALL SELECT '{RESIDUAL}', NULL, median(wait), sum(own), TRUE, sum(own) FROM ex
+                      WHERE name = '{RESIDUAL}'
+            UNION ALL SELECT path, rank, median(wait), sum(ms - wait), bool_and(parent IS NULL),
+                             sum(greatest(ms - coll_ms, 0.0))
+            FROM pw GROUP BY 1, 2
+            UNION ALL SELECT '{RESIDUAL}', rank, median(wait), sum(own), TRUE, sum(own) FROM ex
+                      WHERE name = '{RESIDUAL}' GROUP BY 2"""
+    ).fetchall()
+    for path, rank, wmed, own_sum, top, work_sum in rows:
+        ph = phases.get(str(path))
+        if ph is None:
+            continue
+        targets = [ph] if rank is None else [p for p in ph["per_rank"] if p["rank"] == int(rank)]
+        denom = total if rank is None else (rank_step.get(rank) or 0.0)
+        for t in targets:
+            t["wait_ms"] = round(float(wmed or 0.0), 3)
+            t["own_share"] = round(float(own_sum) / denom, 4) if top and denom else None
+            t["work_share"] = round(float(work_sum) / denom, 4) if top and denom else None
+
+
+def attribute(con: Any, hosts: dict[str, list[int]], ranks: list[int], median_step: float,
+              steps: list[int]) -> Attribution:
+    """Waits, own work, stragglers, windows and the collectives view for a loaded run."""
+    n_ranks = len(ranks)
+    al = align(con, hosts, n_ranks, median_step)
+    info: list[str] = []
+    source, notes = build_waits(con, n_ranks, al, info)
+    if source in ("collectives", "grad_sync", "collectives+timeline"):
+        row = con.execute(
+            """SELECT coalesce(phase, 'residual'), arg_max(op, ms) FROM (
+                   SELECT phase, op, sum(wait) + 1e-9 * sum(ms) AS ms FROM cw GROUP BY 1, 2)
+               GROUP BY 1 ORDER BY max(ms) DESC LIMIT 1"""
+        ).fetchone()
+        if row:
+            al.sync_phase = str(row[0]).split("/")[0]
+            al.arrival = GRAD_SYNC if row[1] == DDP_OP else str(row[1])
+            al.aligned = True
+    build_own(con)
+    thr = build_thresholds(con, median_step)
+    host_of = {r: h for h, rs in hosts.items() for r in rs}
+    stragglers = find_stragglers(con, steps, host_of, thr, median_step)
+    warmup: dict[str, Any] = {}
+    windows = find_windows(con, steps, stragglers, ranks, warmup)
+    by_phase: dict[str, list[float]] = {}
+    for (_, name), t in thr.items():
+        by_phase.setdefault(name, []).append(t)
+    thresholds = {n: robust.median(v) for n, v in by_phase.items()}
+    return Attribution(al, source, thresholds, stragglers, windows,
+                       collectives_section(con, source, notes + info), notes, warmup or None)

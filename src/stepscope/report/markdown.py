@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from stepscope.report.collectives import markdown_lines as collectives_markdown
 from stepscope.report.escape import md, md_code
 from stepscope.report.plots import have_matplotlib, plot_data, write_pngs
 from stepscope.report.terminal import capture_label, window_captures
@@ -74,7 +75,8 @@ def render_markdown(doc: dict[str, Any], images: list[str] | None = None) -> str
         share = "-" if p["share"] is None else f"{100 * p['share']:.1f}%"
         lines.append(f"| {label} | {_f(p['median_ms'])} | {_f(p['p90_ms'])} | "
                      f"{_f(p['p99_ms'])} | {_f(p['max_ms'])} | {share} |")
-    lines += ["", "## Ranks", "", "| rank | host | step ms | p90 | own ms | wait ms |",
+    lines += ["", *collectives_markdown(doc)]
+    lines += ["## Ranks", "", "| rank | host | step ms | p90 | own ms | wait ms |",
               "|---:|---|---:|---:|---:|---:|"]
     for r in doc["ranks"][:64]:
         lines.append(f"| {r['rank']} | {md(r['host'])} | {_f(r['step_ms']['median'])} | "

@@ -11,6 +11,7 @@ import os
 import sys
 from typing import Any
 
+from stepscope.report.collectives import print_terminal as print_collectives
 from stepscope.report.escape import one_line
 from stepscope.report.escape import rich as esc
 
@@ -194,6 +195,7 @@ def render_terminal(doc: dict[str, Any], console: Any = None) -> None:
             for c in ("phase", "median ms", "p90 ms", "p99 ms", "max ms", "share of step")]
     con.print(fit_table("Phases (all ranks)", cols, [[esc(c) for c in r] for r in rows], width,
                         optional=("p99 ms", "max ms"), plain_rows=rows))
+    print_collectives(doc, con)
 
     shown = _rank_rows(doc)
     title = "Ranks" + (f" ({len(shown)} of {len(doc['ranks'])} shown)"

@@ -1,0 +1,201 @@
+"""Real gloo DDP runs for the wait-attribution tests: accumulation and static_graph variants.
+
+Reuses the demo job's model, slow-injection points and loader (:mod:`stepscope.demo`), with
+``micro`` micro-batches per step (``no_sync`` on all but the last) and DDP options. One
+process per rank, one intra-op thread each.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import stepscope
+from stepscope import demo
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str, steps: int,
+            slow: tuple[demo.SlowSpec, ...], micro: int, ddp_kw: dict[str, Any]) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        injector = demo._Injector(rank, slow)
+        model = DDP(demo.DemoModel(injector), **ddp_kw)
+        opt = demo._SlowSGD(model.parameters(), lr=0.01)
+        opt.injector = injector
+        g = torch.Generator().manual_seed(rank)
+        n = 32 * 16 * micro
+        data = torch.utils.data.TensorDataset(torch.randn(n, 64, generator=g),
+                                              torch.randint(0, 10, (n,), generator=g))
+        loader = torch.utils.data.DataLoader(data, batch_size=16 * micro, shuffle=True, generator=g)
+        stepscope.init(out_dir=out_dir, model=model, optimizer=opt, run_id="harness",
+                       auto={"dataloader", "forward", "backward", "optimizer"})
+        loss_fn = nn.CrossEntropyLoss()
+        step = 0
+        while step < steps:
+            for batch in stepscope.wrap_loader(demo._batches(loader, injector)):
+                if step >= steps:
+                    break
+                with stepscope.step():
+                    x, y = batch.to("cpu")
+                    for m, (xm, ym) in enumerate(zip(x.chunk(micro), y.chunk(micro), strict=True)):
+                        if m < micro - 1:
+                            with model.no_sync():
+                                loss_fn(model(xm), ym).backward()
+                        else:
+                            loss_fn(model(xm), ym).backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                step += 1
+                injector.step = step
+        stepscope.finish()
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch(out_dir: str | os.PathLike[str], ranks: int = 2, steps: int = 60,
+           slow: tuple[demo.SlowSpec, ...] = (), micro: int = 1, **ddp_kw: Any) -> Path:
+    """Run the job with one process per rank; returns the run directory."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    mp.spawn(_worker, args=(ranks, _free_port(), str(out), steps, tuple(slow), micro, ddp_kw),  # type: ignore[attr-defined]
+             nprocs=ranks, join=True)
+    return out
+
+
+class _Sleep(nn.Module):
+    """Sleeps in forward (and, through demo's _SlowGrad, in backward) when injected."""
+
+    def __init__(self, injector: Any) -> None:
+        super().__init__()
+        self.injector = injector
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.injector.sleep("forward")
+        out: torch.Tensor = demo._SlowGrad.apply(x, self.injector)
+        return out
+
+
+def _fsdp_worker(rank: int, world: int, port: int, out_dir: str, steps: int,
+                 slow: tuple[demo.SlowSpec, ...], layers: int) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        injector = demo._Injector(rank, slow)
+        mods: list[nn.Module] = [nn.Linear(64, 128), nn.ReLU()]
+        for i in range(layers):
+            if i == layers // 2:
+                # Mid-model: the fast ranks wait in the next layer's all-gather (forward) and
+                # in a backward all-gather / reduce-scatter (backward).
+                mods.append(_Sleep(injector))
+            mods += [nn.Linear(128, 128), nn.ReLU()]
+        mods.append(nn.Linear(128, 10))
+        model = nn.Sequential(*mods)
+        for m in model:
+            if isinstance(m, nn.Linear):
+                fully_shard(m)
+        fully_shard(model)
+        opt = demo._SlowSGD(model.parameters(), lr=0.01)
+        opt.injector = injector
+        g = torch.Generator().manual_seed(rank)
+        data = torch.utils.data.TensorDataset(torch.randn(32 * 16, 64, generator=g),
+                                              torch.randint(0, 10, (32 * 16,), generator=g))
+        loader = torch.utils.data.DataLoader(data, batch_size=32, shuffle=True, generator=g)
+        stepscope.init(out_dir=out_dir, model=model, optimizer=opt, run_id="fsdp",
+                       auto={"dataloader", "forward", "backward", "optimizer"})
+        loss_fn = nn.CrossEntropyLoss()
+        step = 0
+        while step < steps:
+            for batch in stepscope.wrap_loader(demo._batches(loader, injector)):
+                if step >= steps:
+                    break
+                with stepscope.step():
+                    x, y = batch.to("cpu")
+                    loss_fn(model(x), y).backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                step += 1
+                injector.step = step
+        stepscope.finish()
+    finally:
+        dist.destroy_process_group()
+
+
+def launch_fsdp(out_dir: str | os.PathLike[str], ranks: int = 2, steps: int = 60,
+                slow: tuple[demo.SlowSpec, ...] = (), layers: int = 4) -> Path:
+    """FSDP2 (``fully_shard`` per Linear and the root) over gloo; returns the run directory."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    mp.spawn(_fsdp_worker, args=(ranks, _free_port(), str(out), steps, tuple(slow), layers),  # type: ignore[attr-defined]
+             nprocs=ranks, join=True)
+    return out
+
+
+def _hf_worker(rank: int, world: int, port: int, out_dir: str, steps: int, slow_rank: int,
+               phase: str, ms: float) -> None:
+    import time
+
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+    from stepscope.integrations.hf import StepscopeCallback
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128,
+                                       n_positions=32, bos_token_id=0, eos_token_id=0))
+    delay = ms / 1000.0 if rank == slow_rank else 0.0
+
+    class SlowOptimizer(TrainerCallback):  # type: ignore[misc]
+        def on_pre_optimizer_step(self, *a: Any, **k: Any) -> None:
+            if phase == "optimizer" and delay:
+                time.sleep(delay)
+
+    if phase == "forward" and delay:
+        model.transformer.h[1].register_forward_pre_hook(lambda *_: time.sleep(delay))
+    g = torch.Generator().manual_seed(rank)
+    ids = torch.randint(0, 128, (steps * 8 * world + 64, 32), generator=g)
+    data = [{"input_ids": x, "labels": x} for x in ids]
+    args = TrainingArguments(
+        output_dir=os.path.join(out_dir, "hf"), per_device_train_batch_size=8, max_steps=steps,
+        use_cpu=True, ddp_backend="gloo", report_to=[], logging_steps=10_000, save_strategy="no",
+        disable_tqdm=True, dataloader_num_workers=0, learning_rate=1e-4)
+    trainer = Trainer(model=model, args=args, train_dataset=data,
+                      callbacks=[StepscopeCallback(out_dir=out_dir, run_id="hf"), SlowOptimizer()])
+    trainer.train()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def launch_hf(out_dir: str | os.PathLike[str], ranks: int = 2, steps: int = 60, slow_rank: int = -1,
+              phase: str = "", ms: float = 0.0) -> Path:
+    """The HF Trainer under DDP (gloo, CPU) on a tiny GPT-2 built from a config."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    mp.spawn(_hf_worker, args=(ranks, _free_port(), str(out), steps, slow_rank, phase, ms),  # type: ignore[attr-defined]
+             nprocs=ranks, join=True)
+    return out
+
