@@ -26,7 +26,7 @@ from typing import Any
 
 from stepscope.analysis.resources import RESOURCE_COLUMNS, TIMED_FILTER, create_resource_table
 from stepscope.errors import AnalysisError
-from stepscope.records import READABLE_SCHEMAS, SCHEMA_VERSION, SQLITE_TABLE, row_to_record
+from stepscope.records import READABLE_SCHEMAS, SQLITE_TABLE, row_to_record
 
 _PHASE_TYPE = (
     "STRUCT(name VARCHAR, parent VARCHAR, ms DOUBLE, calls BIGINT, start_ms DOUBLE, end_ms DOUBLE,"
@@ -36,8 +36,6 @@ _COLL_TYPE = (
     "STRUCT(phase VARCHAR, op VARCHAR, pg VARCHAR, pg_size BIGINT, count BIGINT, bytes BIGINT,"
     " ms DOUBLE, max_ms DOUBLE, seq_first BIGINT, seq_last BIGINT)[]"
 )
-#: Schema versions this reader understands (2 adds phase paths and collectives).
-READABLE_SCHEMAS = frozenset({1, SCHEMA_VERSION, 2})
 _COLUMNS = {
     "schema": "BIGINT",
     "run_id": "VARCHAR",
@@ -286,6 +284,7 @@ def _build_tables(con: Any, root: Path, sources: list[Path], skipped: list[str])
     )
     if not schemas:
         raise AnalysisError(f"{root}: no valid step records (every line was corrupt)")
+    readable = " and ".join(str(v) for v in READABLE_SCHEMAS)
     if not set(READABLE_SCHEMAS) & set(schemas):
         found = ", ".join(str(s) for s in sorted(schemas))
         raise AnalysisError(
