@@ -188,3 +188,88 @@ def test_slow_rank_captures_and_a_healthy_rank_compares(tmp_path):
     linked, skipped = link_triggers(tmp_path, windows)
     assert len(linked) == 2 and skipped == []
     assert windows[0]["captures"] == [0, 1] and windows[1]["captures"] == []
+
+
+# ----------------------------------------------------------------- stress: profiler vs. side group
+
+
+def _stress_worker(rank: int, world: int, port: int, out: str, steps: int) -> None:
+    import faulthandler
+
+    import torch.distributed as dist
+
+    import stepscope
+    from stepscope.profiler import Profiler
+
+    faulthandler.enable()  # a crash prints every thread's Python stack to stderr
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        # A capture on every slow step, one profiled step each, no cooldown; a live exchange
+        # (an asynchronous all-gather on the side group) at every step.
+        cfg = AutoProfileConfig(window=8, min_history=4, k=0.0, min_slowdown=2.0, patience=1, steps=1,
+                                warmup=0, cooldown=0, max_captures=1000)
+        tracer = stepscope.init(out_dir=out, auto=False, flush_every_n_steps=1, auto_profile=cfg)
+        view = tracer._live
+        stops = {"n": 0, "in_flight": 0}
+        stop = Profiler.stop
+
+        def counting_stop(self: Profiler) -> None:
+            # Evidence that the run reached the hazard: a side gather not yet completed
+            # (the peer has not issued its half) when the profiler stops.
+            stops["n"] += 1
+            stops["in_flight"] += any(not w.is_completed() for w, _ in getattr(view, "_works", ()))
+            stop(self)
+
+        Profiler.stop = counting_stop  # type: ignore[method-assign]
+        model = torch.nn.Linear(32, 32)
+        x = torch.randn(16, 32)
+        for i in range(steps):
+            with stepscope.step():
+                model(x).sum().backward()
+                # Ranks take turns being slow (3 ms base, 40 ms slow: 13x, far over the 3x floor),
+                # so captures start and stop on both while the peer is at another step.
+                time.sleep(0.04 if i % 6 == 0 and (i // 6) % 2 == rank else 0.003)
+            if i % 25 == 24:
+                dist.barrier()  # bounds the drift between ranks
+        stepscope.finish()
+        with open(os.path.join(out, f"stops{rank}.json"), "w") as f:
+            json.dump(stops, f)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_profiler_start_stop_with_side_gathers_in_flight_never_crashes(tmp_path):
+    """Auto-profile capture cycles with the live exchange busy: every rank must exit 0.
+
+    The crash this guards against (issue 10.13: SIGSEGV in rank 1 right after
+    ``profiler_stop``): a gloo ``async_op=True`` collective issued while torch.profiler is
+    recording creates a RecordFunction that is active, so the Work copies the issuing
+    thread's thread-local state (which holds the profiler's KinetoThreadLocalState) into
+    its before/end callbacks, run later on a gloo worker thread. If the profiler stops while
+    that Work is still in flight, the gloo thread writes into the profiler's record queue
+    while ``disableProfiler()`` finalises it, and the state is later destroyed from the
+    Work's destructor: native backtrace ``~TorchOpStorage <- ~ThreadLocalSubqueue <-
+    ~KinetoThreadLocalState <- ~ThreadLocalState <- ~AsyncWork``. Reproduced outside
+    stepscope with a bare profile()/all_gather loop; no crash when the gathers complete
+    before stop, or when they were issued before start, or when issued with
+    RecordFunction off. The live view issues one such gather per exchange, and the
+    auto-profiler starts and stops torch.profiler at step ends between them.
+
+    Here every step exchanges and every slow step starts a one-step capture, so stops
+    with a gather still in flight happen many times per run; the test checks that they did.
+    """
+    steps = 90
+    mp.spawn(_stress_worker, args=(2, _free_port(), str(tmp_path), steps), nprocs=2, join=True)
+    lines = [json.loads(x) for x in (tmp_path / TRIGGERS_FILE).read_text().splitlines()]
+    for rank in (0, 1):
+        mine = [x for x in lines if x["rank"] == rank]
+        assert sum(x["status"] == "captured" for x in mine) >= 5, mine
+        assert all(x["status"] in ("captured", "incomplete") for x in mine), mine
+    stops = [json.loads((tmp_path / f"stops{r}.json").read_text()) for r in (0, 1)]
+    assert sum(s["n"] for s in stops) >= 10, stops
+    # The hazard was reached, not dodged by timing.
+    assert sum(s["in_flight"] for s in stops) >= 3, stops
