@@ -68,7 +68,14 @@ def test_resolve_auto_profile():
         resolve_auto_profile("yes")
 
 
-def _train(tracer, steps: int, slow, slow_s: float = 0.06, base_s: float = 0.005) -> None:
+# Margins for a loaded CI machine (2 busy cores): a slow step is 24x the base step and
+# min_slowdown=4.0 puts the threshold at 5x the median (~26 ms), so a false trigger needs two
+# scheduling delays of over 20 ms in a row (patience 2), and a slow step beats the threshold
+# by 4x even if load doubles the median.
+SLOW_FLOOR = 4.0
+
+
+def _train(tracer, steps: int, slow, slow_s: float = 0.12, base_s: float = 0.005) -> None:
     model = torch.nn.Linear(16, 16)
     x = torch.randn(8, 16)
     for i in range(steps):
@@ -78,8 +85,9 @@ def _train(tracer, steps: int, slow, slow_s: float = 0.06, base_s: float = 0.005
 
 
 def test_slow_window_is_captured_and_the_healthy_part_is_not(mem_tracer, tmp_path):
-    # A 3x floor keeps scheduler jitter on a busy CI machine from looking like a slow window.
-    cfg = AutoProfileConfig(min_history=15, window=30, steps=3, warmup=1, cooldown=100, min_slowdown=2.0)
+    # A 5x floor keeps scheduler jitter on a busy CI machine from looking like a slow window.
+    cfg = AutoProfileConfig(min_history=15, window=30, steps=3, warmup=1, cooldown=100,
+                            min_slowdown=SLOW_FLOOR)
     tracer = mem_tracer(out_dir=str(tmp_path), auto_profile=cfg)
     _train(tracer, 40, slow=range(20, 26))
     tracer.finish()
@@ -89,7 +97,7 @@ def test_slow_window_is_captured_and_the_healthy_part_is_not(mem_tracer, tmp_pat
     assert t["status"] == "captured" and t["role"] == "affected" and t["rank"] == 0
     assert t["step"] == 21  # the second slow step (patience 2)
     assert t["window"] == [23, 26]  # warm-up at 22, then 3 captured steps, all slow
-    assert t["step_ms"] > 50.0 and t["baseline_ms"] < 15.0
+    assert t["step_ms"] > 100.0 and t["baseline_ms"] < 30.0
     assert "single process" in t["note"]
     trace = tmp_path / t["trace"]
     assert trace.exists() and trace.stat().st_size > 0
@@ -102,7 +110,7 @@ def test_slow_window_is_captured_and_the_healthy_part_is_not(mem_tracer, tmp_pat
 
 def test_captures_are_bounded_with_cooldown(mem_tracer, tmp_path):
     cfg = AutoProfileConfig(min_history=10, window=20, steps=1, warmup=0, cooldown=8, max_captures=2,
-                            min_slowdown=2.0)
+                            min_slowdown=SLOW_FLOOR)
     tracer = mem_tracer(out_dir=str(tmp_path), auto_profile=cfg)
     # Four slow windows: the second starts inside the first one's cooldown (steps 22-31),
     # the fourth finds the budget of two spent.
@@ -116,7 +124,7 @@ def test_captures_are_bounded_with_cooldown(mem_tracer, tmp_path):
 
 
 def test_user_profile_window_wins(mem_tracer, tmp_path):
-    cfg = AutoProfileConfig(min_history=10, window=20, patience=1, steps=1)
+    cfg = AutoProfileConfig(min_history=10, window=20, patience=1, steps=1, min_slowdown=SLOW_FLOOR)
     tracer = mem_tracer(out_dir=str(tmp_path), auto_profile=cfg, profile_steps=(50, 51))
     _train(tracer, 14, slow=range(12, 13))
     tracer.finish()
@@ -144,17 +152,21 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        cfg = AutoProfileConfig(min_history=15, window=30, steps=2, warmup=1, min_slowdown=2.0)
+        # Threshold >= 5x the 8 ms pace (40 ms); rank 1's slow steps take 150 ms.
+        cfg = AutoProfileConfig(min_history=15, window=30, steps=2, warmup=1, min_slowdown=SLOW_FLOOR)
         stepscope.init(out_dir=out, auto=False, flush_every_n_steps=5, auto_profile=cfg)
         # Paced loop without a collective per step, so rank 1's slow window does not slow
         # rank 0; a barrier every 10 steps (an eval, say) keeps them within 10 steps, which
         # shows on rank 0 as single slow steps, below the patience of 2.
-        period, t0 = 0.008, time.perf_counter()
+        # A fixed pause after each step, not a schedule to catch up with: after waiting at a
+        # barrier a rank must not run its next steps back to back, which would drop its
+        # baseline to the bare step cost and let load jitter trigger it.
+        pause = 0.008
         for i in range(110):
             with stepscope.step():
                 if rank == 1 and 20 <= i < 30:
-                    time.sleep(0.06)
-            time.sleep(max(0.0, t0 + (i + 1) * period - time.perf_counter()))
+                    time.sleep(0.15)
+            time.sleep(pause)
             if i % 10 == 9:
                 dist.barrier()
         stepscope.finish()

@@ -53,7 +53,7 @@ def unobserved() -> Iterator[None]:
     """
     import torch
 
-    enable = torch.autograd._enable_record_function
+    enable = torch._C._autograd._enable_record_function
     enable(False)
     try:
         yield
