@@ -109,3 +109,18 @@ def test_step_timer_drives_the_profiler(tmp_path: Path, monkeypatch: pytest.Monk
     trace = tmp_path / "traces" / "rank0.pt.trace.json.gz"
     assert trace.exists()
     assert _steps_in(trace) == [1, 2]
+
+
+def test_unobserved_hides_calls_from_a_running_profiler_and_restores_recording():
+    from torch.profiler import ProfilerActivity, profile
+
+    from stepscope.profiler import unobserved
+
+    a = torch.randn(8, 8)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with unobserved():
+            torch.cumsum(a, 0)  # stepscope's own call: not in the user's trace
+        torch.cumprod(a, 0)  # after the block the profiler sees ops again
+    names = {e.name for e in prof.events()}
+    assert "aten::cumprod" in names
+    assert "aten::cumsum" not in names

@@ -359,6 +359,8 @@ class LiveView:
         import torch
         import torch.distributed as dist
 
+        from stepscope.profiler import unobserved
+
         send = self._next
         if send is None:
             send = torch.zeros(PAYLOAD_BYTES, dtype=torch.uint8)
@@ -366,7 +368,10 @@ class LiveView:
         # Newer torch renamed it and warns on the old name; older torch lacks the new one.
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         # Asynchronous on the side gloo group: returns at once, read at a later cadence.
-        work = gather(out, send, group=self.group, async_op=True)
+        # unobserved(): a profiler must not see it, or a gloo thread reaches the profiler's
+        # state after the profiler stops (issue 10.13, profiler.unobserved explains).
+        with unobserved():
+            work = gather(out, send, group=self.group, async_op=True)
         self._works.append((work, out))
 
     # -- writer thread

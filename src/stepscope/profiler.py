@@ -1,11 +1,15 @@
-"""torch.profiler capture over a window of training steps, one trace file per rank."""
+"""torch.profiler capture over a window of training steps, one trace file per rank.
+
+Also :func:`unobserved`, which stepscope's own asynchronous collectives go through so that
+no profiler session (ours or the user's) can be reached from a gloo thread after it stops.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -26,6 +30,35 @@ def current_rank() -> int:
         return int(os.environ.get("RANK", "0"))
     except ValueError:
         return 0
+
+
+@contextlib.contextmanager
+def unobserved() -> Iterator[None]:
+    """Run stepscope's own torch calls unseen by any RecordFunction observer (torch.profiler).
+
+    Why this exists (issue 10.13, a SIGSEGV right after ``profiler_stop``): a gloo
+    collective issued with ``async_op=True`` while torch.profiler records on this thread
+    builds an *active* RecordFunction, so the Work copies this thread's thread-local state
+    (which owns the profiler's per-session state) into callbacks that a gloo worker thread
+    runs when the collective executes and completes. When the peer is late, that is after
+    the profiler stopped: the gloo thread writes into a record queue that ``stop()`` is
+    finalising, and the Work's destructor (on whichever thread drops it) frees the state
+    again. The live view's side-group all-gather is exactly such a collective, and
+    auto-profiling starts and stops the profiler between them.
+
+    RecordFunction is switched off on this thread only, for the duration of the block, so
+    the Work is built with an inactive RecordFunction and captures nothing. Use it around
+    every collective stepscope issues; never around user code. It is switched back on
+    afterwards (torch has no getter for the flag; it is on unless a user turned it off).
+    """
+    import torch
+
+    enable = torch._C._autograd._enable_record_function
+    enable(False)
+    try:
+        yield
+    finally:
+        enable(True)
 
 
 def trace_name(rank: int, compress: bool = True) -> str:
