@@ -224,7 +224,7 @@ def _stress_worker(rank: int, world: int, port: int, out: str, steps: int) -> No
         cfg = AutoProfileConfig(window=8, min_history=4, k=0.0, min_slowdown=2.0, patience=1, steps=1,
                                 warmup=0, cooldown=0, max_captures=1000)
         tracer = stepscope.init(out_dir=out, auto=False, flush_every_n_steps=1, auto_profile=cfg)
-        view = tracer._live
+        view = tracer.live
         stops = {"n": 0, "in_flight": 0}
         stop = Profiler.stop
 

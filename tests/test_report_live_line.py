@@ -18,7 +18,7 @@ def _steps(tracer, n: int) -> None:  # type: ignore[no-untyped-def]
 def test_line_exactly_every_n_steps(mem_tracer) -> None:  # type: ignore[no-untyped-def]
     # Exchange cadence (7) differs from the log cadence (5): lines must still come every 5.
     tracer = mem_tracer(log_every_n_steps=5, flush_every_n_steps=7)
-    view = tracer._live
+    view = tracer.live
     _steps(tracer, 43)
     tracer.finish()
     cadence = [ln for ln in view.lines if "(final)" not in ln]
@@ -34,7 +34,7 @@ def test_line_goes_through_tqdm_when_a_bar_is_open(mem_tracer, monkeypatch) -> N
     monkeypatch.setattr(tqdm.tqdm, "write", classmethod(lambda cls, s, file=None, end="\n", nolock=False:
                                                            written.append(s)))
     tracer = mem_tracer(log_every_n_steps=5, flush_every_n_steps=5)
-    view = tracer._live
+    view = tracer.live
     view._console.file = io.StringIO()  # what the console would print directly
     bar = tqdm.tqdm(total=20, file=io.StringIO())
     try:
