@@ -144,15 +144,13 @@ class Resolver:
         t0 = step.start
         try:
             step.step_ms = el(t0, step.end)
-            kept = []
+            timed = []
             for s in step.spans:
                 if not (same(t0, s.start) and same(t0, s.end)):
                     self.dropped["foreign_device"] += 1
                     continue
-                s.start_ms = el(t0, s.start)
-                s.end_ms = el(t0, s.end)
-                kept.append(s)
-            step.spans = kept
+                timed.append((s, el(t0, s.start), el(t0, s.end)))
+            step.timed = timed
             side = []
             for name, a, b in step.side:
                 if same(a, b):
@@ -198,8 +196,8 @@ class Resolver:
     def _record(self, step: Step, dropped: dict[str, int]) -> dict[str, Any]:
         phases: dict[str, dict[str, Any]] = {}
         top = 0.0
-        for s in step.spans:
-            ms = s.end_ms - s.start_ms
+        for s, start_ms, end_ms in step.timed:
+            ms = end_ms - start_ms
             p = phases.get(s.path)
             if p is None:
                 p = phases[s.path] = {
@@ -208,16 +206,16 @@ class Resolver:
                     "parent": s.parent,
                     "ms": ms,
                     "calls": 1,
-                    "start_ms": s.start_ms,
-                    "end_ms": s.end_ms,
+                    "start_ms": start_ms,
+                    "end_ms": end_ms,
                 }
                 if s.host_start is not None:
                     p["host_ms"] = 0.0
             else:
                 p["ms"] += ms
                 p["calls"] += 1
-                p["start_ms"] = min(p["start_ms"], s.start_ms)
-                p["end_ms"] = max(p["end_ms"], s.end_ms)
+                p["start_ms"] = min(p["start_ms"], start_ms)
+                p["end_ms"] = max(p["end_ms"], end_ms)
             if s.host_start is not None and s.host_end is not None and "host_ms" in p:
                 p["host_ms"] += (s.host_end - s.host_start) / 1e6
             if s.parent is None:

@@ -52,9 +52,7 @@ RECENT_RECORDS = 256
 class Span:
     """One timed region: a phase occurrence. ``path`` is ``parent/name`` (``forward/h2d``)."""
 
-    __slots__ = (
-        "end", "end_ms", "host_end", "host_start", "name", "parent", "path", "start", "start_ms", "wall",
-    )
+    __slots__ = ("end", "host_end", "host_start", "name", "parent", "path", "start", "wall")
 
     def __init__(self, name: str, parent: str | None, start: Any, host: bool) -> None:
         self.name = name
@@ -64,9 +62,10 @@ class Span:
         self.end: Any = None
         self.host_start: int | None = time.perf_counter_ns() if host else None
         self.host_end: int | None = None
-        self.start_ms = 0.0
-        self.end_ms = 0.0
-        self.wall = time.time()  # for observers (heartbeat): when this phase opened
+        self.wall = _wall()  # for observers (heartbeat): when this phase opened
+
+
+_wall = time.time
 
 
 class Step:
@@ -87,6 +86,7 @@ class Step:
         "start",
         "start_unix_ns",
         "step_ms",
+        "timed",
     )
 
     def __init__(self, index: int) -> None:
@@ -101,6 +101,7 @@ class Step:
         self.extra: dict[str, Any] = {}
         self.step_ms = 0.0
         self.side_ms: list[tuple[str, float]] = []
+        self.timed: list[tuple[Span, float, float]] = []  # (span, start_ms, end_ms) once resolved
         self.collective_summary: list[dict[str, Any]] | None = None
         self.gpu_start_unix_ns: int | None = None
         self.res: Any = None  # ResourceMonitor.on_step_end snapshot (memory at step end)

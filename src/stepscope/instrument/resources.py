@@ -373,6 +373,8 @@ class ResourceMonitor:
                 host = HostMemory()
         self.host = host
         self._fast_rss: Callable[[], int] | None = getattr(host, "fast_rss", None) if host else None
+        self._rss_at = -1e9
+        self._rss_last: int | None = None
         self.sampler: NvmlSampler | None = None
         if index is not None or nvml is not None:
             self.sampler = start_nvml(index or 0, nvml, nvml_interval_s)
@@ -446,10 +448,17 @@ class ResourceMonitor:
                 self._stop_metric("CUDA memory", exc)
         rss = None
         if self._fast_rss is not None:
-            try:
-                rss = self._fast_rss()
-            except Exception:  # protect the job: RSS falls back to the writer thread's psutil
-                self._fast_rss = None
+            # At most one read per RSS_EVERY_S: short steps reuse the last value (memory
+            # creep is a trend over the run), so the read stays off most steps' hot path.
+            now = time.monotonic()
+            if now - self._rss_at < RSS_EVERY_S:
+                rss = self._rss_last
+            else:
+                try:
+                    rss = self._rss_last = self._fast_rss()
+                    self._rss_at = now
+                except Exception:  # protect the job: RSS falls back to the writer thread's psutil
+                    self._fast_rss = None
         if mem is None and rss is None and not counted:
             return None
         return (mem, rss, counted)
