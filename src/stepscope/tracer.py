@@ -231,6 +231,7 @@ class Tracer:
         self._stack: list[Span] = []
         self._owner: int | None = None  # thread that opened the current step
         self._ignored = threading.local()  # per thread: step() entries not timed (nested, other thread)
+        self._refused = 0  # such entries open on any thread (a cheap check before the thread-local)
         self._in_step = False
         self._since_flush = 0
         self._warned: set[str] = set()
@@ -512,7 +513,7 @@ class Tracer:
                 cur = self._cur
                 if cur is None:
                     return None
-                if getattr(self._ignored, "n", 0) and threading.get_ident() != self._owner:
+                if self._refused and getattr(self._ignored, "n", 0) and threading.get_ident() != self._owner:
                     return None  # inside a step() refused to this (second) thread
                 stack = self._stack
                 span = Span(name, stack[-1].path if stack else None, self.clock.mark(), host)
@@ -668,6 +669,7 @@ class Tracer:
         if self._in_step:
             tl = self._ignored
             tl.n = getattr(tl, "n", 0) + 1
+            self._refused += 1
             if self._owner == threading.get_ident():
                 self.warn("step() entered inside an open step(); the inner one is not timed",
                           key="nested")
@@ -709,11 +711,13 @@ class Tracer:
             self.fail(exc)
 
     def _exit_step(self, exc: BaseException | None = None) -> None:
-        tl = self._ignored
-        n = getattr(tl, "n", 0)
-        if n:  # the matching entry was not timed
-            tl.n = n - 1
-            return
+        if self._refused:
+            tl = self._ignored
+            n = getattr(tl, "n", 0)
+            if n:  # the matching entry was not timed
+                tl.n = n - 1
+                self._refused -= 1
+                return
         if not self.enabled:
             self._in_step = False
             return
