@@ -277,6 +277,8 @@ class Tracer:
         self.live: Any = None
         self.autoprofile: Any = None
         self._install(model, optimizer)
+        if self.clock.kind == "cpu":  # the device is known now; a CUDA clock knows it at its first mark
+            self._resources = self._new_resources()
         from stepscope.lifecycle import wire
 
         wire(self)
