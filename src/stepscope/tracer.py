@@ -140,7 +140,7 @@ class PhaseContext:
         self._tokens: list[tuple[Any, Any]] = []
 
     def __enter__(self) -> PhaseContext:
-        tracer = self._tracer
+        tracer: Any = self._tracer
         if tracer is None:
             from stepscope.lifecycle import current_tracer
 
@@ -773,13 +773,16 @@ class Tracer:
 
     def _new_resources(self) -> ResourceMonitor:
         cfg = self.config
-        kw = dict(flops_per_step=cfg.flops_per_step, model_flops=cfg.model_flops,
-                  peak_tflops=cfg.peak_tflops)
+
+        def build(device: str) -> ResourceMonitor:
+            return ResourceMonitor(device=device, flops_per_step=cfg.flops_per_step,
+                                   model_flops=cfg.model_flops, peak_tflops=cfg.peak_tflops)
+
         try:
-            return ResourceMonitor(device=self.clock.device, **kw)
+            return build(self.clock.device)
         except Exception as exc:  # protect the job: device metrics are optional, timing is not
             self.warn(f"device memory and health are not recorded: {exc!r}", key="resources")
-            return ResourceMonitor(device="cpu", **kw)
+            return build("cpu")
 
     def _step_fields(
         self, index: int, start_unix_ns: int, step_ms: float, counters: dict[str, float], res: Any

@@ -76,7 +76,7 @@ def _active() -> Tracer | None:
     # is_compiling first: while dynamo traces, it folds to True and nothing else is touched.
     if _is_compiling():
         return None
-    tracer = gate.current()
+    tracer: Tracer | None = gate.current()
     if tracer is None or _tls.suppressed:
         return None
     return tracer
