@@ -332,6 +332,7 @@ class LiveView:
         self.lines: deque[str] = deque(maxlen=100)
         self.exchanges_done = 0
         self._printed_at = 0
+        self._queued_lines = 0  # cadence lines handed to the writer thread, not yet printed
         self._calls = 0
         self._next: Any = None
         self._works: deque[tuple[Any, Any]] = deque()
@@ -351,6 +352,8 @@ class LiveView:
             if exchange and self.distributed and not self._broken:
                 self._issue()
             if exchange or log:
+                if log:
+                    self._queued_lines += 1
                 tracer.submit_background(lambda: self._writer_job(log, step))
         except Exception as exc:  # protect the job: the live view is optional
             tracer.fail(exc)
@@ -386,6 +389,7 @@ class LiveView:
             else:
                 self._set_latest([decode_payload(payload)])
             if log:
+                self._queued_lines -= 1
                 self._print_cadence(at_step)
         except Exception as exc:  # protect the job: a broken view must not stop the writer
             self._break(exc)
@@ -493,8 +497,10 @@ class LiveView:
             if self._works:
                 _park(self.group, list(self._works))
                 self._works.clear()
-            # Numbers that arrived after the last printed line (peers were behind): say them.
-            if self.log_every and self.printer and self.latest and self.exchanges_done > self._printed_at:
+            # Numbers that arrived after the last printed line (peers were behind): say them,
+            # unless a cadence line is still queued on the writer thread (it will).
+            if (self.log_every and self.printer and self.latest and not self._queued_lines
+                    and self.exchanges_done > self._printed_at):
                 self._print(dict(self.latest, step=f"{self._calls - 1} (final)"))
         except Exception as exc:  # protect the job
             self._break(exc)
