@@ -60,6 +60,7 @@ import torch
 
 from stepscope.errors import StepscopeWarning
 from stepscope.instrument import gate
+from stepscope.instrument.patch import SharedPatch
 
 #: function name → the parameter whose tensor(s) give the byte count (None: no payload).
 OPS: dict[str, str | None] = {
@@ -99,8 +100,6 @@ class _ThreadState(threading.local):
 
 _tls = _ThreadState()
 _is_compiling = torch.compiler.is_compiling
-_lock = threading.Lock()
-_installs = 0
 _disabled = False
 _originals: dict[str, Callable[..., Any]] = {}
 # Per process-group object: (id string, size); weak so destroyed groups are forgotten.
@@ -361,43 +360,37 @@ def _targets() -> list[Any]:
     return [dist.distributed_c10d, dist]
 
 
+def _apply() -> None:
+    global _disabled
+    _disabled = False
+    _seq.clear()
+    c10d = torch.distributed.distributed_c10d
+    for name in OPS:
+        orig = getattr(c10d, name, None)
+        if orig is None:
+            continue
+        _originals[name] = orig
+        patched = _make_patched(_Spec(name, orig))
+        for mod in _targets():
+            if getattr(mod, name, None) is orig:
+                setattr(mod, name, patched)
+
+
+def _restore() -> None:
+    for name, orig in _originals.items():
+        for mod in _targets():
+            cur = getattr(mod, name, None)
+            if getattr(cur, "__wrapped__", None) is orig:
+                setattr(mod, name, orig)
+    _originals.clear()
+
+
+_patch = SharedPatch(_apply, _restore)
+
+
 def install_patch() -> Callable[[], None]:
     """Install the patched collectives (reference counted); returns their remover."""
-    global _installs, _disabled
-    with _lock:
-        if _installs == 0:
-            _disabled = False
-            _seq.clear()
-            c10d = torch.distributed.distributed_c10d
-            for name in OPS:
-                orig = getattr(c10d, name, None)
-                if orig is None:
-                    continue
-                _originals[name] = orig
-                patched = _make_patched(_Spec(name, orig))
-                for mod in _targets():
-                    if getattr(mod, name, None) is orig:
-                        setattr(mod, name, patched)
-        _installs += 1
-    removed = False
-
-    def remove() -> None:
-        global _installs
-        nonlocal removed
-        with _lock:
-            if removed:
-                return
-            removed = True
-            _installs -= 1
-            if _installs == 0:
-                for name, orig in _originals.items():
-                    for mod in _targets():
-                        cur = getattr(mod, name, None)
-                        if getattr(cur, "__wrapped__", None) is orig:
-                            setattr(mod, name, orig)
-                _originals.clear()
-
-    return remove
+    return _patch.acquire()
 
 
 # ------------------------------------------------------------------ the record section

@@ -23,6 +23,7 @@ import torch
 
 from stepscope.batch import map_tensors
 from stepscope.instrument import gate
+from stepscope.instrument.patch import SharedPatch
 
 if TYPE_CHECKING:
     from stepscope.tracer import Tracer
@@ -42,8 +43,6 @@ _orig_to = torch.Tensor.to
 _orig_cuda = torch.Tensor.cuda
 _parse_to = torch._C._nn._parse_to
 _is_compiling = torch.compiler.is_compiling
-_lock = threading.Lock()
-_installs = 0
 
 
 def set_step_tracer(tracer: Tracer | None) -> None:
@@ -104,27 +103,25 @@ def _patched_cuda(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
     return _timed_copy(tracer, self, lambda: _orig_cuda(self, *args, **kwargs))
 
 
+def _apply() -> None:
+    torch.Tensor.to = _patched_to  # type: ignore[method-assign,assignment]
+    torch.Tensor.cuda = _patched_cuda  # type: ignore[method-assign,assignment]
+
+
+def _restore() -> None:
+    torch.Tensor.to = _orig_to  # type: ignore[method-assign]
+    torch.Tensor.cuda = _orig_cuda  # type: ignore[method-assign]
+
+
+_patch = SharedPatch(_apply, _restore)
+
+
 def install_patch() -> Callable[[], None]:
     """Install the patched methods (reference counted); returns their remover."""
-    global _installs
-    with _lock:
-        if _installs == 0:
-            torch.Tensor.to = _patched_to  # type: ignore[method-assign,assignment]
-            torch.Tensor.cuda = _patched_cuda  # type: ignore[method-assign,assignment]
-        _installs += 1
-    removed = False
+    release = _patch.acquire()
 
     def remove() -> None:
-        global _installs
-        nonlocal removed
-        with _lock:
-            if removed:
-                return
-            removed = True
-            _installs -= 1
-            if _installs == 0:
-                torch.Tensor.to = _orig_to  # type: ignore[method-assign]
-                torch.Tensor.cuda = _orig_cuda  # type: ignore[method-assign]
+        release()
         if gate.current() is not None:
             set_step_tracer(None)
 
