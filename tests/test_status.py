@@ -231,6 +231,8 @@ def test_hung_rank_is_named_and_the_others_wait_then_sigkill_makes_it_dead(tmp_p
         assert by_rank[2]["state"] == "stalled"
         for r in (0, 1, 3):
             assert by_rank[r]["phase_stack"] == ["sync"] and by_rank[r]["step"] == 5
+            assert by_rank[r]["collective"] == "all_reduce"  # the timed collective it is blocked in
+        assert "collective" not in by_rank[2]
         # The culprit's stack dump (written after 2 s in the step) shows where it sleeps.
         doc = _poll(run, lambda d: bool((d["culprit"] or {}).get("stack_top")), capsys, 60.0,
                     "--stalled-after", "3")

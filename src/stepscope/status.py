@@ -155,6 +155,7 @@ class Heartbeat:
             "last_step_unix": st["last_step_end"],
             "last_step_s": None if st["last_step_s"] is None else round(st["last_step_s"], 6),
             "timing_enabled": st["enabled"],
+            "collective": st.get("collective"),
             "error": None,
             "last_error": self._last_error,
             "stacks": self._dump_info,

@@ -487,7 +487,17 @@ class Tracer:
             "last_step_s": last[2] if last else None,
             "finished": self._finished,
             "enabled": self.enabled,
+            "collective": self._blocked_in(),
         }
+
+    def _blocked_in(self) -> dict[str, Any] | None:
+        owner = self._owner
+        if owner is None or not self.config.collectives:
+            return None
+        from stepscope.instrument.collectives import blocked_in
+
+        got = blocked_in(owner)
+        return None if got is None else {"op": got[0], "since": got[1]}
 
     def note_raise(self, exc: BaseException) -> None:
         """Remember the open phases where ``exc`` was first seen (for crash evidence)."""

@@ -188,6 +188,9 @@ def _rank_view(beat: dict[str, Any], now: float, host: str, stalled_after_s: flo
         "last_step_s": beat.get("last_step_s"),
         "step_age_s": round(step_age, 2),
     }
+    coll = beat.get("collective")
+    if isinstance(coll, dict) and isinstance(coll.get("op"), str):
+        view["collective"] = coll["op"]  # the timed collective this rank is blocked in
     if reason:
         view["reason"] = reason
     if frozen:
@@ -213,6 +216,9 @@ def _rank_view(beat: dict[str, Any], now: float, host: str, stalled_after_s: flo
 
 
 def _innermost(view: dict[str, Any]) -> str | None:
+    """The innermost place the rank is in: the collective it is blocked in, else its phase."""
+    if view.get("collective"):
+        return str(view["collective"])
     stack = view["phase_stack"]
     return stack[-1] if stack else None
 

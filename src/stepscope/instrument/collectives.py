@@ -51,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
@@ -192,6 +193,16 @@ def _disable(exc: BaseException) -> None:
         )
 
 
+#: The timed collective a thread is blocked in, by thread id: ``(op, wall time it entered)``.
+#: Read by observers on other threads (the heartbeat: "which collective is rank 3 stuck in").
+BLOCKED_IN: dict[int, tuple[str, float]] = {}
+
+
+def blocked_in(thread_id: int) -> tuple[str, float] | None:
+    """The collective ``thread_id`` is blocked in (op, since when, wall clock), or None."""
+    return BLOCKED_IN.get(thread_id)
+
+
 def _make_patched(spec: _Spec) -> Callable[..., Any]:
     orig = spec.orig
     name = spec.name
@@ -212,14 +223,18 @@ def _make_patched(spec: _Spec) -> Callable[..., Any]:
             _disable(exc)
             return orig(*args, **kwargs)
         _tls.inside = True
+        tid = threading.get_ident()
+        BLOCKED_IN[tid] = (name, time.time())
         try:
             out = orig(*args, **kwargs)
         except BaseException:
             _tls.inside = False
+            BLOCKED_IN.pop(tid, None)
             with contextlib.suppress(Exception):
                 rec.clock.release(start)
             raise  # the collective's own error, unchanged
         _tls.inside = False
+        BLOCKED_IN.pop(tid, None)
         try:
             is_async = always_async or bool(spec.arg(args, kwargs, spec.async_i, "async_op"))
             if is_async and not isinstance(out, torch.distributed.distributed_c10d.Work):
@@ -305,11 +320,17 @@ def _build_work_class() -> type:
 
         def _ss_call(self, attr: str, args: Any, kwargs: Any) -> Any:
             wait_start = self._ss_begin()
+            pending = self._ss_pending
+            tid = threading.get_ident()
+            if pending is not None:
+                BLOCKED_IN[tid] = (f"{pending[1]}.{attr}", time.time())
             try:
                 out = getattr(self._ss_inner, attr)(*args, **kwargs)
             except BaseException:
+                BLOCKED_IN.pop(tid, None)
                 self._ss_drop()
                 raise
+            BLOCKED_IN.pop(tid, None)
             self._ss_done(wait_start)
             return out
 
