@@ -80,3 +80,28 @@ def test_callback_stands_aside_for_the_profiler(tmp_path):
     _fit(tmp_path, callbacks=[cb], profiler=StepscopeProfiler(out_dir=str(out)))
     assert cb.tracer is None
     assert len(read_run(out)) == 6
+
+
+class Called(Tiny):
+    """A module whose training_step calls the module itself (so model hooks fire)."""
+
+    def forward(self, x):
+        return self.net(x).squeeze(-1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self(x), y)
+
+
+def test_callback_leaves_auto_phases_to_the_hooks(tmp_path):
+    """auto={"backward"}: the gradient hooks time backward; the callback must not add its own."""
+    out = tmp_path / "run"
+    trainer = L.Trainer(max_steps=6, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, accelerator="cpu", default_root_dir=str(tmp_path),
+                        callbacks=[StepscopeCallback(out_dir=str(out), auto={"backward"})])
+    trainer.fit(Called(), torch.utils.data.DataLoader(SlowData(), batch_size=4))
+    recs = sorted(read_run(out), key=lambda r: r["step"])
+    assert len(recs) == 6
+    for r in recs:
+        bwd = [p for p in r["phases"] if p["name"] == "backward"]
+        assert len(bwd) == 1 and bwd[0]["calls"] == 1, bwd

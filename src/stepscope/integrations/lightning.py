@@ -146,6 +146,19 @@ class StepscopeCallback(_pl.Callback):  # type: ignore[misc,name-defined]
         self.init_kwargs = init_kwargs
         self.tracer: Any = None
         self._driver: StepDriver | None = None
+        # Phases the user asked stepscope to time itself (auto={"backward"} gives DDP's
+        # grad_sync): the callback leaves those to the hooks, so none is counted twice. The
+        # hooks sit on the LightningModule: its training_step must call the module (self(x)).
+        auto = init_kwargs.get("auto")
+        self._hooked = set() if auto is None or isinstance(auto, bool) else set(auto)
+
+    def _open(self, name: str) -> None:
+        if self._driver is not None and name not in self._hooked:
+            self._driver.open(name)
+
+    def _close(self, name: str) -> None:
+        if self._driver is not None and name not in self._hooked:
+            self._driver.close(name)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if isinstance(trainer.profiler, StepscopeProfiler):
@@ -158,24 +171,20 @@ class StepscopeCallback(_pl.Callback):  # type: ignore[misc,name-defined]
         if self._driver is not None:
             self._driver.begin_step()
             self._driver.count_batch(batch)  # [metrics] samples / tokens
-            self._driver.open("forward")
+            self._open("forward")
 
     def on_before_zero_grad(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-        if self._driver is not None:
-            self._driver.close("forward")
+        self._close("forward")
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
-        if self._driver is not None:
-            self._driver.close("forward")
-            self._driver.open("backward")
+        self._close("forward")
+        self._open("backward")
 
     def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
-        if self._driver is not None:
-            self._driver.close("backward")
+        self._close("backward")
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-        if self._driver is not None:
-            self._driver.open("optimizer")
+        self._open("optimizer")
 
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
