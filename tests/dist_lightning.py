@@ -29,10 +29,15 @@ class SlowModule(L.LightningModule):  # type: ignore[misc]
     def on_fit_start(self) -> None:
         torch.set_num_threads(1)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.net(x)
+        return out
+
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         self._sleep("forward")
         x, y = batch
-        loss: torch.Tensor = nn.functional.cross_entropy(self.net(x), y)
+        # self(x), not self.net(x): stepscope's model hooks (auto={"backward"}) fire on it.
+        loss: torch.Tensor = nn.functional.cross_entropy(self(x), y)
         return loss
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:

@@ -58,6 +58,9 @@ CHRONIC_DENSITY = 0.5  # flagged share of a segment's span (or of the run) for i
 #: for a while is what a shared host does; a chronic gap needs less evidence than a window.
 CHRONIC_IMPACT = 0.05
 WINDOW_IMPACT = 0.10
+#: And in absolute terms: below this no straggler is named, whatever the step length
+#: (sub-millisecond gaps on short steps are scheduler noise on a shared host).
+MIN_EXCESS_MS = 1.0
 WINDOW_DENSITY = 0.8  # slow share of a step-time window's steps (one host hiccup slows two)
 WINDOW_ALPHA = 0.01  # chance of a window of flags arising from a rank's scattered spikes
 VICTIM_FRACTION = 0.5  # a victim's wait exceeds the culprit's by this share of the excess
@@ -466,7 +469,7 @@ def find_stragglers(
                 continue
             med = robust.median(excess_at[i] for i in seg)
             chronic = span >= CHRONIC_COVER * n_steps
-            if med < (CHRONIC_IMPACT if chronic else WINDOW_IMPACT) * median_step:
+            if med < max(MIN_EXCESS_MS, (CHRONIC_IMPACT if chronic else WINDOW_IMPACT) * median_step):
                 continue  # real perhaps, but too small to matter (shared-host jitter)
             if not chronic and not _unlikely_by_chance(len(seg), span, len(idx) - len(seg),
                                                        n_steps - span, n_steps):
