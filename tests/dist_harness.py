@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import stepscope
 from stepscope import demo
+from stepscope.dist import run_then_exit
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str, steps: int,
@@ -75,7 +76,7 @@ def launch(out_dir: str | os.PathLike[str], ranks: int = 2, steps: int = 60,
     """Run the job with one process per rank; returns the run directory."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    mp.spawn(_worker, args=(ranks, _free_port(), str(out), steps, tuple(slow), micro, ddp_kw),  # type: ignore[attr-defined]
+    mp.spawn(run_then_exit, args=(_worker, ranks, _free_port(), str(out), steps, tuple(slow), micro, ddp_kw),  # type: ignore[attr-defined]
              nprocs=ranks, join=True)
     return out
 
@@ -148,7 +149,7 @@ def launch_fsdp(out_dir: str | os.PathLike[str], ranks: int = 2, steps: int = 60
     """FSDP2 (``fully_shard`` per Linear and the root) over gloo; returns the run directory."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    mp.spawn(_fsdp_worker, args=(ranks, _free_port(), str(out), steps, tuple(slow), layers),  # type: ignore[attr-defined]
+    mp.spawn(run_then_exit, args=(_fsdp_worker, ranks, _free_port(), str(out), steps, tuple(slow), layers),  # type: ignore[attr-defined]
              nprocs=ranks, join=True)
     return out
 
@@ -195,7 +196,7 @@ def launch_hf(out_dir: str | os.PathLike[str], ranks: int = 2, steps: int = 60, 
     """The HF Trainer under DDP (gloo, CPU) on a tiny GPT-2 built from a config."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    mp.spawn(_hf_worker, args=(ranks, _free_port(), str(out), steps, slow_rank, phase, ms),  # type: ignore[attr-defined]
+    mp.spawn(run_then_exit, args=(_hf_worker, ranks, _free_port(), str(out), steps, slow_rank, phase, ms),  # type: ignore[attr-defined]
              nprocs=ranks, join=True)
     return out
 

@@ -17,6 +17,7 @@ from stepscope.autoprofile import (
     SlowStepDetector,
     resolve_auto_profile,
 )
+from stepscope.dist import run_then_exit
 from stepscope.errors import ConfigError
 
 
@@ -176,7 +177,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 
 @pytest.mark.slow
 def test_slow_rank_captures_and_a_healthy_rank_compares(tmp_path):
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(run_then_exit, args=(_worker, 2, _free_port(), str(tmp_path)), nprocs=2, join=True)
     lines = [json.loads(x) for x in (tmp_path / TRIGGERS_FILE).read_text().splitlines()]
     by_role = {x["role"]: x for x in lines}
     assert [x["rank"] for x in lines if x["role"] == "affected"] == [1], lines
@@ -275,7 +276,7 @@ def test_profiler_start_stop_with_side_gathers_in_flight_never_crashes(tmp_path)
     with a gather still in flight happen many times per run; the test checks that they did.
     """
     steps = 90
-    mp.spawn(_stress_worker, args=(2, _free_port(), str(tmp_path), steps), nprocs=2, join=True)
+    mp.spawn(run_then_exit, args=(_stress_worker, 2, _free_port(), str(tmp_path), steps), nprocs=2, join=True)
     lines = [json.loads(x) for x in (tmp_path / TRIGGERS_FILE).read_text().splitlines()]
     for rank in (0, 1):
         mine = [x for x in lines if x["rank"] == rank]

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from stepscope.clock import CudaClock
+from stepscope.dist import run_then_exit
 from stepscope.errors import StepscopeWarning
 from stepscope.instrument import collectives
 from stepscope.records import read_run
@@ -405,7 +406,7 @@ def _ops_worker(rank: int, world: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def ops_run(tmp_path_factory) -> dict[int, list[dict[str, Any]]]:
     out = tmp_path_factory.mktemp("coll") / "run"
-    mp.spawn(_ops_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)  # type: ignore[attr-defined]
+    mp.spawn(run_then_exit, args=(_ops_worker, 2, _free_port(), str(out)), nprocs=2, join=True)  # type: ignore[attr-defined]
     recs = read_run(out)
     return {r: sorted((x for x in recs if x["rank"] == r), key=lambda x: x["step"]) for r in (0, 1)}
 
@@ -500,7 +501,7 @@ def _fsdp_worker(rank: int, world: int, port: int, out: str) -> None:
 @pytest.mark.slow
 def test_fsdp2_all_gathers_in_forward_and_reduce_scatters_in_backward(tmp_path: Path):
     out = tmp_path / "run"
-    mp.spawn(_fsdp_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)  # type: ignore[attr-defined]
+    mp.spawn(run_then_exit, args=(_fsdp_worker, 2, _free_port(), str(out)), nprocs=2, join=True)  # type: ignore[attr-defined]
     recs = read_run(out)
     assert len(recs) == 2 * FSDP_STEPS
     by = {(r["rank"], r["step"]): r for r in recs}

@@ -22,6 +22,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import stepscope
+from stepscope.dist import run_then_exit
 
 INJECTABLE_PHASES = ("dataloader", "h2d", "forward", "backward", "optimizer")
 
@@ -220,9 +221,9 @@ def launch(
         old.unlink(missing_ok=True)
     run_id = time.strftime("demo-%Y%m%d-%H%M%S")
     mp.spawn(  # type: ignore[attr-defined]
-        _worker,
+        run_then_exit,
         args=(
-            ranks, _free_port(), str(out), steps, tuple(slow), sink, seed, run_id, progress,
+            _worker, ranks, _free_port(), str(out), steps, tuple(slow), sink, seed, run_id, progress,
             log_every_n_steps,
         ),
         nprocs=ranks,

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -38,3 +41,21 @@ def rank_info() -> RankInfo:
     rank = _env_int("RANK", 0)
     world = _env_int("WORLD_SIZE", 1)
     return RankInfo(rank, local if local >= 0 else rank, world, host)
+
+
+def run_then_exit(index: int, fn: Callable[..., Any], *args: Any) -> None:
+    """A ``torch.multiprocessing.spawn`` target: run ``fn(index, *args)``, then leave at once.
+
+    Tearing a gloo process group down through Python's garbage collection can deadlock
+    (PyTorch's ``~ProcessGroupGloo`` waits for a worker thread that waits for the GIL while
+    it frees a finished work's tensors). A worker whose ``fn`` returned has nothing left to
+    do, so it flushes its output and exits with status 0 without running destructors.
+    Exceptions propagate unchanged, so ``spawn`` reports them as usual.
+    """
+    import sys
+
+    fn(index, *args)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(0)
