@@ -8,7 +8,6 @@ process per rank, one intra-op thread each.
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import stepscope
 from stepscope import demo
-from stepscope.dist import run_then_exit
+from stepscope.dist import free_port, run_then_exit
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str, steps: int,
@@ -65,18 +64,13 @@ def _worker(rank: int, world: int, port: int, out_dir: str, steps: int,
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 def launch(out_dir: str | os.PathLike[str], ranks: int = 2, steps: int = 60,
            slow: tuple[demo.SlowSpec, ...] = (), micro: int = 1, **ddp_kw: Any) -> Path:
     """Run the job with one process per rank; returns the run directory."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    mp.spawn(run_then_exit, args=(_worker, ranks, _free_port(), str(out), steps, tuple(slow), micro, ddp_kw),  # type: ignore[attr-defined]
+    mp.spawn(run_then_exit, args=(_worker, ranks, free_port(), str(out), steps, tuple(slow), micro, ddp_kw),  # type: ignore[attr-defined]
              nprocs=ranks, join=True)
     return out
 
@@ -149,7 +143,7 @@ def launch_fsdp(out_dir: str | os.PathLike[str], ranks: int = 2, steps: int = 60
     """FSDP2 (``fully_shard`` per Linear and the root) over gloo; returns the run directory."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    mp.spawn(run_then_exit, args=(_fsdp_worker, ranks, _free_port(), str(out), steps, tuple(slow), layers),  # type: ignore[attr-defined]
+    mp.spawn(run_then_exit, args=(_fsdp_worker, ranks, free_port(), str(out), steps, tuple(slow), layers),  # type: ignore[attr-defined]
              nprocs=ranks, join=True)
     return out
 
@@ -196,7 +190,7 @@ def launch_hf(out_dir: str | os.PathLike[str], ranks: int = 2, steps: int = 60, 
     """The HF Trainer under DDP (gloo, CPU) on a tiny GPT-2 built from a config."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    mp.spawn(run_then_exit, args=(_hf_worker, ranks, _free_port(), str(out), steps, slow_rank, phase, ms),  # type: ignore[attr-defined]
+    mp.spawn(run_then_exit, args=(_hf_worker, ranks, free_port(), str(out), steps, slow_rank, phase, ms),  # type: ignore[attr-defined]
              nprocs=ranks, join=True)
     return out
 

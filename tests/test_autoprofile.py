@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 
 import pytest
@@ -17,7 +16,7 @@ from stepscope.autoprofile import (
     SlowStepDetector,
     resolve_auto_profile,
 )
-from stepscope.dist import run_then_exit
+from stepscope.dist import free_port, run_then_exit
 from stepscope.errors import ConfigError
 
 
@@ -137,11 +136,6 @@ def test_user_profile_window_wins(mem_tracer, tmp_path):
 # ----------------------------------------------------------------- real gloo ranks
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 def _worker(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
@@ -177,7 +171,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 
 @pytest.mark.slow
 def test_slow_rank_captures_and_a_healthy_rank_compares(tmp_path):
-    mp.spawn(run_then_exit, args=(_worker, 2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(run_then_exit, args=(_worker, 2, free_port(), str(tmp_path)), nprocs=2, join=True)
     lines = [json.loads(x) for x in (tmp_path / TRIGGERS_FILE).read_text().splitlines()]
     by_role = {x["role"]: x for x in lines}
     assert [x["rank"] for x in lines if x["role"] == "affected"] == [1], lines
@@ -276,7 +270,7 @@ def test_profiler_start_stop_with_side_gathers_in_flight_never_crashes(tmp_path)
     with a gather still in flight happen many times per run; the test checks that they did.
     """
     steps = 90
-    mp.spawn(run_then_exit, args=(_stress_worker, 2, _free_port(), str(tmp_path), steps), nprocs=2, join=True)
+    mp.spawn(run_then_exit, args=(_stress_worker, 2, free_port(), str(tmp_path), steps), nprocs=2, join=True)
     lines = [json.loads(x) for x in (tmp_path / TRIGGERS_FILE).read_text().splitlines()]
     for rank in (0, 1):
         mine = [x for x in lines if x["rank"] == rank]

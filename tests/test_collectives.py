@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import statistics
 import threading
 import time
@@ -17,7 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from stepscope.clock import CudaClock
-from stepscope.dist import run_then_exit
+from stepscope.dist import free_port, run_then_exit
 from stepscope.errors import StepscopeWarning
 from stepscope.instrument import collectives
 from stepscope.records import read_run
@@ -308,11 +307,6 @@ def test_summarize_aggregates_per_phase_op_and_group():
 # ---------------------------------------------------------------- real 2-rank gloo runs
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 def _setup(rank: int, world: int, port: int) -> None:
     torch.set_num_threads(1)
@@ -406,7 +400,7 @@ def _ops_worker(rank: int, world: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def ops_run(tmp_path_factory) -> dict[int, list[dict[str, Any]]]:
     out = tmp_path_factory.mktemp("coll") / "run"
-    mp.spawn(run_then_exit, args=(_ops_worker, 2, _free_port(), str(out)), nprocs=2, join=True)  # type: ignore[attr-defined]
+    mp.spawn(run_then_exit, args=(_ops_worker, 2, free_port(), str(out)), nprocs=2, join=True)  # type: ignore[attr-defined]
     recs = read_run(out)
     return {r: sorted((x for x in recs if x["rank"] == r), key=lambda x: x["step"]) for r in (0, 1)}
 
@@ -501,7 +495,7 @@ def _fsdp_worker(rank: int, world: int, port: int, out: str) -> None:
 @pytest.mark.slow
 def test_fsdp2_all_gathers_in_forward_and_reduce_scatters_in_backward(tmp_path: Path):
     out = tmp_path / "run"
-    mp.spawn(run_then_exit, args=(_fsdp_worker, 2, _free_port(), str(out)), nprocs=2, join=True)  # type: ignore[attr-defined]
+    mp.spawn(run_then_exit, args=(_fsdp_worker, 2, free_port(), str(out)), nprocs=2, join=True)  # type: ignore[attr-defined]
     recs = read_run(out)
     assert len(recs) == 2 * FSDP_STEPS
     by = {(r["rank"], r["step"]): r for r in recs}

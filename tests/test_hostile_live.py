@@ -8,7 +8,6 @@ rank 0 finishes its loop, calls ``stepscope.finish()`` (and, in one variant, the
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from stepscope.dist import free_port
 from stepscope.live import FINISH_WAIT_S
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -49,16 +49,11 @@ WORKER = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 @pytest.mark.parametrize("destroy", [False, True])
 def test_rank_with_a_stuck_peer_exits_within_the_bound(tmp_path: Path, destroy: bool) -> None:
     env = {**os.environ, "PYTHONPATH": str(SRC)}
-    port = str(_free_port())
+    port = str(free_port())
 
     def start(rank: int) -> subprocess.Popen[bytes]:
         return subprocess.Popen([sys.executable, "-c", WORKER, str(rank), port, str(tmp_path),

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 
 import pytest
 import torch.multiprocessing as mp
 
-from stepscope.dist import run_then_exit
+from stepscope.dist import free_port, run_then_exit
 from stepscope.live import (
     PAYLOAD_BYTES,
     cross_rank_summary,
@@ -130,11 +129,6 @@ def test_failing_live_view_disables_timing_with_one_warning(mem_tracer, monkeypa
 # ----------------------------------------------------------------- real gloo ranks
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 def _worker(rank: int, world: int, port: int, out: str, stall_s: float) -> None:
     import torch
@@ -174,7 +168,7 @@ def _worker(rank: int, world: int, port: int, out: str, stall_s: float) -> None:
 @pytest.mark.slow
 def test_two_gloo_ranks_exchange_without_blocking(tmp_path):
     stall = 1.5
-    mp.spawn(run_then_exit, args=(_worker, 2, _free_port(), str(tmp_path), stall), nprocs=2, join=True)
+    mp.spawn(run_then_exit, args=(_worker, 2, free_port(), str(tmp_path), stall), nprocs=2, join=True)
     r0 = json.loads((tmp_path / "result0.json").read_text())
     r1 = json.loads((tmp_path / "result1.json").read_text())
     # No barrier in the hot path: rank 0 kept stepping while rank 1 stalled for 1.5 s.

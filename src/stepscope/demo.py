@@ -8,7 +8,6 @@ culprit.
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import stepscope
-from stepscope.dist import run_then_exit
+from stepscope.dist import free_port, run_then_exit
 
 INJECTABLE_PHASES = ("dataloader", "h2d", "forward", "backward", "optimizer")
 
@@ -185,11 +184,6 @@ def _worker(
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 def launch(
     out_dir: str | os.PathLike[str],
@@ -223,7 +217,7 @@ def launch(
     mp.spawn(  # type: ignore[attr-defined]
         run_then_exit,
         args=(
-            _worker, ranks, _free_port(), str(out), steps, tuple(slow), sink, seed, run_id, progress,
+            _worker, ranks, free_port(), str(out), steps, tuple(slow), sink, seed, run_id, progress,
             log_every_n_steps,
         ),
         nprocs=ranks,

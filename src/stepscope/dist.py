@@ -43,6 +43,13 @@ def rank_info() -> RankInfo:
     return RankInfo(rank, local if local >= 0 else rank, world, host)
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (for a local rendezvous: demo, tests)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def run_then_exit(index: int, fn: Callable[..., Any], *args: Any) -> None:
     """A ``torch.multiprocessing.spawn`` target: run ``fn(index, *args)``, then leave at once.
 
