@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -48,7 +47,9 @@ def trace_command(path: str, as_json: bool = False, markdown: str | None = None,
             print(f"stepscope trace: cannot write {markdown}: {e}", file=sys.stderr)
             return 2
     if as_json:
-        sys.stdout.write(json.dumps(doc, indent=1) + "\n")
+        from stepscope.report.escape import write_json
+
+        write_json(doc, sys.stdout, indent=1)
     else:
         from stepscope.report.trace_terminal import render_trace_terminal
 

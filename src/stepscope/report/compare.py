@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
 from stepscope.errors import AnalysisError
+from stepscope.report.escape import write_json
 
 
 def _ms(x: float | None) -> str:
@@ -153,8 +153,7 @@ def compare_command(
         return 2
     note = sys.stderr if as_json else sys.stdout
     if as_json:
-        json.dump(doc, sys.stdout, indent=2)
-        sys.stdout.write("\n")
+        write_json(doc, sys.stdout)
         for n in doc["notes"]:
             print(f"stepscope compare: {n}", file=sys.stderr)
     else:

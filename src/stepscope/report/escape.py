@@ -66,6 +66,12 @@ def finite(obj: Any) -> Any:
     return obj
 
 
+def write_json(obj: Any, fp: Any, indent: int = 2) -> None:
+    """``obj`` as JSON on ``fp`` plus a newline; non-finite numbers become null (always valid)."""
+    json.dump(finite(obj), fp, indent=indent, allow_nan=False)
+    fp.write("\n")
+
+
 _SCRIPT_UNSAFE = {"<": "\\u003c", ">": "\\u003e", "&": "\\u0026", "\u2028": "\\u2028",
                   "\u2029": "\\u2029"}
 

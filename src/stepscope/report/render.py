@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from typing import Any
 
 from stepscope.errors import AnalysisError
-from stepscope.report.escape import finite
+from stepscope.report.escape import write_json
 
 
 def load_document(run_dir: str, keep: bool = False) -> dict[str, Any]:
@@ -47,8 +46,7 @@ def report_command(run_dir: str, as_json: bool, markdown: str | None, html: str 
     try:
         if as_json:
             # Non-finite numbers (NaN/inf from bad records) become null: always valid JSON.
-            json.dump(finite(public(doc)), sys.stdout, indent=2, allow_nan=False)
-            sys.stdout.write("\n")
+            write_json(public(doc), sys.stdout)
             for s in doc["run"]["skipped"]:
                 print(f"stepscope report: skipped: {s}", file=sys.stderr)
         else:

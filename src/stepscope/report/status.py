@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from typing import Any
 
 from stepscope.errors import AnalysisError
+from stepscope.report.escape import write_json
 
 _STATE_STYLE = {
     "running": "green",
@@ -78,8 +78,7 @@ def status_command(run_dir: str, as_json: bool, stalled_after_s: float | None = 
         print(f"stepscope status: {exc}", file=sys.stderr)
         return 2
     if as_json:
-        json.dump(doc, sys.stdout, indent=2)
-        sys.stdout.write("\n")
+        write_json(doc, sys.stdout)
         for note in doc["notes"]:
             print(f"stepscope status: {note}", file=sys.stderr)
     else:
