@@ -8,9 +8,9 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from statistics import median
 from typing import TYPE_CHECKING, Any
 
+from stepscope.analysis.robust import MAD_SCALE, mad, median
 from stepscope.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -21,8 +21,6 @@ if TYPE_CHECKING:
 #: One line per capture (or skipped trigger) in the run directory.
 TRIGGERS_FILE = "triggers.jsonl"
 TRIGGERS_SCHEMA = 1
-#: Scales the median absolute deviation to a standard deviation for normal data.
-MAD_SCALE = 1.4826
 
 
 @dataclass(kw_only=True)
@@ -141,9 +139,9 @@ class SlowStepDetector:
         self._since_refresh = 0
         h = list(self.history)
         med = median(h)
-        mad = median(abs(x - med) for x in h)
-        self.median_ms, self.mad_ms = med, mad
-        self.threshold_ms = max(med + self.cfg.k * MAD_SCALE * mad, med * (1.0 + self.cfg.min_slowdown))
+        spread = mad(h, med)
+        self.median_ms, self.mad_ms = med, spread
+        self.threshold_ms = max(med + self.cfg.k * MAD_SCALE * spread, med * (1.0 + self.cfg.min_slowdown))
 
 
 class _Capture:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from stepscope.analysis.robust import median
+
 #: Share of step time above which a phase is called a bottleneck (warning / critical).
 INPUT_SHARE = (0.15, 0.30)
 H2D_SHARE = (0.10, 0.25)
@@ -49,14 +51,6 @@ def ranks_subject(ranks: list[int], verb: str, verb_plural: str) -> str:
     return f"ranks {_ranks_text(ranks)} {verb_plural}"
 
 
-def _med(values: list[float]) -> float:
-    if not values:
-        return 0.0
-    s = sorted(values)
-    n = len(s)
-    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
-
-
 def rank_share(phases: dict[str, Any], name: str, key: str = "share") -> float:
     """Median over ranks of the phase's share of that rank's step time (0 when absent).
 
@@ -70,7 +64,7 @@ def rank_share(phases: dict[str, Any], name: str, key: str = "share") -> float:
     shares = [(p.get(key, p["share"]) if p.get(key) is not None else p["share"]) or 0.0
               for p in ph["per_rank"]]
     shares += [0.0] * (n_ranks - len(shares))
-    return _med(shares)
+    return median(shares)
 
 
 def diagnose(
@@ -102,7 +96,7 @@ def diagnose(
                     + _STRAGGLER_FIX.get(s["phase"], "time its sub-steps with stepscope.phase(...)")})
     out += _host_verdicts(run, stragglers)
 
-    wait_share = _med([r["wait_share"] or 0.0 for r in ranks])
+    wait_share = median([r["wait_share"] or 0.0 for r in ranks])
     # Without a culprit, waiting is arrival jitter (OS scheduling, noise): it is reported in
     # the balanced verdict, not raised as an alarm.
     if sync and wait_share >= WAIT_SHARE[0] and (stragglers or windows):
@@ -111,7 +105,7 @@ def diagnose(
         waiting = [r for r in ranks
                    if (r["wait_share"] or 0.0) >= WAIT_SHARE[0] and r["rank"] not in culprits]
         waiting = waiting or [r for r in ranks if r["rank"] not in culprits] or ranks
-        shown_share = _med([r["wait_share"] or 0.0 for r in waiting])
+        shown_share = median([r["wait_share"] or 0.0 for r in waiting])
         cause = (f"rank {stragglers[0]['rank']} ({stragglers[0]['phase']}) arrives last"
                  if stragglers else "arrival order varies from step to step (jitter, no single culprit)")
         who = ranks_subject([r["rank"] for r in waiting], "spends", "spend")
