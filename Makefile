@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # The CPU build of torch (a bare `torch` requirement would pull a multi-GB CUDA build).
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test soak lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,7 +19,11 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check src tests benchmarks
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not soak"
+
+# Repeated clean and faulty runs (false-alarm rates); minutes, not part of `make test`.
+soak: $(VENV)/.installed
+	$(PY) -m pytest -q -m soak
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check src tests benchmarks
