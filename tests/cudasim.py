@@ -366,6 +366,8 @@ class CudaSim:
     ``k`` runs, with the same spacing, while the host does step ``k + lag_steps - 1``, and has
     all completed once the host ends that step; 0 = the GPU keeps up (work completes as soon
     as it is enqueued). ``lag_ns``: a constant extra delay of the GPU behind the host.
+    ``idle_drain_s``: once the host has not ticked for this long, the GPU (which does not wait
+    for the host) works through its queue at the recent step pace; None: only ticks advance it.
     ``name``: what ``get_device_name()`` returns.
     ``sync_sleep_limit_s``: the longest a simulated blocking call sleeps to let GPU time pass.
     """
@@ -373,6 +375,7 @@ class CudaSim:
     def __init__(self, devices: int = 1, *, lag_steps: int = 0, lag_ns: int = 0,
                  name: str = DEFAULT_NAME, total_memory: int = DEFAULT_TOTAL_MEMORY,
                  copy_bytes_per_ns: float = H2D_BYTES_PER_NS,
+                 idle_drain_s: float | None = 0.25,
                  sync_sleep_limit_s: float = 0.05) -> None:
         if not isinstance(devices, int) or devices < 1:
             raise ValueError(f"devices must be an int >= 1; got {devices!r}")
@@ -387,6 +390,9 @@ class CudaSim:
         self.total_memory = total_memory
         self.copy_bytes_per_ns = copy_bytes_per_ns
         self.sync_sleep_limit_s = sync_sleep_limit_s
+        if idle_drain_s is not None and not idle_drain_s > 0:
+            raise ValueError(f"idle_drain_s must be > 0 or None; got {idle_drain_s!r}")
+        self.idle_drain_s = idle_drain_s
         self._lock = threading.RLock()
         self._ids = itertools.count(0x1000)
         self._sids = itertools.count(1)
@@ -558,23 +564,36 @@ class CudaSim:
         """Host ns at which step ``k`` began and ended (it must have ended)."""
         return (self._tick_ns[k - 1] if k else self._t0), self._tick_ns[k]
 
-    def _start_ns(self, item: _Item, s: _Stream) -> int | None:
+    def _start_ns(self, item: _Item, s: _Stream, now: int) -> int | None:
         """When the GPU starts ``item``, or None while its host step is not due yet."""
         lag = self.lag_steps
         if lag == 0:
             base = item.host_ns  # a GPU that keeps up runs the work as soon as it is enqueued
-        else:
+        elif self._tick >= item.tick + lag:
             # Work of host step k runs while the host does step k+lag-1, with the same relative
             # spacing, so it has all completed when the host ends step k+lag-1 (host_tick).
-            if self._tick < item.tick + lag:
-                return None
             h0, h1 = self._step_bounds(item.tick)
             g0, g1 = self._step_bounds(item.tick + lag - 1)
             base = g0 + (item.host_ns - h0) * (g1 - g0) // (h1 - h0) if h1 > h0 else g0
+        elif self.idle_drain_s is not None and now - self._last_tick_ns() >= self.idle_drain_s * 1e9:
+            # The host stopped ticking (end of the loop, an eval, a hang): the GPU keeps going
+            # on its own and works through its queue at the recent pace of a step.
+            base = min(item.host_ns + lag * self._recent_step_ns(), now)
+        else:
+            return None
         start = max(s.last_end_ns, base + self.lag_ns)  # in order: after the previous item
         if item.dep is not None:
             start = max(start, item.dep.end_ns)  # ordered after the awaited event
         return start
+
+    def _last_tick_ns(self) -> int:
+        return self._tick_ns[-1] if self._tick_ns else self._t0
+
+    def _recent_step_ns(self) -> int:
+        t = self._tick_ns[-17:]
+        if len(t) < 2:
+            return t[0] - self._t0 if t else 0
+        return (t[-1] - t[0]) // (len(t) - 1)
 
     def _advance(self) -> None:
         """Complete every item whose time has come (lock held). In order per stream."""
@@ -589,7 +608,7 @@ class CudaSim:
                         item = q[0]
                         if item.dep is not None and not item.dep.done:
                             break
-                        start = self._start_ns(item, s)
+                        start = self._start_ns(item, s, now)
                         if start is None or start + item.cost_ns > now:
                             break
                         self._complete(q, s, start + item.cost_ns)
@@ -622,7 +641,7 @@ class CudaSim:
             item = q[0]
             if item.dep is not None and not item.dep.done:
                 self._force(item.dep)
-            start = self._start_ns(item, s)
+            start = self._start_ns(item, s, time.perf_counter_ns())
             if start is None:
                 # Not due yet: the GPU gets to it now, while the host waits.
                 start = max(s.last_end_ns, item.host_ns + self.lag_ns, time.perf_counter_ns())
@@ -977,6 +996,26 @@ def _install_patches(sim: CudaSim) -> None:
     _patch_module(sim)
     _patch_factories(sim)
     _patch_autograd(sim)
+    _patch_import_time_copies(sim)
+
+
+def _patch_import_time_copies(sim: CudaSim) -> None:
+    """Point copies of torch functions that stepscope took at import time at the sim's.
+
+    ``stepscope/instrument/h2d.py`` keeps ``_orig_to = torch.Tensor.to`` (and ``_orig_cuda``,
+    ``_parse_to``) from its import and calls them inside a step, and its ``_restore()`` assigns
+    them back to ``torch.Tensor``. Imported before the sim, they would bypass it (a CPU-build
+    ``to("cuda")`` raises); imported during it, they would keep the sim's methods after
+    uninstall. So: import it now (its copies are the real methods), swap them for the run.
+    """
+    try:
+        import stepscope.instrument.h2d as h2d
+    except ImportError:  # the recorder split may move it; then there is nothing to redirect
+        return
+    for name, value in (("_orig_to", torch.Tensor.to), ("_orig_cuda", torch.Tensor.cuda),
+                        ("_parse_to", lambda *a, **k: _parse_to(a, k))):
+        if name in vars(h2d):
+            sim._patch(h2d, name, value)
 
 
 def _patch_tensor(sim: CudaSim) -> None:

@@ -58,7 +58,7 @@ def test_uninstall_restores_torch_untouched():
 
 
 def test_events_complete_only_when_the_lagging_gpu_reaches_them(cuda_sim):
-    sim = cuda_sim(lag_steps=3)
+    sim = cuda_sim(lag_steps=3, idle_drain_s=None)
     marks = []
     for _ in range(6):
         start, end = _timed(), _timed()
@@ -304,3 +304,42 @@ def test_capture_flag(cuda_sim):
         with pytest.raises(RuntimeError, match="capturing"):
             e.query()
     assert not torch.cuda.is_current_stream_capturing() and e.query()
+
+
+def test_an_idle_host_lets_the_gpu_drain_its_queue(cuda_sim):
+    import time
+
+    sim = cuda_sim(lag_steps=50, idle_drain_s=0.05)
+    events = []
+    for _ in range(5):
+        e = _timed()
+        e.record()
+        events.append(e)
+        time.sleep(0.002)
+        sim.host_tick()
+    assert not events[0].query()  # 50 steps behind: nothing has run yet
+    time.sleep(0.5)  # the host stops ticking (end of the loop): 50 x ~2 ms of queued work
+    assert all(e.query() for e in events)
+    assert events[0].elapsed_time(events[-1]) > 0
+    assert sim.syncs == 0
+
+
+def test_stepscope_h2d_copies_taken_at_import_go_through_the_sim(cuda_sim, tmp_path):
+    import stepscope
+    import stepscope.instrument.h2d as h2d
+
+    real_to = h2d._orig_to
+    sim = cuda_sim()
+    model = nn.Linear(4, 4).to("cuda")
+    stepscope.init(out_dir=str(tmp_path), model=model)
+    try:
+        host = torch.randn(2, 4).pin_memory()
+        sim.reset_counts()
+        with stepscope.step():
+            x = host.to("cuda", non_blocking=True)
+            model(x).sum().backward()
+        assert x.is_cuda and sim.copies == [("h2d", 32, False)] and sim.syncs == 0
+    finally:
+        stepscope.finish()
+    sim.uninstall()
+    assert h2d._orig_to is real_to
