@@ -28,7 +28,7 @@ import time
 import warnings
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from functools import wraps
 from typing import Any, TypeVar
 
@@ -38,6 +38,7 @@ from stepscope.dist import RankInfo, rank_info
 from stepscope.errors import InstrumentationError, StepscopeWarning
 from stepscope.instrument import gate
 from stepscope.instrument.resources import ResourceMonitor, check_count, check_counts, warn_outside_step
+from stepscope.record import Span, Step
 from stepscope.resolver import Resolver
 from stepscope.sinks import BackgroundWriter, Sink, open_sink
 
@@ -47,85 +48,6 @@ F = TypeVar("F", bound=Callable[..., Any])
 FINISH_TIMEOUT_S = 5.0
 #: Records kept for ``summary()`` and the live view.
 RECENT_RECORDS = 256
-
-
-class Span:
-    """One timed region: a phase occurrence. ``path`` is ``parent/name`` (``forward/h2d``)."""
-
-    __slots__ = ("end", "host_end", "host_start", "name", "parent", "path", "start", "wall")
-
-    def __init__(self, name: str, parent: str | None, start: Any, host: bool) -> None:
-        self.name = name
-        self.parent = parent
-        self.path = name if parent is None else f"{parent}/{name}"
-        self.start = start
-        self.end: Any = None
-        self.host_start: int | None = time.perf_counter_ns() if host else None
-        self.host_end: int | None = None
-        self.wall = _wall()  # for observers (heartbeat): when this phase opened
-
-
-_wall = time.time
-
-
-class Step:
-    """A sampled step: its marks while open and pending, its numbers once resolved."""
-
-    __slots__ = (
-        "collective_summary",
-        "collectives",
-        "counters",
-        "end",
-        "extra",
-        "gpu_start_unix_ns",
-        "index",
-        "res",
-        "side",
-        "side_ms",
-        "spans",
-        "start",
-        "start_unix_ns",
-        "step_ms",
-        "timed",
-    )
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-        self.start: Any = None
-        self.start_unix_ns = 0
-        self.end: Any = None
-        self.spans: list[Span] = []
-        self.side: list[tuple[str, Any, Any]] = []
-        self.counters: dict[str, float] = {}
-        self.collectives: list[Any] = []
-        self.extra: dict[str, Any] = {}
-        self.step_ms = 0.0
-        self.side_ms: list[tuple[str, float]] = []
-        self.timed: list[tuple[Span, float, float]] = []  # (span, start_ms, end_ms) once resolved
-        self.collective_summary: list[dict[str, Any]] | None = None
-        self.gpu_start_unix_ns: int | None = None
-        self.res: Any = None  # ResourceMonitor.on_step_end snapshot (memory at step end)
-
-    def marks(self) -> Iterator[Any]:
-        """Every clock mark this step holds, each once (start, end, spans, side, collectives)."""
-        start = self.start
-        yield start
-        yield self.end
-        end = self.end
-        for s in self.spans:
-            if s.start is not start:
-                yield s.start
-            if s.end is not end:
-                yield s.end
-        for _, a, b in self.side:
-            yield a
-            yield b
-        for c in self.collectives:  # (op, pg, pg_size, nbytes, start, end, path, seq, gap)
-            yield c[4]
-            yield c[5]
-            if c[8] is not None:
-                yield c[8][0]
-                yield c[8][1]
 
 
 class PhaseContext:
@@ -408,7 +330,9 @@ class Tracer:
         if self.enabled and not self._finished:
             self.resolver.poll()
             self._since_flush = 0
-            self._writer.submit(self._flush_job())
+            job = self._flush_job()
+            if job is not None:
+                self._writer.submit(job)
 
     def finish(self) -> None:
         """Resolve pending events, flush, close files and remove hooks. Idempotent."""
@@ -772,8 +696,10 @@ class Tracer:
                 self.resolver.poll()
                 # An exception may end the job: what is resolved goes to the file now.
                 if self._since_flush >= self.config.flush_every_n_steps or exc is not None:
-                    self._since_flush = 0
-                    self._writer.submit(self._flush_job())
+                    job = self._flush_job()
+                    if job is not None:
+                        self._since_flush = 0
+                        self._writer.submit(job)
 
             for fn in self._step_end:
                 fn(self, done)
@@ -815,8 +741,12 @@ class Tracer:
                 key="no-forward",
             )
 
-    def _flush_job(self) -> Callable[[], list[dict[str, Any]]]:
+    def _flush_job(self) -> Callable[[], list[dict[str, Any]]] | None:
+        """The writer's job for the steps resolved so far; None when there are none (an
+        empty job would only take a place in the writer's bounded queue)."""
         steps = self.resolver.take_ready()
+        if not steps:
+            return None
         listeners = [fn for fn in (getattr(x, "on_record", None) for x in self._listeners) if fn]
 
         def job() -> list[dict[str, Any]]:
@@ -831,6 +761,11 @@ class Tracer:
     # ------------------------------------------------------ install / failure
 
     def _install(self, model: Any, optimizer: Any) -> None:
+        from stepscope.instrument.collectives import summarize
+
+        # Whoever reports collectives (the patch, a framework integration), their records
+        # get the collectives section; the resolver itself imports no instrument.
+        self.resolver.summarize_collectives = summarize
         auto = self.config.auto
         if model is not None and auto & {"forward", "backward"}:
             from stepscope.instrument.hooks import attach_model
