@@ -18,7 +18,7 @@ from stepscope.records import SCHEMA_VERSION
 class Span:
     """One timed region: a phase occurrence. ``path`` is ``parent/name`` (``forward/h2d``)."""
 
-    __slots__ = ("end", "host_end", "host_start", "name", "parent", "path", "start", "wall")
+    __slots__ = ("end", "host_end", "host_start", "name", "parent", "path", "stack", "start", "wall")
 
     def __init__(self, name: str, parent: str | None, start: Any, host: bool) -> None:
         self.name = name
@@ -29,6 +29,7 @@ class Span:
         self.host_start: int | None = time.perf_counter_ns() if host else None
         self.host_end: int | None = None
         self.wall = _wall()  # for observers (heartbeat): when this phase opened
+        self.stack: list[Span] | None = None  # the phase stack it was opened on
 
 
 _wall = time.time
