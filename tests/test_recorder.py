@@ -7,14 +7,24 @@ on; ``elapsed_time`` on an unfinished event raises, as CUDA does.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from stepscope.clock import CpuClock, CudaClock
+from stepscope.config import Config
+from stepscope.dist import free_port, run_then_exit
+from stepscope.errors import StepscopeWarning
+from stepscope.records import read_run
+from stepscope.tracer import Tracer
 
 
 class LagGpu:
@@ -213,4 +223,258 @@ def test_default_clock_accepts_a_device():
     assert clk.kind == ("cuda" if torch.cuda.is_available() else "cpu")
 
 
-_ = threading  # used by later tests
+
+# ------------------------------------------- §3.5 a disk error never crashes the job
+
+
+class FullDisk:
+    def __init__(self) -> None:
+        self.failed = threading.Event()
+
+    def write(self, records: Any) -> None:
+        self.failed.set()
+        raise OSError(28, "No space left on device")
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_disk_error_mid_run_is_acted_on_by_the_training_thread():
+    """Main: the writer thread called fail(), which removed the optimizer hooks while the
+    training thread iterated them: ``OrderedDict mutated during iteration`` in opt.step()."""
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sink = FullDisk()
+    tr = Tracer(Config(out_dir="unused", flush_every_n_steps=1), model=model, optimizer=opt,
+                clock=CpuClock(), sink=sink)
+    waited = []
+
+    def user_pre_hook(o: Any, args: Any, kwargs: Any) -> None:
+        # The user's own hook, after stepscope's: the disk fails while opt.step() iterates.
+        if not waited and sink.failed.wait(10):
+            waited.append(1)
+            time.sleep(0.3)
+
+    opt.register_step_pre_hook(user_pre_hook)
+    opt.register_step_pre_hook(lambda o, a, k: None)  # iteration goes on past the user's hook
+    with pytest.warns(StepscopeWarning, match="timing disabled"):
+        for _ in range(4):
+            with tr.step():
+                model(torch.randn(2, 4)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+    assert waited, "the disk error never happened"
+    assert not tr.enabled, "the failure was never acted on"
+    tr.finish()
+
+
+# --------------------------------------- §3.9 another thread's phase, per-thread tokens
+
+
+def test_a_background_threads_phase_does_not_swallow_the_step(mem_tracer):
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tr = mem_tracer(model=model, optimizer=opt, flush_every_n_steps=1)
+    opened, release = threading.Event(), threading.Event()
+
+    def logger() -> None:
+        with tr.phase("log_upload"):
+            opened.set()
+            release.wait(10)
+
+    for i in range(3):
+        with tr.step():
+            if i == 1:
+                t = threading.Thread(target=logger)
+                t.start()
+                assert opened.wait(10)
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            if i == 1:
+                release.set()
+                t.join()
+    tr.finish()
+    recs = tr.sink.records
+    assert len(recs) == 3
+    paths = {p["path"] for p in recs[1]["phases"]}
+    assert {"forward", "backward", "optimizer", "log_upload"} <= paths, paths
+    assert not any(p.startswith("log_upload/") for p in paths), paths
+
+
+def test_a_decorated_phase_entered_by_two_threads_closes_each_threads_own(mem_tracer):
+    tr = mem_tracer(auto=False, flush_every_n_steps=1)
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+
+    @tr.phase("work")
+    def work(first: bool) -> None:
+        if first:
+            a_in.set()
+            assert b_in.wait(10)
+        else:
+            b_in.set()
+            assert a_out.wait(10)
+            time.sleep(0.05)
+
+    def a() -> None:
+        work(True)
+        a_out.set()
+
+    with tr.step():
+        ta = threading.Thread(target=a)
+        tb = threading.Thread(target=work, args=(False,))
+        ta.start()
+        assert a_in.wait(10)
+        tb.start()
+        ta.join()
+        tb.join()
+    tr.finish()
+    (rec,) = tr.sink.records
+    ph = {p["path"]: p for p in rec["phases"]}
+    assert set(ph) == {"work"}, "one thread's phase nested under another's"
+    assert ph["work"]["calls"] == 2
+
+
+# ---------------------------------------- issue 21 item 8: phases between steps
+
+
+def test_a_user_phase_between_steps_does_not_pull_the_next_step_back(mem_tracer):
+    tr = mem_tracer(auto=False, flush_every_n_steps=1)
+    for _ in range(3):
+        with tr.phase("eval"):  # evaluation between steps
+            time.sleep(0.3)
+        with tr.step(), tr.phase("work"):
+            time.sleep(0.005)
+    tr.finish()
+    recs = tr.sink.records
+    assert len(recs) == 3
+    for r in recs:
+        assert r["step_ms"] < 150, f"a 5 ms step recorded as {r['step_ms']} ms"
+        assert [p["name"] for p in r["phases"]] == ["work"]
+
+
+def test_a_manual_dataloader_phase_before_the_step_belongs_to_it(mem_tracer):
+    tr = mem_tracer(auto=False, flush_every_n_steps=1)
+    for _ in range(2):
+        with tr.phase("dataloader"):
+            time.sleep(0.05)
+        with tr.step(), tr.phase("work"):
+            time.sleep(0.005)
+    tr.finish()
+    for r in tr.sink.records:
+        ph = {p["name"]: p for p in r["phases"]}
+        assert set(ph) == {"dataloader", "work"}
+        assert ph["dataloader"]["start_ms"] == 0.0 and ph["dataloader"]["ms"] >= 40
+        assert r["step_ms"] >= ph["dataloader"]["ms"] + ph["work"]["ms"] - 1e-3
+
+
+# -------------------------------- §3.2 backward collectives on an autograd thread
+
+
+class _AllReduceGrad(torch.autograd.Function):
+    """Identity forward; all-reduces the gradient in backward (tensor-parallel style)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        g = g.clone()
+        dist.all_reduce(g)
+        return g
+
+
+@pytest.fixture
+def world1():
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_backward_on_a_device_thread_times_its_collectives_and_nothing_else(world1, mem_tracer):
+    """On CUDA, backward runs on a device thread while the owner blocks; the thread-local
+    gate was never raised there, so backward all-reduces/reduce-scatters were unseen."""
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return _AllReduceGrad.apply(self.lin(x))
+
+    model = Net()
+    tr = mem_tracer(model=model, auto={"forward", "backward"}, flush_every_n_steps=1)
+    device_thread = ThreadPoolExecutor(1)  # stands in for autograd's device thread
+
+    def unrelated() -> None:
+        dist.all_reduce(torch.ones(3))  # same thread, outside the owner's graph task
+
+    try:
+        for _ in range(3):
+            with tr.step():
+                loss = model(torch.randn(2, 4)).sum()
+                device_thread.submit(loss.backward).result()
+                device_thread.submit(unrelated).result()
+    finally:
+        device_thread.shutdown()
+    tr.finish()
+    recs = tr.sink.records
+    assert len(recs) == 3
+    for r in recs:
+        cs = r.get("collectives", [])
+        assert [(c["phase"], c["op"], c["count"]) for c in cs] == [("backward", "all_reduce", 1)], cs
+        assert {p["path"] for p in r["phases"]} == {"forward", "backward"}
+
+
+# -------------------------------------- §3.3 FSDP2: no grad_sync, reduce-scatters timed
+
+FSDP_STEPS = 3
+
+
+def _fsdp_worker(rank: int, world: int, port: int, out: str) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    import stepscope
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    stepscope.init(out_dir=out, model=model, optimizer=opt, flush_every_n_steps=1)
+    device_thread = ThreadPoolExecutor(1)  # backward off the owner thread, as on CUDA
+    for _ in range(FSDP_STEPS):
+        with stepscope.step():
+            loss = model(torch.randn(8, 16)).sum()
+            device_thread.submit(loss.backward).result()
+            opt.step()
+            opt.zero_grad()
+    device_thread.shutdown()
+    stepscope.finish()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_fsdp2_has_no_grad_sync_and_its_backward_reduce_scatters_are_timed(tmp_path: Path):
+    out = tmp_path / "run"
+    mp.spawn(run_then_exit, args=(_fsdp_worker, 2, free_port(), str(out)), nprocs=2, join=True)  # type: ignore[attr-defined]
+    recs = read_run(out)
+    assert len(recs) == 2 * FSDP_STEPS
+    for r in recs:
+        names = {p["name"] for p in r["phases"]}
+        assert "grad_sync" not in names, "FSDP2's grad_sync is ~0 on every rank: meaningless"
+        assert {"forward", "backward", "optimizer"} <= names
+        bwd = [c for c in r.get("collectives", []) if c["phase"] == "backward"
+               and c["op"].startswith("reduce_scatter")]
+        assert sum(c["count"] for c in bwd) == 2, r.get("collectives")
