@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 
@@ -44,6 +44,8 @@ class Clock(Protocol):
     def release(self, mark: Any) -> None: ...
 
     def foreign(self, mark: Any) -> Any: ...
+
+    def checkpoints(self, marks: Iterable[Any]) -> list[Any]: ...
 
 
 class CpuClock:
@@ -70,27 +72,42 @@ class CpuClock:
     def foreign(self, mark: Any) -> Any:
         return mark
 
+    def checkpoints(self, marks: Iterable[Any]) -> list[Any]:
+        # The host clock is one in-order "stream": its latest mark being ready (always)
+        # stands for all of them, so the resolver asks once per step, as on a GPU.
+        return [max(marks)]
+
 
 class CudaMark:
-    """A CUDA event and the device index it belongs to; ``pooled`` if the clock owns it."""
+    """A CUDA event, the device index and stream it was recorded on, its order of recording
+    (``seq``), and ``pooled`` if the clock owns it.
 
-    __slots__ = ("device", "event", "pooled")
+    ``stream`` is ``None`` when unknown (an event recorded by someone else, fake clocks in
+    tests): such a mark is checked on its own, never assumed complete because of another.
+    """
 
-    def __init__(self, event: Any, device: int, pooled: bool = True) -> None:
+    __slots__ = ("device", "event", "pooled", "seq", "stream")
+
+    def __init__(self, event: Any, device: int, pooled: bool = True, stream: Any = None) -> None:
         self.event = event
         self.device = device
         self.pooled = pooled
+        self.stream = stream
+        self.seq = 0
 
 
 class CudaClock:
-    """CUDA events recorded on the current stream of the current device, pooled per device.
+    """CUDA events recorded on the current stream of the training device, pooled per device.
 
     ``mark()`` records an event and returns it; nothing here waits for the GPU. Callers check
-    ``ready()`` (``Event.query()``) on both ends before ``elapsed_ms()``, so reading a time
-    never blocks the host.
+    ``ready()`` (``Event.query()``) before ``elapsed_ms()``, so reading a time never blocks
+    the host. Each mark remembers its stream and its order of recording, so a caller can ask
+    only the latest mark of each stream (a stream completes in order).
 
-    ``event_factory`` and ``current_device`` exist so tests can drive the logic with fake
-    events on CPU.
+    ``device``: record on that device's current stream (and pool for it) instead of the
+    current device's. ``event_factory``, ``current_device`` and ``current_stream`` exist so
+    tests can drive the logic with fake events on CPU; with a fake ``event_factory`` and no
+    ``current_stream`` the stream of a mark is unknown and each mark is checked on its own.
     """
 
     kind = "cuda"
@@ -100,8 +117,14 @@ class CudaClock:
         event_factory: Callable[[], Any] | None = None,
         pool_size: int = 4096,
         current_device: Callable[[], int] | None = None,
+        current_stream: Callable[[int], Any] | None = None,
+        *,
+        device: int | None = None,
     ) -> None:
-        if event_factory is None or current_device is None:
+        if device is not None and (isinstance(device, bool) or not isinstance(device, int) or device < 0):
+            raise ValueError(f"device must be a non-negative CUDA device index or None; got {device!r}")
+        real = event_factory is None
+        if event_factory is None or current_device is None or (real and current_stream is None):
             import torch
 
             if event_factory is None:
@@ -111,16 +134,23 @@ class CudaClock:
 
             if current_device is None:
                 current_device = torch.cuda.current_device
+            if real and current_stream is None:
+                current_stream = torch.cuda.current_stream
         self._new = event_factory
         self._current_device = current_device
+        self._current_stream = current_stream
+        self._fixed = device
         self._pools: dict[int, list[CudaMark]] = {}
         self._pool_size = pool_size
+        self._seq = 0
         #: ``"cuda:N"`` of the first mark (the training device); "cuda" before any mark.
-        self.device = "cuda"
-        self.device_index: int | None = None
+        self.device = "cuda" if device is None else f"cuda:{device}"
+        self.device_index: int | None = device
 
     def mark(self) -> CudaMark:
-        dev = self._current_device()
+        dev = self._fixed
+        if dev is None:
+            dev = self._current_device()
         pool = self._pools.get(dev)
         if pool:
             m = pool.pop()
@@ -129,11 +159,34 @@ class CudaClock:
                 self.device_index = dev
                 self.device = f"cuda:{dev}"
             m = CudaMark(self._new(), dev)
-        m.event.record()
+        stream_of = self._current_stream
+        if stream_of is None:
+            m.event.record()
+        else:
+            s = m.stream = stream_of(dev)
+            m.event.record(s)
+        self._seq = m.seq = self._seq + 1
         return m
 
     def ready(self, mark: CudaMark) -> bool:
         return bool(mark.event.query())
+
+    def checkpoints(self, marks: Iterable[CudaMark]) -> list[CudaMark]:
+        """The marks whose completion implies all of ``marks``': the latest one recorded on
+        each stream (a stream runs in order), and every mark whose stream is unknown."""
+        out: list[CudaMark] = []
+        last: dict[Any, CudaMark] = {}
+        for m in marks:
+            s = m.stream
+            if s is None:
+                out.append(m)
+                continue
+            key = (m.device, s)
+            cur = last.get(key)
+            if cur is None or m.seq > cur.seq:
+                last[key] = m
+        out.extend(last.values())
+        return out
 
     def same_device(self, a: CudaMark, b: CudaMark) -> bool:
         return a.device == b.device
@@ -150,8 +203,10 @@ class CudaClock:
             pool.append(mark)
 
     def foreign(self, event: Any) -> CudaMark:
-        """Wrap an event recorded by someone else (on the current device) as a mark."""
-        return CudaMark(event, self._current_device(), pooled=False)
+        """Wrap an event recorded by someone else (on the training device) as a mark; its
+        stream is unknown, so it is checked on its own."""
+        dev = self._fixed
+        return CudaMark(event, self._current_device() if dev is None else dev, pooled=False)
 
 
 class GpuAnchor:
@@ -213,10 +268,11 @@ class GpuAnchor:
         return mark is self._base
 
 
-def default_clock() -> CpuClock | CudaClock:
-    """CUDA events when CUDA is available, else the CPU clock."""
+def default_clock(device: int | None = None) -> CpuClock | CudaClock:
+    """CUDA events (on ``device``'s current stream when given) when CUDA is available,
+    else the CPU clock."""
     import torch
 
     if torch.cuda.is_available():
-        return CudaClock()
+        return CudaClock(device=device)
     return CpuClock()

@@ -3,8 +3,13 @@
 Instruments that patch library functions (``Tensor.to`` for H2D, ``torch.distributed``
 collectives) run for every call in the process, on every thread. They read this
 thread-local first and do nothing more unless a sampled step (or a sampled pre-step phase
-such as the dataloader wait) is open on the calling thread. The tracer raises the gate when
+such as the dataloader wait) is open on the calling thread. The recorder raises the gate when
 such a span opens and lowers it when it closes; nothing else writes it.
+
+On CUDA, backward runs on a device thread while the owner blocks. The recorder raises the
+gate there too, for the owner's autograd graph task only: the gate remembers the task id and
+reads closed on that thread once another task (or none) runs, so a gate left raised by a
+backward whose end ran elsewhere never times unrelated work.
 
 A thread-local read costs ~0.1 µs, far less than swapping patched methods in and out at
 every step (which invalidates CPython's method caches).
@@ -15,9 +20,14 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import torch
+
+_task_id = torch._C._current_graph_task_id
+
 
 class _Gate(threading.local):
     recorder: Any = None
+    task: int | None = None  # graph task the gate is raised for (autograd threads only)
 
 
 _gate = _Gate()
@@ -25,9 +35,18 @@ _gate = _Gate()
 
 def current() -> Any:
     """The recorder that owns the sampled span open on this thread, or ``None``."""
-    return _gate.recorder
+    g = _gate
+    rec = g.recorder
+    if rec is not None and g.task is not None and _task_id() != g.task:
+        return None
+    return rec
 
 
-def set_current(recorder: Any) -> None:
-    """Raise (a recorder) or lower (``None``) this thread's gate. Tracer only."""
-    _gate.recorder = recorder
+def set_current(recorder: Any, *, autograd: bool = False) -> None:
+    """Raise (a recorder) or lower (``None``) this thread's gate. Recorder only.
+
+    ``autograd=True``: raised for the autograd graph task running on this thread now.
+    """
+    g = _gate
+    g.recorder = recorder
+    g.task = _task_id() if autograd and recorder is not None else None

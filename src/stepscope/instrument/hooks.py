@@ -5,11 +5,18 @@
   them; it closes from an autograd *final callback* queued one level deep, so it runs after
   every other end-of-backward callback, DDP's gradient all-reduce wait included. That is
   what makes a rank that waits in the all-reduce show a long backward.
-- grad_sync (distributed only): nested in backward, from the moment this rank's last
+- grad_sync (DDP-style data parallel only): nested in backward, from the moment this rank's last
   parameter gradient is accumulated (its arrival at the gradient all-reduce) to the end of
   backward. A rank slow in backward *compute* arrives late and has a short grad_sync; the
   ranks that wait for it have a long one. Which parameter finishes last is learnt on the
   first distributed backward (a hook on every parameter, once), then one hook remains.
+  Not under FSDP (FSDP2's ``fully_shard`` or FSDP1): FSDP calls post-accumulate hooks itself,
+  on its reduce-scatter stream after the reduce-scatter, so the marker would be ~0 on every
+  rank; its reduce-scatters are timed as collectives instead.
+- Autograd threads: on CUDA, backward runs on a device thread while the owner blocks. The
+  backward-start hook tells the recorder (``enter_autograd``), which raises the in-step gate
+  there for this graph task and shares the owner's phase stack, so collectives issued during
+  backward (FSDP2 reduce-scatters and all-gathers, tensor-parallel all-reduces) are timed.
 - optimizer: ``Optimizer.register_step_pre_hook``/``register_step_post_hook``.
 """
 
@@ -50,6 +57,19 @@ def _distributed() -> bool:
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _fsdp(model: torch.nn.Module) -> bool:
+    """True when ``model`` or a submodule is sharded by FSDP (``fully_shard`` or FSDP1)."""
+    kinds: list[type] = []
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+        kinds = [FSDPModule, FullyShardedDataParallel]
+    except ImportError:  # a build without torch.distributed: no FSDP either
+        return False
+    marks = tuple(kinds)
+    return any(isinstance(m, marks) for m in model.modules())
 
 
 class _ModelHooks:
@@ -105,6 +125,8 @@ class _ModelHooks:
             return
         # A backward of an earlier step that raised never closed: forget it.
         self._sync = None
+        # On a device thread (CUDA), this backward is the owner's work: its gate and stack.
+        tracer.enter_autograd()
         self._bwd = tracer.open_phase("backward")
         self._bwd_step = tracer.step_index
         if self._bwd is None:
@@ -126,13 +148,14 @@ class _ModelHooks:
             self._sync = None
         token, self._bwd = self._bwd, None
         self.tracer.close_phase(token)
+        self.tracer.leave_autograd()
         if self._calibration:
             self._finish_calibration()
 
     # ----------------------------------------------------------- grad_sync marker
 
     def _start_calibration(self) -> None:
-        if not _distributed():
+        if not _distributed() or _fsdp(self.model):
             self._sync_param = False
             return
         params = [p for p in self.model.parameters() if p.requires_grad]

@@ -1,0 +1,358 @@
+"""Recorder: clock marks, step and phase state, and who owns them, on one rank.
+
+This is what instruments talk to (the recorder protocol): ``open_phase`` / ``close_phase`` /
+``discard_phase`` / ``drop_unconsumed``, ``add_side_span``, ``add_counter``,
+``add_collective``, ``current_path``, ``in_step``, ``recording``, ``set_step_fields``, and
+``enter_autograd`` / ``leave_autograd`` for the hooks. It imports no instrument and no
+observer; finished steps go to the :class:`~stepscope.resolver.Resolver`.
+
+Ownership, each the fix for a defect seen on GPUs:
+
+- **Steps belong to the thread that opened them** (the *owner*). A ``step()`` nested in an
+  open one, or opened by a second thread, is not timed (see :mod:`stepscope.session`).
+- **Phase stacks are per thread.** A phase opened by a background thread (a logger, a
+  checkpoint writer) is its own top-level span; it never becomes the parent of the owner's
+  forward or backward.
+- **Autograd work follows its step.** On CUDA, backward runs on a device thread while the
+  owner blocks. The backward-start hook calls :meth:`Recorder.enter_autograd` on that
+  thread: it shares the owner's phase stack and the in-step gate is raised there for that
+  graph task only (collectives issued by FSDP2 / tensor-parallel backward are timed; other
+  work on the same thread is not).
+- **Before a step**, only the step's own input waits (:data:`PRE_STEP_PHASES`: the
+  dataloader wait, the host-to-device hand-over) belong to it and move its start back to
+  theirs. Any other phase opened outside a step is not timed (warned once): evaluation or
+  logging between steps is not charged to the next step.
+
+The hot path takes clock marks and appends small objects to lists; no I/O, no GPU sync.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import warnings
+from typing import Any
+
+from stepscope.clock import Clock
+from stepscope.config import Config
+from stepscope.errors import StepscopeWarning
+from stepscope.instrument import gate
+from stepscope.record import Span, Step
+from stepscope.resolver import Resolver
+
+#: Phases that, opened between steps, belong to the next step and move its start back.
+PRE_STEP_PHASES = frozenset({"dataloader", "h2d"})
+
+_get_ident = threading.get_ident
+
+
+class Recorder:
+    """Marks, steps and per-thread phase stacks; the base of :class:`~stepscope.tracer.Tracer`."""
+
+    def __init__(self, config: Config, clock: Clock, resolver: Resolver) -> None:
+        self.config = config
+        self.clock = clock
+        self.resolver = resolver
+        self.enabled = True
+        self._index = 0
+        self._cur: Step | None = None  # the open sampled step
+        self._next: Step | None = None  # what arrived before the next step opened
+        self._stacks: dict[int, list[Span]] = {}  # thread -> its open phases
+        self._adopted: dict[int, int] = {}  # autograd thread -> owner, during its backward
+        self._owner: int | None = None  # thread that opened the current step
+        self._train_thread = _get_ident()  # the last owner (before any step: the creator)
+        self._ignored = threading.local()  # per thread: step() entries not timed
+        self._refused = 0  # such entries open on any thread (a cheap check before the thread-local)
+        self._in_step = False
+        self._warned: set[str] = set()
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def recording(self) -> bool:
+        """True when the current step (or the next one, between steps) is sampled."""
+        if not self.enabled:
+            return False
+        if self._in_step:
+            return self._cur is not None
+        return self.config.samples(self._index)
+
+    @property
+    def in_step(self) -> bool:
+        """True while a sampled step is open (on whichever thread asks)."""
+        return self._cur is not None
+
+    @property
+    def step_index(self) -> int:
+        """Index of the current step inside ``step()``, else of the next one."""
+        return self._index
+
+    def _stack_here(self) -> list[Span]:
+        """This thread's phase stack (the owner's, for autograd work of the owner's step)."""
+        tid = _get_ident()
+        adopted = self._adopted
+        if adopted:
+            tid = adopted.get(tid, tid)
+        stack = self._stacks.get(tid)
+        if stack is None:
+            stack = self._stacks[tid] = []
+        return stack
+
+    def owner_stack(self) -> list[Span]:
+        """The open phases of the training thread (a copy; safe from any thread)."""
+        owner = self._owner
+        stack = self._stacks.get(self._train_thread if owner is None else owner)
+        return [sp for sp in list(stack or ()) if sp.end is None]
+
+    def current_path(self) -> str | None:
+        """Path of this thread's innermost open phase (``forward/h2d``); None outside any."""
+        stack = self._stack_here()
+        return stack[-1].path if stack else None
+
+    # ------------------------------------------------------------ phases
+
+    def open_phase(self, name: str, host: bool = False) -> Span | None:
+        """Start timing ``name``; returns a token for :meth:`close_phase` (``None`` = not timed).
+
+        Between steps, a :data:`PRE_STEP_PHASES` span goes to the next step, whose start moves
+        back to the span's start; while it is open the in-step gate is raised on this thread,
+        so collectives inside a batch fetch are seen. Other phases between steps are not timed.
+        """
+        if not self.enabled:
+            return None
+        try:
+            stack = self._stack_here()
+            if self._in_step:
+                cur = self._cur
+                if cur is None:
+                    return None
+                if self._refused and getattr(self._ignored, "n", 0) and _get_ident() != self._owner:
+                    return None  # inside a step() refused to this (second) thread
+                span = Span(name, stack[-1].path if stack else None, self.clock.mark(), host)
+                cur.spans.append(span)
+            else:
+                if name not in PRE_STEP_PHASES and not stack:
+                    self.warn(
+                        f"phase({name!r}) opened outside a step is not timed: only the waits that "
+                        f"feed a step ({', '.join(sorted(PRE_STEP_PHASES))}) belong to the next one",
+                        key="pre-step",
+                    )
+                    return None
+                nxt = self._next_step()
+                if nxt is None:
+                    return None
+                span = Span(name, stack[-1].path if stack else None, self.clock.mark(), host)
+                if nxt.start is None:
+                    nxt.start = span.start
+                    nxt.start_unix_ns = time.time_ns()
+                nxt.spans.append(span)
+                gate.set_current(self)
+            span.stack = stack
+            stack.append(span)
+            return span
+        except Exception as exc:  # protect the job: timing errors disable timing only
+            self.fail(exc)
+            return None
+
+    def close_phase(self, token: Span | None) -> None:
+        if token is None or token.end is not None or not self.enabled:
+            return
+        try:
+            token.end = self.clock.mark()
+            if token.host_start is not None:
+                token.host_end = time.perf_counter_ns()
+            stack = token.stack
+            if stack:
+                if stack[-1] is token:
+                    stack.pop()
+                elif token in stack:
+                    stack.remove(token)  # closed out of order (an exception unwound past it)
+            if not self._in_step and not stack:
+                gate.set_current(None)
+        except Exception as exc:  # protect the job
+            self.fail(exc)
+
+    def discard_phase(self, token: Span | None) -> None:
+        """Forget a span (e.g. the loader's wait that ended in StopIteration)."""
+        if token is None:
+            return
+        stack = token.stack
+        if stack is not None and token in stack:
+            stack.remove(token)
+        for step in (self._next, self._cur):
+            if step is not None and token in step.spans:
+                step.spans.remove(token)
+                self._forget(step, token)
+        if not self._in_step and not stack:
+            gate.set_current(None)
+
+    def drop_unconsumed(self, token: Span | None) -> None:
+        """Forget a pre-step span that no step has adopted (a loader abandoned by ``break``)."""
+        nxt = self._next
+        if token is not None and nxt is not None and token in nxt.spans:
+            self.discard_phase(token)
+
+    # ------------------------------------------------------- autograd ownership
+
+    def enter_autograd(self) -> None:
+        """Called by the backward-start hook, on the thread running the owner's backward: that
+        thread shares the owner's phase stack and its gate is raised for this graph task."""
+        owner = self._owner
+        tid = _get_ident()
+        if owner is None or tid == owner or self._cur is None:
+            return
+        self._adopted[tid] = owner
+        gate.set_current(self, autograd=True)
+
+    def leave_autograd(self) -> None:
+        """Called when the owner's backward ends (its final callback), on the same thread."""
+        if self._adopted.pop(_get_ident(), None) is not None:
+            gate.set_current(None)
+
+    # ------------------------------------------------- what a step carries
+
+    def add_side_span(self, name: str, start: Any, end: Any) -> None:
+        """A span measured on another stream (e.g. the prefetch copy); not in the step sum."""
+        step = self._reporting_step()
+        if step is not None:
+            foreign = self.clock.foreign
+            step.side.append((name, foreign(start), foreign(end)))
+
+    def add_counter(self, name: str, value: float) -> None:
+        """Add ``value`` to the per-step counter ``name`` (e.g. ``h2d_bytes``)."""
+        step = self._reporting_step()
+        if step is not None:
+            step.counters[name] = step.counters.get(name, 0) + value
+
+    def add_collective(
+        self, op: str, pg: str, pg_size: int, nbytes: int, start: Any, end: Any,
+        phase_path: str | None, *, seq: int = 0, gap: tuple[Any, Any] | None = None,
+    ) -> None:
+        """One timed collective (see :mod:`stepscope.instrument.collectives`), attached to the
+        current step or, during a pre-step phase, to the next one. ``gap`` is the
+        ``(issue_end, wait_start)`` marks of an async call: overlapped work, not collective time.
+        """
+        step = self._reporting_step()
+        if step is None:
+            rel = self.clock.release
+            for m in (start, end, *(gap or ())):
+                rel(m)
+            return
+        step.collectives.append((op, pg, pg_size, nbytes, start, end, phase_path, seq, gap))
+
+    def set_step_fields(self, fields: dict[str, Any]) -> None:
+        """Merge extra top-level record sections (throughput, memory, ...) into the open step."""
+        step = self._cur
+        if step is not None:
+            step.extra.update(fields)
+
+    # ------------------------------------------------------------- step open/close
+
+    def _next_step(self) -> Step | None:
+        """The step that things reported between steps belong to (None if not sampled)."""
+        nxt = self._next
+        if nxt is not None and nxt.index == self._index:
+            return nxt
+        if nxt is not None:  # the step index moved on (step(index=...)): stale
+            self._drop_next()
+        if not self.config.samples(self._index):
+            return None
+        nxt = self._next = Step(self._index)
+        return nxt
+
+    def _reporting_step(self) -> Step | None:
+        if self._in_step:
+            return self._cur
+        if not self.enabled:
+            return None
+        return self._next_step()
+
+    def _drop_next(self) -> None:
+        nxt, self._next = self._next, None
+        if nxt is None:
+            return
+        for span in nxt.spans:
+            stack = span.stack
+            if stack is not None and span in stack:
+                stack.remove(span)
+        rel = self.clock.release
+        for m in nxt.marks():
+            if m is not None:
+                rel(m)
+
+    def _forget(self, step: Step, span: Span) -> None:
+        if step.start is span.start:
+            step.start = step.spans[0].start if step.spans else None
+            if step.start is None:
+                step.start_unix_ns = 0
+        else:
+            self.clock.release(span.start)
+        if span.end is not None:
+            self.clock.release(span.end)
+
+    def _open_step(self) -> Step | None:
+        """Open step ``_index`` on this thread; the sampled step, or None (not sampled)."""
+        self._in_step = True
+        tid = self._owner = self._train_thread = _get_ident()
+        if not self.config.samples(self._index):
+            self._drop_next()
+            return None
+        step = self._next_step()
+        self._next = None
+        assert step is not None
+        if step.start is None:
+            step.start = self.clock.mark()
+            step.start_unix_ns = time.time_ns()
+        stack = self._stacks.get(tid)
+        if stack:  # pre-step spans still open (none normally) stay on the stack
+            stack[:] = [s for s in stack if s.end is None]
+        self._cur = step
+        gate.set_current(self)
+        return step
+
+    def _close_step(self) -> Step | None:
+        """Close the open step on its owner: end mark, open spans ended, gate lowered."""
+        step = self._cur
+        if step is not None:
+            gate.set_current(None)
+            end = self.clock.mark()
+            for span in step.spans:
+                if span.end is None:
+                    span.end = end
+                    stack = span.stack
+                    if stack is not None and span in stack:
+                        stack.remove(span)
+            step.end = end
+        self._adopted.clear()
+        self._cur = None
+        self._in_step = False
+        self._owner = None
+        self._index += 1
+        return step
+
+    def _clear(self) -> None:
+        """Forget every open step and phase (timing is being switched off)."""
+        self._in_step = False
+        self._cur = None
+        self._next = None
+        self._stacks.clear()
+        self._adopted.clear()
+        gate.set_current(None)
+
+    # ---------------------------------------------------------------- reporting
+
+    def fail(self, exc: BaseException) -> None:
+        """Turn timing off (the session adds reporting and marshalling)."""
+        self.enabled = False
+        self._clear()
+
+    def warn(self, msg: str, key: str | None = None) -> None:
+        """One ``StepscopeWarning`` per ``key`` (default: the message) for this tracer."""
+        key = key or msg
+        if key in self._warned:
+            return
+        self._warned.add(key)
+        # protect the job: warnings configured as errors must not escape into it
+        with contextlib.suppress(Exception):
+            warnings.warn(f"stepscope: {msg}", StepscopeWarning, stacklevel=3)

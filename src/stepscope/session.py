@@ -1,0 +1,473 @@
+"""Session: one recording run on one rank — wiring, the step boundary, failures, finish.
+
+The session builds the resolver and the background writer, installs the instruments the
+config asks for (they plug into the :class:`~stepscope.recorder.Recorder`), and hands
+finished steps from the recorder to the resolver and resolved steps to the writer.
+Observers are *listeners*: objects with any of ``on_step_end(tracer, index)``,
+``on_record(record)``, ``on_exception(tracer, exc_type, exc, phase_stack)``,
+``on_finish(tracer)``; :mod:`stepscope.lifecycle` attaches them. Data flows one way: the
+recorder never calls a listener, and no listener is imported here.
+
+**Failures are acted on by the training thread.** An error found on another thread (the
+writer's disk error, a hook on an autograd thread) is handed over and applied at the next
+step boundary: switching timing off removes hooks, and removing an optimizer hook while the
+training thread iterates them (inside the user's ``opt.step()``) would crash the job.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from stepscope.clock import Clock, CudaClock, GpuAnchor
+from stepscope.config import Config
+from stepscope.dist import RankInfo
+from stepscope.instrument import gate
+from stepscope.instrument.resources import ResourceMonitor
+from stepscope.record import Step
+from stepscope.recorder import Recorder
+from stepscope.resolver import Resolver
+from stepscope.sinks import BackgroundWriter, Sink, open_sink
+
+#: How long ``finish()`` keeps polling CUDA events before giving up on them (seconds).
+FINISH_TIMEOUT_S = 5.0
+#: Records kept for ``summary()`` and the live view.
+RECENT_RECORDS = 256
+
+_get_ident = threading.get_ident
+
+
+class _RecentRecords:
+    """The last resolved records (a listener), for ``summary()`` and the live view."""
+
+    def __init__(self, size: int = RECENT_RECORDS) -> None:
+        self._buf: deque[dict[str, Any]] = deque(maxlen=size)
+        self._lock = threading.Lock()
+
+    def on_record(self, record: dict[str, Any]) -> None:
+        with self._lock:
+            self._buf.append(record)
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return list(self._buf)
+
+
+class Session(Recorder):
+    """The recorder plus its run: resolver, writer, listeners, instruments, failures."""
+
+    def __init__(
+        self, config: Config, clock: Clock, rank: RankInfo, run_id: str, sink: Sink | None,
+    ) -> None:
+        self.rank = rank
+        self.run_id = run_id
+        anchor = GpuAnchor(clock) if isinstance(clock, CudaClock) else None
+        resolver = Resolver(
+            clock,
+            {
+                "run_id": run_id,
+                "rank": rank.rank,
+                "local_rank": rank.local_rank,
+                "world_size": rank.world_size,
+                "hostname": rank.hostname,
+            },
+            config.max_pending_steps,
+            anchor,
+            _capture_probe() if anchor is not None else None,
+            self._step_fields,
+        )
+        super().__init__(config, clock, resolver)
+        self._auto_active: set[str] = set()
+        self._uninstallers: list[Callable[[], None]] = []
+        self._since_flush = 0
+        self._failed = False
+        self._finished = False
+        self._handed: BaseException | None = None  # a failure found off the training thread
+        self._listeners: list[Any] = []
+        self._step_end: list[Callable[[Any, int], None]] = []
+        self._forward_seen = False
+        self._sampled_seen = 0
+        self._step_wall = 0.0  # time.time() at step entry
+        self._last_step: tuple[int, float, float] | None = None  # index, end wall, seconds
+        self._raised: tuple[BaseException, list[str]] | None = None
+        # Throughput, FLOPs, memory, device health (issue 13). Built at the first sampled step,
+        # once the clock knows its device (init() often runs before set_device).
+        self._step_counts: tuple[int | None, int | None] | None = None
+        self._resources: ResourceMonitor | None = None
+        #: False when records go to a sink passed in (tests): no files beside them (heartbeat).
+        self.writes_files = sink is None
+        self._recent = _RecentRecords()
+        self._listeners.append(self._recent)
+        self._writer = BackgroundWriter(
+            sink if sink is not None else open_sink(config.sink, config.out_dir, rank.rank),
+            on_error=self.fail,
+        )
+        #: Observers attached by :mod:`stepscope.lifecycle` (opaque here), for users and tests.
+        self.profiler: Any = None
+        self.live: Any = None
+        self.autoprofile: Any = None
+
+    def _start(self, model: Any, optimizer: Any) -> None:
+        """Install instruments, wire observers, register the exit flush (end of ``__init__``)."""
+        self._install(model, optimizer)
+        if self.clock.kind == "cpu":  # the device is known now; a CUDA clock knows it at its first mark
+            self._resources = self._new_resources()
+        from stepscope.lifecycle import wire
+
+        wire(self)  # type: ignore[arg-type]
+        ref = weakref.ref(self)
+
+        def _at_exit() -> None:
+            session = ref()
+            if session is not None:
+                session.finish()
+
+        self._at_exit = _at_exit
+        atexit.register(_at_exit)
+
+    # ------------------------------------------------------------ listeners
+
+    def add_listener(self, listener: Any) -> None:
+        """Register an observer: an object with any of ``on_step_end(tracer, index)``,
+        ``on_record(record)``, ``on_exception(tracer, exc_type, exc, phase_stack)``,
+        ``on_finish(tracer)``; a plain
+        callable is taken as ``on_record``. ``on_record`` runs on the writer thread."""
+        if callable(listener) and not hasattr(listener, "on_record"):
+            fn = listener
+
+            class _OnRecord:
+                def on_record(self, record: dict[str, Any]) -> None:
+                    fn(record)
+
+            listener = _OnRecord()
+        self._listeners.append(listener)
+        if hasattr(listener, "on_step_end"):
+            self._step_end.append(listener.on_step_end)
+
+    def recent_records(self) -> list[dict[str, Any]]:
+        """The last resolved records of this rank (oldest first)."""
+        return self._recent.snapshot()
+
+    def submit_background(self, job: Callable[[], Any]) -> None:
+        """Run ``job()`` on the writer thread (never blocks; no CUDA calls allowed there)."""
+
+        def run() -> list[dict[str, Any]]:
+            job()
+            return []
+
+        self._writer.submit(run)
+
+    # ------------------------------------------------------------ step boundary
+
+    def _enter_step(self) -> None:
+        if self._handed is not None:
+            self._take_handed()
+        if not self.enabled:
+            return
+        if self._in_step:
+            tl = self._ignored
+            tl.n = getattr(tl, "n", 0) + 1
+            self._refused += 1
+            if self._owner == _get_ident():
+                self.warn("step() entered inside an open step(); the inner one is not timed",
+                          key="nested")
+            else:
+                self.warn("step() entered on a second thread while another thread's step is open; "
+                          "steps are per thread, the second one is not timed", key="threads")
+            return
+        try:
+            self._step_wall = time.time()
+            step = self._open_step()
+            if step is None:
+                self._step_counts = None
+                return
+            self._sampled_seen += 1
+            counts = self._step_counts
+            if counts is not None:
+                self._step_counts = None
+                if counts[0] is not None:
+                    step.counters["tokens"] = step.counters.get("tokens", 0) + counts[0]
+                if counts[1] is not None:
+                    step.counters["samples"] = step.counters.get("samples", 0) + counts[1]
+            res = self._resources
+            if res is None:
+                res = self._resources = self._new_resources()
+            res.on_step_start(step.index)
+        except Exception as exc:  # protect the job
+            self.fail(exc)
+
+    def _exit_step(self, exc: BaseException | None = None) -> None:
+        if self._refused:
+            tl = self._ignored
+            n = getattr(tl, "n", 0)
+            if n:  # the matching entry was not timed
+                tl.n = n - 1
+                self._refused -= 1
+                return
+        if not self.enabled:
+            self._in_step = False
+            if self._handed is not None:
+                self._take_handed()
+            return
+        try:
+            if exc is not None:
+                noted = self._raised
+                raised_in = noted[1] if noted is not None and noted[0] is exc else [
+                    sp.name for sp in self.owner_stack()
+                ]
+                self._raised = None
+                # Observers see the state as it was when the step raised (step, phases).
+                for listener in self._listeners:
+                    fn = getattr(listener, "on_exception", None)
+                    if fn is not None:
+                        fn(self, type(exc), exc, raised_in)
+            done = self._index
+            step = self._close_step()
+            if step is not None:
+                if self._resources is not None:
+                    step.res = self._resources.on_step_end(step.index)
+                if not self._forward_seen and "forward" in self._auto_active:
+                    self._check_forward(step)
+                self.resolver.add(step)
+                self._since_flush += 1
+            now = time.time()
+            self._last_step = (done, now, now - self._step_wall)
+            if step is not None:
+                self.resolver.poll()
+                # An exception may end the job: what is resolved goes to the file now.
+                if self._since_flush >= self.config.flush_every_n_steps or exc is not None:
+                    job = self._flush_job()
+                    if job is not None:
+                        self._since_flush = 0
+                        self._writer.submit(job)
+            for fn in self._step_end:
+                fn(self, done)
+        except Exception as err:  # protect the job
+            self._in_step = False
+            self.fail(err)
+        if self._handed is not None:
+            self._take_handed()
+
+    def _flush_job(self) -> Callable[[], list[dict[str, Any]]] | None:
+        """The writer's job for the steps resolved so far; None when there are none (an
+        empty job would only take a place in the writer's bounded queue)."""
+        steps = self.resolver.take_ready()
+        if not steps:
+            return None
+        listeners = [fn for fn in (getattr(x, "on_record", None) for x in self._listeners) if fn]
+
+        def job() -> list[dict[str, Any]]:
+            records = self.resolver.build(steps)
+            for fn in listeners:
+                for rec in records:
+                    fn(rec)
+            return records
+
+        return job
+
+    def _new_resources(self) -> ResourceMonitor:
+        cfg = self.config
+
+        def build(device: str) -> ResourceMonitor:
+            return ResourceMonitor(device=device, flops_per_step=cfg.flops_per_step,
+                                   model_flops=cfg.model_flops, peak_tflops=cfg.peak_tflops)
+
+        try:
+            return build(self.clock.device)
+        except Exception as exc:  # protect the job: device metrics are optional, timing is not
+            self.warn(f"device memory and health are not recorded: {exc!r}", key="resources")
+            return build("cpu")
+
+    def _step_fields(
+        self, index: int, start_unix_ns: int, step_ms: float, counters: dict[str, float], res: Any
+    ) -> dict[str, Any]:
+        """Record sections from the resource monitor (writer thread); pops tokens/samples."""
+        mon = self._resources
+        if mon is None:
+            return {}
+        return mon.step_fields(index, start_unix_ns, step_ms, counters, res)
+
+    def _check_forward(self, step: Step) -> None:
+        if any(s.name == "forward" for s in step.spans):
+            self._forward_seen = True
+        elif self._sampled_seen >= 3:
+            self._forward_seen = True  # warn once, then stop checking
+            self.warn(
+                "three sampled steps had no forward span although a model was passed to init(); "
+                "if the model was compiled after init() (torch.compile(model) or model.compile()), "
+                "pass the compiled module to init() instead, or time it with phase('forward')",
+                key="no-forward",
+            )
+
+    # ------------------------------------------------------------ flush / finish
+
+    def flush(self) -> None:
+        """Hand every record resolved so far to the writer now (it writes them in order)."""
+        if self.enabled and not self._finished:
+            self.resolver.poll()
+            self._since_flush = 0
+            job = self._flush_job()
+            if job is not None:
+                self._writer.submit(job)
+
+    def finish(self) -> None:
+        """Resolve pending events, flush, close files and remove hooks. Idempotent."""
+        if self._finished:
+            return
+        self._finished = True
+        atexit.unregister(self._at_exit)
+        if self._handed is not None:
+            self._take_handed()
+        for listener in list(self._listeners):
+            fn = getattr(listener, "on_finish", None)
+            if fn is not None:
+                try:
+                    fn(self)
+                except Exception as exc:  # protect the job: finishing must never raise into it
+                    self._fail_now(exc)
+        try:
+            self._uninstall()
+            if self._resources is not None:
+                self._resources.close()
+        except Exception as exc:  # protect the job
+            self._fail_now(exc)
+        if self.enabled:
+            deadline = time.monotonic() + FINISH_TIMEOUT_S
+
+            def late() -> bool:
+                # Polling for late events at finish only; the host never calls synchronize.
+                time.sleep(0.001)
+                return time.monotonic() >= deadline
+
+            try:
+                self.resolver.drain(late)
+            except Exception as exc:  # protect the job
+                self._fail_now(exc)
+        final = self._flush_job() if self.enabled else None
+        closed = self._writer.close(final, timeout=FINISH_TIMEOUT_S + 10.0)
+        if not closed:
+            self.warn("the writer did not finish within its timeout; the last records may be missing")
+
+    # ------------------------------------------------------------ failures
+
+    def fail(self, exc: BaseException) -> None:
+        """Report once, turn timing off, and let the training job go on.
+
+        Off the training thread the failure is handed to it and acted on at its next step
+        boundary (or at ``finish()``).
+        """
+        if self._failed:
+            return
+        if _get_ident() != self._train_thread and not self._finished:
+            if self._handed is None:
+                self._handed = exc  # one reference store: atomic, no lock needed
+            return
+        self._fail_now(exc)
+
+    def _take_handed(self) -> None:
+        exc, self._handed = self._handed, None
+        if exc is not None:
+            self._fail_now(exc)
+
+    def _fail_now(self, exc: BaseException) -> None:
+        if self._failed:
+            return
+        self._failed = True
+        super().fail(exc)
+        with contextlib.suppress(Exception):  # protect the job: we are already failing
+            self._uninstall()
+        self.warn(f"timing disabled after an internal error: {exc!r}")
+
+    # ------------------------------------------------------------ instruments
+
+    def _install(self, model: Any, optimizer: Any) -> None:
+        from stepscope.instrument.collectives import summarize
+
+        # Whoever reports collectives (the patch, a framework integration), their records
+        # get the collectives section; the resolver itself imports no instrument.
+        self.resolver.summarize_collectives = summarize
+        auto = self.config.auto
+        if model is not None and auto & {"forward", "backward"}:
+            from stepscope.instrument.hooks import attach_model
+
+            self._uninstallers.append(
+                attach_model(self, model, forward="forward" in auto, backward="backward" in auto)  # type: ignore[arg-type]
+            )
+            self._auto_active |= auto & {"forward", "backward"}
+        if optimizer is not None and "optimizer" in auto:
+            from stepscope.instrument.hooks import attach_optimizer
+
+            self._uninstallers.append(attach_optimizer(self, optimizer))  # type: ignore[arg-type]
+            self._auto_active.add("optimizer")
+        if "h2d" in auto:
+            from stepscope.instrument.h2d import install_patch
+
+            self._uninstallers.append(install_patch())
+            self._auto_active.add("h2d")
+        if self.config.collectives:
+            from stepscope.instrument import collectives
+
+            self._uninstallers.append(collectives.install_patch())
+
+    def add_uninstaller(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` when the tracer finishes (instruments installed from outside)."""
+        self._uninstallers.append(fn)
+
+    def _uninstall(self) -> None:
+        if gate.current() is self:
+            gate.set_current(None)
+        while self._uninstallers:
+            try:
+                self._uninstallers.pop()()
+            except Exception as exc:  # protect the job: a stale hook handle is harmless
+                self.warn(f"could not remove a hook: {exc!r}")
+        self._auto_active.clear()
+
+    # ------------------------------------------------------------ observers' view
+
+    def state(self) -> dict[str, Any]:
+        """A snapshot for observers on other threads (the heartbeat): plain values, no clock
+        (no CUDA) call. Phases are known on sampled steps only."""
+        stack = self.owner_stack()
+        last = self._last_step
+        return {
+            "step": self._index,
+            "in_step": self._in_step,
+            "step_started": self._step_wall if self._in_step else None,
+            "phase_stack": [sp.name for sp in stack],
+            "phase_started": stack[-1].wall if stack else None,
+            "last_step": last[0] if last else None,
+            "last_step_end": last[1] if last else None,
+            "last_step_s": last[2] if last else None,
+            "finished": self._finished,
+            "enabled": self.enabled,
+            "collective": self._blocked_in(),
+        }
+
+    def _blocked_in(self) -> dict[str, Any] | None:
+        owner = self._owner
+        if owner is None or not self.config.collectives:
+            return None
+        from stepscope.instrument.collectives import blocked_in
+
+        got = blocked_in(owner)
+        return None if got is None else {"op": got[0], "since": got[1]}
+
+    def note_raise(self, exc: BaseException) -> None:
+        """Remember the open phases where ``exc`` was first seen (for crash evidence)."""
+        if self._raised is None or self._raised[0] is not exc:
+            self._raised = (exc, [sp.name for sp in self._stack_here() if sp.end is None])
+
+
+def _capture_probe() -> Callable[[], bool]:
+    import torch
+
+    if not torch.cuda.is_available():  # fake CUDA clocks in tests: nothing can be capturing
+        return lambda: False
+    return torch.cuda.is_current_stream_capturing

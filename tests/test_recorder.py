@@ -1,0 +1,480 @@
+"""The recording core (issue 18 §1, §3.1/2/3/5/9/10a; issue 21 item 8), driven on CPU.
+
+A small lagging GPU stands in for CUDA here: events complete when the simulated device,
+running ``lag`` steps behind the host, reaches them; each knows the stream it was recorded
+on; ``elapsed_time`` on an unfinished event raises, as CUDA does.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from stepscope.clock import CpuClock, CudaClock
+from stepscope.config import Config
+from stepscope.dist import free_port, run_then_exit
+from stepscope.errors import StepscopeWarning
+from stepscope.records import read_run
+from stepscope.tracer import Tracer
+
+
+class LagGpu:
+    """A device that runs ``lag`` steps behind the host, in order per stream."""
+
+    def __init__(self, lag: int) -> None:
+        self.lag = lag
+        self.now = 0.0  # ms of work enqueued
+        self.history: list[float] = []  # ``now`` at each step end
+        self.done = 0.0
+        self.queries = 0
+        self.syncs = 0
+        self.broken: set[int] = set()  # ids of events whose query raises
+
+    def work(self, ms: float) -> None:
+        self.now += ms
+
+    def end_step(self) -> None:
+        self.history.append(self.now)
+        if len(self.history) > self.lag:
+            self.done = self.history[-1 - self.lag]
+
+    def catch_up(self) -> None:
+        self.done = self.now
+
+
+class LagEvent:
+    def __init__(self, gpu: LagGpu) -> None:
+        self.gpu = gpu
+        self.t: float | None = None
+
+    def record(self, stream: Any = None) -> None:
+        self.t = self.gpu.now
+
+    def query(self) -> bool:
+        gpu = self.gpu
+        gpu.queries += 1
+        if id(self) in gpu.broken:
+            raise RuntimeError("cudaErrorLaunchFailure")
+        return self.t is not None and self.t <= gpu.done
+
+    def done(self) -> bool:
+        return self.t is not None and self.t <= self.gpu.done
+
+    def elapsed_time(self, other: LagEvent) -> float:
+        if not (self.done() and other.done()):
+            raise RuntimeError("cudaErrorNotReady")
+        assert self.t is not None and other.t is not None
+        return other.t - self.t
+
+    def synchronize(self) -> None:
+        self.gpu.syncs += 1
+        self.gpu.catch_up()
+
+
+def lag_clock(gpu: LagGpu, streams: bool = True) -> CudaClock:
+    if not streams:
+        return CudaClock(lambda: LagEvent(gpu), current_device=lambda: 0)
+    return CudaClock(lambda: LagEvent(gpu), current_device=lambda: 0, current_stream=lambda dev: "default")
+
+
+def _many_marks(tr: Any, gpu: LagGpu, steps: int, phases: int) -> None:
+    for _ in range(steps):
+        with tr.step():
+            for i in range(phases):
+                with tr.phase(f"p{i % 7}"):
+                    gpu.work(0.5)
+        gpu.end_step()
+
+
+def _wait_for(pred: Any, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.01)
+    return pred()
+
+
+# ------------------------------------------------------------- §3.1 records lost
+
+
+@pytest.mark.parametrize("streams", [True, False], ids=["stream-known", "stream-unknown"])
+def test_steps_with_17_marks_resolve_during_the_run(mem_tracer, streams):
+    """Main: the per-poll budget of 16 queries restarted at each step's first mark, so a
+    step with 17+ marks never resolved before finish() (and only the last 256 reached it)."""
+    gpu = LagGpu(lag=2)
+    tr = mem_tracer(auto=False, clock=lag_clock(gpu, streams), flush_every_n_steps=1)
+    _many_marks(tr, gpu, steps=30, phases=8)  # 2 + 2*8 = 18 marks per step
+    assert len(tr.resolver.pending) <= gpu.lag + 1, "steps stay pending far behind the GPU"
+    assert _wait_for(lambda: len(tr.sink.records) >= 30 - gpu.lag - 1)
+    assert len(tr.recent_records()) >= 30 - gpu.lag - 1, "summary()/live line see nothing"
+    gpu.catch_up()
+    tr.finish()
+    assert [r["step"] for r in tr.sink.records] == list(range(30))
+
+
+def test_300_marks_per_step_gpu_100_steps_behind_nothing_lost_no_sync(mem_tracer):
+    gpu = LagGpu(lag=100)
+    tr = mem_tracer(auto=False, clock=lag_clock(gpu), flush_every_n_steps=1, max_pending_steps=256)
+    n = 400
+    _many_marks(tr, gpu, steps=n, phases=150)  # 302 marks per step
+    assert gpu.syncs == 0
+    assert len(tr.resolver.pending) <= gpu.lag + 1
+    assert _wait_for(lambda: len(tr.sink.records) >= n - gpu.lag - 1), len(tr.sink.records)
+    # One stream: one query per pending step checked, not one per mark.
+    assert gpu.queries < 20 * n, f"{gpu.queries} queries for {n} steps"
+    gpu.catch_up()
+    tr.finish()
+    steps = [r["step"] for r in tr.sink.records]
+    assert steps == list(range(n)), "records lost or doubled"
+    assert all(r["dropped"] == {} for r in tr.sink.records)
+    assert gpu.syncs == 0
+
+
+def test_a_backlog_drains(mem_tracer):
+    """The GPU stalls for 200 steps, then catches up: more than one step resolves per exit."""
+    gpu = LagGpu(lag=10_000)
+    tr = mem_tracer(auto=False, clock=lag_clock(gpu), flush_every_n_steps=1, max_pending_steps=256)
+    _many_marks(tr, gpu, steps=200, phases=3)
+    assert len(tr.resolver.pending) == 200
+    gpu.lag = 0
+    _many_marks(tr, gpu, steps=40, phases=3)
+    assert len(tr.resolver.pending) <= 1, "the backlog never drained"
+    tr.finish()
+    assert [r["step"] for r in tr.sink.records] == list(range(240))
+
+
+def test_cpu_clock_takes_the_same_pending_path(mem_tracer):
+    """§1: no CPU shortcut around the resolver: a CPU step is pending, then checked."""
+    asked: list[int] = []
+
+    class SpyClock(CpuClock):
+        def checkpoints(self, marks):  # type: ignore[no-untyped-def]
+            out = super().checkpoints(marks)
+            asked.append(len(out))
+            return out
+
+    tr = mem_tracer(auto=False, clock=SpyClock(), flush_every_n_steps=1)
+    for _ in range(5):
+        with tr.step(), tr.phase("a"):
+            pass
+    assert asked == [1] * 5, "CPU steps must go through the readiness check, one per step"
+    tr.finish()
+    assert [r["step"] for r in tr.sink.records] == list(range(5))
+
+
+# ------------------------------------------------- §3.10a one bad query ≠ timing off
+
+
+def test_one_event_query_error_drops_that_step_only(mem_tracer):
+    gpu = LagGpu(lag=0)
+    tr = mem_tracer(auto=False, clock=lag_clock(gpu), flush_every_n_steps=1)
+    with tr.step(), tr.phase("a"):
+        gpu.work(1.0)
+    gpu.end_step()
+    (step0,) = tr.resolver.pending
+    gpu.broken.add(id(step0.end.event))  # the step's last mark on its stream is queried
+    for _ in range(5):
+        with tr.step(), tr.phase("a"):
+            gpu.work(1.0)
+        gpu.end_step()
+        gpu.broken.clear()
+    tr.finish()
+    assert tr.enabled, "one query error switched timing off for the run"
+    recs = tr.sink.records
+    assert [r["step"] for r in recs] == [1, 2, 3, 4, 5]
+    assert recs[0]["dropped"] == {"unreadable": 1}
+
+
+# ------------------------------------------------------------------ CudaClock(device=)
+
+
+def test_cuda_clock_records_on_the_given_devices_stream():
+    seen: list[tuple[int, Any]] = []
+
+    class Ev:
+        def record(self, stream: Any = None) -> None:
+            seen.append(stream)
+
+    clk = CudaClock(lambda: Ev(), current_device=lambda: 0, current_stream=lambda d: ("s", d), device=3)
+    m = clk.mark()
+    assert m.device == 3 and m.stream == ("s", 3) and seen == [("s", 3)]
+    assert clk.device == "cuda:3"
+    m2 = clk.mark()
+    assert m2.seq > m.seq
+    assert clk.checkpoints([m, m2]) == [m2]
+    with pytest.raises(ValueError, match="device"):
+        CudaClock(lambda: Ev(), current_device=lambda: 0, device=-1)
+
+
+def test_default_clock_accepts_a_device():
+    from stepscope.clock import default_clock
+
+    clk = default_clock(device=0)
+    assert clk.kind == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+
+# ------------------------------------------- §3.5 a disk error never crashes the job
+
+
+class FullDisk:
+    def __init__(self) -> None:
+        self.failed = threading.Event()
+
+    def write(self, records: Any) -> None:
+        self.failed.set()
+        raise OSError(28, "No space left on device")
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_disk_error_mid_run_is_acted_on_by_the_training_thread():
+    """Main: the writer thread called fail(), which removed the optimizer hooks while the
+    training thread iterated them: ``OrderedDict mutated during iteration`` in opt.step()."""
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sink = FullDisk()
+    tr = Tracer(Config(out_dir="unused", flush_every_n_steps=1), model=model, optimizer=opt,
+                clock=CpuClock(), sink=sink)
+    waited = []
+
+    def user_pre_hook(o: Any, args: Any, kwargs: Any) -> None:
+        # The user's own hook, after stepscope's: the disk fails while opt.step() iterates.
+        if not waited and sink.failed.wait(10):
+            waited.append(1)
+            time.sleep(0.3)
+
+    opt.register_step_pre_hook(user_pre_hook)
+    opt.register_step_pre_hook(lambda o, a, k: None)  # iteration goes on past the user's hook
+    with pytest.warns(StepscopeWarning, match="timing disabled"):
+        for _ in range(4):
+            with tr.step():
+                model(torch.randn(2, 4)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+    assert waited, "the disk error never happened"
+    assert not tr.enabled, "the failure was never acted on"
+    tr.finish()
+
+
+# --------------------------------------- §3.9 another thread's phase, per-thread tokens
+
+
+def test_a_background_threads_phase_does_not_swallow_the_step(mem_tracer):
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tr = mem_tracer(model=model, optimizer=opt, flush_every_n_steps=1)
+    opened, release = threading.Event(), threading.Event()
+
+    def logger() -> None:
+        with tr.phase("log_upload"):
+            opened.set()
+            release.wait(10)
+
+    for i in range(3):
+        with tr.step():
+            if i == 1:
+                t = threading.Thread(target=logger)
+                t.start()
+                assert opened.wait(10)
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            if i == 1:
+                release.set()
+                t.join()
+    tr.finish()
+    recs = tr.sink.records
+    assert len(recs) == 3
+    paths = {p["path"] for p in recs[1]["phases"]}
+    assert {"forward", "backward", "optimizer", "log_upload"} <= paths, paths
+    assert not any(p.startswith("log_upload/") for p in paths), paths
+
+
+def test_a_decorated_phase_entered_by_two_threads_closes_each_threads_own(mem_tracer):
+    tr = mem_tracer(auto=False, flush_every_n_steps=1)
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+
+    @tr.phase("work")
+    def work(first: bool) -> None:
+        if first:
+            a_in.set()
+            assert b_in.wait(10)
+        else:
+            b_in.set()
+            assert a_out.wait(10)
+            time.sleep(0.05)
+
+    def a() -> None:
+        work(True)
+        a_out.set()
+
+    with tr.step():
+        ta = threading.Thread(target=a)
+        tb = threading.Thread(target=work, args=(False,))
+        ta.start()
+        assert a_in.wait(10)
+        tb.start()
+        ta.join()
+        tb.join()
+    tr.finish()
+    (rec,) = tr.sink.records
+    ph = {p["path"]: p for p in rec["phases"]}
+    assert set(ph) == {"work"}, "one thread's phase nested under another's"
+    assert ph["work"]["calls"] == 2
+
+
+# ---------------------------------------- issue 21 item 8: phases between steps
+
+
+def test_a_user_phase_between_steps_does_not_pull_the_next_step_back(mem_tracer):
+    tr = mem_tracer(auto=False, flush_every_n_steps=1)
+    for _ in range(3):
+        with tr.phase("eval"):  # evaluation between steps
+            time.sleep(0.3)
+        with tr.step(), tr.phase("work"):
+            time.sleep(0.005)
+    tr.finish()
+    recs = tr.sink.records
+    assert len(recs) == 3
+    for r in recs:
+        assert r["step_ms"] < 150, f"a 5 ms step recorded as {r['step_ms']} ms"
+        assert [p["name"] for p in r["phases"]] == ["work"]
+
+
+def test_a_manual_dataloader_phase_before_the_step_belongs_to_it(mem_tracer):
+    tr = mem_tracer(auto=False, flush_every_n_steps=1)
+    for _ in range(2):
+        with tr.phase("dataloader"):
+            time.sleep(0.05)
+        with tr.step(), tr.phase("work"):
+            time.sleep(0.005)
+    tr.finish()
+    for r in tr.sink.records:
+        ph = {p["name"]: p for p in r["phases"]}
+        assert set(ph) == {"dataloader", "work"}
+        assert ph["dataloader"]["start_ms"] == 0.0 and ph["dataloader"]["ms"] >= 40
+        assert r["step_ms"] >= ph["dataloader"]["ms"] + ph["work"]["ms"] - 1e-3
+
+
+# -------------------------------- §3.2 backward collectives on an autograd thread
+
+
+class _AllReduceGrad(torch.autograd.Function):
+    """Identity forward; all-reduces the gradient in backward (tensor-parallel style)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        g = g.clone()
+        dist.all_reduce(g)
+        return g
+
+
+@pytest.fixture
+def world1():
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_backward_on_a_device_thread_times_its_collectives_and_nothing_else(world1, mem_tracer):
+    """On CUDA, backward runs on a device thread while the owner blocks; the thread-local
+    gate was never raised there, so backward all-reduces/reduce-scatters were unseen."""
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return _AllReduceGrad.apply(self.lin(x))
+
+    model = Net()
+    tr = mem_tracer(model=model, auto={"forward", "backward"}, flush_every_n_steps=1)
+    device_thread = ThreadPoolExecutor(1)  # stands in for autograd's device thread
+
+    def unrelated() -> None:
+        dist.all_reduce(torch.ones(3))  # same thread, outside the owner's graph task
+
+    try:
+        for _ in range(3):
+            with tr.step():
+                loss = model(torch.randn(2, 4)).sum()
+                device_thread.submit(loss.backward).result()
+                device_thread.submit(unrelated).result()
+    finally:
+        device_thread.shutdown()
+    tr.finish()
+    recs = tr.sink.records
+    assert len(recs) == 3
+    for r in recs:
+        cs = r.get("collectives", [])
+        assert [(c["phase"], c["op"], c["count"]) for c in cs] == [("backward", "all_reduce", 1)], cs
+        assert {p["path"] for p in r["phases"]} == {"forward", "backward"}
+
+
+# -------------------------------------- §3.3 FSDP2: no grad_sync, reduce-scatters timed
+
+FSDP_STEPS = 3
+
+
+def _fsdp_worker(rank: int, world: int, port: int, out: str) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    import stepscope
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    stepscope.init(out_dir=out, model=model, optimizer=opt, flush_every_n_steps=1)
+    device_thread = ThreadPoolExecutor(1)  # backward off the owner thread, as on CUDA
+    for _ in range(FSDP_STEPS):
+        with stepscope.step():
+            loss = model(torch.randn(8, 16)).sum()
+            device_thread.submit(loss.backward).result()
+            opt.step()
+            opt.zero_grad()
+    device_thread.shutdown()
+    stepscope.finish()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_fsdp2_has_no_grad_sync_and_its_backward_reduce_scatters_are_timed(tmp_path: Path):
+    out = tmp_path / "run"
+    mp.spawn(run_then_exit, args=(_fsdp_worker, 2, free_port(), str(out)), nprocs=2, join=True)  # type: ignore[attr-defined]
+    recs = read_run(out)
+    assert len(recs) == 2 * FSDP_STEPS
+    for r in recs:
+        names = {p["name"] for p in r["phases"]}
+        assert "grad_sync" not in names, "FSDP2's grad_sync is ~0 on every rank: meaningless"
+        assert {"forward", "backward", "optimizer"} <= names
+        bwd = [c for c in r.get("collectives", []) if c["phase"] == "backward"
+               and c["op"].startswith("reduce_scatter")]
+        assert sum(c["count"] for c in bwd) == 2, r.get("collectives")
