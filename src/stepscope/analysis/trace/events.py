@@ -8,16 +8,23 @@ import os
 import re
 import zlib
 from array import array
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
-import ijson
-
 from stepscope.analysis import kernels as K
-from stepscope.analysis.trace.reader import MAX_INFLATED_BYTES, _open, _rank_of, _read_head_meta, _TraceReader
+from stepscope.analysis.trace.reader import (
+    MAX_DEPTH,
+    MAX_INFLATED_BYTES,
+    _open,
+    _rank_of,
+    _read_head_meta,
+    _TraceReader,
+    read_blocks,
+)
+from stepscope.analysis.trace.scan import BLOCK_BYTES, MAX_EVENT_BYTES, EventScan, Malformed
 
 _DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset", "Kernel", "Memcpy", "Memset"}
 # Host-side API calls whose `correlation` arg ties a launch to the device event it created.
@@ -114,15 +121,17 @@ def parse_trace(path: str | os.PathLike[str], max_bytes: int = MAX_INFLATED_BYTE
                                        if isinstance(d, dict)):
         out.is_rocm = True
     reader: _TraceReader | None = None
+    scan = EventScan(MAX_DEPTH)
     try:
-        with _open(p, max_bytes) as reader:
-            _scan_events(ijson.items(reader, "traceEvents.item", buf_size=1 << 16), out)
-    except (ijson.JSONError, EOFError, zlib.error, OSError, ValueError) as e:
+        with _open(p, max_bytes, max_depth=None) as reader:
+            _scan_events(_items(reader, scan), out)
+    except (Malformed, EOFError, zlib.error, OSError) as e:
+        _count_scan_skips(scan, out)
         _cpu_pass(p, out, max_bytes)
-        # ijson reports truncation as IncompleteJSONError. Everything yielded before the
-        # damage is already in `out`.
-        if reader is not None and reader.stopped:
-            out.warnings.append(f"{p.name}: {reader.stopped}; results are partial "
+        # Everything decoded before the damage is already in `out`.
+        stopped = reader.stopped if reader is not None else None
+        if stopped:
+            out.warnings.append(f"{p.name}: {stopped}; results are partial "
                                 f"({out.events_seen} events read)")
         else:
             out.warnings.append(
@@ -130,17 +139,41 @@ def parse_trace(path: str | os.PathLike[str], max_bytes: int = MAX_INFLATED_BYTE
                 f"({type(e).__name__}: {str(e)[:120]}); results are partial"
             )
         return out
+    _count_scan_skips(scan, out)
     _cpu_pass(p, out, max_bytes)
+    stopped = scan.stopped or (reader.stopped if reader is not None else None)
+    if stopped:
+        out.warnings.append(f"{p.name}: {stopped}; results are partial "
+                            f"({out.events_seen} events read)")
     return out
+
+
+def _items(reader: _TraceReader, scan: EventScan) -> Iterator[Any]:
+    """Every item of the trace's ``traceEvents`` array, decoded a block at a time."""
+    for block in read_blocks(reader, BLOCK_BYTES):
+        yield from scan.feed(block)
+        if scan.stopped is not None:
+            return
+    yield from scan.finish()
+
+
+def _count_scan_skips(scan: EventScan, out: ParsedTrace) -> None:
+    skipped = scan.oversized + scan.unconvertible
+    out.events_seen += skipped
+    out.skipped_events += skipped
+    if skipped and not out.first_skip_reason:
+        out.first_skip_reason = (
+            f"an event longer than {MAX_EVENT_BYTES >> 20} MiB (a name or argument that long "
+            "is hostile or corrupt)" if scan.oversized else scan.first_unconvertible)
 
 
 def _cpu_pass(p: Path, out: ParsedTrace, max_bytes: int) -> None:
     if out.device_events or not out.events_seen:
         return
     # The same bounds as the first pass; damage there ends this pass at the same point.
-    with contextlib.suppress(ijson.JSONError, EOFError, zlib.error, OSError, ValueError), \
-            _open(p, max_bytes) as reader:
-        _scan_cpu(ijson.items(reader, "traceEvents.item", buf_size=1 << 16), out)
+    with contextlib.suppress(Malformed, EOFError, zlib.error, OSError), \
+            _open(p, max_bytes, max_depth=None) as reader:
+        _scan_cpu(_items(reader, EventScan(MAX_DEPTH)), out)
 
 
 # |ts| beyond ~146 years in µs is not a timestamp; checking before int() keeps a hostile

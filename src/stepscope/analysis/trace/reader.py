@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import re
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -113,7 +114,7 @@ class _TraceReader(io.RawIOBase):
     """
 
     def __init__(self, path: Path, max_bytes: int = MAX_INFLATED_BYTES,
-                 max_depth: int = MAX_DEPTH) -> None:
+                 max_depth: int | None = MAX_DEPTH) -> None:
         self._raw = open(path, "rb")  # noqa: SIM115 - closed in close()
         magic = self._raw.read(2)
         self._raw.seek(0)
@@ -126,7 +127,8 @@ class _TraceReader(io.RawIOBase):
         self.stopped: str | None = None
         self.produced = 0
         self.max_bytes = max_bytes
-        self._guard = _DepthGuard(max_depth)
+        # None: the caller bounds depth itself (the event scan does, at no extra pass).
+        self._guard = _DepthGuard(max_depth) if max_depth is not None else None
 
     def readable(self) -> bool:
         return True
@@ -183,8 +185,8 @@ class _TraceReader(io.RawIOBase):
                             + (" inflated" if self.gzip else "")
                             + " (the per-file cap; raise it with --max-inflated-mb)")
             self._done = True
-        keep = self._guard.allowed(data)
-        if keep < len(data):
+        keep = self._guard.allowed(data) if self._guard is not None else len(data)
+        if keep < len(data) and self._guard is not None:
             data = data[:keep]
             self.stopped = (f"JSON nested deeper than {self._guard.limit} levels at byte "
                             f"{self.produced + keep:,} (no Kineto trace nests that deep); "
@@ -198,8 +200,25 @@ class _TraceReader(io.RawIOBase):
         super().close()
 
 
-def _open(path: Path, max_bytes: int = MAX_INFLATED_BYTES) -> _TraceReader:
-    return _TraceReader(path, max_bytes=max_bytes)
+def _open(path: Path, max_bytes: int = MAX_INFLATED_BYTES,
+          max_depth: int | None = MAX_DEPTH) -> _TraceReader:
+    return _TraceReader(path, max_bytes=max_bytes, max_depth=max_depth)
+
+
+def read_blocks(reader: _TraceReader, size: int) -> Iterator[bytes]:
+    """The reader's bytes in blocks of about ``size`` (fewer calls, larger native work)."""
+    while True:
+        parts: list[bytes] = []
+        total = 0
+        while total < size:
+            data = reader.read(size - total)
+            if not data:
+                break
+            parts.append(data)
+            total += len(data)
+        if not parts:
+            return
+        yield parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def _read_head_meta(path: Path) -> dict[str, Any]:
