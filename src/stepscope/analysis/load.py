@@ -262,7 +262,7 @@ def _build_tables(con: Any, root: Path, sources: list[Path], skipped: list[str])
     con.execute(
         f"""CREATE TABLE raw AS SELECT * FROM read_json({files},
             format='newline_delimited', columns={cols}, ignore_errors=true,
-            filename=true, maximum_object_size=67108864)"""
+            filename=true, maximum_object_size={MAX_LINE_BYTES + 2})"""
     )
     valid = " AND ".join(f"{c} IS NOT NULL" for c in _REQUIRED)
     for fname, total, good in con.execute(

@@ -26,7 +26,6 @@ gaps at the synchronising phase, clocks compared) stand in, and the report says 
 
 from __future__ import annotations
 
-import itertools
 import math
 import re
 from dataclasses import dataclass, field
@@ -371,15 +370,19 @@ def build_own(con: Any) -> None:
     )
 
     # Median of the other ranks without an n^2 self-join: drop this rank's position k from
-    # the step's sorted values v and take the middle of what remains.
+    # the step's sorted values and take the middle of what remains. Only the three values at
+    # sorted positions b..b+2 (b = (n-1)//2) can be that middle, so v keeps just those: a
+    # full list joined to every row would be n^2 memory.
     def rem(j: str) -> str:
-        return f"(CASE WHEN {j} < o.k THEN v.v[{j}] ELSE v.v[{j} + 1] END)"
+        return f"(CASE WHEN {j} < o.k THEN v.v[{j} - v.b + 1] ELSE v.v[{j} - v.b + 2] END)"
 
     con.execute(
         f"""CREATE OR REPLACE TABLE ex AS
             WITH o AS (SELECT *, row_number() OVER (PARTITION BY step, name ORDER BY own, rank) AS k,
                               count(*) OVER (PARTITION BY step, name) AS n FROM own),
-                 v AS (SELECT step, name, list(own ORDER BY own, rank) AS v FROM own GROUP BY 1, 2)
+                 v AS (SELECT step, name, b, l[b:b + 2] AS v FROM (
+                           SELECT step, name, (count(*) - 1) // 2 AS b,
+                                  list(own ORDER BY own, rank) AS l FROM own GROUP BY 1, 2))
             SELECT o.rank, o.step, o.name, o.own, o.wait, m.others, o.own - m.others AS excess
             FROM o JOIN v USING (step, name),
             LATERAL (SELECT CASE WHEN o.n < 2 THEN NULL
@@ -397,16 +400,22 @@ def build_thresholds(con: Any, median_step: float) -> dict[tuple[int, str], floa
     a level shift or a window of slow steps does not inflate it; floored.
     """
     floor = max(FLOOR_MS, FLOOR_FRAC * median_step)
-    thr: dict[tuple[int, str], float] = {}
-    for rank, name, xs in con.execute(
-        "SELECT rank, name, list(excess ORDER BY step) FROM ex WHERE excess IS NOT NULL GROUP BY 1, 2"
-    ).fetchall():
-        d = [float(b) - float(a) for a, b in itertools.pairwise(xs)]
-        sigma = robust.robust_sigma(d) / math.sqrt(2.0) if len(d) >= 2 else 0.0
-        thr[(int(rank), str(name))] = max(SIGMAS * sigma, floor)
-    con.execute("CREATE OR REPLACE TABLE thr (rank INTEGER, name VARCHAR, thr DOUBLE)")
-    if thr:
-        con.executemany("INSERT INTO thr VALUES (?, ?, ?)", [(r, n, t) for (r, n), t in thr.items()])
+    # In SQL (DuckDB's mad() is robust.mad) so a run of many ranks and steps neither moves
+    # every gap list into Python nor inserts the thresholds row by row.
+    con.execute(
+        f"""CREATE OR REPLACE TABLE thr AS
+            SELECT CAST(rank AS INTEGER) AS rank, CAST(name AS VARCHAR) AS name,
+                   greatest(CASE WHEN count(d) >= 2
+                                 THEN {SIGMAS} * ({robust.MAD_SCALE} * mad(d) / sqrt(2.0))
+                                 ELSE 0.0 END, {floor!r}) AS thr
+            FROM (SELECT rank, name,
+                         excess - lag(excess) OVER (PARTITION BY rank, name ORDER BY step) AS d
+                  FROM ex WHERE excess IS NOT NULL)
+            GROUP BY 1, 2"""
+    )
+    thr: dict[tuple[int, str], float] = {
+        (int(r), str(n)): float(t) for r, n, t in con.execute("SELECT * FROM thr").fetchall()
+    }
     return thr
 
 
@@ -676,11 +685,16 @@ def phase_waits(con: Any, phases: dict[str, Any]) -> None:
             UNION ALL SELECT '{RESIDUAL}', rank, median(wait), sum(own), TRUE, sum(own) FROM ex
                       WHERE name = '{RESIDUAL}' GROUP BY 2"""
     ).fetchall()
+    # Index the per-rank entries once: searching per_rank for each row is ranks^2.
+    per_rank: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for pname, ph in phases.items():
+        for p in ph["per_rank"]:
+            per_rank.setdefault((pname, int(p["rank"])), []).append(p)
     for path, rank, wmed, own_sum, top, work_sum in rows:
         ph = phases.get(str(path))
         if ph is None:
             continue
-        targets = [ph] if rank is None else [p for p in ph["per_rank"] if p["rank"] == int(rank)]
+        targets = [ph] if rank is None else per_rank.get((str(path), int(rank)), [])
         denom = total if rank is None else (rank_step.get(rank) or 0.0)
         for t in targets:
             t["wait_ms"] = round(float(wmed or 0.0), 3)

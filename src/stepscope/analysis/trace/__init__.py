@@ -1,0 +1,131 @@
+"""Kineto trace analysis: per-rank, per-step GPU time breakdown from torch.profiler traces.
+
+A package: ``reader`` (bytes, bounds, head), ``events`` (the pass over events), ``intervals``,
+``breakdown`` (per rank), ``collectives`` (across ranks) and ``diagnose`` (verdicts).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from stepscope.analysis import kernels as K
+from stepscope.analysis.trace.breakdown import Breakdown, CpuStep, RankResult, analyse_parsed
+from stepscope.analysis.trace.collectives import cross_rank
+from stepscope.analysis.trace.diagnose import diagnose
+from stepscope.analysis.trace.events import CpuOps, DeviceEvent, ParsedTrace, parse_trace
+from stepscope.analysis.trace.intervals import Interval, intersect, merge
+from stepscope.analysis.trace.reader import MAX_DEPTH, MAX_INFLATED_BYTES
+from stepscope.errors import AnalysisError
+
+SCHEMA = "stepscope.trace/1"
+
+__all__ = [
+    "MAX_DEPTH",
+    "MAX_INFLATED_BYTES",
+    "SCHEMA",
+    "Breakdown",
+    "CpuOps",
+    "CpuStep",
+    "DeviceEvent",
+    "Interval",
+    "ParsedTrace",
+    "RankResult",
+    "TraceReport",
+    "analyse",
+    "analyse_parsed",
+    "cross_rank",
+    "diagnose",
+    "intersect",
+    "iter_breakdowns",
+    "merge",
+    "parse_trace",
+    "trace_files",
+]
+
+
+
+@dataclass
+class TraceReport:
+    """The analysis of one or more rank traces: the JSON contract of ``stepscope trace``."""
+
+    schema: str
+    taxonomy_version: str
+    ranks: list[RankResult]
+    cross_rank: dict[str, Any] | None
+    diagnosis: list[dict[str, str]]
+    warnings: list[str]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        for r in d["ranks"]:
+            r.pop("collectives", None)
+        return d
+
+
+def trace_files(path: str | os.PathLike[str]) -> list[Path]:
+    """The trace files at `path`: the file itself, or the *.json / *.json.gz in a directory."""
+    p = Path(path)
+    if p.is_file():
+        return [p]
+    if p.is_dir():
+        files = sorted(f for f in p.iterdir() if f.is_file()
+                       and (f.name.endswith(".json") or f.name.endswith(".json.gz")))
+        if files:
+            return files
+        raise AnalysisError(f"no .json or .json.gz trace files in directory {p}")
+    raise AnalysisError(f"no such trace file or directory: {p}")
+
+
+def _analyse_file(path: str, max_bytes: int = MAX_INFLATED_BYTES) -> RankResult:
+    return analyse_parsed(parse_trace(path, max_bytes))
+
+
+def analyse(path: str | os.PathLike[str], workers: int | None = None,
+            max_bytes: int = MAX_INFLATED_BYTES) -> TraceReport:
+    """Analyse a trace file or a directory of per-rank traces (ranks in parallel processes).
+
+    ``max_bytes`` caps the JSON read from each file after gzip inflation; a file past it is
+    analysed up to the cap, with a warning.
+    """
+    if max_bytes <= 0:
+        raise AnalysisError(f"max_bytes must be positive, got {max_bytes}")
+    files = trace_files(path)
+    if len(files) > 1 and (workers is None or workers > 1):
+        n = min(len(files), workers or os.cpu_count() or 1)
+        with ProcessPoolExecutor(max_workers=n) as pool:
+            results = list(pool.map(_analyse_file, [str(f) for f in files], [max_bytes] * len(files)))
+    else:
+        results = [_analyse_file(str(f), max_bytes) for f in files]
+    warnings: list[str] = []
+    ranks_seen: Counter[int] = Counter(r.rank for r in results)
+    for rank, n in ranks_seen.items():
+        if n > 1:
+            warnings.append(f"rank {rank} appears in {n} files; ranks are shown per file")
+    results.sort(key=lambda r: (r.rank, r.file))
+    if all(r.total is None for r in results):
+        warnings.append("no GPU activity in any trace: only CPU events were recorded")
+    skipped = sum(r.skipped_events for r in results)
+    if skipped:
+        import warnings as _w
+
+        from stepscope.errors import StepscopeWarning
+
+        _w.warn(f"stepscope trace: skipped {skipped} malformed event(s) in {path}; "
+                "see the per-rank warnings", StepscopeWarning, stacklevel=2)
+    cross = cross_rank(results) if len(results) > 1 else None
+    return TraceReport(SCHEMA, K.TAXONOMY_VERSION, results, cross, diagnose(results, cross),
+                       warnings)
+
+
+def iter_breakdowns(report: TraceReport) -> Iterator[tuple[int, Breakdown]]:
+    """Every (rank, GPU step breakdown) pair, for renderers."""
+    for r in report.ranks:
+        for s in r.steps:
+            if isinstance(s, Breakdown):
+                yield r.rank, s

@@ -1,0 +1,327 @@
+"""Per-rank GPU time breakdown per ProfilerStep (and a CPU summary for CPU-only traces)."""
+
+from __future__ import annotations
+
+import re
+from bisect import bisect_left
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stepscope.analysis import kernels as K
+from stepscope.analysis.trace.collectives import CommKey, _kernel_key, _match_keys
+from stepscope.analysis.trace.events import DeviceEvent, ParsedTrace
+from stepscope.analysis.trace.intervals import Interval, _Measure, intersect, merge
+
+
+@dataclass
+class Breakdown:
+    """GPU time in one window (a ProfilerStep or the whole trace); all times in µs.
+
+    busy = compute + exposed_comm + exposed_memory, and busy + idle = wall.
+    kernel_sum is summed durations (overlapping streams counted twice), reported
+    separately on purpose: it is not a share of wall time.
+    """
+
+    label: str
+    step: int | None
+    start_us: float
+    wall_us: float
+    busy_us: float
+    idle_us: float
+    compute_us: float
+    comm_us: float
+    memory_us: float
+    exposed_comm_us: float
+    exposed_memory_us: float
+    comm_compute_overlap_pct: float | None
+    idle_host_wait_us: float
+    idle_kernel_wait_us: float
+    kernel_sum_us: float
+    kernel_count: int
+    launches: int
+    by_category_us: dict[str, float]
+    h2d_count: int
+    h2d_bytes: int
+    flops: float
+    tflops: float | None
+
+
+@dataclass
+class CpuStep:
+    """One ProfilerStep of a CPU trace (no GPU fields: they are absent, not zero); times in µs."""
+
+    label: str
+    step: int
+    start_us: float
+    wall_us: float
+    dataloader_us: float
+    collective_us: float
+    cpu_ops: int
+
+
+@dataclass
+class RankResult:
+    """Everything the analyser found for one rank's trace file."""
+
+    rank: int
+    file: str
+    rank_source: str
+    platform: str
+    events_seen: int
+    device_events: int
+    steps: list[Breakdown]
+    total: Breakdown | None
+    top_kernels: list[dict[str, Any]]
+    copies: dict[str, dict[str, float]]
+    unclassified_pct: float | None
+    warnings: list[str]
+    # Communication in time order (match key, duration µs), for cross-rank matching. The key
+    # is (process group, collective, seq) where the trace carries them, else
+    # ("", kernel or annotation name, k-th occurrence).
+    collectives: list[tuple[tuple[str, str, int], float]] = field(default_factory=list, repr=False)
+    # CPU summary (top ops by self/total time, collectives, dataloader), for CPU-only traces.
+    cpu: dict[str, Any] | None = None
+    skipped_events: int = 0
+
+
+def _us(ns: int | float) -> float:
+    return round(ns / 1000.0, 3)
+
+
+def analyse_parsed(pt: ParsedTrace, top: int = 15) -> RankResult:
+    """Compute the breakdown for one parsed trace."""
+    warnings = list(pt.warnings)
+    if pt.skipped_events:
+        warnings.append(f"{Path(pt.path).name}: skipped {pt.skipped_events} malformed event(s) "
+                        f"(first: {pt.first_skip_reason})")
+    ev = sorted(pt.device_events, key=lambda d: d.start)
+    platform = "rocm" if pt.is_rocm else ("cuda" if ev else "cpu")
+    if not ev:
+        return _cpu_result(pt, platform, warnings, top)
+
+    by_class: dict[str, list[Interval]] = {K.COMPUTE: [], K.COMM: [], K.MEM: []}
+    for d in ev:
+        if d.end > d.start:
+            by_class[K.kernel_class(d.category)].append((d.start, d.end))
+    busy = merge(iv for ivs in by_class.values() for iv in ivs)
+    compute = merge(by_class[K.COMPUTE])
+    comm = merge(by_class[K.COMM])
+    memory = merge(by_class[K.MEM])
+    overlap = intersect(compute, comm)
+    m_busy, m_comp, m_comm, m_mem, m_ov = (
+        _Measure(x) for x in (busy, compute, comm, memory, overlap)
+    )
+    host_wait, kernel_wait = _idle_split(busy, ev, pt.launches)
+    m_host, m_kwait = _Measure(host_wait), _Measure(kernel_wait)
+    starts = [d.start for d in ev]
+    has_launch_info = any(d.correlation in pt.launches for d in ev)
+    launch_ts = sorted(pt.launches.get(d.correlation, d.start) for d in ev if d.category != K.MEMORY)
+    flops_ts = sorted(pt.flops)
+    flops_starts = [t for t, _ in flops_ts]
+    flops_prefix = [0.0]
+    for _, f in flops_ts:
+        flops_prefix.append(flops_prefix[-1] + f)
+
+    def window(label: str, step: int | None, w0: int, w1: int) -> Breakdown:
+        wall = w1 - w0
+        b_busy, b_comp, b_comm = m_busy.within(w0, w1), m_comp.within(w0, w1), m_comm.within(w0, w1)
+        b_ov = m_ov.within(w0, w1)
+        exposed_comm = b_comm - b_ov
+        lo, hi = bisect_left(starts, w0), bisect_left(starts, w1)
+        cats: dict[str, float] = defaultdict(float)
+        kcount = h2d = h2d_bytes = 0
+        for d in ev[lo:hi]:
+            cats[d.category] += d.end - d.start
+            if d.category != K.MEMORY:
+                kcount += 1
+            elif d.copy_kind == "HtoD":
+                h2d += 1
+                h2d_bytes += d.nbytes
+        fl = flops_prefix[bisect_left(flops_starts, w1)] - flops_prefix[bisect_left(flops_starts, w0)]
+        idle = wall - b_busy
+        hw, kw = m_host.within(w0, w1), m_kwait.within(w0, w1)
+        return Breakdown(
+            label=label, step=step, start_us=_us(w0), wall_us=_us(wall), busy_us=_us(b_busy),
+            idle_us=_us(idle), compute_us=_us(b_comp), comm_us=_us(b_comm),
+            memory_us=_us(m_mem.within(w0, w1)), exposed_comm_us=_us(exposed_comm),
+            exposed_memory_us=_us(b_busy - b_comp - exposed_comm),
+            comm_compute_overlap_pct=round(100.0 * b_ov / b_comm, 2) if b_comm else None,
+            idle_host_wait_us=_us(hw) if has_launch_info else 0.0,
+            idle_kernel_wait_us=_us(kw) if has_launch_info else 0.0,
+            kernel_sum_us=_us(sum(cats.values())), kernel_count=kcount,
+            launches=bisect_left(launch_ts, w1) - bisect_left(launch_ts, w0),
+            by_category_us={c: _us(v) for c, v in sorted(cats.items(), key=lambda x: -x[1])},
+            h2d_count=h2d, h2d_bytes=h2d_bytes, flops=fl,
+            tflops=round(fl / wall / 1e3, 3) if fl and wall > 0 else None,
+        )
+
+    if not has_launch_info:
+        warnings.append("no launch correlation in the trace: idle time is not split into host/kernel wait")
+    steps: list[Breakdown] = []
+    seen_steps: set[int] = set()
+    for n, s, e in sorted(pt.steps, key=lambda x: x[1]):
+        if n in seen_steps or e <= s:
+            continue
+        seen_steps.add(n)
+        steps.append(window(f"ProfilerStep#{n}", n, s, e))
+    if not steps:
+        warnings.append("no ProfilerStep markers: reporting the whole trace as one window")
+    lo_t = busy[0][0] if busy else min(d.start for d in ev)
+    hi_t = busy[-1][1] if busy else max(d.end for d in ev)
+    total = window("whole trace", None, lo_t, hi_t)
+
+    names: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    name_cat: dict[str, str] = {}
+    copies: dict[str, dict[str, float]] = {}
+    for d in ev:
+        agg = names[d.name]
+        agg[0] += 1
+        agg[1] += d.end - d.start
+        name_cat[d.name] = d.category
+        if d.category == K.MEMORY:
+            c = copies.setdefault(d.copy_kind, {"count": 0, "bytes": 0, "time_us": 0.0})
+            c["count"] += 1
+            c["bytes"] += d.nbytes
+            c["time_us"] += (d.end - d.start) / 1000.0
+    for c in copies.values():
+        c["time_us"] = round(c["time_us"], 3)
+        # bytes per µs is MB/s; /1e3 gives GB/s. Memsets carry no bytes.
+        c["gbps"] = round(c["bytes"] / c["time_us"] / 1e3, 3) if c["time_us"] and c["bytes"] else 0.0
+    ksum = sum(v[1] for v in names.values())
+    top_kernels = [
+        {"name": n, "category": name_cat[n], "count": int(v[0]), "total_us": _us(v[1]),
+         "mean_us": _us(v[1] / v[0]), "pct_of_kernel_sum": round(100.0 * v[1] / ksum, 2) if ksum else 0.0}
+        for n, v in sorted(names.items(), key=lambda x: -x[1][1])[:top]
+    ]
+    other = sum(v[1] for n, v in names.items() if name_cat[n] == K.OTHER)
+    collectives = _match_keys(
+        [(d.start, d.end, _kernel_key(d, pt.comm_seq)) for d in ev if d.category == K.COMMUNICATION]
+    )
+    return RankResult(
+        pt.rank, pt.path, pt.rank_source, platform, pt.events_seen, len(ev), steps, total,
+        top_kernels, copies, round(100.0 * other / ksum, 2) if ksum else None, warnings,
+        collectives, None, pt.skipped_events,
+    )
+
+
+_DATALOADER_RE = re.compile(r"DataLoader|_DataLoaderIter|dataloader", re.IGNORECASE)
+_COLL_PREFIXES = ("gloo:", "nccl:", "c10d::", "mpi:")
+
+
+def _cpu_result(pt: ParsedTrace, platform: str, warnings: list[str], top: int) -> RankResult:
+    """A CPU-only trace: step times, top CPU ops by self and total time, collectives, data."""
+    name = Path(pt.path).name
+    ops = pt.cpu_ops
+    if not len(ops) and not pt.steps:
+        warnings.append(f"{name}: no GPU events and no CPU ops; nothing to summarise")
+        return RankResult(pt.rank, pt.path, pt.rank_source, platform, pt.events_seen, 0, [],
+                          None, [], {}, None, warnings, skipped_events=pt.skipped_events)
+    warnings.append(f"{name}: no GPU events (CPU-only trace); summarising CPU ops instead")
+    order = sorted(range(len(ops)), key=lambda i: (ops.tid[i], ops.start[i], -ops.end[i]))
+    child = [0] * len(ops)
+    stack: list[int] = []
+    cur_tid = None
+    for i in order:
+        if ops.tid[i] != cur_tid:
+            stack, cur_tid = [], ops.tid[i]
+        s = ops.start[i]
+        while stack and ops.end[stack[-1]] <= s:
+            stack.pop()
+        if stack:
+            p = stack[-1]
+            child[p] += min(ops.end[i], ops.end[p]) - s
+        stack.append(i)
+    agg: dict[int, list[int]] = {}
+    coll_items: list[tuple[int, int, CommKey | str]] = []
+    data_iv: list[Interval] = []
+    coll_iv: list[Interval] = []
+    for i in range(len(ops)):
+        s, e, n = ops.start[i], ops.end[i], ops.name[i]
+        a = agg.setdefault(n, [0, 0, 0])
+        a[0] += 1
+        a[1] += e - s
+        a[2] += max(0, e - s - child[i])
+        nm = ops.names[n]
+        if nm.startswith(_COLL_PREFIXES):
+            coll_iv.append((s, e))
+            if not pt.comm_ops:
+                coll_items.append((s, e, nm))
+        elif _DATALOADER_RE.search(nm):
+            data_iv.append((s, e))
+    for s, e, ckey in pt.comm_ops:
+        coll_items.append((s, e, ckey))
+        coll_iv.append((s, e))
+
+    def row(n: int, a: list[int]) -> dict[str, Any]:
+        return {"name": ops.names[n], "count": a[0], "total_us": _us(a[1]), "self_us": _us(a[2]),
+                "mean_us": _us(a[1] / a[0])}
+
+    by_self = sorted(agg.items(), key=lambda x: -x[1][2])[:top]
+    by_total = sorted(agg.items(), key=lambda x: -x[1][1])[:top]
+    colls: dict[str, list[int]] = {}
+    for s, e, any_key in coll_items:
+        label = any_key if isinstance(any_key, str) else f"{any_key[1]} (pg {any_key[0]})"
+        c = colls.setdefault(label, [0, 0])
+        c[0] += 1
+        c[1] += e - s
+    m_data, m_coll = _Measure(merge(data_iv)), _Measure(merge(coll_iv))
+    steps: list[CpuStep] = []
+    seen: set[int] = set()
+    sorted_starts = sorted(ops.start)
+    for n, s, e in sorted(pt.steps, key=lambda x: x[1]):
+        if n in seen or e <= s:
+            continue
+        seen.add(n)
+        count = bisect_left(sorted_starts, e) - bisect_left(sorted_starts, s)
+        steps.append(CpuStep(f"ProfilerStep#{n}", n, _us(s), _us(e - s), _us(m_data.within(s, e)),
+                             _us(m_coll.within(s, e)), count))
+    if not steps:
+        warnings.append(f"{name}: no ProfilerStep markers in this CPU trace: no per-step times; "
+                        "op totals cover the whole trace")
+    cpu = {
+        "top_ops_by_self": [row(n, a) for n, a in by_self],
+        "top_ops_by_total": [row(n, a) for n, a in by_total],
+        "collectives": [{"name": k, "count": v[0], "total_us": _us(v[1])}
+                        for k, v in sorted(colls.items(), key=lambda x: -x[1][1])],
+        "collective_us": _us(sum(e - s for s, e in merge(coll_iv))),
+        "dataloader_us": _us(sum(e - s for s, e in merge(data_iv))),
+        "cpu_ops": len(ops),
+    }
+    return RankResult(pt.rank, pt.path, pt.rank_source, platform, pt.events_seen, 0,
+                      steps, None, [], {}, None, warnings,  # type: ignore[arg-type]
+                      _match_keys(coll_items), cpu, pt.skipped_events)
+
+
+def _idle_split(busy: list[Interval], ev: list[DeviceEvent], launches: dict[int, int]
+                ) -> tuple[list[Interval], list[Interval]]:
+    """Split every gap in device activity into host wait and kernel wait.
+
+    A gap ends when the next device event starts. If the host launched that event only after
+    the gap began, the device had nothing queued: the gap up to the launch is host wait (the
+    CPU was late) and the rest is launch latency (kernel wait). If it was launched before the
+    gap began, the work was queued but not running (a dependency or sync): kernel wait. The
+    time before the first and after the last event counts as host wait: nothing was queued.
+    """
+    host: list[Interval] = []
+    kwait: list[Interval] = []
+    starts = [d.start for d in ev]
+    lo = -(1 << 62)
+    prev_end = lo
+    for s, e in busy:
+        # The first event starting at s is the one whose start ends the gap.
+        d = ev[bisect_left(starts, s)]
+        launch = launches.get(d.correlation)
+        if prev_end == lo:
+            host.append((lo, s))
+        elif launch is None or launch <= prev_end:
+            kwait.append((prev_end, s))
+        else:
+            cut = min(launch, s)
+            host.append((prev_end, cut))
+            if cut < s:
+                kwait.append((cut, s))
+        prev_end = e
+    host.append((prev_end, 1 << 62))
+    return host, kwait

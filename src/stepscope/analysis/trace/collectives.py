@@ -1,0 +1,123 @@
+"""Collectives matched across ranks, and each instance split into wait and transfer."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+from stepscope.analysis.trace.events import DeviceEvent
+
+if TYPE_CHECKING:
+    from stepscope.analysis.trace.breakdown import RankResult
+
+CommKey = tuple[str, str, int]
+
+
+def _kernel_key(d: DeviceEvent, comm_seq: dict[int, CommKey]) -> CommKey | str:
+    """The match key of one NCCL kernel: its group and sequence number where known."""
+    key = d.comm
+    if key is not None and key[2] < 0:
+        key = comm_seq.get(d.external_id, key)
+    return key if key is not None else _collective_key(d.name)
+
+
+def _match_keys(items: list[tuple[int, int, CommKey | str]]) -> list[tuple[CommKey, float]]:
+    """Durations with a cross-rank match key each, in time order.
+
+    Collectives on one process group are issued in the same order on every rank, so where
+    the sequence number is missing the k-th call on the same group (or, lacking a group,
+    of the same name) is the same collective.
+    """
+    seen: Counter[tuple[str, str]] = Counter()
+    out: list[tuple[CommKey, float]] = []
+    for s, e, key in sorted(items, key=lambda x: x[0]):
+        if isinstance(key, str):
+            group, coll, seq = "", key, -1
+        else:
+            group, coll, seq = key
+        if seq < 0:
+            seq = seen[(group, coll)]
+            seen[(group, coll)] += 1
+            group = group or ""
+            key = (group, coll + "#k", seq)
+        else:
+            key = (group, coll, seq)
+        out.append((key, (e - s) / 1000.0))
+    return out
+
+
+def cross_rank(results: list[RankResult]) -> dict[str, Any]:
+    """Ranks side by side, and collective wait vs transfer.
+
+    Collectives are matched across ranks by (process group, collective, sequence number)
+    where the trace carries them (Kineto's NCCL kernel and ``record_param_comms`` args);
+    without a sequence number, the k-th call on the same process group is the same
+    collective (calls on one group are issued in the same order on every rank), and without
+    a group, the k-th call of the same name. Each matched instance is split by the one wait
+    rule (:func:`stepscope.analysis.waits.waits`): the shortest time across ranks is the
+    transfer, the rest of each rank's time is waiting for the last rank to arrive, which is
+    the rank with the shortest time. No clocks are compared across ranks.
+    """
+    from stepscope.analysis.waits import last_arriver, waits
+
+    rows = []
+    for r in results:
+        if r.total is None:
+            walls = [s.wall_us for s in r.steps]
+            if r.cpu is not None:
+                rows.append({"rank": r.rank,
+                             "mean_step_us": round(sum(walls) / len(walls), 3) if walls else None,
+                             "collective_us": r.cpu["collective_us"],
+                             "dataloader_us": r.cpu["dataloader_us"]})
+            continue
+        walls = [s.wall_us for s in r.steps]
+        rows.append({
+            "rank": r.rank,
+            "mean_step_us": round(sum(walls) / len(walls), 3) if walls else None,
+            "busy_us": r.total.busy_us, "compute_us": r.total.compute_us,
+            "exposed_comm_us": r.total.exposed_comm_us, "idle_us": r.total.idle_us,
+            "wall_us": r.total.wall_us,
+        })
+    by_rank: dict[int, dict[tuple[str, str, int], float]] = {}
+    for r in results:
+        if r.rank in by_rank:  # the same rank in two files: keep the first
+            continue
+        by_rank[r.rank] = dict(r.collectives)
+    ranks = [k for k, v in by_rank.items() if v]
+    wait: dict[int, float] = dict.fromkeys(ranks, 0.0)
+    transfer = 0.0
+    last: Counter[int] = Counter()
+    matched = 0
+    by_seq = 0
+    mismatched = False
+    if len(ranks) > 1:
+        keys = set.intersection(*(set(by_rank[k]) for k in ranks))
+        union = set.union(*(set(by_rank[k]) for k in ranks))
+        mismatched = len(keys) != len(union)
+        for key in keys:
+            durs = {k: by_rank[k][key] for k in ranks}
+            transfer += min(durs.values())
+            for k, w in waits(durs).items():
+                wait[k] += w
+            lr = last_arriver(durs)
+            if lr is not None:
+                last[lr] += 1
+            matched += 1
+            by_seq += not key[1].endswith("#k")
+    return {
+        "per_rank": rows,
+        "collectives_matched": matched,
+        "collectives_matched_by": ("process group and sequence number" if matched and by_seq == matched
+                                   else "process group (or name) and order" if matched and not by_seq
+                                   else "mixed" if matched else None),
+        "collective_counts_differ": mismatched,
+        "collective_transfer_us": round(transfer, 3),
+        "collective_wait_us": {str(k): round(v, 3) for k, v in wait.items()},
+        "last_arriving_rank": last.most_common(1)[0][0] if last else None,
+        "last_arrivals": {str(k): v for k, v in sorted(last.items())},
+    }
+
+
+def _collective_key(name: str) -> str:
+    # "ncclDevKernel_AllReduce_Sum_f32_RING_LL(...)" -> "ncclDevKernel_AllReduce_Sum_f32_RING_LL"
+    return name.split("(", 1)[0]

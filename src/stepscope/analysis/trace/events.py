@@ -1,0 +1,347 @@
+"""One pass over a trace's events, keeping what the breakdown needs (device events, launches, steps)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+import zlib
+from array import array
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+from stepscope.analysis import kernels as K
+from stepscope.analysis.trace.reader import (
+    MAX_DEPTH,
+    MAX_INFLATED_BYTES,
+    _open,
+    _rank_of,
+    _read_head_meta,
+    _TraceReader,
+    read_blocks,
+)
+from stepscope.analysis.trace.scan import BLOCK_BYTES, MAX_EVENT_BYTES, EventScan, Malformed
+
+_DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset", "Kernel", "Memcpy", "Memset"}
+# Host-side API calls whose `correlation` arg ties a launch to the device event it created.
+_LAUNCH_CATS = {"cuda_runtime", "cuda_driver", "hip_runtime", "hip_driver", "Runtime", "Driver"}
+_STEP_RE = re.compile(r"^ProfilerStep\s*#\s*(\d+)")
+
+
+@dataclass(slots=True)
+class DeviceEvent:
+    """One kept device event; times are integer nanoseconds (exact for ns-resolution traces)."""
+
+    start: int
+    end: int
+    name: str
+    category: str
+    stream: int
+    correlation: int
+    nbytes: int
+    copy_kind: str
+    comm: tuple[str, str, int] | None = None  # (process group, collective, seq) of NCCL kernels
+    external_id: int = -1
+
+
+class CpuOps:
+    """CPU ops and annotations in parallel arrays: start/end ns, interned name and thread."""
+
+    def __init__(self) -> None:
+        self.start = array("q")
+        self.end = array("q")
+        self.name = array("l")
+        self.tid = array("l")
+        self.names: list[str] = []
+        self.tids: list[int | str] = []
+        self._name_ix: dict[str, int] = {}
+        self._tid_ix: dict[int | str, int] = {}
+
+    def add(self, start: int, end: int, name: str, tid: int | str) -> None:
+        n = self._name_ix.get(name)
+        if n is None:
+            n = self._name_ix[name] = len(self.names)
+            self.names.append(name)
+        t = self._tid_ix.get(tid)
+        if t is None:
+            t = self._tid_ix[tid] = len(self.tids)
+            self.tids.append(tid)
+        self.start.append(start)
+        self.end.append(end)
+        self.name.append(n)
+        self.tid.append(t)
+
+    def __len__(self) -> int:
+        return len(self.start)
+
+
+@dataclass
+class ParsedTrace:
+    """What the streaming pass keeps of one file: device events and the few CPU facts needed."""
+
+    path: str
+    rank: int
+    rank_source: str
+    device_events: list[DeviceEvent] = field(default_factory=list)
+    steps: list[tuple[int, int, int]] = field(default_factory=list)  # (number, start, end) ns
+    launches: dict[int, int] = field(default_factory=dict)  # correlation -> host launch ns
+    flops: list[tuple[int, float]] = field(default_factory=list)  # (cpu op start ns, flops)
+    # CPU ops and annotations, for CPU summaries (compact: ~24 bytes per op).
+    cpu_ops: CpuOps = field(default_factory=lambda: CpuOps())
+    # External id -> (process group, collective, seq) from record_param_comms.
+    comm_seq: dict[int, tuple[str, str, int]] = field(default_factory=dict)
+    # record_param_comms spans that name their process group: (start, end, key).
+    comm_ops: list[tuple[int, int, tuple[str, str, int]]] = field(default_factory=list)
+    events_seen: int = 0
+    skipped_events: int = 0
+    first_skip_reason: str = ""
+    is_rocm: bool = False
+    warnings: list[str] = field(default_factory=list)
+
+
+def parse_trace(path: str | os.PathLike[str], max_bytes: int = MAX_INFLATED_BYTES) -> ParsedTrace:
+    """Stream one Kineto trace file, keeping only what the breakdown needs.
+
+    Never raises on damaged input: truncation and bad JSON become warnings and whatever was
+    read before the damage is kept. Reading stops (with a warning) past ``max_bytes`` of
+    inflated JSON or at nesting deeper than :data:`MAX_DEPTH`.
+    """
+    p = Path(path)
+    meta = _read_head_meta(p)
+    rank, source = _rank_of(p, meta)
+    out = ParsedTrace(path=str(p), rank=rank, rank_source=source)
+    if source == "default":
+        out.warnings.append(f"{p.name}: no distributedInfo and no rank in the file name; rank 0")
+    props = meta.get("deviceProperties")
+    if isinstance(props, list) and any("AMD" in str(d.get("name", "")) for d in props
+                                       if isinstance(d, dict)):
+        out.is_rocm = True
+    reader: _TraceReader | None = None
+    scan = EventScan(MAX_DEPTH)
+    try:
+        with _open(p, max_bytes, max_depth=None) as reader:
+            _scan_events(_items(reader, scan), out)
+    except (Malformed, EOFError, zlib.error, OSError) as e:
+        _count_scan_skips(scan, out)
+        _cpu_pass(p, out, max_bytes)
+        # Everything decoded before the damage is already in `out`.
+        stopped = reader.stopped if reader is not None else None
+        if stopped:
+            out.warnings.append(f"{p.name}: {stopped}; results are partial "
+                                f"({out.events_seen} events read)")
+        else:
+            out.warnings.append(
+                f"{p.name}: trace is truncated or malformed after {out.events_seen} events "
+                f"({type(e).__name__}: {str(e)[:120]}); results are partial"
+            )
+        return out
+    _count_scan_skips(scan, out)
+    _cpu_pass(p, out, max_bytes)
+    stopped = scan.stopped or (reader.stopped if reader is not None else None)
+    if stopped:
+        out.warnings.append(f"{p.name}: {stopped}; results are partial "
+                            f"({out.events_seen} events read)")
+    return out
+
+
+def _items(reader: _TraceReader, scan: EventScan) -> Iterator[Any]:
+    """Every item of the trace's ``traceEvents`` array, decoded a block at a time."""
+    for block in read_blocks(reader, BLOCK_BYTES):
+        yield from scan.feed(block)
+        if scan.stopped is not None:
+            return
+    yield from scan.finish()
+
+
+def _count_scan_skips(scan: EventScan, out: ParsedTrace) -> None:
+    skipped = scan.oversized + scan.unconvertible
+    out.events_seen += skipped
+    out.skipped_events += skipped
+    if skipped and not out.first_skip_reason:
+        out.first_skip_reason = (
+            f"an event longer than {MAX_EVENT_BYTES >> 20} MiB (a name or argument that long "
+            "is hostile or corrupt)" if scan.oversized else scan.first_unconvertible)
+
+
+def _cpu_pass(p: Path, out: ParsedTrace, max_bytes: int) -> None:
+    if out.device_events or not out.events_seen:
+        return
+    # The same bounds as the first pass; damage there ends this pass at the same point.
+    with contextlib.suppress(Malformed, EOFError, zlib.error, OSError), \
+            _open(p, max_bytes, max_depth=None) as reader:
+        _scan_cpu(_items(reader, EventScan(MAX_DEPTH)), out)
+
+
+# |ts| beyond ~146 years in µs is not a timestamp; checking before int() keeps a hostile
+# 1e308 (or a Decimal with a huge exponent) from building enormous integers.
+_MAX_US = 4.6e15
+
+
+class _BadEvent(ValueError):
+    """One event that is not a usable trace event; it is skipped and counted."""
+
+
+def _num(v: Any, what: str) -> int:
+    """A finite µs value as integer ns; anything else raises :class:`_BadEvent`."""
+    t = type(v)
+    if t is Decimal:  # ijson's type for every non-integer; adjusted() is the exponent
+        if v.is_finite() and v.adjusted() < 16:
+            return int(v * 1000)
+    elif t is int:
+        if -_MAX_US_INT <= v <= _MAX_US_INT:
+            return int(v * 1000)
+    elif t is float:
+        if math.isfinite(v) and abs(v) <= _MAX_US:
+            return int(v * 1000)
+    else:
+        raise _BadEvent(f"{what} is not a number")
+    raise _BadEvent(f"{what} is out of range")
+
+
+_MAX_US_INT = int(_MAX_US)
+
+
+def _span(e: dict[str, Any]) -> tuple[int, int]:
+    start = _num(e.get("ts"), "ts")
+    if "dur" not in e:
+        raise _BadEvent("dur is missing")
+    dur = _num(e["dur"], "dur")
+    if dur < 0:
+        raise _BadEvent("dur is negative")
+    return start, start + dur
+
+
+def _args(e: dict[str, Any]) -> dict[str, Any]:
+    a = e.get("args")
+    if a is None:
+        return {}
+    if not isinstance(a, dict):
+        raise _BadEvent("args is not an object")
+    return a
+
+
+def _int_arg(v: Any, default: int = -1) -> int:
+    if isinstance(v, bool):
+        return default
+    if isinstance(v, int):
+        return v
+    if isinstance(v, str) and v.strip().lstrip("-").isdigit() and len(v) < 20:
+        return int(v)
+    return default
+
+
+def _comm_key(args: dict[str, Any]) -> tuple[str, str, int] | None:
+    """(process group, collective, sequence number) when the event carries them."""
+    pg = args.get("Process Group Name", args.get("pg_name"))
+    if pg is None:
+        return None
+    coll = args.get("Collective name", args.get("collective_name", ""))
+    seq = _int_arg(args.get("Seq", args.get("seq")), -1)
+    return str(pg)[:200], str(coll)[:100], seq
+
+
+def _scan_events(events: Iterable[Any], out: ParsedTrace) -> None:
+    dev = out.device_events
+    launches = out.launches
+    # Kernel names repeat thousands of times and run to hundreds of characters; keep one copy.
+    names: dict[str, str] = {}
+    for e in events:
+        out.events_seen += 1
+        if not isinstance(e, dict) or e.get("ph") != "X":
+            continue
+        cat = e.get("cat")
+        try:
+            if cat in _DEVICE_CATS:
+                args = _args(e)
+                start, end = _span(e)
+                name = str(e.get("name", ""))
+                name = names.setdefault(name, name)
+                category = K.classify(name, cat)
+                kind = ""
+                nbytes = 0
+                if category == K.MEMORY:
+                    kind = K.copy_kind(name, args.get("kind"))
+                    nbytes = max(0, _int_arg(args.get("bytes"), 0))
+                stream = args.get("stream", e.get("tid", -1))
+                dev.append(DeviceEvent(
+                    start, end, name, category,
+                    int(stream) if isinstance(stream, int) else -1,
+                    _int_arg(args.get("correlation", -1)), nbytes, kind,
+                    _comm_key(args) if category == K.COMMUNICATION else None,
+                    _int_arg(args.get("External id", -1)),
+                ))
+            elif cat in _LAUNCH_CATS:
+                corr = _args(e).get("correlation")
+                if corr is not None:
+                    launches[_int_arg(corr)] = _num(e.get("ts"), "ts")
+                if str(cat).startswith("hip"):
+                    out.is_rocm = True
+            elif cat == "user_annotation":
+                m = _STEP_RE.match(str(e.get("name", "")))
+                if m:
+                    start, end = _span(e)
+                    out.steps.append((int(m.group(1)), start, end))
+            elif cat == "cpu_op":
+                cargs = e.get("args")
+                if cargs is None:
+                    continue
+                if type(cargs) is not dict:
+                    raise _BadEvent("args is not an object")
+                args = cargs
+                fl = args.get("flops")
+                if fl:
+                    if isinstance(fl, bool) or not isinstance(fl, (int, float, Decimal)):
+                        raise _BadEvent("flops is not a number")
+                    fv = float(fl)
+                    if not math.isfinite(fv) or fv < 0:
+                        raise _BadEvent("flops is out of range")
+                    out.flops.append((_num(e.get("ts"), "ts"), fv))
+                if e.get("name") == "record_param_comms":
+                    key = _comm_key(args)
+                    if key is not None:
+                        start, end = _span(e)
+                        ext = _int_arg(args.get("External id", -1))
+                        if key[2] >= 0 and ext >= 0:
+                            out.comm_seq[ext] = key
+                        out.comm_ops.append((start, end, key))
+        except (_BadEvent, KeyError, TypeError, ValueError, ArithmeticError) as exc:
+            # One malformed event (missing ts, a string where a number belongs, args that
+            # are not an object) must not cost the whole file: skip it and count it.
+            out.skipped_events += 1
+            if out.skipped_events == 1:
+                out.first_skip_reason = str(exc)[:120] or type(exc).__name__
+
+
+def _scan_cpu(events: Iterable[Any], out: ParsedTrace) -> None:
+    """Second pass over a trace with no device events: collect its CPU ops and annotations.
+
+    Only CPU-only traces pay for it; events the first pass already used (steps, flops,
+    record_param_comms) or skipped (args not an object) are not counted again.
+    """
+    cpu = out.cpu_ops
+    for e in events:
+        if not isinstance(e, dict) or e.get("ph") != "X":
+            continue
+        cat = e.get("cat")
+        if cat != "cpu_op" and cat != "user_annotation":
+            continue
+        name = e.get("name", "")
+        name = name if isinstance(name, str) else str(name)
+        if name == "record_param_comms" or (cat == "user_annotation" and _STEP_RE.match(name)):
+            continue
+        a = e.get("args")
+        if a is not None and not isinstance(a, dict):
+            continue
+        try:
+            start, end = _span(e)
+        except _BadEvent as exc:
+            out.skipped_events += 1
+            if out.skipped_events == 1:
+                out.first_skip_reason = str(exc)
+            continue
+        tid = e.get("tid", 0)
+        cpu.add(start, end, name, tid if isinstance(tid, (int, str)) else 0)

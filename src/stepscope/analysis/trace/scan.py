@@ -1,0 +1,309 @@
+"""The ``traceEvents`` array cut into large batches of whole events, parsed natively.
+
+A trace is read in blocks of several MiB. One ``bytes.translate`` marks the bytes that
+matter for structure (quotes, backslashes, brackets, commas); numpy finds which quotes are
+escaped, which brackets and commas lie outside strings and the depth after each. Commas at
+the array's own depth separate events, so the bytes between the first and the last of them
+in a block are a run of whole events, handed to msgspec in one call (``float_hook=Decimal``
+keeps microsecond timestamps with nanosecond digits exact). Python touches each event once,
+as a dict, in the caller's loop; the scan itself never does per-byte Python work.
+
+Bounds, checked while scanning so hostile input costs linear time and bounded memory:
+nesting deeper than ``max_depth`` stops the read there; an event longer than
+``max_event_bytes`` (a 200 MiB kernel name, a 1 GiB string in a 1 MB gzip) is never
+buffered: it is skipped and counted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from decimal import Decimal
+from typing import Any
+
+import msgspec
+import numpy as np
+
+#: Longest single event kept. Real Kineto events are well under 100 KB (a templated kernel
+#: name runs to a few KB); anything past this is hostile or corrupt and is skipped, counted.
+MAX_EVENT_BYTES = 1 << 20
+#: Bytes scanned per block: large enough that per-block overhead vanishes, small enough that
+#: the block and its index arrays stay a few MiB.
+BLOCK_BYTES = 512 << 10
+#: Bytes of events decoded per msgspec call (bounds the dicts alive at once).
+BATCH_BYTES = 128 << 10
+
+_QUOTE, _BACKSLASH, _OPEN, _CLOSE, _COMMA = 1, 2, 3, 4, 5
+_CLASS = bytearray(256)
+_CLASS[ord('"')] = _QUOTE
+_CLASS[ord("\\")] = _BACKSLASH
+_CLASS[ord("[")] = _CLASS[ord("{")] = _OPEN
+_CLASS[ord("]")] = _CLASS[ord("}")] = _CLOSE
+_CLASS[ord(",")] = _COMMA
+_TABLE = bytes(_CLASS)
+_KEY = b'"traceEvents"'
+_WS = b" \t\r\n"
+#: Bytes of the document outside traceEvents kept to check it is well-formed at the end.
+_SKELETON_CAP = 16 << 20
+
+_DECODER = msgspec.json.Decoder(float_hook=Decimal)
+
+
+class Malformed(ValueError):
+    """The JSON is broken at a point; events before it were delivered."""
+
+
+class _Structure:
+    """Structural bytes of one block: positions, kinds and the depth after each."""
+
+    __slots__ = ("depth", "kind", "pos")
+
+    def __init__(self, pos: Any, kind: Any, depth: Any) -> None:
+        self.pos, self.kind, self.depth = pos, kind, depth
+
+
+def _structure(data: bytes, depth0: int, in_string: bool) -> tuple[_Structure, bool]:
+    """Brackets and commas outside strings in ``data`` with the depth after each.
+
+    Returns them and whether ``data`` ends inside a string. ``data`` must not end in a
+    backslash (the caller carries a trailing run into the next block).
+    """
+    codes = np.frombuffer(data.translate(_TABLE), dtype=np.uint8)
+    pos = np.flatnonzero(codes)
+    kind = codes[pos]
+    quote = kind == _QUOTE
+    bs = np.flatnonzero(kind == _BACKSLASH)
+    if len(bs):
+        # A quote is escaped when an odd run of backslashes ends right before it.
+        bpos = pos[bs]
+        run_start = np.ones(len(bpos), dtype=bool)
+        run_start[1:] = np.diff(bpos) != 1
+        start_of = bpos[run_start][np.cumsum(run_start) - 1]
+        qi = np.flatnonzero(quote)
+        qpos = pos[qi]
+        k = np.minimum(np.searchsorted(bpos, qpos - 1), len(bpos) - 1)
+        after_bs = bpos[k] == qpos - 1
+        escaped = after_bs & ((qpos - start_of[k]) % 2 == 1)
+        quote[qi[escaped]] = False
+    # uint8 wraps at 256, which keeps the parity: all that is needed of the count.
+    parity = (np.cumsum(quote, dtype=np.uint8) + np.uint8(in_string)) & 1
+    ends_in_string = bool(parity[-1]) if len(parity) else in_string
+    keep = (kind >= _OPEN) & (parity == 0)
+    skind = kind[keep]
+    delta = (skind == _OPEN).astype(np.int64) - (skind == _CLOSE).astype(np.int64)
+    return _Structure(pos[keep], skind, depth0 + np.cumsum(delta)), ends_in_string
+
+
+class EventScan:
+    """Feed blocks of a trace's bytes; get back lists of decoded ``traceEvents`` items.
+
+    ``stopped`` says why reading stopped early (depth), ``oversized`` counts skipped
+    events; :meth:`finish` raises :class:`Malformed` for a truncated or broken document.
+    """
+
+    def __init__(self, max_depth: int, max_event_bytes: int = MAX_EVENT_BYTES) -> None:
+        self.max_depth = max_depth
+        self.max_event_bytes = max_event_bytes
+        self.depth = 0
+        self.in_string = False
+        self.in_array = False
+        self.array_depth = 0
+        self.offset = 0  # stream offset of the block being scanned
+        self.pending: list[bytes] = []  # the event in progress (after the last comma)
+        self.pending_len = 0
+        self.skipping = False  # the event in progress is oversized: drop its bytes
+        self.oversized = 0
+        self.unconvertible = 0  # whole events msgspec parsed but could not convert
+        self.first_unconvertible = ""
+        self.stopped: str | None = None
+        self.skeleton: list[bytes] = []
+        self.skeleton_len = 0
+        self.went_negative = False
+        self._carry = b""
+        self._prev_tail = b""
+
+    # ---------------------------------------------------------------- feeding
+
+    def feed(self, data: bytes) -> Iterator[Any]:
+        """Decoded items completed by ``data`` (several MiB at a time for speed)."""
+        if self.stopped is not None or self.went_negative:
+            return
+        data = self._carry + data if self._carry else data
+        n_back = len(data) - len(data.rstrip(b"\\"))
+        if n_back:
+            self._carry, data = data[len(data) - n_back:], data[: len(data) - n_back]
+        else:
+            self._carry = b""
+        if not data:
+            return
+        st, ends_in_string = _structure(data, self.depth, self.in_string)
+        limit = len(data)
+        if len(st.depth):
+            over = np.flatnonzero((st.depth > self.max_depth) | (st.depth < 0))
+            if len(over):
+                i = int(over[0])
+                limit = int(st.pos[i])
+                if int(st.depth[i]) < 0:
+                    self.went_negative = True
+                else:
+                    self.stopped = (
+                        f"JSON nested deeper than {self.max_depth} levels at byte "
+                        f"{self.offset + limit:,} (no Kineto trace nests that deep); "
+                        "stopped reading there")
+                st = _Structure(st.pos[:i], st.kind[:i], st.depth[:i])
+        yield from self._walk(data, st, limit)
+        if self.stopped is None and not self.went_negative:
+            self.in_string = ends_in_string
+            self.depth = int(st.depth[-1]) if len(st.depth) else self.depth
+        self._prev_tail = data[-64:]
+        self.offset += len(data)
+
+    def _walk(self, data: bytes, st: _Structure, limit: int) -> Iterator[Any]:
+        at = 0  # index into st
+        cut = 0  # byte in data where the current region starts
+        n = len(st.pos)
+        while True:
+            if not self.in_array:
+                opens = np.flatnonzero((st.kind[at:] == _OPEN) & (st.depth[at:] == 2))
+                found = -1
+                for j in opens.tolist():
+                    p = int(st.pos[at + j])
+                    if data[p:p + 1] == b"[" and self._is_trace_events(data, p):
+                        found = at + j
+                        break
+                if found < 0:
+                    self._keep_skeleton(data[cut:limit])
+                    return
+                p = int(st.pos[found])
+                self._keep_skeleton(data[cut:p + 1])
+                self.in_array, self.array_depth = True, 2
+                at, cut = found + 1, p + 1
+                continue
+            a = self.array_depth
+            rest_kind, rest_depth = st.kind[at:], st.depth[at:]
+            close = np.flatnonzero((rest_kind == _CLOSE) & (rest_depth == a - 1))
+            end = at + int(close[0]) if len(close) else n
+            commas = at + np.flatnonzero((st.kind[at:end] == _COMMA) & (st.depth[at:end] == a))
+            bounds = [int(x) for x in st.pos[commas].tolist()]
+            if end < n:
+                bounds.append(int(st.pos[end]))
+            if bounds:
+                yield from self._region(data, cut, bounds)
+            if end < n:
+                p = int(st.pos[end])
+                self.in_array = False
+                self._keep_skeleton(data[p:p + 1])
+                at, cut = end + 1, p + 1
+                continue
+            tail_from = bounds[-1] + 1 if bounds else cut
+            if self.skipping:
+                return
+            piece = data[tail_from:limit]
+            if not self.pending:  # whitespace between events is not part of the next one
+                piece = piece.lstrip(_WS)
+                if not piece:
+                    return
+            self.pending.append(piece)
+            self.pending_len += len(piece)
+            if self.pending_len > self.max_event_bytes:
+                self.pending, self.pending_len, self.skipping = [], 0, True
+            return
+
+    def _region(self, data: bytes, cut: int, bounds: list[int]) -> Iterator[Any]:
+        """Items ending at each of ``bounds`` (comma or closing bracket positions).
+
+        Decoded in batches of about :data:`BATCH_BYTES`, so the dicts alive at once stay
+        few whatever the block size.
+        """
+        pre = b"".join(self.pending) if self.pending else b""
+        self.pending, self.pending_len = [], 0
+        lo, prev = cut, cut - 1
+        if self.skipping:  # the event in progress (from earlier blocks) is oversized
+            self.skipping, pre = False, b""
+            self.oversized += 1
+            lo = prev = bounds[0]
+            lo += 1
+            bounds = bounds[1:]
+        for b in bounds:
+            if b - prev - 1 + len(pre) > self.max_event_bytes and \
+                    len(data[prev + 1:b].strip(_WS)) + len(pre) > self.max_event_bytes:
+                yield from self._decode(pre + data[lo:prev] if pre else data[lo:prev])
+                self.oversized += 1
+                pre, lo = b"", b + 1
+            elif b - lo >= BATCH_BYTES:
+                yield from self._decode(pre + data[lo:b] if pre else data[lo:b])
+                pre, lo = b"", b + 1
+            prev = b
+        if prev >= lo or pre:
+            yield from self._decode(pre + data[lo:prev] if pre else data[lo:prev])
+
+    def _decode(self, body: bytes) -> Iterator[Any]:
+        if not body.strip(_WS):
+            return
+        try:
+            items = _DECODER.decode(b"[" + body + b"]")
+        except msgspec.DecodeError:
+            items = None
+        if items is not None:
+            yield from items
+            return
+        # Something in this run is broken: go item by item, keep what precedes the damage.
+        for raw in _split_items(body):
+            try:
+                yield _DECODER.decode(raw)
+            except msgspec.ValidationError as exc:  # parsed, not convertible (a huge int)
+                self.unconvertible += 1
+                self.first_unconvertible = self.first_unconvertible or str(exc)[:120]
+            except msgspec.DecodeError as exc:
+                raise Malformed(str(exc)) from None
+
+    def _is_trace_events(self, data: bytes, p: int) -> bool:
+        before = (self._prev_tail + data[:p])[-256:] if p < 256 else data[p - 256:p]
+        before = before.rstrip(_WS)
+        if not before.endswith(b":"):
+            return False
+        return before[:-1].rstrip(_WS).endswith(_KEY)
+
+    def _keep_skeleton(self, piece: bytes) -> None:
+        if self.skeleton_len <= _SKELETON_CAP:
+            self.skeleton.append(piece)
+            self.skeleton_len += len(piece)
+
+    # ---------------------------------------------------------------- the end
+
+    def finish(self) -> Iterator[Any]:
+        """The last item if the stream ended right after it; raise if the JSON is broken."""
+        if self.stopped is not None:
+            return
+        if self.went_negative:
+            raise Malformed(f"a closing bracket without an opening one at byte {self.offset:,}")
+        if self.in_array and not self.skipping and self.pending and not self.in_string \
+                and self.depth == self.array_depth:
+            body = b"".join(self.pending)
+            self.pending = []
+            # A broken last item is the truncation reported just below.
+            with contextlib.suppress(Malformed):
+                yield from self._decode(body)
+        if self.depth != 0 or self.in_string or self.in_array:
+            raise Malformed(f"the document ends early (at byte {self.offset + len(self._carry):,},"
+                            f" {self.depth} level(s) open)")
+        if self.skeleton_len <= _SKELETON_CAP:
+            doc = b"".join(self.skeleton)
+            try:
+                _DECODER.decode(doc if doc.strip(_WS) else b"")
+            except msgspec.DecodeError as exc:
+                raise Malformed(str(exc)) from None
+            except msgspec.ValidationError:  # a huge number outside the events: harmless
+                pass
+
+
+def _split_items(body: bytes) -> list[bytes]:
+    """The comma-separated items of an array's content (``body`` holds whole items)."""
+    st, _ = _structure(body.rstrip(b"\\"), 0, False)
+    cuts = st.pos[(st.kind == _COMMA) & (st.depth == 0)].tolist()
+    out, lo = [], 0
+    for c in cuts:
+        out.append(body[lo:c])
+        lo = c + 1
+    out.append(body[lo:])
+    return [x for x in out if x.strip(_WS)] or [body]

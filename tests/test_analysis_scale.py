@@ -1,0 +1,31 @@
+"""Report memory stays linear in ranks: many ranks, few steps (issue 21 item 14)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.synth_runs import Slow, SynthRun, write_run
+
+_CHILD = """
+import json, resource, sys
+from stepscope.analysis.run import analyze_run
+doc = analyze_run(sys.argv[1], threads=2, memory_limit="500MB")
+print(json.dumps({"rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "ranks": doc["run"]["ranks"], "steps": doc["run"]["steps"]}))
+"""
+
+
+def test_many_ranks_few_steps_stays_small(tmp_path: Path) -> None:
+    # 2,000 ranks x 4 steps: the old "median of the other ranks" joined every row to its
+    # step's full list of values (ranks^2 cells) and peaked above 2 GB here.
+    run = write_run(tmp_path / "run", SynthRun(ranks=2000, steps=4, slow=(Slow(7, "forward"),)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", _CHILD, str(run)], capture_output=True,
+                         text=True, env=env, check=True, timeout=600)
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["ranks"] == 2000 and res["steps"] == 4
+    assert res["rss_mb"] < 700, res
