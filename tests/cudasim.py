@@ -324,6 +324,8 @@ class Event:
 class _DeviceProperties:
     """Stand-in for ``torch._C._CudaDeviceProperties`` (H100 SXM values)."""
 
+    CLOCK_RATE_KHZ = 1_980_000
+
     def __init__(self, name: str, total_memory: int, index: int, dev_uuid: uuid.UUID) -> None:
         self.name = name
         self.total_memory = total_memory
@@ -332,7 +334,7 @@ class _DeviceProperties:
         self.is_integrated = False
         self.is_multi_gpu_board = False
         self.L2_cache_size = 50 << 20
-        self.clock_rate = 1_980_000  # kHz
+        self.clock_rate = self.CLOCK_RATE_KHZ
         self.memory_clock_rate = 2_619_000
         self.warp_size = 32
         self.max_threads_per_multi_processor = 2048
@@ -939,6 +941,12 @@ def _install_patches(sim: CudaSim) -> None:
             sim._drain_to(s.last)
 
     p(cuda, "synchronize", synchronize)
+
+    def _sleep(cycles: int) -> None:
+        # torch.cuda._sleep: a kernel that spins ``cycles`` GPU clock cycles (clock_rate kHz).
+        sim.kernel(cycles / (_DeviceProperties.CLOCK_RATE_KHZ * 1e3) * 1e3)
+
+    p(cuda, "_sleep", _sleep)
 
     def get_device_name(device: Any = None) -> str:
         sim._index(device)
