@@ -275,6 +275,10 @@ class Event:
         with sim._lock:
             sim._check_not_capturing("Event.query")
             sim.queries += 1
+            if sim._query_errors:
+                sim._query_errors -= 1
+                # cudaEventQuery returning an error code (not cudaErrorNotReady) -> C10_CUDA_CHECK.
+                raise RuntimeError(sim._query_error_message)
             if self._item is None:
                 return True
             sim._advance()
@@ -406,6 +410,8 @@ class CudaSim:
         self._workers: dict[int, _DeviceWorker] = {}
         self._placed: int | None = None
         self.capturing = False
+        self._query_errors = 0
+        self._query_error_message = ""
         #: every host sync, in order: ``(kind, thread name)``.
         self.sync_log: list[tuple[str, str]] = []
         self.records = 0  # events recorded
@@ -463,6 +469,15 @@ class CudaSim:
         with self._lock:
             self._advance()
             return sum(len(s.pending) for d in self._devs() for s in d.streams)
+
+    def inject_query_errors(self, n: int = 1,
+                            message: str = "CUDA error: unspecified launch failure") -> None:
+        """Make the next ``n`` ``Event.query()`` calls raise ``RuntimeError(message)``."""
+        if not isinstance(n, int) or n < 0:
+            raise ValueError(f"n must be an int >= 0; got {n!r}")
+        with self._lock:
+            self._query_errors = n
+            self._query_error_message = message
 
     @contextlib.contextmanager
     def capture(self) -> Iterator[None]:

@@ -357,3 +357,14 @@ def test_stepscope_h2d_copies_taken_at_import_go_through_the_sim(cuda_sim, tmp_p
         stepscope.finish()
     sim.uninstall()
     assert h2d._orig_to is real_to
+
+
+def test_injected_query_errors_raise_then_stop(cuda_sim):
+    sim = cuda_sim()
+    e = _timed()
+    e.record()
+    sim.inject_query_errors(2)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="unspecified launch failure"):
+            e.query()
+    assert e.query()
