@@ -396,11 +396,13 @@ def _configs_worker(rank: int, world: int, port: int, out: str, steps: int) -> N
         stepscope.init(out_dir=out, model=model, run_id="configs",
                        log_every_n_steps=50 if rank == 0 else 0)
         init_s = time.monotonic() - t0
+        (Path(out) / f"init{rank}.done").touch()
         for _ in range(steps):
             with stepscope.step():
                 model(torch.randn(4, 8)).sum().backward()
             sim.host_tick()
         stepscope.finish()
+        (Path(out) / f"trained{rank}.done").touch()
         # The job's own later new_group must pair up with the other ranks' one.
         group = dist.new_group([0, 1])
         t = torch.tensor([float(rank + 1)])
@@ -417,10 +419,23 @@ def test_per_rank_different_configs_do_not_hang(tmp_path):
     ctx = mp.start_processes(run_then_exit,  # type: ignore[attr-defined]
                              args=(_configs_worker, 2, free_port(), str(tmp_path), 30),
                              nprocs=2, join=False, start_method="spawn")
-    deadline = time.monotonic() + 45  # a healthy run takes seconds; the hang is 120 s
+    # A healthy run takes seconds. A hang shows as one rank stuck in a stage (init, training,
+    # the job's own new_group) that the other left: at most 20 s from the first rank to leave
+    # a stage to the last, 20 s for the new_group once both trained, and 90 s in all.
+    start = time.monotonic()
+    first: dict[str, float] = {}
     try:
-        while not ctx.join(timeout=1):
-            assert time.monotonic() < deadline, "ranks with different configs hung"
+        while not ctx.join(timeout=0.5):
+            now = time.monotonic()
+            files = set(os.listdir(tmp_path))
+            for stage in ("init", "trained"):
+                done = sum(f"{stage}{r}.done" in files for r in (0, 1))
+                if done:
+                    first.setdefault(stage, now)
+                assert done in (0, 2) or now - first[stage] < 20, f"ranks hung after {stage}"
+            assert "trained" not in first or now - first["trained"] < 20, (
+                f"the job's own new_group hung: {sorted(files)}")
+            assert now - start < 90, f"ranks with different configs hung: {sorted(files)}"
     finally:
         for p in ctx.processes:
             if p.is_alive():
