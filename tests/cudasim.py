@@ -275,6 +275,10 @@ class Event:
         with sim._lock:
             sim._check_not_capturing("Event.query")
             sim.queries += 1
+            if sim._query_errors:
+                sim._query_errors -= 1
+                # cudaEventQuery returning an error code (not cudaErrorNotReady) -> C10_CUDA_CHECK.
+                raise RuntimeError(sim._query_error_message)
             if self._item is None:
                 return True
             sim._advance()
@@ -324,6 +328,8 @@ class Event:
 class _DeviceProperties:
     """Stand-in for ``torch._C._CudaDeviceProperties`` (H100 SXM values)."""
 
+    CLOCK_RATE_KHZ = 1_980_000
+
     def __init__(self, name: str, total_memory: int, index: int, dev_uuid: uuid.UUID) -> None:
         self.name = name
         self.total_memory = total_memory
@@ -332,7 +338,7 @@ class _DeviceProperties:
         self.is_integrated = False
         self.is_multi_gpu_board = False
         self.L2_cache_size = 50 << 20
-        self.clock_rate = 1_980_000  # kHz
+        self.clock_rate = self.CLOCK_RATE_KHZ
         self.memory_clock_rate = 2_619_000
         self.warp_size = 32
         self.max_threads_per_multi_processor = 2048
@@ -404,6 +410,8 @@ class CudaSim:
         self._workers: dict[int, _DeviceWorker] = {}
         self._placed: int | None = None
         self.capturing = False
+        self._query_errors = 0
+        self._query_error_message = ""
         #: every host sync, in order: ``(kind, thread name)``.
         self.sync_log: list[tuple[str, str]] = []
         self.records = 0  # events recorded
@@ -454,13 +462,22 @@ class CudaSim:
         """Let the GPU finish everything enqueued so far (test helper: NOT counted as a sync)."""
         for d in self._devs():
             for s in d.streams:
-                self._drain_to(s.last, count_sleep=False)
+                self._drain_to(s.last)
 
     def pending(self) -> int:
         """Items enqueued but not yet completed, over all streams."""
         with self._lock:
             self._advance()
             return sum(len(s.pending) for d in self._devs() for s in d.streams)
+
+    def inject_query_errors(self, n: int = 1,
+                            message: str = "CUDA error: unspecified launch failure") -> None:
+        """Make the next ``n`` ``Event.query()`` calls raise ``RuntimeError(message)``."""
+        if not isinstance(n, int) or n < 0:
+            raise ValueError(f"n must be an int >= 0; got {n!r}")
+        with self._lock:
+            self._query_errors = n
+            self._query_error_message = message
 
     @contextlib.contextmanager
     def capture(self) -> Iterator[None]:
@@ -620,19 +637,19 @@ class CudaSim:
         item.done = True
         s.last_end_ns = end
 
-    def _drain_to(self, target: _Item | None, count_sleep: bool = True) -> None:
+    def _drain_to(self, target: _Item | None) -> None:
         """Block the host until ``target`` (and everything before it, and its deps) ran."""
         if target is None:
             return
         with self._lock:
             self._advance()
-            latest = self._force(target)
+            latest = self._force(target, time.perf_counter_ns())
         wait_s = (latest - time.perf_counter_ns()) / 1e9
         if wait_s > 0:
             # The host waits for GPU time to pass (e.g. a long simulated kernel).
             time.sleep(min(wait_s, self.sync_sleep_limit_s))
 
-    def _force(self, target: _Item) -> int:
+    def _force(self, target: _Item, now: int) -> int:
         """Complete items up to ``target`` now, ignoring the lag (the host waits for them)."""
         s = target.stream
         q = s.pending
@@ -640,11 +657,11 @@ class CudaSim:
         while not target.done:
             item = q[0]
             if item.dep is not None and not item.dep.done:
-                self._force(item.dep)
-            start = self._start_ns(item, s, time.perf_counter_ns())
+                latest = max(latest, self._force(item.dep, now))
+            start = self._start_ns(item, s, now)
             if start is None:
                 # Not due yet: the GPU gets to it now, while the host waits.
-                start = max(s.last_end_ns, item.host_ns + self.lag_ns, time.perf_counter_ns())
+                start = max(s.last_end_ns, item.host_ns + self.lag_ns, now)
                 if item.dep is not None:
                     start = max(start, item.dep.end_ns)
             self._complete(q, s, start + item.cost_ns)
@@ -939,6 +956,12 @@ def _install_patches(sim: CudaSim) -> None:
             sim._drain_to(s.last)
 
     p(cuda, "synchronize", synchronize)
+
+    def _sleep(cycles: int) -> None:
+        # torch.cuda._sleep: a kernel that spins ``cycles`` GPU clock cycles (clock_rate kHz).
+        sim.kernel(cycles / (_DeviceProperties.CLOCK_RATE_KHZ * 1e3) * 1e3)
+
+    p(cuda, "_sleep", _sleep)
 
     def get_device_name(device: Any = None) -> str:
         sim._index(device)
