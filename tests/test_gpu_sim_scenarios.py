@@ -291,8 +291,6 @@ def _fsdp_worker(rank: int, world: int, port: int, out: str, steps: int, slow_ra
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="issue 18 defect 2: the collective gate is thread-local "
-                   "and backward runs on the device thread, so FSDP2's reduce-scatters are unseen")
 def test_fsdp2_rank_slow_in_backward_is_named_with_reduce_scatter_waits(tmp_path):
     from stepscope.analysis.run import analyze_run
 
