@@ -99,8 +99,6 @@ def _check_marks(out: Path, res: dict[str, Any], steps: int, lag: int, min_marks
     assert all(r["step_ms"] > 0 for r in recs)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 18 defect 1: a step with more than 16 marks never "
-                   "resolves during the run; only the last 256 steps reach the file at finish()")
 def test_17_marks_per_step_with_the_gpu_100_steps_behind(cuda_sim, tmp_path):
     steps, lag = 300, 100
     sim = cuda_sim(lag_steps=lag)
@@ -108,8 +106,6 @@ def test_17_marks_per_step_with_the_gpu_100_steps_behind(cuda_sim, tmp_path):
     _check_marks(tmp_path, res, steps, lag, min_marks=17)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 18 defect 1: a step with more than 16 marks never "
-                   "resolves during the run; only the last 256 steps reach the file at finish()")
 def test_300_marks_per_step_with_the_gpu_100_steps_behind(cuda_sim, tmp_path):
     steps, lag = 300, 100
     sim = cuda_sim(lag_steps=lag)
@@ -303,8 +299,6 @@ def fsdp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="issue 18 defect 2: the collective gate is thread-local "
-                   "and backward runs on the device thread, so FSDP2's reduce-scatters are unseen")
 def test_fsdp2_rank_slow_in_backward_is_named_with_reduce_scatter_waits(fsdp_run):
     from stepscope.analysis.run import analyze_run
 
@@ -503,8 +497,6 @@ print(json.dumps({{"done": done, "failed_inside": state["failed_inside"]}}))
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="issue 18 defect 5: the writer thread's fail() removes "
-                   "optimizer hooks while the training thread iterates them (opt.step raises)")
 def test_a_disk_error_mid_run_does_not_crash_the_job(tmp_path):
     import subprocess
 

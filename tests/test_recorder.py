@@ -478,3 +478,113 @@ def test_fsdp2_has_no_grad_sync_and_its_backward_reduce_scatters_are_timed(tmp_p
         bwd = [c for c in r.get("collectives", []) if c["phase"] == "backward"
                and c["op"].startswith("reduce_scatter")]
         assert sum(c["count"] for c in bwd) == 2, r.get("collectives")
+
+
+# --------------------------------------------------------- §4 the shape, by its imports
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+FORBIDDEN = ("stepscope.analysis", "stepscope.report", "duckdb", "rich", "matplotlib", "pandas")
+
+
+def _imports(path: Path, package: str) -> set[str]:
+    """Every module ``path`` imports, at module level or inside functions."""
+    import ast
+
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                mod = f"{base}.{node.module}" if node.module else base
+            else:
+                mod = node.module or ""
+            out.add(mod)
+            out.update(f"{mod}.{a.name}" for a in node.names)
+    return out
+
+
+def _module_file(name: str) -> tuple[Path, str] | None:
+    rel = Path(*name.split("."))
+    parent = name.rpartition(".")[0]
+    for cand, pkg in ((SRC / rel / "__init__.py", name), (SRC / rel.with_suffix(".py"), parent)):
+        if cand.is_file():
+            return cand, pkg
+    return None
+
+
+def _closure(root: str) -> dict[str, str]:
+    """Every module reachable from ``root`` by imports (stepscope's own, followed; forbidden
+    ones, recorded) -> the module that imports it first."""
+    seen = {root: "<root>"}
+    todo = [root]
+    while todo:
+        name = todo.pop()
+        found = _module_file(name)
+        if found is None:
+            continue
+        for imp in _imports(*found):
+            if imp.startswith(FORBIDDEN):
+                top = imp.split(".")[0] if not imp.startswith("stepscope") else ".".join(imp.split(".")[:2])
+                seen.setdefault(top, name)
+                continue
+            if not imp.startswith("stepscope"):
+                continue
+            parts = imp.split(".")
+            # The longest prefix that is a module (``from a.b import c``: ``a.b.c`` or ``a.b``).
+            for i in range(len(parts), 0, -1):
+                sub = ".".join(parts[:i])
+                if _module_file(sub) is not None:
+                    if sub not in seen:
+                        seen[sub] = name
+                        todo.append(sub)
+                    break
+    return seen
+
+
+#: Edges into analysis/report/rich from recording-side modules owned by other helpers, known
+#: when this test was written (the live line and auto-profiling reuse the one wait rule and the
+#: one robust-stats module). Nothing else may appear; remove an entry once its edge is gone.
+KNOWN = {
+    ("stepscope.analysis", "stepscope.live"),
+    ("stepscope.analysis", "stepscope.autoprofile"),
+    ("stepscope.analysis", "stepscope.instrument.resources"),
+    ("stepscope.report", "stepscope.live"),
+    ("stepscope.report", "stepscope.report.escape"),
+    ("rich", "stepscope.live"),
+    ("rich", "stepscope.report.escape"),
+    ("stepscope.analysis", "stepscope.analysis.waits"),
+    ("stepscope.analysis", "stepscope.analysis.robust"),
+    ("stepscope.analysis", "stepscope.analysis"),
+}
+
+
+def test_the_recording_side_never_imports_analysis_or_report():
+    reach = _closure("stepscope")
+    bad = {(m, by) for m, by in reach.items() if m.startswith(FORBIDDEN)} - KNOWN
+    bad = {(m, by) for m, by in bad if not by.startswith(("stepscope.analysis", "stepscope.report"))}
+    assert not bad, f"recording side imports (module, imported by): {sorted(bad)}"
+    # The core of the recording side reaches none of them, even through its own imports.
+    for core in ("stepscope.recorder", "stepscope.record", "stepscope.resolver", "stepscope.clock",
+                 "stepscope.session", "stepscope.tracer"):
+        found = _module_file(core)
+        assert found is not None
+        direct = _imports(*found)
+        assert not [m for m in direct if m.startswith(FORBIDDEN)], (core, direct)
+
+
+@pytest.mark.parametrize("core", ["stepscope.recorder", "stepscope.record", "stepscope.resolver",
+                                  "stepscope.clock"])
+def test_the_recorder_imports_no_instrument_and_no_observer(core):
+    allowed = ("stepscope.instrument", "stepscope.instrument.gate")
+    observers = ("stepscope.live", "stepscope.autoprofile", "stepscope.status", "stepscope.profiler",
+                 "stepscope.lifecycle", "stepscope.session", "stepscope.tracer", "stepscope.prefetch",
+                 "stepscope.integrations", "stepscope.sinks")
+    found = _module_file(core)
+    assert found is not None
+    direct = _imports(*found)
+    bad = [m for m in direct
+           if (m.startswith("stepscope.instrument") and m not in allowed and not m.startswith(allowed[1]))
+           or m.startswith(observers)]
+    assert not bad, f"{core} imports {bad}"
