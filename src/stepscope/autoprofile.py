@@ -345,7 +345,7 @@ def attach_autoprofile(tracer: Tracer) -> AutoProfiler:
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             from stepscope.live import attach_live
 
-            # Every rank gets here (same config), so the side group is created collectively.
+            # The side group exists only if the ranks agreed on it at init (dist.agree_at_init).
             view = attach_live(tracer)
             if not view.distributed:
                 view = None

@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 
 from stepscope.clock import Clock, CudaClock, GpuAnchor, default_clock
 from stepscope.config import Config
-from stepscope.dist import RankInfo, rank_info
+from stepscope.dist import RankInfo, agree_at_init, rank_info
 from stepscope.errors import InstrumentationError, StepscopeWarning
 from stepscope.instrument import gate
 from stepscope.instrument.resources import ResourceMonitor, check_count, check_counts, warn_outside_step
@@ -221,7 +221,10 @@ class Tracer:
         self.config = config
         self.rank = rank if rank is not None else rank_info()
         self.clock: Clock = clock if clock is not None else default_clock()
-        self.run_id = config.run_id or _default_run_id()
+        #: What the recording ranks agreed at init: one run id, and whether the live side group exists.
+        self.agreement = agree_at_init(run_id=config.run_id, ranks=config.ranks,
+                                       wants_side_group=bool(config.log_every_n_steps or config.auto_profile))
+        self.run_id = self.agreement.run_id
         self.enabled = True
         self._auto_active: set[str] = set()
         self._uninstallers: list[Callable[[], None]] = []
@@ -893,13 +896,3 @@ def _check_targets(model: Any, optimizer: Any) -> None:
         raise ValueError(
             f"optimizer must be a torch.optim.Optimizer or None; got {type(optimizer).__name__}"
         )
-
-
-def _default_run_id() -> str:
-    import os
-    import uuid
-
-    for var in ("STEPSCOPE_RUN_ID", "TORCHELASTIC_RUN_ID"):
-        if os.environ.get(var):
-            return os.environ[var]
-    return time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:8]
