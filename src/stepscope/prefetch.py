@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -12,6 +11,7 @@ from typing import Any
 import torch
 
 from stepscope.batch import iter_tensors, map_tensors
+from stepscope.devices import resolve
 from stepscope.instrument.h2d import auto_h2d_suppressed
 
 __all__ = ["PrefetchLoader"]
@@ -68,7 +68,7 @@ class PrefetchLoader:
     def device(self) -> torch.device:
         """The target device, resolved on first use (after the user had a chance to set it)."""
         if self._device is None:
-            self._device = self._resolve_device()
+            self._device = self._resolve_device(self._tracer)
         return self._device
 
     def __len__(self) -> int:
@@ -81,15 +81,19 @@ class PrefetchLoader:
         return getattr(self.loader, name)
 
     def __iter__(self) -> Iterator[Any]:
+        tracer = self._tracer
+        if self._device is None and self._backend.is_available():
+            tracer = tracer if tracer is not None else _current_tracer()
+            self._device = self._resolve_device(tracer)
         device = self.device
         if device.type == "cuda" and self._backend.is_available():
-            tracer = self._tracer if self._tracer is not None else _current_tracer()
+            tracer = tracer if tracer is not None else _current_tracer()
             return _CudaPrefetchIter(self, device, self._copy_stream(device), tracer)
         return _PassIter(iter(self.loader), device, self.non_blocking)
 
     # ----------------------------------------------------------------- internals
 
-    def _resolve_device(self) -> torch.device:
+    def _resolve_device(self, tracer: Any) -> torch.device:
         be = self._backend
         arg = self._device_arg
         if arg is None:
@@ -101,7 +105,12 @@ class PrefetchLoader:
             # Same script on a CPU-only machine: a pass-through, so the job still runs.
             return torch.device("cpu")
         if dev.type == "cuda" and dev.index is None:
-            dev = torch.device("cuda", _local_device_index(be))
+            # The tracer's device (resolved from the model) when it has one, else the one
+            # resolver's answer (LOCAL_RANK, else current): batches go where timing is.
+            index = getattr(getattr(tracer, "clock", None), "device_index", None)
+            if not isinstance(index, int) or isinstance(index, bool):
+                index = resolve(runtime=be)
+            dev = torch.device("cuda", index if index is not None else int(be.current_device()))
         return dev
 
     def _copy_stream(self, device: torch.device) -> Any:
@@ -111,15 +120,6 @@ class PrefetchLoader:
                 stream = self._backend.new_stream(device)
             self._streams[device] = stream
         return stream
-
-
-def _local_device_index(be: Any) -> int:
-    # Under torchrun each rank owns cuda:LOCAL_RANK; when CUDA_VISIBLE_DEVICES already
-    # narrowed the view (LOCAL_RANK >= count), the rank's device is the current one.
-    local = os.environ.get("LOCAL_RANK")
-    if local is not None and local.isdigit() and int(local) < be.device_count():
-        return int(local)
-    return int(be.current_device())
 
 
 def _current_tracer() -> Any:

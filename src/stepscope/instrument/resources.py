@@ -22,7 +22,8 @@ What is read where, and why none of it waits for the GPU:
   own schedule. So ``peak_allocated_mb``/``peak_reserved_mb`` are the running high-water marks
   (since the process started or the job last reset them) read at the step's end, and
   ``allocated_mb`` is what the step left allocated; a step that sets a new high shows it as a
-  rise of the peak. The allocator keeps no second peak counter to reset privately. The counters describe allocations as the host issued them, which is what
+  rise of the peak. The allocator keeps no second peak counter to reset privately.
+  The counters describe allocations as the host issued them, which is what
   limits memory. ``tests/test_resources.py`` runs this code against fakes whose
   ``synchronize`` raises. Alloc retries and OOMs are read on the writer thread at flush cadence.
 * Host memory: process RSS at each sampled step's end from one ``pread`` of
@@ -330,9 +331,10 @@ def _cuda_index(device: str) -> int | None:
     _, _, idx = device.partition(":")
     if idx.isdigit():
         return int(idx)
-    import torch
+    from stepscope.devices import resolve
 
-    return int(torch.cuda.current_device())
+    # The rank's device (LOCAL_RANK, else current), as the clock and PrefetchLoader pick it.
+    return resolve(warn=False)
 
 
 class ResourceMonitor:
