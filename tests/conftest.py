@@ -32,3 +32,24 @@ def mem_tracer():
     yield make
     for t in made:
         t.finish()
+
+
+@pytest.fixture
+def cuda_sim():
+    """Factory: ``cuda_sim(devices=1, lag_steps=0, ...)`` installs the simulated CUDA runtime
+    (:mod:`tests.cudasim`) for this test and fully restores torch afterwards."""
+    import cudasim
+
+    made: list[cudasim.CudaSim] = []
+
+    def make(**kwargs):
+        sim = cudasim.CudaSim(**kwargs)
+        sim.install()
+        made.append(sim)
+        return sim
+
+    try:
+        yield make
+    finally:
+        for sim in reversed(made):
+            sim.uninstall()

@@ -1,0 +1,1237 @@
+"""A simulated CUDA runtime for the tests: stepscope believes it runs on CUDA, tensors stay on CPU.
+
+Nobody on this project has a GPU. This module patches the parts of ``torch.cuda`` (and of
+``torch.Tensor``/``nn.Module``/``torch.autograd``) that stepscope's recording side touches, so
+that ``torch.cuda.is_available()`` is true, the CUDA-event clock is chosen, and real torch models
+train on CPU while the *timing* behaves like a GPU:
+
+* every device has in-order streams; the host only *enqueues* work (event records, copies,
+  waits, simulated kernels) and the simulated GPU runs it later, ``lag_steps`` host steps
+  behind (the test says what a step is by calling :meth:`CudaSim.host_tick`) and/or
+  ``lag_ns`` behind;
+* an event completes when its stream reaches it; ``elapsed_time`` on an unfinished or
+  unrecorded event raises ``RuntimeError``; ``wait_event`` orders a stream after an event;
+* backward runs on a separate per-device worker thread while the caller blocks;
+* copies from pageable memory block the host until the stream drains;
+* every synchronisation and blocking read is counted in :attr:`CudaSim.syncs`.
+
+Usage::
+
+    with CudaSim(devices=2, lag_steps=100) as sim:   # or the ``cuda_sim`` fixture
+        model = nn.Linear(4, 4).to("cuda:1")          # parameters report cuda:1, data on CPU
+        for batch in data:
+            ...
+            sim.host_tick()                            # one host step
+        assert sim.syncs == 0, sim.sync_log
+
+In a spawned gloo worker: ``cudasim.install(devices=world)`` (one simulated device per rank).
+
+Limits (what is NOT simulated; see README "GPU claims"):
+
+* Only tensors that went through ``.to("cuda")``/``.cuda()``/``Module.to``/:meth:`CudaSim.place`
+  or a patched factory (``torch.zeros(..., device="cuda")``...) report a CUDA device; tensors
+  computed from them report ``cpu`` (no op-level propagation). ``.item()``/``.tolist()``/
+  ``.cpu()`` are counted as syncs only on such tagged tensors.
+* Host compute is real CPU time; the GPU timeline is the host timeline shifted by the lag,
+  plus explicit :meth:`CudaSim.kernel` durations and copy durations (bytes / bandwidth).
+* No CUDA graphs (``capture()`` only flips ``is_current_stream_capturing``), no NCCL, no
+  ``torch.accelerator`` stream APIs beyond availability/device index, no multi-process
+  shared devices (each process has its own simulated devices).
+* ``torch.backends.cuda.is_built()`` stays False (the CPU build); FSDP2/DDP keep their CPU
+  code paths for the collectives (gloo).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import queue
+import threading
+import time
+import uuid
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+DEFAULT_NAME = "NVIDIA H100 80GB HBM3"
+DEFAULT_TOTAL_MEMORY = 85_045_395_456  # what torch reports for an H100 80GB HBM3
+H2D_BYTES_PER_NS = 25.0  # ~25 GB/s, a PCIe 5 x16 pinned host-to-device copy
+_BLOCK = 2 << 20  # the caching allocator rounds large segments to 2 MiB
+
+_TAG = "_cudasim_device"  # attribute on a CPU tensor saying which simulated device it is on
+_PIN = "_cudasim_pinned"  # attribute on a CPU tensor saying it lives in page-locked memory
+
+_ACTIVE: CudaSim | None = None
+
+
+def active() -> CudaSim | None:
+    """The installed simulator, if any."""
+    return _ACTIVE
+
+
+def install(**kwargs: Any) -> CudaSim:
+    """Install a simulator for the rest of this process (e.g. inside a spawned gloo worker)."""
+    sim = CudaSim(**kwargs)
+    sim.install()
+    return sim
+
+
+# --------------------------------------------------------------------------------------------
+# The GPU: streams of work items that complete later
+# --------------------------------------------------------------------------------------------
+
+
+class _Item:
+    """One piece of work enqueued on a stream (an event record, a copy, a wait, a kernel)."""
+
+    __slots__ = ("cost_ns", "dep", "done", "end_ns", "host_ns", "kind", "stream", "tick")
+
+    def __init__(self, stream: _Stream, kind: str, host_ns: int, tick: int, cost_ns: int,
+                 dep: _Item | None) -> None:
+        self.stream = stream
+        self.kind = kind
+        self.host_ns = host_ns
+        self.tick = tick
+        self.cost_ns = cost_ns
+        self.dep = dep
+        self.done = False
+        self.end_ns = 0
+
+
+class _Stream:
+    """A simulated CUDA stream: a FIFO of items that complete in order (CUDA stream semantics)."""
+
+    def __init__(self, sim: CudaSim, device: int, sid: int, priority: int = 0) -> None:
+        self.sim = sim
+        self.device = device
+        self.sid = sid
+        self.priority = priority
+        self.pending: deque[_Item] = deque()
+        self.last: _Item | None = None  # the most recently enqueued item
+        self.last_end_ns = 0
+
+
+class _Device:
+    def __init__(self, sim: CudaSim, index: int) -> None:
+        self.index = index
+        self.streams: list[_Stream] = []
+        self.default = sim._new_stream(self, 0)
+        self.allocated = 0
+        self.peak_allocated = 0
+        self.reserved = 0
+        self.peak_reserved = 0
+        self.uuid = uuid.UUID(int=(0x5EED << 64) | index)
+
+
+# --------------------------------------------------------------------------------------------
+# torch.cuda stand-ins
+# --------------------------------------------------------------------------------------------
+
+
+class Stream:
+    """Stand-in for ``torch.cuda.Stream`` (``Stream(device=None, priority=0)``)."""
+
+    def __new__(cls, device: Any = None, priority: int = 0, **kwargs: Any) -> Stream:
+        sim = _sim()
+        if "_wrap" in kwargs:
+            self = object.__new__(cls)
+            self._s = kwargs["_wrap"]
+            return self
+        idx = sim._index(device) if device is not None else sim.current_device()
+        with sim._lock:
+            s = sim._new_stream(sim._dev(idx), priority)
+        self = object.__new__(cls)
+        self._s = s
+        return self
+
+    def __init__(self, device: Any = None, priority: int = 0, **kwargs: Any) -> None:
+        pass
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", self._s.device)
+
+    @property
+    def device_index(self) -> int:
+        return self._s.device
+
+    device_type = 1  # DeviceType::CUDA, as torch.cuda.Stream reports it
+
+    @property
+    def stream_id(self) -> int:
+        return self._s.sid
+
+    @property
+    def cuda_stream(self) -> int:
+        return 0 if self._s.sid == 0 else 0x7F000000 + self._s.sid  # default stream is 0
+
+    @property
+    def priority(self) -> int:
+        return self._s.priority
+
+    def query(self) -> bool:
+        # cudaStreamQuery: non-blocking, True once every item enqueued so far has completed.
+        sim = self._s.sim
+        with sim._lock:
+            sim._check_not_capturing("Stream.query")
+            sim._advance()
+            return self._s.last is None or self._s.last.done
+
+    def is_capturing(self) -> bool:
+        return self._s.sim.capturing
+
+    def synchronize(self) -> None:
+        # cudaStreamSynchronize blocks the host until the stream has drained: a host sync.
+        sim = self._s.sim
+        sim._count("stream.synchronize")
+        sim._drain_to(self._s.last)
+
+    def wait_event(self, event: Event) -> None:
+        # cudaStreamWaitEvent: later work on this stream starts only after the event's work;
+        # waiting on a never-recorded event is a no-op (torch's CUDAEvent::block checks isCreated).
+        sim = self._s.sim
+        with sim._lock:
+            target = event._item
+            if target is None:
+                return
+            sim._enqueue(self._s, "wait", dep=target)
+
+    def wait_stream(self, stream: Stream) -> None:
+        # torch: ``self.wait_event(stream.record_event())``.
+        self.wait_event(stream.record_event())
+
+    def record_event(self, event: Event | None = None) -> Event:
+        if event is None:
+            event = Event()
+        event.record(self)
+        return event
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Stream) and other._s is self._s
+
+    def __hash__(self) -> int:
+        return hash((self._s.device, self._s.sid))
+
+    def __enter__(self) -> Stream:
+        # torch.Stream.__enter__ (CUDA builds): makes the stream current, like torch.cuda.stream.
+        ctx = _stream_context(self)
+        ctx.__enter__()
+        self.__dict__.setdefault("_ctx", []).append(ctx)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.__dict__["_ctx"].pop().__exit__(None, None, None)
+
+    def __repr__(self) -> str:
+        return f"<torch.cuda.Stream device=cuda:{self._s.device} cuda_stream={self.cuda_stream:#x}>"
+
+
+class ExternalStream(Stream):
+    pass
+
+
+class Event:
+    """Stand-in for ``torch.cuda.Event``: records a point in a stream, completes when reached."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False,
+                 interprocess: bool = False, external: bool = False) -> None:
+        self.enable_timing = enable_timing
+        self.blocking = blocking
+        self.interprocess = interprocess
+        self._item: _Item | None = None
+        self._device: int | None = None  # fixed at the first record, like torch's lazy create
+        sim = _sim()
+        self._sim = sim
+        self.cuda_event = next(sim._ids)
+
+    @property
+    def device(self) -> torch.device | None:
+        return None if self._device is None else torch.device("cuda", self._device)
+
+    def record(self, stream: Stream | None = None) -> None:
+        sim = self._sim
+        if stream is None:
+            # torch.cuda.Event.record: ``stream = torch.cuda.current_stream()`` (current device).
+            stream = sim.current_stream()
+        with sim._lock:
+            s = stream._s
+            if self._device is not None and self._device != s.device:
+                # CUDAEvent::record: TORCH_CHECK(device_index_ == stream.device_index(), ...)
+                raise RuntimeError(
+                    f"Event device {self._device} does not match recording stream's device "
+                    f"{s.device}."
+                )
+            self._device = s.device
+            self._item = sim._enqueue(s, "event")
+            sim.records += 1
+
+    def query(self) -> bool:
+        # CUDAEvent::query: true if never recorded; else cudaEventQuery (non-blocking).
+        sim = self._sim
+        with sim._lock:
+            sim._check_not_capturing("Event.query")
+            sim.queries += 1
+            if self._item is None:
+                return True
+            sim._advance()
+            return self._item.done
+
+    def elapsed_time(self, end_event: Event) -> float:
+        sim = self._sim
+        with sim._lock:
+            if self._item is None or end_event._item is None:
+                # CUDAEvent::elapsed_time: TORCH_CHECK(is_created_ && other.isCreated(), ...)
+                raise RuntimeError(
+                    "Both events must be recorded before calculating elapsed time."
+                )
+            if not (self.enable_timing and end_event.enable_timing):
+                # cudaEventElapsedTime on events created with cudaEventDisableTiming.
+                raise RuntimeError("CUDA error: invalid resource handle")
+            if self._device != end_event._device:
+                # cudaEventElapsedTime on events of two devices: cudaErrorInvalidResourceHandle.
+                raise RuntimeError("CUDA error: invalid resource handle (events on two devices)")
+            sim._advance()
+            if not (self._item.done and end_event._item.done):
+                # cudaEventElapsedTime returns cudaErrorNotReady if either event has not
+                # completed (it never waits) -> torch raises RuntimeError.
+                raise RuntimeError("CUDA error: device not ready")
+            sim.reads += 1
+            return float((end_event._item.end_ns - self._item.end_ns) / 1e6)
+
+    def synchronize(self) -> None:
+        # cudaEventSynchronize blocks the host until the event completes: a host sync.
+        sim = self._sim
+        sim._count("event.synchronize")
+        if self._item is not None:
+            sim._drain_to(self._item)
+
+    def wait(self, stream: Stream | None = None) -> None:
+        if stream is None:
+            stream = self._sim.current_stream()
+        stream.wait_event(self)
+
+    def ipc_handle(self) -> Any:
+        raise RuntimeError("the CUDA simulator does not share events across processes")
+
+    def __repr__(self) -> str:
+        return f"<torch.cuda.Event {self.cuda_event:#x}>"
+
+
+class _DeviceProperties:
+    """Stand-in for ``torch._C._CudaDeviceProperties`` (H100 SXM values)."""
+
+    def __init__(self, name: str, total_memory: int, index: int, dev_uuid: uuid.UUID) -> None:
+        self.name = name
+        self.total_memory = total_memory
+        self.major, self.minor = 9, 0
+        self.multi_processor_count = 132
+        self.is_integrated = False
+        self.is_multi_gpu_board = False
+        self.L2_cache_size = 50 << 20
+        self.clock_rate = 1_980_000  # kHz
+        self.memory_clock_rate = 2_619_000
+        self.warp_size = 32
+        self.max_threads_per_multi_processor = 2048
+        self.gcnArchName = "NVIDIA"
+        self.uuid = dev_uuid
+        self.pci_bus_id = 0x18 + index
+        self.pci_device_id = 0
+        self.pci_domain_id = 0
+
+    def __repr__(self) -> str:
+        return (f"_CudaDeviceProperties(name='{self.name}', major=9, minor=0, "
+                f"total_memory={self.total_memory >> 20}MB, multi_processor_count=132)")
+
+
+# --------------------------------------------------------------------------------------------
+# The simulator
+# --------------------------------------------------------------------------------------------
+
+
+def _sim() -> CudaSim:
+    if _ACTIVE is None:
+        raise RuntimeError("the CUDA simulator is not installed")
+    return _ACTIVE
+
+
+class CudaSim:
+    """The simulated CUDA runtime; a context manager that patches torch and restores it.
+
+    ``devices``: how many GPUs ``device_count()`` reports. ``lag_steps``: the GPU is that many
+    host steps behind (steps end at each :meth:`host_tick`): work enqueued during host step
+    ``k`` runs, with the same spacing, while the host does step ``k + lag_steps - 1``, and has
+    all completed once the host ends that step; 0 = the GPU keeps up (work completes as soon
+    as it is enqueued). ``lag_ns``: a constant extra delay of the GPU behind the host.
+    ``name``: what ``get_device_name()`` returns.
+    ``sync_sleep_limit_s``: the longest a simulated blocking call sleeps to let GPU time pass.
+    """
+
+    def __init__(self, devices: int = 1, *, lag_steps: int = 0, lag_ns: int = 0,
+                 name: str = DEFAULT_NAME, total_memory: int = DEFAULT_TOTAL_MEMORY,
+                 copy_bytes_per_ns: float = H2D_BYTES_PER_NS,
+                 sync_sleep_limit_s: float = 0.05) -> None:
+        if not isinstance(devices, int) or devices < 1:
+            raise ValueError(f"devices must be an int >= 1; got {devices!r}")
+        if not isinstance(lag_steps, int) or lag_steps < 0:
+            raise ValueError(f"lag_steps must be an int >= 0; got {lag_steps!r}")
+        if not isinstance(lag_ns, int) or lag_ns < 0:
+            raise ValueError(f"lag_ns must be an int >= 0; got {lag_ns!r}")
+        self.n_devices = devices
+        self.lag_steps = lag_steps
+        self.lag_ns = lag_ns
+        self.name = name
+        self.total_memory = total_memory
+        self.copy_bytes_per_ns = copy_bytes_per_ns
+        self.sync_sleep_limit_s = sync_sleep_limit_s
+        self._lock = threading.RLock()
+        self._ids = itertools.count(0x1000)
+        self._sids = itertools.count(1)
+        self._tls = threading.local()
+        self._devices: list[_Device] | None = None
+        self._tick = 0
+        self._tick_ns: list[int] = []
+        self._patches: list[tuple[Any, str, Any, bool]] = []
+        self._workers: dict[int, _DeviceWorker] = {}
+        self._placed: int | None = None
+        self.capturing = False
+        #: every host sync, in order: ``(kind, thread name)``.
+        self.sync_log: list[tuple[str, str]] = []
+        self.records = 0  # events recorded
+        self.queries = 0  # Event.query calls
+        self.reads = 0  # successful elapsed_time reads
+        self.copies: list[tuple[str, int, bool]] = []  # (direction, bytes, blocking)
+        self.backward_threads: list[str] = []  # the thread name of every engine run
+
+    # ---- counters -----------------------------------------------------------------------
+
+    @property
+    def syncs(self) -> int:
+        """How many times the host blocked on the GPU since install / :meth:`reset_counts`."""
+        return len(self.sync_log)
+
+    def reset_counts(self) -> None:
+        with self._lock:
+            self.sync_log.clear()
+            self.copies.clear()
+            self.records = self.queries = self.reads = 0
+
+    def _count(self, kind: str) -> None:
+        with self._lock:
+            self.sync_log.append((kind, threading.current_thread().name))
+
+    # ---- host progress ------------------------------------------------------------------
+
+    def host_tick(self, n: int = 1) -> None:
+        """The host finished ``n`` steps (call once per iteration of the training loop)."""
+        with self._lock:
+            for _ in range(n):
+                self._tick += 1
+                self._tick_ns.append(time.perf_counter_ns())
+
+    @property
+    def tick(self) -> int:
+        return self._tick
+
+    def kernel(self, ms: float, stream: Stream | None = None) -> None:
+        """Enqueue ``ms`` of simulated GPU work (a kernel) on ``stream`` (default: current)."""
+        if not ms >= 0:
+            raise ValueError(f"ms must be >= 0; got {ms!r}")
+        s = (stream or self.current_stream())._s
+        with self._lock:
+            self._enqueue(s, "kernel", cost_ns=int(ms * 1e6))
+
+    def drain(self) -> None:
+        """Let the GPU finish everything enqueued so far (test helper: NOT counted as a sync)."""
+        for d in self._devs():
+            for s in d.streams:
+                self._drain_to(s.last, count_sleep=False)
+
+    def pending(self) -> int:
+        """Items enqueued but not yet completed, over all streams."""
+        with self._lock:
+            self._advance()
+            return sum(len(s.pending) for d in self._devs() for s in d.streams)
+
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[None]:
+        """Pretend the current stream is capturing a CUDA graph (queries raise, like CUDA)."""
+        self.capturing = True
+        try:
+            yield
+        finally:
+            self.capturing = False
+
+    def _check_not_capturing(self, what: str) -> None:
+        if self.capturing:
+            # cudaEventQuery/cudaStreamQuery during capture: cudaErrorStreamCaptureUnsupported.
+            raise RuntimeError(f"CUDA error: operation not permitted when stream is capturing ({what})")
+
+    # ---- devices and streams ------------------------------------------------------------
+
+    def _devs(self) -> list[_Device]:
+        if self._devices is None:
+            with self._lock:
+                if self._devices is None:
+                    self._devices = [_Device(self, i) for i in range(self.n_devices)]
+        return self._devices
+
+    def _dev(self, index: int) -> _Device:
+        return self._devs()[index]
+
+    def _new_stream(self, dev: _Device, priority: int) -> _Stream:
+        s = _Stream(self, dev.index, 0 if not dev.streams and not hasattr(dev, "default")
+                    else next(self._sids), priority)
+        dev.streams.append(s)
+        return s
+
+    def _index(self, device: Any, *, optional: bool = False) -> int:
+        """A device index from an int / "cuda:i" / torch.device, like torch's _get_device_index."""
+        if device is None:
+            return self.current_device()
+        if isinstance(device, str):
+            device = torch.device(device)
+        if isinstance(device, torch.device):
+            if device.type != "cuda":
+                raise ValueError(f"Expected a cuda device, but got: {device}")
+            idx = self.current_device() if device.index is None else device.index
+        elif isinstance(device, int) and not isinstance(device, bool):
+            idx = device
+        else:
+            raise ValueError(f"Expected a torch.device with a specified index or an integer, "
+                             f"but got:{device!r}")
+        if not 0 <= idx < self.n_devices:
+            # cudaSetDevice / cudaGetDeviceProperties with a bad ordinal.
+            raise RuntimeError(f"CUDA error: invalid device ordinal (device {idx}, "
+                               f"{self.n_devices} simulated)")
+        return idx
+
+    def current_device(self) -> int:
+        # The current device is per host thread (cudaSetDevice), 0 in a fresh thread.
+        return getattr(self._tls, "device", 0)
+
+    def set_device(self, device: Any) -> None:
+        if isinstance(device, int) and device < 0:
+            return  # torch.cuda.set_device ignores negative indices
+        self._devs()
+        self._tls.device = self._index(device)
+
+    def current_stream(self, device: Any = None) -> Stream:
+        # PyTorch's current stream is thread-local, one per device, default stream at first.
+        idx = self.current_device() if device is None else self._index(device)
+        streams = self._thread_streams()
+        s = streams.get(idx)
+        if s is None:
+            s = self._dev(idx).default
+        return Stream(_wrap=s)
+
+    def default_stream(self, device: Any = None) -> Stream:
+        idx = self.current_device() if device is None else self._index(device)
+        return Stream(_wrap=self._dev(idx).default)
+
+    def _thread_streams(self) -> dict[int, _Stream]:
+        d = getattr(self._tls, "streams", None)
+        if d is None:
+            d = self._tls.streams = {}
+        return d
+
+    def set_stream(self, stream: Stream) -> None:
+        # torch.cuda.set_stream (THCPModule_setStream) also makes the stream's device current.
+        if stream is None:
+            return
+        self._tls.device = stream._s.device
+        self._thread_streams()[stream._s.device] = stream._s
+
+    # ---- the GPU clock ------------------------------------------------------------------
+
+    def _enqueue(self, s: _Stream, kind: str, *, cost_ns: int = 0, dep: _Item | None = None) -> _Item:
+        # Called with the lock held. The host only appends; the GPU runs it later.
+        item = _Item(s, kind, time.perf_counter_ns(), self._tick, cost_ns, dep)
+        s.pending.append(item)
+        s.last = item
+        return item
+
+    def _step_bounds(self, k: int) -> tuple[int, int]:
+        """Host ns at which step ``k`` began and ended (it must have ended)."""
+        return (self._tick_ns[k - 1] if k else self._t0), self._tick_ns[k]
+
+    def _start_ns(self, item: _Item, s: _Stream) -> int | None:
+        """When the GPU starts ``item``, or None while its host step is not due yet."""
+        lag = self.lag_steps
+        if lag == 0:
+            base = item.host_ns  # a GPU that keeps up runs the work as soon as it is enqueued
+        else:
+            # Work of host step k runs while the host does step k+lag-1, with the same relative
+            # spacing, so it has all completed when the host ends step k+lag-1 (host_tick).
+            if self._tick < item.tick + lag:
+                return None
+            h0, h1 = self._step_bounds(item.tick)
+            g0, g1 = self._step_bounds(item.tick + lag - 1)
+            base = g0 + (item.host_ns - h0) * (g1 - g0) // (h1 - h0) if h1 > h0 else g0
+        start = max(s.last_end_ns, base + self.lag_ns)  # in order: after the previous item
+        if item.dep is not None:
+            start = max(start, item.dep.end_ns)  # ordered after the awaited event
+        return start
+
+    def _advance(self) -> None:
+        """Complete every item whose time has come (lock held). In order per stream."""
+        now = time.perf_counter_ns()
+        progress = True
+        while progress:
+            progress = False
+            for d in self._devs():
+                for s in d.streams:
+                    q = s.pending
+                    while q:
+                        item = q[0]
+                        if item.dep is not None and not item.dep.done:
+                            break
+                        start = self._start_ns(item, s)
+                        if start is None or start + item.cost_ns > now:
+                            break
+                        self._complete(q, s, start + item.cost_ns)
+                        progress = True
+
+    def _complete(self, q: deque[_Item], s: _Stream, end: int) -> None:
+        item = q.popleft()
+        item.end_ns = end
+        item.done = True
+        s.last_end_ns = end
+
+    def _drain_to(self, target: _Item | None, count_sleep: bool = True) -> None:
+        """Block the host until ``target`` (and everything before it, and its deps) ran."""
+        if target is None:
+            return
+        with self._lock:
+            self._advance()
+            latest = self._force(target)
+        wait_s = (latest - time.perf_counter_ns()) / 1e9
+        if wait_s > 0:
+            # The host waits for GPU time to pass (e.g. a long simulated kernel).
+            time.sleep(min(wait_s, self.sync_sleep_limit_s))
+
+    def _force(self, target: _Item) -> int:
+        """Complete items up to ``target`` now, ignoring the lag (the host waits for them)."""
+        s = target.stream
+        q = s.pending
+        latest = 0
+        while not target.done:
+            item = q[0]
+            if item.dep is not None and not item.dep.done:
+                self._force(item.dep)
+            start = self._start_ns(item, s)
+            if start is None:
+                # Not due yet: the GPU gets to it now, while the host waits.
+                start = max(s.last_end_ns, item.host_ns + self.lag_ns, time.perf_counter_ns())
+                if item.dep is not None:
+                    start = max(start, item.dep.end_ns)
+            self._complete(q, s, start + item.cost_ns)
+            latest = max(latest, start + item.cost_ns)
+        return latest
+
+    # ---- memory -------------------------------------------------------------------------
+
+    def _alloc(self, t: torch.Tensor, idx: int) -> None:
+        n = t.untyped_storage().nbytes() if t.layout == torch.strided else t.numel() * t.element_size()
+        d = self._dev(idx)
+        with self._lock:
+            d.allocated += n
+            d.peak_allocated = max(d.peak_allocated, d.allocated)
+            need = -(-d.allocated // _BLOCK) * _BLOCK
+            if need > d.reserved:  # the caching allocator keeps what it reserved
+                d.reserved = need
+                d.peak_reserved = max(d.peak_reserved, d.reserved)
+        weakref.finalize(t, self._free, idx, n)
+
+    def _free(self, idx: int, n: int) -> None:
+        if self._devices is None:
+            return
+        with self._lock:
+            self._devices[idx].allocated -= n
+
+    def memory_stats(self, device: Any = None) -> dict[str, int]:
+        d = self._dev(self._index(device))
+        out: dict[str, int] = {}
+        for kind, cur, peak in (("allocated_bytes", d.allocated, d.peak_allocated),
+                                ("reserved_bytes", d.reserved, d.peak_reserved),
+                                ("active_bytes", d.allocated, d.peak_allocated)):
+            for pool in ("all", "large_pool", "small_pool"):
+                full = pool == "all" or pool == "large_pool"
+                out[f"{kind}.{pool}.current"] = cur if full else 0
+                out[f"{kind}.{pool}.peak"] = peak if full else 0
+                out[f"{kind}.{pool}.allocated"] = peak if full else 0
+                out[f"{kind}.{pool}.freed"] = 0
+        out["num_alloc_retries"] = 0
+        out["num_ooms"] = 0
+        out["num_device_alloc"] = 0
+        out["num_device_free"] = 0
+        return out
+
+    def memory_stats_as_nested_dict(self, device: Any = None) -> dict[str, Any]:
+        nested: dict[str, Any] = {}
+        for key, value in self.memory_stats(device).items():
+            node = nested
+            parts = key.split(".")
+            for p in parts[:-1]:
+                node = node.setdefault(p, {})
+            node[parts[-1]] = value
+        return nested
+
+    def reset_peak_memory_stats(self, device: Any = None) -> None:
+        d = self._dev(self._index(device))
+        with self._lock:
+            d.peak_allocated = d.allocated
+            d.peak_reserved = d.reserved
+
+    # ---- placement ----------------------------------------------------------------------
+
+    def place(self, obj: Any, index: int = 0) -> Any:
+        """Make a module's parameters/buffers, or a tensor, report ``cuda:index`` (no copy)."""
+        idx = self._index(index)
+        if isinstance(obj, nn.Module):
+            for t in itertools.chain(obj.parameters(), obj.buffers()):
+                self._tag(t, idx)
+            self._placed = idx
+            return obj
+        if isinstance(obj, torch.Tensor):
+            self._tag(obj, idx)
+            return obj
+        raise TypeError(f"place() takes an nn.Module or a torch.Tensor; got {type(obj).__name__}")
+
+    def _tag(self, t: torch.Tensor, idx: int) -> torch.Tensor:
+        if getattr(t, _TAG, None) != idx:
+            setattr(t, _TAG, idx)
+            self._alloc(t, idx)
+        return t
+
+    # ---- backward on a device thread ------------------------------------------------------
+
+    def _backward_device(self) -> int:
+        # The CUDA engine runs a node on the worker thread of its inputs' device; the sim does
+        # not know a CPU tensor's device, so: the placed model's device, else the current one.
+        return self._placed if self._placed is not None else self.current_device()
+
+    def _worker(self, idx: int) -> _DeviceWorker:
+        with self._lock:
+            w = self._workers.get(idx)
+            if w is None:
+                w = self._workers[idx] = _DeviceWorker(self, idx)
+            return w
+
+    # ---- install / uninstall ------------------------------------------------------------
+
+    def __enter__(self) -> CudaSim:
+        self.install()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.uninstall()
+
+    def _patch(self, owner: Any, name: str, value: Any) -> None:
+        had = name in vars(owner)
+        self._patches.append((owner, name, vars(owner).get(name), had))
+        setattr(owner, name, value)
+
+    def install(self) -> CudaSim:
+        global _ACTIVE
+        if _ACTIVE is not None:
+            raise RuntimeError("a CUDA simulator is already installed")
+        self._t0 = time.perf_counter_ns()
+        self._devs()
+        _ACTIVE = self
+        try:
+            _install_patches(self)
+        except BaseException:
+            self.uninstall()
+            raise
+        return self
+
+    def uninstall(self) -> None:
+        global _ACTIVE
+        for w in list(self._workers.values()):
+            w.stop()
+        self._workers.clear()
+        while self._patches:
+            owner, name, old, had = self._patches.pop()
+            if had:
+                setattr(owner, name, old)
+            else:
+                delattr(owner, name)
+        if _ACTIVE is self:
+            _ACTIVE = None
+
+
+class _DeviceWorker:
+    """The autograd engine's worker thread for one device (one per device, like CUDA's)."""
+
+    def __init__(self, sim: CudaSim, index: int) -> None:
+        self.sim = sim
+        self.index = index
+        self.jobs: queue.Queue[Any] = queue.Queue()
+        self.thread = threading.Thread(target=self._loop, name=f"cudasim-autograd-{index}",
+                                       daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        # The CUDA engine's device thread calls set_device(device) once at start.
+        self.sim._tls.device = self.index
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            job()
+
+    def run(self, fn: Callable[[], Any]) -> Any:
+        sim = self.sim
+        grad_mode = torch.is_grad_enabled()
+        streams = dict(sim._thread_streams())
+        box: dict[str, Any] = {}
+        done = threading.Event()
+
+        def job() -> None:
+            # Backward ops run on the streams their forward ops used (here: the caller's
+            # current streams); grad mode travels with the engine's ThreadLocalState. Python
+            # thread-locals of the caller do not.
+            sim._tls.streams = streams
+            sim._tls.device = self.index
+            sim.backward_threads.append(threading.current_thread().name)
+            try:
+                with torch.set_grad_enabled(grad_mode):
+                    box["value"] = fn()
+            except BaseException as exc:  # handed back to the caller, like the engine does
+                box["error"] = exc
+            finally:
+                sim._tls.streams = {}
+                done.set()
+
+        self.jobs.put(job)
+        done.wait()
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
+
+    def stop(self) -> None:
+        self.jobs.put(None)
+        self.thread.join(timeout=5)
+
+
+# --------------------------------------------------------------------------------------------
+# Patches
+# --------------------------------------------------------------------------------------------
+
+
+class _DeviceContext:
+    """``torch.cuda.device(d)``: switch the thread's current device for a block."""
+
+    def __init__(self, device: Any) -> None:
+        sim = _sim()
+        if device is None or (isinstance(device, int) and device < 0):
+            self.idx = -1
+        else:
+            self.idx = sim._index(device)
+        self.prev = -1
+
+    def __enter__(self) -> _DeviceContext:
+        if self.idx >= 0:
+            sim = _sim()
+            self.prev = sim.current_device()
+            sim._tls.device = self.idx
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.idx >= 0:
+            _sim()._tls.device = self.prev
+
+
+@contextlib.contextmanager
+def _stream_context(stream: Stream | None) -> Iterator[Stream | None]:
+    # torch.cuda.StreamContext: sets the stream (and its device) current, restores both after.
+    if stream is None:
+        yield None
+        return
+    sim = _sim()
+    prev_device = sim.current_device()
+    streams = sim._thread_streams()
+    prev_stream = streams.get(stream._s.device)
+    sim.set_stream(stream)
+    try:
+        yield stream
+    finally:
+        if prev_stream is None:
+            streams.pop(stream._s.device, None)
+        else:
+            streams[stream._s.device] = prev_stream
+        sim._tls.device = prev_device
+
+
+def _cuda_index_of(device: Any) -> int | None:
+    """The simulated index if ``device`` names CUDA, else None (CPU, meta...)."""
+    if device is None:
+        return None
+    if isinstance(device, torch.Tensor):
+        return getattr(device, _TAG, None)
+    if isinstance(device, int) and not isinstance(device, bool):
+        return _sim()._index(device)  # Tensor.to(0) means cuda:0
+    dev = torch.device(device) if isinstance(device, str) else device
+    if isinstance(dev, torch.device) and dev.type == "cuda":
+        return _sim()._index(dev)
+    return None
+
+
+def _parse_to(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any, bool, Any]:
+    """``torch._C._nn._parse_to`` that also takes an int device (cuda:i) on the CPU build."""
+    kwargs = {k: v for k, v in kwargs.items() if k != "copy"}
+    if args and isinstance(args[0], int) and not isinstance(args[0], bool):
+        args = (torch.device("cuda", args[0]), *args[1:])
+    dev = kwargs.get("device")
+    if isinstance(dev, int) and not isinstance(dev, bool):
+        kwargs["device"] = torch.device("cuda", dev)
+    device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+    return device, dtype, bool(non_blocking), memory_format
+
+
+def _install_patches(sim: CudaSim) -> None:
+    cuda = torch.cuda
+    p = sim._patch
+    p(cuda, "is_available", lambda: True)
+    p(cuda, "is_initialized", lambda: True)
+    p(cuda, "init", lambda: None)
+    p(cuda, "_lazy_init", lambda: None)
+    p(cuda, "device_count", lambda: sim.n_devices)
+    p(cuda, "current_device", sim.current_device)
+    p(cuda, "set_device", sim.set_device)
+    p(cuda, "device", _DeviceContext)
+    p(cuda, "Stream", Stream)
+    p(cuda, "ExternalStream", ExternalStream)
+    p(cuda, "Event", Event)
+    p(cuda, "current_stream", sim.current_stream)
+    p(cuda, "default_stream", sim.default_stream)
+    p(cuda, "set_stream", sim.set_stream)
+    p(cuda, "stream", _stream_context)
+    p(cuda, "is_current_stream_capturing", lambda: sim.capturing)
+
+    def synchronize(device: Any = None) -> None:
+        # cudaDeviceSynchronize: the host waits for every stream of the device.
+        sim._count("device.synchronize")
+        for s in sim._dev(sim._index(device)).streams:
+            sim._drain_to(s.last)
+
+    p(cuda, "synchronize", synchronize)
+
+    def get_device_name(device: Any = None) -> str:
+        sim._index(device)
+        return sim.name
+
+    def get_device_properties(device: Any = None) -> _DeviceProperties:
+        idx = sim._index(device)
+        return _DeviceProperties(sim.name, sim.total_memory, idx, sim._dev(idx).uuid)
+
+    p(cuda, "get_device_name", get_device_name)
+    p(cuda, "get_device_properties", get_device_properties)
+    def get_device_capability(device: Any = None) -> tuple[int, int]:
+        sim._index(device)
+        return (9, 0)
+
+    p(cuda, "get_device_capability", get_device_capability)
+    p(cuda, "memory_stats", sim.memory_stats)
+    p(cuda, "memory_stats_as_nested_dict", sim.memory_stats_as_nested_dict)
+    p(cuda, "reset_peak_memory_stats", sim.reset_peak_memory_stats)
+    p(cuda, "reset_max_memory_allocated", sim.reset_peak_memory_stats)
+    p(cuda, "memory_allocated", lambda device=None: sim._dev(sim._index(device)).allocated)
+    p(cuda, "max_memory_allocated",
+      lambda device=None: sim._dev(sim._index(device)).peak_allocated)
+    p(cuda, "memory_reserved", lambda device=None: sim._dev(sim._index(device)).reserved)
+    p(cuda, "max_memory_reserved", lambda device=None: sim._dev(sim._index(device)).peak_reserved)
+
+    def mem_get_info(device: Any = None) -> tuple[int, int]:
+        d = sim._dev(sim._index(device))
+        return (sim.total_memory - d.reserved, sim.total_memory)
+
+    p(cuda, "mem_get_info", mem_get_info)
+    p(cuda, "empty_cache", lambda: None)
+
+    # torch.accelerator: the device-generic API (DataLoader pinning, DDP's copy streams).
+    acc = torch.accelerator
+    p(acc, "is_available", lambda: True)
+    p(acc, "current_accelerator", lambda check_available=False: torch.device("cuda"))
+    p(acc, "device_count", lambda: sim.n_devices)
+    p(acc, "current_device_index", sim.current_device)
+    p(acc, "current_device_idx", sim.current_device)
+    p(acc, "set_device_index", sim.set_device)
+    p(acc, "set_device_idx", sim.set_device)
+    p(acc, "synchronize", synchronize)
+    p(acc, "current_stream", sim.current_stream)
+    p(acc, "set_stream", sim.set_stream)
+    p(acc, "memory_allocated", cuda.memory_allocated)
+    p(acc, "max_memory_allocated", cuda.max_memory_allocated)
+    p(acc, "memory_reserved", cuda.memory_reserved)
+    p(acc, "max_memory_reserved", cuda.max_memory_reserved)
+    p(acc, "memory_stats", sim.memory_stats)
+    p(acc, "reset_peak_memory_stats", sim.reset_peak_memory_stats)
+    p(acc, "empty_cache", lambda: None)
+
+    _patch_tensor(sim)
+    _patch_module(sim)
+    _patch_factories(sim)
+    _patch_autograd(sim)
+
+
+def _patch_tensor(sim: CudaSim) -> None:
+    T = torch.Tensor
+    p = sim._patch
+    base_device = torch._C.TensorBase.device
+    orig_to = T.to
+    orig_is_pinned = T.is_pinned
+    orig_item, orig_tolist, orig_numpy = T.item, T.tolist, T.numpy
+    orig_get_device = T.get_device
+
+    def device(self: torch.Tensor) -> torch.device:
+        idx = getattr(self, _TAG, None)
+        if idx is None:
+            return base_device.__get__(self)
+        return torch.device("cuda", idx)
+
+    p(T, "device", property(device))
+    p(T, "is_cuda", property(lambda self: getattr(self, _TAG, None) is not None))
+    p(T, "get_device", lambda self: getattr(self, _TAG, None)
+      if getattr(self, _TAG, None) is not None else orig_get_device(self))
+
+    def to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        target = args[0] if args else kwargs.get("device", kwargs.get("other"))
+        if isinstance(target, torch.dtype) or (target is None and "device" not in kwargs
+                                               and "other" not in kwargs):
+            src = getattr(self, _TAG, None)
+            out = orig_to(self, *args, **kwargs)
+            if src is not None and out is not self:
+                sim._tag(out, src)
+            return out
+        if isinstance(target, torch.Tensor):
+            idx = getattr(target, _TAG, None)
+            dtype = target.dtype
+            non_blocking = bool(args[1] if len(args) > 1 else kwargs.get("non_blocking", False))
+            copy = bool(args[2] if len(args) > 2 else kwargs.get("copy", False))
+            memory_format = None
+        else:
+            dev, dtype, non_blocking, memory_format = _parse_to(args, kwargs)
+            copy = bool(kwargs.get("copy", False))
+            if dev is None or dev.type not in ("cuda", "cpu"):
+                return orig_to(self, *args, **kwargs)
+            idx = _cuda_index_of(dev)
+        return _move(sim, self, idx, dtype=dtype, non_blocking=bool(non_blocking), copy=copy,
+                     memory_format=memory_format)
+
+    p(T, "to", to)
+
+    def cuda_(self: torch.Tensor, device: Any = None, non_blocking: bool = False,
+              memory_format: Any = torch.preserve_format) -> torch.Tensor:
+        idx = sim._index(device)
+        return _move(sim, self, idx, dtype=None, non_blocking=non_blocking, copy=False,
+                     memory_format=memory_format)
+
+    p(T, "cuda", cuda_)
+    p(T, "cpu", lambda self, memory_format=torch.preserve_format: _move(
+        sim, self, None, dtype=None, non_blocking=False, copy=False, memory_format=memory_format))
+
+    def pin_memory(self: torch.Tensor, device: Any = None) -> torch.Tensor:
+        # Tensor.pin_memory returns a copy in page-locked host memory (self if already pinned).
+        if getattr(self, _TAG, None) is not None:
+            raise RuntimeError(f"cannot pin '{self.type()}' only dense CPU tensors can be pinned")
+        if getattr(self, _PIN, False):
+            return self
+        out = self.clone()
+        setattr(out, _PIN, True)
+        return out
+
+    p(T, "pin_memory", pin_memory)
+    p(T, "is_pinned", lambda self, device=None: bool(getattr(self, _PIN, False))
+      if getattr(self, _TAG, None) is None else False)
+    del orig_is_pinned
+
+    def record_stream(self: torch.Tensor, stream: Any) -> None:
+        # Tensor.record_stream tells the caching allocator a stream uses the block; no timing.
+        if not isinstance(stream, Stream):
+            raise TypeError(f"record_stream expects a torch.cuda.Stream; got {type(stream).__name__}")
+
+    p(T, "record_stream", record_stream)
+
+    def blocking_read(orig: Callable[..., Any], kind: str) -> Callable[..., Any]:
+        def read(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            idx = getattr(self, _TAG, None)
+            if idx is not None:
+                # A D2H read (.item(), .tolist()) waits for the current stream: a host sync.
+                sim._count(kind)
+                sim._drain_to(sim.current_stream(idx)._s.last)
+            return orig(self, *args, **kwargs)
+
+        return read
+
+    p(T, "item", blocking_read(orig_item, "item"))
+    p(T, "tolist", blocking_read(orig_tolist, "tolist"))
+
+    def numpy(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        idx = getattr(self, _TAG, None)
+        if idx is not None:
+            raise TypeError(f"can't convert cuda:{idx} device type tensor to numpy. Use "
+                            "Tensor.cpu() to copy the tensor to host memory first.")
+        return orig_numpy(self, *args, **kwargs)
+
+    p(T, "numpy", numpy)
+    sim._orig_to = orig_to  # type: ignore[attr-defined]
+
+
+def _move(sim: CudaSim, t: torch.Tensor, idx: int | None, *, dtype: Any, non_blocking: bool,
+          copy: bool, memory_format: Any) -> torch.Tensor:
+    """``t`` moved to simulated device ``idx`` (None: host), with the copy's GPU work."""
+    orig_to = sim._orig_to  # type: ignore[attr-defined]
+    src = getattr(t, _TAG, None)
+    kw: dict[str, Any] = {}
+    if memory_format is not None:
+        kw["memory_format"] = memory_format
+    if src == idx:
+        # Same place: torch returns self unless a dtype change or copy=True asks otherwise.
+        out = orig_to(t, dtype=dtype if dtype is not None else t.dtype, copy=copy, **kw)
+        if out is not t and idx is not None:
+            sim._tag(out, idx)
+        return out
+    out = orig_to(t, dtype=dtype if dtype is not None else t.dtype, copy=True, **kw)
+    nbytes = t.numel() * t.element_size()
+    cost = int(nbytes / sim.copy_bytes_per_ns)
+    if idx is not None and src is None:
+        # Host to device, enqueued on the target device's current stream.
+        stream = sim.current_stream(idx)
+        with sim._lock:
+            item = sim._enqueue(stream._s, "h2d", cost_ns=cost)
+        pinned = bool(getattr(t, _PIN, False))
+        blocking = not (pinned and non_blocking)
+        sim.copies.append(("h2d", nbytes, blocking))
+        if blocking:
+            # copy_(non_blocking=False) ends with cudaStreamSynchronize; a pageable source
+            # makes cudaMemcpyAsync synchronous (staged through a bounce buffer): both block
+            # the host until the stream has drained up to the copy.
+            sim._count("h2d.pageable" if not pinned else "h2d.blocking")
+            sim._drain_to(item)
+        sim._tag(out, idx)
+        return out
+    if idx is not None and src is not None:
+        # Device to device (peer copy): async on the current stream of the target device.
+        stream = sim.current_stream(idx)
+        with sim._lock:
+            sim._enqueue(stream._s, "d2d", cost_ns=cost)
+        sim.copies.append(("d2d", nbytes, False))
+        sim._tag(out, idx)
+        return out
+    # Device to host.
+    assert src is not None
+    sim.copies.append(("d2h", nbytes, not non_blocking))
+    stream = sim.current_stream(src)
+    with sim._lock:
+        item = sim._enqueue(stream._s, "d2h", cost_ns=cost)
+    if not non_blocking:
+        sim._count("d2h")  # copy to pageable host memory: the host waits for the stream
+        sim._drain_to(item)
+    return out
+
+
+def _patch_module(sim: CudaSim) -> None:
+    M = nn.Module
+    orig_to, orig_cpu = M.to, M.cpu
+
+    def tensors(m: nn.Module) -> Iterator[torch.Tensor]:
+        return itertools.chain(m.parameters(), m.buffers())
+
+    def to(self: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        dev, dtype, _non_blocking, memory_format = _parse_to(args, kwargs)
+        idx = _cuda_index_of(dev)
+        if idx is None:
+            if dev is not None and dev.type == "cpu":
+                _untag_module(sim, self)
+            return orig_to(self, *args, **kwargs)
+        keep: list[Any] = [] if dtype is None else [dtype]
+        if dtype is not None or memory_format is not None:
+            orig_to(self, *keep, **({"memory_format": memory_format} if memory_format else {}))
+        for t in tensors(self):
+            if getattr(t, _TAG, None) is None:
+                # Module.to copies every parameter from pageable memory: each one blocks.
+                sim._count("h2d.pageable")
+                sim.copies.append(("h2d", t.numel() * t.element_size(), True))
+            sim._tag(t, idx)
+        sim._placed = idx
+        return self
+
+    def cuda_(self: nn.Module, device: Any = None) -> nn.Module:
+        return to(self, torch.device("cuda", sim._index(device)))
+
+    def cpu(self: nn.Module) -> nn.Module:
+        _untag_module(sim, self)
+        return orig_cpu(self)
+
+    sim._patch(M, "to", to)
+    sim._patch(M, "cuda", cuda_)
+    sim._patch(M, "cpu", cpu)
+
+
+def _untag_module(sim: CudaSim, m: nn.Module) -> None:
+    for t in itertools.chain(m.parameters(), m.buffers()):
+        if getattr(t, _TAG, None) is not None:
+            sim._count("d2h")
+            delattr(t, _TAG)
+
+
+_FACTORIES = ("empty", "zeros", "ones", "full", "rand", "randn", "randint", "arange", "tensor",
+              "as_tensor", "empty_strided", "linspace", "randperm")
+_LIKE = ("empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like")
+
+
+def _patch_factories(sim: CudaSim) -> None:
+    """``torch.zeros(..., device="cuda")`` and friends: a CPU tensor tagged with the device."""
+
+    def wrap(orig: Callable[..., torch.Tensor], like: bool) -> Callable[..., torch.Tensor]:
+        def factory(*args: Any, **kwargs: Any) -> torch.Tensor:
+            dev = kwargs.get("device")
+            idx = _cuda_index_of(dev) if dev is not None else None
+            if dev is None and like and args and isinstance(args[0], torch.Tensor):
+                idx = getattr(args[0], _TAG, None)
+            if idx is not None:
+                kwargs["device"] = "cpu"
+            pin = kwargs.get("pin_memory", False)
+            if pin:
+                kwargs["pin_memory"] = False
+            out = orig(*args, **kwargs)
+            if idx is not None:
+                sim._tag(out, idx)
+            elif pin:
+                setattr(out, _PIN, True)
+            return out
+
+        return factory
+
+    for name in _FACTORIES:
+        sim._patch(torch, name, wrap(getattr(torch, name), False))
+    for name in _LIKE:
+        sim._patch(torch, name, wrap(getattr(torch, name), True))
+
+
+def _patch_autograd(sim: CudaSim) -> None:
+    import torch.autograd as autograd
+    import torch.autograd.graph as graph
+
+    orig = autograd._engine_run_backward
+
+    def engine_run_backward(*args: Any, **kwargs: Any) -> Any:
+        here = threading.current_thread()
+        if any(w.thread is here for w in list(sim._workers.values())):
+            # Re-entrant backward (e.g. reentrant checkpointing) runs on the same device thread.
+            return orig(*args, **kwargs)
+        # torch.autograd.backward/grad (and Tensor.backward through them) hand the graph to
+        # the engine; on CUDA the device's worker thread runs it while the caller blocks.
+        return sim._worker(sim._backward_device()).run(lambda: orig(*args, **kwargs))
+
+    sim._patch(autograd, "_engine_run_backward", engine_run_backward)
+    sim._patch(graph, "_engine_run_backward", engine_run_backward)
+
+
+__all__ = ["CudaSim", "Event", "Stream", "active", "install"]
+
