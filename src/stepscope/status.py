@@ -32,6 +32,7 @@ import socket
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -321,8 +322,9 @@ class Heartbeat:
         wakeup, self._wakeup = self._wakeup, None
         if wakeup is not None:
             with contextlib.suppress(ValueError, OSError):
-                if signal.set_wakeup_fd(-1) != wakeup[1].fileno():
-                    signal.set_wakeup_fd(-1)  # not ours any more; was already replaced
+                old = signal.set_wakeup_fd(-1)
+                if old not in (-1, wakeup[1].fileno()):
+                    signal.set_wakeup_fd(old)  # someone else's since: leave it theirs
             with contextlib.suppress(OSError):
                 wakeup[1].send(b"\0")  # stops the watcher, which closes both ends
 
@@ -396,13 +398,25 @@ def _default_action_from_any_thread() -> bool:
         return False
 
 
+# Heartbeats whose SIGTERM watcher a forked child must disconnect (one fork hook per process).
+_FORK_WATCH: weakref.WeakSet[Heartbeat] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for hb in list(_FORK_WATCH):
+        hb._after_fork_in_child()
+
+
+with contextlib.suppress(AttributeError):  # no fork on this platform
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def attach_heartbeat(tracer: Tracer) -> Heartbeat:
     """Start the heartbeat for ``tracer`` (wired by :mod:`stepscope.lifecycle` when ``heartbeat_s`` > 0)."""
     cfg = tracer.config
     hb = Heartbeat(tracer, cfg.heartbeat_s, cfg.dump_stacks_after_s)
     tracer.add_listener(hb)
     if hb.install_sigterm():
-        with contextlib.suppress(AttributeError):  # no fork on this platform
-            os.register_at_fork(after_in_child=hb._after_fork_in_child)
+        _FORK_WATCH.add(hb)
     hb.start()
     return hb
