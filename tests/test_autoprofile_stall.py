@@ -1,8 +1,8 @@
 """Auto-profiling must not stall the other ranks while one starts the profiler (issue 18 §3.10c).
 
-The first ``torch.profiler`` start in a process costs seconds (2.7-3.2 s measured on this
-2-core machine on CPU: ``python /tmp/prof_start.py``-style loop of start/stop; CUPTI adds more
-on a GPU); later starts cost under a millisecond. Paid mid-run by the rank that triggered, every
+The first ``torch.profiler`` start in a process costs seconds (2.7-6.2 s on CPU on the shared
+2-core machine: ``python benchmarks/profiler_start.py``; CUPTI adds more on a GPU); later
+starts cost milliseconds. Paid mid-run by the rank that triggered, every
 rank waited for it at the next collective.
 """
 
