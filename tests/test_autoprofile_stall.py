@@ -54,6 +54,8 @@ def test_a_capture_on_one_rank_does_not_stall_the_others(tmp_path):
     assert any(x["rank"] == 1 and x["role"] == "affected" and x["status"] == "captured" for x in lines), lines
     for rank in (0, 1):
         doc = json.loads((tmp_path / f"times{rank}.json").read_text())
-        # Before: the triggering rank's first profiler start (about 3 s here) stalled both
-        # ranks' steps at the all-reduce. Now it is paid at init, on every rank at once.
-        assert max(doc["took"]) < 1.2, (rank, max(doc["took"]), doc["init_s"])
+        # Before: the triggering rank's first profiler start (2.7-6 s here) stalled both
+        # ranks' steps at the all-reduce (4.7 s seen). Now it is paid at init, on every rank
+        # at once; what is left is the capture's own stop and trace export (0.8 s seen
+        # under a load average of 18).
+        assert max(doc["took"]) < 2.0, (rank, max(doc["took"]), doc["init_s"])
