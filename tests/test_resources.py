@@ -106,8 +106,8 @@ class FakeCudaMemory:
         self.peak = 0
         self.current = 0
 
-    def reset_peak(self) -> None:
-        self.calls.append("reset")
+    def user_reset(self) -> None:
+        """The job's own ``torch.cuda.reset_peak_memory_stats`` (HF, torchtitan do this)."""
         self.peak = self.current
 
     def alloc(self, n: int) -> None:
@@ -126,20 +126,28 @@ class FakeCudaMemory:
         return 3, 0
 
 
-def test_memory_peak_is_per_step_and_fields_are_in_mb():
+def test_memory_peak_is_the_running_high_water_mark_and_the_users_counters_are_left_alone():
     cuda = FakeCudaMemory()
     mon = ResourceMonitor(device="cpu", cuda=cuda, host=False)
     out = []
-    for step, (a, f) in enumerate([(100 * MiB, 100 * MiB), (10 * MiB, 0)]):
+    user_peaks = []
+    for step, (a, f) in enumerate([(100 * MiB, 100 * MiB), (10 * MiB, 0), (5 * MiB, 0)]):
+        if step == 2:
+            cuda.user_reset()  # the job resets its own counter between steps
         mon.on_step_start(step)
         cuda.alloc(a)
         cuda.free(f)
         out.append(mon.step_fields(step, 0, 5.0, {}, mon.on_step_end(step))["memory"])
+        user_peaks.append(cuda.peak)
     assert out[0] == {"peak_allocated_mb": 100.0, "peak_reserved_mb": 102.0, "allocated_mb": 0.0,
                       "alloc_retries": 3, "ooms": 0}
-    # The peak was reset at step 1's start: step 0's 100 MiB does not leak into it.
-    assert out[1]["peak_allocated_mb"] == 10.0 and out[1]["allocated_mb"] == 10.0
-    assert cuda.calls[:4] == ["reset", "read", "alloc_stats", "reset"]
+    # Before: stepscope reset the peak at every step, so the job's own max_memory_allocated()
+    # read 10 MiB after step 1. Now the job keeps its 100 MiB high-water mark...
+    assert user_peaks[:2] == [100 * MiB, 100 * MiB]
+    assert out[1]["peak_allocated_mb"] == 100.0 and out[1]["allocated_mb"] == 10.0
+    # ...and a reset by the job is followed, not fought: 10 MiB left + 5 MiB new.
+    assert out[2]["peak_allocated_mb"] == 15.0 and out[2]["allocated_mb"] == 15.0
+    assert "reset" not in cuda.calls and cuda.calls[:2] == ["read", "alloc_stats"]
 
 
 def test_cuda_memory_reads_never_synchronize(monkeypatch):
@@ -153,14 +161,14 @@ def test_cuda_memory_reads_never_synchronize(monkeypatch):
     seen: list[str] = []
     for name in ("synchronize", "current_stream", "Event", "Stream", "empty_cache"):
         monkeypatch.setattr(torch.cuda, name, boom)
-    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda d: seen.append(f"reset{d}"))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", boom)  # the job's counters
     monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda d: seen.append("nested") or nested)
     monkeypatch.setattr(torch.cuda, "memory_stats",
                         lambda d: seen.append("flat") or {"num_alloc_retries": 2, "num_ooms": 1})
     mon = ResourceMonitor(device="cpu", cuda=TorchCudaMemory(0), host=False)
     mon.on_step_start(0)
     snap = mon.on_step_end(0)
-    assert seen == ["reset0", "nested"], "the hot path makes exactly one reset and one read"
+    assert seen == ["nested"], "the hot path makes exactly one read and resets nothing"
     mem = mon.step_fields(0, 0, 5.0, {}, snap)["memory"]
     assert mem == {"peak_allocated_mb": 64.0, "peak_reserved_mb": 96.0, "allocated_mb": 8.0,
                    "alloc_retries": 2, "ooms": 1}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import warnings
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -334,10 +335,46 @@ class AutoProfiler:
         }
 
 
+_warmed = False  # torch.profiler's first start in a process loads and initialises CUPTI
+
+
+def warm_profiler() -> bool:
+    """Start and stop one empty ``torch.profiler`` session now, once per process.
+
+    The first profiler start in a process loads libcupti and initialises Kineto (seconds on a
+    GPU); later starts reuse them. Paid mid-run by the one rank that triggered, it stalled
+    every other rank at its next collective, and again when the healthy rank started its own
+    capture. Paid at init, every rank pays it at once while the ranks are starting up anyway,
+    so no rank waits on another. False when skipped (done already, or a profiler is running).
+    """
+    global _warmed
+    if _warmed:
+        return False
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    if torch.autograd.profiler._is_profiler_enabled:  # the user's session: never disturb it
+        return False
+    _warmed = True
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # an empty session warns about its empty trace
+        prof = profile(activities=activities)
+        prof.start()
+        prof.stop()
+    return True
+
+
 def attach_autoprofile(tracer: Tracer) -> AutoProfiler:
     """Start anomaly-triggered profiling on ``tracer`` (called from ``Tracer.__init__``)."""
     cfg = resolve_auto_profile(tracer.config.auto_profile)
     assert cfg is not None, "attach_autoprofile is only called when auto_profile is set"
+    try:
+        warm_profiler()
+    except Exception as exc:  # protect the job: a cold first capture is slower, nothing worse
+        tracer.warn(f"could not warm up torch.profiler at init: {exc!r}", key="warm-profiler")
     view = None
     if cfg.compare_healthy:
         import torch.distributed as dist
@@ -345,7 +382,7 @@ def attach_autoprofile(tracer: Tracer) -> AutoProfiler:
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             from stepscope.live import attach_live
 
-            # Every rank gets here (same config), so the side group is created collectively.
+            # The side group exists only if the ranks agreed on it at init (dist.agree_at_init).
             view = attach_live(tracer)
             if not view.distributed:
                 view = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,3 +66,141 @@ def run_then_exit(index: int, fn: Callable[..., Any], *args: Any) -> None:
         with contextlib.suppress(Exception):
             stream.flush()
     os._exit(0)
+
+
+# ----------------------------------------------------------------- init agreement (device)
+# What every recording rank must decide alike at init: the run id (one per job, however the
+# job was launched) and whether the live view's side gloo group exists. Creating a group is
+# collective; a rank that skips it stalls the others and shifts their group counter, so the
+# job's own next ``new_group()`` pairs with the wrong group. The ranks agree over the default
+# process group's store (backend-agnostic: no tensor, no device, works before any NCCL call).
+
+#: Launcher variables naming the job, in order; the value is the same on every rank.
+JOB_ID_VARS: tuple[tuple[str, ...], ...] = (
+    ("STEPSCOPE_RUN_ID",),
+    ("TORCHELASTIC_RUN_ID",),
+    ("SLURM_JOB_ID", "SLURM_STEP_ID"),
+    ("PBS_JOBID",),
+    ("LSB_JOBID",),
+    ("FLUX_JOB_ID",),
+    ("JOB_ID",),  # Grid Engine
+)
+#: Longest a rank waits at init for the others (seconds). Past it the rank decides alone:
+#: no side group (a group that not every member creates would hang) and its own run id.
+AGREE_TIMEOUT_S = 30.0
+
+_agree_seq = 0  # agreements made by this process; every member makes them in the same order
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """What the ranks agreed at init (or what this rank decided alone, ``agreed=False``)."""
+
+    run_id: str
+    #: Every member creates the live view's side group (some member asked for the live view).
+    side_group: bool
+    #: The ranks that record (``ranks=`` filter applied), sorted.
+    members: tuple[int, ...]
+    agreed: bool
+
+
+def launcher_run_id(environ: Mapping[str, str] | None = None) -> str | None:
+    """The job id from the launcher's environment (torchrun, Slurm, PBS, LSF, Flux, SGE), or None."""
+    env = os.environ if environ is None else environ
+    for names in JOB_ID_VARS:
+        parts = [env.get(n, "").strip() for n in names]
+        if parts[0]:
+            return "-".join(p for p in parts if p)
+    return None
+
+
+def new_run_id() -> str:
+    """A fresh id: local time and 8 random hex digits."""
+    import time
+    import uuid
+
+    return time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:8]
+
+
+def agree_at_init(
+    *,
+    run_id: str | None,
+    wants_side_group: bool,
+    ranks: Iterable[int] | None,
+    timeout_s: float = AGREE_TIMEOUT_S,
+) -> Agreement:
+    """Agree the run id and the side group with the other recording ranks.
+
+    ``run_id`` is this rank's explicit id (config), kept when given. Otherwise every rank takes
+    the lowest member's candidate: the launcher's job id, else a fresh one, so an
+    ``mp.spawn``/``srun``/plain-env job gets one id. ``wants_side_group`` is this rank's
+    config (live view or auto-profiling on); the side group exists when any member wants it and
+    all members took part. Without an initialised process group of more than one rank there is
+    nothing to agree: the rank's own choices come back with ``agreed=False``.
+
+    The lowest member collects every member's wishes and publishes one decision; the others
+    follow it, so a rank that arrives after the timeout still decides like the rest.
+    """
+    global _agree_seq
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0 seconds; got {timeout_s!r}")
+    candidate = launcher_run_id() or new_run_id()
+    alone = Agreement(run_id or candidate, False, (), False)
+    try:
+        import torch.distributed as tdist
+
+        if not (tdist.is_available() and tdist.is_initialized()) or tdist.get_world_size() < 2:
+            return alone
+        world, me = tdist.get_world_size(), tdist.get_rank()
+        store = tdist.distributed_c10d._get_default_store()
+    except Exception:  # protect the job: no usable store means "decide alone"
+        return alone
+    wanted = range(world) if ranks is None else ranks
+    members = tuple(sorted({r for r in wanted if 0 <= r < world}))
+    if me not in members or len(members) < 2:
+        return Agreement(alone.run_id, False, members, False)
+    _agree_seq += 1
+    prefix = f"stepscope/agree/{_agree_seq}"
+    leader = members[0]
+    import json
+    from datetime import timedelta
+
+    try:
+        store.set(f"{prefix}/wish/{me}", json.dumps({"side": bool(wants_side_group)}))
+        if me == leader:
+            decision = {"run_id": candidate, "side": False, "all": False}
+            keys = [f"{prefix}/wish/{r}" for r in members]
+            try:
+                store.wait(keys, timedelta(seconds=timeout_s))
+                wishes = [json.loads(store.get(k)) for k in keys]
+                decision.update(all=True, side=any(bool(w.get("side")) for w in wishes))
+            except Exception:  # a member never came: decide without it, and say so below
+                pass
+            store.set(f"{prefix}/decision", json.dumps(decision))
+        else:
+            # The leader waits up to timeout_s for everyone, then publishes: allow for that.
+            store.wait([f"{prefix}/decision"], timedelta(seconds=2 * timeout_s + 5))
+            decision = json.loads(store.get(f"{prefix}/decision"))
+    except Exception as exc:  # protect the job: a broken store only loses the agreement
+        _warn(f"ranks could not agree at init ({exc!r}): this rank's own run id, no live exchange")
+        return Agreement(alone.run_id, False, members, False)
+    if not decision.get("all"):
+        _warn(f"not every recording rank started stepscope within {timeout_s:g} s: "
+              "no cross-rank live exchange")
+    agreed_id = decision.get("run_id")
+    return Agreement(
+        run_id or (agreed_id if isinstance(agreed_id, str) and agreed_id else candidate),
+        bool(decision.get("side")) and bool(decision.get("all")),
+        members,
+        bool(decision.get("all")),
+    )
+
+
+def _warn(msg: str) -> None:
+    import warnings
+
+    from stepscope.errors import StepscopeWarning
+
+    # protect the job: warnings configured as errors must not escape into it
+    with contextlib.suppress(Exception):
+        warnings.warn(f"stepscope: {msg}", StepscopeWarning, stacklevel=3)

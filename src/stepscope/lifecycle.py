@@ -213,7 +213,7 @@ def wire(tracer: Tracer) -> None:
         prof.start()
         tracer.profiler = prof
         tracer.add_listener(_StepProfiler(prof))
-    if config.log_every_n_steps:
+    if config.log_every_n_steps or tracer.agreement.side_group:  # every member exchanges, even silent ones
         from stepscope.live import attach_live
 
         attach_live(tracer)

@@ -586,8 +586,9 @@ def _side_group(members: list[int], world: int) -> Any:
 def attach_live(tracer: Tracer) -> LiveView:
     """Start the live view on ``tracer`` (idempotent): side group when distributed, log line.
 
-    Called from ``Tracer.__init__`` on every rank when ``log_every_n_steps`` is set, and by
-    auto-profiling, which compares against a healthy rank through the same exchange.
+    Called at init on every recording rank when any of them set ``log_every_n_steps`` or
+    auto-profiling (the ranks agree first, ``dist.agree_at_init``), and by auto-profiling,
+    which compares against a healthy rank through the same exchange.
     """
     view: LiveView | None = tracer.live
     log_every = tracer.config.log_every_n_steps
@@ -601,10 +602,16 @@ def attach_live(tracer: Tracer) -> LiveView:
     members: list[int] | None = None
     import torch.distributed as dist
 
+    agreement = getattr(tracer, "agreement", None)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         world = dist.get_world_size()
-        ranks = tracer.config.ranks
-        members = sorted(r for r in ranks if r < world) if ranks is not None else list(range(world))
+        if agreement is not None:
+            # Created only when every member agreed at init to create it (dist.agree_at_init):
+            # a group one rank skips stalls the others and shifts the job's own group counter.
+            members = list(agreement.members) if agreement.side_group else []
+        else:
+            ranks = tracer.config.ranks
+            members = sorted(r for r in ranks if r < world) if ranks is not None else list(range(world))
         if len(members) > 1:
             group = _side_group(members, world)
         else:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-import os
+import warnings
+import weakref
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -12,6 +13,8 @@ from typing import Any
 import torch
 
 from stepscope.batch import iter_tensors, map_tensors
+from stepscope.devices import resolve
+from stepscope.errors import StepscopeWarning
 from stepscope.instrument.h2d import auto_h2d_suppressed
 
 __all__ = ["PrefetchLoader"]
@@ -63,12 +66,15 @@ class PrefetchLoader:
         # One copy stream per device, created on first use and reused across epochs:
         # a stream per epoch keeps growing the allocator's reserved memory (timm #2781).
         self._streams: dict[torch.device, Any] = {}
+        # The step-end listener on the tracer (one per loader and tracer; see _StepEndHook).
+        self._hook: tuple[weakref.ref[Any], _StepEndHook] | None = None
+        self._warned: set[str] = set()
 
     @property
     def device(self) -> torch.device:
         """The target device, resolved on first use (after the user had a chance to set it)."""
         if self._device is None:
-            self._device = self._resolve_device()
+            self._device = self._resolve_device(self._tracer)
         return self._device
 
     def __len__(self) -> int:
@@ -81,15 +87,19 @@ class PrefetchLoader:
         return getattr(self.loader, name)
 
     def __iter__(self) -> Iterator[Any]:
+        tracer = self._tracer
+        if self._device is None and self._backend.is_available():
+            tracer = tracer if tracer is not None else _current_tracer()
+            self._device = self._resolve_device(tracer)
         device = self.device
         if device.type == "cuda" and self._backend.is_available():
-            tracer = self._tracer if self._tracer is not None else _current_tracer()
+            tracer = tracer if tracer is not None else _current_tracer()
             return _CudaPrefetchIter(self, device, self._copy_stream(device), tracer)
         return _PassIter(iter(self.loader), device, self.non_blocking)
 
     # ----------------------------------------------------------------- internals
 
-    def _resolve_device(self) -> torch.device:
+    def _resolve_device(self, tracer: Any) -> torch.device:
         be = self._backend
         arg = self._device_arg
         if arg is None:
@@ -101,8 +111,33 @@ class PrefetchLoader:
             # Same script on a CPU-only machine: a pass-through, so the job still runs.
             return torch.device("cpu")
         if dev.type == "cuda" and dev.index is None:
-            dev = torch.device("cuda", _local_device_index(be))
+            # The tracer's device (resolved from the model) when it has one, else the one
+            # resolver's answer (LOCAL_RANK, else current): batches go where timing is.
+            index = getattr(getattr(tracer, "clock", None), "device_index", None)
+            if not isinstance(index, int) or isinstance(index, bool):
+                index = resolve(runtime=be)
+            dev = torch.device("cuda", index if index is not None else int(be.current_device()))
         return dev
+
+    def _step_end_hook(self, tracer: Any) -> _StepEndHook | None:
+        """This loader's listener on ``tracer`` (added once), or None when it takes none."""
+        add = getattr(tracer, "add_listener", None)
+        if not callable(add) or not getattr(tracer, "enabled", False):
+            return None
+        if self._hook is not None and self._hook[0]() is tracer:
+            return self._hook[1]
+        hook = _StepEndHook()
+        add(hook)
+        self._hook = (weakref.ref(tracer), hook)
+        return hook
+
+    def _warn_once(self, key: str, msg: str) -> None:
+        if key in self._warned:
+            return
+        self._warned.add(key)
+        # protect the job: warnings configured as errors must not escape into it
+        with contextlib.suppress(Exception):
+            warnings.warn(f"stepscope: PrefetchLoader: {msg}", StepscopeWarning, stacklevel=4)
 
     def _copy_stream(self, device: torch.device) -> Any:
         stream = self._streams.get(device)
@@ -111,15 +146,6 @@ class PrefetchLoader:
                 stream = self._backend.new_stream(device)
             self._streams[device] = stream
         return stream
-
-
-def _local_device_index(be: Any) -> int:
-    # Under torchrun each rank owns cuda:LOCAL_RANK; when CUDA_VISIBLE_DEVICES already
-    # narrowed the view (LOCAL_RANK >= count), the rank's device is the current one.
-    local = os.environ.get("LOCAL_RANK")
-    if local is not None and local.isdigit() and int(local) < be.device_count():
-        return int(local)
-    return int(be.current_device())
 
 
 def _current_tracer() -> Any:
@@ -169,7 +195,19 @@ _END = object()
 
 
 class _CudaPrefetchIter:
-    """One epoch: batch N is handed over while batch N+1 is already being copied."""
+    """One epoch: batch N is handed over while batch N+1 is already being copied.
+
+    When batch N+1 is fetched and its copy queued:
+
+    * in a loop with one stepscope step per batch (``for b in loader: with step(): ...``),
+      when step N ends (a listener on the tracer). The fetch then falls between step N and
+      step N+1, so a ``dataloader`` wait timed around it (``PrefetchLoader(wrap_loader(...))``)
+      is batch N+1's and goes to step N+1, batch 0's to step 0; and the caller has dropped
+      batch N-1 by then, so at most two batches (N and N+1) live on the device;
+    * otherwise (no tracer, timing off, several batches per step, a loop without steps), right
+      after handing batch N over, before it is returned: the caller still holds batch N-1
+      while N+1 is allocated, so up to three batches live on the device for a moment.
+    """
 
     def __init__(self, owner: PrefetchLoader, device: torch.device, stream: Any, tracer: Any) -> None:
         self._closed = True  # until the source iterator exists, there is nothing to close
@@ -181,6 +219,12 @@ class _CudaPrefetchIter:
         self._pending: _Staged | _Failed | object | None = None
         # Copies handed over but maybe still running: their pinned sources stay alive here.
         self._inflight: deque[tuple[Any, list[Any]]] = deque()
+        hook = owner._step_end_hook(tracer)
+        if hook is not None:
+            hook.it = weakref.ref(self)
+        self._hooked = hook is not None
+        self._deferred = False  # batch N+1 waits for the step end (see the class doc)
+        self._no_steps = False  # a deferral saw no step end: stage at hand-over from now on
         self._src: Iterator[Any] | None = iter(owner.loader)
         self._closed = False
 
@@ -194,6 +238,9 @@ class _CudaPrefetchIter:
         # count them a second time as exposed H2D.
         with self._be.device(self._device), auto_h2d_suppressed():
             self._release_finished()
+            if self._deferred and self._pending is None:
+                self._no_steps = True  # no step ended since the last batch: not step-per-batch
+            self._deferred = False
             cur = self._pending if self._pending is not None else self._stage()
             self._pending = None
             if cur is _END:
@@ -206,9 +253,26 @@ class _CudaPrefetchIter:
             assert isinstance(cur, _Staged)
             consumer = self._be.current_stream(self._device)
             self._hand_over(cur, consumer)
-            # Queue batch N+1's copy now so it runs while the caller computes on batch N.
-            self._pending = self._stage()
+            tracer = self._tracer
+            if (self._hooked and not self._no_steps and getattr(tracer, "enabled", False)
+                    and not getattr(tracer, "in_step", False)):
+                self._deferred = True  # queued when this batch's step ends (on_step_end)
+            else:
+                # Queue batch N+1's copy now so it runs while the caller computes on batch N.
+                self._pending = self._stage()
             return cur.batch
+
+    def on_step_end(self) -> None:
+        """A step ended (training thread): fetch the next batch and queue its copy now."""
+        if self._closed or not self._deferred or self._pending is not None:
+            return
+        self._deferred = False
+        try:
+            with self._be.device(self._device), auto_h2d_suppressed():
+                self._release_finished()
+                self._pending = self._stage()
+        except Exception as exc:  # not swallowed: re-raised at this batch's turn in __next__
+            self._pending = _Failed(exc)
 
     def close(self) -> None:
         """End the epoch: drop the prefetched batch, wait out copies still reading pinned memory."""
@@ -248,7 +312,7 @@ class _CudaPrefetchIter:
         be, dev, stream, owner = self._be, self._device, self._stream, self._owner
         try:
             # Pin first, on the host, so the copy span below times the copies alone.
-            src = map_tensors(self._pinned, raw) if owner.pin_memory else raw
+            src = map_tensors(self._pinned, raw, leaf=self._pinned_object) if owner.pin_memory else raw
         except Exception as exc:  # e.g. pinned OOM: batch N still goes out, this one fails
             return _Failed(exc)
         # Time every copy while a tracer lives; whether it is reported is decided at
@@ -259,7 +323,7 @@ class _CudaPrefetchIter:
         # the caller freed can only be reused by a later copy, and that copy is ordered
         # after all consumer work queued before the free. Chosen over record_stream
         # because reuse stays deterministic (memory_reserved stays flat, no allocator
-        # event polling) and at most two batches live on the device.
+        # event polling).
         stream.wait_stream(be.current_stream(dev))
         start = be.new_event(enable_timing=True) if timing else None
         done = be.new_event(enable_timing=timing)
@@ -270,6 +334,11 @@ class _CudaPrefetchIter:
             nonlocal nbytes
             if be.is_on(t, dev):
                 return t
+            if t.device.type == "cpu" and owner.non_blocking and not be.is_pinned(t):
+                owner._warn_once("pageable", "a batch tensor is not in pinned memory "
+                                 "(pin_memory=False): its copy blocks the host until the GPU has "
+                                 "caught up, so nothing overlaps. Pass pin_memory=True (or pin in "
+                                 "the DataLoader).")
             keep.append(t)
             nbytes += t.numel() * t.element_size()
             return be.copy(t, dev, owner.non_blocking)
@@ -278,6 +347,10 @@ class _CudaPrefetchIter:
             to = getattr(obj, "to", None)
             if not callable(to):
                 return obj
+            if owner.non_blocking and not owner.pin_memory:
+                owner._warn_once("pageable-object", f"{type(obj).__qualname__} is moved by its own "
+                                 ".to() from pageable memory (pin_memory=False): the copy blocks the "
+                                 "host. Pass pin_memory=True.")
             keep.append(obj)
             return to(dev, non_blocking=owner.non_blocking)
 
@@ -299,6 +372,21 @@ class _CudaPrefetchIter:
             return t  # already pinned (e.g. DataLoader pin_memory=True): used as it is
         return be.pin(t)
 
+    def _pinned_object(self, obj: Any) -> Any:
+        """An object with its own ``.to()``: pinned through its ``pin_memory()`` (the
+        DataLoader's protocol for custom batch types), else copied from pageable memory."""
+        if not callable(getattr(obj, "to", None)):
+            return obj
+        pin = getattr(obj, "pin_memory", None)
+        if callable(pin):
+            return pin()
+        self._owner._warn_once(
+            f"object:{type(obj).__qualname__}",
+            f"{type(obj).__qualname__} has .to() but no pin_memory(): its copy is from pageable "
+            "memory and blocks the host. Give it a pin_memory() method (as DataLoader "
+            "pin_memory=True expects) or return plain tensors.")
+        return obj
+
     def _hand_over(self, cur: _Staged, consumer: Any) -> None:
         tracer = self._tracer
         if tracer.recording:
@@ -312,6 +400,18 @@ class _CudaPrefetchIter:
             consumer.wait_event(cur.done)
         self._inflight.append((cur.done, cur.keepalive))
         cur.keepalive = []
+
+
+class _StepEndHook:
+    """A tracer listener forwarding step ends to the loader's current epoch (weakly held)."""
+
+    def __init__(self) -> None:
+        self.it: weakref.ref[_CudaPrefetchIter] | None = None
+
+    def on_step_end(self, tracer: Any, index: int) -> None:
+        it = self.it() if self.it is not None else None
+        if it is not None:
+            it.on_step_end()
 
 
 class _CudaBackend:

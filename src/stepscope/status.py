@@ -10,9 +10,12 @@ Crash evidence goes to the same file, synchronously and bounded:
   the exception's type and message (the exception itself propagates untouched; a later step
   on the same tracer means the user caught it, and the state returns to ``running``);
 * SIGTERM: only when the handler is still the default one and ``init()`` ran on the main
-  thread, a handler writes the state, finishes the tracer (bounded by its own timeouts),
-  then restores the default action and re-sends the signal, so the process still dies of
-  SIGTERM;
+  thread, a handler writes the state, finishes the tracer within ``TERM_FLUSH_S`` (on a
+  helper thread, abandoned past the deadline), then restores the default action and
+  re-sends the signal, so the process still dies of SIGTERM. Python runs signal handlers
+  only when the main thread returns to the interpreter, which a rank blocked in a
+  collective does not do until the collective times out (minutes); so a watcher thread,
+  woken through ``signal.set_wakeup_fd``, does the same at once;
 * interpreter exit (``finish()`` through ``atexit``): ``finished``, or ``crashed`` when an
   uncaught exception is ending the interpreter.
 
@@ -25,9 +28,11 @@ import contextlib
 import faulthandler
 import os
 import signal
+import socket
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -44,6 +49,8 @@ SCHEMA = 1
 MAX_MESSAGE = 1000
 #: How long a crash write waits for the heartbeat thread's lock before writing anyway.
 LOCK_TIMEOUT_S = 2.0
+#: How long SIGTERM waits for the tracer to flush before the process dies anyway (seconds).
+TERM_FLUSH_S = 2.0
 
 
 def status_path(out_dir: str | os.PathLike[str], rank: int) -> Path:
@@ -104,6 +111,8 @@ class Heartbeat:
         self._dumped: tuple[int, bool] | None = None
         self._dump_info: dict[str, Any] | None = None
         self._prev_sigterm: Any = None
+        self._wakeup: tuple[socket.socket, socket.socket] | None = None
+        self._terminating = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="stepscope-heartbeat", daemon=True)
 
     # ------------------------------------------------------------ writer thread
@@ -268,7 +277,40 @@ class Heartbeat:
             self._prev_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
         except (ValueError, OSError):  # not the main interpreter, or no SIGTERM here
             return False
+        self._start_watcher()
         return True
+
+    def _start_watcher(self) -> None:
+        """Wake a thread on SIGTERM even while the main thread is blocked in C (a collective)."""
+        try:
+            recv, send = socket.socketpair()
+            send.setblocking(False)
+            old = signal.set_wakeup_fd(send.fileno(), warn_on_full_buffer=False)
+        except (ValueError, OSError, AttributeError):  # no wakeup fd here: the handler alone
+            return
+        if old != -1:  # someone else (asyncio) reads the wakeup fd: leave it theirs
+            with contextlib.suppress(ValueError, OSError):
+                signal.set_wakeup_fd(old)
+            recv.close()
+            send.close()
+            return
+        self._wakeup = (recv, send)
+        threading.Thread(target=self._watch, args=(recv, send), name="stepscope-sigterm",
+                         daemon=True).start()
+
+    def _watch(self, recv: socket.socket, send: socket.socket) -> None:
+        try:
+            while True:
+                data = recv.recv(64)
+                if not data or 0 in data:  # closed, or the stop byte from _restore_sigterm
+                    return
+                if signal.SIGTERM in data and os.getpid() == self.pid:
+                    self._terminate(signal.SIGTERM)
+        except OSError:  # closed under us at finish: nothing left to watch
+            return
+        finally:
+            recv.close()
+            send.close()
 
     def _restore_sigterm(self) -> None:
         if self._prev_sigterm is None or threading.current_thread() is not threading.main_thread():
@@ -277,6 +319,26 @@ class Heartbeat:
             if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
         self._prev_sigterm = None
+        wakeup, self._wakeup = self._wakeup, None
+        if wakeup is not None:
+            with contextlib.suppress(ValueError, OSError):
+                old = signal.set_wakeup_fd(-1)
+                if old not in (-1, wakeup[1].fileno()):
+                    signal.set_wakeup_fd(old)  # someone else's since: leave it theirs
+            with contextlib.suppress(OSError):
+                wakeup[1].send(b"\0")  # stops the watcher, which closes both ends
+
+    def _after_fork_in_child(self) -> None:
+        # A forked child (a DataLoader worker) must not write its signals into the parent's
+        # watcher socket: a worker's SIGTERM would kill the rank.
+        wakeup, self._wakeup = self._wakeup, None
+        if wakeup is None:
+            return
+        with contextlib.suppress(ValueError, OSError):
+            signal.set_wakeup_fd(-1)
+        for sock in wakeup:
+            with contextlib.suppress(OSError):
+                sock.close()
 
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
         if os.getpid() != self.pid:
@@ -285,18 +347,68 @@ class Heartbeat:
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
             return
+        self._terminate(signum)
+
+    def _terminate(self, signum: int) -> None:
+        """Record the signal, flush within ``TERM_FLUSH_S``, then die of SIGTERM (any thread)."""
+        if not self._terminating.acquire(blocking=False):
+            # The watcher thread or the main thread is already on it; it ends the process.
+            time.sleep(TERM_FLUSH_S + LOCK_TIMEOUT_S + 1.0)
+            _die()
+            return
         try:
             st = self.tracer.state()
             self._crash(
                 st, None, None, list(st["phase_stack"]), where="signal",
                 type_name="SIGTERM", message=f"terminated by signal {signum} (SIGTERM)",
             )
-            self.tracer.finish()  # flushes resolved records; bounded by the tracer's timeouts
+            # Finishing can wait on a peer (the live exchange) or the disk: never past the
+            # deadline. The main thread is stopped here or blocked in C, so nothing races it.
+            done = threading.Thread(target=self.tracer.finish, name="stepscope-term-flush", daemon=True)
+            done.start()
+            done.join(TERM_FLUSH_S)
         except Exception:  # protect the job: the process must still die of SIGTERM
             pass
+        _die()
+
+
+def _die() -> None:
+    """The default action of SIGTERM, now: the process ends as if stepscope were not there."""
+    if threading.current_thread() is threading.main_thread():
         with contextlib.suppress(ValueError, OSError):
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
+    elif not _default_action_from_any_thread():
+        os._exit(128 + signal.SIGTERM)  # the shell's spelling of "killed by SIGTERM"
+    os.kill(os.getpid(), signal.SIGTERM)
+    # Delivery is asynchronous when another thread takes it; do not run on meanwhile.
+    time.sleep(5.0)
+    os._exit(128 + signal.SIGTERM)
+
+
+def _default_action_from_any_thread() -> bool:
+    """Reset SIGTERM to its default action through libc (``signal.signal`` is main-thread only)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.signal.restype = ctypes.c_void_p
+        libc.signal.argtypes = (ctypes.c_int, ctypes.c_void_p)
+        return bool(libc.signal(int(signal.SIGTERM), None) != ctypes.c_void_p(-1).value)
+    except Exception:  # no libc through ctypes here: the caller exits with status 143 instead
+        return False
+
+
+# Heartbeats whose SIGTERM watcher a forked child must disconnect (one fork hook per process).
+_FORK_WATCH: weakref.WeakSet[Heartbeat] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for hb in list(_FORK_WATCH):
+        hb._after_fork_in_child()
+
+
+with contextlib.suppress(AttributeError):  # no fork on this platform
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def attach_heartbeat(tracer: Tracer) -> Heartbeat:
@@ -304,6 +416,7 @@ def attach_heartbeat(tracer: Tracer) -> Heartbeat:
     cfg = tracer.config
     hb = Heartbeat(tracer, cfg.heartbeat_s, cfg.dump_stacks_after_s)
     tracer.add_listener(hb)
-    hb.install_sigterm()
+    if hb.install_sigterm():
+        _FORK_WATCH.add(hb)
     hb.start()
     return hb

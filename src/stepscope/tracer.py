@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 from stepscope.clock import Clock, default_clock
 from stepscope.config import Config
-from stepscope.dist import RankInfo, rank_info
+from stepscope.dist import RankInfo, agree_at_init, rank_info
 from stepscope.errors import InstrumentationError
 from stepscope.instrument.resources import check_count, check_counts, warn_outside_step
 from stepscope.session import FINISH_TIMEOUT_S, RECENT_RECORDS, Session
@@ -117,11 +117,17 @@ class Tracer(Session):
         rank: RankInfo | None = None,
     ) -> None:
         _check_targets(model, optimizer)
+        #: What the recording ranks agreed at init: one run id, and whether the live side group
+        #: exists (created on every member or on none, whatever each rank's config says).
+        self.agreement = agree_at_init(
+            run_id=config.run_id, ranks=config.ranks,
+            wants_side_group=bool(config.log_every_n_steps or config.auto_profile),
+        )
         super().__init__(
             config,
             clock if clock is not None else default_clock(),
             rank if rank is not None else rank_info(),
-            config.run_id or _default_run_id(),
+            self.agreement.run_id,
             sink,
         )
         self._step_cm = _StepContext(self)
@@ -221,12 +227,3 @@ def _check_targets(model: Any, optimizer: Any) -> None:
             f"optimizer must be a torch.optim.Optimizer or None; got {type(optimizer).__name__}"
         )
 
-
-def _default_run_id() -> str:
-    import os
-    import uuid
-
-    for var in ("STEPSCOPE_RUN_ID", "TORCHELASTIC_RUN_ID"):
-        if os.environ.get(var):
-            return os.environ[var]
-    return time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:8]

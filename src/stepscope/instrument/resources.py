@@ -2,8 +2,8 @@
 
 The tracer owns one :class:`ResourceMonitor` and calls it at three points:
 
-* ``on_step_start(index)`` (training thread, sampled steps only): resets the CUDA
-  allocator's peak counters; on the step chosen for FLOP counting, starts the counter.
+* ``on_step_start(index)`` (training thread, sampled steps only): on the step chosen for
+  FLOP counting, starts the counter.
 * ``on_step_end(index) -> snapshot`` (training thread): stops the counter and reads the
   allocator's peak/current bytes and the process RSS. The tracer keeps the snapshot on the step.
 * ``step_fields(index, start_unix_ns, step_ms, counters, snapshot) -> dict`` (writer thread,
@@ -13,12 +13,17 @@ The tracer owns one :class:`ResourceMonitor` and calls it at three points:
 
 What is read where, and why none of it waits for the GPU:
 
-* CUDA memory: ``torch.cuda.reset_peak_memory_stats`` and
-  ``torch.cuda.memory_stats_as_nested_dict`` (the dict ``max_memory_allocated``,
-  ``max_memory_reserved`` and ``memory_allocated`` are flattened from) only read or reset the
-  caching allocator's host-side counters under its mutex (``CUDACachingAllocator``'s
-  ``getDeviceStats``/``resetPeakStats``): no ``cudaDeviceSynchronize``, no event query, no
-  stream wait. The counters describe allocations as the host issued them, which is what
+* CUDA memory: ``torch.cuda.memory_stats_as_nested_dict`` (the dict ``max_memory_allocated``,
+  ``max_memory_reserved`` and ``memory_allocated`` are flattened from) only reads the caching
+  allocator's host-side counters under its mutex (``CUDACachingAllocator``'s
+  ``getDeviceStats``): no ``cudaDeviceSynchronize``, no event query, no stream wait. The peak
+  counters are never reset: they are process-wide, and the job's own memory metrics (HF's
+  ``TrainerMemoryTracker``, torchtitan's ``DeviceMemoryMonitor``) reset and read them on their
+  own schedule. So ``peak_allocated_mb``/``peak_reserved_mb`` are the running high-water marks
+  (since the process started or the job last reset them) read at the step's end, and
+  ``allocated_mb`` is what the step left allocated; a step that sets a new high shows it as a
+  rise of the peak. The allocator keeps no second peak counter to reset privately.
+  The counters describe allocations as the host issued them, which is what
   limits memory. ``tests/test_resources.py`` runs this code against fakes whose
   ``synchronize`` raises. Alloc retries and OOMs are read on the writer thread at flush cadence.
 * Host memory: process RSS at each sampled step's end from one ``pread`` of
@@ -118,8 +123,6 @@ def warn_outside_step(name: str) -> None:
 
 
 class CudaMemory(Protocol):
-    def reset_peak(self) -> None: ...
-
     def read(self) -> tuple[int, int, int]: ...  # peak allocated, peak reserved, allocated
 
     def alloc_stats(self) -> tuple[int, int]: ...  # alloc retries, OOMs (cumulative)
@@ -133,9 +136,6 @@ class TorchCudaMemory:
 
         self.index = index
         self._cuda = torch.cuda
-
-    def reset_peak(self) -> None:
-        self._cuda.reset_peak_memory_stats(self.index)
 
     def read(self) -> tuple[int, int, int]:
         # One C++ call returning the nested dict; max_memory_allocated() & co. each build and
@@ -331,9 +331,10 @@ def _cuda_index(device: str) -> int | None:
     _, _, idx = device.partition(":")
     if idx.isdigit():
         return int(idx)
-    import torch
+    from stepscope.devices import resolve
 
-    return int(torch.cuda.current_device())
+    # The rank's device (LOCAL_RANK, else current), as the clock and PrefetchLoader pick it.
+    return resolve(warn=False)
 
 
 class ResourceMonitor:
@@ -416,12 +417,6 @@ class ResourceMonitor:
                 self._counter, self.counted_step = counter, index
             except Exception as exc:  # protect the job: no FLOP count, timing goes on
                 self._stop_metric("FLOP counting", exc)
-        if self.cuda is not None:
-            try:
-                self.cuda.reset_peak()
-            except Exception as exc:  # protect the job: memory fields stop, timing goes on
-                self.cuda = None
-                self._stop_metric("CUDA memory", exc)
 
     def _stop_metric(self, what: str, exc: BaseException) -> None:
         with contextlib.suppress(Exception):  # warnings-as-errors must not escape into the job
