@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from functools import wraps
 from typing import Any, TypeVar
 
+from stepscope import devices
 from stepscope.clock import Clock, default_clock
 from stepscope.config import Config
 from stepscope.dist import RankInfo, agree_at_init, rank_info
@@ -125,7 +126,9 @@ class Tracer(Session):
         )
         super().__init__(
             config,
-            clock if clock is not None else default_clock(),
+            # One device resolver (the model's device, else LOCAL_RANK, else current) picks the
+            # device whose current stream the events go to.
+            clock if clock is not None else default_clock(devices.resolve(model)),
             rank if rank is not None else rank_info(),
             self.agreement.run_id,
             sink,
