@@ -583,8 +583,12 @@ def find_windows(
                 warmup.update(start_step=first, end_step=last, phase=phase,
                               slowdown=round(slowdown, 3))
                 continue
+        inside = [v for i, v in enumerate(wall) if seg[0] <= i <= seg[-1]]
+        outside = [v for i, v in enumerate(wall) if not seg[0] <= i <= seg[-1]]
+        excess = max(0.0, robust.median(inside) - robust.median(outside))
         out.append({"start_step": first, "end_step": last, "ranks": ranks, "phase": phase,
-                    "slowdown": round(slowdown, 3)})
+                    "slowdown": round(slowdown, 3), "excess_ms": round(excess, 3),
+                    "steps": span})
     # A windowed straggler that did not slow the whole step (no collective) is a window too.
     for s in stragglers:
         if s["persistence"] != "window" or (s["rank"], s["first_step"]) in covered:
@@ -593,7 +597,8 @@ def find_windows(
         if slowdown <= 1.0:
             continue
         out.append({"start_step": s["first_step"], "end_step": s["last_step"],
-                    "ranks": [s["rank"]], "phase": s["phase"], "slowdown": round(slowdown, 3)})
+                    "ranks": [s["rank"]], "phase": s["phase"], "slowdown": round(slowdown, 3),
+                    "excess_ms": s["excess_ms"], "steps": s["steps"]})
     out.sort(key=lambda w: w["start_step"])
     return out
 
@@ -663,18 +668,27 @@ def phase_waits(con: Any, phases: dict[str, Any]) -> None:
     ``dataloader`` that gathers across ranks is judged on its own data time.
     """
     total = con.execute("SELECT sum(step_ms) FROM steps").fetchone()[0] or 0.0
+    # Residual work: untimed time minus every collective issued outside a phase (waits and
+    # transfers: a pipeline's send/recv is communication, not host overhead).
+    con.execute(
+        """CREATE OR REPLACE TEMP TABLE rx AS
+           SELECT ex.rank, ex.step, ex.wait, ex.own,
+                  greatest(ex.own + ex.wait - coalesce(c.ms, 0.0), 0.0) AS work
+           FROM ex LEFT JOIN (SELECT rank, step, sum(ms) AS ms FROM cw WHERE phase IS NULL
+                              GROUP BY 1, 2) c USING (rank, step)
+           WHERE ex.name = 'residual'"""
+    )
     rank_step = dict(con.execute("SELECT rank, sum(step_ms) FROM steps GROUP BY 1").fetchall())
     rows = con.execute(
         f"""SELECT path, NULL AS rank, median(wait), sum(ms - wait), bool_and(parent IS NULL),
                    sum(greatest(ms - coll_ms, 0.0))
             FROM pw GROUP BY 1
-            UNION ALL SELECT '{RESIDUAL}', NULL, median(wait), sum(own), TRUE, sum(own) FROM ex
-                      WHERE name = '{RESIDUAL}'
+            UNION ALL SELECT '{RESIDUAL}', NULL, median(wait), sum(own), TRUE, sum(work) FROM rx
             UNION ALL SELECT path, rank, median(wait), sum(ms - wait), bool_and(parent IS NULL),
                              sum(greatest(ms - coll_ms, 0.0))
             FROM pw GROUP BY 1, 2
-            UNION ALL SELECT '{RESIDUAL}', rank, median(wait), sum(own), TRUE, sum(own) FROM ex
-                      WHERE name = '{RESIDUAL}' GROUP BY 2"""
+            UNION ALL SELECT '{RESIDUAL}', rank, median(wait), sum(own), TRUE, sum(work) FROM rx
+                      GROUP BY 2"""
     ).fetchall()
     for path, rank, wmed, own_sum, top, work_sum in rows:
         ph = phases.get(str(path))
