@@ -28,6 +28,9 @@ FILTER = 5
 MIN_PIECE = 3
 #: Penalty per cut, in units of noise variance times log(n) (BIC-like, generous).
 PENALTY = 4.0
+#: Chance, anywhere in the run, of a cluster of spikes as dense as a window (scattered
+#: scheduling hiccups on a busy host sit close together now and then).
+ALPHA = 0.01
 #: Cuts at most (a run has few regimes; the rest is noise).
 MAX_CUTS = 32
 
@@ -149,9 +152,44 @@ def elevated(xs: Sequence[float], bar: float, *, baseline: float | None = None,
         rest = [x for i, x in enumerate(raw) if i not in inside]
         if len(rest) >= min_len:
             base = robust.median(rest)
+    inside = {i for a, e in merged for i in range(a, e + 1)}
+    rest = [x for i, x in enumerate(raw) if i not in inside]
     out = []
     for a, e in merged:
         level = robust.median(raw[a:e + 1]) - base
-        if e - a + 1 >= min_len and level > bar:
-            out.append(Window(a, e, level))
+        if e - a + 1 < min_len or level <= bar:
+            continue
+        # A window must stand out from every other stretch of its length in the same run: on
+        # a busy machine the whole run drifts between levels, and a stretch no higher than
+        # the run's own drift is noise, however far above the median it sits.
+        drift = rolling_max_median(rest, e - a + 1) - base
+        if level - drift < 0.5 * bar:
+            continue
+        # And it must be denser in high steps than the run's scattered spikes make likely.
+        k = sum(1 for x in raw[a:e + 1] if x - base > bar)
+        k_out = sum(1 for x in raw if x - base > bar) - k
+        if not unlikely_by_chance(k, e - a + 1, k_out, n - (e - a + 1), n):
+            continue
+        out.append(Window(a, e, level))
     return out
+
+
+def unlikely_by_chance(k: int, span: int, k_out: int, n_out: int, n: int,
+                       alpha: float = ALPHA) -> bool:
+    """Is ``k`` high steps in ``span`` more than the spike rate outside explains?
+
+    A busy host deschedules a rank now and then; the rate of high steps outside the window
+    (at least one per run, so a clean series is not infinitely strict) gives the chance of so
+    dense a cluster anywhere in the run: binomial tail times the window positions.
+    """
+    p = min(0.99, max(k_out, 1) / max(n_out, 1))
+    tail = sum(math.comb(span, j) * p**j * (1.0 - p) ** (span - j) for j in range(k, span + 1))
+    return tail * max(1, n - span + 1) < alpha
+
+
+def rolling_max_median(xs: Sequence[float], width: int) -> float:
+    """The highest median of ``width`` consecutive values (``-inf`` when there are fewer)."""
+    if width < 1 or len(xs) < width:
+        return -math.inf
+    stride = max(1, width // 8)  # neighbours overlap by 7/8: enough, and O(n log w) overall
+    return max(robust.median(xs[i:i + width]) for i in range(0, len(xs) - width + 1, stride))

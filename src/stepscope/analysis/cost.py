@@ -97,8 +97,14 @@ def headline(run: dict[str, Any], verdicts: list[dict[str, Any]]) -> str:
     """The report's first line: what the run lost and to what."""
     job = run.get("cost") or {}
     total_s = float(job.get("total_ms") or 0.0) / 1000.0
-    costly = [v for v in verdicts if (v.get("cost") or {}).get("lost_ms")
-              and v["kind"] not in ("comm_wait", "balanced", "compute_bound")]
+    # A wait verdict that carries its cause's cost is that cause seen from the waiters.
+    seen: set[int] = set()
+    costly = []
+    for v in verdicts:
+        c = v.get("cost") or {}
+        if c.get("lost_ms") and id(c) not in seen:
+            seen.add(id(c))
+            costly.append(v)
     if not costly or all(v["severity"] == "info" for v in costly):
         small = ""
         if costly:

@@ -10,7 +10,7 @@ from stepscope.analysis.robust import median
 #: Share of step time above which a phase is called a bottleneck (warning / critical).
 INPUT_SHARE = (0.15, 0.30)
 H2D_SHARE = (0.10, 0.25)
-HOST_SHARE = (0.15, 0.30)
+HOST_SHARE = (0.25, 0.40)  # untimed Python work of an eager loop on a busy host reaches ~20%
 WAIT_SHARE = (0.08, 0.20)
 COMPUTE_SHARE = 0.60
 
@@ -208,17 +208,6 @@ def diagnose(
         })
     out += bottlenecks
 
-    if not stragglers and not windows:
-        spread = [r["step_ms"]["median"] for r in ranks if r["step_ms"]["median"] is not None]
-        diff = (max(spread) - min(spread)) if spread else 0.0
-        out.append({
-            "kind": "balanced", "severity": "info", "cost": cost.no_cost(job),
-            "evidence": f"{len(ranks)} rank(s) over {run['steps']} steps stay within noise: no "
-            f"rank or step window stands out (median step {step_med:.2f} ms, rank medians "
-            f"differ by {diff:.2f} ms)" + _balanced_notes(run, wait_share),
-            "suggestion": "No straggler to fix" + (
-                "; see the bottleneck verdict for where step time goes" if bottlenecks else ""),
-        })
     for w in windows:
         if any(s["first_step"] <= w["end_step"] and s["last_step"] >= w["start_step"]
                for s in stragglers):
@@ -234,14 +223,44 @@ def diagnose(
             f"{w['slowdown']:.2f}× its median elsewhere on "
             f"{ranks_subject(w['ranks'], '', '').strip()} (+{float(w.get('excess_ms') or 0.0):.1f} "
             f"ms per step)" + _cost_text(c),
-            "suggestion": "Something happened to every rank in that window (checkpoint, "
-            "evaluation, shared storage or network contention); correlate with your logs",
+            "suggestion": "Something happened to every rank in that window, outside their own "
+            "work (another process on the host, checkpoint, evaluation, shared storage or "
+            "network contention); correlate with your logs",
+        })
+    alarms = [v for v in out if v["severity"] != "info"
+              and (v["kind"] == "straggler" or v.get("subject", "").startswith("steps "))]
+    if not alarms:
+        # Stragglers and windows too cheap to matter are notes; the run is still balanced.
+        spread = [r["step_ms"]["median"] for r in ranks if r["step_ms"]["median"] is not None]
+        diff = (max(spread) - min(spread)) if spread else 0.0
+        out.append({
+            "kind": "balanced", "severity": "info", "cost": cost.no_cost(job),
+            "evidence": f"{len(ranks)} rank(s) over {run['steps']} steps stay within noise: no "
+            f"rank or step window costs the job >= {100 * cost.WARNING_SHARE:g}% of its time "
+            f"(median step {step_med:.2f} ms, rank medians "
+            f"differ by {diff:.2f} ms)" + _balanced_notes(run, wait_share),
+            "suggestion": "No straggler to fix" + (
+                "; see the bottleneck verdict for where step time goes" if bottlenecks else ""),
         })
     from stepscope.analysis.resources import resource_verdicts  # [metrics]
 
+    _price_waits(out)
     out += resource_verdicts(run, stragglers, out)
     cost.order(out)
     return out
+
+
+def _price_waits(out: list[dict[str, Any]]) -> None:
+    """comm_wait is the price of a straggler or window seen from the waiting ranks: it takes
+    the costliest one's cost and severity (counted once), never more."""
+    causes = [v for v in out if v["kind"] == "straggler" or v.get("subject", "").startswith("steps ")]
+    for v in out:
+        if v["kind"] != "comm_wait" or not v.get("subject", "").startswith("waiting in") or not causes:
+            continue
+        top = max(causes, key=lambda c: c["cost"]["lost_ms"])
+        if v["cost"] is not top["cost"]:
+            v["cost"], v["severity"] = top["cost"], top["severity"]
+            v["evidence"] = v["evidence"].split(". Cost:")[0] + f" (its cost is {top['subject']}'s)"
 
 
 def _mean_step(job: dict[str, Any], run: dict[str, Any]) -> float:
