@@ -62,6 +62,8 @@ WINDOW_IMPACT = 0.10
 #: And in absolute terms: below this no straggler is named, whatever the step length
 #: (sub-millisecond gaps on short steps are scheduler noise on a shared host).
 MIN_EXCESS_MS = 1.0
+#: Shortest all-rank step-time window, as a share of the analysed steps.
+ALL_RANK_MIN_SHARE = 0.10
 #: Bar for a change-point window's level, in the rank's noise sigmas.
 WINDOW_SIGMAS = 2.5
 VICTIM_FRACTION = 0.5  # a victim's wait exceeds the culprit's by this share of the excess
@@ -551,7 +553,10 @@ def find_windows(
     at = [pos[int(s)] for s, _ in rows]
     out: list[dict[str, Any]] = []
     covered: set[tuple[int, int]] = set()
-    for w in changepoint.elevated(wall, bar, min_len=MIN_SEGMENT):
+    # Every rank slow together for a few steps is the host (another process, a GC pause, a
+    # page-cache flush), not the job: an all-rank window must last a tenth of the run.
+    min_len = max(MIN_SEGMENT, math.ceil(ALL_RANK_MIN_SHARE * len(steps)))
+    for w in changepoint.elevated(wall, bar, min_len=min_len):
         seg = at[w.start:w.end + 1]
         span = seg[-1] - seg[0] + 1
         if span >= CHRONIC_COVER * len(steps):
