@@ -438,8 +438,12 @@ def test_creep_test_ignores_one_jump_and_noise():
     for at in (60, 100, 120, 160):
         flat_jump = [300.0 if s < at else 340.0 for s in steps]
         assert res_creep(steps, flat_jump) is None, at
-    small_leak = [300.0 + 0.05 * s for s in steps]  # 10 MB over the run, 50 KB a step
+    small_leak = [300.0 + 0.5 * s for s in steps]  # 100 MB over the run, 500 KB a step
     assert res_creep(steps, small_leak) is not None
+    drift = [300.0 + 0.015 * s for s in steps]  # +1% over the run: allocator/page-cache drift
+    assert res_creep(steps, drift) is None
+    big_but_small_share = [4000.0 + 0.5 * s for s in steps]  # +100 MB on 4 GB: 2.5%
+    assert res_creep(steps, big_but_small_share) is None
     noisy = [300.0 + (7 * s % 11) for s in steps]
     assert res_creep(steps, noisy) is None
     rising = [300.0 + 0.5 * s + (7 * s % 3) for s in steps]

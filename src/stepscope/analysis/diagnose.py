@@ -4,16 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from stepscope.analysis import cost
 from stepscope.analysis.robust import median
 
 #: Share of step time above which a phase is called a bottleneck (warning / critical).
 INPUT_SHARE = (0.15, 0.30)
 H2D_SHARE = (0.10, 0.25)
-HOST_SHARE = (0.15, 0.30)
+HOST_SHARE = (0.25, 0.40)  # untimed Python work of an eager loop on a busy host reaches ~20%
 WAIT_SHARE = (0.08, 0.20)
 COMPUTE_SHARE = 0.60
-
-_SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
 
 _STRAGGLER_FIX = {
     "dataloader": "check that rank's data shard, storage and CPU (noisy neighbour, fewer cores); "
@@ -79,22 +78,30 @@ def diagnose(
     step_med = run["step_ms"]["median"] or 0.0
     sync = run["alignment"]["sync_phase"]
 
+    job = run.get("cost") or {"total_ms": step_med * run["steps"], "world_size": run["ranks"],
+                               "median_step_ms": step_med}
+    world = int(job.get("world_size") or run["ranks"] or 1)
     for s in _top_stragglers(stragglers):
         impact = s["excess_ms"] / step_med if step_med else 0.0
-        sev = "critical" if impact >= 0.15 else "warning" if impact >= 0.03 else "info"
-        when = (f"on {s['steps']} steps ({s['first_step']}–{s['last_step']}, chronic)"
-                if s["persistence"] == "chronic"
+        chronic = s["persistence"] == "chronic"
+        when = (f"on {s['steps']} steps ({s['first_step']}–{s['last_step']}, chronic)" if chronic
                 else f"on {s['steps']} steps in the window {s['first_step']}–{s['last_step']}")
+        # Every rank of the collective waits for it: its excess holds the whole world.
+        held = world if (s.get("victims") or sync) else 1
+        c = cost.price(job, s["excess_ms"], s["steps"], held,
+                       step_med if chronic else step_med + s["excess_ms"])
         ev = (f"rank {s['rank']}" + (f" (host {s['host']})" if s.get("host") else "")
               + f" spends {s['excess_ms']:.1f} ms more than the median rank in "
               f"{s['phase']} {when} ({_pct(impact)} of the run's median step, {step_med:.1f} ms)")
         if s.get("victims"):
             ev += (f"; {ranks_subject(s['victims'], 'waits', 'wait')} ≈ {s['victim_wait_ms']:.1f} ms "
                    f"per step for it in {s.get('wait_phase') or sync} (the collective)")
-        out.append({"kind": "straggler", "severity": sev, "evidence": ev,
+        ev += _cost_text(c)
+        out.append({"kind": "straggler", "severity": cost.severity(cost.share(c)), "evidence": ev,
                     "suggestion": f"Look at rank {s['rank']}'s {s['phase']}: "
-                    + _STRAGGLER_FIX.get(s["phase"], "time its sub-steps with stepscope.phase(...)")})
-    out += _host_verdicts(run, stragglers)
+                    + _STRAGGLER_FIX.get(s["phase"], "time its sub-steps with stepscope.phase(...)"),
+                    "cost": c, "subject": f"rank {s['rank']} slow in {s['phase']}"})
+    out += _host_verdicts(run, stragglers, out)
 
     wait_share = median([r["wait_share"] or 0.0 for r in ranks])
     # Without a culprit, waiting is arrival jitter (OS scheduling, noise): it is reported in
@@ -111,13 +118,21 @@ def diagnose(
         who = ranks_subject([r["rank"] for r in waiting], "spends", "spend")
         of = "its" if len(waiting) == 1 else "their"
         med = "" if len(waiting) == 1 else " (median over these ranks)"
+        c = cost.price(job, shown_share * _mean_step(job, run), run["steps"], len(waiting))
+        sev = cost.severity(cost.share(c))
+        first = next((v for v in out if v["kind"] == "straggler"), None)
+        if first is not None:
+            # The wait is the straggler's price seen from the other ranks: counted once, there.
+            c, sev = first["cost"], first["severity"]
         out.append({
             "kind": "comm_wait",
-            "severity": "critical" if wait_share >= WAIT_SHARE[1] else "warning",
+            "severity": sev,
             "evidence": f"{who} {_pct(shown_share)} of {of} step time{med} waiting in {sync} "
-            f"for the last rank to arrive at the collective; {cause}",
+            f"for the last rank to arrive at the collective; {cause}"
+            + (_cost_text(c) if first is None else " (its cost is the straggler's)"),
             "suggestion": "Fix the late rank first; then balance per-rank work (equal shard "
             "sizes, sequence-length bucketing) so ranks arrive together",
+            "cost": c, "subject": f"waiting in {sync}",
         })
 
     shares = {n: rank_share(phases, n) for n in phases}
@@ -125,10 +140,12 @@ def diagnose(
     # Waits inside the batch fetch (a gather across ranks) are not input time.
     dl = rank_share(phases, "dataloader", "work_share")
     if dl >= INPUT_SHARE[0]:
+        c = cost.price(job, dl * _mean_step(job, run), run["steps"], world)
         bottlenecks.append({
             "kind": "input_bound",
-            "severity": "critical" if dl >= INPUT_SHARE[1] else "warning",
-            "evidence": _input_evidence(dl, phases["dataloader"], len(ranks), run["steps"], step_med),
+            "severity": cost.severity(cost.share(c)), "cost": c, "subject": "the dataloader",
+            "evidence": _input_evidence(dl, phases["dataloader"], len(ranks), run["steps"], step_med)
+            + _cost_text(c),
             "suggestion": "Raise DataLoader num_workers, set persistent_workers=True and "
             "pin_memory=True, increase prefetch_factor, or move decoding/augmentation off the "
             "training process; stepscope.PrefetchLoader overlaps the next batch's copy",
@@ -140,10 +157,12 @@ def diagnose(
         hidden = phases.get("h2d_hidden")
         if hidden:
             ev += f"; a PrefetchLoader already hides {hidden['median_ms']:.2f} ms per step"
+        c = cost.price(job, h2d * _mean_step(job, run), run["steps"], world)
         bottlenecks.append({
             "kind": "h2d_bound",
-            "severity": "critical" if h2d >= H2D_SHARE[1] else "warning",
-            "evidence": ev,
+            "severity": cost.severity(cost.share(c)), "cost": c,
+            "subject": "host-to-device copies",
+            "evidence": ev + _cost_text(c),
             "suggestion": "Wrap the loader in stepscope.PrefetchLoader to copy the next batch "
             "on a side stream while this one computes; use pin_memory=True in the DataLoader "
             "and .to(device, non_blocking=True)",
@@ -151,19 +170,24 @@ def diagnose(
     elif phases.get("h2d_hidden"):
         hid = phases["h2d_hidden"]["median_ms"]
         bottlenecks.append({
-            "kind": "h2d_bound", "severity": "info",
+            "kind": "h2d_bound", "severity": "info", "cost": cost.no_cost(job),
             "evidence": f"PrefetchLoader hides {hid:.2f} ms of host-to-device copy per step; "
             f"exposed copy is {_pct(h2d)} of step time",
             "suggestion": "Nothing to do: the copy is overlapped (keep pin_memory=True, "
             "non_blocking=True)",
         })
-    res = shares.get("residual", 0.0)
+    # Collectives issued outside every phase (a pipeline's send/recv) are communication,
+    # not host overhead: judged on the residual's work share.
+    res = rank_share(phases, "residual", "work_share")
     if res >= HOST_SHARE[0]:
+        c = cost.price(job, res * _mean_step(job, run), run["steps"], world)
         bottlenecks.append({
             "kind": "host_overhead",
-            "severity": "critical" if res >= HOST_SHARE[1] else "warning",
-            "evidence": f"{_pct(res)} of step time is outside every timed phase (median "
-            f"{phases['residual']['median_ms']:.2f} ms per step)",
+            "severity": cost.severity(cost.share(c)), "cost": c,
+            "subject": "untimed host work between phases",
+            "evidence": f"{_pct(res)} of step time is outside every timed phase and outside "
+            f"every collective (median {phases['residual']['median_ms']:.2f} ms per step "
+            "including collectives)" + _cost_text(c),
             "suggestion": "Find the untimed work with stepscope.phase(...): logging, "
             ".item()/.cpu() syncs, checkpointing, Python overhead; batch logging and use "
             "torch.compile or CUDA graphs to cut launch overhead",
@@ -178,38 +202,79 @@ def diagnose(
                    "compute cannot be told from communication without collective timing")
         bottlenecks.append({
             "kind": "compute_bound", "severity": "info", "evidence": ev,
+            "cost": cost.no_cost(job),
             "suggestion": "The step is dominated by model compute: try mixed precision, "
             "torch.compile, fused optimizers, or a larger batch per step",
         })
     out += bottlenecks
 
-    if not stragglers and not windows:
-        spread = [r["step_ms"]["median"] for r in ranks if r["step_ms"]["median"] is not None]
-        diff = (max(spread) - min(spread)) if spread else 0.0
-        out.append({
-            "kind": "balanced", "severity": "info",
-            "evidence": f"{len(ranks)} rank(s) over {run['steps']} steps stay within noise: no "
-            f"rank or step window stands out (median step {step_med:.2f} ms, rank medians "
-            f"differ by {diff:.2f} ms)" + _balanced_notes(run, wait_share),
-            "suggestion": "No straggler to fix" + (
-                "; see the bottleneck verdict for where step time goes" if bottlenecks else ""),
-        })
     for w in windows:
         if any(s["first_step"] <= w["end_step"] and s["last_step"] >= w["start_step"]
                for s in stragglers):
             continue  # already explained by a straggler verdict
+        n_w = int(w["end_step"]) - int(w["start_step"]) + 1
+        n_w = int(w.get("steps") or n_w)
+        c = cost.price(job, float(w.get("excess_ms") or 0.0), n_w, world,
+                       step_med + float(w.get("excess_ms") or 0.0))
         out.append({
-            "kind": _window_kind(w["phase"]), "severity": "warning",
-            "evidence": f"steps {w['start_step']}–{w['end_step']} are {w['slowdown']:.2f}× the "
-            f"median step on {ranks_subject(w['ranks'], '', '').strip()}; {w['phase']} grew most",
-            "suggestion": "Something happened to every rank in that window (checkpoint, "
-            "evaluation, shared storage or network contention); correlate with your logs",
+            "kind": _window_kind(w["phase"]), "severity": cost.severity(cost.share(c)),
+            "cost": c, "subject": f"steps {w['start_step']}–{w['end_step']} slow in {w['phase']}",
+            "evidence": f"steps {w['start_step']}–{w['end_step']}: {w['phase']} is "
+            f"{w['slowdown']:.2f}× its median elsewhere on "
+            f"{ranks_subject(w['ranks'], '', '').strip()} (+{float(w.get('excess_ms') or 0.0):.1f} "
+            f"ms per step)" + _cost_text(c),
+            "suggestion": "Something happened to every rank in that window, outside their own "
+            "work (another process on the host, checkpoint, evaluation, shared storage or "
+            "network contention); correlate with your logs",
+        })
+    alarms = [v for v in out if v["severity"] != "info"
+              and (v["kind"] == "straggler" or v.get("subject", "").startswith("steps "))]
+    if not alarms:
+        # Stragglers and windows too cheap to matter are notes; the run is still balanced.
+        spread = [r["step_ms"]["median"] for r in ranks if r["step_ms"]["median"] is not None]
+        diff = (max(spread) - min(spread)) if spread else 0.0
+        out.append({
+            "kind": "balanced", "severity": "info", "cost": cost.no_cost(job),
+            "evidence": f"{len(ranks)} rank(s) over {run['steps']} steps stay within noise: no "
+            f"rank or step window costs the job >= {100 * cost.WARNING_SHARE:g}% of its time "
+            f"(median step {step_med:.2f} ms, rank medians "
+            f"differ by {diff:.2f} ms)" + _balanced_notes(run, wait_share),
+            "suggestion": "No straggler to fix" + (
+                "; see the bottleneck verdict for where step time goes" if bottlenecks else ""),
         })
     from stepscope.analysis.resources import resource_verdicts  # [metrics]
 
-    out += resource_verdicts(run, stragglers)
-    out.sort(key=lambda v: _SEVERITY_ORDER[v["severity"]])
+    _price_waits(out)
+    out += resource_verdicts(run, stragglers, out)
+    cost.order(out)
     return out
+
+
+def _price_waits(out: list[dict[str, Any]]) -> None:
+    """comm_wait is the price of a straggler or window seen from the waiting ranks: it takes
+    the costliest one's cost and severity (counted once), never more."""
+    causes = [v for v in out if v["kind"] == "straggler" or v.get("subject", "").startswith("steps ")]
+    for v in out:
+        if v["kind"] != "comm_wait" or not v.get("subject", "").startswith("waiting in") or not causes:
+            continue
+        top = max(causes, key=lambda c: c["cost"]["lost_ms"])
+        if v["cost"] is not top["cost"]:
+            v["cost"], v["severity"] = top["cost"], top["severity"]
+            v["evidence"] = v["evidence"].split(". Cost:")[0] + f" (its cost is {top['subject']}'s)"
+
+
+def _mean_step(job: dict[str, Any], run: dict[str, Any]) -> float:
+    """Mean step time of the analysed steps (shares of the total convert to it)."""
+    n = max(1, int(run["steps"] or 1))
+    return float(job.get("total_ms") or 0.0) / n
+
+
+def _cost_text(c: dict[str, Any]) -> str:
+    if not c["lost_ms"]:
+        return ""
+    return (f". Cost: {c['ms_per_step']:.1f} ms on each of {c['steps']} steps = "
+            f"{c['lost_ms'] / 1000.0:.2f} s, {100 * cost.share(c):.1f}% of the job's time "
+            f"(step would be {c['what_if_step_ms']:.1f} ms without it)")
 
 
 def _balanced_notes(run: dict[str, Any], wait_share: float) -> str:
@@ -252,7 +317,8 @@ def _top_stragglers(stragglers: list[dict[str, Any]], n: int = 5) -> list[dict[s
     return out[:n]
 
 
-def _host_verdicts(run: dict[str, Any], stragglers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _host_verdicts(run: dict[str, Any], stragglers: list[dict[str, Any]],
+                   found: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """When every rank of a host straggles (and others do not), blame the host."""
     hosts = run["hosts"]
     if len(hosts) < 2:
@@ -262,8 +328,15 @@ def _host_verdicts(run: dict[str, Any], stragglers: list[dict[str, Any]]) -> lis
     for host, members in hosts.items():
         if len(members) > 1 and set(members) <= slow and len(slow) < run["ranks"]:
             phases = sorted({s["phase"] for s in stragglers if s["rank"] in members})
+            # The host's price is its worst member's: they all hold the same collective.
+            costs = [v["cost"] for v in found if v["kind"] == "straggler"
+                     and any(f"rank {m} " in v["subject"] + " " for m in members)]
+            c = max(costs, key=lambda x: x["lost_ms"]) if costs else None
+            if c is None:
+                continue
             out.append({
-                "kind": "straggler", "severity": "critical",
+                "kind": "straggler", "severity": cost.severity(cost.share(c)), "cost": c,
+                "subject": f"host {host}",
                 "evidence": f"all {len(members)} ranks of host {host} ({_ranks_text(members)}) "
                 f"are slow in {', '.join(phases)} while other hosts are not",
                 "suggestion": f"Look at host {host} as a whole (thermal throttling, a shared "

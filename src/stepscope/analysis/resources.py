@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from stepscope.analysis import cost
 from stepscope.analysis.robust import median, robust_sigma
 
 #: Extra columns for the loader's ``read_json`` (JSON: a bad value nulls one field, not the row;
@@ -52,11 +53,16 @@ CLOCK_RATIO = 0.92
 POWER_RATIO = 0.75
 CLOCK_SOFT = 0.97
 #: memory_creep: share of step pairs whose memory rose (of pairs that changed), and the rise
-#: over the run, in robust sigmas of the residual noise and at least a floor (MB / share).
+#: over the run, in robust sigmas of the residual noise and at least a floor: material growth
+#: only (>= 64 MB and >= 5% of the level), so allocator and page-cache drift of a healthy run
+#: (+1% RSS) is never called a leak.
 CREEP_CONSISTENCY = 0.6
 CREEP_SIGMAS = 8.0
-CREEP_FLOOR_MB = {"allocated_mb": 2.0, "rss_mb": 2.0}
-CREEP_FLOOR_SHARE = 0.01
+CREEP_FLOOR_MB = 64.0
+CREEP_FLOOR_SHARE = 0.05
+#: What memory_creep judges, in the order a finding names them.
+CREEP_METRICS = {"allocated_mb": "allocated GPU memory", "peak_reserved_mb": "reserved GPU memory",
+                 "rss_mb": "process RSS (host memory)"}
 #: Each third of the run must sit at least this share of the total rise above the one before
 #: (a leak grows throughout; a one-off jump or a warm-up step does not).
 CREEP_THIRDS_SHARE = 0.2
@@ -208,7 +214,7 @@ def creep_test(steps: list[int], values: list[float], metric: str) -> dict[str, 
     rise = slope * span
     noise = robust_sigma([y - slope * x for x, y in zip(xs, ys, strict=True)])
     level = median(ys)
-    floor = max(CREEP_FLOOR_MB.get(metric, 16.0), CREEP_FLOOR_SHARE * level)
+    floor = max(CREEP_FLOOR_MB, CREEP_FLOOR_SHARE * level)
     if rising < CREEP_CONSISTENCY or rise < max(CREEP_SIGMAS * noise, floor):
         return None
     k = len(ys) // 3
@@ -230,31 +236,45 @@ def creep_test(steps: list[int], values: list[float], metric: str) -> dict[str, 
 
 
 def _creep(con: Any) -> list[dict[str, Any]]:
-    """memory_creep findings per rank: allocated_mb on GPU, else process RSS (CPU)."""
+    """memory_creep findings, one per rank: every metric that grew (allocated, reserved, RSS).
+
+    ``metric`` is the first that grew in :data:`CREEP_METRICS` order; ``grew`` lists them all.
+    """
     out = []
+    names = list(CREEP_METRICS)
     rows = con.execute(
-        "SELECT rank, step, allocated_mb, rss_mb FROM res ORDER BY rank, step"
+        f"SELECT rank, step, {', '.join(names)} FROM res ORDER BY rank, step"
     ).fetchall()
-    by_rank: dict[int, list[tuple[int, Any, Any]]] = {}
-    for r, s, a, rss in rows:
-        by_rank.setdefault(int(r), []).append((int(s), a, rss))
+    by_rank: dict[int, list[tuple[Any, ...]]] = {}
+    for row in rows:
+        by_rank.setdefault(int(row[0]), []).append(row[1:])
     for rank, series in by_rank.items():
-        for metric, k in (("allocated_mb", 1), ("rss_mb", 2)):
-            pts = [(row[0], row[k]) for row in series if row[k] is not None]
+        grew = []
+        for k, metric in enumerate(names, start=1):
+            pts = [(int(row[0]), float(row[k])) for row in series if row[k] is not None]
             if len(pts) >= 8:
                 found = creep_test([p[0] for p in pts], [p[1] for p in pts], metric)
                 if found:
-                    out.append({"rank": rank, **found})
-                break  # judged on the first metric the run has (allocated on GPU)
+                    grew.append(found)
+        if grew:
+            out.append({"rank": rank, **grew[0],
+                        "grew": [{k: g[k] for k in ("metric", "start_mb", "end_mb", "rise_mb")}
+                                 for g in grew]})
     return out
 
 
 # --------------------------------------------------------------------- verdicts
 
 
-def resource_verdicts(run: dict[str, Any], stragglers: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``memory_pressure``, ``memory_creep`` and ``throttled_device`` verdicts (possibly none)."""
+def resource_verdicts(run: dict[str, Any], stragglers: list[dict[str, Any]],
+                      found: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """``memory_pressure``, ``memory_creep`` and ``throttled_device`` verdicts (possibly none).
+
+    Memory findings cost no step time (their price is a crash risk) and keep their own
+    severity; a throttled device is priced as the straggler it causes, if any.
+    """
     out: list[dict[str, Any]] = []
+    job = run.get("cost") or {}
     mem = run.get("memory") or {}
     pressed = [r for r in mem.get("per_rank", [])
                if (r.get("alloc_retries") or 0) > 0 or (r.get("ooms") or 0) > 0]
@@ -266,7 +286,8 @@ def resource_verdicts(run: dict[str, Any], stragglers: list[dict[str, Any]]) -> 
         )
         out.append({
             "kind": "memory_pressure",
-            "severity": "critical" if ooms else "warning",
+            "severity": "critical" if ooms else "warning", "cost": cost.no_cost(job),
+            "subject": "allocator retries",
             "evidence": f"the CUDA caching allocator had to free its cache and retry (cudaMalloc "
             f"failed) — {ev}. Each retry synchronises the device and fragments memory",
             "suggestion": "Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to cut "
@@ -274,23 +295,29 @@ def resource_verdicts(run: dict[str, Any], stragglers: list[dict[str, Any]]) -> 
             "activation checkpointing, or free references to large tensors earlier",
         })
     for c in mem.get("creep", []):
-        what = "allocated GPU memory" if c["metric"] == "allocated_mb" else "process RSS (host memory)"
+        what = CREEP_METRICS.get(c["metric"], c["metric"])
+        also = [f"{CREEP_METRICS.get(g['metric'], g['metric'])} +{g['rise_mb']} MB"
+                for g in c.get("grew", [])[1:]]
         out.append({
             "kind": "memory_creep",
-            "severity": "warning",
+            # No step time lost (yet): the price is an OOM later, so a warning by its own rule.
+            "severity": "warning", "cost": cost.no_cost(job),
+            "subject": f"rank {c['rank']}'s {what}",
             "evidence": f"rank {c['rank']}: {what} rose steadily from {c['start_mb']} MB to "
             f"{c['end_mb']} MB over steps {c['first_step']}–{c['last_step']} (Theil–Sen slope "
             f"{c['slope_mb_per_step']} MB/step, +{c['rise_mb']} MB; memory rose in "
-            f"{100 * c['rising_share']:.0f}% of step pairs that changed)",
+            f"{100 * c['rising_share']:.0f}% of step pairs that changed, and in every third of "
+            f"the run)" + (f"; also grew: {', '.join(also)}" if also else ""),
             "suggestion": "Something keeps a reference every step — a leak: e.g. losses or "
             "outputs kept for logging without .detach()/.item(), growing lists or caches, "
             "hooks storing activations. Store .item() or .detach().cpu() values and clear them",
         })
-    out += _throttle_verdicts(run, stragglers)
+    out += _throttle_verdicts(run, stragglers, found or [])
     return out
 
 
-def _throttle_verdicts(run: dict[str, Any], stragglers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _throttle_verdicts(run: dict[str, Any], stragglers: list[dict[str, Any]],
+                       found: list[dict[str, Any]]) -> list[dict[str, Any]]:
     dev = run.get("device") or {}
     per_rank = dev.get("per_rank") or []
     if len(per_rank) < 2:
@@ -308,6 +335,7 @@ def _throttle_verdicts(run: dict[str, Any], stragglers: list[dict[str, Any]]) ->
             if mine is None or not peers or median(peers) <= 0:
                 continue
             ratio[m] = mine / median(peers)
+        job = run.get("cost") or {}
         clock = ratio.get("sm_clock_mhz")
         power = ratio.get("power_w")
         if clock is not None and clock < CLOCK_RATIO:
@@ -328,9 +356,14 @@ def _throttle_verdicts(run: dict[str, Any], stragglers: list[dict[str, Any]]) ->
         if s:
             ev += (f"; it is also the straggler in {s['phase']} (+{s['excess_ms']:.1f} ms per step), "
                    "so the slow clock explains it")
+        priced = [v["cost"] for v in found if v["kind"] == "straggler"
+                  and v.get("subject", "").startswith(f"rank {rank} ")]
+        c = priced[0] if priced else cost.no_cost(job)
         out.append({
             "kind": "throttled_device",
-            "severity": "critical" if s else "warning",
+            # Slow with nobody waiting for it costs no step time: a note, not an alarm.
+            "severity": cost.severity(cost.share(c)), "cost": c,
+            "subject": f"rank {rank}'s device",
             "evidence": ev,
             "suggestion": f"Check rank {rank}'s GPU: nvidia-smi -q -d PERFORMANCE shows the "
             "throttle reason (thermal, power cap, HW slowdown); check cooling and airflow, the "

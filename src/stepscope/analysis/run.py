@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from stepscope.analysis import cost
 from stepscope.analysis.diagnose import diagnose
 from stepscope.analysis.load import RunData, load_run
 from stepscope.analysis.resources import analyze_resources
@@ -61,6 +62,8 @@ def _analyze(data: RunData) -> dict[str, Any]:
     median_step = float(step_q[0][0])
     steps = [int(s) for (s,) in con.execute("SELECT DISTINCT step FROM steps ORDER BY 1").fetchall()]
     att = attribute(con, data.hosts, data.ranks, median_step, steps)
+    total_ms = con.execute(
+        "SELECT median(t) FROM (SELECT rank, sum(step_ms) AS t FROM steps GROUP BY 1)").fetchone()[0]
     al, thr, stragglers, windows = att.alignment, att.thresholds, att.stragglers, att.windows
 
     phases = phase_stats(con, n_rows)
@@ -99,12 +102,17 @@ def _analyze(data: RunData) -> dict[str, Any]:
         "skipped": list(data.skipped) + att.notes,
         "partial": bool(data.skipped or att.notes),
     }
+    # What the findings are priced against (analysis/cost.py).
+    run["cost"] = {"total_ms": round(float(total_ms or 0.0), 3),
+                   "world_size": int(data.world_size or len(data.ranks)),
+                   "median_step_ms": round(median_step, 3), "thresholds": cost.thresholds()}
     run.update(analyze_resources(con))  # [metrics] run.throughput / run.memory / run.device
     verdicts = diagnose(run, phases, ranks, stragglers, windows)
     # Auto-profile captures live under run: the six top-level keys are the contract.
     run["captures"], trigger_skips = link_triggers(data.run_dir, windows)
     run["skipped"].extend(trigger_skips)
     run["crashes"] = crash_evidence(data.run_dir)  # [ops] from the heartbeat files
+    run["headline"] = cost.headline(run, verdicts)
     return {
         "run": run,
         "phases": phases,

@@ -15,10 +15,12 @@ A rank's *own* work in phase P is P's time minus the waits of collectives inside
 depth (so a ``dataloader`` that gathers across ranks is split into data time and wait);
 untimed ``residual`` time gets the waits of collectives outside any phase. A rank is a
 straggler in P when its own work exceeds the median of the *other* ranks' own work at the
-same step by more than its noise: ``SIGMAS`` robust sigmas of its own step-to-step variation
-(successive differences of that gap, so a level shift or a slow window does not inflate it),
-floored. ``excess_ms`` is the median gap over the flagged steps (with two ranks, the gap
-itself).
+same step by more than its noise (robust sigmas of the successive differences of that gap,
+so a level shift or a slow window does not inflate it), floored: *chronic* when flagged
+(``SIGMAS`` sigmas) on most steps across the run, *window* when change-point detection on
+the gap series finds a stretch whose level sits ``WINDOW_SIGMAS`` sigmas above the level
+outside it (:mod:`stepscope.analysis.changepoint`). ``excess_ms`` is the median gap over
+the chronic straggler's flagged steps, or the window's level over the level outside it.
 
 Only when a run carries no collective timing at all does the old timeline estimate (arrival
 gaps at the synchronising phase, clocks compared) stand in, and the report says so.
@@ -31,7 +33,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from stepscope.analysis import robust
+from stepscope.analysis import changepoint, robust
 from stepscope.analysis.stats import RESIDUAL, phase_order
 from stepscope.analysis.waits import sql_wait
 
@@ -50,7 +52,6 @@ SIGMAS = robust.SIGMAS
 FLOOR_MS = 0.25
 FLOOR_FRAC = 0.02  # of the median step
 MIN_SEGMENT = 5  # flagged steps needed before a rank is called a straggler
-MAX_GAP = 2  # unflagged samples tolerated inside one segment
 CHRONIC_COVER = 0.8  # a segment spanning this fraction of analysed steps is chronic
 CHRONIC_DENSITY = 0.5  # flagged share of a segment's span (or of the run) for it to count
 #: Smallest excess worth naming, as a share of the median step: a rank a few percent slower
@@ -60,8 +61,10 @@ WINDOW_IMPACT = 0.10
 #: And in absolute terms: below this no straggler is named, whatever the step length
 #: (sub-millisecond gaps on short steps are scheduler noise on a shared host).
 MIN_EXCESS_MS = 1.0
-WINDOW_DENSITY = 0.8  # slow share of a step-time window's steps (one host hiccup slows two)
-WINDOW_ALPHA = 0.01  # chance of a window of flags arising from a rank's scattered spikes
+#: Shortest all-rank step-time window, as a share of the analysed steps.
+ALL_RANK_MIN_SHARE = 0.10
+#: Bar for a change-point window's level, in the rank's noise sigmas.
+WINDOW_SIGMAS = 2.5
 VICTIM_FRACTION = 0.5  # a victim's wait exceeds the culprit's by this share of the excess
 
 #: Bus-bandwidth factors (NCCL-tests convention), by op, for a group of n ranks.
@@ -419,29 +422,6 @@ def build_thresholds(con: Any, median_step: float) -> dict[tuple[int, str], floa
     return thr
 
 
-def _segments(idx: list[int], max_gap: int = MAX_GAP) -> list[list[int]]:
-    """Group sorted sample indices into runs whose gaps are at most ``max_gap`` samples."""
-    out: list[list[int]] = []
-    for i in idx:
-        if out and i - out[-1][-1] <= max_gap + 1:
-            out[-1].append(i)
-        else:
-            out.append([i])
-    return out
-
-
-def _unlikely_by_chance(k: int, span: int, k_out: int, n_out: int, n_steps: int) -> bool:
-    """Is ``k`` flagged steps in ``span`` more than this rank's spike rate explains?
-
-    Scheduling hiccups on a busy host flag single steps at some rate; the rate outside the
-    window (at least one per run, so a clean rank is not infinitely strict) gives the chance
-    of so dense a cluster anywhere in the run (binomial tail times the window positions).
-    """
-    p = min(0.99, max(k_out, 1) / max(n_out, 1))
-    tail = sum(math.comb(span, j) * p**j * (1.0 - p) ** (span - j) for j in range(k, span + 1))
-    return tail * max(1, n_steps - span + 1) < WINDOW_ALPHA
-
-
 def _confidence(n: int, density: float, ratio: float) -> float:
     # More flagged steps, denser runs and excess further above the threshold all raise it.
     c = float((1.0 - 0.5 ** (n / 3.0)) * min(1.0, density) * min(1.0, ratio / 3.0))
@@ -452,52 +432,65 @@ def find_stragglers(
     con: Any, steps: list[int], host_of: dict[int, str], thr: dict[tuple[int, str], float],
     median_step: float = 0.0,
 ) -> list[dict[str, Any]]:
-    """Ranks whose own work in a phase exceeds the other ranks' median over a run of steps."""
+    """Ranks whose own work in a phase exceeds the other ranks' median over a run of steps.
+
+    Chronic: flagged (gap above the rank's threshold) on most steps across the run. Window:
+    a stretch found by change-point detection on the rank's gap series
+    (:func:`stepscope.analysis.changepoint.elevated`), with its whole bounds and its excess
+    as the median gap inside minus the level outside.
+    """
     pos = {s: i for i, s in enumerate(steps)}
-    flagged: dict[tuple[int, str], list[tuple[int, float]]] = {}
+    series: dict[tuple[int, str], list[tuple[int, float]]] = {}
     for rank, name, step, excess in con.execute(
-        """SELECT ex.rank, ex.name, ex.step, ex.excess FROM ex JOIN thr USING (rank, name)
-           WHERE ex.excess > thr.thr ORDER BY 1, 2, 3"""
+        "SELECT rank, name, step, excess FROM ex WHERE excess IS NOT NULL ORDER BY 1, 2, 3"
     ).fetchall():
-        flagged.setdefault((int(rank), str(name)), []).append((pos[int(step)], float(excess)))
+        series.setdefault((int(rank), str(name)), []).append((pos[int(step)], float(excess)))
     n_steps = len(steps)
     min_n = max(MIN_SEGMENT, math.ceil(0.04 * n_steps))
     out: list[dict[str, Any]] = []
-    for (rank, name), hits in flagged.items():
-        excess_at = dict(hits)
-        idx = [i for i, _ in hits]
-        segments = _segments(idx)
-        if len(idx) >= CHRONIC_DENSITY * n_steps and idx[-1] - idx[0] + 1 >= CHRONIC_COVER * n_steps:
-            # Flagged on most steps across the run but with noise-sized holes: one chronic
-            # straggler, not a string of windows.
-            segments = [idx]
-        for seg in segments:
-            span = seg[-1] - seg[0] + 1
-            density = len(seg) / span
-            if len(seg) < min_n or density < CHRONIC_DENSITY:
+    for (rank, name), pts in series.items():
+        t = thr.get((rank, name))
+        if t is None:
+            continue
+        idx = [i for i, x in pts if x > t]
+        if len(idx) >= CHRONIC_DENSITY * n_steps and idx and idx[-1] - idx[0] + 1 >= CHRONIC_COVER * n_steps:
+            # Flagged on most steps across the run: one chronic straggler, whatever its holes.
+            med = robust.median(x for _, x in pts if x > t)
+            if med >= max(MIN_EXCESS_MS, CHRONIC_IMPACT * median_step):
+                out.append(_straggler(con, rank, name, host_of, steps, idx, med, "chronic",
+                                      _confidence(len(idx), len(idx) / (idx[-1] - idx[0] + 1), med / t)))
+            continue
+        # A stretch's level is a median over >= min_n steps: its noise is well under one
+        # step's, so its bar is a few of the rank's noise sigmas, not the per-step SIGMAS.
+        bar = max(WINDOW_SIGMAS * t / SIGMAS, MIN_EXCESS_MS, WINDOW_IMPACT * median_step)
+        xs = [x for _, x in pts]
+        for w in changepoint.elevated(xs, bar, min_len=min_n):
+            seg = [i for i, _ in pts[w.start:w.end + 1]]
+            chronic = seg[-1] - seg[0] + 1 >= CHRONIC_COVER * n_steps
+            if chronic and w.excess < max(MIN_EXCESS_MS, CHRONIC_IMPACT * median_step):
                 continue
-            med = robust.median(excess_at[i] for i in seg)
-            chronic = span >= CHRONIC_COVER * n_steps
-            if med < max(MIN_EXCESS_MS, (CHRONIC_IMPACT if chronic else WINDOW_IMPACT) * median_step):
-                continue  # real perhaps, but too small to matter (shared-host jitter)
-            if not chronic and not _unlikely_by_chance(len(seg), span, len(idx) - len(seg),
-                                                       n_steps - span, n_steps):
-                continue  # as dense as this rank's scattered spikes make likely
-            s: dict[str, Any] = {
-                "rank": rank,
-                "host": host_of.get(rank),
-                "phase": name,
-                "excess_ms": round(med, 3),
-                "steps": len(seg),
-                "first_step": steps[seg[0]],
-                "last_step": steps[seg[-1]],
-                "persistence": "chronic" if chronic else "window",
-                "confidence": _confidence(len(seg), density, med / thr[(rank, name)]),
-            }
-            _add_victims(con, s, [steps[i] for i in seg])
-            out.append(s)
+            out.append(_straggler(con, rank, name, host_of, steps, seg, w.excess,
+                                  "chronic" if chronic else "window",
+                                  _confidence(len(seg), 1.0, w.excess / t)))
     out.sort(key=lambda s: -s["excess_ms"] * s["steps"])
     return out
+
+
+def _straggler(con: Any, rank: int, name: str, host_of: dict[int, str], steps: list[int],
+               seg: list[int], excess: float, persistence: str, confidence: float) -> dict[str, Any]:
+    s: dict[str, Any] = {
+        "rank": rank,
+        "host": host_of.get(rank),
+        "phase": name,
+        "excess_ms": round(excess, 3),
+        "steps": len(seg) if persistence == "chronic" else seg[-1] - seg[0] + 1,
+        "first_step": steps[seg[0]],
+        "last_step": steps[seg[-1]],
+        "persistence": persistence,
+        "confidence": confidence,
+    }
+    _add_victims(con, s, [steps[i] for i in seg])
+    return s
 
 
 def _add_victims(con: Any, s: dict[str, Any], flagged: list[int]) -> None:
@@ -564,17 +557,19 @@ def find_windows(
         return []
     wall = [float(v) for _, v in rows]
     med = robust.median(wall)
-    thr = robust.threshold(wall, SIGMAS, max(FLOOR_MS, 0.03 * med))
+    bar = max(WINDOW_SIGMAS * changepoint.noise(wall), FLOOR_MS, 0.03 * med)
     pos = {s: i for i, s in enumerate(steps)}
-    idx = [pos[int(s)] for (s, _), v in zip(rows, wall, strict=True) if v > med + thr]
+    at = [pos[int(s)] for s, _ in rows]
     out: list[dict[str, Any]] = []
     covered: set[tuple[int, int]] = set()
-    for seg in _segments(idx):
+    # Every rank slow together for a few steps is the host (another process, a GC pause, a
+    # page-cache flush), not the job: an all-rank window must last a tenth of the run.
+    min_len = max(MIN_SEGMENT, math.ceil(ALL_RANK_MIN_SHARE * len(steps)))
+    for w in changepoint.elevated(wall, bar, min_len=min_len):
+        seg = at[w.start:w.end + 1]
         span = seg[-1] - seg[0] + 1
-        if len(seg) < MIN_SEGMENT or len(seg) / span < WINDOW_DENSITY or span >= CHRONIC_COVER * len(steps):
+        if span >= CHRONIC_COVER * len(steps):
             continue
-        if not _unlikely_by_chance(len(seg), span, len(idx) - len(seg), len(steps) - span, len(steps)):
-            continue  # scattered slow steps (host hiccups) that happen to sit close together
         first, last = steps[seg[0]], steps[seg[-1]]
         hits = [s for s in stragglers if s["first_step"] <= last and s["last_step"] >= first]
         if hits:
@@ -592,8 +587,10 @@ def find_windows(
                 warmup.update(start_step=first, end_step=last, phase=phase,
                               slowdown=round(slowdown, 3))
                 continue
+        excess = max(0.0, w.excess)
         out.append({"start_step": first, "end_step": last, "ranks": ranks, "phase": phase,
-                    "slowdown": round(slowdown, 3)})
+                    "slowdown": round(slowdown, 3), "excess_ms": round(excess, 3),
+                    "steps": span})
     # A windowed straggler that did not slow the whole step (no collective) is a window too.
     for s in stragglers:
         if s["persistence"] != "window" or (s["rank"], s["first_step"]) in covered:
@@ -602,7 +599,8 @@ def find_windows(
         if slowdown <= 1.0:
             continue
         out.append({"start_step": s["first_step"], "end_step": s["last_step"],
-                    "ranks": [s["rank"]], "phase": s["phase"], "slowdown": round(slowdown, 3)})
+                    "ranks": [s["rank"]], "phase": s["phase"], "slowdown": round(slowdown, 3),
+                    "excess_ms": s["excess_ms"], "steps": s["steps"]})
     out.sort(key=lambda w: w["start_step"])
     return out
 
@@ -672,18 +670,27 @@ def phase_waits(con: Any, phases: dict[str, Any]) -> None:
     ``dataloader`` that gathers across ranks is judged on its own data time.
     """
     total = con.execute("SELECT sum(step_ms) FROM steps").fetchone()[0] or 0.0
+    # Residual work: untimed time minus every collective issued outside a phase (waits and
+    # transfers: a pipeline's send/recv is communication, not host overhead).
+    con.execute(
+        """CREATE OR REPLACE TEMP TABLE rx AS
+           SELECT ex.rank, ex.step, ex.wait, ex.own,
+                  greatest(ex.own + ex.wait - coalesce(c.ms, 0.0), 0.0) AS work
+           FROM ex LEFT JOIN (SELECT rank, step, sum(ms) AS ms FROM cw WHERE phase IS NULL
+                              GROUP BY 1, 2) c USING (rank, step)
+           WHERE ex.name = 'residual'"""
+    )
     rank_step = dict(con.execute("SELECT rank, sum(step_ms) FROM steps GROUP BY 1").fetchall())
     rows = con.execute(
         f"""SELECT path, NULL AS rank, median(wait), sum(ms - wait), bool_and(parent IS NULL),
                    sum(greatest(ms - coll_ms, 0.0))
             FROM pw GROUP BY 1
-            UNION ALL SELECT '{RESIDUAL}', NULL, median(wait), sum(own), TRUE, sum(own) FROM ex
-                      WHERE name = '{RESIDUAL}'
+            UNION ALL SELECT '{RESIDUAL}', NULL, median(wait), sum(own), TRUE, sum(work) FROM rx
             UNION ALL SELECT path, rank, median(wait), sum(ms - wait), bool_and(parent IS NULL),
                              sum(greatest(ms - coll_ms, 0.0))
             FROM pw GROUP BY 1, 2
-            UNION ALL SELECT '{RESIDUAL}', rank, median(wait), sum(own), TRUE, sum(own) FROM ex
-                      WHERE name = '{RESIDUAL}' GROUP BY 2"""
+            UNION ALL SELECT '{RESIDUAL}', rank, median(wait), sum(own), TRUE, sum(work) FROM rx
+                      GROUP BY 2"""
     ).fetchall()
     # Index the per-rank entries once: searching per_rank for each row is ranks^2.
     per_rank: dict[tuple[str, int], list[dict[str, Any]]] = {}

@@ -164,6 +164,7 @@ function build() {
   const root = document.getElementById('report'), run = DOC.run;
   document.title = 'stepscope report — ' + run.dir;
   root.appendChild(el('h1', {}, 'stepscope report — ' + run.dir));
+  if (run.headline) root.appendChild(el('p', {class: 'sum'}, el('b', {}, run.headline)));
   root.appendChild(el('p', {class: 'sum'}, `${run.ranks} rank(s) on ${Object.keys(run.hosts).length} host(s), ${run.steps} sampled steps (${run.first_step}–${run.last_step}), ${Number(run.duration).toFixed(1)} s, clock ${run.clock}; median step ${f2(run.step_ms.median)} ms (p90 ${f2(run.step_ms.p90)} ms). Timeline: ${run.alignment.method}` + (run.alignment.sync_phase ? `; ranks synchronise in ${run.alignment.sync_phase}.` : '.')));
   if (run.skipped.length) root.appendChild(el('p', {class: 'warn'}, 'Partial report — skipped: ' + run.skipped.join('; ')));
   const ul = el('ul', {class: 'verdicts'});

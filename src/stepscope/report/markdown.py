@@ -22,6 +22,7 @@ def render_markdown(doc: dict[str, Any], images: list[str] | None = None) -> str
     lines = [
         f"# stepscope report — {md_code(run['dir'])}",
         "",
+        *([f"**{md(run['headline'])}**", ""] if run.get("headline") else []),
         f"{run['ranks']} rank(s) on {len(run['hosts'])} host(s), {run['steps']} sampled steps "
         f"({run['first_step']}–{run['last_step']}), {run['duration']:.1f} s, clock {md_code(run['clock'])}. "
         f"Median step {_f(run['step_ms']['median'])} ms (p90 {_f(run['step_ms']['p90'])} ms).",

@@ -134,6 +134,9 @@ def render_terminal(doc: dict[str, Any], console: Any = None) -> None:
         + (f"; ranks synchronise in [bold]{esc(al['sync_phase'])}[/]" if al["sync_phase"] else
            "; no synchronising phase found (ranks analysed independently)")
     )
+    if run.get("headline"):
+        # The first line: what the run lost and to what (analysis/cost.py).
+        con.print(f"[bold]{esc(one_line(run['headline']))}[/]")
     con.print(Panel(head, title="stepscope report", expand=False))
     for crash in run.get("crashes") or []:  # [ops] crash evidence from the heartbeats
         con.print(f"[bold red]crash:[/] {esc(crash['text'])}")

@@ -1,0 +1,195 @@
+"""Change points in a per-step series: where a slow stretch starts and ends, found whole.
+
+A rank slowed for a stretch of steps shows as a level shift in its own-work series (or its
+gap to the other ranks). Flagging single steps against a threshold splits such a stretch
+wherever one step dips under the bar and shortens it where its edges are noisy; here the
+series is first median-filtered (isolated spikes and dips of up to two steps vanish, edges
+stay where they are), then cut by binary segmentation (each cut the one that removes the
+most squared error, while that gain beats a penalty scaled to the series' own noise). Each
+piece gets a level (the median of the raw values in it), and consecutive pieces above the
+baseline by more than a bar merge into one window, so a noisy stretch inside a window
+neither splits nor hides it.
+
+Pure Python (prefix sums; O(n log n) per series).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from stepscope.analysis import robust
+
+#: Width of the median filter (odd): removes runs of up to ``FILTER // 2`` outlying steps.
+FILTER = 5
+#: Smallest piece binary segmentation may cut off.
+MIN_PIECE = 3
+#: Penalty per cut, in units of noise variance times log(n) (BIC-like, generous).
+PENALTY = 4.0
+#: Chance, anywhere in the run, of a cluster of spikes as dense as a window (scattered
+#: scheduling hiccups on a busy host sit close together now and then).
+ALPHA = 0.01
+#: Cuts at most (a run has few regimes; the rest is noise).
+MAX_CUTS = 32
+
+
+@dataclass(frozen=True)
+class Window:
+    """Indices ``[start, end]`` (inclusive) of an elevated stretch and its excess over baseline."""
+
+    start: int
+    end: int
+    excess: float
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start + 1
+
+
+def median_filter(xs: Sequence[float], width: int = FILTER) -> list[float]:
+    """Running median over ``width`` samples (shrinking at the ends)."""
+    if width < 1 or width % 2 == 0:
+        raise ValueError(f"median filter width must be a positive odd number, got {width!r}")
+    h = width // 2
+    n = len(xs)
+    return [robust.median(xs[max(0, i - h):min(n, i + h + 1)]) for i in range(n)]
+
+
+def noise(xs: Sequence[float]) -> float:
+    """Step-to-step noise: robust sigma of successive differences over sqrt 2.
+
+    A level shift moves two differences only, so a window does not inflate it.
+    """
+    d = [float(b) - float(a) for a, b in itertools.pairwise(xs)]
+    return robust.robust_sigma(d) / math.sqrt(2.0) if len(d) >= 2 else 0.0
+
+
+def cuts(xs: Sequence[float], penalty: float, min_piece: int = MIN_PIECE,
+         max_cuts: int = MAX_CUTS) -> list[int]:
+    """Binary segmentation under squared error: sorted indices where a new piece begins."""
+    n = len(xs)
+    s1 = [0.0]
+    s2 = [0.0]
+    for x in xs:
+        s1.append(s1[-1] + float(x))
+        s2.append(s2[-1] + float(x) * float(x))
+
+    def sse(a: int, b: int) -> float:
+        m = b - a
+        if m <= 0:
+            return 0.0
+        t = s1[b] - s1[a]
+        return (s2[b] - s2[a]) - t * t / m
+
+    def best_split(a: int, b: int) -> tuple[float, int]:
+        if b - a < 2 * min_piece:
+            return (-1.0, -1)
+        whole = sse(a, b)
+        return max((whole - sse(a, t) - sse(t, b), t) for t in range(a + min_piece, b - min_piece + 1))
+
+    out: list[int] = []
+    todo = {(0, n): best_split(0, n)}
+    while todo and len(out) < max_cuts:
+        (a, b), (gain, at) = max(todo.items(), key=lambda kv: kv[1][0])
+        if at < 0 or gain <= penalty:
+            break
+        del todo[(a, b)]
+        todo[(a, at)] = best_split(a, at)
+        todo[(at, b)] = best_split(at, b)
+        out.append(at)
+    return sorted(out)
+
+
+def elevated(xs: Sequence[float], bar: float, *, baseline: float | None = None,
+             min_len: int = 5, max_gap: int = 2) -> list[Window]:
+    """Stretches of ``xs`` whose level sits more than ``bar`` above ``baseline``.
+
+    ``baseline`` defaults to the median of ``xs``. Pieces come from :func:`cuts` on the
+    median-filtered series; elevated pieces separated by at most ``max_gap`` steps of lower
+    ones merge (one noisy stretch does not split a window); windows shorter than ``min_len``
+    are dropped. A window's ``excess`` is the median of its raw values minus the baseline.
+    """
+    n = len(xs)
+    if n < min_len or bar < 0:
+        return []
+    raw = [float(x) for x in xs]
+    base = robust.median(raw) if baseline is None else float(baseline)
+    f = median_filter(raw)
+    sigma = max(noise(f), 1e-6 * (abs(base) + 1.0))
+    bounds = [0, *cuts(f, PENALTY * sigma * sigma * math.log(max(n, 2))), n]
+    pieces = [(a, b - 1) for a, b in itertools.pairwise(bounds)]
+    hot = [(a, e) for a, e in pieces if robust.median(raw[a:e + 1]) - base > bar]
+    merged: list[list[int]] = []
+    for a, e in hot:
+        if merged and a - merged[-1][1] - 1 <= max_gap:
+            merged[-1][1] = e
+        else:
+            merged.append([a, e])
+    # A dip shorter than a tenth of the stretch around it is noise inside one window, not
+    # the end of one and the start of another: bridge until nothing changes.
+    changed = True
+    while changed:
+        changed = False
+        for i in range(len(merged) - 1):
+            (a0, e0), (a1, e1) = merged[i], merged[i + 1]
+            if a1 - e0 - 1 <= 0.1 * (e1 - a0 + 1):
+                merged[i:i + 2] = [[a0, e1]]
+                changed = True
+                break
+    for m in merged:
+        a, e = m
+        # Trim edges the filter smeared: an end step at baseline level is not in the window.
+        while e > a and raw[e] - base <= 0.5 * bar and f[e] - base <= 0.5 * bar:
+            e -= 1
+        while a < e and raw[a] - base <= 0.5 * bar and f[a] - base <= 0.5 * bar:
+            a += 1
+        m[:] = [a, e]
+    if baseline is None and merged:
+        # The baseline is the level outside the windows (a long window lifts the whole median).
+        inside = {i for a, e in merged for i in range(a, e + 1)}
+        rest = [x for i, x in enumerate(raw) if i not in inside]
+        if len(rest) >= min_len:
+            base = robust.median(rest)
+    inside = {i for a, e in merged for i in range(a, e + 1)}
+    rest = [x for i, x in enumerate(raw) if i not in inside]
+    out = []
+    for a, e in merged:
+        level = robust.median(raw[a:e + 1]) - base
+        if e - a + 1 < min_len or level <= bar:
+            continue
+        # A window must stand out from every other stretch of its length in the same run: on
+        # a busy machine the whole run drifts between levels, and a stretch no higher than
+        # the run's own drift is noise, however far above the median it sits.
+        drift = rolling_max_median(rest, e - a + 1) - base
+        if level - drift < 0.5 * bar:
+            continue
+        # And it must be denser in high steps than the run's scattered spikes make likely.
+        k = sum(1 for x in raw[a:e + 1] if x - base > bar)
+        k_out = sum(1 for x in raw if x - base > bar) - k
+        if not unlikely_by_chance(k, e - a + 1, k_out, n - (e - a + 1), n):
+            continue
+        out.append(Window(a, e, level))
+    return out
+
+
+def unlikely_by_chance(k: int, span: int, k_out: int, n_out: int, n: int,
+                       alpha: float = ALPHA) -> bool:
+    """Is ``k`` high steps in ``span`` more than the spike rate outside explains?
+
+    A busy host deschedules a rank now and then; the rate of high steps outside the window
+    (at least one per run, so a clean series is not infinitely strict) gives the chance of so
+    dense a cluster anywhere in the run: binomial tail times the window positions.
+    """
+    p = min(0.99, max(k_out, 1) / max(n_out, 1))
+    tail = sum(math.comb(span, j) * p**j * (1.0 - p) ** (span - j) for j in range(k, span + 1))
+    return tail * max(1, n - span + 1) < alpha
+
+
+def rolling_max_median(xs: Sequence[float], width: int) -> float:
+    """The highest median of ``width`` consecutive values (``-inf`` when there are fewer)."""
+    if width < 1 or len(xs) < width:
+        return -math.inf
+    stride = max(1, width // 8)  # neighbours overlap by 7/8: enough, and O(n log w) overall
+    return max(robust.median(xs[i:i + width]) for i in range(0, len(xs) - width + 1, stride))

@@ -1,0 +1,121 @@
+"""What each finding cost the job: time lost, steps affected, share of wall time and GPU-hours.
+
+Every verdict carries a ``cost`` so findings can be ranked by what fixing them would buy,
+and severity follows that price rather than how unusual a number looks:
+
+* ``ms_per_step`` — time the job lost per affected step;
+* ``steps`` — how many analysed steps it touched;
+* ``lost_ms`` — wall time lost over those steps (``ms_per_step * steps``);
+* ``share_of_wall`` — ``lost_ms`` over the job's summed step time (the analysed steps);
+* ``gpu_ms`` / ``share_of_gpu_hours`` — device time lost: a straggler holds every rank of its
+  collective, so it costs its excess times the world size; a phase every rank spends time in
+  costs that time on every rank;
+* ``what_if_step_ms`` — the median step time had the finding not happened.
+
+A finding at or above ``CRITICAL_SHARE`` of the job is critical, at or above
+``WARNING_SHARE`` a warning, anything below a note (``info``). Findings that cost no time
+(memory growth, a device that runs slow with nobody waiting for it) keep their own severity
+rule and a zero time cost.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: Share of the job's time (wall and GPU-hours alike) at or above which a finding is critical.
+CRITICAL_SHARE = 0.05
+#: At or above this share a finding is a warning; below it, a note.
+WARNING_SHARE = 0.01
+
+SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
+
+
+def thresholds() -> dict[str, Any]:
+    """The severity rule as it appears in the JSON report (``run.cost.thresholds``)."""
+    return {
+        "critical_share": CRITICAL_SHARE,
+        "warning_share": WARNING_SHARE,
+        "rule": (f"critical when a finding costs >= {100 * CRITICAL_SHARE:g}% of the job's "
+                 f"step time (and GPU-hours), warning >= {100 * WARNING_SHARE:g}%, "
+                 "otherwise a note"),
+    }
+
+
+def severity(share: float) -> str:
+    """``critical`` / ``warning`` / ``info`` for a share of the job lost."""
+    if share >= CRITICAL_SHARE:
+        return "critical"
+    if share >= WARNING_SHARE:
+        return "warning"
+    return "info"
+
+
+def price(job: dict[str, Any], ms_per_step: float, steps: int, ranks_held: int,
+          step_ms: float | None = None) -> dict[str, Any]:
+    """The ``cost`` block of one finding.
+
+    ``job`` is ``run["cost"]`` (``total_ms``: summed step time of the analysed steps, the
+    median over ranks; ``world_size``; ``median_step_ms``). ``ranks_held`` is how many
+    ranks' device time the loss occupies (the world size when everyone waits). ``step_ms``
+    is the median step time where the finding acts (the run's median when omitted).
+    """
+    ms = max(0.0, float(ms_per_step))
+    n = max(0, int(steps))
+    total = float(job.get("total_ms") or 0.0)
+    world = max(1, int(job.get("world_size") or 1))
+    lost = ms * n
+    gpu = lost * max(1, min(int(ranks_held), world))
+    base = float(step_ms if step_ms is not None else job.get("median_step_ms") or 0.0)
+    return {
+        "ms_per_step": round(ms, 3),
+        "steps": n,
+        "lost_ms": round(lost, 3),
+        "share_of_wall": round(lost / total, 4) if total > 0 else 0.0,
+        "gpu_ms": round(gpu, 3),
+        "share_of_gpu_hours": round(gpu / (total * world), 4) if total > 0 else 0.0,
+        "what_if_step_ms": round(max(0.0, base - ms), 3),
+    }
+
+
+def no_cost(job: dict[str, Any]) -> dict[str, Any]:
+    """The cost block of a finding that costs no step time (yet)."""
+    return price(job, 0.0, 0, 1)
+
+
+def share(cost: dict[str, Any]) -> float:
+    """The larger of a cost's wall and GPU-hour shares: what severity is judged on."""
+    return max(float(cost.get("share_of_wall") or 0.0), float(cost.get("share_of_gpu_hours") or 0.0))
+
+
+def order(verdicts: list[dict[str, Any]]) -> None:
+    """Sort in place: severity first, then time lost (most first); notes keep their order."""
+    verdicts.sort(key=lambda v: (SEVERITY_ORDER[v["severity"]],
+                                 -float((v.get("cost") or {}).get("lost_ms") or 0.0)))
+
+
+def headline(run: dict[str, Any], verdicts: list[dict[str, Any]]) -> str:
+    """The report's first line: what the run lost and to what."""
+    job = run.get("cost") or {}
+    total_s = float(job.get("total_ms") or 0.0) / 1000.0
+    # A wait verdict that carries its cause's cost is that cause seen from the waiters.
+    seen: set[int] = set()
+    costly = []
+    for v in verdicts:
+        c = v.get("cost") or {}
+        if c.get("lost_ms") and id(c) not in seen:
+            seen.add(id(c))
+            costly.append(v)
+    if not costly or all(v["severity"] == "info" for v in costly):
+        small = ""
+        if costly:
+            top = max(costly, key=lambda v: v["cost"]["lost_ms"])
+            small = (f" (largest: {top['kind']}, {100 * share(top['cost']):.1f}% of the "
+                     f"job, below the {100 * WARNING_SHARE:g}% warning bar)")
+        return (f"No costly finding: nothing cost the run >= {100 * WARNING_SHARE:g}% of its "
+                f"{total_s:.1f} s of step time{small}")
+    top = max(costly, key=lambda v: v["cost"]["lost_ms"])
+    c = top["cost"]
+    return (f"The run lost {c['lost_ms'] / 1000.0:.2f} s ({100 * share(c):.1f}% of its "
+            f"{total_s:.1f} s of step time, {c['ms_per_step']:.1f} ms on each of {c['steps']} "
+            f"steps) to {top['kind']}: {top.get('subject') or top['kind']}; without it a step "
+            f"would take {c['what_if_step_ms']:.1f} ms")
