@@ -39,7 +39,7 @@ from stepscope.errors import InstrumentationError, StepscopeWarning
 from stepscope.instrument import gate
 from stepscope.instrument.resources import ResourceMonitor, check_count, check_counts, warn_outside_step
 from stepscope.resolver import Resolver
-from stepscope.sinks import BackgroundWriter, Sink, open_sink
+from stepscope.sinks import BackgroundWriter, Batch, Sink, open_sink
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -459,6 +459,9 @@ class Tracer:
         gate.set_current(None)
         with contextlib.suppress(Exception):  # protect the job: we are already failing
             self._uninstall()
+        if self._resources is not None:
+            # A FLOP counter left entered by an aborted step would slow every later step.
+            self._resources.stop_counter()
         self.warn(f"timing disabled after an internal error: {exc!r}")
 
     def warn(self, msg: str, key: str | None = None) -> None:
@@ -826,7 +829,7 @@ class Tracer:
                     fn(rec)
             return records
 
-        return job
+        return Batch(job, len(steps))  # the count says how many steps a dropped batch held
 
     # ------------------------------------------------------ install / failure
 
