@@ -18,29 +18,61 @@ class RankInfo:
     hostname: str
 
 
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name, "")
+#: The analysis rejects records of larger jobs (``analysis.load.MAX_RANKS``); so does init.
+MAX_WORLD_SIZE = 1_000_000
+
+
+def _env_rank(name: str, default: int) -> int:
+    """An integer env var; ``ValueError`` naming it when set to something else."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
     try:
         return int(raw)
     except ValueError:
-        return default
+        raise ValueError(f"{name}={raw[:40]!r}: expected an integer") from None
+
+
+def check_rank(rank: int, local_rank: int, world_size: int, source: str) -> None:
+    """``ValueError`` naming ``source``'s variables unless ``0 <= rank < world_size <= 10^6``."""
+    if not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise ValueError(f"{source}: world size {world_size} (WORLD_SIZE) must be 1..{MAX_WORLD_SIZE}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"{source}: rank {rank} (RANK) must be in 0..{world_size - 1} "
+                         f"(WORLD_SIZE={world_size})")
+    if not 0 <= local_rank < MAX_WORLD_SIZE:
+        raise ValueError(f"{source}: local rank {local_rank} (LOCAL_RANK) must be 0..{MAX_WORLD_SIZE - 1}")
 
 
 def rank_info() -> RankInfo:
-    """From ``torch.distributed`` when initialised, else torchrun's env vars, else 0 of 1."""
+    """From ``torch.distributed`` when initialised, else torchrun's env vars, else 0 of 1.
+
+    Raises ``ValueError`` naming the variables when they are out of range (``RANK=-3``,
+    ``WORLD_SIZE=0``, a rank not below the world size) or not integers: every record
+    written with them would later be rejected by ``stepscope report``.
+    """
     host = socket.gethostname()
-    local = _env_int("LOCAL_RANK", -1)
+    local = _env_rank("LOCAL_RANK", -1)
     try:
         import torch.distributed as tdist
 
         if tdist.is_available() and tdist.is_initialized():
             rank, world = tdist.get_rank(), tdist.get_world_size()
-            return RankInfo(rank, local if local >= 0 else rank, world, host)
+            info = RankInfo(rank, local if local >= 0 else rank, world, host)
+            check_rank(info.rank, info.local_rank, info.world_size, "torch.distributed")
+            return info
+    except ValueError:
+        raise
     except Exception:  # protect the job: a broken dist module just means "not distributed"
         pass
-    rank = _env_int("RANK", 0)
-    world = _env_int("WORLD_SIZE", 1)
-    return RankInfo(rank, local if local >= 0 else rank, world, host)
+    rank = _env_rank("RANK", 0)
+    world = _env_rank("WORLD_SIZE", 1)
+    if local < -1 or (local == -1 and os.environ.get("LOCAL_RANK", "").strip()):
+        raise ValueError(f"LOCAL_RANK={local}: expected a non-negative integer")
+    info = RankInfo(rank, local if local >= 0 else rank, world, host)
+    check_rank(info.rank, info.local_rank, info.world_size,
+               f"RANK={os.environ.get('RANK', '')!r} WORLD_SIZE={os.environ.get('WORLD_SIZE', '')!r}")
+    return info
 
 
 def free_port() -> int:

@@ -33,7 +33,7 @@ from stepscope.instrument.resources import ResourceMonitor
 from stepscope.record import Step
 from stepscope.recorder import Recorder
 from stepscope.resolver import Resolver
-from stepscope.sinks import BackgroundWriter, Sink, open_sink
+from stepscope.sinks import BackgroundWriter, Batch, Sink, open_sink
 
 #: How long ``finish()`` keeps polling CUDA events before giving up on them (seconds).
 FINISH_TIMEOUT_S = 5.0
@@ -269,7 +269,7 @@ class Session(Recorder):
                     fn(rec)
             return records
 
-        return job
+        return Batch(job, len(steps))  # the count says how many steps a dropped batch held
 
     def _new_resources(self) -> ResourceMonitor:
         cfg = self.config
@@ -382,6 +382,9 @@ class Session(Recorder):
         super().fail(exc)
         with contextlib.suppress(Exception):  # protect the job: we are already failing
             self._uninstall()
+        if self._resources is not None:
+            # A FLOP counter left entered by an aborted step would slow every later step.
+            self._resources.stop_counter()
         self.warn(f"timing disabled after an internal error: {exc!r}")
 
     # ------------------------------------------------------------ instruments

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
+import math
 import os
 import queue
 import sqlite3
+import stat
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -35,8 +38,10 @@ class JsonlSink:
     def __init__(self, out_dir: str | os.PathLike[str], rank: int) -> None:
         self.path = rank_file(out_dir, rank, "jsonl")
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fh = open(self.path, "ab")  # noqa: SIM115 - lives as long as the sink
+        self._fh = _open_append(self.path)
         self._warned = False
+        #: Records that could not be encoded (counted, never raised).
+        self.unwritable = 0
 
     def write(self, records: Sequence[dict[str, Any]]) -> None:
         if not records:
@@ -46,14 +51,82 @@ class JsonlSink:
             self._warned = _warn_gone(self.path, self._warned)
             self._fh.close()
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._fh = open(self.path, "ab")  # noqa: SIM115 - lives as long as the sink
-        # orjson: the encoding runs in this process and competes with training for the GIL,
-        # so the faster encoder is worth its (small, wheel-only) dependency.
-        self._fh.write(b"".join(orjson.dumps(r, option=orjson.OPT_APPEND_NEWLINE) for r in records))
+            self._fh = _open_append(self.path)
+        lines = [encode_record(r) for r in records]
+        kept = [line for line in lines if line is not None]
+        if len(kept) < len(lines):
+            self.unwritable += len(lines) - len(kept)
+        self._fh.write(b"".join(kept))
         self._fh.flush()
 
     def close(self) -> None:
         self._fh.close()
+
+
+#: JSON readers (DuckDB, most languages) hold integers in 64 bits; larger ones become floats.
+_INT_LIMIT = 1 << 63
+
+
+def encode_record(record: dict[str, Any]) -> bytes | None:
+    """One record as a JSON line; ``None`` when even a cleaned copy cannot be encoded.
+
+    The fast path is plain orjson (the encoding competes with training for the GIL). A
+    record it refuses (an integer past 64 bits, a non-string key, an unknown type) is
+    cleaned, never raised: one bad field must not stop the recorder.
+    """
+    try:
+        return orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE)
+    except TypeError:  # orjson.JSONEncodeError is a TypeError
+        pass
+    try:
+        return orjson.dumps(_clean(record, 0), option=orjson.OPT_APPEND_NEWLINE)
+    except (TypeError, ValueError, RecursionError):
+        return None
+
+
+def _clean(obj: Any, depth: int) -> Any:
+    """``obj`` as plain JSON data: huge ints as floats, keys as strings, the rest as text."""
+    if depth > 32:
+        return None
+    if isinstance(obj, bool) or obj is None or isinstance(obj, str):
+        return obj
+    if isinstance(obj, int):
+        if -_INT_LIMIT <= obj < _INT_LIMIT:
+            return obj
+        try:
+            return float(obj)  # a count past 2^63 (FLOPs of a large model's step): a float
+        except OverflowError:
+            return None
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {str(k): _clean(v, depth + 1) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_clean(v, depth + 1) for v in obj]
+    try:
+        return str(obj)[:1000]
+    except Exception:  # protect the job: a broken __str__ loses this field only
+        return None
+
+
+def _open_append(path: Path) -> Any:
+    """``path`` opened for appending, refusing (not blocking on) a FIFO, socket or device."""
+    # O_NONBLOCK: opening a FIFO for writing blocks until a reader appears; with it the
+    # open fails (no reader) or returns, and the type check below refuses it either way.
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags, 0o666)
+    except OSError as exc:
+        if path.exists() and not path.is_file():
+            raise OSError(f"{path} is not a regular file (a FIFO or device?); records are only "
+                          "written to regular files") from exc
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(f"{path} is not a regular file (a FIFO or device?); records are only written "
+                      "to regular files")
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    return os.fdopen(fd, "ab")
 
 
 def _file_gone(path: Path, fd: int) -> bool:
@@ -83,6 +156,8 @@ class SqliteSink:
     def __init__(self, out_dir: str | os.PathLike[str], rank: int) -> None:
         self.path = rank_file(out_dir, rank, "sqlite")
         self._warned = False
+        #: Records that could not be stored (counted, never raised).
+        self.unwritable = 0
         self._open()
         self._insert = (
             f"INSERT INTO {SQLITE_TABLE} VALUES ({', '.join('?' for _ in SQLITE_COLUMNS)})"
@@ -110,8 +185,18 @@ class SqliteSink:
             self._warned = _warn_gone(self.path, self._warned)
             self._con.close()
             self._open()
-        with self._con:
-            self._con.executemany(self._insert, [record_to_row(r) for r in records])
+        rows = [record_to_row(r) for r in records]
+        try:
+            with self._con:
+                self._con.executemany(self._insert, rows)
+        except (OverflowError, sqlite3.InterfaceError, sqlite3.DataError):
+            # One row SQLite cannot hold (an integer past 64 bits) must not lose the batch.
+            with self._con:
+                for row in rows:
+                    try:
+                        self._con.execute(self._insert, tuple(_clean(v, 0) for v in row))
+                    except (OverflowError, sqlite3.InterfaceError, sqlite3.DataError):
+                        self.unwritable += 1
 
     def close(self) -> None:
         self._con.close()
@@ -141,13 +226,37 @@ def open_sink(kind: str, out_dir: str | os.PathLike[str], rank: int) -> Sink:
 
 _STOP = object()
 
+#: Keys this module adds to a record's ``dropped`` section (counts since the previous record).
+QUEUE_FULL = "writer_queue_full"
+UNWRITABLE = "unwritable"
+
+
+class Batch:
+    """A deferred batch: ``fn()`` builds the records of ``steps`` steps on the writer thread.
+
+    The count lets the writer say how many steps a dropped batch held.
+    """
+
+    __slots__ = ("fn", "steps")
+
+    def __init__(self, fn: Callable[[], list[dict[str, Any]]], steps: int) -> None:
+        self.fn = fn
+        self.steps = steps
+
+    def __call__(self) -> list[dict[str, Any]]:
+        return self.fn()
+
 
 class BackgroundWriter:
     """Runs record resolution and ``sink.write`` on a daemon thread, off the training loop.
 
     Items are lists of records, or callables returning one (the tracer's resolver). ``submit``
-    never blocks: when the queue is full (a stalled file system), the item is dropped and
-    counted. The first sink error calls ``on_error`` once and stops writing.
+    never blocks: when the queue is full (a stalled file system), the item is dropped. No
+    loss is silent: the first drop warns once (``StepscopeWarning``), and every dropped step
+    and every record the sink could not encode is counted in :attr:`lost` and written into
+    the ``dropped`` section of the next record that reaches the file (``writer_queue_full``,
+    ``unwritable``), where ``stepscope report`` sums them. The first sink error (a full disk)
+    calls ``on_error`` once and stops writing.
     """
 
     def __init__(
@@ -158,6 +267,10 @@ class BackgroundWriter:
     ) -> None:
         self.sink = sink
         self.dropped_batches = 0
+        #: Steps lost in dropped batches and records the sink could not encode, by reason.
+        self.lost: dict[str, int] = {QUEUE_FULL: 0, UNWRITABLE: 0}
+        self._reported: dict[str, int] = {QUEUE_FULL: 0, UNWRITABLE: 0}
+        self._warned = False
         self._on_error = on_error
         self._q: queue.Queue[Any] = queue.Queue(maxsize=max_batches)
         self._failed = False
@@ -171,6 +284,32 @@ class BackgroundWriter:
             self._q.put_nowait(item)
         except queue.Full:
             self.dropped_batches += 1
+            n = len(item) if isinstance(item, list) else getattr(item, "steps", 1)
+            self.lost[QUEUE_FULL] += n  # one writer (this thread) per key: no lock needed
+            if not self._warned:
+                self._warned = True
+                _warn(f"the record writer is behind (slow file system?); {n} step record(s) "
+                      "dropped, and later drops are counted in the records' dropped."
+                      f"{QUEUE_FULL} and shown by `stepscope report`")
+
+    def _stamp(self, records: list[dict[str, Any]]) -> None:
+        """Add the losses not yet written to the first record's ``dropped`` section."""
+        sink_lost = int(getattr(self.sink, "unwritable", 0))
+        if sink_lost > self.lost[UNWRITABLE]:
+            if not self.lost[UNWRITABLE]:
+                _warn(f"{sink_lost} record(s) could not be encoded and were not written; counted "
+                      f"in the records' dropped.{UNWRITABLE}")
+            self.lost[UNWRITABLE] = sink_lost
+        new = {k: v - self._reported[k] for k, v in self.lost.items() if v > self._reported[k]}
+        if not new:
+            return
+        first = records[0]
+        dropped = first.get("dropped")
+        dropped = dict(dropped) if isinstance(dropped, dict) else {}
+        for k, v in new.items():
+            dropped[k] = int(dropped.get(k, 0)) + v
+            self._reported[k] += v
+        first["dropped"] = dropped
 
     def _run(self) -> None:
         while True:
@@ -182,6 +321,7 @@ class BackgroundWriter:
             try:
                 records = item() if callable(item) else item
                 if records:
+                    self._stamp(records)
                     self.sink.write(records)
             except Exception as exc:  # protect the job: a full disk must not kill training
                 self._failed = True
@@ -205,8 +345,23 @@ class BackgroundWriter:
         return True
 
 
+def _warn(msg: str) -> None:
+    from stepscope.errors import StepscopeWarning
+
+    with contextlib.suppress(Exception):  # warnings set as errors must not reach the job
+        warnings.warn(f"stepscope: {msg}", StepscopeWarning, stacklevel=3)
+
+
 def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
-    """Write a small JSON file so readers never see it half-written."""
+    """Write a small JSON file so readers never see it half-written.
+
+    A deleted output directory is recreated (the run goes on writing into it).
+    """
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(payload, indent=2, default=str), encoding="utf-8")
+    text = json.dumps(payload, indent=2, default=str)
+    try:
+        tmp.write_text(text, encoding="utf-8")
+    except FileNotFoundError:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)

@@ -50,6 +50,7 @@ _COLUMNS = {
     "residual_ms": "DOUBLE",
     "h2d_hidden_ms": "DOUBLE",
     "collectives": _COLL_TYPE,
+    "dropped": "JSON",  # per-record loss counts (writer queue full, unresolved steps)
 }
 _COLUMNS.update(RESOURCE_COLUMNS)  # [metrics] throughput/flops/memory/device/untimed
 _REQUIRED = ("schema", "rank", "step", "start_unix_ns", "step_ms", "phases")
@@ -402,6 +403,11 @@ def _build_tables(con: Any, root: Path, sources: list[Path], skipped: list[str])
             FROM (SELECT rank, step, unnest(collectives) AS c FROM rec
                   WHERE {keep} AND collectives IS NOT NULL)
             WHERE c.op IS NOT NULL AND c.ms IS NOT NULL AND c.ms >= 0"""
+    )
+    # [hostile] steps the recorder counted as lost (records' "dropped"), by reason.
+    con.execute(
+        """CREATE TABLE lost AS SELECT key, sum(try_cast(value::VARCHAR AS BIGINT)) AS n
+           FROM rec, json_each(rec.dropped) WHERE json_type(rec.dropped) = 'OBJECT' GROUP BY 1"""
     )
     con.execute("DROP TABLE rec")
     hosts: dict[str, list[int]] = {}

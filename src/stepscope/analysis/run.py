@@ -52,6 +52,12 @@ def analyze_run(
     return doc
 
 
+def recording_lost(con: Any) -> dict[str, int]:
+    """Sum of the records' ``dropped`` counts by reason (steps never written); zeros left out."""
+    rows = con.execute("SELECT key, n FROM lost ORDER BY 1").fetchall()  # built by load_run
+    return {str(k): int(n) for k, n in rows if n}
+
+
 def _analyze(data: RunData) -> dict[str, Any]:
     con = data.con
     create_phase_samples(con)
@@ -107,6 +113,11 @@ def _analyze(data: RunData) -> dict[str, Any]:
                    "world_size": int(data.world_size or len(data.ranks)),
                    "median_step_ms": round(median_step, 3), "thresholds": cost.thresholds()}
     run.update(analyze_resources(con))  # [metrics] run.throughput / run.memory / run.device
+    run["recording_lost"] = recording_lost(con)  # [hostile] steps the recorder could not write
+    if run["recording_lost"]:
+        lost = ", ".join(f"{n} {k}" for k, n in run["recording_lost"].items())
+        run["skipped"].append(f"steps lost while recording (counted by the recorder): {lost}")
+        run["partial"] = True
     verdicts = diagnose(run, phases, ranks, stragglers, windows)
     # Auto-profile captures live under run: the six top-level keys are the contract.
     run["captures"], trigger_skips = link_triggers(data.run_dir, windows)

@@ -26,16 +26,19 @@ stack differs from the majority's. Among candidates, the one there longest.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import socket
+import stat
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from stepscope.analysis.triggers import run_file
 from stepscope.errors import AnalysisError
-from stepscope.status import KIND
+from stepscope.status import KIND, MAX_MESSAGE
 
 #: A heartbeat older than this many intervals (and at least ``DEAD_FLOOR_S``) is dead.
 DEAD_INTERVALS = 3.0
@@ -46,13 +49,27 @@ STALL_INTERVALS = 2.0
 STALL_STEPS = 10.0
 #: Frames shown from the culprit's stack dump.
 TOP_FRAMES = 8
+#: Bounds on what is read: a heartbeat is a few KB, a stack dump a few hundred KB.
+MAX_HEARTBEAT_BYTES = 1 << 20
+MAX_STACKS_BYTES = 16 << 20
+#: Bounds on values from a heartbeat; outside them a field is unusable (hostile or corrupt).
+MAX_RANKS = 1_000_000
+MAX_PID = (1 << 31) - 1
+MAX_STEP = 1 << 62
+MAX_UNIX = 1e10  # seconds: year 2286
+MAX_SECONDS = 1e9
+MAX_TEXT = 1000
+MAX_STACK_DEPTH = 64
+#: Missing ranks listed by number (the count is always given).
+MAX_LISTED_MISSING = 1000
+_STATES = frozenset({"running", "finished", "crashed"})
 
 _COLLECTIVE_WORDS = (
     "all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter", "broadcast",
     "barrier", "all_to_all", "alltoall", "grad_sync", "nccl", "gloo", "collective",
 )
 _COLLECTIVE_TOKENS = frozenset({"sync", "wait", "comm", "reduce", "gather", "scatter", "send", "recv"})
-_RANK_FILE = re.compile(r"^rank(\d+)\.status\.json$")
+_RANK_FILE = re.compile(r"^rank(\d+)\.status\.json$", re.ASCII)
 
 
 def is_collective(phase: str | None) -> bool:
@@ -80,51 +97,203 @@ def _pid_alive(pid: int) -> bool | None:
     return True
 
 
-def _read_one(path: Path) -> tuple[dict[str, Any] | None, str | None]:
+def read_run_file(root: Path, rel: str, max_bytes: int) -> tuple[bytes | None, str]:
+    """The bytes of ``rel`` inside the run directory ``root``, or ``(None, why not)``.
+
+    The same rules as ``report``: the path must resolve inside the run (a symlink to
+    ``/etc/passwd`` or an absolute ``stacks.path`` is refused), name a regular file (a FIFO
+    would block, ``/dev/zero`` never ends) and hold at most ``max_bytes``. The type and size
+    are checked with ``stat`` before opening and again on the open descriptor, which is
+    opened non-blocking and without following a link swapped in between.
+    """
+    target, why = run_file(root, rel, max_bytes)
+    if target is None:
+        return None, why
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
-        raw = path.read_text(encoding="utf-8")
+        fd = os.open(target, flags)
     except OSError as exc:
-        return None, f"{path.name}: unreadable ({exc.strerror or exc})"
+        return None, f"is unreadable ({exc.strerror or exc})"
     try:
-        doc = json.loads(raw)
-    except ValueError:
-        return None, f"{path.name}: torn or not JSON ({len(raw)} bytes); skipped"
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None, "is not a regular file; not read"
+        chunks: list[bytes] = []
+        left = max_bytes + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+    except OSError as exc:
+        return None, f"is unreadable ({exc.strerror or exc})"
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    if len(data) > max_bytes:
+        return None, f"is larger than {max_bytes:,} bytes; not read"
+    return data, ""
+
+
+def _plain_int(v: object, lo: int, hi: int) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi else None
+
+
+def _number(v: object, lo: float, hi: float) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return None
+    try:
+        f = float(v)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) and lo <= f <= hi else None
+
+
+def _text(v: object, limit: int = MAX_TEXT) -> str | None:
+    return v[:limit] if isinstance(v, str) else None
+
+
+def _names(v: object) -> list[str] | None:
+    """A phase stack: a list of strings, bounded; ``None`` when it is something else."""
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v[:MAX_STACK_DEPTH]):
+        return None
+    return [x[:MAX_TEXT] for x in v[:MAX_STACK_DEPTH]]
+
+
+def _clean_beat(doc: dict[str, Any], name: str, notes: list[str]) -> dict[str, Any] | None:
+    """The heartbeat fields the reader uses, each checked for type and range.
+
+    A required field that is missing or unusable skips the file; an optional one is dropped
+    (with a note). Nothing from the file reaches the views unchecked, so no value (a pid of
+    2^70, a step as a string, a world size of 10^12) can raise further on.
+    """
+    rank = _plain_int(doc.get("rank"), 0, MAX_RANKS - 1)
+    run_id = doc.get("run_id")
+    run_id = str(run_id) if isinstance(run_id, int) and not isinstance(run_id, bool) else run_id
+    updated = _number(doc.get("updated_unix"), 0.0, MAX_UNIX)
+    state = doc.get("state")
+    if rank is None or not isinstance(run_id, str) or updated is None:
+        missing = [k for k in ("rank", "run_id", "updated_unix", "step", "state", "pid") if k not in doc]
+        what = f"missing {missing}" if missing else "rank, run_id or updated_unix of the wrong type or range"
+        notes.append(f"{name}: incomplete heartbeat ({what}); skipped")
+        return None
+    if state not in _STATES:
+        notes.append(f"{name}: unknown state {str(state)[:40]!r}; skipped")
+        return None
+    bad: list[str] = []
+
+    def opt(key: str, value: Any) -> Any:
+        if value is None and doc.get(key) is not None:
+            bad.append(key)
+        return value
+
+    beat: dict[str, Any] = {
+        "kind": KIND,
+        "rank": rank,
+        "run_id": run_id[:MAX_TEXT],
+        "updated_unix": updated,
+        "state": state,
+        "step": opt("step", _plain_int(doc.get("step"), -MAX_STEP, MAX_STEP)),
+        "pid": opt("pid", _plain_int(doc.get("pid"), 1, MAX_PID)),
+        "host": opt("host", _text(doc.get("host"), 255)),
+        "world_size": opt("world_size", _plain_int(doc.get("world_size"), 1, MAX_RANKS)),
+        "interval_s": opt("interval_s", _number(doc.get("interval_s"), 1e-3, MAX_SECONDS)),
+        "last_step": opt("last_step", _plain_int(doc.get("last_step"), -MAX_STEP, MAX_STEP)),
+        "last_step_s": opt("last_step_s", _number(doc.get("last_step_s"), 0.0, MAX_SECONDS)),
+        "in_phase_s": opt("in_phase_s", _number(doc.get("in_phase_s"), 0.0, MAX_SECONDS)),
+        "step_since_unix": opt("step_since_unix", _number(doc.get("step_since_unix"), 0.0, MAX_UNIX)),
+        "phase_stack": opt("phase_stack", _names(doc.get("phase_stack"))) or [],
+    }
+    coll = doc.get("collective")
+    if isinstance(coll, dict) and isinstance(coll.get("op"), str):
+        beat["collective"] = {"op": coll["op"][:MAX_TEXT]}
+    elif coll is not None:
+        bad.append("collective")
+    err = doc.get("error")
+    if isinstance(err, dict):
+        beat["error"] = {
+            "type": _text(err.get("type")),
+            "message": _text(err.get("message"), MAX_MESSAGE),
+            "step": _plain_int(err.get("step"), -MAX_STEP, MAX_STEP),
+            "phase_stack": _names(err.get("phase_stack")) or [],
+            "where": _text(err.get("where")),
+            "unix": _number(err.get("unix"), 0.0, MAX_UNIX),
+        }
+    elif err is not None:
+        bad.append("error")
+    stacks = doc.get("stacks")
+    if isinstance(stacks, dict) and isinstance(stacks.get("path"), str):
+        beat["stacks"] = {"path": stacks["path"][:4096]}
+    elif stacks is not None:
+        bad.append("stacks")
+    if bad:
+        notes.append(f"{name}: field(s) {', '.join(bad)} of the wrong type or out of range; ignored")
+    return beat
+
+
+def _read_one(root: Path, name: str, notes: list[str]) -> dict[str, Any] | None:
+    raw, why = read_run_file(root, name, MAX_HEARTBEAT_BYTES)
+    if raw is None:
+        notes.append(f"{name} {why}")
+        return None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        notes.append(f"{name}: not UTF-8 text; skipped")
+        return None
+    try:
+        doc = json.loads(text)
+    except (ValueError, RecursionError):  # ValueError also covers integers of 4,300+ digits
+        notes.append(f"{name}: torn or not JSON ({len(raw)} bytes); skipped")
+        return None
     if not isinstance(doc, dict) or doc.get("kind") != KIND:
-        return None, f"{path.name}: not a stepscope heartbeat; skipped"
-    need = ("rank", "run_id", "updated_unix", "step", "state", "pid")
-    missing = [k for k in need if k not in doc]
-    bad_types = not isinstance(doc.get("rank"), int) or not isinstance(doc.get("updated_unix"), int | float)
-    if missing or bad_types:
-        return None, f"{path.name}: incomplete heartbeat (missing {missing or 'valid rank/time'}); skipped"
-    return doc, None
+        notes.append(f"{name}: not a stepscope heartbeat; skipped")
+        return None
+    return _clean_beat(doc, name, notes)
 
 
 def read_heartbeats(run_dir: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], list[str], str | None]:
-    """Parse every ``rank*.status.json``; returns (heartbeats, notes, run id from meta.json)."""
+    """Parse every ``rank*.status.json``; returns (heartbeats, notes, run id from meta.json).
+
+    Only files inside the run directory are read (see :func:`read_run_file`); each file is
+    at most :data:`MAX_HEARTBEAT_BYTES` and its fields are checked (see :func:`_clean_beat`).
+    What was skipped, and why, is in the notes.
+    """
     root = Path(run_dir)
     if not root.is_dir():
         raise AnalysisError(f"{root}: no such run directory")
     notes: list[str] = []
     beats: list[dict[str, Any]] = []
-    for path in sorted(root.glob("rank*.status.json"), key=lambda p: p.name):
-        m = _RANK_FILE.match(path.name)
-        if not m:
+    try:
+        names = sorted(e.name for e in os.scandir(root) if _RANK_FILE.match(e.name))
+    except OSError as exc:
+        raise AnalysisError(f"{root}: cannot list the run directory ({exc.strerror or exc})") from None
+    for name in names:
+        m = _RANK_FILE.match(name)
+        assert m is not None
+        digits = m.group(1)
+        if len(digits) > 7 or int(digits) >= MAX_RANKS:
+            notes.append(f"{name[:60]}: rank out of range 0..{MAX_RANKS - 1}; skipped")
             continue
-        doc, why = _read_one(path)
-        if why:
-            notes.append(why)
-        elif doc is not None:
-            if doc["rank"] != int(m.group(1)):
-                notes.append(f"{path.name}: says rank {doc['rank']}; read as rank {m.group(1)}")
-                doc["rank"] = int(m.group(1))
-            beats.append(doc)
+        doc = _read_one(root, name, notes)
+        if doc is None:
+            continue
+        if doc["rank"] != int(digits):
+            notes.append(f"{name}: says rank {doc['rank']}; read as rank {int(digits)}")
+            doc["rank"] = int(digits)
+        beats.append(doc)
     meta_id: str | None = None
-    meta = root / "meta.json"
-    if meta.is_file():
+    if os.path.lexists(root / "meta.json"):
+        raw, why = read_run_file(root, "meta.json", MAX_HEARTBEAT_BYTES)
         try:
-            meta_id = json.loads(meta.read_text(encoding="utf-8")).get("run_id")
-        except (OSError, ValueError, AttributeError):
-            notes.append("meta.json: unreadable; run id taken from the heartbeats")
+            meta = json.loads(raw.decode("utf-8")) if raw is not None else None
+        except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+            meta, why = None, "is not JSON"
+        if isinstance(meta, dict) and isinstance(meta.get("run_id"), str):
+            meta_id = meta["run_id"][:MAX_TEXT]
+        else:
+            notes.append(f"meta.json {why or 'has no run id'}; run id taken from the heartbeats")
     return beats, notes, meta_id
 
 
@@ -138,6 +307,7 @@ def _stall_threshold(beat: dict[str, Any], override: float | None) -> float:
 
 def _rank_view(beat: dict[str, Any], now: float, host: str, stalled_after_s: float | None) -> dict[str, Any]:
     interval = float(beat.get("interval_s") or 5.0)
+    # A clock ahead of this host's (another host, or a bad file) would give negative ages.
     updated_ago = max(0.0, now - float(beat["updated_unix"]))
     stack = [str(p) for p in beat.get("phase_stack") or []]
     written_in_phase = float(beat.get("in_phase_s") or 0.0)
@@ -148,7 +318,7 @@ def _rank_view(beat: dict[str, Any], now: float, host: str, stalled_after_s: flo
     same_host = beat.get("host") == host
     dead_after = max(DEAD_INTERVALS * interval, DEAD_FLOOR_S)
     if live:
-        alive = _pid_alive(int(beat["pid"])) if same_host else None
+        alive = _pid_alive(int(beat["pid"])) if same_host and beat.get("pid") else None
         if alive is False:
             state, live = "dead", False
             reason = (
@@ -170,7 +340,7 @@ def _rank_view(beat: dict[str, Any], now: float, host: str, stalled_after_s: flo
     # A live rank has been in its phase since the write, plus the time since.
     in_phase = written_in_phase + (updated_ago if live or frozen else 0.0)
     step_since = beat.get("step_since_unix")
-    step_age = (now - float(step_since)) if isinstance(step_since, int | float) else in_phase
+    step_age = max(0.0, now - float(step_since)) if isinstance(step_since, int | float) else in_phase
     threshold = _stall_threshold(beat, stalled_after_s)
     if state == "running" and step_age > threshold:
         state = "stalled"
@@ -247,7 +417,7 @@ def _pick_culprit(views: list[dict[str, Any]]) -> tuple[dict[str, Any] | None, s
     if not stuck:
         return None, "no rank is stalled"
     live = [v for v in active if v["state"] in ("running", "stalled")]
-    steps = {v["step"] for v in live}
+    steps = {v["step"] for v in live if v["step"] is not None}
     candidates: list[dict[str, Any]] = []
     why = ""
     if len(steps) > 1:
@@ -273,12 +443,16 @@ def _pick_culprit(views: list[dict[str, Any]]) -> tuple[dict[str, Any] | None, s
     return best, why
 
 
-def read_stack_top(path: Path, n: int = TOP_FRAMES) -> list[str]:
-    """The first ``n`` frames (most recent first) of the main thread in a stack dump."""
-    try:
-        text = path.read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return []
+def read_stack_top(root: Path, rel: str, n: int = TOP_FRAMES) -> tuple[list[str], str]:
+    """The first ``n`` frames (most recent first) of the main thread in a stack dump.
+
+    ``rel`` comes from a heartbeat: it is read only inside the run directory, as a regular
+    file of at most :data:`MAX_STACKS_BYTES` (see :func:`read_run_file`); else ``([], why)``.
+    """
+    raw, why = read_run_file(root, rel, MAX_STACKS_BYTES)
+    if raw is None:
+        return [], why
+    text = raw.decode("utf-8", errors="replace")
     main = None
     m = re.search(r"^# main thread: (0x[0-9a-f]+)", text, re.M)
     if m:
@@ -295,8 +469,8 @@ def read_stack_top(path: Path, n: int = TOP_FRAMES) -> list[str]:
             break
     if chosen is None:
         chosen = blocks[0] if blocks else ""
-    frames = [ln.strip() for ln in chosen.splitlines()[1:] if ln.strip().startswith("File ")]
-    return frames[:n]
+    frames = [ln.strip()[:MAX_TEXT] for ln in chosen.splitlines()[1:] if ln.strip().startswith("File ")]
+    return frames[:n], ""
 
 
 def analyze_status(
@@ -332,9 +506,23 @@ def analyze_status(
         else:
             kept.append(b)
     world = max([int(b.get("world_size") or 0) for b in kept] + [max(b["rank"] for b in kept) + 1])
-    missing = sorted(set(range(world)) - {b["rank"] for b in kept})
-    if missing:
-        notes.append(f"no usable heartbeat for rank(s) {', '.join(map(str, missing))} of {world}")
+    # Bounded: world <= MAX_RANKS, and only the first MAX_LISTED_MISSING are listed.
+    present = {b["rank"] for b in kept}
+    n_missing = world - len(present)
+    missing: list[int] = []
+    for r in range(world):
+        if len(missing) >= min(n_missing, MAX_LISTED_MISSING):
+            break
+        if r not in present:
+            missing.append(r)
+    if n_missing:
+        listed = missing[:20]
+        more = f" and {n_missing - len(listed)} more" if n_missing > len(listed) else ""
+        notes.append(f"no usable heartbeat for rank(s) {', '.join(map(str, listed))}{more} of {world}")
+    ahead = [b["rank"] for b in kept if float(b["updated_unix"]) > now + 60.0]
+    if ahead:
+        notes.append(f"rank(s) {', '.join(map(str, ahead[:20]))}: heartbeat time is ahead of this "
+                     "host's clock; ages read as 0")
     host = socket.gethostname()
     views = sorted((_rank_view(b, now, host, stalled_after_s) for b in kept), key=lambda v: v["rank"])
     culprit_view, why = _pick_culprit(views)
@@ -361,14 +549,18 @@ def analyze_status(
             "why": why,
         }
         if culprit_view.get("stacks_file"):
-            frames = read_stack_top(root / culprit_view["stacks_file"])
+            frames, why = read_stack_top(root, culprit_view["stacks_file"])
             culprit["stack_file"] = culprit_view["stacks_file"]
             culprit["stack_top"] = frames
+            if why:
+                notes.append(f"rank {culprit_view['rank']}'s stack dump "
+                             f"{culprit_view['stacks_file']!r} {why}")
     return {
         "run": {"id": run_id, "world_size": world, "dir": str(root)},
         "ranks": views,
         "culprit": culprit,
         "missing_ranks": missing,
+        "missing_count": n_missing,
         "notes": notes,
         "summary": _summary(views, culprit, why),
     }

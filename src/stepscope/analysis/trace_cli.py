@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from stepscope.errors import AnalysisError
+from stepscope.report.escape import term
 
 
 def trace_command(path: str, as_json: bool = False, markdown: str | None = None,
@@ -27,11 +28,11 @@ def trace_command(path: str, as_json: bool = False, markdown: str | None = None,
                       track_reads=True, done_desc="stepscope trace: analysing"):
             doc = analyse(path, max_bytes=cap).to_dict()
     except AnalysisError as e:
-        print(f"stepscope trace: {e}", file=sys.stderr)
+        print(f"stepscope trace: {term(e)}", file=sys.stderr)
         return 2
     if all(r["events_seen"] == 0 for r in doc["ranks"]):
         reasons = "; ".join(w for r in doc["ranks"] for w in r["warnings"])
-        print(f"stepscope trace: no trace events could be read from {path}: {reasons}",
+        print(f"stepscope trace: no trace events could be read from {term(path)}: {term(reasons)}",
               file=sys.stderr)
         return 2
     if markdown:
@@ -44,7 +45,7 @@ def trace_command(path: str, as_json: bool = False, markdown: str | None = None,
         try:
             Path(markdown).write_text(render_markdown(md_doc), encoding="utf-8")
         except OSError as e:
-            print(f"stepscope trace: cannot write {markdown}: {e}", file=sys.stderr)
+            print(f"stepscope trace: cannot write {term(markdown)}: {term(e)}", file=sys.stderr)
             return 2
     if as_json:
         from stepscope.report.escape import write_json

@@ -68,10 +68,23 @@ COUNT_NAMES = ("tokens", "samples")
 # --------------------------------------------------------------------- validation
 
 
+#: Largest count per step accepted (2^53: exact as a float in every JSON reader).
+MAX_COUNT = 1 << 53
+
+
+#: Largest ``flops_per_step`` accepted (a 405B model at 16M tokens is 4e19).
+MAX_FLOPS_PER_STEP = 1e30
+
+
+def _flop_count(flops: float) -> int | float:
+    """An int while JSON readers hold it in 64 bits, else a float (4e19 FLOPs is real)."""
+    return int(flops) if flops < 2**63 else float(flops)
+
+
 def check_count(name: str, value: Any) -> int:
-    """``value`` as a non-negative int, else ``ValueError`` naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be a non-negative int; got {value!r}")
+    """``value`` as an int in ``0..2^53``, else ``ValueError`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_COUNT:
+        raise ValueError(f"{name} must be an int in 0..2^53 per step; got {str(value)[:40]}")
     return value
 
 
@@ -93,9 +106,10 @@ def check_config(flops_per_step: Any, model_flops: Any, peak_tflops: Any) -> Non
         isinstance(flops_per_step, bool)
         or not isinstance(flops_per_step, int | float)
         or not flops_per_step > 0
-        or flops_per_step == float("inf")
+        or not flops_per_step <= MAX_FLOPS_PER_STEP
     ):
-        raise ConfigError(f"flops_per_step must be a positive number or None; got {flops_per_step!r}")
+        raise ConfigError(f"flops_per_step must be a positive number up to 1e30 or None; "
+                          f"got {str(flops_per_step)[:40]}")
     if model_flops not in (None, "auto"):
         raise ConfigError(f"model_flops must be 'auto' or None; got {model_flops!r}")
     if flops_per_step is not None and model_flops is not None:
@@ -493,12 +507,12 @@ class ResourceMonitor:
         if counted:
             out["untimed"] = True
             if self.flops_per_step is not None:
-                out["flops"] = {"per_step": int(self.flops_per_step), "counted_step": True}
+                out["flops"] = {"per_step": _flop_count(self.flops_per_step), "counted_step": True}
         elif self.flops_per_step is not None and secs > 0 and (
             self.counted_step is None or index > self.counted_step or not self._set_total
         ):
             tflops = self.flops_per_step / secs / 1e12
-            fl: dict[str, Any] = {"per_step": int(self.flops_per_step), "tflops": _sig(tflops)}
+            fl: dict[str, Any] = {"per_step": _flop_count(self.flops_per_step), "tflops": _sig(tflops)}
             if self.peak:
                 fl["mfu"] = _sig(tflops / self.peak)
             out["flops"] = fl
@@ -557,10 +571,14 @@ class ResourceMonitor:
         if self.host and hasattr(self.host, "close"):
             with contextlib.suppress(Exception):
                 self.host.close()
-        if self._counter is not None:
-            with contextlib.suppress(Exception):
-                self._counter.stop()
-            self._counter = None
+        self.stop_counter()
+
+    def stop_counter(self) -> None:
+        """Leave the FLOP counter's dispatch mode if a step left it entered; never raises."""
+        counter, self._counter = self._counter, None
+        if counter is not None:
+            with contextlib.suppress(Exception):  # protect the job: the mode is popped regardless
+                counter.stop()
 
 
 # --------------------------------------------------------------------- live view / summary()

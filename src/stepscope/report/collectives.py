@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from stepscope.report.escape import md, one_line
+from stepscope.report.escape import rich as esc
+
 COLUMNS = ("op", "group", "ranks", "in phases", "calls/step", "MB/step", "ms/step", "wait ms/step",
            "wait share", "bus GB/s")
 
@@ -17,12 +20,16 @@ def _f(x: float | None, nd: int = 2) -> str:
 
 
 def rows(doc: dict[str, Any], limit: int = 20) -> list[list[str]]:
-    """One row of cells per op and group, the most time first (at most ``limit``)."""
+    """One row of plain-text cells per op and group, the most time first (at most ``limit``).
+
+    Op, group and phase names come from the run: one line each, control characters shown as
+    text; each renderer escapes the cells for its format.
+    """
     out = []
     for o in ((doc.get("collectives") or {}).get("ops") or [])[:limit]:
         mb = None if o.get("bytes_per_step") is None else o["bytes_per_step"] / 1e6
-        out.append([str(o["op"]), f"{o['pg']} (n={o['pg_size']})", str(o["ranks"]),
-                    ", ".join(o.get("phases") or []), _f(o["calls_per_step"], 1), _f(mb),
+        out.append([one_line(o["op"]), one_line(f"{o['pg']} (n={o['pg_size']})"), one_line(o["ranks"]),
+                    one_line(", ".join(map(str, o.get("phases") or []))), _f(o["calls_per_step"], 1), _f(mb),
                     _f(o["ms_per_step"]), _f(o["wait_ms_per_step"]),
                     f"{100.0 * (o['wait_share'] or 0.0):.0f}%", _f(o.get("bus_gbps"))])
     return out
@@ -50,9 +57,9 @@ def print_terminal(doc: dict[str, Any], console: Any) -> None:
     for c in COLUMNS:
         t.add_column(c, justify="left" if c in ("op", "group", "in phases") else "right")
     for r in body:
-        t.add_row(*r)
+        t.add_row(*[esc(c) for c in r])
     console.print(t)
-    console.print(f"[dim]{_footer(doc)}[/]")
+    console.print(f"[dim]{esc(_footer(doc))}[/]")
 
 
 def markdown_lines(doc: dict[str, Any]) -> list[str]:
@@ -62,5 +69,5 @@ def markdown_lines(doc: dict[str, Any]) -> list[str]:
         return []
     out = ["## Collectives", "", "| " + " | ".join(COLUMNS) + " |",
            "|" + "---|" * len(COLUMNS)]
-    out += ["| " + " | ".join(c.replace("|", "\\|") for c in r) + " |" for r in body]
-    return [*out, "", f"*{_footer(doc)}*", ""]
+    out += ["| " + " | ".join(md(c) for c in r) + " |" for r in body]
+    return [*out, "", f"*{md(_footer(doc))}*", ""]

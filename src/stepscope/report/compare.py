@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from stepscope.errors import AnalysisError
-from stepscope.report.escape import write_json
+from stepscope.report.escape import md, md_code, term, write_json
 
 
 def _ms(x: float | None) -> str:
@@ -35,8 +35,9 @@ def _rows(doc: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
 def render_compare(doc: dict[str, Any], console: Any = None) -> None:
     """Print the comparison document with rich."""
     from rich.console import Console
-    from rich.markup import escape
     from rich.table import Table
+
+    from stepscope.report.escape import rich as escape
 
     con = console or Console()
     a, b = doc["a"], doc["b"]
@@ -44,7 +45,7 @@ def render_compare(doc: dict[str, Any], console: Any = None) -> None:
         con.print(
             f"[bold]{tag}[/] {escape(run['dir'])}  run {escape(str(run['id']))}, "
             f"{run['world_size']} rank(s), "
-            f"{run['steps']} steps ({run['first_step']}–{run['last_step']}), clock {run['clock']}"
+            f"{run['steps']} steps ({run['first_step']}–{run['last_step']}), clock {escape(run['clock'])}"
         )
     table = Table(show_edge=False, pad_edge=False)
     wide = con.width >= 110  # p90 columns only where they fit (always in JSON/markdown)
@@ -81,8 +82,8 @@ def render_compare(doc: dict[str, Any], console: Any = None) -> None:
     con.print(f"[dim]* significant: {escape(method['significant'])}; {escape(method['interval'])}[/]")
 
 
-def _md_escape(text: str) -> str:
-    return text.replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
+def _md_escape(text: Any) -> str:
+    return md(text)
 
 
 def to_markdown(doc: dict[str, Any]) -> str:
@@ -90,9 +91,9 @@ def to_markdown(doc: dict[str, Any]) -> str:
     lines = [
         "# stepscope compare",
         "",
-        f"- **A**: `{_md_escape(a['dir'])}` (run `{_md_escape(str(a['id']))}`, {a['world_size']} ranks, "
+        f"- **A**: {md_code(a['dir'])} (run {md_code(a['id'])}, {a['world_size']} ranks, "
         f"{a['steps']} steps)",
-        f"- **B**: `{_md_escape(b['dir'])}` (run `{_md_escape(str(b['id']))}`, {b['world_size']} ranks, "
+        f"- **B**: {md_code(b['dir'])} (run {md_code(b['id'])}, {b['world_size']} ranks, "
         f"{b['steps']} steps)",
         "",
         f"**{_md_escape(doc['verdict'])}**",
@@ -114,8 +115,8 @@ def to_markdown(doc: dict[str, Any]) -> str:
         ]
     lines += ["", *(f"- {_md_escape(n)}" for n in doc["notes"])]
     lines += [
-        f"- significant: {doc['method']['significant']}; {doc['method']['interval']}",
-        f"- samples: {doc['method']['step_sample']}; phases: {doc['method']['phase_sample']}",
+        f"- significant: {md(doc['method']['significant'])}; {md(doc['method']['interval'])}",
+        f"- samples: {md(doc['method']['step_sample'])}; phases: {md(doc['method']['phase_sample'])}",
     ]
     return "\n".join(lines) + "\n"
 
@@ -143,26 +144,26 @@ def compare_command(
         with _reading(run_a, run_b):
             doc = compare_runs(run_a, run_b, steps=steps)
     except ValueError as exc:  # a bad --steps
-        print(f"stepscope compare: {exc}", file=sys.stderr)
+        print(f"stepscope compare: {term(exc)}", file=sys.stderr)
         return 2
     except AnalysisError as exc:
-        print(f"stepscope compare: {exc}", file=sys.stderr)
+        print(f"stepscope compare: {term(exc)}", file=sys.stderr)
         return 2
     except (duckdb.Error, OSError, UnicodeError) as exc:
-        print(f"stepscope compare: cannot read runs ({type(exc).__name__}: {exc})", file=sys.stderr)
+        print(f"stepscope compare: cannot read runs ({type(exc).__name__}: {term(exc)})", file=sys.stderr)
         return 2
     note = sys.stderr if as_json else sys.stdout
     if as_json:
         write_json(doc, sys.stdout)
         for n in doc["notes"]:
-            print(f"stepscope compare: {n}", file=sys.stderr)
+            print(f"stepscope compare: {term(n)}", file=sys.stderr)
     else:
         render_compare(doc)
     if markdown:
         try:
             Path(markdown).write_text(to_markdown(doc), encoding="utf-8")
         except OSError as exc:
-            print(f"stepscope compare: cannot write {markdown} ({exc})", file=sys.stderr)
+            print(f"stepscope compare: cannot write {term(markdown)} ({term(exc)})", file=sys.stderr)
             return 2
-        print(f"wrote {markdown}", file=note)
+        print(f"wrote {term(markdown)}", file=note)
     return 0

@@ -22,15 +22,39 @@ _NEWLINES = re.compile(r"[\r\n\u2028\u2029\x0b\x0c\x85]+")
 
 
 def one_line(value: Any) -> str:
-    """``str(value)`` with every line break (and tab) turned into one space."""
-    return _NEWLINES.sub(" ", str(value)).replace("\t", " ")
+    """``str(value)`` with every line break (and tab) turned into one space, and every other
+    control character shown as text (:func:`term`): safe in a table cell of any format."""
+    return term(_NEWLINES.sub(" ", str(value)))
+
+
+# C0 controls (ESC starts CSI/OSC sequences: clear screen, window title, hyperlinks; BEL,
+# backspace and CR rewrite what was printed), DEL, C1 controls (0x9b is a one-byte CSI), and
+# the invisible or direction-changing code points that make text read other than it is.
+_TERM_UNSAFE = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u200b-\u200f\u202a-\u202e\u2028\u2029"
+                          "\u2060-\u2069\ufeff\ufff9-\ufffb]")
+
+
+def _visible(m: re.Match[str]) -> str:
+    c = ord(m.group(0))
+    return f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}"
+
+
+def term(value: Any) -> str:
+    """Data for a terminal: every control character shown as text (``\\x1b``), never obeyed.
+
+    The one terminal escaper: plain ``print`` to a terminal uses it directly; rich output
+    goes through :func:`rich`, which applies it first. A tab becomes a space; a line feed
+    stays (it only starts a line; :func:`one_line` folds it where one line is needed).
+    """
+    return _TERM_UNSAFE.sub(_visible, str(value).replace("\t", " "))
 
 
 def rich(value: Any) -> str:
-    """Data for a rich markup string: ``[`` cannot open a tag (``[/]`` prints as text)."""
+    """Data for a rich markup string: inert for the terminal (:func:`term`), and ``[`` cannot
+    open a tag (``[bold]``, ``[/]`` and ``[link=...]`` print as text)."""
     from rich.markup import escape
 
-    return escape(str(value))
+    return escape(term(value))
 
 
 def md(value: Any) -> str:

@@ -6,7 +6,7 @@ import sys
 from typing import Any
 
 from stepscope.errors import AnalysisError
-from stepscope.report.escape import write_json
+from stepscope.report.escape import term, write_json
 
 
 def load_document(run_dir: str, keep: bool = False) -> dict[str, Any]:
@@ -38,7 +38,7 @@ def report_command(run_dir: str, as_json: bool, markdown: str | None, html: str 
                       track_reads=True, done_desc="analysing (DuckDB)"):
             doc = load_document(run_dir, keep=need_rows)
     except AnalysisError as exc:
-        print(f"stepscope report: {exc}", file=sys.stderr)
+        print(f"stepscope report: {term(exc)}", file=sys.stderr)
         return 2
     data = doc.get("_data")
     # With --json stdout carries only the document; notes go to stderr.
@@ -48,7 +48,7 @@ def report_command(run_dir: str, as_json: bool, markdown: str | None, html: str 
             # Non-finite numbers (NaN/inf from bad records) become null: always valid JSON.
             write_json(public(doc), sys.stdout)
             for s in doc["run"]["skipped"]:
-                print(f"stepscope report: skipped: {s}", file=sys.stderr)
+                print(f"stepscope report: skipped: {term(s)}", file=sys.stderr)
         else:
             from stepscope.report.terminal import render_terminal
 
@@ -58,15 +58,15 @@ def report_command(run_dir: str, as_json: bool, markdown: str | None, html: str 
 
             with progress(None, "writing markdown and plots"):
                 written = write_markdown(doc, markdown)
-            print(f"wrote {', '.join(written)}", file=note)
+            print(f"wrote {term(', '.join(written))}", file=note)
         if html:
             from stepscope.report.html import write_html
 
             with progress(None, "writing HTML"):
                 page = write_html(doc, html)
-            print(f"wrote {page}", file=note)
+            print(f"wrote {term(page)}", file=note)
     except OSError as exc:
-        print(f"stepscope report: cannot write output ({exc})", file=sys.stderr)
+        print(f"stepscope report: cannot write output ({term(exc)})", file=sys.stderr)
         return 2
     finally:
         if data is not None:

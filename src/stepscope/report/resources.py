@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from stepscope.report.escape import rich as esc
+
 _DEVICE_COLS = (("sm_clock_mhz", "SM clock MHz"), ("power_w", "power W"), ("temp_c", "temp °C"),
                 ("util_pct", "util %"))
 
@@ -79,13 +81,13 @@ def render_terminal(doc: dict[str, Any], con: Any) -> None:
     line = headline(doc)
     head, rows = rank_table(doc)
     if line:
-        con.print(f"\n[bold]Throughput & memory[/] {line}")
+        con.print(f"\n[bold]Throughput & memory[/] {esc(line)}")
     if rows:
         t = Table(title="Throughput, memory and device health per rank")
         for c in head:
             t.add_column(c, justify="right")
         for row in rows[:64]:
-            t.add_row(*row)
+            t.add_row(*[esc(c) for c in row])
         con.print(t)
 
 

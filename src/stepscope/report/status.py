@@ -6,7 +6,7 @@ import sys
 from typing import Any
 
 from stepscope.errors import AnalysisError
-from stepscope.report.escape import write_json
+from stepscope.report.escape import term, write_json
 
 _STATE_STYLE = {
     "running": "green",
@@ -21,8 +21,9 @@ _STATE_STYLE = {
 def render_status(doc: dict[str, Any], console: Any = None) -> None:
     """Print the status document with rich."""
     from rich.console import Console
-    from rich.markup import escape
     from rich.table import Table
+
+    from stepscope.report.escape import rich as escape
 
     con = console or Console()
     run = doc["run"]
@@ -36,8 +37,8 @@ def render_status(doc: dict[str, Any], console: Any = None) -> None:
             str(v["rank"]),
             escape(str(v.get("host") or "-")),
             str(v.get("pid") or "-"),
-            f"[{style}]{v['state']}[/]" if style else v["state"],
-            str(v.get("step")),
+            f"[{style}]{escape(v['state'])}[/]" if style else escape(v["state"]),
+            escape(v.get("step")),
             escape("/".join(v["phase_stack"]) or "-"),
             f"{v['in_phase_s']:.1f} s",
             f"{v['updated_s_ago']:.1f} s ago",
@@ -56,7 +57,7 @@ def render_status(doc: dict[str, Any], console: Any = None) -> None:
     if cul is not None:
         where = "/".join(cul["phase_stack"]) or "no phase"
         con.print(
-            f"[bold red]culprit: rank {cul['rank']}[/] ({cul['state']}) in [bold]{escape(where)}[/] "
+            f"[bold red]culprit: rank {cul['rank']}[/] ({escape(cul['state'])}) in [bold]{escape(where)}[/] "
             f"at step {cul['step']} for {cul['since_s']:.1f} s — {escape(cul['why'])}"
         )
         if cul.get("stack_top"):
@@ -65,7 +66,7 @@ def render_status(doc: dict[str, Any], console: Any = None) -> None:
                 con.print(f"  {escape(frame)}", soft_wrap=True)
     con.print(escape(doc["summary"]))
     for note in doc["notes"]:
-        con.print(f"[dim]note: {escape(note)}[/]")
+        con.print(f"[dim]note: {escape(note)}[/]", soft_wrap=True)
 
 
 def status_command(run_dir: str, as_json: bool, stalled_after_s: float | None = None) -> int:
@@ -75,12 +76,18 @@ def status_command(run_dir: str, as_json: bool, stalled_after_s: float | None = 
     try:
         doc = analyze_status(run_dir, stalled_after_s=stalled_after_s)
     except AnalysisError as exc:
-        print(f"stepscope status: {exc}", file=sys.stderr)
+        print(f"stepscope status: {term(exc)}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError, TypeError, RecursionError, MemoryError) as exc:
+        # The heartbeats are checked field by field; this is the last line against a file
+        # shape nobody foresaw: the operator gets a one-line answer, not a traceback.
+        print(f"stepscope status: {term(run_dir)}: could not read the heartbeats ({term(repr(exc))})",
+              file=sys.stderr)
         return 2
     if as_json:
         write_json(doc, sys.stdout)
         for note in doc["notes"]:
-            print(f"stepscope status: {note}", file=sys.stderr)
+            print(f"stepscope status: {term(note)}", file=sys.stderr)
     else:
         render_status(doc)
     return 0
