@@ -36,7 +36,7 @@ from stepscope.clock import Clock, CudaClock, GpuAnchor, default_clock
 from stepscope.config import Config
 from stepscope.dist import RankInfo, rank_info
 from stepscope.errors import InstrumentationError, StepscopeWarning
-from stepscope.instrument import gate
+from stepscope.instrument import gate, unwrap
 from stepscope.instrument.resources import ResourceMonitor, check_count, check_counts, warn_outside_step
 from stepscope.resolver import Resolver
 from stepscope.sinks import BackgroundWriter, Sink, open_sink
@@ -217,6 +217,7 @@ class Tracer:
         sink: Sink | None = None,
         rank: RankInfo | None = None,
     ) -> None:
+        model, optimizer = unwrap.module(model), unwrap.optimizer(optimizer)  # framework wrappers
         _check_targets(model, optimizer)
         self.config = config
         self.rank = rank if rank is not None else rank_info()
@@ -842,8 +843,12 @@ class Tracer:
         if optimizer is not None and "optimizer" in auto:
             from stepscope.instrument.hooks import attach_optimizer
 
-            self._uninstallers.append(attach_optimizer(self, optimizer))
-            self._auto_active.add("optimizer")
+            try:
+                self._uninstallers.append(attach_optimizer(self, optimizer))
+                self._auto_active.add("optimizer")
+            except Exception as exc:  # protect the job: drop only this phase, keep all other timing
+                self.warn(f"the optimizer phase is not timed: cannot hook {type(optimizer).__name__} "
+                          f"({exc!r}); pass the underlying torch.optim.Optimizer")
         if "h2d" in auto:
             from stepscope.instrument.h2d import install_patch
 
