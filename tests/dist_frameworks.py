@@ -93,3 +93,136 @@ def launch_accelerate(out_dir: str | os.PathLike[str], ranks: int = 2, steps: in
                       slow: tuple[demo.SlowSpec, ...] = ()) -> Path:
     """accelerate over gloo (CPU) with the prepared model/optimizer/loader; the run directory."""
     return _spawn(_accelerate_worker, out_dir, ranks, steps, tuple(slow))
+
+
+# ------------------------------------------------------------------ tensor parallel
+
+
+class _FeedForward(nn.Module):
+    """A transformer MLP block: column-parallel up projection, row-parallel down projection."""
+
+    def __init__(self, injector: demo._Injector, dim: int = 64, hidden: int = 256) -> None:
+        super().__init__()
+        self.injector = injector
+        self.in_proj = nn.Linear(dim, hidden)
+        self.relu = nn.ReLU()
+        self.out_proj = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.relu(self.in_proj(x))
+        # Slowness between the two projections: before the forward all-reduce of the
+        # row-parallel output, and (backward) before the column-parallel input's all-reduce.
+        self.injector.sleep("forward")
+        h = demo._SlowGrad.apply(h, self.injector)
+        out: torch.Tensor = self.out_proj(h)
+        return out
+
+
+def _tp_worker(rank: int, world: int, port: int, out_dir: str, steps: int,
+               slow: tuple[demo.SlowSpec, ...]) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    _env(rank, world, port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        torch.manual_seed(0)
+        injector = demo._Injector(rank, slow)
+        # An embedding-like first layer: the block's input needs a gradient, so backward
+        # all-reduces it (the column-parallel input's Partial gradient).
+        model = nn.Sequential(nn.Linear(64, 64), _FeedForward(injector), nn.Linear(64, 10))
+        parallelize_module(model[1], mesh, {"in_proj": ColwiseParallel(),
+                                            "out_proj": RowwiseParallel()})
+        opt = demo._SlowSGD(model.parameters(), lr=0.01, foreach=False)
+        opt.injector = injector
+        stepscope.init(out_dir=out_dir, model=model, optimizer=opt, run_id="tp",
+                       auto={"forward", "backward", "optimizer"})
+        loss_fn = nn.CrossEntropyLoss()
+        g = torch.Generator().manual_seed(0)  # every TP rank sees the same batch
+        for step in range(steps):
+            x, y = torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g)
+            injector.step = step
+            with stepscope.step():
+                loss_fn(model(x), y).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        stepscope.finish()
+    finally:
+        dist.destroy_process_group()
+
+
+def launch_tp(out_dir: str | os.PathLike[str], ranks: int = 2, steps: int = 40,
+              slow: tuple[demo.SlowSpec, ...] = ()) -> Path:
+    """Tensor parallel (Colwise/RowwiseParallel on a 1-D CPU mesh) over gloo; the run directory."""
+    return _spawn(_tp_worker, out_dir, ranks, steps, tuple(slow))
+
+
+# ------------------------------------------------------------------ pipeline parallel
+
+
+class _StageBlock(nn.Module):
+    """One pipeline stage's layers; sleeps in forward when this stage is injected."""
+
+    def __init__(self, injector: demo._Injector, n_micro: int, dim: int = 64) -> None:
+        super().__init__()
+        self.injector = injector
+        self.n_micro = n_micro
+        self.layers = nn.Sequential(nn.Linear(dim, dim), nn.ReLU(), nn.Linear(dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The step's injected delay, spread over its micro-batches.
+        delay = sum(s.delay_s(self.injector.rank, "forward", self.injector.step)
+                    for s in self.injector.slow) / self.n_micro
+        if delay > 0:
+            import time
+
+            time.sleep(delay)
+        out: torch.Tensor = self.layers(x)
+        return out
+
+
+def _pp_worker(rank: int, world: int, port: int, out_dir: str, steps: int,
+               slow: tuple[demo.SlowSpec, ...], schedule_name: str, n_micro: int) -> None:
+    from torch.distributed import pipelining
+
+    _env(rank, world, port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(rank)
+        injector = demo._Injector(rank, slow)
+        block = _StageBlock(injector, n_micro)
+        stage = pipelining.PipelineStage(block, stage_index=rank, num_stages=world,
+                                         device=torch.device("cpu"))
+        schedule_cls = getattr(pipelining, schedule_name)
+        schedule = schedule_cls(stage, n_microbatches=n_micro, loss_fn=nn.MSELoss())
+        opt = torch.optim.SGD(block.parameters(), lr=0.01)
+        stepscope.init(out_dir=out_dir, model=block, optimizer=opt, run_id="pp",
+                       auto={"forward", "backward", "optimizer"})
+        g = torch.Generator().manual_seed(0)
+        for step in range(steps):
+            x, y = torch.randn(8 * n_micro, 64, generator=g), torch.randn(8 * n_micro, 64, generator=g)
+            injector.step = step
+            with stepscope.step():
+                if rank == 0:
+                    schedule.step(x)
+                elif rank == world - 1:
+                    schedule.step(target=y, losses=[])
+                else:
+                    schedule.step()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        stepscope.finish()
+    finally:
+        dist.destroy_process_group()
+
+
+def launch_pipeline(out_dir: str | os.PathLike[str], ranks: int = 2, steps: int = 30,
+                    slow: tuple[demo.SlowSpec, ...] = (), schedule: str = "ScheduleGPipe",
+                    n_micro: int = 2) -> Path:
+    """``torch.distributed.pipelining``, one stage per rank, over gloo; the run directory."""
+    return _spawn(_pp_worker, out_dir, ranks, steps, tuple(slow), schedule, n_micro)

@@ -157,7 +157,8 @@ def diagnose(
             "suggestion": "Nothing to do: the copy is overlapped (keep pin_memory=True, "
             "non_blocking=True)",
         })
-    res = shares.get("residual", 0.0)
+    # Waits outside every phase (pipeline send/recv, a collective in user code) are waits.
+    res = rank_share(phases, "residual", "own_share")
     if res >= HOST_SHARE[0]:
         bottlenecks.append({
             "kind": "host_overhead",

@@ -10,7 +10,8 @@ sqlite extension needs a network download. The result is two tables on one conne
 ``phases`` (rank, step, name, parent, ms, s, calls, e, path) — one row per phase; ``s``/``e`` are
            offsets in ms from the step start; ``path`` ("forward/h2d") is the key (derived
            from name and parent for schema-1 records, whose ``parent`` is a name).
-``colls``  (rank, step, phase, op, pg, pg_size, count, bytes, ms, max_ms, seq_first, seq_last) —
+``colls``  (rank, step, phase, op, pg, pg_size, count, bytes, ms, max_ms, seq_first, seq_last,
+           recv_bytes) —
            the records' ``collectives`` sections (schema 2), one row per (phase, op, pg).
 """
 
@@ -34,7 +35,7 @@ _PHASE_TYPE = (
 )
 _COLL_TYPE = (
     "STRUCT(phase VARCHAR, op VARCHAR, pg VARCHAR, pg_size BIGINT, count BIGINT, bytes BIGINT,"
-    " ms DOUBLE, max_ms DOUBLE, seq_first BIGINT, seq_last BIGINT)[]"
+    " ms DOUBLE, max_ms DOUBLE, seq_first BIGINT, seq_last BIGINT, recv_bytes BIGINT)[]"
 )
 _COLUMNS = {
     "schema": "BIGINT",
@@ -398,7 +399,8 @@ def _build_tables(con: Any, root: Path, sources: list[Path], skipped: list[str])
             SELECT CAST(rank AS INTEGER) AS rank, step, c.phase AS phase, c.op AS op,
                    coalesce(c.pg, 'default') AS pg, c.pg_size AS pg_size,
                    coalesce(c.count, 1) AS count, c.bytes AS bytes, c.ms AS ms,
-                   c.max_ms AS max_ms, c.seq_first AS seq_first, c.seq_last AS seq_last
+                   c.max_ms AS max_ms, c.seq_first AS seq_first, c.seq_last AS seq_last,
+                   c.recv_bytes AS recv_bytes
             FROM (SELECT rank, step, unnest(collectives) AS c FROM rec
                   WHERE {keep} AND collectives IS NOT NULL)
             WHERE c.op IS NOT NULL AND c.ms IS NOT NULL AND c.ms >= 0"""

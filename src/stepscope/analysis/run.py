@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from stepscope.analysis.coverage import add_coverage_sections
 from stepscope.analysis.diagnose import diagnose
 from stepscope.analysis.load import RunData, load_run
 from stepscope.analysis.resources import analyze_resources
@@ -105,7 +106,7 @@ def _analyze(data: RunData) -> dict[str, Any]:
     run["captures"], trigger_skips = link_triggers(data.run_dir, windows)
     run["skipped"].extend(trigger_skips)
     run["crashes"] = crash_evidence(data.run_dir)  # [ops] from the heartbeat files
-    return {
+    doc: dict[str, Any] = {
         "run": run,
         "phases": phases,
         "ranks": ranks,
@@ -115,3 +116,5 @@ def _analyze(data: RunData) -> dict[str, Any]:
         # Additive: per op and process group (the six keys above are the contract).
         "collectives": att.collectives,
     }
+    add_coverage_sections(con, doc)  # [coverage] pipeline / experts / blind paths
+    return doc
