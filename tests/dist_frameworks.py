@@ -226,3 +226,88 @@ def launch_pipeline(out_dir: str | os.PathLike[str], ranks: int = 2, steps: int 
                     n_micro: int = 2) -> Path:
     """``torch.distributed.pipelining``, one stage per rank, over gloo; the run directory."""
     return _spawn(_pp_worker, out_dir, ranks, steps, tuple(slow), schedule, n_micro)
+
+
+# ------------------------------------------------------------------ expert parallel
+
+
+class _MoE(nn.Module):
+    """One expert per rank; tokens routed with ``all_to_all_single`` and uneven splits.
+
+    ``skew`` is the share of every rank's tokens its router sends to expert (rank) ``hot``;
+    the rest is spread evenly. ``per_token_ms`` makes expert compute cost grow with the tokens
+    an expert receives (as it does on a device), so the busy expert's rank arrives last at
+    the all-to-all that returns the tokens.
+    """
+
+    def __init__(self, world: int, hot: int, skew: float, per_token_ms: float,
+                 dim: int = 32) -> None:
+        super().__init__()
+        self.world, self.hot, self.skew, self.per_token_ms = world, hot, skew, per_token_ms
+        self.gate = nn.Linear(dim, world)
+        self.expert = nn.Sequential(nn.Linear(dim, 64), nn.ReLU(), nn.Linear(64, dim))
+
+    def _splits(self, n: int) -> list[int]:
+        if self.skew <= 0:
+            base = [n // self.world] * self.world
+        else:
+            hot = round(self.skew * n)
+            rest = (n - hot) // (self.world - 1)
+            base = [hot if e == self.hot else rest for e in range(self.world)]
+        base[-1] += n - sum(base)
+        return base
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import time
+
+        from torch.distributed import _functional_collectives as funcol
+
+        scores = self.gate(x)
+        order = scores.argmax(dim=-1).argsort()  # a deterministic stand-in for routing
+        send_splits = self._splits(x.shape[0])
+        counts = torch.tensor(send_splits)
+        recv_counts = torch.empty_like(counts)
+        dist.all_to_all_single(recv_counts, counts)  # how many tokens each expert gets
+        recv_splits = recv_counts.tolist()
+        routed = x[order]
+        # torchtitan's MoE dispatch/combine: autograd-aware functional all-to-all.
+        tokens = funcol.all_to_all_single_autograd(routed, recv_splits, send_splits, dist.group.WORLD)
+        time.sleep(self.per_token_ms * tokens.shape[0] / 1000.0)
+        out = self.expert(tokens)
+        back = funcol.all_to_all_single_autograd(out, send_splits, recv_splits, dist.group.WORLD)
+        combined = torch.empty_like(back)
+        combined[order] = back
+        result: torch.Tensor = x + combined * scores.softmax(-1).max(-1, keepdim=True).values
+        return result
+
+
+def _moe_worker(rank: int, world: int, port: int, out_dir: str, steps: int, hot: int,
+                skew: float, per_token_ms: float) -> None:
+    _env(rank, world, port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(rank)
+        model = nn.Sequential(nn.Linear(32, 32), _MoE(world, hot, skew, per_token_ms),
+                              nn.Linear(32, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        stepscope.init(out_dir=out_dir, model=model, optimizer=opt, run_id="moe",
+                       auto={"forward", "backward", "optimizer"})
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(steps):
+            x, y = torch.randn(64, 32, generator=g), torch.randint(0, 4, (64,), generator=g)
+            with stepscope.step():
+                nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        stepscope.finish()
+    finally:
+        dist.destroy_process_group()
+
+
+def launch_moe(out_dir: str | os.PathLike[str], ranks: int = 2, steps: int = 30, hot: int = 1,
+               skew: float = 0.0, per_token_ms: float = 0.5) -> Path:
+    """A mixture-of-experts layer over gloo, one expert per rank; the run directory.
+
+    ``skew=0`` routes evenly; ``skew=0.8`` sends 80% of every rank's tokens to rank ``hot``.
+    """
+    return _spawn(_moe_worker, out_dir, ranks, steps, hot, skew, per_token_ms)

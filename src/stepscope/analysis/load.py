@@ -11,7 +11,7 @@ sqlite extension needs a network download. The result is two tables on one conne
            offsets in ms from the step start; ``path`` ("forward/h2d") is the key (derived
            from name and parent for schema-1 records, whose ``parent`` is a name).
 ``colls``  (rank, step, phase, op, pg, pg_size, count, bytes, ms, max_ms, seq_first, seq_last,
-           recv_bytes) —
+           recv_bytes, recv_max_bytes) —
            the records' ``collectives`` sections (schema 2), one row per (phase, op, pg).
 """
 
@@ -35,7 +35,8 @@ _PHASE_TYPE = (
 )
 _COLL_TYPE = (
     "STRUCT(phase VARCHAR, op VARCHAR, pg VARCHAR, pg_size BIGINT, count BIGINT, bytes BIGINT,"
-    " ms DOUBLE, max_ms DOUBLE, seq_first BIGINT, seq_last BIGINT, recv_bytes BIGINT)[]"
+    " ms DOUBLE, max_ms DOUBLE, seq_first BIGINT, seq_last BIGINT, recv_bytes BIGINT,"
+    " recv_max_bytes BIGINT)[]"
 )
 _COLUMNS = {
     "schema": "BIGINT",
@@ -400,7 +401,7 @@ def _build_tables(con: Any, root: Path, sources: list[Path], skipped: list[str])
                    coalesce(c.pg, 'default') AS pg, c.pg_size AS pg_size,
                    coalesce(c.count, 1) AS count, c.bytes AS bytes, c.ms AS ms,
                    c.max_ms AS max_ms, c.seq_first AS seq_first, c.seq_last AS seq_last,
-                   c.recv_bytes AS recv_bytes
+                   c.recv_bytes AS recv_bytes, c.recv_max_bytes AS recv_max_bytes
             FROM (SELECT rank, step, unnest(collectives) AS c FROM rec
                   WHERE {keep} AND collectives IS NOT NULL)
             WHERE c.op IS NOT NULL AND c.ms IS NOT NULL AND c.ms >= 0"""

@@ -483,7 +483,8 @@ def summarize(
 
     ``entries`` are the tuples the tracer kept: ``(op, pg, pg_size, nbytes, start, end,
     phase_path, seq, gap[, recv_bytes])`` (``recv_bytes`` only from all-to-all: kept as the
-    entry's ``recv_bytes`` beside ``bytes``, the bytes sent), ``gap`` being ``None`` or the
+    entry's ``recv_bytes`` beside ``bytes``, the bytes sent, and ``recv_max_bytes``, the most
+    one call received: uneven MoE routing shows there), ``gap`` being ``None`` or the
     ``(issue_end, wait_start)`` marks of an async call, whose span (overlapped work) is not
     time in the collective; ``elapsed_ms`` is the clock's reader (all marks are ready by now).
     """
@@ -503,9 +504,11 @@ def summarize(
             }
             if recv is not None:
                 out[key]["recv_bytes"] = recv
+                out[key]["recv_max_bytes"] = recv
         else:
             if recv is not None:
                 e["recv_bytes"] = e.get("recv_bytes", 0) + recv
+                e["recv_max_bytes"] = max(e.get("recv_max_bytes", 0), recv)
             e["count"] += 1
             e["bytes"] += nbytes
             e["ms"] += ms
