@@ -5,8 +5,8 @@ A mixture-of-experts layer sends each token to the rank holding its expert with 
 (``bytes``) and received (``recv_bytes``), and the most one call delivered
 (``recv_max_bytes``): the dispatch that hands a popular expert's rank its tokens. (Summed
 over a step, dispatch and combine cancel: what a rank receives in one it sends in the
-other.) A rank that receives far more than the others (its expert is popular) computes longer and arrives last at the all-to-all that
-returns the tokens, so the others wait there: that wait (from the one rule, table ``cw``) is
+other.) A rank that receives far more than the others (its expert is popular) computes
+longer and arrives last at the all-to-all that returns the tokens, so the others wait there: that wait (from the one rule, table ``cw``) is
 the cost in time.
 """
 
