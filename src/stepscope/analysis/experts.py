@@ -6,8 +6,8 @@ A mixture-of-experts layer sends each token to the rank holding its expert with 
 (``recv_max_bytes``): the dispatch that hands a popular expert's rank its tokens. (Summed
 over a step, dispatch and combine cancel: what a rank receives in one it sends in the
 other.) A rank that receives far more than the others (its expert is popular) computes
-longer and arrives last at the all-to-all that returns the tokens, so the others wait there: that wait (from the one rule, table ``cw``) is
-the cost in time.
+longer and arrives last at the all-to-all that returns the tokens, so the others wait
+there: that wait (from the one rule, table ``cw``) is the cost in time.
 """
 
 from __future__ import annotations
