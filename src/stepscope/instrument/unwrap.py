@@ -106,3 +106,11 @@ def uses_ddp(model: Any) -> bool:
             isinstance(m, FSDPModule) for m in model.modules())
     except ImportError:  # an old torch without FSDP2
         return False
+
+
+def ddp_forward_active() -> bool:
+    """Whether a ``DistributedDataParallel`` forward is running now (the model passed was
+    the module inside DDP, as the HF Trainer's and Lightning's callbacks see it)."""
+    import torch
+
+    return torch.nn.parallel.DistributedDataParallel._get_active_ddp_module() is not None
