@@ -7,11 +7,14 @@ use. Injections are 25-40 ms, far above a busy 2-core machine's jitter.
 
 from __future__ import annotations
 
+import io
 from typing import Any
 
 import pytest
 
 from stepscope.analysis.run import analyze_run
+from stepscope.report.markdown import render_markdown
+from stepscope.report.terminal import make_console, render_terminal
 
 demo = pytest.importorskip("stepscope.demo")
 frameworks = pytest.importorskip("dist_frameworks")
@@ -98,6 +101,12 @@ def test_pipeline_slow_stage_is_named(tmp_path: Any, stages: int, slow_stage: in
     bubbles = {st["stage"]: st["bubble_ms"] for st in pipe["stages"]}
     assert len(bubbles) == stages
     assert all(bubbles[i] > bubbles[slow_stage] + 0.5 * ms for i in bubbles if i != slow_stage)
+    # The terminal and markdown reports show the stage table and name the bottleneck.
+    out = io.StringIO()
+    render_terminal(doc, make_console(out))
+    md = render_markdown(doc)
+    for text in (out.getvalue(), md):
+        assert "Pipeline stages" in text and f"bottleneck: stage {slow_stage}" in text
 
 
 # ------------------------------------------------------------------ expert parallel
@@ -121,6 +130,7 @@ def test_moe_skewed_router_is_named(moe: dict[str, dict[str, Any]]) -> None:
     by_rank = {r["rank"]: r for r in g["ranks"]}
     assert by_rank[1]["max_call_recv_bytes"] > 1.4 * by_rank[0]["max_call_recv_bytes"]
     assert doc["stragglers"][0]["rank"] == 1
+    assert "Expert parallel" in render_markdown(doc)
 
 
 def test_moe_balanced_router_is_quiet(moe: dict[str, dict[str, Any]]) -> None:

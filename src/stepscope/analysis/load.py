@@ -13,6 +13,8 @@ sqlite extension needs a network download. The result is two tables on one conne
 ``colls``  (rank, step, phase, op, pg, pg_size, count, bytes, ms, max_ms, seq_first, seq_last,
            recv_bytes, recv_max_bytes) —
            the records' ``collectives`` sections (schema 2), one row per (phase, op, pg).
+``unseen`` (rank, step, path, n) — collectives issued where they could not be timed (the
+           records' ``unseen_<path>`` counters).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ _COLUMNS = {
     "residual_ms": "DOUBLE",
     "h2d_hidden_ms": "DOUBLE",
     "collectives": _COLL_TYPE,
+    "counters": "JSON",
 }
 _COLUMNS.update(RESOURCE_COLUMNS)  # [metrics] throughput/flops/memory/device/untimed
 _REQUIRED = ("schema", "rank", "step", "start_unix_ns", "step_ms", "phases")
@@ -405,6 +408,15 @@ def _build_tables(con: Any, root: Path, sources: list[Path], skipped: list[str])
             FROM (SELECT rank, step, unnest(collectives) AS c FROM rec
                   WHERE {keep} AND collectives IS NOT NULL)
             WHERE c.op IS NOT NULL AND c.ms IS NOT NULL AND c.ms >= 0"""
+    )
+    # Collectives issued where they cannot be timed (instrument/collectives.py UNSEEN).
+    con.execute(
+        f"""CREATE TABLE unseen AS
+            SELECT CAST(rank AS INTEGER) AS rank, step, substr(k, 8) AS path,
+                   CAST(json_extract(counters, '$."' || k || '"') AS DOUBLE) AS n
+            FROM (SELECT rank, step, counters, unnest(json_keys(counters)) AS k FROM rec
+                  WHERE {keep} AND counters IS NOT NULL)
+            WHERE starts_with(k, 'unseen_')"""
     )
     con.execute("DROP TABLE rec")
     hosts: dict[str, list[int]] = {}

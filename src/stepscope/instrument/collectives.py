@@ -32,9 +32,9 @@ per-group sequence number (counted over the calls this process timed, so the sam
 rank that samples the same steps), and the phase path open at arrival.
 
 Not seen: DDP's bucketed all-reduce (issued from C++; timed by the ``grad_sync`` phase),
-functional collectives (``torch.distributed._functional_collectives``, DTensor), calls inside a
-``_coalescing_manager`` block (the real work happens at its exit, in C++), and
-``batch_isend_irecv``, and functions a module bound by name (``from torch.distributed import
+calls inside a ``_coalescing_manager`` block (the real work happens at its exit, in C++;
+``batch_isend_irecv`` on NCCL uses one), counted per step as the ``unseen_coalesced`` counter
+so the report says so, and functions a module bound by name (``from torch.distributed import
 all_reduce``) before the patch went in. An async Work waited after its step ends is attached
 to the next sampled step; one never waited (e.g. only ``get_future()``, as DDP comm hooks do)
 is never recorded. Nested calls
@@ -223,6 +223,24 @@ def release(rec: Any, mark: Any) -> None:
         rec.clock.release(mark)
 
 
+#: Paths whose collectives stepscope cannot time, counted per step as ``unseen_<path>``
+#: counters so the report says which (their waits are not attributed).
+UNSEEN = {
+    "coalesced": "collectives issued inside a coalescing block (batch_isend_irecv on NCCL, "
+    "_coalescing_manager): the work runs at the block's exit, in C++",
+    "traced": "functional collectives called while tracing (make_fx, fake or proxy "
+    "modes): they run inside the captured graph",
+}
+
+
+def unseen(rec: Any, path: str) -> None:
+    """Count one collective this rank issued where it cannot be timed (see :data:`UNSEEN`)."""
+    try:
+        rec.add_counter(f"unseen_{path}", 1)
+    except Exception as exc:  # protect the job: the call itself goes through untouched
+        _disable(exc)
+
+
 def add(rec: Any, op: str, pid: str, size: int, nbytes: int, start: Any, end: Any,
         path: str | None, seq: int, gap: tuple[Any, Any] | None, recv: int | None) -> None:
     """Hand one timed call to the recorder (``recv`` only where it differs from ``nbytes``)."""
@@ -268,7 +286,11 @@ def _make_patched(spec: _Spec) -> Callable[..., Any]:
         if _is_compiling():
             return orig(*args, **kwargs)
         rec = gate.current()
-        if rec is None or _tls.inside or _disabled or world.pg_coalesce_state:
+        if rec is None or _tls.inside or _disabled:
+            return orig(*args, **kwargs)
+        if world.pg_coalesce_state:
+            # Issued inside a coalescing block: the real work runs at its exit, in C++.
+            unseen(rec, "coalesced")
             return orig(*args, **kwargs)
         try:
             path = rec.current_path()

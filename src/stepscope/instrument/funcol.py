@@ -93,7 +93,10 @@ def _make(name: str, orig: Callable[..., Any], col: Any) -> Callable[..., Any]:
         if col._is_compiling() or col._disabled or col._tls.inside:
             return orig(*args, **kwargs)
         rec = gate.current()
-        if rec is None or tracing():
+        if rec is None:
+            return orig(*args, **kwargs)
+        if tracing():
+            col.unseen(rec, "traced")  # captured into a graph: runs there, untimed
             return orig(*args, **kwargs)
         try:
             path = rec.current_path()
