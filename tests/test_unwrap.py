@@ -108,3 +108,17 @@ def test_compiled_and_ddp_wrappers_are_named() -> None:
     assert unwrap.module(compiled) is compiled  # its own hooks run eagerly around the call
     assert not unwrap.uses_ddp(compiled)
     assert unwrap.optimizer(None) is None
+
+
+def test_lightning_optimizer_is_unwrapped() -> None:
+    pytest.importorskip("lightning")
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    model = nn.Linear(8, 2)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    wrapped = LightningOptimizer(inner)
+    assert isinstance(wrapped, torch.optim.Optimizer) and not unwrap.hookable_optimizer(wrapped)
+    assert unwrap.optimizer(wrapped) is inner
+    sink = MemorySink()
+    _train(_tracer(model, wrapped, sink), model, inner)
+    assert "optimizer" in _phases(sink)
