@@ -178,7 +178,8 @@ def _forget(pending: tuple[Any, ...]) -> None:
 
 def _make_wait(orig: Callable[..., Any], col: Any) -> Callable[..., Any]:
     def wait_tensor(tensor: Any) -> Any:
-        if not _pending or col._disabled:
+        # is_compiling first: while dynamo traces, it folds to True and nothing else is touched.
+        if col._is_compiling() or not _pending or col._disabled:
             return orig(tensor)
         key = _key(tensor)
         with _lock:
