@@ -429,11 +429,17 @@ def test_two_ranks_record_every_op_with_matching_groups_and_sequences(ops_run):
             ), k
         ar = keys[0][("ops", "all_reduce", "world")]
         assert (ar["count"], ar["bytes"], ar["pg_size"]) == (2, 64, 2)
-        sub = [k for k in keys[0] if k[2] not in ("world",)]
+        sub = [k for k in coll_keys if k[2] not in ("world",)]
         assert {k[2] for k in sub} == {"g0-1#1"}  # the new_group, told apart from the world
         assert keys[0][("ops", "all_gather_into_tensor", "world")]["bytes"] == 64
         assert keys[0][("ops", "reduce_scatter_tensor", "world")]["bytes"] == 32
-        assert keys[0][("p2p", "isend", "world")]["bytes"] == 12
+        assert keys[0][("p2p", "isend", "world:0>1")]["bytes"] == 12
+        # A point-to-point call names its link (src>dst), the same id on both ends.
+        for op, link in (("send", "0>1"), ("recv", "1>0"), ("isend", "0>1"), ("irecv", "1>0")):
+            assert ("p2p", op, f"world:{link}") in keys[0]
+            other = {"send": "recv", "recv": "send", "isend": "irecv", "irecv": "isend"}[op]
+            assert ("p2p", other, f"world:{link}") in keys[1]
+            assert keys[0][("p2p", op, f"world:{link}")]["pg_size"] == 2
 
 
 @pytest.mark.slow

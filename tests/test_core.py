@@ -303,6 +303,7 @@ def test_backward_is_timed_again_after_a_backward_that_raised(mem_tracer):
 def test_gradient_penalty_first_does_not_turn_grad_sync_off(mem_tracer, monkeypatch):
     """torch.autograd.grad accumulates no parameter; calibration must retry, not give up."""
     monkeypatch.setattr(hooks, "_distributed", lambda: True)
+    monkeypatch.setattr(hooks.unwrap, "ddp_forward_active", lambda: True)  # as inside DDP
     model = MLP()
     tr = mem_tracer(model=model, flush_every_n_steps=1)
     x = torch.randn(4, 8, requires_grad=True)

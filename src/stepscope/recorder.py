@@ -228,10 +228,12 @@ class Recorder:
     def add_collective(
         self, op: str, pg: str, pg_size: int, nbytes: int, start: Any, end: Any,
         phase_path: str | None, *, seq: int = 0, gap: tuple[Any, Any] | None = None,
+        recv_bytes: int | None = None,
     ) -> None:
         """One timed collective (see :mod:`stepscope.instrument.collectives`), attached to the
         current step or, during a pre-step phase, to the next one. ``gap`` is the
         ``(issue_end, wait_start)`` marks of an async call: overlapped work, not collective time.
+        ``recv_bytes``: bytes this rank received, where it differs from ``nbytes`` (all-to-all).
         """
         step = self._reporting_step()
         if step is None:
@@ -239,7 +241,8 @@ class Recorder:
             for m in (start, end, *(gap or ())):
                 rel(m)
             return
-        step.collectives.append((op, pg, pg_size, nbytes, start, end, phase_path, seq, gap))
+        step.collectives.append((op, pg, pg_size, nbytes, start, end, phase_path, seq, gap,
+                                 recv_bytes))
 
     def set_step_fields(self, fields: dict[str, Any]) -> None:
         """Merge extra top-level record sections (throughput, memory, ...) into the open step."""

@@ -406,8 +406,12 @@ class Session(Recorder):
         if optimizer is not None and "optimizer" in auto:
             from stepscope.instrument.hooks import attach_optimizer
 
-            self._uninstallers.append(attach_optimizer(self, optimizer))  # type: ignore[arg-type]
-            self._auto_active.add("optimizer")
+            try:
+                self._uninstallers.append(attach_optimizer(self, optimizer))  # type: ignore[arg-type]
+                self._auto_active.add("optimizer")
+            except Exception as exc:  # protect the job: drop only this phase, keep all other timing
+                self.warn(f"the optimizer phase is not timed: cannot hook {type(optimizer).__name__} "
+                          f"({exc!r}); pass the underlying torch.optim.Optimizer")
         if "h2d" in auto:
             from stepscope.instrument.h2d import install_patch
 

@@ -22,6 +22,7 @@ from stepscope.clock import Clock, default_clock
 from stepscope.config import Config
 from stepscope.dist import RankInfo, agree_at_init, rank_info
 from stepscope.errors import InstrumentationError
+from stepscope.instrument import unwrap
 from stepscope.instrument.resources import check_count, check_counts, warn_outside_step
 from stepscope.session import FINISH_TIMEOUT_S, RECENT_RECORDS, Session
 from stepscope.sinks import Sink
@@ -117,6 +118,7 @@ class Tracer(Session):
         sink: Sink | None = None,
         rank: RankInfo | None = None,
     ) -> None:
+        model, optimizer = unwrap.module(model), unwrap.optimizer(optimizer)  # framework wrappers
         _check_targets(model, optimizer)
         #: What the recording ranks agreed at init: one run id, and whether the live side group
         #: exists (created on every member or on none, whatever each rank's config says).

@@ -10,8 +10,11 @@ sqlite extension needs a network download. The result is two tables on one conne
 ``phases`` (rank, step, name, parent, ms, s, calls, e, path) — one row per phase; ``s``/``e`` are
            offsets in ms from the step start; ``path`` ("forward/h2d") is the key (derived
            from name and parent for schema-1 records, whose ``parent`` is a name).
-``colls``  (rank, step, phase, op, pg, pg_size, count, bytes, ms, max_ms, seq_first, seq_last) —
+``colls``  (rank, step, phase, op, pg, pg_size, count, bytes, ms, max_ms, seq_first, seq_last,
+           recv_bytes, recv_max_bytes) —
            the records' ``collectives`` sections (schema 2), one row per (phase, op, pg).
+``unseen`` (rank, step, path, n) — collectives issued where they could not be timed (the
+           records' ``unseen_<path>`` counters).
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ _PHASE_TYPE = (
 )
 _COLL_TYPE = (
     "STRUCT(phase VARCHAR, op VARCHAR, pg VARCHAR, pg_size BIGINT, count BIGINT, bytes BIGINT,"
-    " ms DOUBLE, max_ms DOUBLE, seq_first BIGINT, seq_last BIGINT)[]"
+    " ms DOUBLE, max_ms DOUBLE, seq_first BIGINT, seq_last BIGINT, recv_bytes BIGINT,"
+    " recv_max_bytes BIGINT)[]"
 )
 _COLUMNS = {
     "schema": "BIGINT",
@@ -51,6 +55,7 @@ _COLUMNS = {
     "h2d_hidden_ms": "DOUBLE",
     "collectives": _COLL_TYPE,
     "dropped": "JSON",  # per-record loss counts (writer queue full, unresolved steps)
+    "counters": "JSON",
 }
 _COLUMNS.update(RESOURCE_COLUMNS)  # [metrics] throughput/flops/memory/device/untimed
 _REQUIRED = ("schema", "rank", "step", "start_unix_ns", "step_ms", "phases")
@@ -399,7 +404,8 @@ def _build_tables(con: Any, root: Path, sources: list[Path], skipped: list[str])
             SELECT CAST(rank AS INTEGER) AS rank, step, c.phase AS phase, c.op AS op,
                    coalesce(c.pg, 'default') AS pg, c.pg_size AS pg_size,
                    coalesce(c.count, 1) AS count, c.bytes AS bytes, c.ms AS ms,
-                   c.max_ms AS max_ms, c.seq_first AS seq_first, c.seq_last AS seq_last
+                   c.max_ms AS max_ms, c.seq_first AS seq_first, c.seq_last AS seq_last,
+                   c.recv_bytes AS recv_bytes, c.recv_max_bytes AS recv_max_bytes
             FROM (SELECT rank, step, unnest(collectives) AS c FROM rec
                   WHERE {keep} AND collectives IS NOT NULL)
             WHERE c.op IS NOT NULL AND c.ms IS NOT NULL AND c.ms >= 0"""
@@ -408,6 +414,15 @@ def _build_tables(con: Any, root: Path, sources: list[Path], skipped: list[str])
     con.execute(
         """CREATE TABLE lost AS SELECT key, sum(try_cast(value::VARCHAR AS BIGINT)) AS n
            FROM rec, json_each(rec.dropped) WHERE json_type(rec.dropped) = 'OBJECT' GROUP BY 1"""
+    )
+    # Collectives issued where they cannot be timed (instrument/collectives.py UNSEEN).
+    con.execute(
+        f"""CREATE TABLE unseen AS
+            SELECT CAST(rank AS INTEGER) AS rank, step, substr(k, 8) AS path,
+                   CAST(json_extract(counters, '$."' || k || '"') AS DOUBLE) AS n
+            FROM (SELECT rank, step, counters, unnest(json_keys(counters)) AS k FROM rec
+                  WHERE {keep} AND counters IS NOT NULL)
+            WHERE starts_with(k, 'unseen_')"""
     )
     con.execute("DROP TABLE rec")
     hosts: dict[str, list[int]] = {}

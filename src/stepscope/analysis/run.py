@@ -6,6 +6,7 @@ import os
 from typing import Any
 
 from stepscope.analysis import cost
+from stepscope.analysis.coverage import add_coverage_sections
 from stepscope.analysis.diagnose import diagnose
 from stepscope.analysis.load import RunData, load_run
 from stepscope.analysis.resources import analyze_resources
@@ -123,8 +124,7 @@ def _analyze(data: RunData) -> dict[str, Any]:
     run["captures"], trigger_skips = link_triggers(data.run_dir, windows)
     run["skipped"].extend(trigger_skips)
     run["crashes"] = crash_evidence(data.run_dir)  # [ops] from the heartbeat files
-    run["headline"] = cost.headline(run, verdicts)
-    return {
+    doc: dict[str, Any] = {
         "run": run,
         "phases": phases,
         "ranks": ranks,
@@ -134,3 +134,6 @@ def _analyze(data: RunData) -> dict[str, Any]:
         # Additive: per op and process group (the six keys above are the contract).
         "collectives": att.collectives,
     }
+    add_coverage_sections(con, doc)  # [coverage] pipeline / experts / blind paths
+    run["headline"] = cost.headline(run, doc["verdicts"])
+    return doc

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stepscope.analysis import changepoint, robust
+from stepscope.analysis.pipeline import IS_P2P, build_p2p_waits
 from stepscope.analysis.stats import RESIDUAL, phase_order
 from stepscope.analysis.waits import sql_wait
 
@@ -274,14 +275,17 @@ def build_waits(con: Any, n_ranks: int, al: Alignment,
             SELECT c.*, count(*) OVER w = e.n AND min(c.count) OVER w = max(c.count) OVER w
                         AS matched,
                    min(c.seq_first) OVER w IS DISTINCT FROM max(c.seq_first) OVER w AS seq_shift
-            FROM call c JOIN cexp e USING (pg)
+            FROM call c JOIN cexp e USING (pg) WHERE NOT c.{IS_P2P}
             WINDOW w AS (PARTITION BY {part})"""
     )
+    build_p2p_waits(con)  # point-to-point links: their two ends, not the group
     con.execute(
         f"""CREATE OR REPLACE TABLE cw AS
             SELECT *, {sql_wait('ms', part)} AS wait FROM cm WHERE matched
-            UNION ALL SELECT *, CAST(0.0 AS DOUBLE) AS wait FROM cm WHERE NOT matched"""
+            UNION ALL SELECT *, CAST(0.0 AS DOUBLE) AS wait FROM cm WHERE NOT matched
+            UNION ALL BY NAME SELECT * FROM p2pw"""
     )
+    con.execute("DROP TABLE p2pw")
     con.execute("DROP TABLE cm")
     bad = con.execute(
         """SELECT count(*), count(DISTINCT step), string_agg(DISTINCT op || '@' || pg, ', ')

@@ -32,9 +32,9 @@ per-group sequence number (counted over the calls this process timed, so the sam
 rank that samples the same steps), and the phase path open at arrival.
 
 Not seen: DDP's bucketed all-reduce (issued from C++; timed by the ``grad_sync`` phase),
-functional collectives (``torch.distributed._functional_collectives``, DTensor), calls inside a
-``_coalescing_manager`` block (the real work happens at its exit, in C++), and
-``batch_isend_irecv``, and functions a module bound by name (``from torch.distributed import
+calls inside a ``_coalescing_manager`` block (the real work happens at its exit, in C++;
+``batch_isend_irecv`` on NCCL uses one), counted per step as the ``unseen_coalesced`` counter
+so the report says so, and functions a module bound by name (``from torch.distributed import
 all_reduce``) before the patch went in. An async Work waited after its step ends is attached
 to the next sampled step; one never waited (e.g. only ``get_future()``, as DDP comm hooks do)
 is never recorded. Nested calls
@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import sys
 import threading
 import time
 import warnings
@@ -60,7 +61,7 @@ from typing import Any
 import torch
 
 from stepscope.errors import StepscopeWarning
-from stepscope.instrument import gate
+from stepscope.instrument import funcol, gate
 from stepscope.instrument.patch import SharedPatch
 
 #: function name → the parameter whose tensor(s) give the byte count (None: no payload).
@@ -148,6 +149,31 @@ def group_info(group: Any) -> tuple[str, int] | None:
     return info
 
 
+#: Point-to-point ops: (peer parameter, group-relative peer parameter, this rank sends).
+P2P: dict[str, tuple[str, str, bool]] = {
+    "send": ("dst", "group_dst", True), "isend": ("dst", "group_dst", True),
+    "recv": ("src", "group_src", False), "irecv": ("src", "group_src", False),
+}
+
+
+def p2p_id(pid: str, name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+           group: Any) -> str:
+    """The id of a point-to-point link, ``"<group>:<src>><dst>"`` in global ranks.
+
+    The same on both ends (the sender's send and the receiver's recv), so the analysis
+    pairs them; ``?`` for a receive from any source.
+    """
+    c10d = torch.distributed.distributed_c10d
+    key, gkey, sends = P2P[name]
+    peer = args[1] if len(args) > 1 else kwargs.get(key)
+    if peer is None and kwargs.get(gkey) is not None:
+        g: Any = group if group is not None else c10d._world.default_pg
+        peer = c10d.get_global_rank(g, kwargs[gkey])
+    me = c10d.get_rank()
+    other = "?" if peer is None else str(int(peer))
+    return f"{pid}:{me}>{other}" if sends else f"{pid}:{other}>{me}"
+
+
 def _nbytes(obj: Any) -> int:
     if isinstance(obj, torch.Tensor):
         return obj.numel() * obj.element_size()
@@ -159,7 +185,7 @@ def _nbytes(obj: Any) -> int:
 class _Spec:
     """Where a function's group / async_op / payload arguments sit, found once at install."""
 
-    __slots__ = ("async_i", "group_i", "name", "orig", "payload", "payload_i")
+    __slots__ = ("async_i", "group_i", "name", "orig", "payload", "payload_i", "recv", "recv_i")
 
     def __init__(self, name: str, orig: Callable[..., Any]) -> None:
         self.name = name
@@ -169,6 +195,8 @@ class _Spec:
         self.payload_i = params.index(self.payload) if self.payload in params else -1
         self.group_i = params.index("group") if "group" in params else -1
         self.async_i = params.index("async_op") if "async_op" in params else -1
+        self.recv = _RECV.get(name)
+        self.recv_i = params.index(self.recv) if self.recv in params else -1
 
     def arg(self, args: tuple[Any, ...], kwargs: dict[str, Any], i: int, key: str | None) -> Any:
         if 0 <= i < len(args):
@@ -177,6 +205,50 @@ class _Spec:
 
 
 # ------------------------------------------------------------------ the patched calls
+
+#: all-to-all ops: the parameter holding what this rank receives (uneven splits: MoE routing).
+_RECV: dict[str, str] = {"all_to_all_single": "output", "all_to_all": "output_tensor_list"}
+
+
+def next_seq(pid: str) -> int:
+    """The next per-group sequence number (shared by every patched collective path)."""
+    seq = _seq.get(pid, 0) + 1
+    _seq[pid] = seq
+    return seq
+
+
+def release(rec: Any, mark: Any) -> None:
+    """Give a clock mark back, never raising (the job's own error is what propagates)."""
+    with contextlib.suppress(Exception):
+        rec.clock.release(mark)
+
+
+#: Paths whose collectives stepscope cannot time, counted per step as ``unseen_<path>``
+#: counters so the report says which (their waits are not attributed).
+UNSEEN = {
+    "coalesced": "collectives issued inside a coalescing block (batch_isend_irecv on NCCL, "
+    "_coalescing_manager): the work runs at the block's exit, in C++",
+    "traced": "functional collectives called while tracing (make_fx, fake or proxy "
+    "modes): they run inside the captured graph",
+}
+
+
+def unseen(rec: Any, path: str) -> None:
+    """Count one collective this rank issued where it cannot be timed (see :data:`UNSEEN`)."""
+    try:
+        rec.add_counter(f"unseen_{path}", 1)
+    except Exception as exc:  # protect the job: the call itself goes through untouched
+        _disable(exc)
+
+
+def add(rec: Any, op: str, pid: str, size: int, nbytes: int, start: Any, end: Any,
+        path: str | None, seq: int, gap: tuple[Any, Any] | None, recv: int | None) -> None:
+    """Hand one timed call to the recorder (``recv`` only where it differs from ``nbytes``)."""
+    if recv:
+        rec.add_collective(op, pid, size, nbytes, start, end, path, seq=seq, gap=gap,
+                           recv_bytes=recv)
+    else:
+        rec.add_collective(op, pid, size, nbytes, start, end, path, seq=seq, gap=gap)
 
 
 def _disable(exc: BaseException) -> None:
@@ -214,7 +286,11 @@ def _make_patched(spec: _Spec) -> Callable[..., Any]:
         if _is_compiling():
             return orig(*args, **kwargs)
         rec = gate.current()
-        if rec is None or _tls.inside or _disabled or world.pg_coalesce_state:
+        if rec is None or _tls.inside or _disabled:
+            return orig(*args, **kwargs)
+        if world.pg_coalesce_state:
+            # Issued inside a coalescing block: the real work runs at its exit, in C++.
+            unseen(rec, "coalesced")
             return orig(*args, **kwargs)
         try:
             path = rec.current_path()
@@ -245,14 +321,19 @@ def _make_patched(spec: _Spec) -> Callable[..., Any]:
                 rec.clock.release(start)
                 return out
             pid, size = info
-            seq = _seq.get(pid, 0) + 1
-            _seq[pid] = seq
+            if name in P2P:
+                pid, size = p2p_id(pid, name, args, kwargs,
+                                   spec.arg(args, kwargs, spec.group_i, "group")), 2
+            seq = next_seq(pid)
             payload = spec.arg(args, kwargs, spec.payload_i, spec.payload)
             nbytes = _nbytes(payload) if spec.payload is not None else 0
+            recv = (_nbytes(spec.arg(args, kwargs, spec.recv_i, spec.recv))
+                    if spec.recv is not None else None)
             if is_async:
                 issued = rec.clock.mark()
-                return _timed_work(out, (rec, name, pid, size, nbytes, start, path, seq, issued))
-            rec.add_collective(name, pid, size, nbytes, start, rec.clock.mark(), path, seq=seq)
+                return _timed_work(out, (rec, name, pid, size, nbytes, start, path, seq, issued,
+                                         recv))
+            add(rec, name, pid, size, nbytes, start, rec.clock.mark(), path, seq, None, recv)
         except Exception as exc:  # protect the job: the call already happened; return its result
             _disable(exc)
         return out
@@ -302,11 +383,9 @@ def _build_work_class() -> type:
             if pending is None or wait_start is None:
                 return
             try:
-                rec, name, pid, size, nbytes, start, path, seq, issued = pending
-                end = rec.clock.mark()
-                rec.add_collective(
-                    name, pid, size, nbytes, start, end, path, seq=seq, gap=(issued, wait_start)
-                )
+                rec, name, pid, size, nbytes, start, path, seq, issued, recv = pending
+                add(rec, name, pid, size, nbytes, start, rec.clock.mark(), path, seq,
+                    (issued, wait_start), recv)
             except Exception as exc:  # protect the job
                 _disable(exc)
 
@@ -395,6 +474,7 @@ def _apply() -> None:
         for mod in _targets():
             if getattr(mod, name, None) is orig:
                 setattr(mod, name, patched)
+    funcol.apply(sys.modules[__name__])
 
 
 def _restore() -> None:
@@ -404,6 +484,7 @@ def _restore() -> None:
             if getattr(cur, "__wrapped__", None) is orig:
                 setattr(mod, name, orig)
     _originals.clear()
+    funcol.restore()
 
 
 _patch = SharedPatch(_apply, _restore)
@@ -423,12 +504,16 @@ def summarize(
     """The record's ``collectives`` section: one dict per (phase, op, pg), first-seen order.
 
     ``entries`` are the tuples the tracer kept: ``(op, pg, pg_size, nbytes, start, end,
-    phase_path, seq, gap)``, ``gap`` being ``None`` or the ``(issue_end, wait_start)`` marks of
-    an async call, whose span (overlapped work) is not time in the collective;
-    ``elapsed_ms`` is the clock's reader (all marks are ready by now).
+    phase_path, seq, gap[, recv_bytes])`` (``recv_bytes`` only from all-to-all: kept as the
+    entry's ``recv_bytes`` beside ``bytes``, the bytes sent, and ``recv_max_bytes``, the most
+    one call received: uneven MoE routing shows there), ``gap`` being ``None`` or the
+    ``(issue_end, wait_start)`` marks of an async call, whose span (overlapped work) is not
+    time in the collective; ``elapsed_ms`` is the clock's reader (all marks are ready by now).
     """
     out: dict[tuple[Any, str, str], dict[str, Any]] = {}
-    for op, pg, size, nbytes, start, end, path, seq, gap in entries:
+    for entry in entries:
+        op, pg, size, nbytes, start, end, path, seq, gap = entry[:9]
+        recv = entry[9] if len(entry) > 9 else None
         ms = elapsed_ms(start, end)
         if gap is not None:
             ms -= elapsed_ms(gap[0], gap[1])
@@ -439,7 +524,13 @@ def summarize(
                 "phase": path, "op": op, "pg": pg, "pg_size": size, "count": 1, "bytes": nbytes,
                 "ms": ms, "max_ms": ms, "seq_first": seq, "seq_last": seq,
             }
+            if recv is not None:
+                out[key]["recv_bytes"] = recv
+                out[key]["recv_max_bytes"] = recv
         else:
+            if recv is not None:
+                e["recv_bytes"] = e.get("recv_bytes", 0) + recv
+                e["recv_max_bytes"] = max(e.get("recv_max_bytes", 0), recv)
             e["count"] += 1
             e["bytes"] += nbytes
             e["ms"] += ms

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from stepscope.instrument import gate
+from stepscope.instrument import gate, unwrap
 
 if TYPE_CHECKING:
     from stepscope.tracer import Tracer
@@ -87,6 +87,8 @@ class _ModelHooks:
         self._calibration: list[Any] = []
         self._last_seen: torch.Tensor | None = None
         self._sync_handle: Any = None
+        # grad_sync times DDP's (or FSDP's) gradient sync: without one, no such phase.
+        self._ddp = unwrap.uses_ddp(model)
 
     # When dynamo traces a compiled module's hooks, is_compiling() is a constant True, so the
     # hooks trace to nothing: no graph break, and the compiled wrapper's own hooks (called
@@ -94,6 +96,8 @@ class _ModelHooks:
     # The gate (a thread-local) is raised only on the thread that owns the open sampled
     # step, so forwards run by other threads (evaluation, EMA) are not counted.
     def pre(self, module: Any, args: Any) -> None:
+        if not self._ddp and not _is_compiling():
+            self._ddp = unwrap.ddp_forward_active()
         if self.forward and not _is_compiling() and gate.current() is self.tracer:
             self._fwd.append(self.tracer.open_phase("forward"))
 
@@ -155,7 +159,7 @@ class _ModelHooks:
     # ----------------------------------------------------------- grad_sync marker
 
     def _start_calibration(self) -> None:
-        if not _distributed() or _fsdp(self.model):
+        if not _distributed() or not self._ddp:
             self._sync_param = False
             return
         params = [p for p in self.model.parameters() if p.requires_grad]

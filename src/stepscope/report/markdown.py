@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from stepscope.report.collectives import markdown_lines as collectives_markdown
+from stepscope.report.coverage import markdown_lines as coverage_markdown
 from stepscope.report.escape import md, md_code
 from stepscope.report.plots import have_matplotlib, plot_data, write_pngs
 from stepscope.report.terminal import capture_label, window_captures
@@ -77,6 +78,7 @@ def render_markdown(doc: dict[str, Any], images: list[str] | None = None) -> str
         lines.append(f"| {label} | {_f(p['median_ms'])} | {_f(p['p90_ms'])} | "
                      f"{_f(p['p99_ms'])} | {_f(p['max_ms'])} | {share} |")
     lines += ["", *collectives_markdown(doc)]
+    lines += coverage_markdown(doc)  # [coverage] pipeline stages, expert parallel
     lines += ["## Ranks", "", "| rank | host | step ms | p90 | own ms | wait ms |",
               "|---:|---|---:|---:|---:|---:|"]
     for r in doc["ranks"][:64]:

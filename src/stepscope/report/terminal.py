@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from stepscope.report.collectives import print_terminal as print_collectives
+from stepscope.report.coverage import print_terminal as print_coverage
 from stepscope.report.escape import one_line
 from stepscope.report.escape import rich as esc
 
@@ -199,6 +200,7 @@ def render_terminal(doc: dict[str, Any], console: Any = None) -> None:
     con.print(fit_table("Phases (all ranks)", cols, [[esc(c) for c in r] for r in rows], width,
                         optional=("p99 ms", "max ms"), plain_rows=rows))
     print_collectives(doc, con)
+    print_coverage(doc, con)  # [coverage] pipeline stages, expert parallel
 
     shown = _rank_rows(doc)
     title = "Ranks" + (f" ({len(shown)} of {len(doc['ranks'])} shown)"

@@ -1,0 +1,71 @@
+"""Coverage sections: what the report adds for pipeline, expert parallel and unseen paths.
+
+Called once by :mod:`stepscope.analysis.run` after the wait attribution (tables ``cw`` and
+``steps`` exist). Each section is added only when the run uses that mechanism, and its
+verdicts join the others, most severe first.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from stepscope.analysis.diagnose import _SEVERITY_ORDER
+from stepscope.analysis.experts import expert_verdicts, experts_section
+from stepscope.analysis.pipeline import pipeline_section
+
+
+def add_coverage_sections(con: Any, doc: dict[str, Any]) -> None:
+    """Add ``pipeline``, ``experts`` and ``blind`` (when present) to ``doc``, and verdicts."""
+    added: list[dict[str, Any]] = []
+    pipe = pipeline_section(con)
+    if pipe is not None:
+        doc["pipeline"] = pipe
+    experts = experts_section(con, doc["run"]["step_ms"]["median"] or 0.0)
+    if experts is not None:
+        doc["experts"] = experts
+        added += expert_verdicts(experts)
+    blind = blind_section(con, doc)
+    if blind:
+        doc["blind"] = blind
+        added += blind_verdicts(blind)
+    if added:
+        doc["verdicts"] = sorted(doc["verdicts"] + added,
+                                 key=lambda v: _SEVERITY_ORDER[v["severity"]])
+
+
+def blind_section(con: Any, doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """Collective paths the job used that stepscope does not time, each with its evidence.
+
+    From the records' ``unseen_<path>`` counters (table ``unseen``). (A multi-rank run with
+    no collective timing at all already says so in its collectives notes: waits estimated
+    from the timeline.)
+    """
+    from stepscope.instrument.collectives import UNSEEN
+
+    out = []
+    n_steps = max(1, int(doc["run"]["steps"]))
+    for path, ranks, calls in con.execute(
+        "SELECT path, list(DISTINCT rank ORDER BY rank), sum(n) FROM unseen GROUP BY 1 ORDER BY 1"
+    ).fetchall():
+        out.append({"path": str(path), "ranks": [int(r) for r in ranks],
+                    "calls_per_step": round(float(calls) / n_steps, 3),
+                    "what": UNSEEN.get(str(path), str(path))})
+    return out
+
+
+def blind_verdicts(blind: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One ``blind_collectives`` warning naming every unseen path."""
+    if not blind:
+        return []
+    paths = "; ".join(f"{b['path']} on rank(s) {', '.join(str(r) for r in b['ranks'][:8])}"
+                      + f" ({b['calls_per_step']:g} calls per step)"
+                      + f": {b['what']}" for b in blind)
+    return [{
+        "kind": "blind_collectives", "severity": "warning",
+        "evidence": f"stepscope cannot see every collective this job issues — {paths}. Waits in "
+        "those collectives are not attributed to a rank: they count as the calling phase's own "
+        "work, so a straggler behind them can be missed or a 'balanced' verdict can be wrong",
+        "suggestion": "Call torch.distributed's Python functions (not torch.ops directly, and "
+        "not bound by name before stepscope.init), keep collectives out of compiled regions "
+        "while diagnosing, or time the region with stepscope.phase(...)",
+    }]

@@ -1,0 +1,123 @@
+"""Pipeline parallel: point-to-point waits between stages, the bubble and the bottleneck stage.
+
+A pipeline stage exchanges activations and gradients with its neighbours through
+point-to-point calls (``send``/``recv``/``isend``/``irecv``, also issued by
+``batch_isend_irecv`` and ``torch.distributed.pipelining``). The recorder gives each call the
+id of its link, ``"<group>:<src>><dst>"`` in global ranks, the same on both ends. A transfer
+completes on both ends at about the same moment. All of a stage's time in these calls is
+time waiting on its neighbours (its bubble; the transfer is part of it): waits, never host
+overhead. Who made whom wait is the rule of :mod:`stepscope.analysis.waits` applied to the
+two ends of a link as to the members of a collective: per step and link, an end's time in
+its calls minus the other end's is time it spent waiting for the other end (a receiver for a
+late upstream stage, or a sender for a downstream stage that posts its receive late).
+
+The report's ``pipeline`` section: per stage (one rank per stage, ordered by rank), the bubble
+(time per step it waited on its neighbours, and its share of the step) and the time the other
+stages waited on it; the bottleneck is the stage the others waited on most.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from stepscope.analysis import robust
+from stepscope.analysis.waits import sql_wait
+
+P2P_OPS = ("send", "recv", "isend", "irecv")
+#: SQL predicate for point-to-point rows (of ``call``/``cw``).
+IS_P2P = "op IN (" + ", ".join(f"'{o}'" for o in P2P_OPS) + ")"
+
+
+def build_p2p_waits(con: Any) -> int:
+    """Tables ``p2pw`` (the point-to-point rows of ``call`` with ``matched``, ``seq_shift``,
+    ``wait``; the columns of ``cw``) and ``p2pblame`` (step, pg, rank, late: the rule's wait).
+
+    All time in a point-to-point call is waiting on the other end (the bubble; the transfer
+    itself is part of it). Which end made the other wait is the rule: per step and link, an
+    end's time minus the other end's, counted only when both ends recorded the link.
+    Returns the number of point-to-point rows.
+    """
+    con.execute(
+        f"""CREATE OR REPLACE TABLE p2pblame AS
+            SELECT step, pg, rank, t,
+                   count(*) OVER (PARTITION BY step, pg) = 2 AND NOT contains(pg, '?')
+                       AS matched,
+                   {sql_wait('t', 'step, pg')} AS late
+            FROM (SELECT step, pg, rank, sum(ms) AS t FROM call WHERE {IS_P2P}
+                  GROUP BY 1, 2, 3)"""
+    )
+    con.execute(
+        f"""CREATE OR REPLACE TABLE p2pw AS
+            SELECT c.*, TRUE AS matched, FALSE AS seq_shift, CAST(c.ms AS DOUBLE) AS wait
+            FROM call c JOIN p2pblame e USING (step, pg, rank) WHERE c.{IS_P2P}"""
+    )
+    con.execute("DELETE FROM p2pblame WHERE NOT matched")
+    return int(con.execute("SELECT count(*) FROM p2pw").fetchone()[0])
+
+
+def _peer(pg: str, rank: int) -> int | None:
+    """The other end of link ``pg`` (``"<group>:<src>><dst>"``) seen from ``rank``."""
+    link = pg.rsplit(":", 1)[-1]
+    src, _, dst = link.partition(">")
+    try:
+        a, b = int(src), int(dst)
+    except ValueError:
+        return None
+    if rank == a:
+        return b
+    return a if rank == b else None
+
+
+def pipeline_section(con: Any) -> dict[str, Any] | None:
+    """The report's ``pipeline`` section, or None when the run has no point-to-point traffic.
+
+    Needs ``cw`` (waits per row) and ``steps``.
+    """
+    rows = con.execute(
+        f"""SELECT c.rank, c.step, c.pg, sum(c.wait), sum(c.ms), any_value(b.late)
+            FROM cw c LEFT JOIN p2pblame b USING (rank, step, pg) WHERE c.{IS_P2P}
+            GROUP BY 1, 2, 3"""
+    ).fetchall()
+    if not rows:
+        return None
+    step_ms = {int(r): float(m or 0.0) for r, m in con.execute(
+        "SELECT rank, sum(step_ms) FROM steps GROUP BY 1").fetchall()}
+    n_steps = {int(r): int(n) for r, n in con.execute(
+        "SELECT rank, count(*) FROM steps GROUP BY 1").fetchall()}
+    bubble: dict[int, dict[int, float]] = {}  # rank → step → wait
+    total: dict[int, float] = {}
+    comm: dict[int, float] = {}
+    caused: dict[int, float] = {}  # rank → time others waited on it
+    for rank, step, pg, wait, ms, late in rows:
+        r, w = int(rank), float(wait or 0.0)
+        bubble.setdefault(r, {}).setdefault(int(step), 0.0)
+        bubble[r][int(step)] += w
+        total[r] = total.get(r, 0.0) + w
+        comm[r] = comm.get(r, 0.0) + float(ms or 0.0)
+        peer = _peer(str(pg), r)
+        if peer is not None and late:
+            caused[peer] = caused.get(peer, 0.0) + float(late)
+    ranks = sorted(set(bubble) | set(caused))
+    stages: list[dict[str, Any]] = []
+    for i, r in enumerate(ranks):
+        n = max(1, n_steps.get(r, 1))
+        per_step = list(bubble.get(r, {}).values())
+        per_step += [0.0] * max(0, n - len(per_step))
+        stages.append({
+            "stage": i,
+            "rank": r,
+            "bubble_ms": round(robust.median(per_step), 3),
+            "bubble_share": round(total.get(r, 0.0) / step_ms[r], 4) if step_ms.get(r) else None,
+            "p2p_ms": round(comm.get(r, 0.0) / n, 3),
+            "waited_on_ms": round(caused.get(r, 0.0) / n, 3),
+        })
+    worst = max(stages, key=lambda s: s["waited_on_ms"])
+    bottleneck = worst if worst["waited_on_ms"] > 0 else None
+    return {
+        "stages": stages,
+        "bottleneck_stage": None if bottleneck is None else bottleneck["stage"],
+        "bottleneck_rank": None if bottleneck is None else bottleneck["rank"],
+        "rule": "bubble = a stage's time in point-to-point transfers with its neighbours; "
+        "waited_on = what the other end of each link spent beyond this stage's time in it "
+        "(per step and link); the bottleneck is the stage the others waited on most",
+    }

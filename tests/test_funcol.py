@@ -1,0 +1,97 @@
+"""Functional collectives (DTensor's path) and the paths stepscope cannot time, in one process.
+
+A one-rank gloo world: enough to check what is recorded (ops, bytes, received bytes, the
+issue/wait split) and what is counted as unseen; cross-rank behaviour is in
+``test_coverage_frameworks.py``.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed import _functional_collectives as funcol
+
+import stepscope
+from stepscope.analysis.run import analyze_run
+from stepscope.instrument import collectives
+
+
+@pytest.fixture
+def world1() -> Any:
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _colls(rec: dict[str, Any]) -> dict[tuple[Any, str], dict[str, Any]]:
+    return {(c["phase"], c["op"]): c for c in rec.get("collectives", [])}
+
+
+def test_funcol_ops_are_timed_from_issue_to_wait(world1: Any, mem_tracer: Any) -> None:
+    tr = mem_tracer(auto=False)
+    g = dist.group.WORLD
+    x = torch.ones(16)  # 64 bytes
+    funcol.all_reduce(x, "sum", g).wait()  # torch's first functional collective takes seconds
+    with tr.step():
+        with tr.phase("tp"):
+            y = funcol.all_reduce(x, "sum", g)
+            time.sleep(0.03)  # overlapped work between issue and first use: not collective time
+            assert float(y.sum()) == 16.0  # first use waits
+            funcol.all_gather_single(x, 0, g).wait()
+            funcol.reduce_scatter_single(x, "sum", 0, g).wait()
+        moe = funcol.all_to_all_single(torch.ones(6, 4), [6], [6], g)  # 6 rows of 16 bytes
+        funcol.wait_tensor(moe)
+    tr.finish()
+    (rec,) = tr.sink.records
+    got = _colls(rec)
+    assert set(got) == {("tp", "all_reduce"), ("tp", "all_gather_into_tensor"),
+                        ("tp", "reduce_scatter_tensor"), (None, "all_to_all_single")}
+    ar = got[("tp", "all_reduce")]
+    assert (ar["bytes"], ar["pg"], ar["pg_size"], ar["count"]) == (64, "world", 1, 1)
+    assert ar["ms"] < 25.0  # the 30 ms of overlapped work is the gap, not time in it
+    a2a = got[(None, "all_to_all_single")]
+    assert (a2a["bytes"], a2a["recv_bytes"], a2a["recv_max_bytes"]) == (96, 96, 96)
+    seqs = sorted(c["seq_first"] for c in got.values())
+    assert seqs == [1, 2, 3, 4]
+
+
+def test_funcol_patch_is_removed_with_the_last_tracer() -> None:
+    orig = funcol.all_reduce, funcol.wait_tensor, funcol.all_to_all_single
+    remove = collectives.install_patch()
+    assert funcol.all_reduce is not orig[0] and funcol.wait_tensor is not orig[1]
+    remove()
+    assert (funcol.all_reduce, funcol.wait_tensor, funcol.all_to_all_single) == orig
+
+
+def test_unseen_paths_are_counted_and_reported(world1: Any, tmp_path: Path) -> None:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = funcol.all_reduce(x, "sum", dist.group.WORLD)
+        return out
+
+    out = tmp_path / "run"
+    tr = stepscope.Tracer(stepscope.Config(out_dir=str(out), auto=set()))
+    t = torch.ones(8)
+    for _ in range(3):
+        with tr.step():
+            with dist._coalescing_manager():  # real work at the block's exit, in C++
+                dist.all_reduce(t)
+            make_fx(fn)(t)  # captured into a graph: runs there
+            dist.all_reduce(t)  # seen
+    tr.finish()
+    doc = analyze_run(out)
+    blind = {b["path"]: b for b in doc["blind"]}
+    assert set(blind) == {"coalesced", "traced"}
+    assert blind["coalesced"]["calls_per_step"] == 1.0 and blind["coalesced"]["ranks"] == [0]
+    (v,) = [v for v in doc["verdicts"] if v["kind"] == "blind_collectives"]
+    assert v["severity"] == "warning" and "coalesced" in v["evidence"] and "traced" in v["evidence"]
+    assert [o["op"] for o in doc["collectives"]["ops"]] == ["all_reduce"]
