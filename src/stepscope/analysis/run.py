@@ -6,6 +6,7 @@ import os
 from typing import Any
 
 from stepscope.analysis.diagnose import diagnose
+from stepscope.analysis.goodput import compute_goodput
 from stepscope.analysis.load import RunData, load_run
 from stepscope.analysis.resources import analyze_resources
 from stepscope.analysis.stats import create_phase_samples, phase_stats, rank_stats
@@ -114,4 +115,6 @@ def _analyze(data: RunData) -> dict[str, Any]:
         "verdicts": verdicts,
         # Additive: per op and process group (the six keys above are the contract).
         "collectives": att.collectives,
+        # Additive: productive vs lost device time (analysis/goodput.py).
+        "goodput": compute_goodput(con, data.run_dir, att.warmup),
     }
