@@ -145,3 +145,21 @@ def test_real_gloo_run_with_dataloader_stall(tmp_path: Path) -> None:
     assert gp["productive_gpu_hours"] + sum(gp["lost_gpu_hours"].values()) == pytest.approx(
         gp["gpu_hours"], rel=1e-3)
     assert len(gp["runs"]) == 1 and gp["runs"][0]["ranks"] == 2
+
+
+def test_terminal_report_shows_goodput(tmp_path: Path) -> None:
+    import io
+
+    from rich.console import Console
+
+    from stepscope.report.terminal import render_terminal
+
+    spec = SynthRun(ranks=2, steps=40, slow=(Slow(rank=1, phase="dataloader", ms=20.0,
+                                                 start_step=10, end_step=29),))
+    doc = analyze_run(_write(tmp_path / "run", make_records(spec)))
+    buf = io.StringIO()
+    render_terminal(doc, Console(file=buf, width=120, color_system=None))
+    text = buf.getvalue()
+    assert f"Goodput {doc['goodput']['goodput']:.1%}" in text
+    assert "lost to waiting for stragglers" in text and "lost to input stalls" in text
+    assert "restarts" not in text  # nothing lost there: no line

@@ -143,6 +143,8 @@ def compute_goodput(con: Any, run_dir: str | Path, warmup: dict[str, Any] | None
         seg = 0
         seen_max = -1
         prev: tuple[int, str, int, int, float] | None = None
+        prev_run: dict[str, Any] = {}
+        prev_day = ""
         for k in range(i, j):
             cur = rows[k]
             _, run_id, step, start_ns, step_ms = cur
