@@ -445,6 +445,10 @@ class Tracer:
         closed = self._writer.close(final, timeout=FINISH_TIMEOUT_S + 10.0)
         if not closed:
             self.warn("the writer did not finish within its timeout; the last records may be missing")
+        for fn in [getattr(x, "on_closed", None) for x in self._listeners]:  # [export] after the last record
+            if fn is not None:
+                with contextlib.suppress(Exception):  # protect the job: finishing must never raise
+                    fn(self)
 
     def fail(self, exc: BaseException) -> None:
         """Report once, turn timing off, and let the training job go on."""
