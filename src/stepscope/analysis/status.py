@@ -364,7 +364,7 @@ def analyze_status(
             frames = read_stack_top(root / culprit_view["stacks_file"])
             culprit["stack_file"] = culprit_view["stacks_file"]
             culprit["stack_top"] = frames
-    return {
+    doc = {
         "run": {"id": run_id, "world_size": world, "dir": str(root)},
         "ranks": views,
         "culprit": culprit,
@@ -372,6 +372,10 @@ def analyze_status(
         "notes": notes,
         "summary": _summary(views, culprit, why),
     }
+    from stepscope.analysis.flight import apply_flight  # [export] PyTorch Flight Recorder dumps
+
+    apply_flight(doc, root)
+    return doc
 
 
 def _summary(views: list[dict[str, Any]], culprit: dict[str, Any] | None, why: str) -> str:
