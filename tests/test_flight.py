@@ -119,6 +119,11 @@ def test_status_names_the_hung_rank_and_collective_from_the_dumps(tmp_path: Path
         assert {v["rank"]: v["state"] for v in doc["ranks"]}[0] == "waiting"
         assert "Flight Recorder" in doc["summary"]
 
+        # Before any rank counts as stalled the dump is only a note, not a culprit.
+        calm = analyze_status(out, stalled_after_s=3600.0)
+        assert calm["culprit"] is None and calm["flight_recorder"]["culprit_ranks"] == [1]
+        assert any("no rank is stalled now" in n for n in calm["notes"])
+
         # The CLI, JSON and terminal.
         from stepscope.report.status import status_command
 

@@ -277,6 +277,11 @@ def apply_flight(doc: dict[str, Any], run_dir: str | os.PathLike[str]) -> None:
             doc.setdefault("notes", []).append(f"the Flight Recorder disagrees: {fr['why']}")
         return
     rank = fr["culprit_ranks"][0]
+    if not any(v.get("state") in ("stalled", "waiting", "dead", "crashed") for v in doc.get("ranks", [])):
+        # A dump is written once a step is stuck; if every rank has moved on, it is history.
+        doc.setdefault("notes", []).append(
+            f"the Flight Recorder dump names rank {rank}, but no rank is stalled now: {fr['why']}")
+        return
     view = next((v for v in doc.get("ranks", []) if v.get("rank") == rank), None)
     stack = list(view["phase_stack"]) if view else []
     doc["culprit"] = {
@@ -293,4 +298,8 @@ def apply_flight(doc: dict[str, Any], run_dir: str | os.PathLike[str]) -> None:
         if v.get("rank") != rank and v.get("state") == "stalled":
             v["state"] = "waiting"
             v["reason"] = f"waiting for rank {rank}"
-    doc["summary"] = f"{doc.get('summary', '')}; Flight Recorder: {fr['why']}".lstrip("; ")
+    states = [str(v.get("state")) for v in doc.get("ranks", [])]
+    counts = ", ".join(f"{states.count(s)} {s}" for s in ("stalled", "waiting", "dead", "crashed")
+                       if s in states)
+    doc["summary"] = (f"{counts + '; ' if counts else ''}the others wait for rank {rank} "
+                      f"(heartbeats alone could not tell); Flight Recorder: {fr['why']}")

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from stepscope.analysis import robust
+from stepscope.analysis.load import MAX_MS, MAX_START_NS
 from stepscope.analysis.resources import TIMED_FILTER
 
 #: Loss categories, in report order.
@@ -62,7 +63,9 @@ def _light_rows(con: Any, run_dir: Path) -> list[tuple[int, str, int, int, float
                            maximum_object_size=67108864)
             WHERE rank IS NOT NULL AND step IS NOT NULL AND start_unix_ns IS NOT NULL
               AND step_ms IS NOT NULL AND isfinite(step_ms) AND step_ms >= 0 AND {TIMED_FILTER}
-              AND rank IN (SELECT DISTINCT rank FROM steps)
+              AND start_unix_ns >= 0 AND start_unix_ns < {MAX_START_NS} AND step_ms <= {MAX_MS}
+              -- only what the analysis kept (plausible, timed), re-done duplicates included
+              AND (rank, step) IN (SELECT (rank, step) FROM steps)
             ORDER BY rank, start_unix_ns, step"""
     ).fetchall()
     return [(int(r), str(i), int(s), int(t), float(m)) for r, i, s, t, m in rows]

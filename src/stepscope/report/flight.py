@@ -22,7 +22,9 @@ def render_flight(fr: dict[str, Any] | None, con: Any) -> None:
     con.print(f"[bold]Flight Recorder[/] ({esc(fr['source'])}; matched by {esc(fr['analyser'])})")
     for v in fr["ranks"]:
         last = v.get("last_collective")
-        con.print(f"  rank {v['rank']}: in {esc(one_line(_where(v.get('in_collective'))))}; "
+        cur = v.get("in_collective")
+        now = f"in {_where(cur)}" if cur else "no collective in flight"
+        con.print(f"  rank {v['rank']}: {esc(one_line(now))}; "
                   f"last issued {esc(one_line(_where(last)))}", soft_wrap=True)
     if fr["missing_dumps"]:
         con.print(f"  no dump from rank(s) {', '.join(map(str, fr['missing_dumps']))}")
