@@ -209,6 +209,16 @@ def test_label_cardinality_is_bounded() -> None:
     assert len(CATALOGUE) == len({m.name for m in CATALOGUE})
 
 
+def test_a_malformed_record_stops_the_listener_not_the_writer() -> None:
+    state = MetricState(rank=0, run_id="r", hostname="h", world_size=1)
+    said: list[str] = []
+    listener = MetricsListener(state, warn=said.append)
+    listener.on_record({"step": 1, "step_ms": 5.0, "phases": "not a list of dicts"})  # no raise
+    assert listener.broken and len(said) == 1 and "internal error" in said[0]
+    listener.on_record({"step": 2, "step_ms": 5.0, "phases": []})
+    assert len(said) == 1
+
+
 def test_dead_collector_one_warning_job_finishes_step_time_unaffected(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     dead = free_port()  # nothing listens there

@@ -24,7 +24,7 @@ def attach_exporters(tracer: Tracer) -> MetricsListener | None:
     cfg = tracer.config
     info = tracer.rank
     state = MetricState(info.rank, tracer.run_id, info.hostname, info.world_size)
-    listener = MetricsListener(state)
+    listener = MetricsListener(state, warn=lambda m: tracer.warn(m, key="export"))
     if cfg.otel:
         try:
             from stepscope.export.otel import OtelBackend

@@ -166,9 +166,11 @@ class MetricsListener:
         PrometheusBackend(state, port=9400).start()
     """
 
-    def __init__(self, state: MetricState) -> None:
+    def __init__(self, state: MetricState, warn: Callable[[str], None] | None = None) -> None:
         self.state = state
         self.backends: list[Any] = []
+        self.warn = warn
+        self.broken = False
         self._phases = _Bounded([*CANONICAL_PHASES, "residual"])
         self._ops = _Bounded(["all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier",
                               "all_to_all", "send", "recv"])
@@ -177,6 +179,19 @@ class MetricsListener:
     # ------------------------------------------------------------ writer thread
 
     def on_record(self, record: dict[str, Any]) -> None:
+        if self.broken:
+            return
+        try:
+            self._update(record)
+        except Exception as exc:  # protect the job: the writer thread must keep writing records
+            self._break(exc)
+
+    def _break(self, exc: BaseException) -> None:
+        self.broken = True
+        if self.warn is not None:
+            self.warn(f"metrics export stopped updating after an internal error: {exc!r}")
+
+    def _update(self, record: dict[str, Any]) -> None:
         if record.get("untimed"):
             return  # the FLOP-counting step is not a timing sample
         upd: dict[str, Series] = {}
@@ -213,6 +228,14 @@ class MetricsListener:
 
     def on_gather(self, payloads: list[dict[str, Any] | None]) -> None:
         """The live view's cross-rank exchange (writer thread): waits and the slowest rank."""
+        if self.broken:
+            return
+        try:
+            self._findings(payloads)
+        except Exception as exc:  # protect the job: the live view's exchange must go on
+            self._break(exc)
+
+    def _findings(self, payloads: list[dict[str, Any] | None]) -> None:
         from stepscope.analysis.waits import waits  # the one wait rule (pure, as the live view uses)
         from stepscope.live import cross_rank_summary
 
