@@ -163,3 +163,8 @@ def test_terminal_report_shows_goodput(tmp_path: Path) -> None:
     assert f"Goodput {doc['goodput']['goodput']:.1%}" in text
     assert "lost to waiting for stragglers" in text and "lost to input stalls" in text
     assert "restarts" not in text  # nothing lost there: no line
+
+    from stepscope.report.markdown import render_markdown
+
+    md = render_markdown(doc)
+    assert "## Goodput" in md and "| waiting for stragglers |" in md

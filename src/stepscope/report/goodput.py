@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from stepscope.report.escape import one_line
+from stepscope.report.escape import md, one_line
 from stepscope.report.escape import rich as esc
 
 _LABELS = {
@@ -41,3 +41,18 @@ def render_terminal(doc: dict[str, Any], con: Any) -> None:
     if len(gp["runs"]) > 1 or len(gp["days"]) > 1:
         con.print(f"  [dim]{len(gp['runs'])} run segment(s) over {len(gp['days'])} day(s); "
                   "per run and per day in --json (goodput.runs, goodput.days)[/]")
+
+
+def markdown_lines(doc: dict[str, Any]) -> list[str]:
+    """The goodput table of the markdown report; no lines without a section."""
+    gp = doc.get("goodput")
+    if not gp or not gp.get("gpu_hours"):
+        return []
+    total = gp["gpu_hours"]
+    lines = ["## Goodput", "",
+             f"{gp['goodput']:.1%} of {_hours(total)} productive ({_hours(gp['productive_gpu_hours'])}).",
+             "", "| lost to | GPU time | share |", "|---|---:|---:|"]
+    for cat, h in sorted(gp["lost_gpu_hours"].items(), key=lambda kv: -kv[1]):
+        if h > 0:
+            lines.append(f"| {md(_LABELS.get(cat, cat))} | {_hours(h)} | {h / total:.1%} |")
+    return [*lines, ""]
