@@ -23,8 +23,9 @@ def _analyze(tmp_path: Path, spec: SynthRun) -> dict:
 
 def test_document_contract(tmp_path: Path) -> None:
     doc = _analyze(tmp_path, SynthRun(slow=(Slow(1, "dataloader"),)))
-    # The six contract keys, plus the additive collectives view.
-    assert set(doc) == {"run", "phases", "ranks", "stragglers", "windows", "verdicts", "collectives"}
+    # The six contract keys, plus the additive collectives and goodput views.
+    assert set(doc) == {"run", "phases", "ranks", "stragglers", "windows", "verdicts", "collectives",
+                        "goodput"}
     json.dumps(doc)  # plain data only
     run = doc["run"]
     assert run["ranks"] == 4 and run["steps"] == 60 and run["clock"] == "cpu"

@@ -81,6 +81,9 @@ def init(
     flops_per_step: float | None = None,
     model_flops: str | None = None,
     peak_tflops: float | None = None,
+    otel: bool = False,
+    prometheus_port: int | None = None,
+    prometheus_addr: str = "0.0.0.0",
 ) -> Tracer | NullTracer:
     """Start recording this rank's steps; returns the tracer (a no-op one when disabled).
 
@@ -109,6 +112,7 @@ def init(
         flops_per_step=flops_per_step,
         model_flops=model_flops,
         peak_tflops=peak_tflops,
+        otel=otel, prometheus_port=prometheus_port, prometheus_addr=prometheus_addr,  # [export]
     )
     args.update(env_overrides())
     config = Config(**args)

@@ -68,6 +68,13 @@ class Config:
     model_flops: str | None = None
     #: [metrics] Peak TFLOP/s of one device, overriding the built-in table (MFU denominator).
     peak_tflops: float | None = None
+    #: [export] Publish metrics over OTLP/HTTP (``OTEL_EXPORTER_OTLP_*`` configure the endpoint);
+    #: needs the ``otel`` extra.
+    otel: bool = False
+    #: [export] Serve Prometheus metrics on this port + the local rank; ``None`` = off.
+    prometheus_port: int | None = None
+    #: [export] Address the Prometheus endpoint listens on.
+    prometheus_addr: str = "0.0.0.0"
 
     def __post_init__(self) -> None:
         self.auto = _normalise_auto(self.auto)
@@ -95,6 +102,7 @@ class Config:
         from stepscope.instrument.resources import check_config  # [metrics]
 
         check_config(self.flops_per_step, self.model_flops, self.peak_tflops)
+        _check_export(self.otel, self.prometheus_port, self.prometheus_addr)  # [export]
         if self.sink not in SINKS:
             raise ConfigError(f"sink must be one of {SINKS}; got {self.sink!r}")
         if not isinstance(self.out_dir, str | os.PathLike) or not os.fspath(self.out_dir):
@@ -134,6 +142,17 @@ class Config:
                 v = repr(v)
             out[f.name] = v
         return out
+
+
+def _check_export(otel: Any, port: Any, addr: Any) -> None:
+    if not isinstance(otel, bool):
+        raise ConfigError(f"otel must be a bool; got {otel!r}")
+    if port is not None:
+        _check_int("prometheus_port", port, minimum=1)
+        if port > 65535:
+            raise ConfigError(f"prometheus_port must be <= 65535; got {port}")
+    if not isinstance(addr, str) or not addr:
+        raise ConfigError(f"prometheus_addr must be a non-empty str; got {addr!r}")
 
 
 def _check_int(name: str, value: Any, *, minimum: int) -> None:
@@ -216,6 +235,15 @@ def env_overrides(environ: dict[str, str] | os._Environ[str] | None = None) -> d
                 out[name] = float(raw)
             except ValueError:
                 raise ConfigError(f"STEPSCOPE_{name.upper()} must be a number; got {raw!r}") from None
+    raw_otel = env.get("STEPSCOPE_OTEL", "").strip().lower()  # [export]
+    if raw_otel:
+        out["otel"] = raw_otel not in ("0", "false", "no", "off")
+    if env.get("STEPSCOPE_PROMETHEUS_PORT"):
+        try:
+            out["prometheus_port"] = int(env["STEPSCOPE_PROMETHEUS_PORT"])
+        except ValueError:
+            raise ConfigError(f"STEPSCOPE_PROMETHEUS_PORT must be an int; "
+                              f"got {env['STEPSCOPE_PROMETHEUS_PORT']!r}") from None
     raw_ranks = env.get("STEPSCOPE_RANKS")
     if raw_ranks:
         try:

@@ -221,6 +221,10 @@ def wire(tracer: Tracer) -> None:
         from stepscope.autoprofile import attach_autoprofile
 
         attach_autoprofile(tracer)
+    if config.otel or config.prometheus_port is not None:  # [export] after the live view
+        from stepscope.export import attach_exporters
+
+        attach_exporters(tracer)
     if config.heartbeat_s and tracer.writes_files:
         from stepscope.status import attach_heartbeat
 

@@ -353,6 +353,10 @@ class Session(Recorder):
         closed = self._writer.close(final, timeout=FINISH_TIMEOUT_S + 10.0)
         if not closed:
             self.warn("the writer did not finish within its timeout; the last records may be missing")
+        for fn in [getattr(x, "on_closed", None) for x in self._listeners]:  # after the last record
+            if fn is not None:
+                with contextlib.suppress(Exception):  # protect the job: finishing must never raise
+                    fn(self)
 
     # ------------------------------------------------------------ failures
 

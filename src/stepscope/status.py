@@ -202,6 +202,12 @@ class Heartbeat:
             faulthandler.dump_traceback(file=fh, all_threads=True)
         os.replace(tmp, self.stacks)
         self._dump_info = {"path": self.stacks.name, "step": st["step"], "written_unix": time.time()}
+        try:  # [export] PyTorch's Flight Recorder buffer beside the stacks, when the job records one
+            from stepscope.export.flight_dump import dump_flight_recorder
+
+            dump_flight_recorder(self.stacks.parent, self.tracer.rank.rank)
+        except Exception:  # protect the job: the stacks are written; the heartbeat goes on
+            self.failures += 1
 
     # ------------------------------------------------------------ training thread
 

@@ -8,6 +8,7 @@ from typing import Any
 from stepscope.analysis import cost
 from stepscope.analysis.coverage import add_coverage_sections
 from stepscope.analysis.diagnose import diagnose
+from stepscope.analysis.goodput import compute_goodput
 from stepscope.analysis.load import RunData, load_run
 from stepscope.analysis.resources import analyze_resources
 from stepscope.analysis.stats import create_phase_samples, phase_stats, rank_stats
@@ -133,6 +134,8 @@ def _analyze(data: RunData) -> dict[str, Any]:
         "verdicts": verdicts,
         # Additive: per op and process group (the six keys above are the contract).
         "collectives": att.collectives,
+        # Additive: productive vs lost device time (analysis/goodput.py).
+        "goodput": compute_goodput(con, data.run_dir, att.warmup),
     }
     add_coverage_sections(con, doc)  # [coverage] pipeline / experts / blind paths
     run["headline"] = cost.headline(run, doc["verdicts"])

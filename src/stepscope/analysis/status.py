@@ -549,13 +549,13 @@ def analyze_status(
             "why": why,
         }
         if culprit_view.get("stacks_file"):
-            frames, why = read_stack_top(root, culprit_view["stacks_file"])
+            frames, skipped = read_stack_top(root, culprit_view["stacks_file"])
             culprit["stack_file"] = culprit_view["stacks_file"]
             culprit["stack_top"] = frames
-            if why:
+            if skipped:
                 notes.append(f"rank {culprit_view['rank']}'s stack dump "
-                             f"{culprit_view['stacks_file']!r} {why}")
-    return {
+                             f"{culprit_view['stacks_file']!r} {skipped}")
+    doc = {
         "run": {"id": run_id, "world_size": world, "dir": str(root)},
         "ranks": views,
         "culprit": culprit,
@@ -564,6 +564,10 @@ def analyze_status(
         "notes": notes,
         "summary": _summary(views, culprit, why),
     }
+    from stepscope.analysis.flight import apply_flight  # [export] PyTorch Flight Recorder dumps
+
+    apply_flight(doc, root)
+    return doc
 
 
 def _summary(views: list[dict[str, Any]], culprit: dict[str, Any] | None, why: str) -> str:

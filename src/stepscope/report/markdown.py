@@ -91,6 +91,9 @@ def render_markdown(doc: dict[str, Any], images: list[str] | None = None) -> str
     from stepscope.report.resources import markdown_lines  # [metrics]
 
     lines += markdown_lines(doc)
+    from stepscope.report.goodput import markdown_lines as goodput_lines  # [export]
+
+    lines += goodput_lines(doc)
     if images:
         lines += ["## Plots", ""] + [f"![{md(Path(i).stem)}]({i})" for i in images] + [""]
     elif images is not None:

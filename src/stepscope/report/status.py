@@ -65,6 +65,9 @@ def render_status(doc: dict[str, Any], console: Any = None) -> None:
             for frame in cul["stack_top"]:
                 con.print(f"  {escape(frame)}", soft_wrap=True)
     con.print(escape(doc["summary"]))
+    from stepscope.report.flight import render_flight  # [export] PyTorch Flight Recorder section
+
+    render_flight(doc.get("flight_recorder"), con)
     for note in doc["notes"]:
         con.print(f"[dim]note: {escape(note)}[/]", soft_wrap=True)
 

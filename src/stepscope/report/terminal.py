@@ -227,3 +227,6 @@ def render_terminal(doc: dict[str, Any], console: Any = None) -> None:
     from stepscope.report import resources as _res  # [metrics] tokens/s, MFU, memory, device
 
     _res.render_terminal(doc, con)
+    from stepscope.report import goodput as _gp  # [export] productive vs lost GPU-hours
+
+    _gp.render_terminal(doc, con)

@@ -1,0 +1,144 @@
+"""OpenTelemetry metrics: the :class:`MetricState` as observable instruments, exported over OTLP/HTTP.
+
+The exporter is the SDK's own ``OTLPMetricExporter``: the endpoint, headers, timeout and
+compression come from the standard ``OTEL_EXPORTER_OTLP_*`` variables (``..._METRICS_...``
+ones first), the interval from ``OTEL_METRIC_EXPORT_INTERVAL`` (ms, default 60000). Export
+runs on the SDK's reader thread; the callbacks only copy the state. A failing export (no
+collector, a refused connection) gives one ``StepscopeWarning``; the job never waits for it
+beyond ``FINISH_WAIT_S`` at ``finish()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from stepscope.errors import StepscopeWarning
+from stepscope.export.metrics import CATALOGUE, RANK, Metric, MetricState
+
+#: Longest ``finish()`` waits for the last export (seconds); a dead collector is not waited for.
+FINISH_WAIT_S = 5.0
+INSTRUMENTATION_SCOPE = "stepscope"
+
+
+def resource_attributes(state: MetricState) -> dict[str, Any]:
+    """Resource attributes (semantic conventions ``service.*``, ``host.name``) plus the run's own."""
+    from stepscope import __version__
+
+    return {
+        "service.name": "stepscope",
+        "service.version": __version__,
+        "service.instance.id": f"{state.run_id}/rank{state.rank}",
+        "host.name": state.hostname,
+        "stepscope.run.id": state.run_id,
+        "stepscope.world_size": state.world_size,
+    }
+
+
+class _Guard:
+    """Counts failed exports; the first one gives the warning."""
+
+    def __init__(self, warn: Callable[[str], None]) -> None:
+        self.warn = warn
+        self.failed = 0
+
+    def note(self, why: str) -> None:
+        self.failed += 1
+        if self.failed == 1:
+            self.warn(f"OpenTelemetry metrics export failed ({why}); training goes on, "
+                      "export keeps retrying on its own thread")
+
+
+def guarded_otlp_exporter(guard: _Guard) -> Any:
+    """The SDK's ``OTLPMetricExporter`` (configured by ``OTEL_EXPORTER_OTLP_*``), failures to ``guard``."""
+    from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+    from opentelemetry.sdk.metrics.export import MetricExportResult
+
+    class GuardedOTLPMetricExporter(OTLPMetricExporter):
+        def export(self, metrics_data: Any, timeout_millis: float | None = 10_000, **kw: Any) -> Any:
+            try:
+                result = super().export(metrics_data, timeout_millis=timeout_millis, **kw)
+            except Exception as exc:  # protect the job: a broken exporter only loses this export
+                guard.note(repr(exc))
+                return MetricExportResult.FAILURE
+            if result != MetricExportResult.SUCCESS:
+                guard.note("the collector did not accept the metrics or could not be reached")
+            return result
+
+    return GuardedOTLPMetricExporter()
+
+
+class OtelBackend:
+    """Publishes :class:`MetricState` through an OpenTelemetry ``MeterProvider``.
+
+    ``reader`` defaults to a ``PeriodicExportingMetricReader`` around ``OTLPMetricExporter``
+    (configured by the ``OTEL_EXPORTER_OTLP_*`` variables); pass an ``InMemoryMetricReader``
+    to read the metrics in process.
+
+    Example::
+
+        backend = OtelBackend(state)   # OTEL_EXPORTER_OTLP_ENDPOINT=http://collector:4318
+        ...
+        backend.close()
+    """
+
+    def __init__(self, state: MetricState, reader: Any = None,
+                 warn: Callable[[str], None] | None = None) -> None:
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.resources import Resource
+
+        self.state = state
+        self._warn = warn or _warn
+        self.guard: _Guard | None = None
+        if reader is None:
+            from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+
+            self.guard = _Guard(self._warn)
+            reader = PeriodicExportingMetricReader(guarded_otlp_exporter(self.guard))
+        self.reader = reader
+        self.provider = MeterProvider(metric_readers=[reader],
+                                      resource=Resource.create(resource_attributes(state)))
+        meter = self.provider.get_meter(INSTRUMENTATION_SCOPE)
+        for m in CATALOGUE:
+            make = meter.create_observable_counter if m.kind == "counter" else meter.create_observable_gauge
+            make(m.name, callbacks=[self._callback(m)], unit=m.unit, description=m.description)
+
+    def _callback(self, metric: Metric) -> Callable[[Any], Iterable[Any]]:
+        from opentelemetry.metrics import Observation
+
+        rank = str(self.state.rank)
+
+        def observe(options: Any) -> Sequence[Any]:
+            series = self.state.snapshot().get(metric.name, {})
+            out = []
+            for labels, value in series.items():
+                attrs = dict(labels)
+                attrs.setdefault(RANK, rank)  # findings carry the rank they are about
+                out.append(Observation(value, attrs))
+            return out
+
+        return observe
+
+    def close(self) -> None:
+        """Export once more and stop, waiting at most ``FINISH_WAIT_S`` (a dead collector is left)."""
+        # The collector already failed: do not hold the exit for it.
+        failed = self.guard is not None and self.guard.failed
+        timeout_ms = 500.0 if failed else FINISH_WAIT_S * 1000.0
+
+        def stop() -> None:
+            # protect the job: a failure at shutdown only loses the last export
+            with contextlib.suppress(Exception):
+                self.provider.shutdown(timeout_millis=timeout_ms)
+
+        t = threading.Thread(target=stop, name="stepscope-otel-shutdown", daemon=True)
+        t.start()
+        t.join(FINISH_WAIT_S)
+
+
+def _warn(msg: str) -> None:
+    # protect the job: warnings configured as errors must not escape into the exporter thread
+    with contextlib.suppress(Exception):
+        warnings.warn(f"stepscope: {msg}", StepscopeWarning, stacklevel=2)
