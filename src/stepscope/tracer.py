@@ -12,7 +12,6 @@ second thread while one is open, is not timed and warns once: the job is never i
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Iterable
 from functools import wraps
 from typing import Any, TypeVar

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from stepscope.analysis.diagnose import _SEVERITY_ORDER
+from stepscope.analysis import cost
 from stepscope.analysis.experts import expert_verdicts, experts_section
 from stepscope.analysis.pipeline import pipeline_section
 
@@ -23,14 +23,18 @@ def add_coverage_sections(con: Any, doc: dict[str, Any]) -> None:
     experts = experts_section(con, doc["run"]["step_ms"]["median"] or 0.0)
     if experts is not None:
         doc["experts"] = experts
-        added += expert_verdicts(experts)
+        added += expert_verdicts(experts, doc["run"])
     blind = blind_section(con, doc)
     if blind:
         doc["blind"] = blind
-        added += blind_verdicts(blind)
+        added += blind_verdicts(blind, doc)
     if added:
-        doc["verdicts"] = sorted(doc["verdicts"] + added,
-                                 key=lambda v: _SEVERITY_ORDER[v["severity"]])
+        verdicts = doc["verdicts"] + added
+        if any(v["severity"] != "info" for v in added):
+            # A costly imbalance or a blind path contradicts "balanced".
+            verdicts = [v for v in verdicts if v["kind"] != "balanced"]
+        cost.order(verdicts)
+        doc["verdicts"] = verdicts
 
 
 def blind_section(con: Any, doc: dict[str, Any]) -> list[dict[str, Any]]:
@@ -53,7 +57,7 @@ def blind_section(con: Any, doc: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def blind_verdicts(blind: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def blind_verdicts(blind: list[dict[str, Any]], doc: dict[str, Any]) -> list[dict[str, Any]]:
     """One ``blind_collectives`` warning naming every unseen path."""
     if not blind:
         return []
@@ -61,7 +65,9 @@ def blind_verdicts(blind: list[dict[str, Any]]) -> list[dict[str, Any]]:
                       + f" ({b['calls_per_step']:g} calls per step)"
                       + f": {b['what']}" for b in blind)
     return [{
+        # Its cost is unknown by definition: waits there are not measured.
         "kind": "blind_collectives", "severity": "warning",
+        "cost": cost.no_cost(doc["run"].get("cost") or {}),
         "evidence": f"stepscope cannot see every collective this job issues — {paths}. Waits in "
         "those collectives are not attributed to a rank: they count as the calling phase's own "
         "work, so a straggler behind them can be missed or a 'balanced' verdict can be wrong",

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from stepscope.analysis import robust
+from stepscope.analysis import cost, robust
 
 #: A rank receiving this many times the median of the other ranks is imbalanced
 #: (warning), twice that critical.
@@ -68,18 +68,22 @@ def experts_section(con: Any, median_step: float) -> dict[str, Any] | None:
             "other ranks' wait in those all-to-alls (the one wait rule)"}
 
 
-def expert_verdicts(section: dict[str, Any]) -> list[dict[str, Any]]:
-    """``expert_imbalance`` verdicts: one per all-to-all group whose busiest rank is hot."""
+def expert_verdicts(section: dict[str, Any], run: dict[str, Any]) -> list[dict[str, Any]]:
+    """``expert_imbalance`` verdicts: one per all-to-all group whose busiest rank is hot,
+    priced like every finding (:mod:`stepscope.analysis.cost`): every rank of the group waits."""
+    job = run.get("cost") or {}
     out = []
     for g in section["groups"]:
         ratio = g["imbalance"]
         if ratio is None or ratio < IMBALANCE:
             continue
         share = g["lost_share"] or 0.0
+        c = cost.price(job, g["lost_ms_per_step"], int(run.get("steps") or 0), len(g["ranks"]))
         out.append({
             "kind": "expert_imbalance",
-            # Severity by cost, as for a straggler: 15% of the step lost is critical.
-            "severity": "critical" if share >= 0.15 else "warning",
+            "severity": cost.severity(cost.share(c)),
+            "cost": c,
+            "subject": f"rank {g['max_recv_rank']}'s experts",
             "evidence": f"rank {g['max_recv_rank']} receives {ratio:.1f}× the tokens (bytes) of "
             f"the median other rank in one all_to_all on group {g['pg']} (its experts get "
             "more of the routed tokens); the other ranks lose "
