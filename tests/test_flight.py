@@ -141,7 +141,11 @@ def test_status_names_the_hung_rank_and_collective_from_the_dumps(tmp_path: Path
         # PyTorch's own (pickled) dump files, read by torch's loader, say the same.
         for p in ours:
             p.rename(p.with_suffix(".moved"))
-        fr2 = analyze_flight(out, 2)
+        # Pickles are not loaded unless the reader says it trusts the run directory.
+        untrusted = analyze_flight(out, 2)
+        assert untrusted is not None and untrusted["culprit_ranks"] == []
+        assert any("--trust-flight-dumps" in n for n in untrusted["notes"])
+        fr2 = analyze_flight(out, 2, trust_dumps=True)
         assert fr2 is not None and fr2["source"].startswith("PyTorch dump files")
         assert fr2["culprit_ranks"] == [1]
         assert fr2["first_unmatched"]["op"] == "gloo:all_reduce"
@@ -192,3 +196,22 @@ def test_no_dump_no_section_and_torn_dump_noted(tmp_path: Path) -> None:
     fr = analyze_flight(tmp_path, 2)
     assert fr is not None and any("rank0.flight.json" in n for n in fr["notes"])
     assert fr["missing_dumps"] == [0]
+
+
+def test_flight_dumps_outside_the_run_are_not_read(tmp_path):
+    """The same rules as every run file: a symlinked dump pointing outside the run is refused,
+    and torch's pickled dumps are not loaded without --trust-flight-dumps."""
+    outside = tmp_path / "outside.json"
+    outside.write_text(json.dumps(_dump(0, [])))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "rank0.flight.json").symlink_to(outside)
+    fr = analyze_flight(run, 1)
+    assert fr is not None and fr["ranks"] == []
+    assert any("rank0.flight.json" in n for n in fr["notes"])
+    (run / "rank0.flight.json").unlink()
+    (run / "flight_recorder").mkdir()
+    (run / "flight_recorder" / "nccl_trace_rank_0").write_bytes(b"not read at all")
+    fr = analyze_flight(run, 1)
+    assert fr is not None and fr["culprit_ranks"] == []
+    assert any("pickles" in n for n in fr["notes"])

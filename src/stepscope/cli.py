@@ -44,7 +44,8 @@ def _cmd_trace(args: argparse.Namespace) -> int:
 def _cmd_status(args: argparse.Namespace) -> int:
     from stepscope.report.status import status_command
 
-    return status_command(args.run_dir, as_json=args.json, stalled_after_s=args.stalled_after)
+    return status_command(args.run_dir, as_json=args.json, stalled_after_s=args.stalled_after,
+                          trust_flight_dumps=args.trust_flight_dumps)
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
@@ -99,6 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--stalled-after", type=float, metavar="S", default=None,
         help="call a rank stalled after S s on one step (default: max(5 s, 2 heartbeats, 10 steps))",
+    )
+    s.add_argument(
+        "--trust-flight-dumps", action="store_true",
+        help="also read PyTorch's own Flight Recorder dumps in RUN/flight_recorder/ (pickles: "
+             "loading one can run code, so only for a run directory you trust)",
     )
     s.set_defaults(func=_cmd_status)
 

@@ -38,16 +38,20 @@ MAX_DUMP_BYTES = 256 << 20
 
 
 def _read_ours(root: Path, notes: list[str]) -> dict[str, dict[str, Any]]:
+    from stepscope.analysis.status import read_run_file
+
     details: dict[str, dict[str, Any]] = {}
     for p in sorted(root.glob("rank*.flight.json")):
         m = _OURS.match(p.name)
-        if not m or not p.is_file():
+        if not m:
+            continue
+        # The same rules as every run file: inside the run, a regular file, size-bounded.
+        data, why = read_run_file(root, p.name, MAX_DUMP_BYTES)
+        if data is None:
+            notes.append(f"{p.name} {why}; skipped")
             continue
         try:
-            if p.stat().st_size > MAX_DUMP_BYTES:
-                notes.append(f"{p.name}: larger than {MAX_DUMP_BYTES >> 20} MB; skipped")
-                continue
-            doc = json.loads(p.read_text(encoding="utf-8"))
+            doc = json.loads(data.decode("utf-8"))
             entries = doc["entries"]
             if not isinstance(entries, list) or not isinstance(doc.get("pg_config"), dict):
                 raise ValueError("entries or pg_config of the wrong type")
@@ -64,12 +68,21 @@ def _read_ours(root: Path, notes: list[str]) -> dict[str, dict[str, Any]]:
     return details
 
 
-def _read_torch(root: Path, notes: list[str]) -> dict[str, dict[str, Any]]:
+def _read_torch(root: Path, notes: list[str], trusted: bool) -> dict[str, dict[str, Any]]:
+    from stepscope.analysis.triggers import run_file
+
     folder = root / TORCH_DIR
-    if not folder.is_dir():
+    if folder.is_symlink() or not folder.is_dir():
         return {}
-    files = sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith("."))
+    files = sorted(p for p in folder.iterdir() if not p.name.startswith("."))
     if not files:
+        return {}
+    if not trusted:
+        # torch's dumps are pickles: loading one runs whatever code it names, and a run
+        # directory is not necessarily written by someone the reader trusts.
+        notes.append(f"{len(files)} file(s) in {TORCH_DIR}/ not read: PyTorch's Flight Recorder "
+                     "dumps are pickles (loading one can run code); pass --trust-flight-dumps "
+                     "to read them")
         return {}
     from torch.distributed.flight_recorder.components.loader import read_dump
 
@@ -84,10 +97,12 @@ def _read_torch(root: Path, notes: list[str]) -> dict[str, dict[str, Any]]:
     prefix = max(groups, key=lambda k: (len(groups[k]), k))
     details: dict[str, dict[str, Any]] = {}
     for p in groups[prefix]:
+        target, why = run_file(root, f"{TORCH_DIR}/{p.name}", MAX_DUMP_BYTES)
+        if target is None:
+            notes.append(f"{TORCH_DIR}/{p.name} {why}; skipped")
+            continue
         try:
-            if p.stat().st_size > MAX_DUMP_BYTES:
-                raise ValueError(f"larger than {MAX_DUMP_BYTES >> 20} MB")
-            d = read_dump(prefix, str(p))
+            d = read_dump(prefix, str(target))
         except Exception as exc:  # a torn or foreign file: note it, read the others
             notes.append(f"{TORCH_DIR}/{p.name}: not a readable Flight Recorder dump ({exc!r}); skipped")
             continue
@@ -199,7 +214,8 @@ def _rank_view(d: dict[str, Any]) -> dict[str, Any]:
             "in_collective": brief(cur), "last_collective": brief(last), "seq_by_pg": seq}
 
 
-def analyze_flight(run_dir: str | os.PathLike[str], world_size: int | None = None) -> dict[str, Any] | None:
+def analyze_flight(run_dir: str | os.PathLike[str], world_size: int | None = None, *,
+                   trust_dumps: bool = False) -> dict[str, Any] | None:
     """The ``flight_recorder`` section of ``stepscope status``; ``None`` when the run has no dump.
 
     Keys: ``ranks`` (per rank: the collective in flight, the last one, sequence numbers per
@@ -212,9 +228,13 @@ def analyze_flight(run_dir: str | os.PathLike[str], world_size: int | None = Non
     details = _read_ours(root, notes)
     source = "stepscope heartbeat (rank*.flight.json)"
     if not details:
-        details = _read_torch(root, notes)
+        details = _read_torch(root, notes, trust_dumps)
         source = f"PyTorch dump files ({TORCH_DIR}/)"
     if not details:
+        if notes:  # dumps there but none read (untrusted pickles, torn files): say so
+            return {"source": source, "files": [], "ranks": [], "missing_dumps": [],
+                    "first_unmatched": None, "behind": [], "culprit_ranks": [], "why": "",
+                    "analyser": "torch.distributed.flight_recorder", "notes": notes}
         return None
     ranks = sorted({int(d["rank"]) for d in details.values()})
     _fix_pg_config(details)
@@ -261,11 +281,11 @@ def analyze_flight(run_dir: str | os.PathLike[str], world_size: int | None = Non
     }
 
 
-def apply_flight(doc: dict[str, Any], run_dir: str | os.PathLike[str]) -> None:
+def apply_flight(doc: dict[str, Any], run_dir: str | os.PathLike[str], *, trust_dumps: bool = False) -> None:
     """Add ``flight_recorder`` to a ``stepscope status`` document; name the culprit from it
     when the heartbeats could not (``culprit`` is ``None``), or note that it agrees."""
     world = doc.get("run", {}).get("world_size")
-    fr = analyze_flight(run_dir, world if isinstance(world, int) else None)
+    fr = analyze_flight(run_dir, world if isinstance(world, int) else None, trust_dumps=trust_dumps)
     doc["flight_recorder"] = fr
     if fr is None or not fr["culprit_ranks"]:
         return

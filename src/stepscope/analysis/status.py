@@ -478,8 +478,12 @@ def analyze_status(
     *,
     now: float | None = None,
     stalled_after_s: float | None = None,
+    trust_flight_dumps: bool = False,
 ) -> dict[str, Any]:
-    """The ``stepscope status --json`` document; raises :class:`AnalysisError` when nothing is usable."""
+    """The ``stepscope status --json`` document; raises :class:`AnalysisError` when nothing is usable.
+
+    ``trust_flight_dumps``: also read PyTorch's own Flight Recorder dumps (pickles).
+    """
     root = Path(run_dir)
     beats, notes, meta_id = read_heartbeats(root)
     if not beats:
@@ -566,7 +570,7 @@ def analyze_status(
     }
     from stepscope.analysis.flight import apply_flight  # [export] PyTorch Flight Recorder dumps
 
-    apply_flight(doc, root)
+    apply_flight(doc, root, trust_dumps=trust_flight_dumps)
     return doc
 
 

@@ -72,12 +72,14 @@ def render_status(doc: dict[str, Any], console: Any = None) -> None:
         con.print(f"[dim]note: {escape(note)}[/]", soft_wrap=True)
 
 
-def status_command(run_dir: str, as_json: bool, stalled_after_s: float | None = None) -> int:
+def status_command(run_dir: str, as_json: bool, stalled_after_s: float | None = None,
+                   trust_flight_dumps: bool = False) -> int:
     """Run ``stepscope status``; 0 when any heartbeat was readable, 2 when none."""
     from stepscope.analysis.status import analyze_status
 
     try:
-        doc = analyze_status(run_dir, stalled_after_s=stalled_after_s)
+        doc = analyze_status(run_dir, stalled_after_s=stalled_after_s,
+                             trust_flight_dumps=trust_flight_dumps)
     except AnalysisError as exc:
         print(f"stepscope status: {term(exc)}", file=sys.stderr)
         return 2
