@@ -159,7 +159,7 @@ class _ModelHooks:
     # ----------------------------------------------------------- grad_sync marker
 
     def _start_calibration(self) -> None:
-        if not _distributed() or not self._ddp:
+        if not _distributed() or not self._ddp or _fsdp(self.model):  # grad_sync: DDP only
             self._sync_param = False
             return
         params = [p for p in self.model.parameters() if p.requires_grad]
