@@ -99,7 +99,7 @@ def test_no_cuda_resolves_to_none_and_bad_devices_are_rejected():
 
 def test_prefetch_loader_follows_the_tracers_device(monkeypatch):
     """PrefetchLoader(device=None) copies to the tracer's (model-resolved) device, not current."""
-    from tests.test_prefetch import FakeBackend, FakeTracer
+    from test_prefetch import FakeBackend, FakeTracer
 
     be = FakeBackend(count=4, current=0)
     tracer = FakeTracer(be.log)

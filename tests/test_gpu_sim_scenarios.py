@@ -193,9 +193,6 @@ def _dataloader_ms(rec: dict[str, Any]) -> float:
     return sum(p.get("host_ms", p["ms"]) for p in rec["phases"] if p["name"] == "dataloader")
 
 
-@pytest.mark.xfail(strict=True, reason="issue 18 defect 8: PrefetchLoader blocks the host on "
-                   "unpinned leaves, and over wrap_loader charges each step the next batch's "
-                   "wait and drops batch 0's")
 @pytest.mark.parametrize(("as_object", "pin"), [(False, False), (True, True)],
                          ids=["pin_memory_false", "object_with_own_to"])
 def test_prefetch_loader_over_wrap_loader_with_unpinned_leaves(cuda_sim, tmp_path, as_object, pin):
@@ -407,8 +404,6 @@ def _configs_worker(rank: int, world: int, port: int, out: str, steps: int) -> N
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="issue 18 defect 7: the side gloo group is created only "
-                   "on ranks whose config asks for it (rank 0 stalls, group counters desync)")
 def test_per_rank_different_configs_do_not_hang(tmp_path):
     ctx = mp.start_processes(run_then_exit,  # type: ignore[attr-defined]
                              args=(_configs_worker, 2, free_port(), str(tmp_path), 30),
@@ -532,8 +527,6 @@ def test_one_event_query_error_does_not_end_timing(cuda_sim, tmp_path):
     assert set(range(15, 40)) <= steps, sorted(steps)[-5:]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 18 defect 10: resetting peak memory every step "
-                   "corrupts the user's own (HF, torchtitan) memory metrics")
 def test_the_users_memory_peak_survives_stepscope(cuda_sim, tmp_path):
     sim = cuda_sim()
     model = nn.Linear(64, 64).to("cuda")
