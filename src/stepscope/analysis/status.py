@@ -178,7 +178,7 @@ def _clean_beat(doc: dict[str, Any], name: str, notes: list[str]) -> dict[str, A
         what = f"missing {missing}" if missing else "rank, run_id or updated_unix of the wrong type or range"
         notes.append(f"{name}: incomplete heartbeat ({what}); skipped")
         return None
-    if state not in _STATES:
+    if not isinstance(state, str) or state not in _STATES:
         notes.append(f"{name}: unknown state {str(state)[:40]!r}; skipped")
         return None
     bad: list[str] = []
