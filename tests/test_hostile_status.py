@@ -293,3 +293,12 @@ def test_dev_zero_in_a_child_with_bounded_memory(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     doc = _strict(proc.stdout)
     assert doc["culprit"]["stack_top"] == []
+
+
+@pytest.mark.parametrize("value", [True, 1.0, "1", 10**30, None])
+def test_bad_rank_field_is_read_as_the_file_rank(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                 value: Any) -> None:
+    run = _run(tmp_path, rank=value)
+    rc, doc, _ = _status(run, capsys)
+    assert rc == 0 and {v["rank"] for v in doc["ranks"]} == {0, 1}
+    assert any("rank1.status.json" in n and "read as rank 1" in n for n in doc["notes"])
