@@ -80,7 +80,7 @@ def encode_record(record: dict[str, Any]) -> bytes | None:
         pass
     try:
         return orjson.dumps(_clean(record, 0), option=orjson.OPT_APPEND_NEWLINE)
-    except (TypeError, ValueError, RecursionError):
+    except (TypeError, ValueError, RecursionError):  # protect the job: counted by the sink
         return None
 
 

@@ -57,7 +57,7 @@ def analyze_run(
 def recording_lost(con: Any) -> dict[str, int]:
     """Sum of the records' ``dropped`` counts by reason (steps never written); zeros left out."""
     rows = con.execute("SELECT key, n FROM lost ORDER BY 1").fetchall()  # built by load_run
-    return {str(k): int(n) for k, n in rows if n}
+    return {str(k): int(n) for k, n in rows if n is not None and n > 0}
 
 
 def _analyze(data: RunData) -> dict[str, Any]:

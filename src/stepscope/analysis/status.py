@@ -161,7 +161,7 @@ def _names(v: object) -> list[str] | None:
     return [x[:MAX_TEXT] for x in v[:MAX_STACK_DEPTH]]
 
 
-def _clean_beat(doc: dict[str, Any], name: str, notes: list[str]) -> dict[str, Any] | None:
+def _clean_beat(doc: dict[str, Any], name: str, file_rank: int, notes: list[str]) -> dict[str, Any] | None:
     """The heartbeat fields the reader uses, each checked for type and range.
 
     A required field that is missing or unusable skips the file; an optional one is dropped
@@ -169,6 +169,9 @@ def _clean_beat(doc: dict[str, Any], name: str, notes: list[str]) -> dict[str, A
     2^70, a step as a string, a world size of 10^12) can raise further on.
     """
     rank = _plain_int(doc.get("rank"), 0, MAX_RANKS - 1)
+    if rank is None and "rank" in doc:
+        notes.append(f"{name}: rank {str(doc['rank'])[:40]!r} is not a rank; read as rank {file_rank}")
+        rank = file_rank
     run_id = doc.get("run_id")
     run_id = str(run_id) if isinstance(run_id, int) and not isinstance(run_id, bool) else run_id
     updated = _number(doc.get("updated_unix"), 0.0, MAX_UNIX)
@@ -178,7 +181,7 @@ def _clean_beat(doc: dict[str, Any], name: str, notes: list[str]) -> dict[str, A
         what = f"missing {missing}" if missing else "rank, run_id or updated_unix of the wrong type or range"
         notes.append(f"{name}: incomplete heartbeat ({what}); skipped")
         return None
-    if state not in _STATES:
+    if not isinstance(state, str) or state not in _STATES:
         notes.append(f"{name}: unknown state {str(state)[:40]!r}; skipped")
         return None
     bad: list[str] = []
@@ -232,7 +235,7 @@ def _clean_beat(doc: dict[str, Any], name: str, notes: list[str]) -> dict[str, A
     return beat
 
 
-def _read_one(root: Path, name: str, notes: list[str]) -> dict[str, Any] | None:
+def _read_one(root: Path, name: str, file_rank: int, notes: list[str]) -> dict[str, Any] | None:
     raw, why = read_run_file(root, name, MAX_HEARTBEAT_BYTES)
     if raw is None:
         notes.append(f"{name} {why}")
@@ -250,7 +253,7 @@ def _read_one(root: Path, name: str, notes: list[str]) -> dict[str, Any] | None:
     if not isinstance(doc, dict) or doc.get("kind") != KIND:
         notes.append(f"{name}: not a stepscope heartbeat; skipped")
         return None
-    return _clean_beat(doc, name, notes)
+    return _clean_beat(doc, name, file_rank, notes)
 
 
 def read_heartbeats(run_dir: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], list[str], str | None]:
@@ -276,7 +279,7 @@ def read_heartbeats(run_dir: str | os.PathLike[str]) -> tuple[list[dict[str, Any
         if len(digits) > 7 or int(digits) >= MAX_RANKS:
             notes.append(f"{name[:60]}: rank out of range 0..{MAX_RANKS - 1}; skipped")
             continue
-        doc = _read_one(root, name, notes)
+        doc = _read_one(root, name, int(digits), notes)
         if doc is None:
             continue
         if doc["rank"] != int(digits):

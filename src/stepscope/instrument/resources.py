@@ -70,8 +70,6 @@ COUNT_NAMES = ("tokens", "samples")
 
 #: Largest count per step accepted (2^53: exact as a float in every JSON reader).
 MAX_COUNT = 1 << 53
-
-
 #: Largest ``flops_per_step`` accepted (a 405B model at 16M tokens is 4e19).
 MAX_FLOPS_PER_STEP = 1e30
 

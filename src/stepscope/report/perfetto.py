@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from stepscope.errors import AnalysisError
-from stepscope.report.escape import finite
+from stepscope.report.escape import finite, term
 
 _BATCH = 50_000
 
@@ -85,19 +85,19 @@ def export_command(run_dir: str, perfetto: str) -> int:
     try:
         doc = load_document(run_dir, keep=True)
     except AnalysisError as exc:
-        print(f"stepscope export: {exc}", file=sys.stderr)
+        print(f"stepscope export: {term(exc)}", file=sys.stderr)
         return 2
     data = doc["_data"]
     try:
         Path(perfetto).parent.mkdir(parents=True, exist_ok=True)
         n = write_perfetto(doc, data, perfetto)
     except OSError as exc:
-        print(f"stepscope export: cannot write {perfetto} ({exc})", file=sys.stderr)
+        print(f"stepscope export: cannot write {term(perfetto)} ({term(exc)})", file=sys.stderr)
         return 2
     finally:
         data.close()
     for s in doc["run"]["skipped"]:
-        print(f"stepscope export: skipped: {s}", file=sys.stderr)
-    print(f"wrote {perfetto}: {doc['run']['ranks']} ranks, {n} slices "
+        print(f"stepscope export: skipped: {term(s)}", file=sys.stderr)
+    print(f"wrote {term(perfetto)}: {doc['run']['ranks']} ranks, {n} slices "
           "(open in https://ui.perfetto.dev)")
     return 0
