@@ -41,8 +41,6 @@ def test_resolver_names_the_models_simulated_second_gpu(cuda_sim):
     assert sim.syncs == 0, sim.sync_log
 
 
-@pytest.mark.xfail(strict=True, reason="needs the lead's wiring: Tracer builds its clock with "
-                   "default_clock(device=devices.resolve(model)) (CudaClock(device=) is on branch recorder)")
 def test_ddp_tutorial_without_set_device_times_on_the_models_gpu(tmp_path, cuda_sim):
     sim = cuda_sim(devices=2)
     model = nn.Linear(8, 8).to(1)

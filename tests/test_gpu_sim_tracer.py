@@ -53,8 +53,6 @@ def test_cuda_clock_records_every_phase_without_host_sync(cuda_sim, tmp_path):
         assert r["step_ms"] >= sum(p["ms"] for p in r["phases"] if p["parent"] is None) - 1e-3
 
 
-@pytest.mark.xfail(strict=True, reason="issue 18 defect 4: backward marks are taken on the "
-                   "device thread; with the model's device not resolved they can be dropped")
 def test_backward_is_timed_when_it_runs_on_the_device_thread(cuda_sim, tmp_path):
     sim = cuda_sim(devices=2, lag_steps=2)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1)).to("cuda:1")
