@@ -41,6 +41,11 @@ Limits (what is NOT simulated; see README "GPU claims"):
   raise), no NCCL, no multi-process shared devices (each process has its own simulated
   devices). ``torch.accelerator`` covers availability, device index, streams and memory.
 * Faults on demand: :meth:`CudaSim.inject_query_errors`.
+* Collectives are not on the simulated streams: gloo runs them on the host, on CPU tensors.
+  Use ``lag_steps=0`` for multi-rank gloo runs whose cross-rank timing matters: a gloo
+  collective on CUDA tensors copies them to the host (a stream sync), so the GPU cannot stay
+  behind across it, and each rank's lag-shifted GPU timeline would otherwise disagree with
+  the others' at the collectives (NCCL's end at the same instant on every GPU).
 * ``torch.backends.cuda.is_built()`` stays False (the CPU build); FSDP2/DDP keep their CPU
   code paths for the collectives (gloo).
 """

@@ -259,7 +259,9 @@ def _fsdp_worker(rank: int, world: int, port: int, out: str, steps: int, slow_ra
     from torch.distributed.fsdp import fully_shard
 
     _env(rank, world, port)
-    sim = cudasim.install(devices=world, lag_steps=2)
+    # lag_steps=0: a gloo collective on CUDA tensors copies them to the host, synchronising the
+    # stream, so across collectives the GPU cannot fall behind (see cudasim's docstring).
+    sim = cudasim.install(devices=world, lag_steps=0)
     torch.cuda.set_device(rank)  # what FSDP2 scripts do; the mesh stays on CPU (gloo)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -342,7 +344,7 @@ def _ddp_tutorial_worker(rank: int, world: int, port: int, out: str, steps: int)
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     _env(rank, world, port)
-    sim = cudasim.install(devices=world, lag_steps=1)
+    sim = cudasim.install(devices=world, lag_steps=0)  # gloo: see _fsdp_worker
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         # The PyTorch DDP tutorial: no set_device, the model moved with .to(rank).
