@@ -41,6 +41,11 @@ Limits (what is NOT simulated; see README "GPU claims"):
   raise), no NCCL, no multi-process shared devices (each process has its own simulated
   devices). ``torch.accelerator`` covers availability, device index, streams and memory.
 * Faults on demand: :meth:`CudaSim.inject_query_errors`.
+* Collectives are not on the simulated streams: gloo runs them on the host, on CPU tensors.
+  Use ``lag_steps=0`` for multi-rank gloo runs whose cross-rank timing matters: a gloo
+  collective on CUDA tensors copies them to the host (a stream sync), so the GPU cannot stay
+  behind across it, and each rank's lag-shifted GPU timeline would otherwise disagree with
+  the others' at the collectives (NCCL's end at the same instant on every GPU).
 * ``torch.backends.cuda.is_built()`` stays False (the CPU build); FSDP2/DDP keep their CPU
   code paths for the collectives (gloo).
 """
@@ -599,7 +604,7 @@ class CudaSim:
         elif self.idle_drain_s is not None and now - self._last_tick_ns() >= self.idle_drain_s * 1e9:
             # The host stopped ticking (end of the loop, an eval, a hang): the GPU keeps going
             # on its own and works through its queue at the recent pace of a step.
-            base = min(item.host_ns + lag * self._recent_step_ns(), now)
+            base = item.host_ns + lag * self._recent_step_ns()  # done once the host is there
         else:
             return None
         start = max(s.last_end_ns, base + self.lag_ns)  # in order: after the previous item
@@ -647,13 +652,18 @@ class CudaSim:
             return
         with self._lock:
             self._advance()
-            latest = self._force(target, time.perf_counter_ns())
+            now = time.perf_counter_ns()
+            pending = [i.host_ns for d in self._devs() for st in d.streams for i in st.pending]
+            # The queued work runs from now on, with the spacing the host gave it (a real GPU
+            # needs that long; the host waits at most sync_sleep_limit_s here).
+            shift = max(0, now - min(pending)) if pending else 0
+            latest = self._force(target, now, shift)
         wait_s = (latest - time.perf_counter_ns()) / 1e9
         if wait_s > 0:
             # The host waits for GPU time to pass (e.g. a long simulated kernel).
             time.sleep(min(wait_s, self.sync_sleep_limit_s))
 
-    def _force(self, target: _Item, now: int) -> int:
+    def _force(self, target: _Item, now: int, shift: int) -> int:
         """Complete items up to ``target`` now, ignoring the lag (the host waits for them)."""
         s = target.stream
         q = s.pending
@@ -661,11 +671,11 @@ class CudaSim:
         while not target.done:
             item = q[0]
             if item.dep is not None and not item.dep.done:
-                latest = max(latest, self._force(item.dep, now))
+                latest = max(latest, self._force(item.dep, now, shift))
             start = self._start_ns(item, s, now)
             if start is None:
                 # Not due yet: the GPU gets to it now, while the host waits.
-                start = max(s.last_end_ns, item.host_ns + self.lag_ns, now)
+                start = max(s.last_end_ns, item.host_ns + self.lag_ns + shift)
                 if item.dep is not None:
                     start = max(start, item.dep.end_ns)
             self._complete(q, s, start + item.cost_ns)

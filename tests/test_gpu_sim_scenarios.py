@@ -252,7 +252,9 @@ def _fsdp_worker(rank: int, world: int, port: int, out: str, steps: int, slow_ra
     from torch.distributed.fsdp import fully_shard
 
     _env(rank, world, port)
-    sim = cudasim.install(devices=world, lag_steps=2)
+    # lag_steps=0: a gloo collective on CUDA tensors copies them to the host, synchronising the
+    # stream, so across collectives the GPU cannot fall behind (see cudasim's docstring).
+    sim = cudasim.install(devices=world, lag_steps=0)
     torch.cuda.set_device(rank)  # what FSDP2 scripts do; the mesh stays on CPU (gloo)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -331,7 +333,7 @@ def _ddp_tutorial_worker(rank: int, world: int, port: int, out: str, steps: int)
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     _env(rank, world, port)
-    sim = cudasim.install(devices=world, lag_steps=1)
+    sim = cudasim.install(devices=world, lag_steps=0)  # gloo: see _fsdp_worker
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         # The PyTorch DDP tutorial: no set_device, the model moved with .to(rank).
@@ -437,7 +439,7 @@ def test_per_rank_different_configs_do_not_hang(tmp_path):
 
 
 _DISK_JOB = r"""
-import fcntl, json, os, sys, termios, time, warnings
+import json, os, resource, signal, sys, time, warnings
 sys.path.insert(0, {tests!r})
 import torch
 from torch import nn
@@ -447,31 +449,26 @@ out = {out!r}
 sim = cudasim.install(lag_steps=1)
 model = nn.Linear(16, 16).to("cuda")
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
-# The "disk" is a pipe whose far end the test holds: a device that stops taking writes, then
-# fails them (EPIPE), the way a full or vanished file system does, at a moment chosen here.
-os.mkfifo(os.path.join(out, "rank0.jsonl"))
-disk = os.open(os.path.join(out, "rank0.jsonl"), os.O_RDONLY | os.O_NONBLOCK)
-fcntl.fcntl(disk, 1031, 4096)  # F_SETPIPE_SZ: one page, full after a few records
-state = {{"armed": False, "failed_inside": False}}
-
-def queued():
-    return int.from_bytes(fcntl.ioctl(disk, termios.FIONREAD, b"\0" * 4), sys.byteorder)
+state = {{"calls": 0, "disk_full": False, "failed_inside": False}}
+# A write past RLIMIT_FSIZE fails with EFBIG and raises SIGXFSZ; the handler only notes it.
+signal.signal(signal.SIGXFSZ, lambda *_: state.update(disk_full=True))
 
 def user_pre_hook(optimizer, args, kwargs):
     # The user's own optimizer pre-hook (clipping, logging...), registered before stepscope's.
-    # Once the disk is full and the writer is stuck on it, the disk fails while this runs.
-    if state["failed_inside"] or queued() < 4096 - 512:
+    # At step {fail_at} the disk fills up while it runs, and records are being written.
+    state["calls"] += 1
+    if state["calls"] != {fail_at}:
         return
-    if not state["armed"]:
-        state["armed"] = True  # the next step's record will find the pipe full
-        return
-    time.sleep(0.3)  # the writer thread is now blocked in write()
-    os.close(disk)  # ... which fails with EPIPE: the writer thread reports the error
-    state["failed_inside"] = True
-    time.sleep(0.5)  # still inside the optimizer's hook loop while that report runs
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1, resource.RLIM_INFINITY))  # the disk is full
+    tracer.flush()  # hand the resolved records to the writer thread, which now fails
+    deadline = time.monotonic() + 10
+    while not state["disk_full"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    state["failed_inside"] = state["disk_full"]
+    time.sleep(0.5)  # still inside the optimizer's hook loop while the failure is handled
 
 opt.register_step_pre_hook(user_pre_hook)
-stepscope.init(out_dir=out, model=model, optimizer=opt, flush_every_n_steps=1)
+tracer = stepscope.init(out_dir=out, model=model, optimizer=opt, flush_every_n_steps=1000)
 done = 0
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -483,6 +480,7 @@ with warnings.catch_warnings():
         sim.host_tick()
         done += 1
     stepscope.finish()
+resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
 print(json.dumps({{"done": done, "failed_inside": state["failed_inside"]}}))
 """
 
@@ -491,8 +489,9 @@ print(json.dumps({{"done": done, "failed_inside": state["failed_inside"]}}))
 def test_a_disk_error_mid_run_does_not_crash_the_job(tmp_path):
     import subprocess
 
-    steps = 60
-    code = _DISK_JOB.format(tests=str(Path(__file__).parent), out=str(tmp_path), steps=steps)
+    steps = 40
+    code = _DISK_JOB.format(tests=str(Path(__file__).parent), out=str(tmp_path), steps=steps,
+                            fail_at=20)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=240, env=env)
