@@ -96,6 +96,8 @@ def test_pipeline_slow_stage_is_named(tmp_path: Any, stages: int, slow_stage: in
     assert "host_overhead" not in _kinds(doc)
     assert all(x["phase"] != "residual" for x in doc["stragglers"])
     assert "ddp_allreduce" not in {o["op"] for o in doc["collectives"]["ops"]}
+    (bubble,) = [v for v in doc["verdicts"] if v["kind"] == "pipeline_bubble"]
+    assert f"stage {slow_stage} (rank {slow_stage}) is the pipeline's bottleneck" in bubble["evidence"]
     pipe = doc["pipeline"]
     assert pipe["bottleneck_stage"] == slow_stage and pipe["bottleneck_rank"] == slow_stage
     bubbles = {st["stage"]: st["bubble_ms"] for st in pipe["stages"]}

@@ -11,7 +11,7 @@ from typing import Any
 
 from stepscope.analysis import cost
 from stepscope.analysis.experts import expert_verdicts, experts_section
-from stepscope.analysis.pipeline import pipeline_section
+from stepscope.analysis.pipeline import pipeline_section, pipeline_verdicts
 
 
 def add_coverage_sections(con: Any, doc: dict[str, Any]) -> None:
@@ -20,6 +20,7 @@ def add_coverage_sections(con: Any, doc: dict[str, Any]) -> None:
     pipe = pipeline_section(con)
     if pipe is not None:
         doc["pipeline"] = pipe
+        added += pipeline_verdicts(pipe)
     experts = experts_section(con, doc["run"]["step_ms"]["median"] or 0.0)
     if experts is not None:
         doc["experts"] = experts

@@ -121,3 +121,31 @@ def pipeline_section(con: Any) -> dict[str, Any] | None:
         "waited_on = what the other end of each link spent beyond this stage's time in it "
         "(per step and link); the bottleneck is the stage the others waited on most",
     }
+
+
+#: Share of the waiting stages' step time spent in their bubble (warning / critical).
+BUBBLE_SHARE = (0.08, 0.20)
+
+
+def pipeline_verdicts(section: dict[str, Any]) -> list[dict[str, Any]]:
+    """A ``pipeline_bubble`` verdict naming the bottleneck stage, when the bubble is large."""
+    b = section.get("bottleneck_stage")
+    if b is None:
+        return []
+    others = [s for s in section["stages"] if s["stage"] != b]
+    share = robust.median([s["bubble_share"] or 0.0 for s in others]) if others else 0.0
+    if share < BUBBLE_SHARE[0]:
+        return []
+    worst = next(s for s in section["stages"] if s["stage"] == b)
+    waiting = ", ".join(str(s["stage"]) for s in others if (s["bubble_share"] or 0.0) >= BUBBLE_SHARE[0])
+    return [{
+        "kind": "pipeline_bubble",
+        "severity": "critical" if share >= BUBBLE_SHARE[1] else "warning",
+        "evidence": f"stage {b} (rank {worst['rank']}) is the pipeline's bottleneck: its neighbours "
+        f"wait {worst['waited_on_ms']:.1f} ms per step on it in send/recv; stage(s) {waiting or '-'} "
+        f"spend a median {100.0 * share:.0f}% of their step time in the bubble (waiting on "
+        "neighbours), counted as waiting, not host overhead",
+        "suggestion": f"Rebalance the stages: move layers off stage {b} (or give it the lighter "
+        "end of the model), and use more micro-batches or an interleaved schedule "
+        "(ScheduleInterleaved1F1B) to shrink the bubble",
+    }]

@@ -31,6 +31,11 @@ all-gather counts the output, reduce-scatter the input, the rest the tensors pas
 per-group sequence number (counted over the calls this process timed, so the same on every
 rank that samples the same steps), and the phase path open at arrival.
 
+Functional collectives (``torch.distributed._functional_collectives``, hence DTensor and
+tensor parallel) are timed by :mod:`.funcol`, installed and removed with this patch; entries
+from both share the per-group sequence numbers. Point-to-point calls get their link as the
+group id (:func:`p2p_id`), so the analysis pairs a send with its receive.
+
 Not seen: DDP's bucketed all-reduce (issued from C++; timed by the ``grad_sync`` phase),
 calls inside a ``_coalescing_manager`` block (the real work happens at its exit, in C++;
 ``batch_isend_irecv`` on NCCL uses one), counted per step as the ``unseen_coalesced`` counter
