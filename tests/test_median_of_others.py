@@ -23,7 +23,8 @@ def test_median_of_the_other_ranks_matches_python(n):
         vals = [round(rng.uniform(0, 100), 3) for _ in range(n)]
         if trial == 0 and n > 1:
             vals[-1] = vals[0]  # ties
-        con.execute("CREATE OR REPLACE TABLE phases(rank INT, step INT, path VARCHAR, parent VARCHAR, ms DOUBLE)")
+        con.execute("CREATE OR REPLACE TABLE phases"
+                    "(rank INT, step INT, path VARCHAR, parent VARCHAR, ms DOUBLE)")
         con.execute("CREATE OR REPLACE TABLE cw(rank INT, step INT, phase VARCHAR, wait DOUBLE, ms DOUBLE)")
         con.execute("CREATE OR REPLACE TABLE steps(rank INT, step INT, residual_ms DOUBLE)")
         con.executemany("INSERT INTO phases VALUES (?, 0, 'forward', NULL, ?)", list(enumerate(vals)))
