@@ -31,7 +31,7 @@ def test_median_of_the_other_ranks_matches_python(n):
         con.executemany("INSERT INTO steps VALUES (?, 0, 0.0)", [(r,) for r in range(n)])
         build_own(con)
         got = dict(con.execute("SELECT rank, others FROM ex WHERE name = 'forward'").fetchall())
-        for r, v in enumerate(vals):
+        for r in range(n):
             others = vals[:r] + vals[r + 1:]
             if not others:
                 assert got[r] is None
