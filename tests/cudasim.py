@@ -456,7 +456,7 @@ class CudaSim:
         """Let the GPU finish everything enqueued so far (test helper: NOT counted as a sync)."""
         for d in self._devs():
             for s in d.streams:
-                self._drain_to(s.last, count_sleep=False)
+                self._drain_to(s.last)
 
     def pending(self) -> int:
         """Items enqueued but not yet completed, over all streams."""
@@ -622,19 +622,19 @@ class CudaSim:
         item.done = True
         s.last_end_ns = end
 
-    def _drain_to(self, target: _Item | None, count_sleep: bool = True) -> None:
+    def _drain_to(self, target: _Item | None) -> None:
         """Block the host until ``target`` (and everything before it, and its deps) ran."""
         if target is None:
             return
         with self._lock:
             self._advance()
-            latest = self._force(target)
+            latest = self._force(target, time.perf_counter_ns())
         wait_s = (latest - time.perf_counter_ns()) / 1e9
         if wait_s > 0:
             # The host waits for GPU time to pass (e.g. a long simulated kernel).
             time.sleep(min(wait_s, self.sync_sleep_limit_s))
 
-    def _force(self, target: _Item) -> int:
+    def _force(self, target: _Item, now: int) -> int:
         """Complete items up to ``target`` now, ignoring the lag (the host waits for them)."""
         s = target.stream
         q = s.pending
@@ -642,11 +642,11 @@ class CudaSim:
         while not target.done:
             item = q[0]
             if item.dep is not None and not item.dep.done:
-                self._force(item.dep)
-            start = self._start_ns(item, s, time.perf_counter_ns())
+                latest = max(latest, self._force(item.dep, now))
+            start = self._start_ns(item, s, now)
             if start is None:
                 # Not due yet: the GPU gets to it now, while the host waits.
-                start = max(s.last_end_ns, item.host_ns + self.lag_ns, time.perf_counter_ns())
+                start = max(s.last_end_ns, item.host_ns + self.lag_ns, now)
                 if item.dep is not None:
                     start = max(start, item.dep.end_ns)
             self._complete(q, s, start + item.cost_ns)

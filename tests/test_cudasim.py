@@ -41,6 +41,7 @@ def test_uninstall_restores_torch_untouched():
     before_module = dict(vars(nn.Module))
     before_torch = {n: getattr(torch, n) for n in ("zeros", "randn", "empty_like")}
     before_engine = torch.autograd._engine_run_backward
+    before_acc = dict(vars(torch.accelerator))
     with cudasim.CudaSim(devices=2) as sim:
         assert torch.cuda.is_available()
         model = nn.Linear(2, 2).to("cuda:1")
@@ -52,6 +53,7 @@ def test_uninstall_restores_torch_untouched():
     assert dict(vars(nn.Module)) == before_module
     assert {n: getattr(torch, n) for n in ("zeros", "randn", "empty_like")} == before_torch
     assert torch.autograd._engine_run_backward is before_engine
+    assert dict(vars(torch.accelerator)) == before_acc
     assert not torch.cuda.is_available()
     assert cudasim.active() is None
     assert not any(t.name.startswith("cudasim-") for t in threading.enumerate())
@@ -128,7 +130,7 @@ def test_wait_event_orders_a_stream_after_another(cuda_sim):
     main = torch.cuda.current_stream()
     with torch.cuda.stream(side):
         assert torch.cuda.current_stream() == side
-        sim.kernel(30.0)  # a 30 ms copy/kernel on the side stream
+        sim.kernel(5000.0)  # a long copy/kernel on the side stream
         copied = _timed()
         copied.record()
     assert torch.cuda.current_stream() == main
@@ -146,7 +148,7 @@ def test_wait_event_orders_a_stream_after_another(cuda_sim):
 
 
 def test_wait_stream_and_query_do_not_block(cuda_sim):
-    sim = cuda_sim(lag_steps=1)
+    sim = cuda_sim(lag_steps=1, idle_drain_s=None)
     side = torch.cuda.Stream()
     e = side.record_event(_timed())
     torch.cuda.current_stream().wait_stream(side)
@@ -157,7 +159,7 @@ def test_wait_stream_and_query_do_not_block(cuda_sim):
 
 
 def test_every_synchronize_is_counted(cuda_sim):
-    sim = cuda_sim(lag_steps=5)
+    sim = cuda_sim(lag_steps=5, idle_drain_s=None)
     e = _timed()
     e.record()
     assert not e.query()
@@ -172,7 +174,7 @@ def test_every_synchronize_is_counted(cuda_sim):
 
 
 def test_pageable_copy_blocks_and_counts_pinned_async_does_not(cuda_sim):
-    sim = cuda_sim(lag_steps=2)
+    sim = cuda_sim(lag_steps=2, idle_drain_s=None)
     pageable = torch.randn(64, 64)
     before = _timed()
     before.record()
@@ -266,6 +268,18 @@ def test_backward_runs_on_a_device_thread_without_the_callers_thread_locals(cuda
     assert sim.backward_threads.count("cudasim-autograd-1") == 3
 
 
+def test_backward_runs_on_the_callers_current_stream(cuda_sim):
+    cuda_sim()
+    side = torch.cuda.Stream()
+    lin = nn.Linear(2, 2)
+    seen = []
+    lin.weight.register_hook(lambda g: seen.append(torch.cuda.current_stream()))
+    with torch.cuda.stream(side):
+        lin(torch.randn(3, 2)).sum().backward()
+    lin(torch.randn(3, 2)).sum().backward()
+    assert seen == [side, torch.cuda.default_stream()]
+
+
 def test_reentrant_checkpoint_backward_runs_inline(cuda_sim):
     from torch.utils.checkpoint import checkpoint
 
@@ -309,7 +323,7 @@ def test_capture_flag(cuda_sim):
 def test_an_idle_host_lets_the_gpu_drain_its_queue(cuda_sim):
     import time
 
-    sim = cuda_sim(lag_steps=50, idle_drain_s=0.05)
+    sim = cuda_sim(lag_steps=50, idle_drain_s=0.3)
     events = []
     for _ in range(5):
         e = _timed()
@@ -318,7 +332,7 @@ def test_an_idle_host_lets_the_gpu_drain_its_queue(cuda_sim):
         time.sleep(0.002)
         sim.host_tick()
     assert not events[0].query()  # 50 steps behind: nothing has run yet
-    time.sleep(0.5)  # the host stops ticking (end of the loop): 50 x ~2 ms of queued work
+    time.sleep(1.0)  # the host stops ticking (end of the loop): 50 x ~2 ms of queued work
     assert all(e.query() for e in events)
     assert events[0].elapsed_time(events[-1]) > 0
     assert sim.syncs == 0
