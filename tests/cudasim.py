@@ -34,9 +34,13 @@ Limits (what is NOT simulated; see README "GPU claims"):
   ``.cpu()`` are counted as syncs only on such tagged tensors.
 * Host compute is real CPU time; the GPU timeline is the host timeline shifted by the lag,
   plus explicit :meth:`CudaSim.kernel` durations and copy durations (bytes / bandwidth).
-* No CUDA graphs (``capture()`` only flips ``is_current_stream_capturing``), no NCCL, no
-  ``torch.accelerator`` stream APIs beyond availability/device index, no multi-process
-  shared devices (each process has its own simulated devices).
+* The whole backward runs on the device thread (the real engine runs CPU-only nodes on the
+  caller's thread; here every node "is on the device"). Its device: the device of the last
+  placed module, else the caller's current device.
+* No CUDA graphs (``capture()`` only flips ``is_current_stream_capturing`` and makes queries
+  raise), no NCCL, no multi-process shared devices (each process has its own simulated
+  devices). ``torch.accelerator`` covers availability, device index, streams and memory.
+* Faults on demand: :meth:`CudaSim.inject_query_errors`.
 * ``torch.backends.cuda.is_built()`` stays False (the CPU build); FSDP2/DDP keep their CPU
   code paths for the collectives (gloo).
 """
@@ -275,6 +279,10 @@ class Event:
         with sim._lock:
             sim._check_not_capturing("Event.query")
             sim.queries += 1
+            if sim._query_errors:
+                sim._query_errors -= 1
+                # cudaEventQuery returning an error code (not cudaErrorNotReady) -> C10_CUDA_CHECK.
+                raise RuntimeError(sim._query_error_message)
             if self._item is None:
                 return True
             sim._advance()
@@ -406,6 +414,8 @@ class CudaSim:
         self._workers: dict[int, _DeviceWorker] = {}
         self._placed: int | None = None
         self.capturing = False
+        self._query_errors = 0
+        self._query_error_message = ""
         #: every host sync, in order: ``(kind, thread name)``.
         self.sync_log: list[tuple[str, str]] = []
         self.records = 0  # events recorded
@@ -463,6 +473,15 @@ class CudaSim:
         with self._lock:
             self._advance()
             return sum(len(s.pending) for d in self._devs() for s in d.streams)
+
+    def inject_query_errors(self, n: int = 1,
+                            message: str = "CUDA error: unspecified launch failure") -> None:
+        """Make the next ``n`` ``Event.query()`` calls raise ``RuntimeError(message)``."""
+        if not isinstance(n, int) or n < 0:
+            raise ValueError(f"n must be an int >= 0; got {n!r}")
+        with self._lock:
+            self._query_errors = n
+            self._query_error_message = message
 
     @contextlib.contextmanager
     def capture(self) -> Iterator[None]:
@@ -580,7 +599,7 @@ class CudaSim:
         elif self.idle_drain_s is not None and now - self._last_tick_ns() >= self.idle_drain_s * 1e9:
             # The host stopped ticking (end of the loop, an eval, a hang): the GPU keeps going
             # on its own and works through its queue at the recent pace of a step.
-            base = min(item.host_ns + lag * self._recent_step_ns(), now)
+            base = item.host_ns + lag * self._recent_step_ns()  # done once the host is there
         else:
             return None
         start = max(s.last_end_ns, base + self.lag_ns)  # in order: after the previous item
@@ -628,13 +647,18 @@ class CudaSim:
             return
         with self._lock:
             self._advance()
-            latest = self._force(target, time.perf_counter_ns())
+            now = time.perf_counter_ns()
+            pending = [i.host_ns for d in self._devs() for st in d.streams for i in st.pending]
+            # The queued work runs from now on, with the spacing the host gave it (a real GPU
+            # needs that long; the host waits at most sync_sleep_limit_s here).
+            shift = max(0, now - min(pending)) if pending else 0
+            latest = self._force(target, now, shift)
         wait_s = (latest - time.perf_counter_ns()) / 1e9
         if wait_s > 0:
             # The host waits for GPU time to pass (e.g. a long simulated kernel).
             time.sleep(min(wait_s, self.sync_sleep_limit_s))
 
-    def _force(self, target: _Item, now: int) -> int:
+    def _force(self, target: _Item, now: int, shift: int) -> int:
         """Complete items up to ``target`` now, ignoring the lag (the host waits for them)."""
         s = target.stream
         q = s.pending
@@ -642,11 +666,11 @@ class CudaSim:
         while not target.done:
             item = q[0]
             if item.dep is not None and not item.dep.done:
-                latest = max(latest, self._force(item.dep, now))
+                latest = max(latest, self._force(item.dep, now, shift))
             start = self._start_ns(item, s, now)
             if start is None:
                 # Not due yet: the GPU gets to it now, while the host waits.
-                start = max(s.last_end_ns, item.host_ns + self.lag_ns, now)
+                start = max(s.last_end_ns, item.host_ns + self.lag_ns + shift)
                 if item.dep is not None:
                     start = max(start, item.dep.end_ns)
             self._complete(q, s, start + item.cost_ns)
@@ -900,6 +924,152 @@ def _cuda_index_of(device: Any) -> int | None:
     if isinstance(dev, torch.device) and dev.type == "cuda":
         return _sim()._index(dev)
     return None
+
+
+def _parse_to(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any, bool, Any]:
+    """``torch._C._nn._parse_to`` that also takes an int device (cuda:i) on the CPU build."""
+    kwargs = {k: v for k, v in kwargs.items() if k != "copy"}
+    if args and isinstance(args[0], int) and not isinstance(args[0], bool):
+        args = (torch.device("cuda", args[0]), *args[1:])
+    dev = kwargs.get("device")
+    if isinstance(dev, int) and not isinstance(dev, bool):
+        kwargs["device"] = torch.device("cuda", dev)
+    device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+    return device, dtype, bool(non_blocking), memory_format
+
+
+def _install_patches(sim: CudaSim) -> None:
+    cuda = torch.cuda
+    p = sim._patch
+    p(cuda, "is_available", lambda: True)
+    p(cuda, "is_initialized", lambda: True)
+    p(cuda, "init", lambda: None)
+    p(cuda, "_lazy_init", lambda: None)
+    p(cuda, "device_count", lambda: sim.n_devices)
+    p(cuda, "current_device", sim.current_device)
+    p(cuda, "set_device", sim.set_device)
+    p(cuda, "device", _DeviceContext)
+    p(cuda, "Stream", Stream)
+    p(cuda, "ExternalStream", ExternalStream)
+    p(cuda, "Event", Event)
+    p(cuda, "current_stream", sim.current_stream)
+    p(cuda, "default_stream", sim.default_stream)
+    p(cuda, "set_stream", sim.set_stream)
+    p(cuda, "stream", _stream_context)
+    p(cuda, "is_current_stream_capturing", lambda: sim.capturing)
+
+    def synchronize(device: Any = None) -> None:
+        # cudaDeviceSynchronize: the host waits for every stream of the device.
+        sim._count("device.synchronize")
+        for s in sim._dev(sim._index(device)).streams:
+            sim._drain_to(s.last)
+
+    p(cuda, "synchronize", synchronize)
+
+    def _sleep(cycles: int) -> None:
+        # torch.cuda._sleep: a kernel that spins ``cycles`` GPU clock cycles (clock_rate kHz).
+        sim.kernel(cycles / (_DeviceProperties.CLOCK_RATE_KHZ * 1e3) * 1e3)
+
+    p(cuda, "_sleep", _sleep)
+
+    def get_device_name(device: Any = None) -> str:
+        sim._index(device)
+        return sim.name
+
+    def get_device_properties(device: Any = None) -> _DeviceProperties:
+        idx = sim._index(device)
+        return _DeviceProperties(sim.name, sim.total_memory, idx, sim._dev(idx).uuid)
+
+    p(cuda, "get_device_name", get_device_name)
+    p(cuda, "get_device_properties", get_device_properties)
+    def get_device_capability(device: Any = None) -> tuple[int, int]:
+        sim._index(device)
+        return (9, 0)
+
+    p(cuda, "get_device_capability", get_device_capability)
+    p(cuda, "memory_stats", sim.memory_stats)
+    p(cuda, "memory_stats_as_nested_dict", sim.memory_stats_as_nested_dict)
+    p(cuda, "reset_peak_memory_stats", sim.reset_peak_memory_stats)
+    p(cuda, "reset_max_memory_allocated", sim.reset_peak_memory_stats)
+    p(cuda, "memory_allocated", lambda device=None: sim._dev(sim._index(device)).allocated)
+    p(cuda, "max_memory_allocated",
+      lambda device=None: sim._dev(sim._index(device)).peak_allocated)
+    p(cuda, "memory_reserved", lambda device=None: sim._dev(sim._index(device)).reserved)
+    p(cuda, "max_memory_reserved", lambda device=None: sim._dev(sim._index(device)).peak_reserved)
+
+    def mem_get_info(device: Any = None) -> tuple[int, int]:
+        d = sim._dev(sim._index(device))
+        return (sim.total_memory - d.reserved, sim.total_memory)
+
+    p(cuda, "mem_get_info", mem_get_info)
+    p(cuda, "empty_cache", lambda: None)
+
+    # torch.accelerator: the device-generic API (DataLoader pinning, DDP's copy streams).
+    acc = torch.accelerator
+    p(acc, "is_available", lambda: True)
+    p(acc, "current_accelerator", lambda check_available=False: torch.device("cuda"))
+    p(acc, "device_count", lambda: sim.n_devices)
+    p(acc, "current_device_index", sim.current_device)
+    p(acc, "current_device_idx", sim.current_device)
+    p(acc, "set_device_index", sim.set_device)
+    p(acc, "set_device_idx", sim.set_device)
+    p(acc, "synchronize", synchronize)
+    p(acc, "current_stream", sim.current_stream)
+    p(acc, "set_stream", sim.set_stream)
+    p(acc, "memory_allocated", cuda.memory_allocated)
+    p(acc, "max_memory_allocated", cuda.max_memory_allocated)
+    p(acc, "memory_reserved", cuda.memory_reserved)
+    p(acc, "max_memory_reserved", cuda.max_memory_reserved)
+    p(acc, "memory_stats", sim.memory_stats)
+    p(acc, "reset_peak_memory_stats", sim.reset_peak_memory_stats)
+    p(acc, "empty_cache", lambda: None)
+
+    _patch_tensor(sim)
+    _patch_module(sim)
+    _patch_factories(sim)
+    _patch_autograd(sim)
+    _patch_import_time_copies(sim)
+
+
+def _patch_import_time_copies(sim: CudaSim) -> None:
+    """Point copies of torch functions that stepscope took at import time at the sim's.
+
+    ``stepscope/instrument/h2d.py`` keeps ``_orig_to = torch.Tensor.to`` (and ``_orig_cuda``,
+    ``_parse_to``) from its import, calls them inside a step, and its ``_restore()`` assigns
+    them back to ``torch.Tensor``. Imported before the sim, they would bypass it (a CPU-build
+    ``to("cuda")`` raises); imported during it, they would keep the sim's methods after
+    uninstall. So: import the instrument modules now (their copies are the real functions),
+    then swap every module-level copy found in a loaded ``stepscope`` module for the run.
+    """
+    import importlib
+    import pkgutil
+    import sys
+
+    try:
+        import stepscope.instrument as instrument
+    except ImportError:
+        return
+    for info in pkgutil.iter_modules(instrument.__path__, "stepscope.instrument."):
+        try:
+            importlib.import_module(info.name)
+        except Exception:  # a module that needs an optional extra: it copies nothing we need
+            continue
+    T = torch.Tensor
+    swaps = {
+        id(_REAL["to"]): T.to,
+        id(_REAL["cuda"]): T.cuda,
+        id(torch._C._nn._parse_to): lambda *a, **k: _parse_to(a, k),
+    }
+    for name, mod in list(sys.modules.items()):
+        if mod is None or not (name == "stepscope" or name.startswith("stepscope.")):
+            continue
+        for attr, value in list(vars(mod).items()):
+            new = swaps.get(id(value))
+            if new is not None and value is not new:
+                sim._patch(mod, attr, new)
+
+
+_REAL = {"to": torch._C.TensorBase.to, "cuda": torch._C.TensorBase.cuda}
 
 
 def _parse_to(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any, bool, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import pytest
@@ -357,3 +358,32 @@ def test_stepscope_h2d_copies_taken_at_import_go_through_the_sim(cuda_sim, tmp_p
         stepscope.finish()
     sim.uninstall()
     assert h2d._orig_to is real_to
+
+
+def test_injected_query_errors_raise_then_stop(cuda_sim):
+    sim = cuda_sim()
+    e = _timed()
+    e.record()
+    sim.inject_query_errors(2)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="unspecified launch failure"):
+            e.query()
+    assert e.query()
+
+
+def test_a_forced_drain_keeps_the_spacing_of_the_queued_work(cuda_sim):
+    import time
+
+    sim = cuda_sim(lag_steps=100, idle_drain_s=None)
+    events = []
+    for _ in range(4):
+        e = _timed()
+        e.record()
+        events.append(e)
+        time.sleep(0.005)
+        sim.host_tick()
+    assert not any(e.query() for e in events)
+    events[-1].synchronize()  # the host waits for 100 steps of queued work
+    gaps = [a.elapsed_time(b) for a, b in itertools.pairwise(events)]
+    assert all(g >= 4.0 for g in gaps), gaps  # each ~5 ms apart, as enqueued
+    assert sim.syncs == 1

@@ -290,16 +290,22 @@ def _fsdp_worker(rank: int, world: int, port: int, out: str, steps: int, slow_ra
         dist.destroy_process_group()
 
 
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("fsdp2-sim")
+    mp.spawn(run_then_exit, args=(_fsdp_worker, 2, free_port(), str(out), 40, 1),  # type: ignore[attr-defined]
+             nprocs=2, join=True)
+    return out
+
+
 @pytest.mark.slow
-def test_fsdp2_rank_slow_in_backward_is_named_with_reduce_scatter_waits(tmp_path):
+def test_fsdp2_rank_slow_in_backward_is_named_with_reduce_scatter_waits(fsdp_run):
     from stepscope.analysis.run import analyze_run
 
-    mp.spawn(run_then_exit, args=(_fsdp_worker, 2, free_port(), str(tmp_path), 40, 1),  # type: ignore[attr-defined]
-             nprocs=2, join=True)
     for rank in (0, 1):
-        res = json.loads((tmp_path / f"result{rank}.json").read_text())
+        res = json.loads((fsdp_run / f"result{rank}.json").read_text())
         assert res["backward_threads"] == [f"cudasim-autograd-{rank}"]
-    doc = analyze_run(tmp_path)
+    doc = analyze_run(fsdp_run)
     assert doc["stragglers"], doc["verdicts"]
     s = doc["stragglers"][0]
     assert (s["rank"], s["phase"]) == (1, "backward")
@@ -310,6 +316,20 @@ def test_fsdp2_rank_slow_in_backward_is_named_with_reduce_scatter_waits(tmp_path
     waits = sum(o["wait_ms_per_step"] for o in doc["collectives"]["ops"]
                 if "backward" in o["phases"])
     assert waits >= 0.3 * MS / 2, doc["collectives"]  # rank 0's wait, averaged over 2 ranks
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="issue 18 defect 3: FSDP2 runs post-accumulate hooks "
+                   "itself, so grad_sync is ~0 on every rank; its reduce-scatters must be timed")
+def test_fsdp2_backward_is_timed_by_its_reduce_scatters_not_grad_sync(fsdp_run):
+    for rank in (0, 1):
+        recs = [json.loads(line) for line in _rank_file(fsdp_run, rank).read_text().splitlines()]
+        assert len(recs) == 40
+        for r in recs[3:]:
+            paths = {p["path"] for p in r["phases"]}
+            assert "backward/grad_sync" not in paths, "grad_sync means DDP's bucket all-reduce"
+            ops = {(c["phase"], c["op"]) for c in r.get("collectives", [])}
+            assert any(ph == "backward" and op.startswith("reduce_scatter") for ph, op in ops), ops
 
 
 def _ddp_tutorial_worker(rank: int, world: int, port: int, out: str, steps: int) -> None:
@@ -370,11 +390,13 @@ def _configs_worker(rank: int, world: int, port: int, out: str, steps: int) -> N
         stepscope.init(out_dir=out, model=model, run_id="configs",
                        log_every_n_steps=50 if rank == 0 else 0)
         init_s = time.monotonic() - t0
+        (Path(out) / f"init{rank}.done").touch()
         for _ in range(steps):
             with stepscope.step():
                 model(torch.randn(4, 8)).sum().backward()
             sim.host_tick()
         stepscope.finish()
+        (Path(out) / f"trained{rank}.done").touch()
         # The job's own later new_group must pair up with the other ranks' one.
         group = dist.new_group([0, 1])
         t = torch.tensor([float(rank + 1)])
@@ -391,10 +413,23 @@ def test_per_rank_different_configs_do_not_hang(tmp_path):
     ctx = mp.start_processes(run_then_exit,  # type: ignore[attr-defined]
                              args=(_configs_worker, 2, free_port(), str(tmp_path), 30),
                              nprocs=2, join=False, start_method="spawn")
-    deadline = time.monotonic() + 45  # a healthy run takes seconds; the hang is 120 s
+    # A healthy run takes seconds. A hang shows as one rank stuck in a stage (init, training,
+    # the job's own new_group) that the other left: at most 20 s from the first rank to leave
+    # a stage to the last, 20 s for the new_group once both trained, and 90 s in all.
+    start = time.monotonic()
+    first: dict[str, float] = {}
     try:
-        while not ctx.join(timeout=1):
-            assert time.monotonic() < deadline, "ranks with different configs hung"
+        while not ctx.join(timeout=0.5):
+            now = time.monotonic()
+            files = set(os.listdir(tmp_path))
+            for stage in ("init", "trained"):
+                done = sum(f"{stage}{r}.done" in files for r in (0, 1))
+                if done:
+                    first.setdefault(stage, now)
+                assert done in (0, 2) or now - first[stage] < 20, f"ranks hung after {stage}"
+            assert "trained" not in first or now - first["trained"] < 20, (
+                f"the job's own new_group hung: {sorted(files)}")
+            assert now - start < 90, f"ranks with different configs hung: {sorted(files)}"
     finally:
         for p in ctx.processes:
             if p.is_alive():
@@ -411,7 +446,7 @@ def test_per_rank_different_configs_do_not_hang(tmp_path):
 
 
 _DISK_JOB = r"""
-import fcntl, json, os, sys, termios, time, warnings
+import json, os, resource, signal, sys, time, warnings
 sys.path.insert(0, {tests!r})
 import torch
 from torch import nn
@@ -421,31 +456,26 @@ out = {out!r}
 sim = cudasim.install(lag_steps=1)
 model = nn.Linear(16, 16).to("cuda")
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
-# The "disk" is a pipe whose far end the test holds: a device that stops taking writes, then
-# fails them (EPIPE), the way a full or vanished file system does, at a moment chosen here.
-os.mkfifo(os.path.join(out, "rank0.jsonl"))
-disk = os.open(os.path.join(out, "rank0.jsonl"), os.O_RDONLY | os.O_NONBLOCK)
-fcntl.fcntl(disk, 1031, 4096)  # F_SETPIPE_SZ: one page, full after a few records
-state = {{"armed": False, "failed_inside": False}}
-
-def queued():
-    return int.from_bytes(fcntl.ioctl(disk, termios.FIONREAD, b"\0" * 4), sys.byteorder)
+state = {{"calls": 0, "disk_full": False, "failed_inside": False}}
+# A write past RLIMIT_FSIZE fails with EFBIG and raises SIGXFSZ; the handler only notes it.
+signal.signal(signal.SIGXFSZ, lambda *_: state.update(disk_full=True))
 
 def user_pre_hook(optimizer, args, kwargs):
     # The user's own optimizer pre-hook (clipping, logging...), registered before stepscope's.
-    # Once the disk is full and the writer is stuck on it, the disk fails while this runs.
-    if state["failed_inside"] or queued() < 4096 - 512:
+    # At step {fail_at} the disk fills up while it runs, and records are being written.
+    state["calls"] += 1
+    if state["calls"] != {fail_at}:
         return
-    if not state["armed"]:
-        state["armed"] = True  # the next step's record will find the pipe full
-        return
-    time.sleep(0.3)  # the writer thread is now blocked in write()
-    os.close(disk)  # ... which fails with EPIPE: the writer thread reports the error
-    state["failed_inside"] = True
-    time.sleep(0.5)  # still inside the optimizer's hook loop while that report runs
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1, resource.RLIM_INFINITY))  # the disk is full
+    tracer.flush()  # hand the resolved records to the writer thread, which now fails
+    deadline = time.monotonic() + 10
+    while not state["disk_full"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    state["failed_inside"] = state["disk_full"]
+    time.sleep(0.5)  # still inside the optimizer's hook loop while the failure is handled
 
 opt.register_step_pre_hook(user_pre_hook)
-stepscope.init(out_dir=out, model=model, optimizer=opt, flush_every_n_steps=1)
+tracer = stepscope.init(out_dir=out, model=model, optimizer=opt, flush_every_n_steps=1000)
 done = 0
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -457,6 +487,7 @@ with warnings.catch_warnings():
         sim.host_tick()
         done += 1
     stepscope.finish()
+resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
 print(json.dumps({{"done": done, "failed_inside": state["failed_inside"]}}))
 """
 
@@ -465,11 +496,54 @@ print(json.dumps({{"done": done, "failed_inside": state["failed_inside"]}}))
 def test_a_disk_error_mid_run_does_not_crash_the_job(tmp_path):
     import subprocess
 
-    steps = 60
-    code = _DISK_JOB.format(tests=str(Path(__file__).parent), out=str(tmp_path), steps=steps)
+    steps = 40
+    code = _DISK_JOB.format(tests=str(Path(__file__).parent), out=str(tmp_path), steps=steps,
+                            fail_at=20)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=240, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     assert res == {"done": steps, "failed_inside": True}
+
+
+# --------------------------------------------------------------------------------------------
+# Issue 18 defect 10: one query error, the user's own memory peak
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.xfail(strict=True, reason="issue 18 defect 10: a single event-query error switches "
+                   "timing off for the whole run")
+def test_one_event_query_error_does_not_end_timing(cuda_sim, tmp_path):
+    sim = cuda_sim(lag_steps=1)
+    model = nn.Linear(16, 16).to("cuda")
+    stepscope.init(out_dir=str(tmp_path), model=model, flush_every_n_steps=2)
+    for i in range(40):
+        if i == 10:
+            sim.inject_query_errors(1)
+        with stepscope.step():
+            model(torch.randn(4, 16)).sum().backward()
+        sim.host_tick()
+    stepscope.finish()
+    steps = {r["step"] for r in read_run(tmp_path)}
+    assert set(range(15, 40)) <= steps, sorted(steps)[-5:]
+
+
+@pytest.mark.xfail(strict=True, reason="issue 18 defect 10: resetting peak memory every step "
+                   "corrupts the user's own (HF, torchtitan) memory metrics")
+def test_the_users_memory_peak_survives_stepscope(cuda_sim, tmp_path):
+    sim = cuda_sim()
+    model = nn.Linear(64, 64).to("cuda")
+    stepscope.init(out_dir=str(tmp_path), model=model)
+    torch.cuda.reset_peak_memory_stats()  # the user's own epoch-level peak, as HF logs it
+    for i in range(10):
+        with stepscope.step():
+            model(torch.randn(4, 64)).sum().backward()
+            if i == 3:
+                spike = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+                del spike
+        sim.host_tick()
+    peak = torch.cuda.max_memory_allocated()
+    stepscope.finish()
+    assert peak >= 64 << 20, f"the user's peak over the epoch is {peak} bytes"
+    assert len(read_run(tmp_path)) == 10
