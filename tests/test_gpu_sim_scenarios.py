@@ -319,8 +319,6 @@ def test_fsdp2_rank_slow_in_backward_is_named_with_reduce_scatter_waits(fsdp_run
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="issue 18 defect 3: FSDP2 runs post-accumulate hooks "
-                   "itself, so grad_sync is ~0 on every rank; its reduce-scatters must be timed")
 def test_fsdp2_backward_is_timed_by_its_reduce_scatters_not_grad_sync(fsdp_run):
     for rank in (0, 1):
         recs = [json.loads(line) for line in _rank_file(fsdp_run, rank).read_text().splitlines()]
@@ -512,8 +510,6 @@ def test_a_disk_error_mid_run_does_not_crash_the_job(tmp_path):
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="issue 18 defect 10: a single event-query error switches "
-                   "timing off for the whole run")
 def test_one_event_query_error_does_not_end_timing(cuda_sim, tmp_path):
     sim = cuda_sim(lag_steps=1)
     model = nn.Linear(16, 16).to("cuda")
