@@ -32,6 +32,10 @@ from typing import Any, Protocol
 class Clock(Protocol):
     kind: str
     device: str
+    #: False when marks hold nothing to give back (``release`` is a no-op) and all compare.
+    pooled: bool
+    #: True when reading a time is plain arithmetic (no device call): any thread may do it.
+    host_readable: bool
 
     def mark(self) -> Any: ...
 
@@ -53,6 +57,8 @@ class CpuClock:
 
     kind = "cpu"
     device = "cpu"
+    pooled = False
+    host_readable = True
 
     def mark(self) -> int:
         return time.perf_counter_ns()
@@ -73,9 +79,11 @@ class CpuClock:
         return mark
 
     def checkpoints(self, marks: Iterable[Any]) -> list[Any]:
-        # The host clock is one in-order "stream": its latest mark being ready (always)
-        # stands for all of them, so the resolver asks once per step, as on a GPU.
-        return [max(marks)]
+        # Host-clock marks are always ready: any one of them stands for the step's, so the
+        # resolver asks once per step, as it asks once per stream on a GPU.
+        for m in marks:
+            return [m]
+        return []
 
 
 class CudaMark:
@@ -111,6 +119,8 @@ class CudaClock:
     """
 
     kind = "cuda"
+    pooled = True
+    host_readable = False
 
     def __init__(
         self,

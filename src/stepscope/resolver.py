@@ -10,7 +10,9 @@ Shape::
       pending steps, each checked with
       non-blocking query() calls on its
       checkpoints; ready ones are timed
-      (elapsed_time), moved to ``ready``
+      (elapsed_time; host-clock times,
+      plain arithmetic, on the writer)
+      and moved to ``ready``
 
 Both clocks take this one path: a host-clock mark is simply always ready.
 
@@ -65,6 +67,11 @@ class Resolver:
         fields: Callable[..., dict[str, Any]] | None = None,
     ) -> None:
         self.clock = clock
+        # A clock that does not say is treated as pooled and multi-device (the careful way).
+        self._pooled = bool(getattr(clock, "pooled", True))
+        # Times that are plain arithmetic (the host clock) are read on the writer thread, which
+        # keeps the training thread's share to the readiness check; device times never are.
+        self._read_on_writer = bool(getattr(clock, "host_readable", False))
         self.identity = identity  # run_id, rank, ... copied into every record
         self.max_pending = max_pending
         self.anchor = anchor
@@ -107,7 +114,7 @@ class Resolver:
                 break  # records leave in step order: a later step waits for this one
             pending.popleft()
             n += 1
-            if state is True and self._time(step):
+            if state is True and (self._read_on_writer or self._time(step)):
                 done.append(step)
         if done:
             with self._lock:
@@ -159,13 +166,13 @@ class Resolver:
         """Fill the step's numeric times from its marks; False (and counted) if unreadable."""
         clock = self.clock
         el = clock.elapsed_ms
-        same = clock.same_device
+        same = clock.same_device if self._pooled else None  # host marks all compare
         t0 = step.start
         try:
             step.step_ms = el(t0, step.end)
             timed = []
             for s in step.spans:
-                if not (same(t0, s.start) and same(t0, s.end)):
+                if same is not None and not (same(t0, s.start) and same(t0, s.end)):
                     self._count("foreign_device")
                     continue
                 timed.append((s, el(t0, s.start), el(t0, s.end)))
@@ -173,7 +180,7 @@ class Resolver:
             if step.side:
                 side = []
                 for name, a, b in step.side:
-                    if same(a, b):
+                    if same is None or same(a, b):
                         side.append((name, el(a, b)))
                     else:
                         self._count("foreign_device")
@@ -195,6 +202,8 @@ class Resolver:
             self.dropped[what] += n
 
     def _release(self, step: Step) -> None:
+        if not self._pooled:
+            return  # host marks hold nothing to give back
         rel = self.clock.release
         anchor = self.anchor
         for m in step.marks():
@@ -204,6 +213,8 @@ class Resolver:
     # -------------------------------------------------------------- writer thread
 
     def build(self, steps: list[Step]) -> list[dict[str, Any]]:
+        if self._read_on_writer:
+            steps = [s for s in steps if self._time(s)]
         new: Counter[str] = Counter()
         if steps:  # counts ride on the next record written, so none is lost in an empty batch
             with self._lock:

@@ -60,12 +60,15 @@ class PhaseContext:
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         tokens = self._tokens
         tid = _get_ident()
-        for i in range(len(tokens) - 1, -1, -1):
-            if tokens[i][0] == tid:
-                _, tracer, token = tokens.pop(i)
-                break
+        if tokens and tokens[-1][0] == tid:  # the usual case: this thread entered last
+            _, tracer, token = tokens.pop()
         else:
-            return  # entered on no thread we know of: nothing to close
+            for i in range(len(tokens) - 1, -1, -1):
+                if tokens[i][0] == tid:
+                    _, tracer, token = tokens.pop(i)
+                    break
+            else:
+                return  # entered on no thread we know of: nothing to close
         if exc is not None:
             tracer.note_raise(exc)  # the innermost phase an exception left, before it closes
         tracer.close_phase(token)
