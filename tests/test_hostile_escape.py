@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.text import Text
 
 from stepscope.cli import main
-from stepscope.report import escape
+from stepscope.common import escape
 from synth_collectives import CollRun, make_records, write
 
 # Clear screen, set the window title, an OSC 8 hyperlink, a one-byte C1 CSI, BEL, backspace,

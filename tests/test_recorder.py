@@ -546,18 +546,10 @@ def _closure(root: str) -> dict[str, str]:
 #: Edges into analysis/report/rich from recording-side modules owned by other helpers, known
 #: when this test was written (the live line and auto-profiling reuse the one wait rule and the
 #: one robust-stats module). Nothing else may appear; remove an entry once its edge is gone.
-KNOWN = {
-    ("stepscope.analysis", "stepscope.live"),
-    ("stepscope.analysis", "stepscope.autoprofile"),
-    ("stepscope.analysis", "stepscope.instrument.resources"),
-    ("stepscope.report", "stepscope.live"),
-    ("stepscope.report", "stepscope.report.escape"),
-    ("rich", "stepscope.live"),
-    ("rich", "stepscope.report.escape"),
-    ("stepscope.analysis", "stepscope.analysis.waits"),
-    ("stepscope.analysis", "stepscope.analysis.robust"),
-    ("stepscope.analysis", "stepscope.analysis"),
-}
+#: The one allowed edge: the opt-in live line (rank 0, ``log_every_n_steps``) renders with rich,
+#: imported when the live view starts, never by ``import stepscope``. Robust statistics, the wait
+#: rule and the escapers live in ``stepscope.common``, used by both sides.
+KNOWN = {("rich", "stepscope.live")}
 
 
 def test_the_recording_side_never_imports_analysis_or_report():

@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.text import Text
 
 from stepscope.cli import main
-from stepscope.report import escape
+from stepscope.common import escape
 from synth_runs import Slow, SynthRun, write_run
 
 HOSTILE = ["[/]", "[bold]x[/bold]", "a|b", "line\nbreak", "`tick`", "<img src=x>", "[red", "\\[/]"]

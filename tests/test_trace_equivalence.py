@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from stepscope.analysis.trace import analyse
-from stepscope.report.escape import write_json
+from stepscope.common.escape import write_json
 
 TRACES = Path("/work/shared/traces")
 GOLDEN = json.loads((Path(__file__).parent / "fixtures" / "trace_golden.json").read_text())

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from stepscope.analysis.robust import MAD_SCALE, mad, median
+from stepscope.common.robust import MAD_SCALE, mad, median
 from stepscope.errors import ConfigError
 
 if TYPE_CHECKING:

@@ -13,8 +13,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from stepscope.analysis.robust import median
-from stepscope.analysis.waits import last_arriver, waits
+from stepscope.common.robust import median
+from stepscope.common.waits import last_arriver, waits
 from stepscope.errors import StepscopeWarning
 
 if TYPE_CHECKING:
@@ -280,8 +280,8 @@ def _late_by_waits(
 
 def format_line(s: dict[str, Any]) -> str:
     """The one-line live log (rich markup; the phase name is escaped)."""
-    from stepscope.report.escape import one_line
-    from stepscope.report.escape import rich as rich_escape
+    from stepscope.common.escape import one_line
+    from stepscope.common.escape import rich as rich_escape
 
     return (
         f"[bold]stepscope[/] step {s['step']} | {s['ranks']}/{s['world_size']} ranks | "

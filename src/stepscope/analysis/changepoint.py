@@ -20,7 +20,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from stepscope.analysis import robust
+from stepscope.common import robust
 
 #: Width of the median filter (odd): removes runs of up to ``FILTER // 2`` outlying steps.
 FILTER = 5

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from stepscope.analysis import cost
-from stepscope.analysis.robust import median
+from stepscope.common.robust import median
 
 #: Share of step time above which a phase is called a bottleneck (warning / critical).
 INPUT_SHARE = (0.15, 0.30)

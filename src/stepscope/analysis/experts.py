@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from stepscope.analysis import cost, robust
+from stepscope.analysis import cost
+from stepscope.common import robust
 
 #: A rank receiving this many times the median of the other ranks is imbalanced
 #: (warning), twice that critical.

@@ -3,7 +3,7 @@
 Every rank holds one device for as long as it runs, so a rank's wall time is device time,
 reported in GPU-hours. Each recorded step of each rank is split into::
 
-    stragglers     waiting in collectives for a later rank (the wait rule, analysis/waits.py)
+    stragglers     waiting in collectives for a later rank (the wait rule, common/waits.py)
     exposed_comm   the rest of the time in collectives (the transfer itself, on the step's path)
     input_stalls   exposed ``dataloader`` time (top level) plus every ``h2d`` phase
     host_overhead  the step's residual: time inside the step that no phase accounts for
@@ -35,9 +35,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from stepscope.analysis import robust
 from stepscope.analysis.load import MAX_MS, MAX_START_NS
 from stepscope.analysis.resources import TIMED_FILTER
+from stepscope.common import robust
 
 #: Loss categories, in report order.
 CATEGORIES: tuple[str, ...] = (

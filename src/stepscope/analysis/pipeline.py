@@ -6,7 +6,7 @@ point-to-point calls (``send``/``recv``/``isend``/``irecv``, also issued by
 id of its link, ``"<group>:<src>><dst>"`` in global ranks, the same on both ends. A transfer
 completes on both ends at about the same moment. All of a stage's time in these calls is
 time waiting on its neighbours (its bubble; the transfer is part of it): waits, never host
-overhead. Who made whom wait is the rule of :mod:`stepscope.analysis.waits` applied to the
+overhead. Who made whom wait is the rule of :mod:`stepscope.common.waits` applied to the
 two ends of a link as to the members of a collective: per step and link, an end's time in
 its calls minus the other end's is time it spent waiting for the other end (a receiver for a
 late upstream stage, or a sender for a downstream stage that posts its receive late).
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from stepscope.analysis import robust
-from stepscope.analysis.waits import sql_wait
+from stepscope.common import robust
+from stepscope.common.waits import sql_wait
 
 P2P_OPS = ("send", "recv", "isend", "irecv")
 #: SQL predicate for point-to-point rows (of ``call``/``cw``).

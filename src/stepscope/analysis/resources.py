@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from stepscope.analysis import cost
-from stepscope.analysis.robust import median, robust_sigma
+from stepscope.common.robust import median, robust_sigma
 
 #: Extra columns for the loader's ``read_json`` (JSON: a bad value nulls one field, not the row;
 #: ``device`` is a plain string in records without device-health samples).

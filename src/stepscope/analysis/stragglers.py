@@ -1,6 +1,6 @@
 """Who waited, who made them wait, and where the culprit spent its extra time.
 
-Waits come from the one rule in :mod:`stepscope.analysis.waits`: a synchronising collective
+Waits come from the one rule in :mod:`stepscope.common.waits`: a synchronising collective
 ends together on every rank of its group, so a rank's time in it beyond the shortest is time
 spent waiting for the last arrival. Collectives are the records' ``collectives`` sections
 (schema 2) plus every ``grad_sync`` phase (DDP's bucketed all-reduce, issued from C++: op
@@ -33,10 +33,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from stepscope.analysis import changepoint, robust
+from stepscope.analysis import changepoint
 from stepscope.analysis.pipeline import IS_P2P, build_p2p_waits
 from stepscope.analysis.stats import RESIDUAL, phase_order
-from stepscope.analysis.waits import sql_wait
+from stepscope.common import robust
+from stepscope.common.waits import sql_wait
 
 #: A phase nested in the sync phase with one of these names times the collective itself;
 #: its start is then the rank's arrival (timeline fallback only).

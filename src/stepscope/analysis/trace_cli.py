@@ -5,8 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from stepscope.common.escape import term
 from stepscope.errors import AnalysisError
-from stepscope.report.escape import term
 
 
 def trace_command(path: str, as_json: bool = False, markdown: str | None = None,
@@ -48,7 +48,7 @@ def trace_command(path: str, as_json: bool = False, markdown: str | None = None,
             print(f"stepscope trace: cannot write {term(markdown)}: {term(e)}", file=sys.stderr)
             return 2
     if as_json:
-        from stepscope.report.escape import write_json
+        from stepscope.common.escape import write_json
 
         write_json(doc, sys.stdout, indent=1)
     else:

@@ -236,7 +236,7 @@ class MetricsListener:
             self._break(exc)
 
     def _findings(self, payloads: list[dict[str, Any] | None]) -> None:
-        from stepscope.analysis.waits import waits  # the one wait rule (pure, as the live view uses)
+        from stepscope.common.waits import waits  # the one wait rule (pure, as the live view uses)
         from stepscope.live import cross_rank_summary
 
         got = [p for p in payloads if p]

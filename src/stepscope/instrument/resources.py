@@ -587,7 +587,7 @@ def summarize_records(records: list[dict[str, Any]]) -> dict[str, Any]:
 
     Keys are present only for what the records measured (for ``stepscope.summary()``).
     """
-    from stepscope.analysis.robust import median
+    from stepscope.common.robust import median
 
     out: dict[str, Any] = {}
     for key, sec, name in (("tokens_per_s", "throughput", "tokens_per_s"),

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from stepscope.report.escape import md, one_line
-from stepscope.report.escape import rich as esc
+from stepscope.common.escape import md, one_line
+from stepscope.common.escape import rich as esc
 
 COLUMNS = ("op", "group", "ranks", "in phases", "calls/step", "MB/step", "ms/step", "wait ms/step",
            "wait share", "bus GB/s")

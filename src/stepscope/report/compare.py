@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from stepscope.common.escape import md, md_code, term, write_json
 from stepscope.errors import AnalysisError
-from stepscope.report.escape import md, md_code, term, write_json
 
 
 def _ms(x: float | None) -> str:
@@ -37,7 +37,7 @@ def render_compare(doc: dict[str, Any], console: Any = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from stepscope.report.escape import rich as escape
+    from stepscope.common.escape import rich as escape
 
     con = console or Console()
     a, b = doc["a"], doc["b"]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from stepscope.report.escape import md, one_line
-from stepscope.report.escape import rich as esc
+from stepscope.common.escape import md, one_line
+from stepscope.common.escape import rich as esc
 
 _LABELS = {
     "stragglers": "waiting for stragglers",

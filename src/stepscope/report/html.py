@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from stepscope.report.escape import html_text, json_for_script
+from stepscope.common.escape import html_text, json_for_script
 from stepscope.report.plots import plot_data, scale_note
 
 _JS = r"""

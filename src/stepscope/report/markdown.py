@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from stepscope.common.escape import md, md_code
 from stepscope.report.collectives import markdown_lines as collectives_markdown
 from stepscope.report.coverage import markdown_lines as coverage_markdown
-from stepscope.report.escape import md, md_code
 from stepscope.report.plots import have_matplotlib, plot_data, write_pngs
 from stepscope.report.terminal import capture_label, window_captures
 

@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from stepscope.common.escape import finite, term
 from stepscope.errors import AnalysisError
-from stepscope.report.escape import finite, term
 
 _BATCH = 50_000
 

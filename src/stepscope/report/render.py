@@ -5,8 +5,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from stepscope.common.escape import term, write_json
 from stepscope.errors import AnalysisError
-from stepscope.report.escape import term, write_json
 
 
 def load_document(run_dir: str, keep: bool = False) -> dict[str, Any]:

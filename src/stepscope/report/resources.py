@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from stepscope.report.escape import rich as esc
+from stepscope.common.escape import rich as esc
 
 _DEVICE_COLS = (("sm_clock_mhz", "SM clock MHz"), ("power_w", "power W"), ("temp_c", "temp °C"),
                 ("util_pct", "util %"))

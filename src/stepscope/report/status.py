@@ -5,8 +5,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from stepscope.common.escape import term, write_json
 from stepscope.errors import AnalysisError
-from stepscope.report.escape import term, write_json
 
 _STATE_STYLE = {
     "running": "green",
@@ -23,7 +23,7 @@ def render_status(doc: dict[str, Any], console: Any = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from stepscope.report.escape import rich as escape
+    from stepscope.common.escape import rich as escape
 
     con = console or Console()
     run = doc["run"]

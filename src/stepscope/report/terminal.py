@@ -1,7 +1,7 @@
 """The rich terminal rendering of the report document.
 
 Every string taken from the run (phase names, hostnames, reasons, file names) goes through
-:func:`stepscope.report.escape.rich`; every table through :func:`fit_table`, which sizes
+:func:`stepscope.common.escape.rich`; every table through :func:`fit_table`, which sizes
 columns to their content and drops optional columns rather than cutting a number.
 """
 
@@ -11,10 +11,10 @@ import os
 import sys
 from typing import Any
 
+from stepscope.common.escape import one_line
+from stepscope.common.escape import rich as esc
 from stepscope.report.collectives import print_terminal as print_collectives
 from stepscope.report.coverage import print_terminal as print_coverage
-from stepscope.report.escape import one_line
-from stepscope.report.escape import rich as esc
 
 _SEV_STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
 MAX_RANK_ROWS = 16

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from stepscope.report.escape import md, md_code, one_line
+from stepscope.common.escape import md, md_code, one_line
 
 
 def _f(v: Any, nd: int = 1) -> str:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from stepscope.report.escape import one_line
-from stepscope.report.escape import rich as esc
+from stepscope.common.escape import one_line
+from stepscope.common.escape import rich as esc
 from stepscope.report.terminal import fit_table, make_console
 from stepscope.report.trace_markdown import short_name
 

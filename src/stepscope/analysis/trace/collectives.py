@@ -54,11 +54,11 @@ def cross_rank(results: list[RankResult]) -> dict[str, Any]:
     without a sequence number, the k-th call on the same process group is the same
     collective (calls on one group are issued in the same order on every rank), and without
     a group, the k-th call of the same name. Each matched instance is split by the one wait
-    rule (:func:`stepscope.analysis.waits.waits`): the shortest time across ranks is the
+    rule (:func:`stepscope.common.waits.waits`): the shortest time across ranks is the
     transfer, the rest of each rank's time is waiting for the last rank to arrive, which is
     the rank with the shortest time. No clocks are compared across ranks.
     """
-    from stepscope.analysis.waits import last_arriver, waits
+    from stepscope.common.waits import last_arriver, waits
 
     rows = []
     for r in results:
