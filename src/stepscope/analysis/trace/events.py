@@ -14,6 +14,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from msgspec import UNSET, Raw
 
 from stepscope.analysis import kernels as K
@@ -215,10 +216,14 @@ _MAX_US_INT = int(_MAX_US)
 
 
 def _time(raw: Raw, what: str) -> int:
-    try:
-        v = value(raw)
-    except ValueError:  # msgspec: an integer too large to convert
-        raise _BadEvent(f"{what} is out of range") from None
+    b = bytes(raw)
+    try:  # the common case, a plain JSON number, without a decoder call
+        v: Any = int(b) if b.isdigit() else Decimal(b.decode("ascii"))
+    except (ValueError, ArithmeticError, UnicodeDecodeError):
+        try:
+            v = value(raw)
+        except ValueError:  # msgspec: an integer too large to convert
+            raise _BadEvent(f"{what} is out of range") from None
     return _num(v, what)
 
 
@@ -239,6 +244,24 @@ def _args(e: TraceEvent) -> dict[str, Any]:
     if not isinstance(a, dict):
         raise _BadEvent("args is not an object")
     return a
+
+
+class _LaunchArgs(msgspec.Struct):
+    correlation: Any = None
+
+
+_LAUNCH_ARGS = msgspec.json.Decoder(_LaunchArgs | None, float_hook=Decimal)
+
+
+def _correlation(e: TraceEvent) -> Any:
+    """A launch's ``args.correlation`` without building its whole args dict."""
+    if not len(e.args):
+        return None
+    try:
+        a = _LAUNCH_ARGS.decode(e.args)
+    except msgspec.ValidationError:  # args not an object (or odd): the general path decides
+        return _args(e).get("correlation")
+    return None if a is None else a.correlation
 
 
 def _name(e: TraceEvent) -> Any:
@@ -296,7 +319,7 @@ def _scan_events(events: Iterable[Any], out: ParsedTrace) -> None:
                     _int_arg(args.get("External id", -1)),
                 ))
             elif cat in _LAUNCH_CATS:
-                corr = _args(e).get("correlation")
+                corr = _correlation(e)
                 if corr is not None:
                     launches[_int_arg(corr)] = _time(e.ts, "ts")
                 if str(cat).startswith("hip"):

@@ -178,7 +178,7 @@ class EventScan:
         if self.stopped is None and not self.went_negative:
             self.in_string = ends_in_string
             self.depth = int(st.depth[-1]) if len(st.depth) else self.depth
-        self._prev_tail = data[-64:]
+        self._prev_tail = (self._prev_tail + data[-256:])[-256:]
         self.offset += len(data)
 
     def _walk(self, data: bytes, st: _Structure, limit: int) -> Iterator[Any]:
@@ -250,14 +250,15 @@ class EventScan:
         for b in bounds:
             if b - prev - 1 + len(pre) > self.max_event_bytes and \
                     len(data[prev + 1:b].strip(_WS)) + len(pre) > self.max_event_bytes:
-                yield from self._decode(pre + data[lo:prev] if pre else data[lo:prev])
+                if prev >= lo:  # whole items before it (``pre`` is the first one's head)
+                    yield from self._decode(pre + data[lo:prev] if pre else data[lo:prev])
                 self.oversized += 1
                 pre, lo = b"", b + 1
             elif b - lo >= BATCH_BYTES:
                 yield from self._decode(pre + data[lo:b] if pre else data[lo:b])
                 pre, lo = b"", b + 1
             prev = b
-        if prev >= lo or pre:
+        if prev >= lo:
             yield from self._decode(pre + data[lo:prev] if pre else data[lo:prev])
 
     def _decode(self, body: bytes) -> Iterator[Any]:
