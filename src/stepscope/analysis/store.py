@@ -89,8 +89,8 @@ def parquet_glob(location: str) -> str:
     if location.endswith(".parquet"):
         return location
     base = location.rstrip("/")
-    if is_glob(base):
-        return base + "/*.parquet" if not base.endswith("*") else base + ".parquet"
+    if is_glob(base):  # a glob of directories: their Parquet files
+        return base + "/*.parquet"
     return f"{base}/**/{RECORDS}/*/*.parquet"
 
 
