@@ -126,7 +126,7 @@ def main() -> int:
                     help="analyse the synthetic trace gzipped (real traces ship as .json.gz), or both ways")
     ap.add_argument("--no-hta", action="store_true", help="time stepscope only")
     ap.add_argument("--baseline-src", metavar="DIR",
-                    help="also time another stepscope checkout's src/ (e.g. the previous version) side by side")
+                    help="also time another checkout's src/ (e.g. the previous version) side by side")
     ap.add_argument("--whitespace", action="store_true",
                     help="pad one copy of the seed with --size-mb of whitespace instead of repeating it")
     args = ap.parse_args()
