@@ -27,6 +27,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,8 @@ RECORDS = "records"
 STATE = "_state.json"
 STATE_VERSION = 1
 _WRITING = "_writing"
+#: A rank file untouched this long (seconds) is read in place rather than copied first.
+SETTLED_S = 30.0
 #: Ranks per partition directory: a report that needs some ranks reads only their blocks,
 #: and a 10,000-rank run has 40 directories, not 10,000.
 RANK_BLOCK = 256
@@ -142,6 +145,14 @@ def _locked(store: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+def _changed(p: Path, before: os.stat_result) -> bool:
+    try:
+        now = p.stat()
+    except OSError:
+        return True
+    return (now.st_size, now.st_mtime_ns) != (before.st_size, before.st_mtime_ns)
+
+
 def _last_newline(fh: Any, start: int, end: int) -> int:
     """Offset just past the last newline in ``[start, end)``, or ``start`` if none."""
     step = 1 << 20
@@ -188,12 +199,14 @@ def compact(run_dir: str | os.PathLike[str], *, threads: int | None = None,
 
 
 def _compact_locked(root: Path, store: Path, files: list[Path], threads: int | None,
-                    memory_limit: str | None) -> CompactResult:
+                    memory_limit: str | None, copy: bool = False) -> CompactResult:
     from stepscope.analysis.load import drop_long_lines
 
     state = read_state(store)
     names = {p.name: p for p in files}
-    sizes = {p.name: p.stat().st_size for p in files}
+    stats = {p.name: p.stat() for p in files}
+    sizes = {n: s.st_size for n, s in stats.items()}
+    settled = time.time() - SETTLED_S
     rebuilt = False
     # A compaction that died between writing Parquet and saving offsets left rows the
     # state does not know about: rebuild rather than count them twice.
@@ -203,6 +216,9 @@ def _compact_locked(root: Path, store: Path, files: list[Path], threads: int | N
         state, rebuilt = {}, True
     new_bytes = 0
     chunks: list[Path] = []
+    in_place: list[Path] = []
+    if copy:
+        settled = -1.0
     with tempfile.TemporaryDirectory(prefix="stepscope-compact-") as tmp:
         for name, path in sorted(names.items()):
             st = state.setdefault(name, FileState())
@@ -214,9 +230,13 @@ def _compact_locked(root: Path, store: Path, files: list[Path], threads: int | N
                 st.torn = size > cut
                 if cut == st.offset:
                     continue
-                chunk = Path(tmp) / name
-                with open(chunk, "wb") as out:
-                    _copy_range(fh, out, st.offset, cut)
+                if not st.offset and cut == size and stats[name].st_mtime < settled:
+                    chunk = path  # a settled file of whole lines: read in place, no copy
+                    in_place.append(path)
+                else:
+                    chunk = Path(tmp) / name
+                    with open(chunk, "wb") as out:
+                        _copy_range(fh, out, st.offset, cut)
             notes: list[str] = []
             bounded, dropped = drop_long_lines(chunk, Path(tmp), notes)
             st.dropped += dropped
@@ -226,6 +246,12 @@ def _compact_locked(root: Path, store: Path, files: list[Path], threads: int | N
         if chunks:
             (store / _WRITING).touch()
             _write_parquet(store, chunks, threads, memory_limit)
+            # A file read in place that changed meanwhile may have given DuckDB more than
+            # the offset says: start over, copying this time.
+            if any(_changed(p, stats[p.name]) for p in in_place):
+                shutil.rmtree(store / RECORDS, ignore_errors=True)
+                (store / STATE).unlink(missing_ok=True)
+                return _compact_locked(root, store, files, threads, memory_limit, copy=True)
         _write_state(store, state)
         (store / _WRITING).unlink(missing_ok=True)
     return CompactResult(store, new_bytes, len(chunks), rebuilt, state)
