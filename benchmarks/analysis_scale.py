@@ -1,6 +1,6 @@
 """Analysis scale benchmark: synthetic runs of many ranks, analysed out of core by DuckDB.
 
-Generates ``rank{R}.jsonl`` files (DuckDB writes them, so generation is fast) with one slow
+Generates ``rank{R}.jsonl`` files with one slow
 rank, runs ``analyze_run`` in a child process per size and prints one JSON line per size:
 phase samples, records, seconds, peak RSS, and whether the slow rank was found.
 
@@ -29,40 +29,31 @@ PHASES = (("dataloader", 2.0), ("h2d", 1.0), ("forward", 6.0), ("backward", 9.0)
 
 def generate(root: Path, ranks: int, steps: int, slow_rank: int) -> float:
     """Write DDP-shaped records: rank ``slow_rank`` has +8 ms dataloader, others wait."""
-    import duckdb
+    import random
 
     t0 = time.perf_counter()
     root.mkdir(parents=True, exist_ok=True)
-    con = duckdb.connect()
-    con.execute("SET threads = 2")
+    names = [n for n, _ in PHASES]
     for r in range(ranks):
+        rng = random.Random(r)  # reproducible files without a per-line hash
         slow = 8.0 if r == slow_rank else 0.0
-        # Noise from a hash keeps the files reproducible without Python-side loops.
-        n = "((hash(step * 7919 + {r} * 104729 + {k}) % 1000) / 1000.0 - 0.5) * 0.4"
-        dl = f"(2.0 + {slow} + {n.format(r=r, k=1)})"
-        h2d = f"(1.0 + {n.format(r=r, k=2)})"
-        fw = f"(6.0 + {n.format(r=r, k=3)})"
-        wait = f"(8.0 - {slow})"
-        bw = f"(9.0 + {wait} + {n.format(r=r, k=4)})"
-        op = f"(3.0 + {n.format(r=r, k=5)})"
-        parts, at = [], "0.0"
-        for name, col in zip(("dataloader", "h2d", "forward", "backward", "optimizer"), "dhfbo",
-                             strict=True):
-            parts.append(f"{{'name': '{name}', 'parent': NULL, 'ms': {col}, 'calls': 1, "
-                         f"'start_ms': {at}, 'end_ms': {at} + {col}}}")
-            at = f"{at} + {col}"
-        phase_list = "[" + ", ".join(parts) + "]"
-        con.execute(
-            f"""COPY (SELECT 1 AS schema, 'bench' AS run_id, {r} AS rank, {ranks} AS world_size,
-                   'node-' || {r // 8} AS hostname, step,
-                   1763000000000000000 + step * 40000000 AS start_unix_ns, 'cpu' AS clock,
-                   d + h + f + b + o + 0.3 AS step_ms,
-                   {phase_list} AS phases, 0.3 AS residual_ms
-                FROM (SELECT step, {dl} AS d, {h2d} AS h, {fw} AS f, {bw} AS b, {op} AS o
-                      FROM range({steps}) t(step)))
-               TO '{root}/rank{r}.jsonl' (FORMAT JSON)"""
-        )
-    con.close()
+        lines = []
+        for step in range(steps):
+            ms = [base + rng.uniform(-0.2, 0.2) for _, base in PHASES]
+            ms[0] += slow
+            ms[3] += 8.0 - slow  # backward waits for the slow rank in its all-reduce
+            at, parts = 0.0, []
+            for name, v in zip(names, ms, strict=True):
+                parts.append(f'{{"name": "{name}", "parent": null, "ms": {v:.4f}, "calls": 1, '
+                             f'"start_ms": {at:.4f}, "end_ms": {at + v:.4f}}}')
+                at += v
+            lines.append(
+                f'{{"schema": 1, "run_id": "bench", "rank": {r}, "world_size": {ranks}, '
+                f'"hostname": "node-{r // 8}", "step": {step}, '
+                f'"start_unix_ns": {1763000000000000000 + step * 40000000}, "clock": "cpu", '
+                f'"step_ms": {sum(ms) + 0.3:.4f}, "phases": [{", ".join(parts)}], '
+                f'"residual_ms": 0.3}}\n')
+        (root / f"rank{r}.jsonl").write_text("".join(lines))
     return time.perf_counter() - t0
 
 

@@ -273,7 +273,8 @@ def load_run(
                     skipped.append(_long_lines_note(name, fs.dropped))
             skipped += [f"{p.name}: empty file" for p in jsonl if p.stat().st_size == 0]
             return _load_parquet(str(res.store), threads, memory_limit, skipped, root,
-                                 {n: fs.offset for n, fs in res.files.items() if fs.torn})
+                                 {n: fs.offset for n, fs in res.files.items() if fs.torn},
+                                 {n: fs.lines for n, fs in res.files.items()})
 
     tmpdir = tempfile.TemporaryDirectory(prefix="stepscope-")
     try:
@@ -298,7 +299,8 @@ def load_run(
 
 def _load_parquet(location: str, threads: int | None, memory_limit: str | None,
                   skipped: list[str], root: Path | None = None,
-                  torn: dict[str, int] | None = None) -> RunData:
+                  torn: dict[str, int] | None = None,
+                  lines: dict[str, int] | None = None) -> RunData:
     """Load from a Parquet store; ``torn`` maps files whose last line is not yet in the
     store to the store's offset in them: those tails are read as JSON too, so the result
     equals reading the JSONL files directly (a whole record that only lacks its newline
@@ -334,7 +336,7 @@ def _load_parquet(location: str, threads: int | None, memory_limit: str | None,
                 raise AnalysisError(f"{location}: no Parquet records ({st.parquet_glob(location)})"
                                     ) from exc
             raise
-        data = _build_tables(con, root or Path(location), skipped, set(torn or ()))
+        data = _build_tables(con, root or Path(location), skipped, set(torn or ()), lines)
         data._tmp = tmpdir
         return data
     except BaseException:
@@ -342,9 +344,9 @@ def _load_parquet(location: str, threads: int | None, memory_limit: str | None,
         raise
 
 
-def json_reader(sources: list[Path]) -> str:
+def json_reader(sources: list[Path], extra: dict[str, str] | None = None) -> str:
     """The ``read_json`` table expression over rank JSONL files, typed by :data:`COLUMNS`."""
-    cols = "{" + ", ".join(f"{k}: '{v}'" for k, v in _COLUMNS.items()) + "}"
+    cols = "{" + ", ".join(f"{k}: '{v}'" for k, v in {**_COLUMNS, **(extra or {})}.items()) + "}"
     files = "[" + ", ".join("'" + str(p).replace("'", "''") + "'" for p in sources) + "]"
     # ignore_errors turns each unparsable line into an all-NULL row, so counting NULL rows
     # per file tells how many lines were corrupt without a second pass over the bytes.
@@ -364,17 +366,30 @@ def _display_name(fname: str) -> str:
     return Path(fname).name.replace(".bounded.jsonl", "").replace(".from-sqlite.jsonl", ".sqlite")
 
 
-def _build_tables(con: Any, root: Path, skipped: list[str],
-                  torn: set[str] | None = None) -> RunData:
+def _build_tables(con: Any, root: Path, skipped: list[str], torn: set[str] | None = None,
+                  lines: dict[str, int] | None = None) -> RunData:
     """Validate table ``raw`` (one row per line, corrupt lines all NULL) into the tables.
 
     ``torn``: names of the files that do not end in a newline, when ``raw.filename`` holds
     names rather than paths (the Parquet store); otherwise each file is looked at.
+    ``lines``: for the store, lines per file stored through its combined file, whose corrupt
+    lines are rows without a file name (``tagged`` rows are those lines' good ones).
     """
     valid = " AND ".join(f"{c} IS NOT NULL" for c in _REQUIRED)
-    for fname, total, good in con.execute(
-        f"SELECT filename, count(*), count(*) FILTER (WHERE {valid}) FROM raw GROUP BY 1 ORDER BY 1"
-    ).fetchall():
+    if lines is None:
+        counts = con.execute(
+            f"""SELECT filename, count(*), count(*) FILTER (WHERE {valid}) FROM raw
+                WHERE filename IS NOT NULL GROUP BY 1 ORDER BY 1"""
+        ).fetchall()
+    else:
+        got = {str(f): (int(u), int(g)) for f, u, g in con.execute(
+            f"""SELECT filename, count(*) FILTER (WHERE NOT coalesce(tagged, FALSE)),
+                       count(*) FILTER (WHERE {valid}) FROM raw
+                WHERE filename IS NOT NULL GROUP BY 1"""
+        ).fetchall()}
+        counts = [(f, got.get(f, (0, 0))[0] + lines.get(f, 0), got.get(f, (0, 0))[1])
+                  for f in sorted(set(got) | {f for f, n in lines.items() if n})]
+    for fname, total, good in counts:
         bad = total - good
         if not bad:
             continue

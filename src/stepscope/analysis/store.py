@@ -27,7 +27,6 @@ import json
 import os
 import shutil
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,10 +37,12 @@ from stepscope.errors import AnalysisError
 STORE_DIR = "parquet"
 RECORDS = "records"
 STATE = "_state.json"
-STATE_VERSION = 1
+STATE_VERSION = 2
+#: The key a regular line is tagged with (its rank file) in the combined file.
+TAG = "_stepscope_file"
+COMBINED = "_combined.jsonl"
+_PIECE = 64 << 20
 _WRITING = "_writing"
-#: A rank file untouched this long (seconds) is read in place rather than copied first.
-SETTLED_S = 30.0
 #: Ranks per partition directory: a report that needs some ranks reads only their blocks,
 #: and a 10,000-rank run has 40 directories, not 10,000.
 RANK_BLOCK = 256
@@ -56,6 +57,7 @@ class FileState:
     offset: int = 0  # bytes consumed (always at a line boundary)
     dropped: int = 0  # lines over the length cap, dropped so far
     torn: bool = False  # bytes after ``offset`` without a final newline
+    lines: int = 0  # lines stored through the combined file (tagged with this file's name)
 
 
 @dataclass
@@ -117,7 +119,8 @@ def read_state(store: Path) -> dict[str, FileState]:
     out: dict[str, FileState] = {}
     for name, st in files.items():
         try:
-            out[str(name)] = FileState(int(st["offset"]), int(st["dropped"]), bool(st["torn"]))
+            out[str(name)] = FileState(int(st["offset"]), int(st["dropped"]), bool(st["torn"]),
+                                       int(st["lines"]))
         except (KeyError, TypeError, ValueError):
             return {}  # a damaged state file: rebuild rather than trust part of it
     return out
@@ -125,7 +128,8 @@ def read_state(store: Path) -> dict[str, FileState]:
 
 def _write_state(store: Path, files: dict[str, FileState]) -> None:
     doc = {"version": STATE_VERSION, "rank_block": RANK_BLOCK,
-           "files": {n: {"offset": s.offset, "dropped": s.dropped, "torn": s.torn}
+           "files": {n: {"offset": s.offset, "dropped": s.dropped, "torn": s.torn,
+                         "lines": s.lines}
                      for n, s in sorted(files.items())}}
     tmp = store / (STATE + ".tmp")
     tmp.write_text(json.dumps(doc, indent=1))
@@ -143,14 +147,6 @@ def _locked(store: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
-
-
-def _changed(p: Path, before: os.stat_result) -> bool:
-    try:
-        now = p.stat()
-    except OSError:
-        return True
-    return (now.st_size, now.st_mtime_ns) != (before.st_size, before.st_mtime_ns)
 
 
 def _last_newline(fh: Any, start: int, end: int) -> int:
@@ -199,14 +195,12 @@ def compact(run_dir: str | os.PathLike[str], *, threads: int | None = None,
 
 
 def _compact_locked(root: Path, store: Path, files: list[Path], threads: int | None,
-                    memory_limit: str | None, copy: bool = False) -> CompactResult:
-    from stepscope.analysis.load import drop_long_lines
+                    memory_limit: str | None) -> CompactResult:
+    from stepscope.analysis.load import MAX_LINE_BYTES, drop_long_lines
 
     state = read_state(store)
     names = {p.name: p for p in files}
-    stats = {p.name: p.stat() for p in files}
-    sizes = {n: s.st_size for n, s in stats.items()}
-    settled = time.time() - SETTLED_S
+    sizes = {p.name: p.stat().st_size for p in files}
     rebuilt = False
     # A compaction that died between writing Parquet and saving offsets left rows the
     # state does not know about: rebuild rather than count them twice.
@@ -215,46 +209,63 @@ def _compact_locked(root: Path, store: Path, files: list[Path], threads: int | N
         shutil.rmtree(store / RECORDS, ignore_errors=True)
         state, rebuilt = {}, True
     new_bytes = 0
+    new_files = 0
     chunks: list[Path] = []
-    in_place: list[Path] = []
-    if copy:
-        settled = -1.0
     with tempfile.TemporaryDirectory(prefix="stepscope-compact-") as tmp:
-        for name, path in sorted(names.items()):
-            st = state.setdefault(name, FileState())
-            size = sizes[name]
-            if size == st.offset:
-                continue
-            with open(path, "rb") as fh:
-                cut = _last_newline(fh, st.offset, size)
-                st.torn = size > cut
-                if cut == st.offset:
+        # Regular lines of every file go into one combined file, each tagged with its rank
+        # file: DuckDB's typed JSON reader pays a set-up cost per file that dominates a run
+        # of 10^4 small files. Irregular files (a line not starting with "{", an overlong
+        # line) keep a chunk file of their own, read as before.
+        combined_path = Path(tmp) / COMBINED
+        with open(combined_path, "wb") as combined:
+            for name, path in sorted(names.items()):
+                st = state.setdefault(name, FileState())
+                size = sizes[name]
+                if size == st.offset:
                     continue
-                if not st.offset and cut == size and stats[name].st_mtime < settled:
-                    chunk = path  # a settled file of whole lines: read in place, no copy
-                    in_place.append(path)
-                else:
-                    chunk = Path(tmp) / name
-                    with open(chunk, "wb") as out:
-                        _copy_range(fh, out, st.offset, cut)
-            notes: list[str] = []
-            bounded, dropped = drop_long_lines(chunk, Path(tmp), notes)
-            st.dropped += dropped
-            new_bytes += cut - st.offset
-            st.offset = cut
-            chunks.append(bounded)
+                with open(path, "rb") as fh:
+                    cut = _last_newline(fh, st.offset, size)
+                    st.torn = size > cut
+                    if cut == st.offset:
+                        continue
+                    tag = b'{"' + TAG.encode() + b'":' + json.dumps(name).encode() + b","
+                    own: Path | None = None
+                    fh.seek(st.offset)
+                    left = cut - st.offset
+                    while left > 0:
+                        data = fh.read(min(left, _PIECE))
+                        if len(data) < left:  # end the piece at a line end
+                            data = data[: data.rfind(b"\n") + 1] or data
+                            fh.seek(st.offset + (cut - st.offset - left) + len(data))
+                        left -= len(data)
+                        n_lines = data.count(b"\n")
+                        regular = (own is None and data.startswith(b"{")
+                                   and data.count(b"\n{") == n_lines - 1
+                                   and len(data) <= MAX_LINE_BYTES * max(1, n_lines)
+                                   and max(map(len, data.split(b"\n"))) <= MAX_LINE_BYTES)
+                        if regular:
+                            combined.write(tag + data[1:-1].replace(b"\n{", b"\n" + tag) + b"\n")
+                            st.lines += n_lines
+                        else:
+                            if own is None:
+                                own = Path(tmp) / name
+                            with open(own, "ab") as out:
+                                out.write(data)
+                if own is not None:
+                    bounded, dropped = drop_long_lines(own, Path(tmp), [])
+                    st.dropped += dropped
+                    chunks.append(bounded)
+                new_bytes += cut - st.offset
+                new_files += 1
+                st.offset = cut
+        if combined_path.stat().st_size:
+            chunks.append(combined_path)
         if chunks:
             (store / _WRITING).touch()
             _write_parquet(store, chunks, threads, memory_limit)
-            # A file read in place that changed meanwhile may have given DuckDB more than
-            # the offset says: start over, copying this time.
-            if any(_changed(p, stats[p.name]) for p in in_place):
-                shutil.rmtree(store / RECORDS, ignore_errors=True)
-                (store / STATE).unlink(missing_ok=True)
-                return _compact_locked(root, store, files, threads, memory_limit, copy=True)
         _write_state(store, state)
         (store / _WRITING).unlink(missing_ok=True)
-    return CompactResult(store, new_bytes, len(chunks), rebuilt, state)
+    return CompactResult(store, new_bytes, new_files, rebuilt, state)
 
 
 def _write_parquet(store: Path, chunks: list[Path], threads: int | None,
@@ -272,10 +283,13 @@ def _write_parquet(store: Path, chunks: list[Path], threads: int | None,
             con.execute(f"SET memory_limit = '{memory_limit}'")
         dest = str(store / RECORDS).replace("'", "''")
         con.execute(
-            f"""COPY (SELECT * REPLACE (replace(regexp_replace(filename, '^.*/', ''),
-                                                '.bounded.jsonl', '') AS filename),
+            f"""COPY (SELECT * EXCLUDE ({TAG}) REPLACE (
+                                 CASE WHEN filename LIKE '%/{COMBINED}' THEN {TAG}
+                                      ELSE replace(regexp_replace(filename, '^.*/', ''),
+                                                   '.bounded.jsonl', '') END AS filename),
+                             filename LIKE '%/{COMBINED}' AS tagged,
                              rank // {RANK_BLOCK} AS rank_block
-                      FROM {json_reader(chunks)})
+                      FROM {json_reader(chunks, extra={TAG: "VARCHAR"})})
                 TO '{dest}' (FORMAT parquet, PARTITION_BY (rank_block),
                              FILENAME_PATTERN 'part_{{uuid}}', APPEND)"""
         )
