@@ -23,6 +23,7 @@ glob, so the same SQL runs on a copy in object storage (``s3://``, ``gs://``, ``
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -208,6 +209,7 @@ def _compact_locked(root: Path, store: Path, files: list[Path], threads: int | N
             n not in names or sizes[n] < s.offset for n, s in state.items()):
         shutil.rmtree(store / RECORDS, ignore_errors=True)
         state, rebuilt = {}, True
+    before = {n: dataclasses.replace(fs) for n, fs in state.items()}
     new_bytes = 0
     new_files = 0
     chunks: list[Path] = []
@@ -263,7 +265,8 @@ def _compact_locked(root: Path, store: Path, files: list[Path], threads: int | N
         if chunks:
             (store / _WRITING).touch()
             _write_parquet(store, chunks, threads, memory_limit)
-        _write_state(store, state)
+        if chunks or rebuilt or state != before:
+            _write_state(store, state)
         (store / _WRITING).unlink(missing_ok=True)
     return CompactResult(store, new_bytes, new_files, rebuilt, state)
 
