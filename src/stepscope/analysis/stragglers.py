@@ -371,7 +371,7 @@ def build_own(con: Any) -> None:
 
     # Median of the other ranks without an n^2 self-join: drop this rank's position k from
     # the step's sorted values and take the middle of what remains. Only the three values at
-    # sorted positions b..b+2 (b = (n-1)//2) can be that middle, so v keeps just those: a
+    # sorted positions b..b+2 (b = (n-1)//2, at least 1) can be that middle, so v keeps just those: a
     # full list joined to every row would be n^2 memory.
     def rem(j: str) -> str:
         return f"(CASE WHEN {j} < o.k THEN v.v[{j} - v.b + 1] ELSE v.v[{j} - v.b + 2] END)"
@@ -381,7 +381,7 @@ def build_own(con: Any) -> None:
             WITH o AS (SELECT *, row_number() OVER (PARTITION BY step, name ORDER BY own, rank) AS k,
                               count(*) OVER (PARTITION BY step, name) AS n FROM own),
                  v AS (SELECT step, name, b, l[b:b + 2] AS v FROM (
-                           SELECT step, name, (count(*) - 1) // 2 AS b,
+                           SELECT step, name, greatest((count(*) - 1) // 2, 1) AS b,
                                   list(own ORDER BY own, rank) AS l FROM own GROUP BY 1, 2))
             SELECT o.rank, o.step, o.name, o.own, o.wait, m.others, o.own - m.others AS excess
             FROM o JOIN v USING (step, name),
