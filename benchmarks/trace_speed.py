@@ -39,7 +39,8 @@ t = time.perf_counter()
 from stepscope.analysis.trace import analyse
 r = analyse(sys.argv[1], workers=1).ranks[0]
 wall = time.perf_counter() - t
-print(json.dumps({"wall_s": wall, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+ru = resource.getrusage(resource.RUSAGE_SELF)
+print(json.dumps({"wall_s": wall, "cpu_s": ru.ru_utime + ru.ru_stime, "peak_rss_mb": ru.ru_maxrss / 1024,
                   "busy_us": r.total.busy_us, "idle_us": r.total.idle_us}))
 """
 HTA = """
@@ -106,9 +107,10 @@ def build_whitespace_trace(out: Path, size_mb: float, seed: Path = SEED) -> int:
     return 1
 
 
-def run(python: str, code: str, trace_dir: Path) -> dict[str, Any]:
+def run(python: str, code: str, trace_dir: Path, src: str | None = None) -> dict[str, Any]:
+    env = {**os.environ, "PYTHONPATH": src} if src else None
     p = subprocess.run([python, "-c", code, str(trace_dir)], capture_output=True, text=True,
-                       check=False)
+                       check=False, env=env)
     if p.returncode != 0:
         return {"error": (p.stderr or p.stdout)[-500:]}
     return json.loads(p.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
@@ -123,6 +125,8 @@ def main() -> int:
     ap.add_argument("--gzip", choices=("no", "yes", "both"), default="no",
                     help="analyse the synthetic trace gzipped (real traces ship as .json.gz), or both ways")
     ap.add_argument("--no-hta", action="store_true", help="time stepscope only")
+    ap.add_argument("--baseline-src", metavar="DIR",
+                    help="also time another checkout's src/ (e.g. the previous version) side by side")
     ap.add_argument("--whitespace", action="store_true",
                     help="pad one copy of the seed with --size-mb of whitespace instead of repeating it")
     args = ap.parse_args()
@@ -151,15 +155,19 @@ def main() -> int:
             variants.append(("-gz", gz_dir))
             if args.gzip == "yes":
                 variants = [("-gz", gz_dir)]
-        tools = [("stepscope", sys.executable, OURS)]
+        tools: list[tuple[str, str, str, str | None]] = [("stepscope", sys.executable, OURS, None)]
+        if args.baseline_src:
+            tools.append(("baseline", sys.executable, OURS, args.baseline_src))
         if not args.no_hta:
-            tools.append(("hta", args.hta_python, HTA))
+            tools.append(("hta", args.hta_python, HTA, None))
         results: dict[str, list[dict[str, Any]]] = {}
         for i in range(args.repeats):  # interleaved, so drift hits every tool alike
             for suffix, where in variants:
-                for tool, py, code in tools:
-                    r = run(py, code, where)
+                for tool, py, code, src in tools:
+                    r = run(py, code, where, src)
                     r.update(tool=tool + suffix, run=i, size_mb=round(size / 1e6, 1))
+                    if "wall_s" in r:
+                        r["mb_per_s"] = round(size / 1e6 / r["wall_s"], 1)
                     print(json.dumps(r), flush=True)
                     results.setdefault(tool + suffix, []).append(r)
     ok = {t: [r for r in rs if "error" not in r] for t, rs in results.items()}
@@ -168,6 +176,18 @@ def main() -> int:
         gz = statistics.median(r["wall_s"] for r in ok["stepscope-gz"])
         print(json.dumps({"summary": "gzip", "plain_wall_s": round(plain, 2), "gz_wall_s": round(gz, 2),
                           "gz_over_plain": round(gz / plain, 2)}))
+    if ok.get("stepscope") and ok.get("baseline"):
+        ours_s = statistics.median(r["wall_s"] for r in ok["stepscope"])
+        base_s = statistics.median(r["wall_s"] for r in ok["baseline"])
+        ours_c = statistics.median(r["cpu_s"] for r in ok["stepscope"])
+        base_c = statistics.median(r["cpu_s"] for r in ok["baseline"])
+        print(json.dumps({"summary": "baseline", "size_mb": round(size / 1e6, 1),
+                          "stepscope_wall_s": round(ours_s, 2), "baseline_wall_s": round(base_s, 2),
+                          "stepscope_mb_per_s": round(size / 1e6 / ours_s, 1),
+                          "baseline_mb_per_s": round(size / 1e6 / base_s, 1),
+                          "wall_speedup": round(base_s / ours_s, 2), "cpu_speedup": round(base_c / ours_c, 2),
+                          "stepscope_peak_rss_mb": round(max(r["peak_rss_mb"] for r in ok["stepscope"])),
+                          "baseline_peak_rss_mb": round(max(r["peak_rss_mb"] for r in ok["baseline"]))}))
     if ok.get("stepscope") and ok.get("hta"):
         ours_s = statistics.median(r["wall_s"] for r in ok["stepscope"])
         hta_s = statistics.median(r["wall_s"] for r in ok["hta"])

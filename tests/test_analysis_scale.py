@@ -7,8 +7,12 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from statistics import median
 
+import pytest
 from tests.synth_runs import Slow, SynthRun, write_run
+
+from stepscope.analysis.run import analyze_run
 
 _CHILD = """
 import json, resource, sys
@@ -29,3 +33,22 @@ def test_many_ranks_few_steps_stays_small(tmp_path: Path) -> None:
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["ranks"] == 2000 and res["steps"] == 4
     assert res["rss_mb"] < 700, res
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4, 5])
+def test_median_of_the_other_ranks_is_exact(tmp_path: Path, ranks: int) -> None:
+    # The three-middle-values form of "median of the others" against a brute force.
+    doc = analyze_run(write_run(tmp_path / "run", SynthRun(ranks=ranks, steps=12, seed=ranks)),
+                      keep=True)
+    data = doc["_data"]
+    try:
+        rows = data.con.execute("SELECT rank, step, name, own, others FROM ex").fetchall()
+    finally:
+        data.close()
+    own: dict[tuple[int, str], dict[int, float]] = {}
+    for rank, step, name, o, _ in rows:
+        own.setdefault((step, name), {})[rank] = o
+    assert rows
+    for rank, step, name, _, others in rows:
+        rest = [v for r, v in own[(step, name)].items() if r != rank]
+        assert others == pytest.approx(median(rest)), (rank, step, name)

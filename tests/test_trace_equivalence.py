@@ -17,7 +17,10 @@ import pytest
 from stepscope.analysis.trace import analyse
 from stepscope.common.escape import write_json
 
-TRACES = Path("/work/shared/traces")
+# The shared real traces sit beside the checkout (../shared/traces, or one level further up
+# in a worktree layout), as tests/test_trace.py finds them.
+TRACES = next((p / "shared" / "traces" for p in Path(__file__).resolve().parents[1:4]
+               if (p / "shared" / "traces").is_dir()), Path("/nonexistent"))
 GOLDEN = json.loads((Path(__file__).parent / "fixtures" / "trace_golden.json").read_text())
 
 

@@ -24,8 +24,22 @@ def _cmd_report(args: argparse.Namespace) -> int:
     from stepscope.report.render import report_command
 
     return report_command(
-        args.run_dir, as_json=args.json, markdown=args.markdown, html=args.html
+        args.run_dir, as_json=args.json, markdown=args.markdown, html=args.html,
+        threads=args.threads, memory_limit=args.memory_limit,
     )
+
+
+def _cmd_compact(args: argparse.Namespace) -> int:
+    from stepscope.report.store import compact_command
+
+    return compact_command(args.run_dir, as_json=args.json, threads=args.threads,
+                           memory_limit=args.memory_limit)
+
+
+def _duckdb_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, default=None, help="DuckDB threads (default: all cores)")
+    p.add_argument("--memory-limit", default=None, metavar="SIZE",
+                   help="DuckDB memory limit, e.g. 2GB (it spills to disk beyond it)")
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
@@ -78,7 +92,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--json", action="store_true", help="print one JSON document")
     r.add_argument("--markdown", metavar="FILE", help="write a markdown summary")
     r.add_argument("--html", metavar="FILE", help="write a self-contained HTML page")
+    _duckdb_options(r)
     r.set_defaults(func=_cmd_report)
+
+    k = sub.add_parser("compact", help="copy a run's new JSONL lines into its Parquet store")
+    k.add_argument("run_dir")
+    k.add_argument("--json", action="store_true", help="print what was done as JSON")
+    _duckdb_options(k)
+    k.set_defaults(func=_cmd_compact)
 
     e = sub.add_parser("export", help="export a run directory")
     e.add_argument("run_dir")

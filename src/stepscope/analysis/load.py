@@ -58,6 +58,8 @@ _COLUMNS = {
     "counters": "JSON",
 }
 _COLUMNS.update(RESOURCE_COLUMNS)  # [metrics] throughput/flops/memory/device/untimed
+#: The typed schema of one record line (also the Parquet store's columns, with ``filename``).
+COLUMNS = _COLUMNS
 _REQUIRED = ("schema", "rank", "step", "start_unix_ns", "step_ms", "phases")
 
 #: Bounds on values taken from the data; a record outside them is implausible (hostile or
@@ -142,8 +144,9 @@ def _sqlite_to_jsonl(path: Path, tmp: Path, skipped: list[str]) -> Path | None:
     return out
 
 
-def _drop_long_lines(path: Path, tmp: Path, skipped: list[str]) -> Path:
-    """``path``, or a copy without lines longer than :data:`MAX_LINE_BYTES`.
+def drop_long_lines(path: Path, tmp: Path, skipped: list[str]) -> tuple[Path, int]:
+    """``path``, or a copy without lines longer than :data:`MAX_LINE_BYTES`, and how many
+    lines were dropped.
 
     DuckDB rejects a whole file for one object above its ``maximum_object_size``; a real
     record is a few KB, so a line of many MB is damage. One pass of large reads finds them
@@ -165,7 +168,7 @@ def _drop_long_lines(path: Path, tmp: Path, skipped: list[str]) -> Path:
             if long_lines:
                 break
     if not long_lines:
-        return path
+        return path, 0
     out = tmp / (path.name + ".bounded.jsonl")
     dropped = 0
     with open(path, "rb") as src, open(out, "wb") as dst:
@@ -189,9 +192,13 @@ def _drop_long_lines(path: Path, tmp: Path, skipped: list[str]) -> Path:
                 skipping, buf = True, b""
         if buf and not skipping:
             dst.write(buf)
-    skipped.append(f"{path.name}: {dropped} line(s) longer than {MAX_LINE_BYTES >> 20} MiB skipped "
-                   "(a record is a few KB)")
-    return out
+    skipped.append(_long_lines_note(path.name, dropped))
+    return out, dropped
+
+
+def _long_lines_note(name: str, dropped: int) -> str:
+    return (f"{name}: {dropped} line(s) longer than {MAX_LINE_BYTES >> 20} MiB skipped "
+            "(a record is a few KB)")
 
 
 def _ends_with_newline(path: Path) -> bool:
@@ -203,34 +210,81 @@ def _ends_with_newline(path: Path) -> bool:
         return fh.read(1) == b"\n"
 
 
+def rank_files(root: Path) -> tuple[list[Path], list[Path]]:
+    """``(rank*.jsonl and rank*.sqlite files inside root, links pointing outside it)``."""
+    inside: list[Path] = []
+    outside: list[Path] = []
+    # One scandir, not a stat and two resolves per file: a run has up to 10^5 rank files.
+    with os.scandir(root) as it:
+        for ent in it:
+            if not ent.name.startswith("rank") or not ent.name.endswith((".jsonl", ".sqlite")):
+                continue
+            try:
+                if not ent.is_file():
+                    continue
+                link = ent.is_symlink()
+            except OSError:
+                continue
+            p = Path(ent.path)
+            # Only a link can point outside; a plain file listed here is in root.
+            (outside if link and not _inside(root, p) else inside).append(p)
+    return sorted(inside, key=_jsonl_first), sorted(outside, key=_jsonl_first)
+
+
+def _jsonl_first(p: Path) -> tuple[bool, str]:
+    return p.suffix != ".jsonl", p.name
+
+
 def load_run(
     run_dir: str | os.PathLike[str],
     *,
     threads: int | None = None,
     memory_limit: str | None = None,
+    store: bool = True,
 ) -> RunData:
     """Load every rank file of ``run_dir``; raise :class:`AnalysisError` if nothing is usable.
 
     Corrupt lines, a torn last line, other schema versions, duplicate steps, missing ranks
     and steps recorded on only some ranks are dropped and described in ``RunData.skipped``.
+
+    With ``store`` (the default) the rank JSONL files are first compacted into the run's
+    Parquet copy (:mod:`stepscope.analysis.store`; only new lines are parsed) and analysed
+    from it. ``run_dir`` may also be a Parquet store elsewhere: its directory, a glob, or
+    a URL DuckDB reads (``s3://bucket/run``).
     """
+    from stepscope.analysis import store as st
+
+    loc = os.fspath(run_dir)
+    if st.is_remote(loc) or st.is_glob(loc) or st.is_store_dir(Path(loc)):
+        return _load_parquet(loc, threads, memory_limit, [])
     root = Path(run_dir)
     if not root.exists():
         raise AnalysisError(f"{root}: no such run directory")
     if not root.is_dir():
         raise AnalysisError(f"{root}: not a directory (expected a run directory of rank files)")
-    jsonl = sorted(p for p in root.glob("rank*.jsonl") if p.is_file())
-    sqlite_files = sorted(p for p in root.glob("rank*.sqlite") if p.is_file())
-    outside = [p for p in jsonl + sqlite_files if not _inside(root, p)]
-    jsonl = [p for p in jsonl if p not in outside]
-    sqlite_files = [p for p in sqlite_files if p not in outside]
+    found, outside = rank_files(root)
+    jsonl = [p for p in found if p.suffix == ".jsonl"]
+    sqlite_files = [p for p in found if p.suffix == ".sqlite"]
     if not jsonl and not sqlite_files:
         raise AnalysisError(f"{root}: no rank*.jsonl or rank*.sqlite files (is this a run directory?)")
+    skipped: list[str] = [f"{p.name}: links outside the run directory; not read" for p in outside]
+    if store and jsonl and not sqlite_files:
+        try:
+            res = st.compact(root, threads=threads, memory_limit=memory_limit)
+        except OSError:
+            pass  # a read-only run directory: analyse the JSONL directly, as before
+        else:
+            for name, fs in sorted(res.files.items()):
+                if fs.dropped:
+                    skipped.append(_long_lines_note(name, fs.dropped))
+            skipped += [f"{p.name}: empty file" for p in jsonl if p.stat().st_size == 0]
+            return _load_parquet(str(res.store), threads, memory_limit, skipped, root,
+                                 {n: fs.offset for n, fs in res.files.items() if fs.torn},
+                                 {n: fs.lines for n, fs in res.files.items()})
 
     tmpdir = tempfile.TemporaryDirectory(prefix="stepscope-")
-    skipped: list[str] = [f"{p.name}: links outside the run directory; not read" for p in outside]
     try:
-        sources = [_drop_long_lines(p, Path(tmpdir.name), skipped)
+        sources = [drop_long_lines(p, Path(tmpdir.name), skipped)[0]
                    for p in jsonl if p.stat().st_size > 0]
         skipped += [f"{p.name}: empty file" for p in jsonl if p.stat().st_size == 0]
         for p in sqlite_files:
@@ -240,12 +294,70 @@ def load_run(
         if not sources:
             raise AnalysisError(f"{root}: no records in any rank file")
         con = _connect(tmpdir.name, threads, memory_limit)
-        data = _build_tables(con, root, sources, skipped)
+        con.execute(f"CREATE TABLE raw AS SELECT * FROM {json_reader(sources)}")
+        data = _build_tables(con, root, skipped)
         data._tmp = tmpdir
         return data
     except BaseException:
         tmpdir.cleanup()
         raise
+
+
+def _load_parquet(location: str, threads: int | None, memory_limit: str | None,
+                  skipped: list[str], root: Path | None = None,
+                  torn: dict[str, int] | None = None,
+                  lines: dict[str, int] | None = None) -> RunData:
+    """Load from a Parquet store; ``torn`` maps files whose last line is not yet in the
+    store to the store's offset in them: those tails are read as JSON too, so the result
+    equals reading the JSONL files directly (a whole record that only lacks its newline
+    is kept; a torn one is noted)."""
+    from stepscope.analysis import store as st
+
+    tmpdir = tempfile.TemporaryDirectory(prefix="stepscope-")
+    try:
+        con = _connect(tmpdir.name, threads, memory_limit)
+        parts = [f"SELECT * FROM {st.parquet_source(location)}"]
+        if root is not None and not any((Path(location) / st.RECORDS).rglob("*.parquet")):
+            parts = []  # only torn tails so far (or nothing at all)
+        tails: list[Path] = []
+        for name, offset in sorted((torn or {}).items()):
+            assert root is not None
+            tail = Path(tmpdir.name) / name
+            with open(root / name, "rb") as fh:
+                fh.seek(offset)
+                rest = fh.read(MAX_LINE_BYTES + 1)
+            if rest and b"\n" not in rest and len(rest) <= MAX_LINE_BYTES:
+                tail.write_bytes(rest)
+                tails.append(tail)
+        if tails:
+            parts.append("SELECT * REPLACE (regexp_replace(filename, '^.*/', '') AS filename)"
+                         f" FROM {json_reader(tails)}")
+        if not parts:
+            raise AnalysisError(f"{root}: no records in any rank file")
+        src = " UNION ALL BY NAME ".join(parts)
+        try:
+            con.execute(f"CREATE TABLE raw AS {src}")
+        except Exception as exc:  # duckdb.IOException: no files match the glob
+            if root is None and "No files found" in str(exc):
+                raise AnalysisError(f"{location}: no Parquet records ({st.parquet_glob(location)})"
+                                    ) from exc
+            raise
+        data = _build_tables(con, root or Path(location), skipped, set(torn or ()), lines)
+        data._tmp = tmpdir
+        return data
+    except BaseException:
+        tmpdir.cleanup()
+        raise
+
+
+def json_reader(sources: list[Path], extra: dict[str, str] | None = None) -> str:
+    """The ``read_json`` table expression over rank JSONL files, typed by :data:`COLUMNS`."""
+    cols = "{" + ", ".join(f"{k}: '{v}'" for k, v in {**_COLUMNS, **(extra or {})}.items()) + "}"
+    files = "[" + ", ".join("'" + str(p).replace("'", "''") + "'" for p in sources) + "]"
+    # ignore_errors turns each unparsable line into an all-NULL row, so counting NULL rows
+    # per file tells how many lines were corrupt without a second pass over the bytes.
+    return f"""read_json({files}, format='newline_delimited', columns={cols},
+               ignore_errors=true, filename=true, maximum_object_size={MAX_LINE_BYTES + 2})"""
 
 
 def _inside(root: Path, p: Path) -> bool:
@@ -260,26 +372,35 @@ def _display_name(fname: str) -> str:
     return Path(fname).name.replace(".bounded.jsonl", "").replace(".from-sqlite.jsonl", ".sqlite")
 
 
-def _build_tables(con: Any, root: Path, sources: list[Path], skipped: list[str]) -> RunData:
-    cols = "{" + ", ".join(f"{k}: '{v}'" for k, v in _COLUMNS.items()) + "}"
-    files = "[" + ", ".join("'" + str(p).replace("'", "''") + "'" for p in sources) + "]"
-    # ignore_errors turns each unparsable line into an all-NULL row, so counting NULL rows
-    # per file tells how many lines were corrupt without a second pass over the bytes.
-    con.execute(
-        f"""CREATE TABLE raw AS SELECT * FROM read_json({files},
-            format='newline_delimited', columns={cols}, ignore_errors=true,
-            filename=true, maximum_object_size={MAX_LINE_BYTES + 2})"""
-    )
+def _build_tables(con: Any, root: Path, skipped: list[str], torn: set[str] | None = None,
+                  lines: dict[str, int] | None = None) -> RunData:
+    """Validate table ``raw`` (one row per line, corrupt lines all NULL) into the tables.
+
+    ``torn``: names of the files that do not end in a newline, when ``raw.filename`` holds
+    names rather than paths (the Parquet store); otherwise each file is looked at.
+    ``lines``: for the store, lines per file stored through its combined file, whose corrupt
+    lines are rows without a file name (``tagged`` rows are those lines' good ones).
+    """
     valid = " AND ".join(f"{c} IS NOT NULL" for c in _REQUIRED)
-    for fname, total, good in con.execute(
-        f"SELECT filename, count(*), count(*) FILTER (WHERE {valid}) FROM raw GROUP BY 1 ORDER BY 1"
-    ).fetchall():
+    if lines is None:
+        counts = con.execute(
+            f"""SELECT filename, count(*), count(*) FILTER (WHERE {valid}) FROM raw
+                WHERE filename IS NOT NULL GROUP BY 1 ORDER BY 1"""
+        ).fetchall()
+    else:
+        got = {str(f): (int(u), int(g)) for f, u, g in con.execute(
+            f"""SELECT filename, count(*) FILTER (WHERE NOT coalesce(tagged, FALSE)),
+                       count(*) FILTER (WHERE {valid}) FROM raw
+                WHERE filename IS NOT NULL GROUP BY 1"""
+        ).fetchall()}
+        counts = [(f, got.get(f, (0, 0))[0] + lines.get(f, 0), got.get(f, (0, 0))[1])
+                  for f in sorted(set(got) | {f for f, n in lines.items() if n})]
+    for fname, total, good in counts:
         bad = total - good
         if not bad:
             continue
-        path = Path(fname)
         name = _display_name(fname)
-        if not _ends_with_newline(path):
+        if name in torn if torn is not None else not _ends_with_newline(Path(fname)):
             bad -= 1
             skipped.append(f"{name}: truncated last line skipped (process killed mid-write?)")
         if bad:

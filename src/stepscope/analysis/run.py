@@ -26,6 +26,7 @@ def analyze_run(
     threads: int | None = None,
     memory_limit: str | None = None,
     keep: bool = False,
+    store: bool = True,
 ) -> dict[str, Any]:
     """Analyse every rank file of ``run_dir`` and return the report document.
 
@@ -41,7 +42,7 @@ def analyze_run(
         for s in doc["stragglers"]:
             print(s["rank"], s["phase"], s["excess_ms"])
     """
-    data = load_run(run_dir, threads=threads, memory_limit=memory_limit)
+    data = load_run(run_dir, threads=threads, memory_limit=memory_limit, store=store)
     try:
         doc = _analyze(data)
     except BaseException:

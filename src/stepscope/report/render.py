@@ -9,14 +9,15 @@ from stepscope.common.escape import term, write_json
 from stepscope.errors import AnalysisError
 
 
-def load_document(run_dir: str, keep: bool = False) -> dict[str, Any]:
+def load_document(run_dir: str, keep: bool = False, threads: int | None = None,
+                  memory_limit: str | None = None) -> dict[str, Any]:
     """``analyze_run`` with every input problem turned into :class:`AnalysisError`."""
     import duckdb
 
     from stepscope.analysis.run import analyze_run
 
     try:
-        return analyze_run(run_dir, keep=keep)
+        return analyze_run(run_dir, keep=keep, threads=threads, memory_limit=memory_limit)
     except (duckdb.Error, OSError, UnicodeError) as exc:
         # DuckDB/IO errors on user files are input problems, reported as one line.
         raise AnalysisError(f"{run_dir}: cannot read run ({type(exc).__name__}: {exc})") from exc
@@ -27,7 +28,8 @@ def public(doc: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in doc.items() if not k.startswith("_")}
 
 
-def report_command(run_dir: str, as_json: bool, markdown: str | None, html: str | None) -> int:
+def report_command(run_dir: str, as_json: bool, markdown: str | None, html: str | None,
+                   threads: int | None = None, memory_limit: str | None = None) -> int:
     """Run ``stepscope report``; returns the exit code (0 ok, 2 unusable input)."""
     from stepscope.report.progress import input_bytes, progress
 
@@ -36,7 +38,8 @@ def report_command(run_dir: str, as_json: bool, markdown: str | None, html: str 
         # Progress on stderr only when it is a terminal: bytes of rank files read, then analysis.
         with progress(input_bytes(run_dir, "rank*") or None, "reading rank files", unit="bytes",
                       track_reads=True, done_desc="analysing (DuckDB)"):
-            doc = load_document(run_dir, keep=need_rows)
+            doc = load_document(run_dir, keep=need_rows, threads=threads,
+                                memory_limit=memory_limit)
     except AnalysisError as exc:
         print(f"stepscope report: {term(exc)}", file=sys.stderr)
         return 2

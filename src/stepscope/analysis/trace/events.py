@@ -14,6 +14,9 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+import msgspec
+from msgspec import UNSET, Raw
+
 from stepscope.analysis import kernels as K
 from stepscope.analysis.trace.reader import (
     MAX_DEPTH,
@@ -24,7 +27,14 @@ from stepscope.analysis.trace.reader import (
     _TraceReader,
     read_blocks,
 )
-from stepscope.analysis.trace.scan import BLOCK_BYTES, MAX_EVENT_BYTES, EventScan, Malformed
+from stepscope.analysis.trace.scan import (
+    BLOCK_BYTES,
+    MAX_EVENT_BYTES,
+    EventScan,
+    Malformed,
+    TraceEvent,
+    value,
+)
 
 _DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset", "Kernel", "Memcpy", "Memset"}
 # Host-side API calls whose `correlation` arg ties a launch to the device event it created.
@@ -205,23 +215,57 @@ def _num(v: Any, what: str) -> int:
 _MAX_US_INT = int(_MAX_US)
 
 
-def _span(e: dict[str, Any]) -> tuple[int, int]:
-    start = _num(e.get("ts"), "ts")
-    if "dur" not in e:
+def _time(raw: Raw, what: str) -> int:
+    b = bytes(raw)
+    try:  # the common case, a plain JSON number, without a decoder call
+        v: Any = int(b) if b.isdigit() else Decimal(b.decode("ascii"))
+    except (ValueError, ArithmeticError, UnicodeDecodeError):
+        try:
+            v = value(raw)
+        except ValueError:  # msgspec: an integer too large to convert
+            raise _BadEvent(f"{what} is out of range") from None
+    return _num(v, what)
+
+
+def _span(e: TraceEvent) -> tuple[int, int]:
+    start = _time(e.ts, "ts")
+    if not len(e.dur):
         raise _BadEvent("dur is missing")
-    dur = _num(e["dur"], "dur")
+    dur = _time(e.dur, "dur")
     if dur < 0:
         raise _BadEvent("dur is negative")
     return start, start + dur
 
 
-def _args(e: dict[str, Any]) -> dict[str, Any]:
-    a = e.get("args")
+def _args(e: TraceEvent) -> dict[str, Any]:
+    a = value(e.args)
     if a is None:
         return {}
     if not isinstance(a, dict):
         raise _BadEvent("args is not an object")
     return a
+
+
+class _LaunchArgs(msgspec.Struct):
+    correlation: Any = None
+
+
+_LAUNCH_ARGS = msgspec.json.Decoder(_LaunchArgs | None, float_hook=Decimal)
+
+
+def _correlation(e: TraceEvent) -> Any:
+    """A launch's ``args.correlation`` without building its whole args dict."""
+    if not len(e.args):
+        return None
+    try:
+        a = _LAUNCH_ARGS.decode(e.args)
+    except msgspec.ValidationError:  # args not an object (or odd): the general path decides
+        return _args(e).get("correlation")
+    return None if a is None else a.correlation
+
+
+def _name(e: TraceEvent) -> Any:
+    return "" if e.name is UNSET else e.name
 
 
 def _int_arg(v: Any, default: int = -1) -> int:
@@ -251,14 +295,14 @@ def _scan_events(events: Iterable[Any], out: ParsedTrace) -> None:
     names: dict[str, str] = {}
     for e in events:
         out.events_seen += 1
-        if not isinstance(e, dict) or e.get("ph") != "X":
+        if type(e) is not TraceEvent or e.ph != "X":
             continue
-        cat = e.get("cat")
+        cat = e.cat
         try:
             if cat in _DEVICE_CATS:
                 args = _args(e)
                 start, end = _span(e)
-                name = str(e.get("name", ""))
+                name = str(_name(e))
                 name = names.setdefault(name, name)
                 category = K.classify(name, cat)
                 kind = ""
@@ -266,7 +310,7 @@ def _scan_events(events: Iterable[Any], out: ParsedTrace) -> None:
                 if category == K.MEMORY:
                     kind = K.copy_kind(name, args.get("kind"))
                     nbytes = max(0, _int_arg(args.get("bytes"), 0))
-                stream = args.get("stream", e.get("tid", -1))
+                stream = args.get("stream", -1 if e.tid is UNSET else e.tid)
                 dev.append(DeviceEvent(
                     start, end, name, category,
                     int(stream) if isinstance(stream, int) else -1,
@@ -275,23 +319,26 @@ def _scan_events(events: Iterable[Any], out: ParsedTrace) -> None:
                     _int_arg(args.get("External id", -1)),
                 ))
             elif cat in _LAUNCH_CATS:
-                corr = _args(e).get("correlation")
+                corr = _correlation(e)
                 if corr is not None:
-                    launches[_int_arg(corr)] = _num(e.get("ts"), "ts")
+                    launches[_int_arg(corr)] = _time(e.ts, "ts")
                 if str(cat).startswith("hip"):
                     out.is_rocm = True
             elif cat == "user_annotation":
-                m = _STEP_RE.match(str(e.get("name", "")))
+                m = _STEP_RE.match(str(_name(e)))
                 if m:
                     start, end = _span(e)
                     out.steps.append((int(m.group(1)), start, end))
             elif cat == "cpu_op":
-                cargs = e.get("args")
-                if cargs is None:
+                raw = bytes(e.args).lstrip()
+                if not raw or raw == b"null":
                     continue
-                if type(cargs) is not dict:
+                if raw[:1] != b"{":
                     raise _BadEvent("args is not an object")
-                args = cargs
+                # Most CPU ops carry neither: skip building their (large) args dicts.
+                if b'"flops"' not in raw and e.name != "record_param_comms":
+                    continue
+                args = _args(e)
                 fl = args.get("flops")
                 if fl:
                     if isinstance(fl, bool) or not isinstance(fl, (int, float, Decimal)):
@@ -299,8 +346,8 @@ def _scan_events(events: Iterable[Any], out: ParsedTrace) -> None:
                     fv = float(fl)
                     if not math.isfinite(fv) or fv < 0:
                         raise _BadEvent("flops is out of range")
-                    out.flops.append((_num(e.get("ts"), "ts"), fv))
-                if e.get("name") == "record_param_comms":
+                    out.flops.append((_time(e.ts, "ts"), fv))
+                if e.name == "record_param_comms":
                     key = _comm_key(args)
                     if key is not None:
                         start, end = _span(e)
@@ -324,17 +371,17 @@ def _scan_cpu(events: Iterable[Any], out: ParsedTrace) -> None:
     """
     cpu = out.cpu_ops
     for e in events:
-        if not isinstance(e, dict) or e.get("ph") != "X":
+        if type(e) is not TraceEvent or e.ph != "X":
             continue
-        cat = e.get("cat")
+        cat = e.cat
         if cat != "cpu_op" and cat != "user_annotation":
             continue
-        name = e.get("name", "")
+        name = _name(e)
         name = name if isinstance(name, str) else str(name)
         if name == "record_param_comms" or (cat == "user_annotation" and _STEP_RE.match(name)):
             continue
-        a = e.get("args")
-        if a is not None and not isinstance(a, dict):
+        raw = bytes(e.args).lstrip()
+        if raw and raw != b"null" and raw[:1] != b"{":
             continue
         try:
             start, end = _span(e)
@@ -343,5 +390,5 @@ def _scan_cpu(events: Iterable[Any], out: ParsedTrace) -> None:
             if out.skipped_events == 1:
                 out.first_skip_reason = str(exc)
             continue
-        tid = e.get("tid", 0)
+        tid = 0 if e.tid is UNSET else e.tid
         cpu.add(start, end, name, tid if isinstance(tid, (int, str)) else 0)

@@ -46,7 +46,30 @@ _WS = b" \t\r\n"
 #: Bytes of the document outside traceEvents kept to check it is well-formed at the end.
 _SKELETON_CAP = 16 << 20
 
+
+
+class TraceEvent(msgspec.Struct):
+    """The fields of an event the analysis reads. ``ts``, ``dur`` and ``args`` stay raw JSON
+    until an event is kept (most are not), so most events cost no number or dict building;
+    :func:`value` decodes them with non-integers as exact ``Decimal``."""
+
+    ph: Any = msgspec.UNSET
+    cat: Any = msgspec.UNSET
+    name: Any = msgspec.UNSET
+    tid: Any = msgspec.UNSET
+    ts: msgspec.Raw = msgspec.Raw(b"")
+    dur: msgspec.Raw = msgspec.Raw(b"")
+    args: msgspec.Raw = msgspec.Raw(b"")
+
+
 _DECODER = msgspec.json.Decoder(float_hook=Decimal)
+_BATCH = msgspec.json.Decoder(list[TraceEvent])
+_ONE = msgspec.json.Decoder(TraceEvent)
+
+
+def value(raw: msgspec.Raw, missing: Any = None) -> Any:
+    """A raw field decoded (``missing`` when the event did not have it)."""
+    return _DECODER.decode(raw) if len(raw) else missing
 
 
 class Malformed(ValueError):
@@ -155,7 +178,7 @@ class EventScan:
         if self.stopped is None and not self.went_negative:
             self.in_string = ends_in_string
             self.depth = int(st.depth[-1]) if len(st.depth) else self.depth
-        self._prev_tail = data[-64:]
+        self._prev_tail = (self._prev_tail + data[-256:])[-256:]
         self.offset += len(data)
 
     def _walk(self, data: bytes, st: _Structure, limit: int) -> Iterator[Any]:
@@ -227,28 +250,37 @@ class EventScan:
         for b in bounds:
             if b - prev - 1 + len(pre) > self.max_event_bytes and \
                     len(data[prev + 1:b].strip(_WS)) + len(pre) > self.max_event_bytes:
-                yield from self._decode(pre + data[lo:prev] if pre else data[lo:prev])
+                if prev >= lo:  # whole items before it (``pre`` is the first one's head)
+                    yield from self._decode(pre + data[lo:prev] if pre else data[lo:prev])
                 self.oversized += 1
                 pre, lo = b"", b + 1
             elif b - lo >= BATCH_BYTES:
                 yield from self._decode(pre + data[lo:b] if pre else data[lo:b])
                 pre, lo = b"", b + 1
             prev = b
-        if prev >= lo or pre:
+        if prev >= lo:
             yield from self._decode(pre + data[lo:prev] if pre else data[lo:prev])
 
     def _decode(self, body: bytes) -> Iterator[Any]:
         if not body.strip(_WS):
             return
         try:
-            items = _DECODER.decode(b"[" + body + b"]")
-        except msgspec.DecodeError:
+            items: list[Any] | None = _BATCH.decode(b"[" + body + b"]")
+        except msgspec.DecodeError:  # ValidationError included: an item that is no event
             items = None
         if items is not None:
             yield from items
             return
-        # Something in this run is broken: go item by item, keep what precedes the damage.
+        # Something in this run is broken or odd: go item by item, keep what precedes the
+        # damage (items that are not event objects are yielded as plain values).
         for raw in _split_items(body):
+            try:
+                yield _ONE.decode(raw)
+                continue
+            except msgspec.ValidationError:
+                pass
+            except msgspec.DecodeError as exc:
+                raise Malformed(str(exc)) from None
             try:
                 yield _DECODER.decode(raw)
             except msgspec.ValidationError as exc:  # parsed, not convertible (a huge int)

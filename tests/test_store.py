@@ -1,0 +1,120 @@
+"""The Parquet store: incremental compaction, equivalence with the JSONL path, remote globs."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import pytest
+from tests.synth_runs import Slow, SynthRun, make_records, write_run
+
+from stepscope.analysis import store as st
+from stepscope.analysis.load import load_run
+from stepscope.cli import main
+from stepscope.errors import AnalysisError
+from stepscope.report.escape import write_json
+
+
+def _doc(run: str | Path, **kw: Any) -> dict[str, Any]:
+    data = load_run(run, **kw)
+    try:
+        from stepscope.analysis.run import _analyze
+
+        d = _analyze(data)
+    finally:
+        data.close()
+    d["run"].pop("dir", None)
+    buf = io.StringIO()
+    write_json(d, buf)
+    out: dict[str, Any] = json.loads(buf.getvalue())
+    return out
+
+
+def _damaged_run(root: Path) -> Path:
+    run = write_run(root, SynthRun(ranks=4, steps=40, slow=(Slow(2, "forward", 6.0),),
+                                   comm_child=True))
+    with open(run / "rank1.jsonl", "a") as fh:
+        fh.write("{not json\n")
+    with open(run / "rank3.jsonl", "a") as fh:
+        fh.write('{"schema": 1, "rank": 3, "st')  # torn last line
+    return run
+
+
+def test_parquet_path_equals_jsonl_path(tmp_path: Path) -> None:
+    run = _damaged_run(tmp_path / "run")
+    direct = _doc(run, store=False)
+    assert not (run / st.STORE_DIR).exists()
+    stored = _doc(run)  # compacts, then reads Parquet
+    assert (run / st.STORE_DIR / st.RECORDS).is_dir()
+    assert stored == direct
+    assert any("truncated last line" in s for s in stored["run"]["skipped"])
+    assert any("rank1.jsonl: 1 corrupt" in s for s in stored["run"]["skipped"])
+    assert stored["stragglers"] and stored["stragglers"][0]["rank"] == 2
+    # Read again from the store alone (its directory, as if copied elsewhere): same findings.
+    copy = tmp_path / "elsewhere"
+    shutil.copytree(run / st.STORE_DIR, copy)
+    alone = _doc(copy)
+    assert alone["stragglers"] == direct["stragglers"]
+    assert alone["phases"] == direct["phases"]
+
+
+def test_compaction_is_incremental_and_leaves_a_torn_line(tmp_path: Path) -> None:
+    recs = make_records(SynthRun(ranks=2, steps=30))
+    run = tmp_path / "run"
+    run.mkdir()
+    lines = {r: [json.dumps(x) + "\n" for x in rs] for r, rs in recs.items()}
+    for r, ls in lines.items():
+        (run / f"rank{r}.jsonl").write_text("".join(ls[:20]) + ls[20][:15])  # torn line 21
+    first = st.compact(run)
+    assert first.new_files == 2 and not first.rebuilt
+    assert all(fs.torn for fs in first.files.values())
+    size20 = len("".join(lines[0][:20]).encode())
+    assert first.files["rank0.jsonl"].offset == size20  # the torn line is not consumed
+    again = st.compact(run)
+    assert again.new_bytes == 0 and again.new_files == 0
+    for r, ls in lines.items():  # the writer finishes its line and adds the rest
+        with open(run / f"rank{r}.jsonl", "a") as fh:
+            fh.write(ls[20][15:] + "".join(ls[21:]))
+    third = st.compact(run)
+    assert third.new_bytes == sum(len("".join(ls[20:]).encode()) for ls in lines.values())
+    con = duckdb.connect()
+    n = con.execute(f"SELECT count(*), count(DISTINCT (rank, step)) FROM "
+                    f"{st.parquet_source(str(run / st.STORE_DIR))}").fetchone()
+    assert n == (60, 60)  # every record once: no line read twice, none lost
+    assert _doc(run) == _doc(run, store=False)
+    # A rewritten (shorter) file triggers a rebuild.
+    (run / "rank1.jsonl").write_text("".join(lines[1][:10]))
+    assert st.compact(run).rebuilt
+
+
+def test_remote_and_glob_locations_build_the_same_query(tmp_path: Path) -> None:
+    assert st.parquet_glob("s3://bucket/run/") == "s3://bucket/run/**/records/*/*.parquet"
+    src = st.parquet_source("s3://bucket/run")
+    assert "read_parquet('s3://bucket/run/**/records/*/*.parquet'" in src
+    assert "hive_partitioning=true" in src
+    assert st.is_remote("gs://b/r") and st.is_remote("hf://datasets/x/y")
+    run = write_run(tmp_path / "run", SynthRun(ranks=3, steps=20, slow=(Slow(1, "dataloader"),)))
+    direct = _doc(run, store=False)
+    st.compact(run)
+    # The same SQL over a local glob: what `stepscope report s3://bucket/run/` runs remotely.
+    via_glob = _doc(str(tmp_path / "run" / "parquet" / "records" / "*"))
+    assert via_glob["stragglers"] == direct["stragglers"]
+    with pytest.raises(AnalysisError, match="no Parquet records"):
+        load_run(str(tmp_path / "nothing-here" / "*"))
+
+
+def test_compact_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = write_run(tmp_path / "run", SynthRun(ranks=2, steps=12))
+    assert main(["compact", str(run), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["new_files"] == 2 and out["new_bytes"] > 0
+    assert main(["compact", str(run), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["new_bytes"] == 0
+    assert main(["compact", str(tmp_path / "missing")]) == 2
+    assert "no such run directory" in capsys.readouterr().err
+    assert main(["report", str(run), "--json", "--threads", "1", "--memory-limit", "300MB"]) == 0
+    assert json.loads(capsys.readouterr().out)["run"]["ranks"] == 2

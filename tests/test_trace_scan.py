@@ -1,0 +1,123 @@
+"""The chunked traceEvents scan: same items as a full JSON parse, and long strings bounded."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from stepscope.analysis.trace import analyse
+from stepscope.analysis.trace.scan import MAX_EVENT_BYTES, EventScan, Malformed, TraceEvent
+from stepscope.errors import StepscopeWarning
+
+
+def _kernel(i: int, name: str = "volta_sgemm") -> dict[str, Any]:
+    return {"ph": "X", "cat": "kernel", "name": name, "ts": 1000.5 + 10 * i, "dur": 4.25,
+            "args": {"stream": 7, "correlation": i}}
+
+
+def _scan(doc: bytes, piece: int) -> list[Any]:
+    scan = EventScan(64)
+    out: list[Any] = []
+    for i in range(0, len(doc), piece):
+        out.extend(scan.feed(doc[i:i + piece]))
+    out.extend(scan.finish())
+    return out
+
+
+def _plain(x: Any) -> Any:
+    if isinstance(x, TraceEvent):
+        return {f: (json.loads(bytes(v)) if isinstance(v, msgspec.Raw) else v)
+                for f in x.__struct_fields__
+                if (v := getattr(x, f)) is not msgspec.UNSET and not (isinstance(v, msgspec.Raw)
+                                                                      and not len(v))}
+    return x
+
+
+def _tricky_doc(seed: int) -> tuple[bytes, list[Any]]:
+    rng = random.Random(seed)
+    names = ['a"b', "back\\slash\\", '\\"}],{[', "ünïcödé", "x" * 3000, "\\\\", '{"traceEvents": [1]}']
+    items: list[Any] = []
+    for i in range(400):
+        r = rng.random()
+        if r < 0.05:
+            items.append(rng.choice([5, "str", None, [1, [2]], True]))
+        else:
+            ev = _kernel(i, rng.choice(names))
+            if r < 0.3:
+                ev["args"]["nested"] = {"deep": [[{"k": "],}"}]], "n": None}
+            items.append({k: ev[k] for k in rng.sample(list(ev), len(ev))})
+    head = {"deviceProperties": [{"name": "[{x"}], "distributedInfo": {"rank": 3}}
+    sep = rng.choice([",", ", ", ",\n  ", " ,\r\n"])
+    body = sep.join(json.dumps(x, indent=rng.choice([None, 1])) for x in items)
+    text = '{"schemaVersion": 1, "a": [' + json.dumps(head) + '],\n "traceEvents" :\t[' + body
+    text += '], "tail": {"traceEvents": "not this one"}}'
+    return text.encode(), items
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("piece", [7, 4093, 1 << 20])
+def test_scan_yields_exactly_the_items_of_a_full_parse(seed: int, piece: int) -> None:
+    doc, items = _tricky_doc(seed)
+    assert json.loads(doc)["traceEvents"] == items  # the document itself is valid JSON
+    got = [_plain(x) for x in _scan(doc, piece)]
+    assert got == items
+
+
+def test_truncated_document_keeps_whole_events_and_raises() -> None:
+    doc = json.dumps({"traceEvents": [_kernel(i) for i in range(50)]}).encode()
+    cut = doc[: len(doc) // 2]
+    scan = EventScan(64)
+    got: list[Any] = list(scan.feed(cut))
+    with pytest.raises(Malformed):
+        got.extend(scan.finish())
+    assert 20 <= len(got) < 50
+    assert all(isinstance(x, TraceEvent) and x.cat == "kernel" for x in got)
+
+
+def test_depth_is_bounded_while_scanning() -> None:
+    deep = "[" * 200 + "]" * 200
+    doc = ('{"traceEvents": [' + json.dumps(_kernel(0)) + ', {"args": ' + deep + "}]}").encode()
+    scan = EventScan(64)
+    got = list(scan.feed(doc))
+    assert len(got) == 1 and scan.stopped and "deeper than 64" in scan.stopped
+
+
+def test_a_huge_kernel_name_is_skipped_counted_and_cheap(tmp_path: Path) -> None:
+    # Issue 21 item 15: one 200 MiB name took 142 s and a 1 MB gzip inflating to a 1 GiB
+    # name ran past 20 minutes. 256 MiB of name in a small gzip: skipped, counted, the
+    # events around it kept, in linear time.
+    p = tmp_path / "rank0.pt.trace.json.gz"
+    before = ",".join(json.dumps(_kernel(i)) for i in range(5))
+    after = ",".join(json.dumps(_kernel(i)) for i in range(5, 8))
+    with gzip.open(p, "wb", compresslevel=1) as f:
+        f.write(('{"traceEvents": [' + before + ', {"ph": "X", "cat": "kernel", "name": "').encode())
+        chunk = b"A" * (1 << 24)
+        for _ in range(16):
+            f.write(chunk)
+        f.write(('", "ts": 1, "dur": 1}, ' + after + "]}").encode())
+    assert p.stat().st_size < 2 << 20
+    t0 = time.perf_counter()
+    with pytest.warns(StepscopeWarning):
+        r = analyse(p).ranks[0]
+    elapsed = time.perf_counter() - t0
+    assert r.device_events == 8
+    assert r.skipped_events == 1
+    assert r.events_seen == 9
+    assert any(f"longer than {MAX_EVENT_BYTES >> 20} MiB" in w for w in r.warnings), r.warnings
+    assert elapsed < 120, elapsed  # linear: seconds; the old parser took many minutes
+
+
+def test_a_long_name_inside_one_block_is_skipped_too(tmp_path: Path) -> None:
+    p = tmp_path / "rank0.pt.trace.json"
+    evs = [_kernel(0), {**_kernel(1), "name": "B" * (MAX_EVENT_BYTES + 10)}, _kernel(2)]
+    p.write_text(json.dumps({"traceEvents": evs}))
+    with pytest.warns(StepscopeWarning):
+        r = analyse(p).ranks[0]
+    assert (r.device_events, r.skipped_events, r.events_seen) == (2, 1, 3)
