@@ -26,7 +26,7 @@ def compact_command(run_dir: str, as_json: bool = False, threads: int | None = N
         print(f"stepscope compact: {exc}", file=sys.stderr)
         return 2
     if as_json:
-        from stepscope.report.escape import write_json
+        from stepscope.common.escape import write_json
 
         write_json({"store": str(res.store), "new_bytes": res.new_bytes,
                     "new_files": res.new_files, "rebuilt": res.rebuilt,
