@@ -47,7 +47,7 @@ def test_windowed_slowdown_names_the_dataloader(runs: tuple[Path, Path]) -> None
     doc: dict[str, Any] = compare_runs(*runs)
     assert doc["windows"], doc["verdict"]
     w = doc["windows"][0]
-    assert w["direction"] == "faster" and w["phase"] == "dataloader", doc["windows"]
+    assert (w["direction"], w["series"], w["phase"]) == ("faster", "dataloader", "dataloader"), doc["windows"]
     assert abs(w["start_step"] - 25) <= 2 and abs(w["end_step"] - 49) <= 2
     assert w["phase_a_ms"] > 20.0 > w["phase_b_ms"]
     assert "dataloader fell" in doc["verdict"] and "steps" in doc["verdict"], doc["verdict"]

@@ -361,17 +361,18 @@ def diff_windows(sa: dict[str, Any], sb: dict[str, Any], steps: set[int], shared
     min_len = max(5, len(idx) // 50)
     out: list[dict[str, Any]] = []
     for sign, how in ((1.0, "slower"), (-1.0, "faster")):
-        found: list[tuple[str | None, tuple[list[int], float]]] = [
-            (None, w) for w in _diff_level(idx, a, b, sign, step_ref, min_len)]
+        found: list[tuple[str | None, tuple[list[int], float]]] = []
         for top in tops:
-            found += [(top, w) for w in _diff_level(idx, sa["phases"][top], sb["phases"][top],
+            found += [(top, w) for w in _diff_level(idx, _own(sa, top, shared), _own(sb, top, shared),
                                                     sign, step_ref, min_len)]
+        # Step-time windows last: one that a phase's own window already explains is dropped.
+        found += [(None, w) for w in _diff_level(idx, a, b, sign, step_ref, min_len)]
         for path, (ws, level) in found:
             best: str | None = path if path is not None else _biggest(sa, sb, tops, ws, sign)
-            if path is not None and any(o["phase"] == path and o["direction"] == how
-                                        and o["start_step"] <= ws[-1] and o["end_step"] >= ws[0]
-                                        for o in out):
-                continue  # the step window already names this phase here
+            if path is None and any(o["phase"] == best and o["direction"] == how
+                                    and o["start_step"] <= ws[-1] and o["end_step"] >= ws[0]
+                                    for o in out):
+                continue
             pa = pb = None
             if best is not None:
                 pa = float(np.median([sa["phases"][best][s] for s in ws if s in sa["phases"][best]]))
@@ -383,8 +384,18 @@ def diff_windows(sa: dict[str, Any], sb: dict[str, Any], steps: set[int], shared
                 "phase_a_ms": _r(pa), "phase_b_ms": _r(pb),
                 "lost_ms": _r(sign * level * len(ws)),
             })
-    out.sort(key=lambda w: -abs(float(w["lost_ms"] or 0.0)))
+    # A phase's own window first: measured against that phase's noise, it is the specific
+    # answer; a step-time window between two launches on a busy host may be the host.
+    out.sort(key=lambda w: (w["series"] == "step", -abs(float(w["lost_ms"] or 0.0))))
     return out
+
+
+def _own(series: dict[str, Any], top: str, shared: list[str]) -> dict[int, float]:
+    """A top-level phase per step without the collectives inside it (waiting is not its work)."""
+    kids = [series["phases"][q] for q in shared if q.startswith(top + "/") and is_collective(q)]
+    if not kids:
+        return dict(series["phases"][top])
+    return {s: ms - sum(k.get(s, 0.0) for k in kids) for s, ms in series["phases"][top].items()}
 
 
 def _diff_level(idx: list[int], a: dict[int, float], b: dict[int, float], sign: float,
