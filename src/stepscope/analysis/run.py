@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from typing import Any
 
 from stepscope.analysis import cost
@@ -113,6 +115,7 @@ def _analyze(data: RunData) -> dict[str, Any]:
     run["skipped"].extend(trigger_skips)
     run["crashes"] = crash_evidence(data.run_dir)  # [ops] from the heartbeat files
     run["headline"] = cost.headline(run, verdicts)
+    run["notes"] = run_notes(data, run)
     return {
         "run": run,
         "phases": phases,
@@ -123,3 +126,55 @@ def _analyze(data: RunData) -> dict[str, Any]:
         # Additive: per op and process group (the six keys above are the contract).
         "collectives": att.collectives,
     }
+
+
+def _meta_config(data: RunData) -> dict[str, Any]:
+    try:
+        meta = json.loads((data.run_dir / "meta.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}  # no or unreadable meta.json: the notes that need it are left out
+    cfg = meta.get("config") if isinstance(meta, dict) else None
+    return cfg if isinstance(cfg, dict) else {}
+
+
+def run_notes(data: RunData, run: dict[str, Any]) -> list[str]:
+    """What the report should say about tools that stayed silent: an auto-profile that never
+    fired (its threshold and the worst step), and why there is no MFU."""
+    from stepscope.autoprofile import AutoProfileConfig
+
+    notes: list[str] = []
+    cfg = _meta_config(data)
+    ap = cfg.get("auto_profile")
+    if ap not in (None, False, "False") and not run.get("captures"):
+        d = AutoProfileConfig()
+        text = str(ap)
+
+        def field(name: str, default: float) -> float:
+            m = re.search(rf"\b{name}=([0-9.eE+-]+)", text)
+            try:
+                return float(m.group(1)) if m else default
+            except ValueError:
+                return default
+
+        k, slow = field("k", d.k), field("min_slowdown", d.min_slowdown)
+        patience = field("patience", d.patience)
+        row = data.con.execute(
+            "SELECT step, max(step_ms) AS ms FROM steps GROUP BY 1 ORDER BY ms DESC LIMIT 1").fetchone()
+        med = float(run["step_ms"]["median"] or 0.0)
+        worst = (f"worst step {row[0]}: {float(row[1]):.1f} ms, {float(row[1]) / med:.2f}× the median"
+                 if row and med > 0 else "no step to judge")
+        notes.append(
+            f"auto-profile armed, never fired (threshold: {1 + slow:g}× the running median step, "
+            f"about {(1 + slow) * med:.1f} ms here, and {k:g} MADs above it, for {patience:g} "
+            f"step(s) in a row; {worst})")
+    thr = run.get("throughput") or {}
+    if thr.get("mfu") is None:
+        if thr.get("tflops") is None and not cfg.get("flops_per_step") and not cfg.get("model_flops"):
+            notes.append("no MFU: FLOPs per step unknown (pass init(flops_per_step=...) or "
+                         "init(model_flops=...) to get TFLOP/s and MFU)")
+        elif str(run.get("clock") or "").startswith("cpu") and not cfg.get("peak_tflops"):
+            notes.append("no MFU: a CPU run has no known peak TFLOP/s (pass init(peak_tflops=...))")
+        else:
+            notes.append("no MFU: the device's peak TFLOP/s for this dtype is unknown (pass "
+                         "init(peak_tflops=...))")
+    return notes
