@@ -67,6 +67,7 @@ def _analyze(data: RunData) -> dict[str, Any]:
     total_ms = con.execute(
         "SELECT median(t) FROM (SELECT rank, sum(step_ms) AS t FROM steps GROUP BY 1)").fetchone()[0]
     al, thr, stragglers, windows = att.alignment, att.thresholds, att.stragglers, att.windows
+    windows, host_busy = split_host_busy(windows, data.clock, stragglers)
 
     phases = phase_stats(con, n_rows)
     phase_waits(con, phases)
@@ -101,6 +102,8 @@ def _analyze(data: RunData) -> dict[str, Any]:
         "thresholds_ms": {k: round(v, 3) for k, v in thr.items()},
         # Slow first steps on every rank (warm-up): noted, not a window.
         "warmup": att.warmup,
+        # Every rank's host-timed compute slowing at once on a CPU clock: the host was busy.
+        "host_busy": host_busy,
         "skipped": list(data.skipped) + att.notes,
         "partial": bool(data.skipped or att.notes),
     }
@@ -116,6 +119,14 @@ def _analyze(data: RunData) -> dict[str, Any]:
     run["crashes"] = crash_evidence(data.run_dir)  # [ops] from the heartbeat files
     run["headline"] = cost.headline(run, verdicts)
     run["notes"] = run_notes(data, run)
+    job = run["cost"]
+    for w in host_busy:
+        c = cost.price(job, float(w.get("excess_ms") or 0.0), int(w.get("steps") or 0), job["world_size"])
+        run["notes"].append(
+            f"steps {w['start_step']}–{w['end_step']}: every rank's {w['phase']} slowed together "
+            f"(+{float(w.get('excess_ms') or 0.0):.1f} ms per step, {100 * cost.share(c):.1f}% of the "
+            "job) with no rank singled out: on a CPU clock that is the host being busy (other "
+            "processes), not a window of the job")
     return {
         "run": run,
         "phases": phases,
@@ -178,3 +189,18 @@ def run_notes(data: RunData, run: dict[str, Any]) -> list[str]:
             notes.append("no MFU: the device's peak TFLOP/s for this dtype is unknown (pass "
                          "init(peak_tflops=...))")
     return notes
+
+
+_COMPUTE = ("forward", "backward", "optimizer")
+
+
+def split_host_busy(windows: list[dict[str, Any]], clock: str | None,
+                    stragglers: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Windows, and those that are a busy host rather than the job: on a CPU clock, compute
+    (forward, backward, optimizer) slowing on every rank at once with no rank singled out."""
+    if not str(clock or "").startswith("cpu"):
+        return windows, []
+    busy = [w for w in windows if len(w["ranks"]) > 1 and w["phase"] in _COMPUTE
+            and not any(s["first_step"] <= w["end_step"] and s["last_step"] >= w["start_step"]
+                        for s in stragglers)]
+    return [w for w in windows if w not in busy], busy
