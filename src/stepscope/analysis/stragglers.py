@@ -457,17 +457,20 @@ def find_stragglers(
             seg = [i for i, _ in pts]
             out.append(_straggler(con, rank, name, host_of, steps, seg, whole, "chronic",
                                   _confidence(len(seg), 1.0, whole / t)))
-            continue
-        if len(idx) >= CHRONIC_DENSITY * n_steps and idx and idx[-1] - idx[0] + 1 >= CHRONIC_COVER * n_steps:
+            # A window on top of the chronic level is still looked for below.
+        elif len(idx) >= CHRONIC_DENSITY * n_steps and idx and idx[-1] - idx[0] + 1 >= CHRONIC_COVER * n_steps:
             # Flagged on most steps across the run: one chronic straggler, whatever its holes.
             med = robust.median(x for _, x in pts if x > t)
             if med >= max(MIN_EXCESS_MS, CHRONIC_IMPACT * median_step):
                 out.append(_straggler(con, rank, name, host_of, steps, idx, med, "chronic",
                                       _confidence(len(idx), len(idx) / (idx[-1] - idx[0] + 1), med / t)))
             continue
+        chronic_done = any(o["rank"] == rank and o["phase"] == name for o in out)
         for w in changepoint.elevated(xs, bar, min_len=min_n):
             seg = [i for i, _ in pts[w.start:w.end + 1]]
             chronic = seg[-1] - seg[0] + 1 >= CHRONIC_COVER * n_steps
+            if chronic and chronic_done:
+                continue
             # Chronic: the gap itself (to the other ranks' median), not over a short outside.
             level = robust.median(xs[w.start:w.end + 1]) if chronic else w.excess
             if chronic and level < max(MIN_EXCESS_MS, CHRONIC_IMPACT * median_step):
