@@ -458,7 +458,8 @@ def find_stragglers(
             out.append(_straggler(con, rank, name, host_of, steps, seg, whole, "chronic",
                                   _confidence(len(seg), 1.0, whole / t)))
             # A window on top of the chronic level is still looked for below.
-        elif len(idx) >= CHRONIC_DENSITY * n_steps and idx and idx[-1] - idx[0] + 1 >= CHRONIC_COVER * n_steps:
+        elif (len(idx) >= CHRONIC_DENSITY * n_steps and idx
+              and idx[-1] - idx[0] + 1 >= CHRONIC_COVER * n_steps):
             # Flagged on most steps across the run: one chronic straggler, whatever its holes.
             med = robust.median(x for _, x in pts if x > t)
             if med >= max(MIN_EXCESS_MS, CHRONIC_IMPACT * median_step):
