@@ -66,7 +66,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     from stepscope.report.compare import compare_command
 
     return compare_command(
-        args.run_a, args.run_b, as_json=args.json, markdown=args.markdown, steps=args.steps
+        args.run_a, args.run_b, as_json=args.json, markdown=args.markdown, steps=args.steps,
+        fail_if_slower=args.fail_if_slower,
     )
 
 
@@ -138,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--steps", metavar="START:END", default=None,
         help="compare only these step indices (e.g. 100: or 100:500); default drops the warm-up",
     )
+    c.add_argument("--fail-if-slower", metavar="PCT", type=float, default=None,
+                   help="exit 1 when B (the new run) is more than PCT%% slower than A (the baseline)")
     c.set_defaults(func=_cmd_compare)
     return p
 

@@ -34,6 +34,12 @@ N_BOOT = 2000
 SEED = 0
 CONFIDENCE = 0.95
 MIN_EFFECT_PCT = 3.0
+#: Practical significance: a change must also move at least this many ms per step and this
+#: share of the step (0.010 -> 0.013 ms is 30% of nothing).
+MIN_DELTA_MS = 0.1
+MIN_STEP_SHARE = 0.01
+#: The tail statistic compared beside the median.
+TAIL_Q = 90.0
 WARMUP_FRACTION = 0.10
 #: Resamples drawn per numpy batch (bounds memory for long runs).
 _BATCH_ELEMS = 4_000_000
@@ -112,9 +118,10 @@ def _warmup_cut(steps: list[int]) -> int:
 
 
 def bootstrap_change(
-    a: np.ndarray, b: np.ndarray, n_boot: int = N_BOOT, seed: int = SEED, confidence: float = CONFIDENCE
+    a: np.ndarray, b: np.ndarray, n_boot: int = N_BOOT, seed: int = SEED, confidence: float = CONFIDENCE,
+    q: float = 50.0,
 ) -> tuple[float, float] | None:
-    """Percentile interval (in %) of ``median(b)/median(a) - 1``; None when undefined."""
+    """Percentile interval (in %) of ``P_q(b)/P_q(a) - 1`` (median by default); None when undefined."""
     if len(a) < 3 or len(b) < 3:
         return None
     rng = np.random.default_rng(seed)
@@ -123,8 +130,8 @@ def bootstrap_change(
     done = 0
     while done < n_boot:
         k = min(per_batch, n_boot - done)
-        ma = np.median(a[rng.integers(0, len(a), (k, len(a)))], axis=1)
-        mb = np.median(b[rng.integers(0, len(b), (k, len(b)))], axis=1)
+        ma = np.percentile(a[rng.integers(0, len(a), (k, len(a)))], q, axis=1)
+        mb = np.percentile(b[rng.integers(0, len(b), (k, len(b)))], q, axis=1)
         ok = ma > 0
         ratios.append(mb[ok] / ma[ok] - 1.0)
         done += k
@@ -140,18 +147,44 @@ def _r(x: float | None, nd: int = 3) -> float | None:
     return None if x is None or not math.isfinite(x) else round(float(x), nd)
 
 
-def compare_samples(a: list[float], b: list[float]) -> dict[str, Any]:
-    """Medians, p90s, change and its interval for two sample lists (the contract's fields)."""
+def _practical(delta: float | None, step_ms: float | None) -> bool:
+    """Is a change of ``delta`` ms per step big enough to matter, whatever its CI?"""
+    if delta is None:
+        return False
+    floor = max(MIN_DELTA_MS, MIN_STEP_SHARE * float(step_ms or 0.0))
+    return abs(delta) >= floor
+
+
+def compare_samples(a: list[float], b: list[float], step_ms: float | None = None) -> dict[str, Any]:
+    """Medians, p90s, change and its interval for two sample lists (the contract's fields).
+
+    ``significant``: the median moved (its interval excludes 0, by at least
+    ``MIN_EFFECT_PCT``) *and* by a practical amount (``MIN_DELTA_MS`` and ``MIN_STEP_SHARE``
+    of ``step_ms``, the step's median; the sample's own median when omitted).
+    ``tail_significant`` is the same test on the p90.
+    """
     xa, xb = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
     ma = float(np.median(xa)) if len(xa) else None
     mb = float(np.median(xb)) if len(xb) else None
-    change = None
+    pa = float(np.percentile(xa, TAIL_Q)) if len(xa) else None
+    pb = float(np.percentile(xb, TAIL_Q)) if len(xb) else None
+    ref = step_ms if step_ms is not None else ma
+    change = tail = None
     if ma is not None and mb is not None and ma > 0:
         change = (mb - ma) / ma * 100
+    if pa is not None and pb is not None and pa > 0:
+        tail = (pb - pa) / pa * 100
     ci = bootstrap_change(xa, xb) if change is not None else None
+    tci = bootstrap_change(xa, xb, q=TAIL_Q) if tail is not None else None
+    delta = None if ma is None or mb is None else mb - ma
+    tdelta = None if pa is None or pb is None else pb - pa
     significant = bool(
         ci is not None and change is not None and (ci[0] > 0 or ci[1] < 0)
-        and abs(change) >= MIN_EFFECT_PCT
+        and abs(change) >= MIN_EFFECT_PCT and _practical(delta, ref)
+    )
+    tail_significant = bool(
+        tci is not None and tail is not None and (tci[0] > 0 or tci[1] < 0)
+        and abs(tail) >= MIN_EFFECT_PCT and _practical(tdelta, ref)
     )
     return {
         "a_ms": _r(ma),
@@ -160,10 +193,16 @@ def compare_samples(a: list[float], b: list[float]) -> dict[str, Any]:
         "ci_low_pct": _r(ci[0], 2) if ci else None,
         "ci_high_pct": _r(ci[1], 2) if ci else None,
         "significant": significant,
-        "a_p90_ms": _r(float(np.percentile(xa, 90))) if len(xa) else None,
-        "b_p90_ms": _r(float(np.percentile(xb, 90))) if len(xb) else None,
+        "a_p90_ms": _r(pa),
+        "b_p90_ms": _r(pb),
         "a_samples": len(xa),
         "b_samples": len(xb),
+        "delta_ms": _r(delta),
+        "p90_change_pct": _r(tail, 2),
+        "p90_delta_ms": _r(tdelta),
+        "tail_significant": tail_significant,
+        "a_mean_ms": _r(float(np.mean(xa))) if len(xa) else None,
+        "b_mean_ms": _r(float(np.mean(xb))) if len(xb) else None,
     }
 
 
@@ -220,6 +259,7 @@ def _compare(da: RunData, db: RunData, start: int | None, end: int | None, range
     step_set_a = {sa["steps"][i] for i in keep_a}
     step_set_b = {sb["steps"][i] for i in keep_b}
     step = compare_samples([sa["step_ms"][i] for i in keep_a], [sb["step_ms"][i] for i in keep_b])
+    step_ref = max(float(step["a_ms"] or 0.0), float(step["b_ms"] or 0.0))
 
     if da.clock != db.clock:
         notes.append(
@@ -247,7 +287,7 @@ def _compare(da: RunData, db: RunData, start: int | None, end: int | None, range
     for path in shared:
         va = [ms for s, ms in phases_a[path].items() if s in step_set_a]
         vb = [ms for s, ms in phases_b[path].items() if s in step_set_b]
-        entry = {"name": path, **compare_samples(va, vb)}
+        entry = {"name": path, **compare_samples(va, vb, step_ref)}
         if "/" not in path:
             entry["a_share"] = _r(sum(va) / total_a, 4)
             entry["b_share"] = _r(sum(vb) / total_b, 4)
@@ -255,7 +295,7 @@ def _compare(da: RunData, db: RunData, start: int | None, end: int | None, range
     ra = [v for s, v in sa["residual_ms"].items() if s in step_set_a]
     rb = [v for s, v in sb["residual_ms"].items() if s in step_set_b]
     if ra and rb and shared:
-        phases.append({"name": "residual", **compare_samples(ra, rb)})
+        phases.append({"name": "residual", **compare_samples(ra, rb, step_ref)})
 
     per_rank = None
     if da.world_size == db.world_size:
@@ -271,6 +311,7 @@ def _compare(da: RunData, db: RunData, start: int | None, end: int | None, range
             f"world sizes differ (A: {da.world_size}, B: {db.world_size}): the job's step (max "
             "over ranks) and phases are compared, not ranks"
         )
+    windows = diff_windows(sa, sb, step_set_a & step_set_b, shared, step_ref)
     return {
         "a": _run_info(da, sa),
         "b": _run_info(db, sb),
@@ -285,13 +326,117 @@ def _compare(da: RunData, db: RunData, start: int | None, end: int | None, range
             "phase_sample": "max over ranks of the phase's ms per step (steps without it: no sample)",
             "interval": f"percentile bootstrap of median(B)/median(A) - 1, {N_BOOT} resamples, "
             f"numpy seed {SEED}, {CONFIDENCE:.0%}",
-            "significant": f"interval excludes 0 and |change| >= {MIN_EFFECT_PCT:g}%",
+            "significant": f"interval excludes 0, |change| >= {MIN_EFFECT_PCT:g}% and the median "
+            f"moved >= max({MIN_DELTA_MS:g} ms, {100 * MIN_STEP_SHARE:g}% of the step)",
+            "tail": f"p{TAIL_Q:g} of the same samples, same test (tail_significant)",
+            "windows": "change points in B's step time minus A's at the same step index",
             "warmup": None if ranged else f"first {WARMUP_FRACTION:.0%} of sampled steps",
             "steps": None if not ranged else [start, end],
         },
         "notes": notes,
-        "verdict": verdict(step, phases),
+        "windows": windows,
+        "verdict": verdict(step, phases, windows),
+        "slower_pct": slower_pct(step, windows),
     }
+
+
+def diff_windows(sa: dict[str, Any], sb: dict[str, Any], steps: set[int], shared: list[str],
+                 step_ref: float) -> list[dict[str, Any]]:
+    """Stretches of step indices where B differs from A, and the phase that did.
+
+    Both runs are lined up by step index; change-point detection
+    (:func:`stepscope.analysis.changepoint.elevated`) finds where ``B - A`` (slower) or
+    ``A - B`` (faster) holds a level beyond its noise, in the step time and in each
+    top-level phase that is not a collective (a phase's own difference stands out even when
+    two launches on a busy host differ everywhere in step time). A step window names the
+    phase whose difference there is largest; a phase window not inside a step window of the
+    same phase is listed too.
+    """
+    idx = sorted(steps)
+    if len(idx) < 10:
+        return []
+    a = dict(zip(sa["steps"], sa["step_ms"], strict=True))
+    b = dict(zip(sb["steps"], sb["step_ms"], strict=True))
+    tops = [p for p in shared if "/" not in p and not is_collective(p)]
+    min_len = max(5, len(idx) // 50)
+    out: list[dict[str, Any]] = []
+    for sign, how in ((1.0, "slower"), (-1.0, "faster")):
+        found: list[tuple[str | None, tuple[list[int], float]]] = []
+        for top in tops:
+            found += [(top, w) for w in _diff_level(idx, _own(sa, top, shared), _own(sb, top, shared),
+                                                    sign, step_ref, min_len)]
+        # Step-time windows last: one that a phase's own window already explains is dropped.
+        found += [(None, w) for w in _diff_level(idx, a, b, sign, step_ref, min_len)]
+        for path, (ws, level) in found:
+            best: str | None = path if path is not None else _biggest(sa, sb, tops, ws, sign)
+            if path is None and any(o["phase"] == best and o["direction"] == how
+                                    and o["start_step"] <= ws[-1] and o["end_step"] >= ws[0]
+                                    for o in out):
+                continue
+            pa = pb = None
+            if best is not None:
+                pa = float(np.median([sa["phases"][best][s] for s in ws if s in sa["phases"][best]]))
+                pb = float(np.median([sb["phases"][best][s] for s in ws if s in sb["phases"][best]]))
+            out.append({
+                "start_step": ws[0], "end_step": ws[-1], "steps": len(ws), "direction": how,
+                "series": "step" if path is None else path,
+                "delta_ms": _r(sign * level), "phase": best,
+                "phase_a_ms": _r(pa), "phase_b_ms": _r(pb),
+                "lost_ms": _r(sign * level * len(ws)),
+            })
+    # A phase's own window first: measured against that phase's noise, it is the specific
+    # answer; a step-time window between two launches on a busy host may be the host.
+    out.sort(key=lambda w: (w["series"] == "step", -abs(float(w["lost_ms"] or 0.0))))
+    return out
+
+
+def _own(series: dict[str, Any], top: str, shared: list[str]) -> dict[int, float]:
+    """A top-level phase per step without the collectives inside it (waiting is not its work)."""
+    kids = [series["phases"][q] for q in shared if q.startswith(top + "/") and is_collective(q)]
+    if not kids:
+        return dict(series["phases"][top])
+    return {s: ms - sum(k.get(s, 0.0) for k in kids) for s, ms in series["phases"][top].items()}
+
+
+def _diff_level(idx: list[int], a: dict[int, float], b: dict[int, float], sign: float,
+                step_ref: float, min_len: int) -> list[tuple[list[int], float]]:
+    """Windows (their step indices and level) where ``sign * (b - a)`` sits above zero."""
+    from stepscope.analysis import changepoint
+
+    both = [s for s in idx if s in a and s in b]
+    if len(both) < 2 * min_len:
+        return []
+    d = [sign * (b[s] - a[s]) for s in both]
+    bar = max(MIN_DELTA_MS, 5 * MIN_STEP_SHARE * step_ref, 2.5 * changepoint.noise(d))
+    return [(both[w.start:w.end + 1], w.excess)
+            for w in changepoint.elevated(d, bar, baseline=0.0, min_len=min_len)]
+
+
+def _biggest(sa: dict[str, Any], sb: dict[str, Any], tops: list[str], ws: list[int],
+             sign: float) -> str | None:
+    best, best_d = None, 0.0
+    for path in tops:
+        pa, pb = sa["phases"][path], sb["phases"][path]
+        dd = [pb[s] - pa[s] for s in ws if s in pa and s in pb]
+        if len(dd) >= 3 and sign * float(np.median(dd)) > best_d:
+            best, best_d = path, sign * float(np.median(dd))
+    return best
+
+
+def slower_pct(step: dict[str, Any], windows: list[dict[str, Any]]) -> float:
+    """How much slower B is than A, in % of A's time, for ``--fail-if-slower``.
+
+    The larger of the significant median change and the mean change when a slower window
+    explains it (a slowdown confined to a window moves the mean, not the median). 0 when
+    B is not slower.
+    """
+    out = 0.0
+    if step["significant"] and (step["change_pct"] or 0.0) > 0:
+        out = float(step["change_pct"])
+    ma, mb = step.get("a_mean_ms"), step.get("b_mean_ms")
+    if any(w["direction"] == "slower" for w in windows) and ma and mb and ma > 0:
+        out = max(out, (float(mb) - float(ma)) / float(ma) * 100.0)
+    return round(out, 2)
 
 
 def _phase_key(phases: dict[str, dict[int, float]]) -> Any:
@@ -317,6 +462,9 @@ def _driver(phases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for p in sig:
         if is_collective(p["name"]):
             continue  # waiting on other ranks moves with whoever is slow
+        comm = [c for c in phases if c["name"].startswith(p["name"] + "/") and is_collective(c["name"])]
+        if comm and abs(delta(p) - sum(delta(c) for c in comm)) < 0.5 * abs(delta(p)):
+            continue  # most of its change is a collective inside it: waiting, not its own work
         kids = [c for c in sig if c["name"].startswith(p["name"] + "/")]
         explained = sum(delta(c) for c in kids if delta(c) * delta(p) > 0)
         if kids and abs(explained) >= 0.5 * abs(delta(p)):
@@ -332,11 +480,27 @@ def _moved(p: dict[str, Any]) -> str:
     return f"{p['name']} {verb} from {p['a_ms']:.1f} to {p['b_ms']:.1f} ms"
 
 
-def verdict(step: dict[str, Any], phases: list[dict[str, Any]]) -> str:
-    """One sentence: how the step changed, and the phase that moved it."""
+def _window_text(w: dict[str, Any]) -> str:
+    out = (f"B is {abs(w['delta_ms']):.1f} ms per step {w['direction']} in steps "
+           f"{w['start_step']}–{w['end_step']} ({w['steps']} steps)")
+    if w["phase"] is not None:
+        verb = "fell" if w["phase_b_ms"] < w["phase_a_ms"] else "rose"
+        out += f": {w['phase']} {verb} from {w['phase_a_ms']:.1f} to {w['phase_b_ms']:.1f} ms there"
+    return out
+
+
+def verdict(step: dict[str, Any], phases: list[dict[str, Any]],
+            windows: list[dict[str, Any]] | None = None) -> str:
+    """One sentence: how the step changed, and the phase that moved it (or the window)."""
     drivers = _driver(phases)
     if step["change_pct"] is None:
         return "no significant difference can be stated: too few steps to compare"
+    if windows and not step["significant"]:
+        # A change confined to a window leaves the median alone: name the window.
+        out = _window_text(windows[0])
+        if len(windows) > 1:
+            out += f"; {len(windows) - 1} more window(s) differ"
+        return out + f"; the median step is unchanged (B {step['change_pct']:+.1f}%)"
     if not step["significant"]:
         lo, hi = step["ci_low_pct"], step["ci_high_pct"]
         ci = f", CI {lo:+.1f} to {hi:+.1f}%" if lo is not None and hi is not None else ""
@@ -348,9 +512,15 @@ def verdict(step: dict[str, Any], phases: list[dict[str, Any]]) -> str:
     size = abs(step["change_pct"])
     lo, hi = sorted((abs(step["ci_low_pct"]), abs(step["ci_high_pct"])))
     out = f"B is {size:.0f}% {'faster' if faster else 'slower'} per step (CI {lo:.0f}–{hi:.0f}%)"
+    tail = ""
+    if windows and (not drivers or windows[0]["phase"] != drivers[0]["name"]):
+        # A change confined to a window: named beside the whole-run one, never dropped.
+        tail = "; and " + _window_text(windows[0])
     if not drivers:
-        return out + "; no single phase changed beyond noise"
+        return out + (tail or "; no single phase changed beyond noise")
     out += f": {_moved(drivers[0])}"
+    if tail:
+        return out + tail
     # Others are named only when they matter next to the step's change (ms, not percent).
     floor = max(0.1, 0.1 * abs(float(step["b_ms"] or 0.0) - float(step["a_ms"] or 0.0)))
     more = [p for p in drivers[1:] if abs(float(p["b_ms"] or 0) - float(p["a_ms"] or 0)) >= floor]

@@ -105,14 +105,16 @@ def headline(run: dict[str, Any], verdicts: list[dict[str, Any]]) -> str:
         if c.get("lost_ms") and id(c) not in seen:
             seen.add(id(c))
             costly.append(v)
-    if not costly or all(v["severity"] == "info" for v in costly):
+    loud = [v for v in costly if v["severity"] != "info"]
+    if not loud:
         small = ""
         if costly:
             top = max(costly, key=lambda v: v["cost"]["lost_ms"])
-            small = (f" (largest: {top['kind']}, {100 * share(top['cost']):.1f}% of the "
-                     f"job, below the {100 * WARNING_SHARE:g}% warning bar)")
-        return (f"No costly finding: nothing cost the run >= {100 * WARNING_SHARE:g}% of its "
-                f"{total_s:.1f} s of step time{small}")
+            small = (f" (largest note: {top.get('subject') or top['kind']}, "
+                     f"{100 * share(top['cost']):.1f}% of the job)")
+        return (f"No costly finding: nothing in the job itself cost the run >= "
+                f"{100 * WARNING_SHARE:g}% of its {total_s:.1f} s of step time{small}")
+    costly = loud
     top = max(costly, key=lambda v: v["cost"]["lost_ms"])
     c = top["cost"]
     return (f"The run lost {c['lost_ms'] / 1000.0:.2f} s ({100 * share(c):.1f}% of its "

@@ -14,6 +14,8 @@ HOST_SHARE = (0.25, 0.40)  # untimed Python work of an eager loop on a busy host
 WAIT_SHARE = (0.08, 0.20)
 COMPUTE_SHARE = 0.60
 
+_COMPUTE = ("forward", "backward", "optimizer")
+
 _STRAGGLER_FIX = {
     "dataloader": "check that rank's data shard, storage and CPU (noisy neighbour, fewer cores); "
     "give its DataLoader more workers (num_workers), persistent_workers=True, or wrap it "
@@ -216,13 +218,23 @@ def diagnose(
         n_w = int(w.get("steps") or n_w)
         c = cost.price(job, float(w.get("excess_ms") or 0.0), n_w, world,
                        step_med + float(w.get("excess_ms") or 0.0))
+        sev = cost.severity(cost.share(c))
+        host_busy = (str(run.get("clock") or "").startswith("cpu") and len(w["ranks"]) > 1
+                     and w["phase"] in _COMPUTE)
+        if host_busy:
+            # Host-timed compute slowing on every rank at once, no rank singled out: the CPU
+            # was shared with something else (other processes on a busy host). Priced, but a
+            # note: nothing in the job to fix.
+            sev = "info"
         out.append({
-            "kind": _window_kind(w["phase"]), "severity": cost.severity(cost.share(c)),
+            "kind": _window_kind(w["phase"]), "severity": sev,
             "cost": c, "subject": f"steps {w['start_step']}–{w['end_step']} slow in {w['phase']}",
             "evidence": f"steps {w['start_step']}–{w['end_step']}: {w['phase']} is "
             f"{w['slowdown']:.2f}× its median elsewhere on "
             f"{ranks_subject(w['ranks'], '', '').strip()} (+{float(w.get('excess_ms') or 0.0):.1f} "
-            f"ms per step)" + _cost_text(c),
+            f"ms per step)" + _cost_text(c)
+            + ("; every rank's host-timed compute slowed together, which is the host being busy "
+               "(other processes), not one rank or the job" if host_busy else ""),
             "suggestion": "Something happened to every rank in that window, outside their own "
             "work (another process on the host, checkpoint, evaluation, shared storage or "
             "network contention); correlate with your logs",

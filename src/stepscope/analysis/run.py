@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
+from pathlib import Path
 from typing import Any
 
 from stepscope.analysis import cost
@@ -74,6 +77,7 @@ def _analyze(data: RunData) -> dict[str, Any]:
     total_ms = con.execute(
         "SELECT median(t) FROM (SELECT rank, sum(step_ms) AS t FROM steps GROUP BY 1)").fetchone()[0]
     al, thr, stragglers, windows = att.alignment, att.thresholds, att.stragglers, att.windows
+    windows, host_busy = split_host_busy(windows, data.clock, stragglers)
 
     phases = phase_stats(con, n_rows)
     phase_waits(con, phases)
@@ -108,6 +112,8 @@ def _analyze(data: RunData) -> dict[str, Any]:
         "thresholds_ms": {k: round(v, 3) for k, v in thr.items()},
         # Slow first steps on every rank (warm-up): noted, not a window.
         "warmup": att.warmup,
+        # Every rank's host-timed compute slowing at once on a CPU clock: the host was busy.
+        "host_busy": host_busy,
         "skipped": list(data.skipped) + att.notes,
         "partial": bool(data.skipped or att.notes),
     }
@@ -140,4 +146,84 @@ def _analyze(data: RunData) -> dict[str, Any]:
     }
     add_coverage_sections(con, doc)  # [coverage] pipeline / experts / blind paths
     run["headline"] = cost.headline(run, doc["verdicts"])
+    run["notes"] = run_notes(data, run)
+    job = run["cost"]
+    for w in host_busy:
+        c = cost.price(job, float(w.get("excess_ms") or 0.0), int(w.get("steps") or 0), job["world_size"])
+        run["notes"].append(
+            f"steps {w['start_step']}–{w['end_step']}: every rank's {w['phase']} slowed together "
+            f"(+{float(w.get('excess_ms') or 0.0):.1f} ms per step, {100 * cost.share(c):.1f}% of the "
+            "job) with no rank singled out: on a CPU clock that is the host being busy (other "
+            "processes), not a window of the job")
     return doc
+
+
+def _meta_config(data: RunData) -> dict[str, Any]:
+    from stepscope.analysis.status import MAX_HEARTBEAT_BYTES, read_run_file
+
+    # The run-file rules: inside the run, a regular file, size-bounded.
+    raw, _ = read_run_file(Path(data.run_dir), "meta.json", MAX_HEARTBEAT_BYTES)
+    try:
+        meta = json.loads(raw.decode("utf-8")) if raw is not None else None
+    except ValueError:
+        meta = None  # unreadable meta.json: the notes that need it are left out
+    cfg = meta.get("config") if isinstance(meta, dict) else None
+    return cfg if isinstance(cfg, dict) else {}
+
+
+def run_notes(data: RunData, run: dict[str, Any]) -> list[str]:
+    """What the report should say about tools that stayed silent: an auto-profile that never
+    fired (its threshold and the worst step), and why there is no MFU."""
+    from stepscope.autoprofile import AutoProfileConfig
+
+    notes: list[str] = []
+    cfg = _meta_config(data)
+    ap = cfg.get("auto_profile")
+    if ap not in (None, False, "False") and not run.get("captures"):
+        d = AutoProfileConfig()
+        text = str(ap)
+
+        def field(name: str, default: float) -> float:
+            m = re.search(rf"\b{name}=([0-9.eE+-]+)", text)
+            try:
+                return float(m.group(1)) if m else default
+            except ValueError:
+                return default
+
+        k, slow = field("k", d.k), field("min_slowdown", d.min_slowdown)
+        patience = field("patience", d.patience)
+        row = data.con.execute(
+            "SELECT step, max(step_ms) AS ms FROM steps GROUP BY 1 ORDER BY ms DESC LIMIT 1").fetchone()
+        med = float(run["step_ms"]["median"] or 0.0)
+        worst = (f"worst step {row[0]}: {float(row[1]):.1f} ms, {float(row[1]) / med:.2f}× the median"
+                 if row and med > 0 else "no step to judge")
+        notes.append(
+            f"auto-profile armed, never fired (threshold: {1 + slow:g}× the running median step, "
+            f"about {(1 + slow) * med:.1f} ms here, and {k:g} MADs above it, for {patience:g} "
+            f"step(s) in a row; {worst})")
+    thr = run.get("throughput") or {}
+    if thr.get("mfu") is None:
+        if thr.get("tflops") is None and not cfg.get("flops_per_step") and not cfg.get("model_flops"):
+            notes.append("no MFU: FLOPs per step unknown (pass init(flops_per_step=...) or "
+                         "init(model_flops=...) to get TFLOP/s and MFU)")
+        elif str(run.get("clock") or "").startswith("cpu") and not cfg.get("peak_tflops"):
+            notes.append("no MFU: a CPU run has no known peak TFLOP/s (pass init(peak_tflops=...))")
+        else:
+            notes.append("no MFU: the device's peak TFLOP/s for this dtype is unknown (pass "
+                         "init(peak_tflops=...))")
+    return notes
+
+
+_COMPUTE = ("forward", "backward", "optimizer")
+
+
+def split_host_busy(windows: list[dict[str, Any]], clock: str | None,
+                    stragglers: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Windows, and those that are a busy host rather than the job: on a CPU clock, compute
+    (forward, backward, optimizer) slowing on every rank at once with no rank singled out."""
+    if not str(clock or "").startswith("cpu"):
+        return windows, []
+    busy = [w for w in windows if len(w["ranks"]) > 1 and w["phase"] in _COMPUTE
+            and not any(s["first_step"] <= w["end_step"] and s["last_step"] >= w["start_step"]
+                        for s in stragglers)]
+    return [w for w in windows if w not in busy], busy

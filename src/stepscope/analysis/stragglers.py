@@ -460,23 +460,39 @@ def find_stragglers(
         if t is None:
             continue
         idx = [i for i, x in pts if x > t]
-        if len(idx) >= CHRONIC_DENSITY * n_steps and idx and idx[-1] - idx[0] + 1 >= CHRONIC_COVER * n_steps:
+        # A stretch's level is a median over >= min_n steps: its noise is well under one
+        # step's, so its bar is a few of the rank's noise sigmas, not the per-step SIGMAS.
+        bar = max(WINDOW_SIGMAS * t / SIGMAS, MIN_EXCESS_MS, WINDOW_IMPACT * median_step)
+        xs = [x for _, x in pts]
+        whole = robust.median(xs)
+        if (len(pts) >= CHRONIC_COVER * n_steps and whole > bar
+                and whole >= max(MIN_EXCESS_MS, CHRONIC_IMPACT * median_step)
+                and not (len(idx) >= CHRONIC_DENSITY * n_steps)):
+            # The gap's level over the whole run sits well above its noise even where single
+            # steps are too noisy to flag (a busy host): chronic, priced at that level.
+            seg = [i for i, _ in pts]
+            out.append(_straggler(con, rank, name, host_of, steps, seg, whole, "chronic",
+                                  _confidence(len(seg), 1.0, whole / t)))
+            # A window on top of the chronic level is still looked for below.
+        elif (len(idx) >= CHRONIC_DENSITY * n_steps and idx
+              and idx[-1] - idx[0] + 1 >= CHRONIC_COVER * n_steps):
             # Flagged on most steps across the run: one chronic straggler, whatever its holes.
             med = robust.median(x for _, x in pts if x > t)
             if med >= max(MIN_EXCESS_MS, CHRONIC_IMPACT * median_step):
                 out.append(_straggler(con, rank, name, host_of, steps, idx, med, "chronic",
                                       _confidence(len(idx), len(idx) / (idx[-1] - idx[0] + 1), med / t)))
             continue
-        # A stretch's level is a median over >= min_n steps: its noise is well under one
-        # step's, so its bar is a few of the rank's noise sigmas, not the per-step SIGMAS.
-        bar = max(WINDOW_SIGMAS * t / SIGMAS, MIN_EXCESS_MS, WINDOW_IMPACT * median_step)
-        xs = [x for _, x in pts]
+        chronic_done = any(o["rank"] == rank and o["phase"] == name for o in out)
         for w in changepoint.elevated(xs, bar, min_len=min_n):
             seg = [i for i, _ in pts[w.start:w.end + 1]]
             chronic = seg[-1] - seg[0] + 1 >= CHRONIC_COVER * n_steps
-            if chronic and w.excess < max(MIN_EXCESS_MS, CHRONIC_IMPACT * median_step):
+            if chronic and chronic_done:
                 continue
-            out.append(_straggler(con, rank, name, host_of, steps, seg, w.excess,
+            # Chronic: the gap itself (to the other ranks' median), not over a short outside.
+            level = robust.median(xs[w.start:w.end + 1]) if chronic else w.excess
+            if chronic and level < max(MIN_EXCESS_MS, CHRONIC_IMPACT * median_step):
+                continue
+            out.append(_straggler(con, rank, name, host_of, steps, seg, level,
                                   "chronic" if chronic else "window",
                                   _confidence(len(seg), 1.0, w.excess / t)))
     out.sort(key=lambda s: -s["excess_ms"] * s["steps"])

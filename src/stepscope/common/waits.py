@@ -30,11 +30,28 @@ def waits(durations: Mapping[K, float]) -> dict[K, float]:
     return {k: max(0.0, float(d) - lo) for k, d in durations.items()}
 
 
-def last_arriver(durations: Mapping[K, float]) -> K | None:
-    """The participant the others waited for: the one with the shortest time in the collective."""
+def last_arriver(durations: Mapping[K, float], tie_tol: float = 0.0) -> K | None:
+    """The participant the others waited for: the one with the shortest time in the collective.
+
+    ``None`` when nobody is alone at the minimum (within ``tie_tol``): a tie names no one.
+    """
     if not durations:
         return None
-    return min(durations, key=lambda k: durations[k])
+    k = min(durations, key=lambda k: durations[k])
+    lo = durations[k]
+    if sum(1 for d in durations.values() if d - lo <= tie_tol) > 1:
+        return None
+    return k
+
+
+def most_often_last(counts: Mapping[K, int]) -> K | None:
+    """The participant that arrived last most often; ``None`` on a tie for first place
+    (6 times rank 0, 6 times rank 1 names neither)."""
+    if not counts:
+        return None
+    top = max(counts.values())
+    leaders = [k for k, n in counts.items() if n == top]
+    return leaders[0] if len(leaders) == 1 and top > 0 else None
 
 
 def sql_wait(ms: str, partition: str) -> str:

@@ -14,10 +14,38 @@ def _init(out_dir: str, init_kwargs: dict[str, Any], model: Any = None) -> Any:
     import stepscope
 
     kwargs = dict(init_kwargs)
+    if kwargs.get("run_id") is None:
+        rid = _shared_run_id()
+        if rid is not None:
+            kwargs["run_id"] = rid
     auto = kwargs.pop("auto", None)
     # Phases come from Lightning's own events; only hooks Lightning has no event for stay.
     auto = set() if auto is None or auto is True else set(auto or ())
     return stepscope.init(out_dir, model=model, auto=auto, **kwargs)
+
+
+def _shared_run_id() -> str | None:
+    """One run id for every rank: rank 0's, broadcast over the job's process group.
+
+    Lightning starts the ranks itself (``ddp_spawn``, ``ddp``), so each would otherwise draw
+    its own id and the report would see several runs. Every rank reaches this hook, so the
+    broadcast is collective. ``None`` outside a distributed job or when the id comes from
+    the environment (the launcher already agrees).
+    """
+    import os
+
+    import torch.distributed as dist
+
+    if any(os.environ.get(v) for v in ("STEPSCOPE_RUN_ID", "TORCHELASTIC_RUN_ID")):
+        return None
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return None
+    import time
+    import uuid
+
+    box = [time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:8] if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return str(box[0])
 
 
 def _finish(tracer: Any) -> None:

@@ -34,12 +34,12 @@ def _rows(doc: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
 
 def render_compare(doc: dict[str, Any], console: Any = None) -> None:
     """Print the comparison document with rich."""
-    from rich.console import Console
     from rich.table import Table
 
     from stepscope.common.escape import rich as escape
+    from stepscope.report.terminal import make_console
 
-    con = console or Console()
+    con = console or make_console()
     a, b = doc["a"], doc["b"]
     for tag, run in (("A", a), ("B", b)):
         con.print(
@@ -48,7 +48,8 @@ def render_compare(doc: dict[str, Any], console: Any = None) -> None:
             f"{run['steps']} steps ({run['first_step']}–{run['last_step']}), clock {escape(run['clock'])}"
         )
     table = Table(show_edge=False, pad_edge=False)
-    wide = con.width >= 110  # p90 columns only where they fit (always in JSON/markdown)
+    # p90 columns where they fit; piped output is as wide as its content, so it keeps them.
+    wide = con.width >= 110
     table.add_column("median ms", no_wrap=True)
     cols = ("A", "B", "change", "95% CI", "share A→B", *(("A p90", "B p90") if wide else ()), "")
     for col in cols:
@@ -75,6 +76,15 @@ def render_compare(doc: dict[str, Any], console: Any = None) -> None:
         for r in doc["per_rank"]:
             rt.add_row(str(r["rank"]), _ms(r["a_ms"]), _ms(r["b_ms"]), _pct(r["change_pct"]), _ci(r))
         con.print(rt)
+    if doc.get("windows"):
+        wt = Table(show_edge=False, pad_edge=False, title="windows where the runs differ")
+        for col in ("steps", "B vs A", "ms per step", "phase", "phase A→B ms"):
+            wt.add_column(col, justify="right")
+        for w in doc["windows"]:
+            wt.add_row(f"{w['start_step']}–{w['end_step']}", w["direction"], _ms(w["delta_ms"]),
+                       escape(w["phase"] or "-"),
+                       f"{_ms(w['phase_a_ms'])}→{_ms(w['phase_b_ms'])}" if w["phase"] else "-")
+        con.print(wt)
     con.print(f"[bold]{escape(doc['verdict'])}[/]")
     for note in doc["notes"]:
         con.print(f"[dim]note: {escape(note)}[/]")
@@ -107,6 +117,14 @@ def to_markdown(doc: dict[str, Any]) -> str:
             f"| {_ms(row.get('b_p90_ms'))} | {_pct(row['change_pct'])} | {_ci(row)} "
             f"| {'yes' if row['significant'] else ''} |"
         )
+    if doc.get("windows"):
+        lines += ["", "| steps where the runs differ | B vs A | ms per step | phase | phase A→B ms |",
+                  "|---|---|---:|---|---:|"]
+        lines += [
+            f"| {w['start_step']}–{w['end_step']} | {w['direction']} | {_ms(w['delta_ms'])} | "
+            f"{_md_escape(w['phase'] or '-')} | {_ms(w['phase_a_ms'])}→{_ms(w['phase_b_ms'])} |"
+            for w in doc["windows"]
+        ]
     if doc.get("per_rank"):
         lines += ["", "| rank | A median ms | B median ms | change |", "|---:|---:|---:|---:|"]
         lines += [
@@ -133,9 +151,17 @@ def _reading(run_a: str, run_b: str) -> Any:
 
 
 def compare_command(
-    run_a: str, run_b: str, as_json: bool, markdown: str | None = None, steps: str | None = None
+    run_a: str, run_b: str, as_json: bool, markdown: str | None = None, steps: str | None = None,
+    fail_if_slower: float | None = None,
 ) -> int:
-    """Run ``stepscope compare``; 0 when the runs compared, 2 when either is unusable."""
+    """Run ``stepscope compare``; 0 when the runs compared, 2 when either is unusable, 1 when
+    ``fail_if_slower`` is given and B (the new run) is more than that many % slower than A
+    (the saved baseline): a CI gate."""
+    if fail_if_slower is not None and (not isinstance(fail_if_slower, (int, float))
+                                       or not fail_if_slower >= 0 or fail_if_slower == float("inf")):
+        print(f"stepscope compare: --fail-if-slower must be a finite percentage >= 0; got "
+              f"{fail_if_slower!r}", file=sys.stderr)
+        return 2
     import duckdb
 
     from stepscope.analysis.compare import compare_runs
@@ -166,4 +192,12 @@ def compare_command(
             print(f"stepscope compare: cannot write {term(markdown)} ({term(exc)})", file=sys.stderr)
             return 2
         print(f"wrote {term(markdown)}", file=note)
+    if fail_if_slower is not None:
+        slower = float(doc.get("slower_pct") or 0.0)
+        if slower > fail_if_slower:
+            print(f"stepscope compare: B is {slower:.1f}% slower than A (limit "
+                  f"{fail_if_slower:g}%): {doc['verdict']}", file=sys.stderr)
+            return 1
+        print(f"stepscope compare: B is within {fail_if_slower:g}% of A "
+              f"(slower by {slower:.1f}%)", file=sys.stderr)
     return 0

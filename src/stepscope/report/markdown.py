@@ -39,6 +39,7 @@ def render_markdown(doc: dict[str, Any], images: list[str] | None = None) -> str
     for v in doc["verdicts"]:
         lines += [f"- **{md(v['severity'])} · {md(v['kind'])}** — {md(v['evidence'])}",
                   f"  - *What to do:* {md(v['suggestion'])}"]
+    lines += [f"- *Note:* {md(n)}" for n in run.get("notes") or []]
     lines.append("")
     if doc["stragglers"]:
         lines += ["## Stragglers", "",

@@ -153,6 +153,9 @@ def render_terminal(doc: dict[str, Any], console: Any = None) -> None:
                   f"{esc(one_line(v['evidence']))}")
         con.print(f"          [dim]→ {esc(one_line(v['suggestion']))}[/]")
 
+    for note in run.get("notes") or []:
+        con.print(f" [dim]note:[/] {esc(one_line(note))}")
+
     if doc["stragglers"]:
         cols = [("rank", "right"), ("host", "left"), ("phase", "left"), ("excess ms", "right"),
                 ("steps", "right"), ("first", "right"), ("last", "right"), ("kind", "left"),
