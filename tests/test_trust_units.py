@@ -5,9 +5,9 @@ from __future__ import annotations
 import random
 
 import pytest
-from stepscope.analysis.waits import last_arriver, most_often_last
 
 from stepscope.analysis import changepoint, cost
+from stepscope.common.waits import last_arriver, most_often_last
 
 
 def _series(seed: int, n: int = 200, lo: int = 80, hi: int = 140, level: float = 30.0,

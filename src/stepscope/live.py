@@ -58,12 +58,13 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
                 starts.setdefault(p["name"], []).append(p.get("start_ms", 0.0))
         by_phase.setdefault("residual", []).append(r.get("residual_ms", 0.0))
     n = len(records)
-    phases = {
+    phases: dict[str, dict[str, Any]] = {
         name: {
             "median_ms": median(v),
             "share": sum(v) / step_total if step_total else 0.0,
             # Mean offset from step start: orders phases on the cross-rank line.
-            "start_ms": sum(starts[name]) / len(starts[name]) if name in starts else float("inf"),
+            # None, not inf, when no record gave a start: summary() is strict JSON.
+            "start_ms": sum(starts[name]) / len(starts[name]) if name in starts else None,
         }
         for name, v in by_phase.items()
     }
@@ -127,7 +128,7 @@ def encode_payload(summary: dict[str, Any], extras: dict[str, Any] | None = None
         return b""
     phases = {
         name: [round(p["median_ms"], 3), round(p["share"], 4),
-               round(p["start_ms"], 3) if p["start_ms"] != float("inf") else 1e9]
+               round(p["start_ms"], 3) if p["start_ms"] is not None else 1e9]
         for name, p in summary["phases"].items()
     }
     body: dict[str, Any] = {

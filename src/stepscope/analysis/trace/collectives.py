@@ -6,6 +6,7 @@ from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from stepscope.analysis.trace.events import DeviceEvent
+from stepscope.common.waits import most_often_last
 
 if TYPE_CHECKING:
     from stepscope.analysis.trace.breakdown import RankResult
@@ -113,7 +114,8 @@ def cross_rank(results: list[RankResult]) -> dict[str, Any]:
         "collective_counts_differ": mismatched,
         "collective_transfer_us": round(transfer, 3),
         "collective_wait_us": {str(k): round(v, 3) for k, v in wait.items()},
-        "last_arriving_rank": last.most_common(1)[0][0] if last else None,
+        # A tie (6 times rank 0, 6 times rank 1) names nobody.
+        "last_arriving_rank": most_often_last(last),
         "last_arrivals": {str(k): v for k, v in sorted(last.items())},
     }
 
