@@ -33,7 +33,7 @@ from stepscope.records import READABLE_SCHEMAS, SQLITE_TABLE, row_to_record
 
 _PHASE_TYPE = (
     "STRUCT(name VARCHAR, parent VARCHAR, ms DOUBLE, calls BIGINT, start_ms DOUBLE, end_ms DOUBLE,"
-    " path VARCHAR)[]"
+    " path VARCHAR, host_ms DOUBLE)[]"
 )
 _COLL_TYPE = (
     "STRUCT(phase VARCHAR, op VARCHAR, pg VARCHAR, pg_size BIGINT, count BIGINT, bytes BIGINT,"
@@ -48,6 +48,8 @@ _COLUMNS = {
     "hostname": "VARCHAR",
     "step": "BIGINT",
     "start_unix_ns": "BIGINT",
+    # CUDA clock: when the GPU ran the step's start (host time at record less the GPU's lag).
+    "gpu_start_unix_ns": "BIGINT",
     "clock": "VARCHAR",
     "step_ms": "DOUBLE",
     "phases": _PHASE_TYPE,
@@ -80,6 +82,11 @@ _PLAUSIBLE = f"""rank >= 0 AND rank < {MAX_RANKS}
         AND (p.start_ms IS NULL OR (isfinite(p.start_ms) AND abs(p.start_ms) <= {MAX_MS}))
         AND (p.end_ms IS NULL OR (isfinite(p.end_ms) AND abs(p.end_ms) <= {MAX_MS}))
         for p in phases]), TRUE)"""
+#: A step's start on the run's timeline: when the GPU ran it (CUDA clock, plausible), else when
+#: the host entered it. Ranks whose GPUs lag their hosts by different amounts line up by the
+#: former; the host time would shift each rank by its own lag.
+_START = (f"(CASE WHEN gpu_start_unix_ns >= 0 AND gpu_start_unix_ns < {MAX_START_NS} "
+          "THEN gpu_start_unix_ns ELSE start_unix_ns END)")
 
 
 @dataclass
@@ -454,7 +461,7 @@ def _build_tables(con: Any, root: Path, skipped: list[str], torn: set[str] | Non
     if not ranks:
         raise AnalysisError(f"{root}: no plausible step records (see the skipped lines)")
     meta = con.execute(
-        """SELECT max(world_size), min(start_unix_ns), any_value(run_id),
+        f"""SELECT max(world_size), min({_START}), any_value(run_id),
                   mode(clock), count(DISTINCT run_id) FROM rec"""
     ).fetchone()
     world_size = int(meta[0]) if meta[0] is not None else len(ranks)
@@ -504,19 +511,24 @@ def _build_tables(con: Any, root: Path, skipped: list[str], torn: set[str] | Non
     con.execute(
         f"""CREATE TABLE steps AS SELECT CAST(rank AS INTEGER) AS rank, step,
                coalesce(hostname, 'unknown') AS host,
-               CAST(start_unix_ns - {t_min} AS DOUBLE) / 1e6 AS t0,
+               CAST({_START} - {t_min} AS DOUBLE) / 1e6 AS t0,
                step_ms, coalesce(residual_ms, 0.0) AS residual_ms, h2d_hidden_ms
             FROM rec WHERE {keep}"""
     )
     con.execute(
         f"""CREATE TABLE phases AS
             SELECT CAST(rank AS INTEGER) AS rank, step, p.name AS name, p.parent AS parent,
-                   coalesce(p.ms, 0.0) AS ms, coalesce(p.start_ms, 0.0) AS s,
+                   -- On a CUDA clock the dataloader's events measure GPU idle; the input
+                   -- wait is the host's (host_ms), recorded beside it.
+                   CASE WHEN clock = 'cuda' AND p.name = 'dataloader' AND p.parent IS NULL
+                             AND p.host_ms >= 0 AND p.host_ms <= {MAX_MS}
+                        THEN p.host_ms ELSE coalesce(p.ms, 0.0) END AS ms,
+                   coalesce(p.start_ms, 0.0) AS s,
                    coalesce(p.calls, 1) AS calls,
                    coalesce(p.end_ms, p.start_ms + p.ms, 0.0) AS e,
                    coalesce(p.path, CASE WHEN p.parent IS NULL THEN p.name
                                          ELSE p.parent || '/' || p.name END) AS path
-            FROM (SELECT rank, step, unnest(phases) AS p FROM rec WHERE {keep})
+            FROM (SELECT rank, step, clock, unnest(phases) AS p FROM rec WHERE {keep})
             WHERE p.name IS NOT NULL"""
     )
     create_resource_table(con, keep)  # [metrics] table res

@@ -38,7 +38,7 @@ from stepscope.errors import AnalysisError
 STORE_DIR = "parquet"
 RECORDS = "records"
 STATE = "_state.json"
-STATE_VERSION = 2
+STATE_VERSION = 3  # 3: gpu_start_unix_ns and phases[].host_ms columns
 #: The key a regular line is tagged with (its rank file) in the combined file.
 TAG = "_stepscope_file"
 COMBINED = "_combined.jsonl"
