@@ -191,7 +191,9 @@ def test_mismatched_op_and_missing_dump(tmp_path: Path) -> None:
 def test_no_dump_no_section_and_torn_dump_noted(tmp_path: Path) -> None:
     assert analyze_flight(tmp_path) is None
     (tmp_path / "rank0.flight.json").write_text('{"entries": [')
-    assert analyze_flight(tmp_path) is None
+    torn = analyze_flight(tmp_path)  # a torn dump alone is said, not silently dropped
+    assert torn is not None and torn["culprit_ranks"] == [] and torn["ranks"] == []
+    assert any("rank0.flight.json" in n for n in torn["notes"])
     (tmp_path / "rank1.flight.json").write_text(json.dumps(_dump(1, [_entry(1), _entry(2)])))
     fr = analyze_flight(tmp_path, 2)
     assert fr is not None and any("rank0.flight.json" in n for n in fr["notes"])

@@ -624,8 +624,27 @@ def find_windows(
         out.append({"start_step": s["first_step"], "end_step": s["last_step"],
                     "ranks": [s["rank"]], "phase": s["phase"], "slowdown": round(slowdown, 3),
                     "excess_ms": s["excess_ms"], "steps": s["steps"]})
+    if not warmup:
+        _find_warmup(con, wall, bar, at, steps, stragglers, warmup)
     out.sort(key=lambda w: w["start_step"])
     return out
+
+
+def _find_warmup(con: Any, wall: list[float], bar: float, at: list[int], steps: list[int],
+                 stragglers: list[dict[str, Any]], warmup: dict[str, Any]) -> None:
+    """A slow start shorter than an all-rank window must last (a tenth of the run) is still
+    warm-up: noted in ``warmup``, never a window."""
+    for w in changepoint.elevated(wall, bar, min_len=MIN_SEGMENT):
+        seg = at[w.start:w.end + 1]
+        if seg[0] != 0:
+            break
+        first, last = steps[seg[0]], steps[seg[-1]]
+        if any(s["first_step"] <= last and s["last_step"] >= first for s in stragglers):
+            break
+        phase = _window_phase(con, first, last)
+        slowdown = own_slowdown(con, phase, first, last) if phase != "step" else 1.0
+        warmup.update(start_step=first, end_step=last, phase=phase, slowdown=round(slowdown, 3))
+        break
 
 
 def _window_phase(con: Any, first: int, last: int) -> str:
