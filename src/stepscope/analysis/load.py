@@ -262,7 +262,8 @@ def load_run(
     from stepscope.analysis import store as st
 
     loc = os.fspath(run_dir)
-    if st.is_remote(loc) or st.is_glob(loc) or st.is_store_dir(Path(loc)):
+    # An existing directory is a run (or a store), whatever characters its name holds.
+    if st.is_remote(loc) or (st.is_glob(loc) and not Path(loc).is_dir()) or st.is_store_dir(Path(loc)):
         return _load_parquet(loc, threads, memory_limit, [])
     root = Path(run_dir)
     if not root.exists():
@@ -280,6 +281,11 @@ def load_run(
             res = st.compact(root, threads=threads, memory_limit=memory_limit)
         except OSError:
             pass  # a read-only run directory: analyse the JSONL directly, as before
+        except Exception as exc:
+            # duckdb.IOException is no OSError: a directory DuckDB cannot create there (a
+            # name it refuses) also means "analyse the JSONL directly".
+            if type(exc).__name__ != "IOException":
+                raise
         else:
             for name, fs in sorted(res.files.items()):
                 if fs.dropped:
@@ -323,7 +329,14 @@ def _load_parquet(location: str, threads: int | None, memory_limit: str | None,
     tmpdir = tempfile.TemporaryDirectory(prefix="stepscope-")
     try:
         con = _connect(tmpdir.name, threads, memory_limit)
-        parts = [f"SELECT * FROM {st.parquet_source(location)}"]
+        source = location
+        if root is not None:
+            # DuckDB globs its path: a run directory named "a[1]" would be a character class.
+            # A link with a plain name in the temporary directory reads the same files.
+            link = Path(tmpdir.name) / "store"
+            link.symlink_to(Path(location).resolve(), target_is_directory=True)
+            source = str(link)
+        parts = [f"SELECT * FROM {st.parquet_source(source)}"]
         if root is not None and not any((Path(location) / st.RECORDS).rglob("*.parquet")):
             parts = []  # only torn tails so far (or nothing at all)
         tails: list[Path] = []
