@@ -131,6 +131,10 @@ class Resolver:
             while self.pending:
                 self._release(self.pending.popleft())
 
+    def ready_count(self) -> int:
+        """Timed steps not yet taken by the writer."""
+        return len(self._ready)
+
     def take_ready(self) -> list[Step]:
         with self._lock:
             out, self._ready = self._ready, []

@@ -37,6 +37,8 @@ from stepscope.sinks import BackgroundWriter, Batch, Sink, open_sink
 
 #: How long ``finish()`` keeps polling CUDA events before giving up on them (seconds).
 FINISH_TIMEOUT_S = 5.0
+#: Resolved steps held back while the writer is behind, before a batch is dropped (counted).
+MAX_HELD_STEPS = 4096
 #: Records kept for ``summary()`` and the live view.
 RECENT_RECORDS = 256
 
@@ -104,9 +106,13 @@ class Session(Recorder):
         self.writes_files = sink is None
         self._recent = _RecentRecords()
         self._listeners.append(self._recent)
+        #: Taking resolved steps and queueing them is one move: the training thread only tries
+        #: this lock (it never waits); the writer holds it while it takes held-back steps.
+        self._flush_lock = threading.Lock()
         self._writer = BackgroundWriter(
             sink if sink is not None else open_sink(config.sink, config.out_dir, rank.rank),
             on_error=self.fail,
+            on_idle=self._held_job,
         )
         #: Observers attached by :mod:`stepscope.lifecycle` (opaque here), for users and tests.
         self.profiler: Any = None
@@ -241,11 +247,9 @@ class Session(Recorder):
             if step is not None:
                 self.resolver.poll()
                 # An exception may end the job: what is resolved goes to the file now.
-                if self._since_flush >= self.config.flush_every_n_steps or exc is not None:
-                    job = self._flush_job()
-                    if job is not None:
-                        self._since_flush = 0
-                        self._writer.submit(job)
+                if (self._since_flush >= self.config.flush_every_n_steps or exc is not None) \
+                        and self._submit_flush():
+                    self._since_flush = 0
             for fn in self._step_end:
                 fn(self, done)
         except Exception as err:  # protect the job
@@ -254,9 +258,37 @@ class Session(Recorder):
         if self._handed is not None:
             self._take_handed()
 
-    def _flush_job(self) -> Callable[[], list[dict[str, Any]]] | None:
+    def _submit_flush(self) -> bool:
+        """Queue the steps resolved so far (training thread); False when none went."""
+        if not self._flush_lock.acquire(blocking=False):
+            return False  # the writer is taking held steps this instant; these go next time
+        try:
+            job = self._flush_job()
+            if job is None:
+                return False
+            self._writer.submit(job)
+            return True
+        finally:
+            self._flush_lock.release()
+
+    def _held_job(self) -> Callable[[], list[dict[str, Any]]] | None:
+        """Writer thread, its queue just emptied: the steps held back while it was behind."""
+        with self._flush_lock:
+            if not self._writer.is_idle() or not self.resolver.ready_count():
+                return None
+            return self._flush_job(force=True)
+
+    def _flush_job(self, force: bool = False) -> Callable[[], list[dict[str, Any]]] | None:
         """The writer's job for the steps resolved so far; None when there are none (an
-        empty job would only take a place in the writer's bounded queue)."""
+        empty job would only take a place in the writer's bounded queue).
+
+        While the writer is behind (its queue full: a slow file system), resolved steps stay
+        with the resolver and leave with the next batch instead of being dropped; only past
+        ``MAX_HELD_STEPS`` does a batch go to the full queue, where its loss is counted.
+        """
+        if (not force and self._writer.behind()
+                and self.resolver.ready_count() < MAX_HELD_STEPS):
+            return None
         steps = self.resolver.take_ready()
         if not steps:
             return None
@@ -312,9 +344,7 @@ class Session(Recorder):
         if self.enabled and not self._finished:
             self.resolver.poll()
             self._since_flush = 0
-            job = self._flush_job()
-            if job is not None:
-                self._writer.submit(job)
+            self._submit_flush()
 
     def finish(self) -> None:
         """Resolve pending events, flush, close files and remove hooks. Idempotent."""
@@ -349,7 +379,8 @@ class Session(Recorder):
                 self.resolver.drain(late)
             except Exception as exc:  # protect the job
                 self._fail_now(exc)
-        final = self._flush_job() if self.enabled else None
+        with self._flush_lock:
+            final = self._flush_job(force=True) if self.enabled else None
         closed = self._writer.close(final, timeout=FINISH_TIMEOUT_S + 10.0)
         if not closed:
             self.warn("the writer did not finish within its timeout; the last records may be missing")

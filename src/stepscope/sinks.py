@@ -264,8 +264,11 @@ class BackgroundWriter:
         sink: Sink,
         on_error: Callable[[BaseException], None],
         max_batches: int = 64,
+        on_idle: Callable[[], Callable[[], list[dict[str, Any]]] | None] | None = None,
     ) -> None:
         self.sink = sink
+        #: Asked for more work whenever the queue runs dry (steps held back while it was full).
+        self._on_idle = on_idle
         self.dropped_batches = 0
         #: Steps lost in dropped batches and records the sink could not encode, by reason.
         self.lost: dict[str, int] = {QUEUE_FULL: 0, UNWRITABLE: 0}
@@ -276,6 +279,10 @@ class BackgroundWriter:
         self._failed = False
         self._thread = threading.Thread(target=self._run, name="stepscope-writer", daemon=True)
         self._thread.start()
+
+    def behind(self) -> bool:
+        """True while the queue is full: a batch submitted now would be dropped."""
+        return self._q.full()
 
     def submit(self, item: list[dict[str, Any]] | Callable[[], list[dict[str, Any]]]) -> None:
         if self._failed:
@@ -318,14 +325,30 @@ class BackgroundWriter:
                 return
             if self._failed:
                 continue
-            try:
-                records = item() if callable(item) else item
-                if records:
-                    self._stamp(records)
-                    self.sink.write(records)
-            except Exception as exc:  # protect the job: a full disk must not kill training
-                self._failed = True
-                self._on_error(exc)
+            self._process(item)
+            if self._on_idle is not None and self._q.empty() and not self._failed:
+                try:
+                    held = self._on_idle()
+                except Exception as exc:  # protect the job: report it like a write error
+                    self._failed = True
+                    self._on_error(exc)
+                    continue
+                if held is not None:
+                    self._process(held)
+
+    def is_idle(self) -> bool:
+        """Nothing queued."""
+        return self._q.empty()
+
+    def _process(self, item: Any) -> None:
+        try:
+            records = item() if callable(item) else item
+            if records:
+                self._stamp(records)
+                self.sink.write(records)
+        except Exception as exc:  # protect the job: a full disk must not kill training
+            self._failed = True
+            self._on_error(exc)
 
     def close(self, final: Callable[[], list[dict[str, Any]]] | None = None, timeout: float = 10.0) -> bool:
         """Run ``final`` (if any), drain and close; False if not done within ``timeout``."""
