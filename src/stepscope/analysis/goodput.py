@@ -51,7 +51,11 @@ MAX_SAMPLING_GAP = 1000
 
 def _light_rows(con: Any, run_dir: Path) -> list[tuple[int, str, int, int, float]]:
     """(rank, run_id, step, start_unix_ns, step_ms) of every timed record, duplicates included."""
-    files = sorted(p for p in run_dir.glob("rank*.jsonl") if p.is_file())
+    from stepscope.analysis.load import MAX_LINE_BYTES, rank_files
+
+    # The files the analysis read (inside the run, no links out), with its line cap: a
+    # larger maximum_object_size makes DuckDB allocate buffers of twice that per thread.
+    files = sorted(p for p in rank_files(run_dir)[0] if p.suffix == ".jsonl")
     if not files:
         return []
     lst = "[" + ", ".join("'" + str(p).replace("'", "''") + "'" for p in files) + "]"
@@ -60,7 +64,7 @@ def _light_rows(con: Any, run_dir: Path) -> list[tuple[int, str, int, int, float
     rows = con.execute(
         f"""SELECT rank, coalesce(run_id, ''), step, start_unix_ns, step_ms
             FROM read_json({lst}, format='newline_delimited', columns={cols}, ignore_errors=true,
-                           maximum_object_size=67108864)
+                           maximum_object_size={MAX_LINE_BYTES + 2})
             WHERE rank IS NOT NULL AND step IS NOT NULL AND start_unix_ns IS NOT NULL
               AND step_ms IS NOT NULL AND isfinite(step_ms) AND step_ms >= 0 AND {TIMED_FILTER}
               AND start_unix_ns >= 0 AND start_unix_ns < {MAX_START_NS} AND step_ms <= {MAX_MS}
