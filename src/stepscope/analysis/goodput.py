@@ -51,20 +51,39 @@ MAX_SAMPLING_GAP = 1000
 
 def _light_rows(con: Any, run_dir: Path) -> list[tuple[int, str, int, int, float]]:
     """(rank, run_id, step, start_unix_ns, step_ms) of every timed record, duplicates included."""
-    from stepscope.analysis.load import MAX_LINE_BYTES, rank_files
+    import tempfile
 
+    from stepscope.analysis.load import MAX_LINE_BYTES, drop_long_lines, rank_files
+
+    if not run_dir.is_dir():
+        return []  # a Parquet store elsewhere (a glob, a URL): no rank files to re-read
     # The files the analysis read (inside the run, no links out), with its line cap: a
     # larger maximum_object_size makes DuckDB allocate buffers of twice that per thread.
     files = sorted(p for p in rank_files(run_dir)[0] if p.suffix == ".jsonl")
     if not files:
         return []
+    # Records are KBs: a 1 MiB object cap keeps DuckDB's read buffers small (it allocates
+    # twice the cap per thread); a larger record retries with the analysis' own line cap.
+    for cap in (1 << 20, MAX_LINE_BYTES):
+        try:
+            return _read_light(con, files, cap)
+        except Exception as exc:
+            if "maximum_object_size" not in str(exc):
+                raise
+    # A line over the cap (the analysis skipped it too): read copies without such lines.
+    with tempfile.TemporaryDirectory(prefix="stepscope-") as tmp:
+        kept = [drop_long_lines(p, Path(tmp), [])[0] for p in files]
+        return _read_light(con, kept, MAX_LINE_BYTES)
+
+
+def _read_light(con: Any, files: list[Path], max_line: int) -> list[tuple[int, str, int, int, float]]:
     lst = "[" + ", ".join("'" + str(p).replace("'", "''") + "'" for p in files) + "]"
     cols = ("{rank: 'BIGINT', run_id: 'VARCHAR', step: 'BIGINT', start_unix_ns: 'BIGINT', "
             "step_ms: 'DOUBLE', untimed: 'BOOLEAN'}")
     rows = con.execute(
         f"""SELECT rank, coalesce(run_id, ''), step, start_unix_ns, step_ms
             FROM read_json({lst}, format='newline_delimited', columns={cols}, ignore_errors=true,
-                           maximum_object_size={MAX_LINE_BYTES + 2})
+                           maximum_object_size={max_line + 2})
             WHERE rank IS NOT NULL AND step IS NOT NULL AND start_unix_ns IS NOT NULL
               AND step_ms IS NOT NULL AND isfinite(step_ms) AND step_ms >= 0 AND {TIMED_FILTER}
               AND start_unix_ns >= 0 AND start_unix_ns < {MAX_START_NS} AND step_ms <= {MAX_MS}

@@ -601,6 +601,11 @@ def find_windows(
             phase = top["phase"]
             slowdown = own_slowdown(con, phase, top["first_step"], top["last_step"], top["rank"])
             covered.update((s["rank"], s["first_step"]) for s in hits)
+            if top["persistence"] == "window":
+                # Explained by a windowed straggler: its bounds, found on that rank's own work,
+                # are the window's; the step-time series is noisier (every rank's jitter).
+                first, last = top["first_step"], top["last_step"]
+                span = top["steps"]
         else:
             ranks, phase = list(all_ranks), _window_phase(con, first, last)
             slowdown = own_slowdown(con, phase, first, last) if phase != "step" else 1.0
