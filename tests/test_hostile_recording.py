@@ -155,7 +155,11 @@ def test_output_dir_deleted_later_steps_are_kept(tmp_path: Path, sink: str) -> N
     run = tmp_path / "run"
     tr = stepscope.init(str(run), auto=False, sink=sink, flush_every_n_steps=9, heartbeat_s=60)
     _steps(tr, 9)
-    time.sleep(0.3)
+    # Steps 0-8 are on disk before the directory goes (the writer thread's pace is not ours).
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and len(read_run(run)) < 9:
+        time.sleep(0.02)
+    assert len(read_run(run)) == 9
     shutil.rmtree(run)
     with warnings.catch_warnings(record=True) as got:
         warnings.simplefilter("always")
