@@ -87,17 +87,62 @@ def run_then_exit(index: int, fn: Callable[..., Any], *args: Any) -> None:
 
     Tearing a gloo process group down through Python's garbage collection can deadlock
     (PyTorch's ``~ProcessGroupGloo`` waits for a worker thread that waits for the GIL while
-    it frees a finished work's tensors). A worker whose ``fn`` returned has nothing left to
-    do, so it flushes its output and exits with status 0 without running destructors.
+    it frees a finished work's tensors). Two things guard against it:
+
+    - While ``fn`` runs, ``destroy_process_group()`` still shuts the groups down and takes
+      them out of torch's registry, but this process keeps a reference to each group, so
+      the C++ destructor never runs: not inside ``destroy_process_group`` and not when
+      ``fn``'s frame (holding a DDP model, whose reducer holds the group) is freed on return.
+    - A worker whose ``fn`` returned has nothing left to do, so it flushes its output and
+      exits with status 0 without running destructors.
+
     Exceptions propagate unchanged, so ``spawn`` reports them as usual.
     """
     import sys
 
+    keep_groups_until_exit()
     fn(index, *args)
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
     os._exit(0)
+
+
+#: Process groups that ``destroy_process_group`` let go of in a ``run_then_exit`` worker,
+#: kept so their destructor (which can deadlock, see ``run_then_exit``) never runs.
+_kept_groups: list[Any] = []
+
+
+def keep_groups_until_exit() -> None:
+    """Make ``torch.distributed.destroy_process_group`` keep every group it destroys alive.
+
+    For processes that end with ``os._exit`` (``run_then_exit``): the group is shut down and
+    unregistered as usual; only the final C++ destructor is left to process exit.
+    """
+    try:
+        import torch.distributed as tdist
+        import torch.distributed.distributed_c10d as c10d
+    except ImportError:  # no torch.distributed: nothing to keep
+        return
+    real = c10d.destroy_process_group
+    if getattr(real, "_stepscope_keeps_groups", False):
+        return
+
+    def destroy_process_group(group: Any = None) -> None:
+        if group is not None:
+            _kept_groups.append(group)
+        else:
+            try:  # every registered group: torch keeps them in its (private) world registry
+                _kept_groups.extend(list(c10d._world.pg_map))
+            except Exception:  # registry renamed: keep at least the default group
+                with contextlib.suppress(Exception):
+                    _kept_groups.append(tdist.group.WORLD)
+        real(group)
+
+    destroy_process_group._stepscope_keeps_groups = True  # type: ignore[attr-defined]
+    destroy_process_group.__doc__ = real.__doc__
+    c10d.destroy_process_group = destroy_process_group  # type: ignore[assignment]
+    tdist.destroy_process_group = destroy_process_group  # type: ignore[attr-defined]
 
 
 # ----------------------------------------------------------------- init agreement (device)

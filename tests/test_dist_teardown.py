@@ -1,0 +1,87 @@
+"""``run_then_exit`` workers never run a gloo group's destructor (it can deadlock).
+
+CI once hung 300 s in a worker after ``fn`` returned: ``~Reducer`` (the DDP model, freed
+with ``fn``'s frame) dropped the last reference to a group that ``destroy_process_group()``
+had unregistered, and ``~ProcessGroupGloo`` blocked on a mutex held by a worker thread
+waiting for the GIL. The worker below has exactly that shape: DDP model as a local,
+``destroy_process_group()`` in ``finally``, return.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch.multiprocessing as mp
+
+from stepscope.dist import free_port, run_then_exit
+
+JOB_DEADLINE_S = 120.0
+
+
+def _ddp_then_destroy(rank: int, port: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    import stepscope.dist as sdist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    side = dist.new_group([0, 1])
+    try:
+        model = nn.parallel.DistributedDataParallel(nn.Linear(8, 8))
+        for _ in range(3):
+            model(torch.randn(4, 8)).sum().backward()
+        dist.all_reduce(torch.ones(1), group=side)
+        world = dist.group.WORLD
+    finally:
+        dist.destroy_process_group(side)
+        dist.destroy_process_group()
+    kept = sdist._kept_groups
+    Path(out, f"rank{rank}.json").write_text(json.dumps({
+        "kept": len(kept),
+        "world_kept": any(g is world for g in kept),
+        "side_kept": any(g is side for g in kept),
+        "unregistered": not dist.is_initialized(),
+    }))
+
+
+def test_destroyed_groups_outlive_the_worker_frame(tmp_path: Path) -> None:
+    t0 = time.monotonic()
+    ctx = mp.spawn(run_then_exit, args=(_ddp_then_destroy, free_port(), str(tmp_path)),  # type: ignore[attr-defined]
+                   nprocs=2, join=False)
+    while not ctx.join(timeout=1.0):
+        if time.monotonic() - t0 > JOB_DEADLINE_S:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            pytest.fail(f"2-rank job still running after {JOB_DEADLINE_S:.0f} s (teardown hang)")
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        # destroy_process_group still did its job (the registry is empty) ...
+        assert got["unregistered"], got
+        # ... but the groups it let go of stay referenced until os._exit.
+        assert got["world_kept"] and got["side_kept"], got
+        assert got["kept"] >= 2, got
+
+
+def test_keep_groups_is_idempotent() -> None:
+    import torch.distributed as dist
+
+    import stepscope.dist as sdist
+
+    before = dist.destroy_process_group
+    try:
+        sdist.keep_groups_until_exit()
+        once = dist.destroy_process_group
+        sdist.keep_groups_until_exit()
+        assert dist.destroy_process_group is once  # not wrapped twice
+        assert once is not before or getattr(before, "_stepscope_keeps_groups", False)
+    finally:
+        import torch.distributed.distributed_c10d as c10d
+
+        dist.destroy_process_group = before  # type: ignore[attr-defined]
+        c10d.destroy_process_group = before  # type: ignore[assignment]
