@@ -141,8 +141,8 @@ def keep_groups_until_exit() -> None:
 
     destroy_process_group._stepscope_keeps_groups = True  # type: ignore[attr-defined]
     destroy_process_group.__doc__ = real.__doc__
-    c10d.destroy_process_group = destroy_process_group  # type: ignore[assignment]
-    tdist.destroy_process_group = destroy_process_group  # type: ignore[attr-defined]
+    c10d.destroy_process_group = destroy_process_group
+    tdist.destroy_process_group = destroy_process_group
 
 
 # ----------------------------------------------------------------- init agreement (device)
