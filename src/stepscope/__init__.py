@@ -18,7 +18,7 @@ explicit :class:`Tracer`.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stepscope.config import Config, env_overrides
 from stepscope.errors import (
@@ -29,7 +29,10 @@ from stepscope.errors import (
     StepscopeWarning,
 )
 from stepscope.lifecycle import NullTracer, create, current_tracer, set_current
-from stepscope.tracer import PhaseContext, Tracer, check_phase_name
+from stepscope.phase import PhaseContext, check_phase_name
+
+if TYPE_CHECKING:
+    from stepscope.tracer import Tracer
 
 __version__ = "0.1.0"
 
@@ -151,10 +154,10 @@ def phase(name: str, *, host: bool = False) -> Any:
     at import time (before ``init()``) is timed once ``init()`` has run.
     """
     tracer = current_tracer()
-    if isinstance(tracer, Tracer):
-        tracer.phase(name, host=host)  # validates the name and the manual/automatic split now
-    else:
+    if isinstance(tracer, NullTracer):
         check_phase_name(name)
+    else:
+        tracer.phase(name, host=host)  # validates the name and the manual/automatic split now
     return PhaseContext(None, name, host)
 
 
@@ -181,7 +184,12 @@ def finish() -> None:
 
 
 def __getattr__(name: str) -> Any:
-    # Imported on first use so `import stepscope` stays light.
+    # Imported on first use so `import stepscope` stays light (the analysis side and the
+    # CLI never import torch).
+    if name == "Tracer":
+        from stepscope.tracer import Tracer
+
+        return Tracer
     if name == "PrefetchLoader":
         from stepscope.prefetch import PrefetchLoader
 
