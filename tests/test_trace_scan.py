@@ -61,13 +61,13 @@ def _as_read(x: Any) -> Any:
     return x
 
 
-def _tricky_doc(seed: int) -> tuple[bytes, list[Any]]:
+def _tricky_doc(seed: int, odd: bool = True) -> tuple[bytes, list[Any]]:
     rng = random.Random(seed)
     names = ['a"b', "back\\slash\\", '\\"}],{[', "ünïcödé", "x" * 3000, "\\\\", '{"traceEvents": [1]}']
     items: list[Any] = []
     for i in range(400):
         r = rng.random()
-        if r < 0.05:
+        if r < 0.05 and odd:
             items.append(rng.choice([5, "str", None, [1, [2]], True]))
         else:
             ev = _kernel(i, rng.choice(names))
@@ -142,3 +142,57 @@ def test_a_long_name_inside_one_block_is_skipped_too(tmp_path: Path) -> None:
     with pytest.warns(StepscopeWarning):
         r = analyse(p).ranks[0]
     assert (r.device_events, r.skipped_events, r.events_seen) == (2, 1, 3)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("fast_bytes", [400, 700, 5000])
+def test_fast_path_yields_the_same_items(seed: int, fast_bytes: int) -> None:
+    # Small fast slices, so the fast path runs many times on the tricky document: cut
+    # candidates inside strings ('\\"}],{[' names), nested args (items that are no events
+    # send a slice to the exact scan, so they are left out here).
+    doc, items = _tricky_doc(seed, odd=False)
+    for piece in (997, 8191):
+        scan = EventScan(64, fast_bytes=fast_bytes)
+        got: list[Any] = []
+        for i in range(0, len(doc), piece):
+            for batch in scan.feed_batches(doc[i:i + piece]):
+                got.extend(batch)
+        for batch in scan.finish_batches():
+            got.extend(batch)
+        assert [_plain(x) for x in got] == [_as_read(x) for x in items]
+        assert scan.fast_items > 0
+
+
+def test_fast_path_leaves_deep_nesting_to_the_exact_scan() -> None:
+    # A deep value after many ordinary events: the fast path must not decode past it.
+    head = ",".join(json.dumps(_kernel(i)) for i in range(2000))
+    deep = '{"ph": "X", "args": {"a": ' + "[" * 100 + "]" * 100 + "}}"
+    doc = ('{"traceEvents": [' + head + ", " + deep + ", " + head + "]}").encode()
+    scan = EventScan(64, fast_bytes=4096)
+    got: list[Any] = []
+    for i in range(0, len(doc), 8192):
+        for batch in scan.feed_batches(doc[i:i + 8192]):
+            got.extend(batch)
+    assert scan.stopped and "deeper than 64" in scan.stopped
+    assert len(got) == 2000
+    assert scan.fast_items > 1000
+
+
+def test_fast_path_hands_the_array_end_and_a_truncation_to_the_exact_scan() -> None:
+    evs = [_kernel(i) for i in range(3000)]
+    doc = json.dumps({"traceEvents": evs, "deviceProperties": [{"a": 1}, {"b": 2}]}).encode()
+    scan, got = _scan_fast(doc)
+    assert len(got) == 3000 and scan.fast_items > 2000
+    with pytest.raises(Malformed):
+        _scan_fast(doc[: len(doc) // 2])
+
+
+def _scan_fast(doc: bytes) -> tuple[EventScan, list[Any]]:
+    scan = EventScan(64, fast_bytes=2048)
+    out: list[Any] = []
+    for i in range(0, len(doc), 16384):
+        for batch in scan.feed_batches(doc[i:i + 16384]):
+            out.extend(batch)
+    for batch in scan.finish_batches():
+        out.extend(batch)
+    return scan, out

@@ -184,6 +184,7 @@ class EventScan:
         self._carry = b""
         self._prev_tail = b""
         self._rest = b""  # bytes from a boundary between events, not decoded yet (fast path)
+        self.fast_items = 0  # items the fast path decoded (the rest went through the exact scan)
         # Slices the fast path decodes at once: at most max_event_bytes, so none holds an
         # oversized event.
         self._fast_bytes = min(fast_bytes, max_event_bytes)
@@ -233,7 +234,7 @@ class EventScan:
         """
         pos, n, size = 0, len(data), self._fast_bytes
         while n - pos > size:
-            c = data.rfind(b"},", pos, pos + size)
+            c = _cut(data, pos, pos + size)
             if c < 0:
                 break
             piece = data[pos:c + 1]
@@ -242,7 +243,17 @@ class EventScan:
             try:
                 items: list[Any] = _FAST.decode(b"[" + piece + b"]")
             except (msgspec.DecodeError, RecursionError):  # ValidationError included
-                break
+                # Most often a "},{" inside an event (a list of objects in args): one
+                # earlier cut, then the exact scan.
+                c = _cut(data, pos, c)
+                if c < 0:
+                    break
+                piece = data[pos:c + 1]
+                try:
+                    items = _FAST.decode(b"[" + piece + b"]")
+                except (msgspec.DecodeError, RecursionError):
+                    break
+            self.fast_items += len(items)
             yield items
             pos = c + 2
         self.offset += pos
@@ -465,6 +476,22 @@ class EventScan:
                 raise Malformed(str(exc)) from None
             except msgspec.ValidationError:  # a huge number outside the events: harmless
                 pass
+
+
+def _cut(data: bytes, lo: int, hi: int) -> int:
+    """The last ``}`` in ``data[lo:hi]`` followed by a comma and then ``{`` (whitespace aside):
+    where one event object may end and the next begin; -1 if there is none. A candidate
+    only; decoding proves it."""
+    end = hi
+    for _ in range(64):
+        c = data.rfind(b"},", lo, end)
+        if c < 0:
+            return -1
+        nxt = data[c + 2:c + 66].lstrip(_WS)[:1]
+        if nxt == b"{" or (not nxt and c + 66 >= len(data)):
+            return c
+        end = c + 1
+    return -1
 
 
 def _split_items(body: bytes) -> list[bytes]:
