@@ -365,7 +365,8 @@ def _scan_events(batches: Iterable[list[Any]], out: ParsedTrace) -> None:
                     a = e.args
                     corr = None if a is None else a.correlation
                     if corr is not None and corr is not UNSET:
-                        launches[_int_arg(corr)] = _time(e.ts, "ts")
+                        launches[corr if type(corr) is int else _int_arg(corr)] = \
+                            _time(e.ts, "ts")
                     if cat[:3] == "hip":
                         out.is_rocm = True
                 elif cat in _DEVICE_CATS:
