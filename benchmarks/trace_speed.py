@@ -7,7 +7,7 @@ interleaved, and prints one JSON line per run (wall seconds, peak RSS) and a sum
     python benchmarks/trace_speed.py --size-mb 300 --hta-python /tmp/hta-venv/bin/python
     python benchmarks/trace_speed.py --size-mb 100 --gzip both --no-hta   # plain vs .json.gz
 
-HTA (PyPI ``traceinsight``) must live in its own venv; it is not a dependency of stepscope.
+HTA (PyPI ``HolisticTraceAnalysis``) must live in its own venv; it is not a dependency of stepscope.
 """
 
 from __future__ import annotations
@@ -35,26 +35,36 @@ SEED = SHARED / "ns_resolution_trace" / "rank-0.Apr_03_18_51_38.1102.pt.trace.js
 # Each child measures itself: wall time of the analysis and the process's peak RSS.
 OURS = """
 import json, resource, sys, time
+def cpu():
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
 t = time.perf_counter()
 from stepscope.analysis.trace import analyse
+c_import = cpu()
 r = analyse(sys.argv[1], workers=1).ranks[0]
 wall = time.perf_counter() - t
 ru = resource.getrusage(resource.RUSAGE_SELF)
-print(json.dumps({"wall_s": wall, "cpu_s": ru.ru_utime + ru.ru_stime, "peak_rss_mb": ru.ru_maxrss / 1024,
+print(json.dumps({"wall_s": wall, "cpu_s": cpu(), "import_cpu_s": c_import,
+                  "peak_rss_mb": ru.ru_maxrss / 1024,
                   "busy_us": r.total.busy_us, "idle_us": r.total.idle_us}))
 """
 HTA = """
 import contextlib, io, json, logging, os, resource, sys, time
+def cpu():
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
 logging.disable(logging.CRITICAL)
 os.environ["HTA_DISABLE_NS_ROUNDING"] = "1"
 t = time.perf_counter()
 from hta.trace_analysis import TraceAnalysis
+c_import = cpu()
 with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
     a = TraceAnalysis(trace_dir=sys.argv[1], include_last_profiler_step=True)
     df = a.get_temporal_breakdown(visualize=False)
 wall = time.perf_counter() - t
 row = df.iloc[0]
-print(json.dumps({"wall_s": wall, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+print(json.dumps({"wall_s": wall, "cpu_s": cpu(), "import_cpu_s": c_import,
+                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                   "busy_us": float(row["kernel_time(us)"] - row["idle_time(us)"]),
                   "idle_us": float(row["idle_time(us)"])}))
 """
@@ -168,6 +178,11 @@ def main() -> int:
                     r.update(tool=tool + suffix, run=i, size_mb=round(size / 1e6, 1))
                     if "wall_s" in r:
                         r["mb_per_s"] = round(size / 1e6 / r["wall_s"], 1)
+                        # CPU time is what 2 shared cores measure fairly; "after import"
+                        # leaves out the interpreter's and the libraries' start-up.
+                        r["cpu_mb_per_s"] = round(size / 1e6 / r["cpu_s"], 1)
+                        r["cpu_after_import_mb_per_s"] = round(
+                            size / 1e6 / max(1e-9, r["cpu_s"] - r["import_cpu_s"]), 1)
                     print(json.dumps(r), flush=True)
                     results.setdefault(tool + suffix, []).append(r)
     ok = {t: [r for r in rs if "error" not in r] for t, rs in results.items()}
@@ -186,15 +201,28 @@ def main() -> int:
                           "stepscope_mb_per_s": round(size / 1e6 / ours_s, 1),
                           "baseline_mb_per_s": round(size / 1e6 / base_s, 1),
                           "wall_speedup": round(base_s / ours_s, 2), "cpu_speedup": round(base_c / ours_c, 2),
+                          "stepscope_cpu_mb_per_s": round(size / 1e6 / ours_c, 1),
+                          "stepscope_cpu_after_import_mb_per_s": round(size / 1e6 / statistics.median(
+                              r["cpu_s"] - r["import_cpu_s"] for r in ok["stepscope"]), 1),
                           "stepscope_peak_rss_mb": round(max(r["peak_rss_mb"] for r in ok["stepscope"])),
                           "baseline_peak_rss_mb": round(max(r["peak_rss_mb"] for r in ok["baseline"]))}))
     if ok.get("stepscope") and ok.get("hta"):
         ours_s = statistics.median(r["wall_s"] for r in ok["stepscope"])
         hta_s = statistics.median(r["wall_s"] for r in ok["hta"])
+        ours_c = statistics.median(r["cpu_s"] for r in ok["stepscope"])
+        hta_c = statistics.median(r["cpu_s"] for r in ok["hta"])
+        ours_a = statistics.median(r["cpu_s"] - r["import_cpu_s"] for r in ok["stepscope"])
+        hta_a = statistics.median(r["cpu_s"] - r["import_cpu_s"] for r in ok["hta"])
         ours_m = max(r["peak_rss_mb"] for r in ok["stepscope"])
         hta_m = max(r["peak_rss_mb"] for r in ok["hta"])
-        print(json.dumps({"summary": True, "stepscope_wall_s": round(ours_s, 2),
-                          "hta_wall_s": round(hta_s, 2), "speedup": round(hta_s / ours_s, 2),
+        print(json.dumps({"summary": True, "size_mb": round(size / 1e6, 1),
+                          "stepscope_wall_s": round(ours_s, 2), "hta_wall_s": round(hta_s, 2),
+                          "speedup": round(hta_s / ours_s, 2),
+                          "stepscope_cpu_s": round(ours_c, 2), "hta_cpu_s": round(hta_c, 2),
+                          "cpu_ratio": round(hta_c / ours_c, 2),
+                          "stepscope_cpu_after_import_s": round(ours_a, 2),
+                          "hta_cpu_after_import_s": round(hta_a, 2),
+                          "cpu_after_import_ratio": round(hta_a / ours_a, 2),
                           "stepscope_peak_rss_mb": round(ours_m), "hta_peak_rss_mb": round(hta_m),
                           "memory_ratio": round(ours_m / hta_m, 3)}))
     return 0

@@ -1,17 +1,23 @@
-"""The ``traceEvents`` array cut into large batches of whole events, parsed natively.
+"""The ``traceEvents`` array cut into large slices of whole events, parsed natively.
 
-A trace is read in blocks of several MiB. One ``bytes.translate`` marks the bytes that
-matter for structure (quotes, backslashes, brackets, commas); numpy finds which quotes are
-escaped, which brackets and commas lie outside strings and the depth after each. Commas at
-the array's own depth separate events, so the bytes between the first and the last of them
-in a block are a run of whole events, handed to msgspec in one call (``float_hook=Decimal``
-keeps microsecond timestamps with nanosecond digits exact). Python touches each event once,
-as a dict, in the caller's loop; the scan itself never does per-byte Python work.
+Two paths over the same bytes. The fast path, used inside the array from any boundary
+between events: the last ``}`` followed by ``,`` and ``{`` in the next 512 KiB is a
+candidate cut, and msgspec decoding ``[`` slice ``]`` without error proves it (parsing from
+a known boundary is deterministic, so a cut inside a string or a nested value leaves
+something unterminated). Each event is decoded straight into a small struct: ``args`` into
+:class:`Args`, the few keys the analysis reads (msgspec skips the rest without building
+them), ``ts``/``dur`` raw until the event is kept. The exact path, used for the document's
+head and tail and for any slice the fast path does not vouch for: one ``bytes.translate``
+marks the bytes that matter for structure (quotes, backslashes, brackets, commas); numpy
+finds which quotes are escaped, which brackets and commas lie outside strings and the
+depth after each, and the commas at the array's own depth separate events. Python touches
+each event once, in the caller's loop over lists of them.
 
 Bounds, checked while scanning so hostile input costs linear time and bounded memory:
-nesting deeper than ``max_depth`` stops the read there; an event longer than
-``max_event_bytes`` (a 200 MiB kernel name, a 1 GiB string in a 1 MB gzip) is never
-buffered: it is skipped and counted.
+nesting deeper than ``max_depth`` stops the read there (the fast path hands any slice whose
+bracket count could pass it to the exact path); an event longer than ``max_event_bytes``
+(a 200 MiB kernel name, a 1 GiB string in a 1 MB gzip) is never buffered: it is skipped and
+counted (fast slices are never longer than that, so none of their events is).
 """
 
 from __future__ import annotations
