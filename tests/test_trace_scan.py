@@ -196,3 +196,20 @@ def _scan_fast(doc: bytes) -> tuple[EventScan, list[Any]]:
     for batch in scan.finish_batches():
         out.extend(batch)
     return scan, out
+
+
+def test_time_conversion_is_exact_decimal_arithmetic() -> None:
+    # The fast conversion of a raw µs number must give int(Decimal(text) * 1000) exactly.
+    from decimal import Decimal
+
+    from stepscope.analysis.trace.events import _time
+
+    rng = random.Random(5)
+    texts = ["0", "7", "1.5", "-1.5", "-0.0005", "0.001", "12.3456789", "1712195495505583.0",
+             "4203669613175.703", "0001.25", "1e3", "1.5E2", "-12", "9999999999999999.999"]
+    for _ in range(2000):
+        whole = str(rng.randrange(0, 10 ** rng.randrange(1, 17)))
+        frac = "".join(rng.choice("0123456789") for _ in range(rng.randrange(1, 7)))
+        texts.append(("-" if rng.random() < 0.2 else "") + whole + "." + frac)
+    for t in texts:
+        assert _time(msgspec.Raw(t.encode()), "ts") == int(Decimal(t) * 1000), t
