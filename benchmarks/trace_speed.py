@@ -48,6 +48,16 @@ print(json.dumps({"wall_s": wall, "cpu_s": cpu(), "import_cpu_s": c_import,
                   "peak_rss_mb": ru.ru_maxrss / 1024,
                   "busy_us": r.total.busy_us, "idle_us": r.total.idle_us}))
 """
+# The same with the package's __init__ skipped: what `stepscope trace` would cost if
+# `import stepscope` did not import the recording side (torch, ~1.3 s CPU and ~190 MB).
+OURS_BARE = """
+import sys, types
+pkg = types.ModuleType("stepscope")
+pkg.__path__ = [p + "/stepscope" for p in sys.path if p and __import__("os").path.isfile(
+    p + "/stepscope/analysis/trace/__init__.py")][:1]
+sys.modules["stepscope"] = pkg
+""" + OURS
+
 HTA = """
 import contextlib, io, json, logging, os, resource, sys, time
 def cpu():
@@ -135,6 +145,8 @@ def main() -> int:
     ap.add_argument("--gzip", choices=("no", "yes", "both"), default="no",
                     help="analyse the synthetic trace gzipped (real traces ship as .json.gz), or both ways")
     ap.add_argument("--no-hta", action="store_true", help="time stepscope only")
+    ap.add_argument("--bare", action="store_true",
+                    help="also time stepscope without running the package __init__ (no torch import)")
     ap.add_argument("--baseline-src", metavar="DIR",
                     help="also time another checkout's src/ (e.g. the previous version) side by side")
     ap.add_argument("--whitespace", action="store_true",
@@ -166,6 +178,8 @@ def main() -> int:
             if args.gzip == "yes":
                 variants = [("-gz", gz_dir)]
         tools: list[tuple[str, str, str, str | None]] = [("stepscope", sys.executable, OURS, None)]
+        if args.bare:
+            tools.append(("stepscope-bare", sys.executable, OURS_BARE, None))
         if args.baseline_src:
             tools.append(("baseline", sys.executable, OURS, args.baseline_src))
         if not args.no_hta:
@@ -186,6 +200,12 @@ def main() -> int:
                     print(json.dumps(r), flush=True)
                     results.setdefault(tool + suffix, []).append(r)
     ok = {t: [r for r in rs if "error" not in r] for t, rs in results.items()}
+    if ok.get("stepscope-bare"):
+        bare = ok["stepscope-bare"]
+        print(json.dumps({"summary": "bare", "size_mb": round(size / 1e6, 1),
+                          "cpu_s": [round(r["cpu_s"], 2) for r in bare],
+                          "cpu_mb_per_s": [round(size / 1e6 / r["cpu_s"], 1) for r in bare],
+                          "peak_rss_mb": [round(r["peak_rss_mb"]) for r in bare]}))
     if ok.get("stepscope") and ok.get("stepscope-gz"):
         plain = statistics.median(r["wall_s"] for r in ok["stepscope"])
         gz = statistics.median(r["wall_s"] for r in ok["stepscope-gz"])
