@@ -213,3 +213,23 @@ def test_time_conversion_is_exact_decimal_arithmetic() -> None:
         texts.append(("-" if rng.random() < 0.2 else "") + whole + "." + frac)
     for t in texts:
         assert _time(msgspec.Raw(t.encode()), "ts") == int(Decimal(t) * 1000), t
+
+
+def test_fast_path_gives_up_on_a_trace_whose_slices_keep_failing() -> None:
+    # An item that is no event in every slice: each fast try is a wasted decode, so after a
+    # few the scan stops trying (same items, exact scan only).
+    items: list[Any] = []
+    for i in range(3000):
+        items.append(_kernel(i))
+        if i % 10 == 9:
+            items.append(i)
+    doc = json.dumps({"traceEvents": items}).encode()
+    scan = EventScan(64, fast_bytes=2048)
+    got: list[Any] = []
+    for i in range(0, len(doc), 4096):
+        for batch in scan.feed_batches(doc[i:i + 4096]):
+            got.extend(batch)
+    for batch in scan.finish_batches():
+        got.extend(batch)
+    assert [_plain(x) for x in got] == [_as_read(x) for x in items]
+    assert scan.fast_items == 0 and scan._fast_failures == 8

@@ -50,6 +50,7 @@ _CLASS[ord("]")] = _CLASS[ord("}")] = _CLOSE
 _CLASS[ord(",")] = _COMMA
 _TABLE = bytes(_CLASS)
 _KEY = b'"traceEvents"'
+_FAST_GIVE_UP = 8
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 _WS = b" \t\r\n"
 #: Bytes of the document outside traceEvents kept to check it is well-formed at the end.
@@ -191,6 +192,9 @@ class EventScan:
         self._prev_tail = b""
         self._rest = b""  # bytes from a boundary between events, not decoded yet (fast path)
         self.fast_items = 0  # items the fast path decoded (the rest went through the exact scan)
+        # Decodes wasted in a row: a trace whose slices keep failing (odd items everywhere)
+        # stops trying, so it costs the exact scan alone, not both.
+        self._fast_failures = 0
         # Slices the fast path decodes at once: at most max_event_bytes, so none holds an
         # oversized event.
         self._fast_bytes = min(fast_bytes, max_event_bytes)
@@ -206,7 +210,7 @@ class EventScan:
         """Lists of decoded items completed by ``data`` (feed several MiB at a time)."""
         if self.stopped is not None or self.went_negative:
             return
-        if self.in_array and not self.skipping:
+        if self.in_array and not self.skipping and self._fast_failures < _FAST_GIVE_UP:
             # At (or just past) a boundary between events: try the fast path from there.
             rest = self._rest
             if self.pending:
@@ -258,7 +262,9 @@ class EventScan:
                 try:
                     items = _FAST.decode(b"[" + piece + b"]")
                 except (msgspec.DecodeError, RecursionError):
+                    self._fast_failures += 1
                     break
+            self._fast_failures = 0
             self.fast_items += len(items)
             yield items
             pos = c + 2
