@@ -7,7 +7,7 @@ interleaved, and prints one JSON line per run (wall seconds, peak RSS) and a sum
     python benchmarks/trace_speed.py --size-mb 300 --hta-python /tmp/hta-venv/bin/python
     python benchmarks/trace_speed.py --size-mb 100 --gzip both --no-hta   # plain vs .json.gz
 
-HTA (PyPI ``traceinsight``) must live in its own venv; it is not a dependency of stepscope.
+HTA (PyPI ``HolisticTraceAnalysis``) must live in its own venv; it is not a dependency of stepscope.
 """
 
 from __future__ import annotations
@@ -35,26 +35,46 @@ SEED = SHARED / "ns_resolution_trace" / "rank-0.Apr_03_18_51_38.1102.pt.trace.js
 # Each child measures itself: wall time of the analysis and the process's peak RSS.
 OURS = """
 import json, resource, sys, time
+def cpu():
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
 t = time.perf_counter()
 from stepscope.analysis.trace import analyse
+c_import = cpu()
 r = analyse(sys.argv[1], workers=1).ranks[0]
 wall = time.perf_counter() - t
 ru = resource.getrusage(resource.RUSAGE_SELF)
-print(json.dumps({"wall_s": wall, "cpu_s": ru.ru_utime + ru.ru_stime, "peak_rss_mb": ru.ru_maxrss / 1024,
+print(json.dumps({"wall_s": wall, "cpu_s": cpu(), "import_cpu_s": c_import,
+                  "peak_rss_mb": ru.ru_maxrss / 1024,
                   "busy_us": r.total.busy_us, "idle_us": r.total.idle_us}))
 """
+# The same with the package's __init__ skipped: what `stepscope trace` would cost if
+# `import stepscope` did not import the recording side (torch, ~1.3 s CPU and ~190 MB).
+OURS_BARE = """
+import sys, types
+pkg = types.ModuleType("stepscope")
+pkg.__path__ = [p + "/stepscope" for p in sys.path if p and __import__("os").path.isfile(
+    p + "/stepscope/analysis/trace/__init__.py")][:1]
+sys.modules["stepscope"] = pkg
+""" + OURS
+
 HTA = """
 import contextlib, io, json, logging, os, resource, sys, time
+def cpu():
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
 logging.disable(logging.CRITICAL)
 os.environ["HTA_DISABLE_NS_ROUNDING"] = "1"
 t = time.perf_counter()
 from hta.trace_analysis import TraceAnalysis
+c_import = cpu()
 with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
     a = TraceAnalysis(trace_dir=sys.argv[1], include_last_profiler_step=True)
     df = a.get_temporal_breakdown(visualize=False)
 wall = time.perf_counter() - t
 row = df.iloc[0]
-print(json.dumps({"wall_s": wall, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+print(json.dumps({"wall_s": wall, "cpu_s": cpu(), "import_cpu_s": c_import,
+                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                   "busy_us": float(row["kernel_time(us)"] - row["idle_time(us)"]),
                   "idle_us": float(row["idle_time(us)"])}))
 """
@@ -125,6 +145,8 @@ def main() -> int:
     ap.add_argument("--gzip", choices=("no", "yes", "both"), default="no",
                     help="analyse the synthetic trace gzipped (real traces ship as .json.gz), or both ways")
     ap.add_argument("--no-hta", action="store_true", help="time stepscope only")
+    ap.add_argument("--bare", action="store_true",
+                    help="also time stepscope without running the package __init__ (no torch import)")
     ap.add_argument("--baseline-src", metavar="DIR",
                     help="also time another checkout's src/ (e.g. the previous version) side by side")
     ap.add_argument("--whitespace", action="store_true",
@@ -156,6 +178,8 @@ def main() -> int:
             if args.gzip == "yes":
                 variants = [("-gz", gz_dir)]
         tools: list[tuple[str, str, str, str | None]] = [("stepscope", sys.executable, OURS, None)]
+        if args.bare:
+            tools.append(("stepscope-bare", sys.executable, OURS_BARE, None))
         if args.baseline_src:
             tools.append(("baseline", sys.executable, OURS, args.baseline_src))
         if not args.no_hta:
@@ -168,9 +192,20 @@ def main() -> int:
                     r.update(tool=tool + suffix, run=i, size_mb=round(size / 1e6, 1))
                     if "wall_s" in r:
                         r["mb_per_s"] = round(size / 1e6 / r["wall_s"], 1)
+                        # CPU time is what 2 shared cores measure fairly; "after import"
+                        # leaves out the interpreter's and the libraries' start-up.
+                        r["cpu_mb_per_s"] = round(size / 1e6 / r["cpu_s"], 1)
+                        r["cpu_after_import_mb_per_s"] = round(
+                            size / 1e6 / max(1e-9, r["cpu_s"] - r["import_cpu_s"]), 1)
                     print(json.dumps(r), flush=True)
                     results.setdefault(tool + suffix, []).append(r)
     ok = {t: [r for r in rs if "error" not in r] for t, rs in results.items()}
+    if ok.get("stepscope-bare"):
+        bare = ok["stepscope-bare"]
+        print(json.dumps({"summary": "bare", "size_mb": round(size / 1e6, 1),
+                          "cpu_s": [round(r["cpu_s"], 2) for r in bare],
+                          "cpu_mb_per_s": [round(size / 1e6 / r["cpu_s"], 1) for r in bare],
+                          "peak_rss_mb": [round(r["peak_rss_mb"]) for r in bare]}))
     if ok.get("stepscope") and ok.get("stepscope-gz"):
         plain = statistics.median(r["wall_s"] for r in ok["stepscope"])
         gz = statistics.median(r["wall_s"] for r in ok["stepscope-gz"])
@@ -186,15 +221,28 @@ def main() -> int:
                           "stepscope_mb_per_s": round(size / 1e6 / ours_s, 1),
                           "baseline_mb_per_s": round(size / 1e6 / base_s, 1),
                           "wall_speedup": round(base_s / ours_s, 2), "cpu_speedup": round(base_c / ours_c, 2),
+                          "stepscope_cpu_mb_per_s": round(size / 1e6 / ours_c, 1),
+                          "stepscope_cpu_after_import_mb_per_s": round(size / 1e6 / statistics.median(
+                              r["cpu_s"] - r["import_cpu_s"] for r in ok["stepscope"]), 1),
                           "stepscope_peak_rss_mb": round(max(r["peak_rss_mb"] for r in ok["stepscope"])),
                           "baseline_peak_rss_mb": round(max(r["peak_rss_mb"] for r in ok["baseline"]))}))
     if ok.get("stepscope") and ok.get("hta"):
         ours_s = statistics.median(r["wall_s"] for r in ok["stepscope"])
         hta_s = statistics.median(r["wall_s"] for r in ok["hta"])
+        ours_c = statistics.median(r["cpu_s"] for r in ok["stepscope"])
+        hta_c = statistics.median(r["cpu_s"] for r in ok["hta"])
+        ours_a = statistics.median(r["cpu_s"] - r["import_cpu_s"] for r in ok["stepscope"])
+        hta_a = statistics.median(r["cpu_s"] - r["import_cpu_s"] for r in ok["hta"])
         ours_m = max(r["peak_rss_mb"] for r in ok["stepscope"])
         hta_m = max(r["peak_rss_mb"] for r in ok["hta"])
-        print(json.dumps({"summary": True, "stepscope_wall_s": round(ours_s, 2),
-                          "hta_wall_s": round(hta_s, 2), "speedup": round(hta_s / ours_s, 2),
+        print(json.dumps({"summary": True, "size_mb": round(size / 1e6, 1),
+                          "stepscope_wall_s": round(ours_s, 2), "hta_wall_s": round(hta_s, 2),
+                          "speedup": round(hta_s / ours_s, 2),
+                          "stepscope_cpu_s": round(ours_c, 2), "hta_cpu_s": round(hta_c, 2),
+                          "cpu_ratio": round(hta_c / ours_c, 2),
+                          "stepscope_cpu_after_import_s": round(ours_a, 2),
+                          "hta_cpu_after_import_s": round(hta_a, 2),
+                          "cpu_after_import_ratio": round(hta_a / ours_a, 2),
                           "stepscope_peak_rss_mb": round(ours_m), "hta_peak_rss_mb": round(hta_m),
                           "memory_ratio": round(ours_m / hta_m, 3)}))
     return 0

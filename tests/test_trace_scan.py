@@ -13,7 +13,14 @@ import msgspec
 import pytest
 
 from stepscope.analysis.trace import analyse
-from stepscope.analysis.trace.scan import MAX_EVENT_BYTES, EventScan, Malformed, TraceEvent
+from stepscope.analysis.trace.scan import (
+    MAX_EVENT_BYTES,
+    Args,
+    Event,
+    EventScan,
+    Malformed,
+    TraceEvent,
+)
 from stepscope.errors import StepscopeWarning
 
 
@@ -32,21 +39,35 @@ def _scan(doc: bytes, piece: int) -> list[Any]:
 
 
 def _plain(x: Any) -> Any:
-    if isinstance(x, TraceEvent):
-        return {f: (json.loads(bytes(v)) if isinstance(v, msgspec.Raw) else v)
-                for f in x.__struct_fields__
-                if (v := getattr(x, f)) is not msgspec.UNSET and not (isinstance(v, msgspec.Raw)
-                                                                      and not len(v))}
+    """A decoded item back as plain JSON values (an event keeps only the args keys read)."""
+    if isinstance(x, (TraceEvent, Event)):
+        out = {f: (json.loads(bytes(v)) if isinstance(v, msgspec.Raw) else v)
+               for f in x.__struct_fields__
+               if (v := getattr(x, f)) is not msgspec.UNSET and not (isinstance(v, msgspec.Raw)
+                                                                     and not len(v))}
+        if isinstance(x, Event) and x.args is not None:
+            out["args"] = json.loads(msgspec.json.encode(x.args))  # UNSET keys are left out
+        return out
     return x
 
 
-def _tricky_doc(seed: int) -> tuple[bytes, list[Any]]:
+_ARG_KEYS = set(json.loads(msgspec.json.encode(Args(*range(len(Args.__struct_fields__))))))
+
+
+def _as_read(x: Any) -> Any:
+    """An item as the scan keeps it: an event's args reduced to the keys the analysis reads."""
+    if isinstance(x, dict) and isinstance(x.get("args"), dict):
+        return {**x, "args": {k: v for k, v in x["args"].items() if k in _ARG_KEYS}}
+    return x
+
+
+def _tricky_doc(seed: int, odd: bool = True) -> tuple[bytes, list[Any]]:
     rng = random.Random(seed)
     names = ['a"b', "back\\slash\\", '\\"}],{[', "ünïcödé", "x" * 3000, "\\\\", '{"traceEvents": [1]}']
     items: list[Any] = []
     for i in range(400):
         r = rng.random()
-        if r < 0.05:
+        if r < 0.05 and odd:
             items.append(rng.choice([5, "str", None, [1, [2]], True]))
         else:
             ev = _kernel(i, rng.choice(names))
@@ -67,7 +88,7 @@ def test_scan_yields_exactly_the_items_of_a_full_parse(seed: int, piece: int) ->
     doc, items = _tricky_doc(seed)
     assert json.loads(doc)["traceEvents"] == items  # the document itself is valid JSON
     got = [_plain(x) for x in _scan(doc, piece)]
-    assert got == items
+    assert got == [_as_read(x) for x in items]
 
 
 def test_truncated_document_keeps_whole_events_and_raises() -> None:
@@ -78,7 +99,7 @@ def test_truncated_document_keeps_whole_events_and_raises() -> None:
     with pytest.raises(Malformed):
         got.extend(scan.finish())
     assert 20 <= len(got) < 50
-    assert all(isinstance(x, TraceEvent) and x.cat == "kernel" for x in got)
+    assert all(isinstance(x, Event) and x.cat == "kernel" for x in got)
 
 
 def test_depth_is_bounded_while_scanning() -> None:
@@ -121,3 +142,94 @@ def test_a_long_name_inside_one_block_is_skipped_too(tmp_path: Path) -> None:
     with pytest.warns(StepscopeWarning):
         r = analyse(p).ranks[0]
     assert (r.device_events, r.skipped_events, r.events_seen) == (2, 1, 3)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("fast_bytes", [400, 700, 5000])
+def test_fast_path_yields_the_same_items(seed: int, fast_bytes: int) -> None:
+    # Small fast slices, so the fast path runs many times on the tricky document: cut
+    # candidates inside strings ('\\"}],{[' names), nested args (items that are no events
+    # send a slice to the exact scan, so they are left out here).
+    doc, items = _tricky_doc(seed, odd=False)
+    for piece in (997, 8191):
+        scan = EventScan(64, fast_bytes=fast_bytes)
+        got: list[Any] = []
+        for i in range(0, len(doc), piece):
+            for batch in scan.feed_batches(doc[i:i + piece]):
+                got.extend(batch)
+        for batch in scan.finish_batches():
+            got.extend(batch)
+        assert [_plain(x) for x in got] == [_as_read(x) for x in items]
+        assert scan.fast_items > 0
+
+
+def test_fast_path_leaves_deep_nesting_to_the_exact_scan() -> None:
+    # A deep value after many ordinary events: the fast path must not decode past it.
+    head = ",".join(json.dumps(_kernel(i)) for i in range(2000))
+    deep = '{"ph": "X", "args": {"a": ' + "[" * 100 + "]" * 100 + "}}"
+    doc = ('{"traceEvents": [' + head + ", " + deep + ", " + head + "]}").encode()
+    scan = EventScan(64, fast_bytes=4096)
+    got: list[Any] = []
+    for i in range(0, len(doc), 8192):
+        for batch in scan.feed_batches(doc[i:i + 8192]):
+            got.extend(batch)
+    assert scan.stopped and "deeper than 64" in scan.stopped
+    assert len(got) == 2000
+    assert scan.fast_items > 1000
+
+
+def test_fast_path_hands_the_array_end_and_a_truncation_to_the_exact_scan() -> None:
+    evs = [_kernel(i) for i in range(3000)]
+    doc = json.dumps({"traceEvents": evs, "deviceProperties": [{"a": 1}, {"b": 2}]}).encode()
+    scan, got = _scan_fast(doc)
+    assert len(got) == 3000 and scan.fast_items > 2000
+    with pytest.raises(Malformed):
+        _scan_fast(doc[: len(doc) // 2])
+
+
+def _scan_fast(doc: bytes) -> tuple[EventScan, list[Any]]:
+    scan = EventScan(64, fast_bytes=2048)
+    out: list[Any] = []
+    for i in range(0, len(doc), 16384):
+        for batch in scan.feed_batches(doc[i:i + 16384]):
+            out.extend(batch)
+    for batch in scan.finish_batches():
+        out.extend(batch)
+    return scan, out
+
+
+def test_time_conversion_is_exact_decimal_arithmetic() -> None:
+    # The fast conversion of a raw µs number must give int(Decimal(text) * 1000) exactly.
+    from decimal import Decimal
+
+    from stepscope.analysis.trace.events import _time
+
+    rng = random.Random(5)
+    texts = ["0", "7", "1.5", "-1.5", "-0.0005", "0.001", "12.3456789", "1712195495505583.0",
+             "4203669613175.703", "0001.25", "1e3", "1.5E2", "-12", "9999999999999999.999"]
+    for _ in range(2000):
+        whole = str(rng.randrange(0, 10 ** rng.randrange(1, 17)))
+        frac = "".join(rng.choice("0123456789") for _ in range(rng.randrange(1, 7)))
+        texts.append(("-" if rng.random() < 0.2 else "") + whole + "." + frac)
+    for t in texts:
+        assert _time(msgspec.Raw(t.encode()), "ts") == int(Decimal(t) * 1000), t
+
+
+def test_fast_path_gives_up_on_a_trace_whose_slices_keep_failing() -> None:
+    # An item that is no event in every slice: each fast try is a wasted decode, so after a
+    # few the scan stops trying (same items, exact scan only).
+    items: list[Any] = []
+    for i in range(3000):
+        items.append(_kernel(i))
+        if i % 10 == 9:
+            items.append(i)
+    doc = json.dumps({"traceEvents": items}).encode()
+    scan = EventScan(64, fast_bytes=2048)
+    got: list[Any] = []
+    for i in range(0, len(doc), 4096):
+        for batch in scan.feed_batches(doc[i:i + 4096]):
+            got.extend(batch)
+    for batch in scan.finish_batches():
+        got.extend(batch)
+    assert [_plain(x) for x in got] == [_as_read(x) for x in items]
+    assert scan.fast_items == 0 and scan._fast_failures == 8

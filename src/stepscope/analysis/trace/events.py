@@ -30,6 +30,8 @@ from stepscope.analysis.trace.reader import (
 from stepscope.analysis.trace.scan import (
     BLOCK_BYTES,
     MAX_EVENT_BYTES,
+    Args,
+    Event,
     EventScan,
     Malformed,
     TraceEvent,
@@ -158,13 +160,13 @@ def parse_trace(path: str | os.PathLike[str], max_bytes: int = MAX_INFLATED_BYTE
     return out
 
 
-def _items(reader: _TraceReader, scan: EventScan) -> Iterator[Any]:
-    """Every item of the trace's ``traceEvents`` array, decoded a block at a time."""
+def _items(reader: _TraceReader, scan: EventScan) -> Iterator[list[Any]]:
+    """The items of the trace's ``traceEvents`` array in lists, decoded a block at a time."""
     for block in read_blocks(reader, BLOCK_BYTES):
-        yield from scan.feed(block)
+        yield from scan.feed_batches(block)
         if scan.stopped is not None:
             return
-    yield from scan.finish()
+    yield from scan.finish_batches()
 
 
 def _count_scan_skips(scan: EventScan, out: ParsedTrace) -> None:
@@ -215,8 +217,23 @@ def _num(v: Any, what: str) -> int:
 _MAX_US_INT = int(_MAX_US)
 
 
+_US_DIGITS = 10**16  # a Decimal with adjusted() < 16, as _num accepts
+
+
 def _time(raw: Raw, what: str) -> int:
+    """A raw JSON number of µs as exact integer ns (``int(Decimal(text) * 1000)``)."""
     b = bytes(raw)
+    if not b.isdigit():
+        whole, dot, frac = b.partition(b".")
+        neg = whole[:1] == b"-"
+        if neg:
+            whole = whole[1:]
+        # The usual non-integer, digits "." digits: exact without building a Decimal.
+        if dot and frac.isdigit() and whole.isdigit():
+            w = int(whole)
+            if w < _US_DIGITS:
+                ns = w * 1000 + int((frac + b"00")[:3])
+                return -ns if neg else ns
     try:  # the common case, a plain JSON number, without a decoder call
         v: Any = int(b) if b.isdigit() else Decimal(b.decode("ascii"))
     except (ValueError, ArithmeticError, UnicodeDecodeError):
@@ -227,7 +244,7 @@ def _time(raw: Raw, what: str) -> int:
     return _num(v, what)
 
 
-def _span(e: TraceEvent) -> tuple[int, int]:
+def _span(e: Event | TraceEvent) -> tuple[int, int]:
     start = _time(e.ts, "ts")
     if not len(e.dur):
         raise _BadEvent("dur is missing")
@@ -264,7 +281,7 @@ def _correlation(e: TraceEvent) -> Any:
     return None if a is None else a.correlation
 
 
-def _name(e: TraceEvent) -> Any:
+def _name(e: Event | TraceEvent) -> Any:
     return "" if e.name is UNSET else e.name
 
 
@@ -288,107 +305,210 @@ def _comm_key(args: dict[str, Any]) -> tuple[str, str, int] | None:
     return str(pg)[:200], str(coll)[:100], seq
 
 
-def _scan_events(events: Iterable[Any], out: ParsedTrace) -> None:
+def _get(v: Any, default: Any) -> Any:
+    return default if v is UNSET else v
+
+
+def _comm_key_of(a: Args) -> tuple[str, str, int] | None:
+    """:func:`_comm_key` on decoded :class:`Args`."""
+    pg = a.pg if a.pg is not UNSET else _get(a.pg_name, None)
+    if pg is None:
+        return None
+    coll = a.coll if a.coll is not UNSET else _get(a.collective_name, "")
+    seq = _int_arg(a.seq_cap if a.seq_cap is not UNSET else _get(a.seq, None), -1)
+    return str(pg)[:200], str(coll)[:100], seq
+
+
+_NO_ARGS = Args()
+
+
+def _scan_events(batches: Iterable[list[Any]], out: ParsedTrace) -> None:
     dev = out.device_events
     launches = out.launches
-    # Kernel names repeat thousands of times and run to hundreds of characters; keep one copy.
+    steps = out.steps
+    # Kernel names repeat thousands of times and run to hundreds of characters: keep one
+    # copy, and classify each distinct (name, category) once.
     names: dict[str, str] = {}
-    for e in events:
-        out.events_seen += 1
-        if type(e) is not TraceEvent or e.ph != "X":
-            continue
-        cat = e.cat
-        try:
-            if cat in _DEVICE_CATS:
-                args = _args(e)
-                start, end = _span(e)
-                name = str(_name(e))
-                name = names.setdefault(name, name)
-                category = K.classify(name, cat)
-                kind = ""
-                nbytes = 0
-                if category == K.MEMORY:
-                    kind = K.copy_kind(name, args.get("kind"))
-                    nbytes = max(0, _int_arg(args.get("bytes"), 0))
-                stream = args.get("stream", -1 if e.tid is UNSET else e.tid)
-                dev.append(DeviceEvent(
-                    start, end, name, category,
-                    int(stream) if isinstance(stream, int) else -1,
-                    _int_arg(args.get("correlation", -1)), nbytes, kind,
-                    _comm_key(args) if category == K.COMMUNICATION else None,
-                    _int_arg(args.get("External id", -1)),
-                ))
-            elif cat in _LAUNCH_CATS:
-                corr = _correlation(e)
-                if corr is not None:
-                    launches[_int_arg(corr)] = _time(e.ts, "ts")
-                if str(cat).startswith("hip"):
-                    out.is_rocm = True
-            elif cat == "user_annotation":
-                m = _STEP_RE.match(str(_name(e)))
-                if m:
+    classes: dict[tuple[str, Any], str] = {}
+    for batch in batches:
+        out.events_seen += len(batch)
+        for e in batch:
+            if type(e) is not Event:
+                if type(e) is TraceEvent:
+                    _lenient_event(e, out, names)
+                continue
+            if e.ph != "X":
+                continue
+            cat = e.cat
+            try:
+                if cat == "cpu_op":
+                    a = e.args
+                    if a is None:
+                        continue
+                    fl = a.flops
+                    if fl:
+                        if isinstance(fl, bool) or not isinstance(fl, (int, float, Decimal)):
+                            raise _BadEvent("flops is not a number")
+                        fv = float(fl)
+                        if not math.isfinite(fv) or fv < 0:
+                            raise _BadEvent("flops is out of range")
+                        out.flops.append((_time(e.ts, "ts"), fv))
+                    if e.name == "record_param_comms":
+                        key = _comm_key_of(a)
+                        if key is not None:
+                            start, end = _span(e)
+                            ext = _int_arg(_get(a.external_id, -1))
+                            if key[2] >= 0 and ext >= 0:
+                                out.comm_seq[ext] = key
+                            out.comm_ops.append((start, end, key))
+                elif cat in _LAUNCH_CATS:
+                    a = e.args
+                    corr = None if a is None else a.correlation
+                    if corr is not None and corr is not UNSET:
+                        launches[corr if type(corr) is int else _int_arg(corr)] = \
+                            _time(e.ts, "ts")
+                    if cat[:3] == "hip":
+                        out.is_rocm = True
+                elif cat in _DEVICE_CATS:
+                    a = e.args or _NO_ARGS
                     start, end = _span(e)
-                    out.steps.append((int(m.group(1)), start, end))
-            elif cat == "cpu_op":
-                raw = bytes(e.args).lstrip()
-                if not raw or raw == b"null":
-                    continue
-                if raw[:1] != b"{":
-                    raise _BadEvent("args is not an object")
-                # Most CPU ops carry neither: skip building their (large) args dicts.
-                if b'"flops"' not in raw and e.name != "record_param_comms":
-                    continue
-                args = _args(e)
-                fl = args.get("flops")
-                if fl:
-                    if isinstance(fl, bool) or not isinstance(fl, (int, float, Decimal)):
-                        raise _BadEvent("flops is not a number")
-                    fv = float(fl)
-                    if not math.isfinite(fv) or fv < 0:
-                        raise _BadEvent("flops is out of range")
-                    out.flops.append((_time(e.ts, "ts"), fv))
-                if e.name == "record_param_comms":
-                    key = _comm_key(args)
-                    if key is not None:
+                    name = e.name
+                    name = "" if name is UNSET else str(name)
+                    name = names.setdefault(name, name)
+                    ck = (name, cat)
+                    category = classes.get(ck)
+                    if category is None:
+                        category = classes[ck] = K.classify(name, cat)
+                    kind = ""
+                    nbytes = 0
+                    if category == K.MEMORY:
+                        kind = K.copy_kind(name, _get(a.kind, None))
+                        nbytes = max(0, _int_arg(_get(a.nbytes, None), 0))
+                    stream = a.stream
+                    if stream is UNSET:
+                        stream = -1 if e.tid is UNSET else e.tid
+                    dev.append(DeviceEvent(
+                        start, end, name, category,
+                        int(stream) if isinstance(stream, int) else -1,
+                        _int_arg(_get(a.correlation, -1)), nbytes, kind,
+                        _comm_key_of(a) if category == K.COMMUNICATION else None,
+                        _int_arg(_get(a.external_id, -1)),
+                    ))
+                elif cat == "user_annotation":
+                    m = _STEP_RE.match(str(_name(e)))
+                    if m:
                         start, end = _span(e)
-                        ext = _int_arg(args.get("External id", -1))
-                        if key[2] >= 0 and ext >= 0:
-                            out.comm_seq[ext] = key
-                        out.comm_ops.append((start, end, key))
-        except (_BadEvent, KeyError, TypeError, ValueError, ArithmeticError) as exc:
-            # One malformed event (missing ts, a string where a number belongs, args that
-            # are not an object) must not cost the whole file: skip it and count it.
-            out.skipped_events += 1
-            if out.skipped_events == 1:
-                out.first_skip_reason = str(exc)[:120] or type(exc).__name__
+                        steps.append((int(m.group(1)), start, end))
+            except (_BadEvent, KeyError, TypeError, ValueError, ArithmeticError) as exc:
+                # One malformed event (missing ts, a string where a number belongs) must
+                # not cost the whole file: skip it and count it.
+                out.skipped_events += 1
+                if out.skipped_events == 1:
+                    out.first_skip_reason = str(exc)[:120] or type(exc).__name__
 
 
-def _scan_cpu(events: Iterable[Any], out: ParsedTrace) -> None:
+def _lenient_event(e: TraceEvent, out: ParsedTrace, names: dict[str, str]) -> None:
+    """One event in the lenient form (args not an object, or a value msgspec could not
+    convert): the general path, reading ``args`` as a dict."""
+    if e.ph != "X":
+        return
+    dev = out.device_events
+    cat = e.cat
+    try:
+        if cat in _DEVICE_CATS:
+            args = _args(e)
+            start, end = _span(e)
+            name = str(_name(e))
+            name = names.setdefault(name, name)
+            category = K.classify(name, cat)
+            kind = ""
+            nbytes = 0
+            if category == K.MEMORY:
+                kind = K.copy_kind(name, args.get("kind"))
+                nbytes = max(0, _int_arg(args.get("bytes"), 0))
+            stream = args.get("stream", -1 if e.tid is UNSET else e.tid)
+            dev.append(DeviceEvent(
+                start, end, name, category,
+                int(stream) if isinstance(stream, int) else -1,
+                _int_arg(args.get("correlation", -1)), nbytes, kind,
+                _comm_key(args) if category == K.COMMUNICATION else None,
+                _int_arg(args.get("External id", -1)),
+            ))
+        elif cat in _LAUNCH_CATS:
+            corr = _correlation(e)
+            if corr is not None:
+                out.launches[_int_arg(corr)] = _time(e.ts, "ts")
+            if str(cat).startswith("hip"):
+                out.is_rocm = True
+        elif cat == "user_annotation":
+            m = _STEP_RE.match(str(_name(e)))
+            if m:
+                start, end = _span(e)
+                out.steps.append((int(m.group(1)), start, end))
+        elif cat == "cpu_op":
+            raw = bytes(e.args).lstrip()
+            if not raw or raw == b"null":
+                return
+            if raw[:1] != b"{":
+                raise _BadEvent("args is not an object")
+            # Most CPU ops carry neither: skip building their (large) args dicts.
+            if b'"flops"' not in raw and e.name != "record_param_comms":
+                return
+            args = _args(e)
+            fl = args.get("flops")
+            if fl:
+                if isinstance(fl, bool) or not isinstance(fl, (int, float, Decimal)):
+                    raise _BadEvent("flops is not a number")
+                fv = float(fl)
+                if not math.isfinite(fv) or fv < 0:
+                    raise _BadEvent("flops is out of range")
+                out.flops.append((_time(e.ts, "ts"), fv))
+            if e.name == "record_param_comms":
+                key = _comm_key(args)
+                if key is not None:
+                    start, end = _span(e)
+                    ext = _int_arg(args.get("External id", -1))
+                    if key[2] >= 0 and ext >= 0:
+                        out.comm_seq[ext] = key
+                    out.comm_ops.append((start, end, key))
+    except (_BadEvent, KeyError, TypeError, ValueError, ArithmeticError) as exc:
+        # One malformed event (missing ts, a string where a number belongs, args that
+        # are not an object) must not cost the whole file: skip it and count it.
+        out.skipped_events += 1
+        if out.skipped_events == 1:
+            out.first_skip_reason = str(exc)[:120] or type(exc).__name__
+
+
+def _scan_cpu(batches: Iterable[list[Any]], out: ParsedTrace) -> None:
     """Second pass over a trace with no device events: collect its CPU ops and annotations.
 
     Only CPU-only traces pay for it; events the first pass already used (steps, flops,
     record_param_comms) or skipped (args not an object) are not counted again.
     """
     cpu = out.cpu_ops
-    for e in events:
-        if type(e) is not TraceEvent or e.ph != "X":
-            continue
-        cat = e.cat
-        if cat != "cpu_op" and cat != "user_annotation":
-            continue
-        name = _name(e)
-        name = name if isinstance(name, str) else str(name)
-        if name == "record_param_comms" or (cat == "user_annotation" and _STEP_RE.match(name)):
-            continue
-        raw = bytes(e.args).lstrip()
-        if raw and raw != b"null" and raw[:1] != b"{":
-            continue
-        try:
-            start, end = _span(e)
-        except _BadEvent as exc:
-            out.skipped_events += 1
-            if out.skipped_events == 1:
-                out.first_skip_reason = str(exc)
-            continue
-        tid = 0 if e.tid is UNSET else e.tid
-        cpu.add(start, end, name, tid if isinstance(tid, (int, str)) else 0)
+    for batch in batches:
+        for e in batch:
+            tp = type(e)
+            if (tp is not Event and tp is not TraceEvent) or e.ph != "X":
+                continue
+            cat = e.cat
+            if cat != "cpu_op" and cat != "user_annotation":
+                continue
+            name = _name(e)
+            name = name if isinstance(name, str) else str(name)
+            if name == "record_param_comms" or (cat == "user_annotation"
+                                                and _STEP_RE.match(name)):
+                continue
+            if tp is TraceEvent:  # the lenient form: args may be something else
+                raw = bytes(e.args).lstrip()
+                if raw and raw != b"null" and raw[:1] != b"{":
+                    continue
+            try:
+                start, end = _span(e)
+            except _BadEvent as exc:
+                out.skipped_events += 1
+                if out.skipped_events == 1:
+                    out.first_skip_reason = str(exc)
+                continue
+            tid = 0 if e.tid is UNSET else e.tid
+            cpu.add(start, end, name, tid if isinstance(tid, (int, str)) else 0)

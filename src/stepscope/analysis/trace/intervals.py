@@ -7,6 +7,7 @@ nanoseconds, and a trace's hundreds of thousands of kernels cost milliseconds.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from itertools import chain
 
 import numpy as np
 
@@ -14,7 +15,10 @@ Interval = tuple[int, int]
 
 
 def _arrays(intervals: Iterable[Interval]) -> tuple[np.ndarray, np.ndarray]:
-    pairs = np.array(list(intervals), dtype=np.int64).reshape(-1, 2)
+    # fromiter over the flattened pairs: np.array on a list of tuples inspects each tuple
+    # (several times slower on a trace's hundred thousand kernels).
+    flat = np.fromiter(chain.from_iterable(intervals), dtype=np.int64)
+    pairs = flat.reshape(-1, 2)
     return pairs[:, 0], pairs[:, 1]
 
 

@@ -1,23 +1,29 @@
-"""The ``traceEvents`` array cut into large batches of whole events, parsed natively.
+"""The ``traceEvents`` array cut into large slices of whole events, parsed natively.
 
-A trace is read in blocks of several MiB. One ``bytes.translate`` marks the bytes that
-matter for structure (quotes, backslashes, brackets, commas); numpy finds which quotes are
-escaped, which brackets and commas lie outside strings and the depth after each. Commas at
-the array's own depth separate events, so the bytes between the first and the last of them
-in a block are a run of whole events, handed to msgspec in one call (``float_hook=Decimal``
-keeps microsecond timestamps with nanosecond digits exact). Python touches each event once,
-as a dict, in the caller's loop; the scan itself never does per-byte Python work.
+Two paths over the same bytes. The fast path, used inside the array from any boundary
+between events: the last ``}`` followed by ``,`` and ``{`` in the next 512 KiB is a
+candidate cut, and msgspec decoding ``[`` slice ``]`` without error proves it (parsing from
+a known boundary is deterministic, so a cut inside a string or a nested value leaves
+something unterminated). Each event is decoded straight into a small struct: ``args`` into
+:class:`Args`, the few keys the analysis reads (msgspec skips the rest without building
+them), ``ts``/``dur`` raw until the event is kept. The exact path, used for the document's
+head and tail and for any slice the fast path does not vouch for: one ``bytes.translate``
+marks the bytes that matter for structure (quotes, backslashes, brackets, commas); numpy
+finds which quotes are escaped, which brackets and commas lie outside strings and the
+depth after each, and the commas at the array's own depth separate events. Python touches
+each event once, in the caller's loop over lists of them.
 
 Bounds, checked while scanning so hostile input costs linear time and bounded memory:
-nesting deeper than ``max_depth`` stops the read there; an event longer than
-``max_event_bytes`` (a 200 MiB kernel name, a 1 GiB string in a 1 MB gzip) is never
-buffered: it is skipped and counted.
+nesting deeper than ``max_depth`` stops the read there (the fast path hands any slice whose
+bracket count could pass it to the exact path); an event longer than ``max_event_bytes``
+(a 200 MiB kernel name, a 1 GiB string in a 1 MB gzip) is never buffered: it is skipped and
+counted (fast slices are never longer than that, so none of their events is).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from decimal import Decimal
 from typing import Any
 
@@ -32,6 +38,8 @@ MAX_EVENT_BYTES = 1 << 20
 BLOCK_BYTES = 512 << 10
 #: Bytes of events decoded per msgspec call (bounds the dicts alive at once).
 BATCH_BYTES = 128 << 10
+#: Bytes of whole events the fast path decodes per msgspec call.
+FAST_BYTES = 512 << 10
 
 _QUOTE, _BACKSLASH, _OPEN, _CLOSE, _COMMA = 1, 2, 3, 4, 5
 _CLASS = bytearray(256)
@@ -42,6 +50,8 @@ _CLASS[ord("]")] = _CLASS[ord("}")] = _CLOSE
 _CLASS[ord(",")] = _COMMA
 _TABLE = bytes(_CLASS)
 _KEY = b'"traceEvents"'
+_FAST_GIVE_UP = 8
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 _WS = b" \t\r\n"
 #: Bytes of the document outside traceEvents kept to check it is well-formed at the end.
 _SKELETON_CAP = 16 << 20
@@ -49,9 +59,10 @@ _SKELETON_CAP = 16 << 20
 
 
 class TraceEvent(msgspec.Struct):
-    """The fields of an event the analysis reads. ``ts``, ``dur`` and ``args`` stay raw JSON
-    until an event is kept (most are not), so most events cost no number or dict building;
-    :func:`value` decodes them with non-integers as exact ``Decimal``."""
+    """The fields of an event the analysis reads, for events whose ``args`` is not a plain
+    object of plain values (rare: the lenient form). ``ts``, ``dur`` and ``args`` stay raw
+    JSON until an event is kept; :func:`value` decodes them with non-integers as exact
+    ``Decimal``."""
 
     ph: Any = msgspec.UNSET
     cat: Any = msgspec.UNSET
@@ -62,8 +73,42 @@ class TraceEvent(msgspec.Struct):
     args: msgspec.Raw = msgspec.Raw(b"")
 
 
+class Args(msgspec.Struct, gc=False):
+    """The ``args`` keys the analysis reads; msgspec skips every other key without building it.
+    A key that is absent stays ``UNSET`` (``None`` is a JSON null)."""
+
+    correlation: Any = msgspec.UNSET
+    stream: Any = msgspec.UNSET
+    external_id: Any = msgspec.field(default=msgspec.UNSET, name="External id")
+    nbytes: Any = msgspec.field(default=msgspec.UNSET, name="bytes")
+    kind: Any = msgspec.UNSET
+    flops: Any = msgspec.UNSET
+    pg: Any = msgspec.field(default=msgspec.UNSET, name="Process Group Name")
+    pg_name: Any = msgspec.UNSET
+    coll: Any = msgspec.field(default=msgspec.UNSET, name="Collective name")
+    collective_name: Any = msgspec.UNSET
+    seq_cap: Any = msgspec.field(default=msgspec.UNSET, name="Seq")
+    seq: Any = msgspec.UNSET
+
+
+class Event(msgspec.Struct, gc=False):
+    """One event in the common form: ``args`` an object (or absent/null) decoded straight into
+    :class:`Args`, ``ts``/``dur`` raw until kept. An event that does not fit (args not an
+    object, a number too large for 64 bits) is decoded as a :class:`TraceEvent` instead."""
+
+    ph: Any = msgspec.UNSET
+    cat: Any = msgspec.UNSET
+    name: Any = msgspec.UNSET
+    tid: Any = msgspec.UNSET
+    ts: msgspec.Raw = msgspec.Raw(b"")
+    dur: msgspec.Raw = msgspec.Raw(b"")
+    args: Args | None = None
+
+
 _DECODER = msgspec.json.Decoder(float_hook=Decimal)
-_BATCH = msgspec.json.Decoder(list[TraceEvent])
+_BATCH = msgspec.json.Decoder(list[Event], float_hook=Decimal)
+_FAST = _BATCH
+_ONE_EVENT = msgspec.json.Decoder(Event, float_hook=Decimal)
 _ONE = msgspec.json.Decoder(TraceEvent)
 
 
@@ -124,7 +169,8 @@ class EventScan:
     events; :meth:`finish` raises :class:`Malformed` for a truncated or broken document.
     """
 
-    def __init__(self, max_depth: int, max_event_bytes: int = MAX_EVENT_BYTES) -> None:
+    def __init__(self, max_depth: int, max_event_bytes: int = MAX_EVENT_BYTES,
+                 fast_bytes: int = FAST_BYTES) -> None:
         self.max_depth = max_depth
         self.max_event_bytes = max_event_bytes
         self.depth = 0
@@ -144,11 +190,106 @@ class EventScan:
         self.went_negative = False
         self._carry = b""
         self._prev_tail = b""
+        self._rest = b""  # bytes from a boundary between events, not decoded yet (fast path)
+        self.fast_items = 0  # items the fast path decoded (the rest went through the exact scan)
+        # Decodes wasted in a row: a trace whose slices keep failing (odd items everywhere)
+        # stops trying, so it costs the exact scan alone, not both.
+        self._fast_failures = 0
+        # Slices the fast path decodes at once: at most max_event_bytes, so none holds an
+        # oversized event.
+        self._fast_bytes = min(fast_bytes, max_event_bytes)
 
     # ---------------------------------------------------------------- feeding
 
     def feed(self, data: bytes) -> Iterator[Any]:
-        """Decoded items completed by ``data`` (several MiB at a time for speed)."""
+        """Decoded items completed by ``data`` (one at a time; see :meth:`feed_batches`)."""
+        for batch in self.feed_batches(data):
+            yield from batch
+
+    def feed_batches(self, data: bytes) -> Iterator[list[Any]]:
+        """Lists of decoded items completed by ``data`` (feed several MiB at a time)."""
+        if self.stopped is not None or self.went_negative:
+            return
+        if self.in_array and not self.skipping and self._fast_failures < _FAST_GIVE_UP:
+            # At (or just past) a boundary between events: try the fast path from there.
+            rest = self._rest
+            if self.pending:
+                rest = b"".join(self.pending)
+                self.offset -= self.pending_len
+                self.pending, self.pending_len = [], 0
+            if self._carry:
+                rest += self._carry
+                self._carry = b""
+            data = rest + data if rest else data
+            self._rest = b""
+            self.depth, self.in_string = self.array_depth, False
+            done = yield from self._fast(data)
+            if done >= len(data) - self._fast_bytes:
+                self._rest = data[done:]
+                return
+            data = data[done:]  # something the fast path does not vouch for: scan exactly
+        yield from self._feed_exact(data)
+
+    def _fast(self, data: bytes) -> Generator[list[Any], None, int]:
+        """Whole events from the start of ``data`` (a boundary between events), as long as
+        slices of them decode; returns where it stopped.
+
+        A slice ends at a ``}`` followed by a comma. msgspec decoding ``[slice]`` without
+        error proves the cut was at the array's own level: parsing from a known boundary is
+        deterministic, so a cut inside a string or a nested value leaves it unterminated.
+        Slices are at most ``max_event_bytes`` (so no event in them is oversized) and their
+        nesting is checked before they are decoded (:meth:`_shallow`). Anything else (an
+        item that is not an event object, a huge number, the end of the array) makes it stop
+        and leaves the rest to the exact scan.
+        """
+        pos, n, size = 0, len(data), self._fast_bytes
+        while n - pos > size:
+            c = _cut(data, pos, pos + size)
+            if c < 0:
+                break
+            piece = data[pos:c + 1]
+            if not self._shallow(piece):
+                break
+            try:
+                items: list[Any] = _FAST.decode(b"[" + piece + b"]")
+            except (msgspec.DecodeError, RecursionError):  # ValidationError included
+                # Most often a "},{" inside an event (a list of objects in args): one
+                # earlier cut, then the exact scan.
+                c = _cut(data, pos, c)
+                if c < 0:
+                    break
+                piece = data[pos:c + 1]
+                try:
+                    items = _FAST.decode(b"[" + piece + b"]")
+                except (msgspec.DecodeError, RecursionError):
+                    self._fast_failures += 1
+                    break
+            self._fast_failures = 0
+            self.fast_items += len(items)
+            yield items
+            pos = c + 2
+        self.offset += pos
+        return pos
+
+    def _shallow(self, piece: bytes) -> bool:
+        """Whether ``piece`` (whole events from a boundary) can stay within ``max_depth``.
+
+        Counts brackets without telling strings apart (one ``translate``, one cumsum over
+        the brackets alone, ~2% of the bytes): brackets inside Kineto strings are balanced
+        (``{lambda()#1}``) and only raise the count, so a real trace passes; a string of
+        closers could hide some depth from it, which msgspec's own recursion limit still
+        bounds (RecursionError: the exact scan takes over). A piece that does not pass is
+        scanned exactly, which stops at the first byte past ``max_depth``.
+        """
+        br = piece.translate(None, _NOT_BRACKETS)
+        room = self.max_depth - self.array_depth
+        if len(br) <= room:
+            return True
+        # "[" and "{" have bit 1 set, "]" and "}" do not: (b & 2) - 1 is +1 or -1.
+        depth = np.cumsum((np.frombuffer(br, dtype=np.int8) & 2) - 1, dtype=np.int32)
+        return int(depth.max()) <= room
+
+    def _feed_exact(self, data: bytes) -> Iterator[list[Any]]:
         if self.stopped is not None or self.went_negative:
             return
         data = self._carry + data if self._carry else data
@@ -181,7 +322,7 @@ class EventScan:
         self._prev_tail = (self._prev_tail + data[-256:])[-256:]
         self.offset += len(data)
 
-    def _walk(self, data: bytes, st: _Structure, limit: int) -> Iterator[Any]:
+    def _walk(self, data: bytes, st: _Structure, limit: int) -> Iterator[list[Any]]:
         at = 0  # index into st
         cut = 0  # byte in data where the current region starts
         n = len(st.pos)
@@ -232,7 +373,7 @@ class EventScan:
                 self.pending, self.pending_len, self.skipping = [], 0, True
             return
 
-    def _region(self, data: bytes, cut: int, bounds: list[int]) -> Iterator[Any]:
+    def _region(self, data: bytes, cut: int, bounds: list[int]) -> Iterator[list[Any]]:
         """Items ending at each of ``bounds`` (comma or closing bracket positions).
 
         Decoded in batches of about :data:`BATCH_BYTES`, so the dicts alive at once stay
@@ -261,33 +402,45 @@ class EventScan:
         if prev >= lo:
             yield from self._decode(pre + data[lo:prev] if pre else data[lo:prev])
 
-    def _decode(self, body: bytes) -> Iterator[Any]:
+    def _decode(self, body: bytes) -> Iterator[list[Any]]:
         if not body.strip(_WS):
             return
         try:
             items: list[Any] | None = _BATCH.decode(b"[" + body + b"]")
-        except msgspec.DecodeError:  # ValidationError included: an item that is no event
+        except (msgspec.DecodeError, RecursionError):  # ValidationError included
             items = None
         if items is not None:
-            yield from items
+            yield items
             return
         # Something in this run is broken or odd: go item by item, keep what precedes the
         # damage (items that are not event objects are yielded as plain values).
+        out: list[Any] = []
         for raw in _split_items(body):
             try:
-                yield _ONE.decode(raw)
+                out.append(_ONE_EVENT.decode(raw))
+                continue
+            except (msgspec.ValidationError, RecursionError):
+                pass
+            except msgspec.DecodeError as exc:
+                yield out
+                raise Malformed(str(exc)) from None
+            try:
+                out.append(_ONE.decode(raw))
                 continue
             except msgspec.ValidationError:
                 pass
             except msgspec.DecodeError as exc:
+                yield out
                 raise Malformed(str(exc)) from None
             try:
-                yield _DECODER.decode(raw)
+                out.append(_DECODER.decode(raw))
             except msgspec.ValidationError as exc:  # parsed, not convertible (a huge int)
                 self.unconvertible += 1
                 self.first_unconvertible = self.first_unconvertible or str(exc)[:120]
             except msgspec.DecodeError as exc:
+                yield out
                 raise Malformed(str(exc)) from None
+        yield out
 
     def _is_trace_events(self, data: bytes, p: int) -> bool:
         before = (self._prev_tail + data[:p])[-256:] if p < 256 else data[p - 256:p]
@@ -304,7 +457,15 @@ class EventScan:
     # ---------------------------------------------------------------- the end
 
     def finish(self) -> Iterator[Any]:
-        """The last item if the stream ended right after it; raise if the JSON is broken."""
+        """The last items; raise if the JSON is broken (see :meth:`finish_batches`)."""
+        for batch in self.finish_batches():
+            yield from batch
+
+    def finish_batches(self) -> Iterator[list[Any]]:
+        """The last items if the stream ended right after them; raise if the JSON is broken."""
+        if self._rest:  # what the fast path left: the array's end, or a last partial event
+            rest, self._rest = self._rest, b""
+            yield from self._feed_exact(rest)
         if self.stopped is not None:
             return
         if self.went_negative:
@@ -327,6 +488,22 @@ class EventScan:
                 raise Malformed(str(exc)) from None
             except msgspec.ValidationError:  # a huge number outside the events: harmless
                 pass
+
+
+def _cut(data: bytes, lo: int, hi: int) -> int:
+    """The last ``}`` in ``data[lo:hi]`` followed by a comma and then ``{`` (whitespace aside):
+    where one event object may end and the next begin; -1 if there is none. A candidate
+    only; decoding proves it."""
+    end = hi
+    for _ in range(64):
+        c = data.rfind(b"},", lo, end)
+        if c < 0:
+            return -1
+        nxt = data[c + 2:c + 66].lstrip(_WS)[:1]
+        if nxt == b"{" or (not nxt and c + 66 >= len(data)):
+            return c
+        end = c + 1
+    return -1
 
 
 def _split_items(body: bytes) -> list[bytes]:
