@@ -1,0 +1,245 @@
+"""Run a third-party training script under stepscope on gloo ranks, patched minimally at run time.
+
+The script's own text is executed (from a fetched mirror under ``/work/.mirror`` when present,
+or from this repository's re-creation of its usage pattern under ``tests/third_party_scripts``),
+with these run-time changes only:
+
+- its training loop (the first top-level ``for`` or ``if`` statement that calls ``.backward()``
+  or a schedule's ``.step(...)``) runs ``steps`` times, each iteration inside
+  ``stepscope.step()``; ``stepscope.init`` is called just before the loop with the model and
+  optimizer the script built (a pipeline stage's submodule when there is one), and
+  ``stepscope.finish`` just after it;
+- one rank is slowed by hooks on that model: a sleep in its forward, or an identity on its first
+  layer's output whose backward sleeps (slow backward);
+- CPU instead of an accelerator (``torch.accelerator.current_accelerator`` answers ``cpu``, GPU
+  count checks pass), gloo (the default for CPU tensors), and for PiPPy-era scripts a ``pippy``
+  module that maps the old API onto ``torch.distributed.pipelining``.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+import time
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import stepscope
+from stepscope.dist import free_port, run_then_exit
+
+MIRRORS = Path(os.environ.get("STEPSCOPE_MIRRORS", "/work/.mirror"))
+HERE = Path(__file__).resolve().parent / "third_party_scripts"
+
+
+@dataclass(frozen=True)
+class Script:
+    """A training script: its main file's text, sibling modules, and where it came from."""
+
+    name: str
+    text: str
+    siblings: tuple[tuple[str, str], ...] = ()
+    origin: str = "re-creation"  # or "<owner/repo>@<commit>:<path>"
+
+
+def from_mirror(repo: str, path: str, siblings: tuple[str, ...] = ()) -> Script | None:
+    """The file ``path`` of the fetched ``repo`` (bare git dir), or None when not fetched."""
+    git_dir = MIRRORS / repo.replace("/", "+") / "repo"
+    if not git_dir.is_dir():
+        return None
+
+    def show(p: str) -> str:
+        return subprocess.run(["git", "--git-dir", str(git_dir), "show", f"HEAD:{p}"],
+                              check=True, capture_output=True, text=True).stdout
+
+    try:
+        commit = subprocess.run(["git", "--git-dir", str(git_dir), "rev-parse", "HEAD"], check=True,
+                                capture_output=True, text=True).stdout.strip()
+        text = show(path)
+        sib = tuple((Path(s).name, show(s)) for s in siblings)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return Script(Path(path).stem, text, sib, f"{repo}@{commit[:12]}:{path}")
+
+
+def recreation(name: str, siblings: tuple[str, ...] = ()) -> Script:
+    """This repository's re-creation ``tests/third_party_scripts/<name>.py``."""
+    sib = tuple((s, (HERE / s).read_text()) for s in siblings)
+    return Script(name, (HERE / f"{name}.py").read_text(), sib)
+
+
+# ------------------------------------------------------------------ the loop rewrite
+
+
+def _calls(node: ast.AST, attrs: set[str]) -> bool:
+    return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in attrs
+               for n in ast.walk(node))
+
+
+def instrument(text: str) -> ast.Module:
+    """``text`` with its training loop repeated under stepscope (see the module doc)."""
+    tree = ast.parse(text)
+    body = tree.body
+    for i, stmt in enumerate(body):
+        if isinstance(stmt, (ast.For, ast.If)) and _calls(stmt, {"backward", "step"}):
+            break
+    else:
+        raise ValueError("no top-level training loop (a for/if calling .backward() or .step()) found")
+    drv = ast.parse("__ss_drv.begin(globals())\n__ss_drv.end()").body
+    if isinstance(stmt, ast.For):
+        stmt.iter = ast.parse("__ss_drv.steps()", mode="eval").body
+        stmt.body = [ast.With(items=[ast.withitem(ast.parse("__ss_drv.step()", mode="eval").body)],
+                              body=stmt.body)]
+        loop: ast.stmt = stmt
+    else:
+        loop = ast.parse("for __ss_i in __ss_drv.steps():\n    with __ss_drv.step():\n        pass").body[0]
+        loop.body[0].body = [stmt]  # type: ignore[attr-defined]
+    tree.body = [*body[:i], drv[0], loop, drv[1], *body[i + 1:]]
+    return ast.fix_missing_locations(tree)
+
+
+# ------------------------------------------------------------------ what runs in each rank
+
+
+class _SlowGrad(torch.autograd.Function):
+    """Identity whose backward sleeps ``ms``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, ms: float) -> torch.Tensor:
+        ctx.ms = ms
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        time.sleep(ctx.ms / 1000.0)
+        return grad, None
+
+
+class Driver:
+    """What the rewritten script calls: ``begin``, ``steps``, ``step``, ``end``."""
+
+    def __init__(self, rank: int, out_dir: str, steps: int, slow: tuple[int, str, float] | None) -> None:
+        self.rank, self.out_dir, self.n, self.slow = rank, out_dir, steps, slow
+        self.model: nn.Module | None = None
+
+    @staticmethod
+    def _find(g: dict[str, Any]) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+        from torch.distributed.pipelining.stage import _PipelineStageBase
+
+        values = list(g.values())
+        stages = [v for v in values if isinstance(v, _PipelineStageBase)]
+        if stages:
+            model: nn.Module = stages[0].submod
+        else:
+            modules = [v for v in values if isinstance(v, nn.Module)]
+            if not modules:
+                raise ValueError("the script built no nn.Module before its training loop")
+            model = max(modules, key=lambda m: sum(p.numel() for p in m.parameters()))
+        opts = [v for v in values if isinstance(v, torch.optim.Optimizer)]
+        return model, (opts[0] if opts else None)
+
+    def begin(self, g: dict[str, Any]) -> None:
+        model, opt = self._find(g)
+        self.model = model
+        auto = {"forward", "backward"} | ({"optimizer"} if opt is not None else set())
+        stepscope.init(out_dir=self.out_dir, model=model, optimizer=opt, run_id="third-party",
+                       auto=auto)
+        if self.slow is None or self.slow[0] != self.rank:
+            return
+        _, phase, ms = self.slow
+        if phase == "forward":
+            model.register_forward_pre_hook(lambda m, a: time.sleep(ms / 1000.0))
+        elif phase == "backward":
+            # On the output of the model's first layer with parameters: inside its backward
+            # (the model's own output is where stepscope's backward timing starts).
+            first = next(m for m in model.modules()
+                         if next(m.children(), None) is None and any(True for _ in m.parameters()))
+            first.register_forward_hook(
+                lambda m, a, out: _SlowGrad.apply(out, ms) if isinstance(out, torch.Tensor) else out)
+        else:
+            raise ValueError(f"slow phase must be 'forward' or 'backward', got {phase!r}")
+
+    def steps(self) -> range:
+        return range(self.n)
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        with stepscope.step():
+            yield
+
+    def end(self) -> None:
+        stepscope.finish()
+
+
+def _pippy_shim() -> types.ModuleType:
+    """The PiPPy-era names used by its examples, on top of ``torch.distributed.pipelining``."""
+    from torch.distributed import pipelining
+
+    mod = types.ModuleType("pippy")
+    mod.SplitPoint = pipelining.SplitPoint  # type: ignore[attr-defined]
+    mod.ScheduleGPipe = pipelining.ScheduleGPipe  # type: ignore[attr-defined]
+
+    def pipeline(module: nn.Module, num_chunks: int, example_args: tuple[Any, ...] = (),
+                 example_kwargs: dict[str, Any] | None = None, split_spec: Any = None) -> Any:
+        # PiPPy took the whole batch and a chunk count; upstream takes one micro-batch.
+        mb = tuple(a.chunk(num_chunks)[0] if isinstance(a, torch.Tensor) else a for a in example_args)
+        return pipelining.pipeline(module, mb, example_kwargs, split_spec=split_spec)
+
+    def stage(pipe: Any, rank: int, device: torch.device, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(pipe, pipelining.Pipe):
+            return pipe.build_stage(rank, device)
+        return pipelining.PipelineStage(pipe, rank, device, *args, **kwargs)
+
+    mod.pipeline = pipeline  # type: ignore[attr-defined]
+    mod.PipelineStage = stage  # type: ignore[attr-defined]
+    return mod
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str, script: Script, steps: int,
+            slow: tuple[int, str, float] | None) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    src = Path(out_dir) / "src"
+    src.mkdir(parents=True, exist_ok=True)
+    for name, text in script.siblings:
+        (src / name).write_text(text)
+    sys.path.insert(0, str(src))
+    # CPU in place of an accelerator: the scripts ask torch which accelerator to use.
+    torch.accelerator.current_accelerator = lambda check_available=False: torch.device("cpu")  # type: ignore[assignment]
+    sys.modules.setdefault("pippy", _pippy_shim())
+    for name, _ in script.siblings:
+        mod = __import__(Path(name).stem)
+        if hasattr(mod, "verify_min_gpu_count"):
+            mod.verify_min_gpu_count = lambda min_gpus=2: True
+    code = compile(instrument(script.text), f"<{script.origin}>", "exec")
+    g: dict[str, Any] = {"__name__": "__main__", "__ss_drv": Driver(rank, out_dir, steps, slow)}
+    try:
+        exec(code, g)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def launch(script: Script, out_dir: str | os.PathLike[str], ranks: int, steps: int = 30,
+           slow: tuple[int, str, float] | None = None) -> Path:
+    """Run ``script`` on ``ranks`` gloo processes under stepscope; the run directory.
+
+    ``slow=(rank, phase, ms)`` adds ``ms`` per forward call of the model on ``rank``, in
+    ``phase`` (``"forward"`` or ``"backward"``).
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    mp.spawn(run_then_exit, args=(_worker, ranks, free_port(), str(out), script, steps, slow),  # type: ignore[attr-defined]
+             nprocs=ranks, join=True)
+    return out
