@@ -193,7 +193,12 @@ def _pippy_shim() -> types.ModuleType:
                  example_kwargs: dict[str, Any] | None = None, split_spec: Any = None) -> Any:
         # PiPPy took the whole batch and a chunk count; upstream takes one micro-batch.
         mb = tuple(a.chunk(num_chunks)[0] if isinstance(a, torch.Tensor) else a for a in example_args)
-        return pipelining.pipeline(module, mb, example_kwargs, split_spec=split_spec)
+        pipe = pipelining.pipeline(module, mb, example_kwargs, split_spec=split_spec)
+        # PiPPy named the stages submod_<i>, upstream submod_pp_<i>: both names, one module
+        # (in the instance dict, so not registered twice).
+        for name, sub in list(pipe.split_gm.named_children()):
+            pipe.split_gm.__dict__[name.replace("submod_pp_", "submod_")] = sub
+        return pipe
 
     def stage(pipe: Any, rank: int, device: torch.device, *args: Any, **kwargs: Any) -> Any:
         if isinstance(pipe, pipelining.Pipe):

@@ -24,6 +24,9 @@ from stepscope.common import robust
 from stepscope.common.waits import sql_wait
 
 P2P_OPS = ("send", "recv", "isend", "irecv")
+#: How much more a stage must be waited on than the median other stage to be the bottleneck.
+BOTTLENECK_MIN_MS = 1.0
+BOTTLENECK_STEP_SHARE = 0.05
 #: SQL predicate for point-to-point rows (of ``call``/``cw``).
 IS_P2P = "op IN (" + ", ".join(f"'{o}'" for o in P2P_OPS) + ")"
 
@@ -112,14 +115,21 @@ def pipeline_section(con: Any) -> dict[str, Any] | None:
             "waited_on_ms": round(caused.get(r, 0.0) / n, 3),
         })
     worst = max(stages, key=lambda s: s["waited_on_ms"])
-    bottleneck = worst if worst["waited_on_ms"] > 0 else None
+    others = [s["waited_on_ms"] for s in stages if s is not worst]
+    step = robust.median([step_ms[r] / max(1, n_steps.get(r, 1)) for r in step_ms]) if step_ms else 0.0
+    # A bottleneck is a stage waited on clearly more than the others (by the straggler
+    # threshold: 1 ms and 5% of the step): in a balanced pipeline every stage is waited on
+    # about alike (the schedule's fill and drain), and none is named.
+    margin = worst["waited_on_ms"] - (robust.median(others) if others else 0.0)
+    bottleneck = worst if margin >= max(BOTTLENECK_MIN_MS, BOTTLENECK_STEP_SHARE * step) else None
     return {
         "stages": stages,
         "bottleneck_stage": None if bottleneck is None else bottleneck["stage"],
         "bottleneck_rank": None if bottleneck is None else bottleneck["rank"],
         "rule": "bubble = a stage's time in point-to-point transfers with its neighbours; "
         "waited_on = what the other end of each link spent beyond this stage's time in it "
-        "(per step and link); the bottleneck is the stage the others waited on most",
+        "(per step and link); the bottleneck is the stage the others waited on most, when that "
+        "exceeds the median other stage's by 1 ms and 5% of the median step (none otherwise)",
     }
 
 
