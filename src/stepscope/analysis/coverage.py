@@ -17,7 +17,7 @@ from stepscope.analysis.pipeline import pipeline_section, pipeline_verdicts
 def add_coverage_sections(con: Any, doc: dict[str, Any]) -> None:
     """Add ``pipeline``, ``experts`` and ``blind`` (when present) to ``doc``, and verdicts."""
     added: list[dict[str, Any]] = []
-    pipe = pipeline_section(con)
+    pipe = pipeline_section(con, [int(s["rank"]) for s in doc["stragglers"]])
     if pipe is not None:
         doc["pipeline"] = pipe
         added += pipeline_verdicts(pipe)

@@ -13,7 +13,7 @@ late upstream stage, or a sender for a downstream stage that posts its receive l
 
 The report's ``pipeline`` section: per stage (one rank per stage, ordered by rank), the bubble
 (time per step it waited on its neighbours, and its share of the step) and the time the other
-stages waited on it; the bottleneck is the stage the others waited on most.
+stages waited on it; the bottleneck is the stage the straggler analysis names (none when none is).
 """
 
 from __future__ import annotations
@@ -24,9 +24,6 @@ from stepscope.common import robust
 from stepscope.common.waits import sql_wait
 
 P2P_OPS = ("send", "recv", "isend", "irecv")
-#: How much more a stage must be waited on than the median other stage to be the bottleneck.
-BOTTLENECK_MIN_MS = 1.0
-BOTTLENECK_STEP_SHARE = 0.05
 #: SQL predicate for point-to-point rows (of ``call``/``cw``).
 IS_P2P = "op IN (" + ", ".join(f"'{o}'" for o in P2P_OPS) + ")"
 
@@ -71,10 +68,11 @@ def _peer(pg: str, rank: int) -> int | None:
     return a if rank == b else None
 
 
-def pipeline_section(con: Any) -> dict[str, Any] | None:
+def pipeline_section(con: Any, culprits: list[int]) -> dict[str, Any] | None:
     """The report's ``pipeline`` section, or None when the run has no point-to-point traffic.
 
-    Needs ``cw`` (waits per row) and ``steps``.
+    Needs ``cw`` (waits per row) and ``steps``; ``culprits``: the stragglers' ranks, most
+    costly first (the first that is a stage is the bottleneck).
     """
     rows = con.execute(
         f"""SELECT c.rank, c.step, c.pg, sum(c.wait), sum(c.ms), any_value(b.late)
@@ -114,22 +112,19 @@ def pipeline_section(con: Any) -> dict[str, Any] | None:
             "p2p_ms": round(comm.get(r, 0.0) / n, 3),
             "waited_on_ms": round(caused.get(r, 0.0) / n, 3),
         })
-    worst = max(stages, key=lambda s: s["waited_on_ms"])
-    others = [s["waited_on_ms"] for s in stages if s is not worst]
-    step = robust.median([step_ms[r] / max(1, n_steps.get(r, 1)) for r in step_ms]) if step_ms else 0.0
-    # A bottleneck is a stage waited on clearly more than the others (by the straggler
-    # threshold: 1 ms and 5% of the step): in a balanced pipeline every stage is waited on
-    # about alike (the schedule's fill and drain), and none is named.
-    margin = worst["waited_on_ms"] - (robust.median(others) if others else 0.0)
-    bottleneck = worst if margin >= max(BOTTLENECK_MIN_MS, BOTTLENECK_STEP_SHARE * step) else None
+    # The bottleneck is the stage the straggler analysis found slow (its own work, against
+    # its own noise). Who waited on whom alone cannot tell: in a balanced pipeline the
+    # schedule's fill and drain make the middle stages look waited on.
+    by_rank = {s["rank"]: s for s in stages}
+    bottleneck = next((by_rank[r] for r in culprits if r in by_rank), None)
     return {
         "stages": stages,
         "bottleneck_stage": None if bottleneck is None else bottleneck["stage"],
         "bottleneck_rank": None if bottleneck is None else bottleneck["rank"],
         "rule": "bubble = a stage's time in point-to-point transfers with its neighbours; "
         "waited_on = what the other end of each link spent beyond this stage's time in it "
-        "(per step and link); the bottleneck is the stage the others waited on most, when that "
-        "exceeds the median other stage's by 1 ms and 5% of the median step (none otherwise)",
+        "(per step and link); the bottleneck is the stage named a straggler (its own work in a "
+        "phase above the other stages'), none when no stage is",
     }
 
 
