@@ -90,11 +90,12 @@ def instrument(text: str) -> ast.Module:
     """``text`` with its training loop repeated under stepscope (see the module doc)."""
     tree = ast.parse(text)
     body = tree.body
-    for i, stmt in enumerate(body):
-        if isinstance(stmt, (ast.For, ast.If)) and _calls(stmt, {"backward", "step"}):
-            break
-    else:
+    found = [i for i, st in enumerate(body)
+             if isinstance(st, (ast.For, ast.If)) and _calls(st, {"backward", "step"})]
+    if not found:
         raise ValueError("no top-level training loop (a for/if calling .backward() or .step()) found")
+    i = found[0]
+    stmt = body[i]
     drv = ast.parse("__ss_drv.begin(globals())\n__ss_drv.end()").body
     if isinstance(stmt, ast.For):
         stmt.iter = ast.parse("__ss_drv.steps()", mode="eval").body

@@ -90,11 +90,16 @@ def _make(name: str, orig: Callable[..., Any], col: Any) -> Callable[..., Any]:
     gate = col.gate
 
     def patched(*args: Any, **kwargs: Any) -> Any:
-        if col._is_compiling() or col._disabled or col._tls.inside:
+        if col._is_compiling():
+            col.traced_into_graph()
+            return orig(*args, **kwargs)
+        if col._disabled or col._tls.inside:
             return orig(*args, **kwargs)
         rec = gate.current()
         if rec is None:
             return orig(*args, **kwargs)
+        if col._compiled_pending:
+            col.flush_compiled(rec)
         if tracing():
             col.unseen(rec, "traced")  # captured into a graph: runs there, untimed
             return orig(*args, **kwargs)
