@@ -13,7 +13,11 @@ from typing import Any
 
 import pytest
 
+import json
+from pathlib import Path
+
 from stepscope.analysis.run import analyze_run
+from stepscope.live import cross_rank_summary, decode_payload, encode_payload, format_line, summarize
 
 third_party = pytest.importorskip("third_party")
 pytestmark = pytest.mark.slow
@@ -103,3 +107,38 @@ def test_pipeline_script(tmp_path: Any, source: str, slow_stage: int | None) -> 
     assert 0.7 * MS < s["excess_ms"] < 1.4 * MS
     assert pipe["bottleneck_stage"] == slow_stage
     assert any(v["kind"] == "pipeline_bubble" for v in doc["verdicts"])
+    # The live line, from the same records: the late stage and a link it is an end of.
+    live = _live(Path(tmp_path), ranks)
+    assert (live["slowest_rank"], live["slowest_phase"]) == (slow_stage, "forward")
+    assert str(slow_stage) in live["waited_on_link"].split(">")
+    assert f"pipeline: waited on r{slow_stage} over link" in format_line(live)
+
+
+def _live(run: Path, ranks: int) -> dict[str, Any]:
+    payloads = []
+    for r in range(ranks):
+        recs = [json.loads(line) for line in (run / f"rank{r}.jsonl").read_text().splitlines()]
+        payloads.append(decode_payload(encode_payload(summarize([x for x in recs if "phases" in x][-30:]))))
+    s = cross_rank_summary(payloads, ranks)
+    assert s is not None
+    return s
+
+
+def test_live_line_matches_pipeline_links() -> None:
+    # Per-rank exchanged summaries of a 3-stage pipeline, stage 1 slow in forward: a link's
+    # sender reports isend and its receiver irecv under the same link id.
+    def payload(rank: int, fwd: float, colls: dict[str, float]) -> dict[str, Any]:
+        return {"r": rank, "s": 19, "m": 83.0, "x": 84.0,
+                "p": {"forward": [fwd, 0.1, 1.0], "backward": [2.0, 0.03, 40.0],
+                      "residual": [sum(colls.values()) + 1.0, 0.5, 0.0]},
+                "c": colls}
+    got = [payload(0, 2.0, {"|isend|world:0>1": 42.8, "|irecv|world:1>0": 35.8}),
+           payload(1, 44.9, {"|irecv|world:0>1": 8.2, "|isend|world:1>2": 0.7,
+                             "|isend|world:1>0": 5.3, "|irecv|world:2>1": 11.4}),
+           payload(2, 2.0, {"|irecv|world:1>2": 57.0, "|isend|world:2>1": 13.5})]
+    s = cross_rank_summary(got, 3)
+    assert s is not None
+    assert (s["slowest_rank"], s["slowest_phase"]) == (1, "forward")
+    assert s["slowest_phase_excess_ms"] == pytest.approx(42.9, abs=0.5)
+    assert s["waited_in_op"] == "p2p" and s["waited_on_link"] == "1>2"
+    assert "pipeline: waited on r1 over link 1>2" in format_line(s)
