@@ -9,12 +9,11 @@ scripts are executed as written; :mod:`third_party` repeats their training loop 
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
-
-import json
-from pathlib import Path
 
 from stepscope.analysis.run import analyze_run
 from stepscope.live import cross_rank_summary, decode_payload, encode_payload, format_line, summarize

@@ -258,7 +258,7 @@ def _matched(c: dict[str, float]) -> dict[str, tuple[float, str]]:
     """
     out: dict[str, tuple[float, str]] = {}
     for key, ms in c.items():
-        phase, op, pg = (key.split("|", 2) + ["", ""])[:3]
+        phase, op, pg = [*key.split("|", 2), "", ""][:3]
         top = phase.split("/", 1)[0] or "residual"
         if op in _P2P:
             key = f"|p2p|{pg}"
