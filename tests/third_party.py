@@ -11,9 +11,13 @@ with these run-time changes only:
   ``stepscope.finish`` just after it;
 - one rank is slowed by hooks on that model: a sleep in its forward, or an identity on its first
   layer's output whose backward sleeps (slow backward);
+- for training functions (``main()`` → ``training_function``), the innermost batch loop that
+  calls ``backward`` instead, stopped after ``steps`` batches, ``init`` with the function's
+  locals; the script's own command line (``argv``, e.g. ``--cpu``);
 - CPU instead of an accelerator (``torch.accelerator.current_accelerator`` answers ``cpu``, GPU
   count checks pass), gloo (the default for CPU tensors), and for PiPPy-era scripts a ``pippy``
-  module that maps the old API onto ``torch.distributed.pipelining``.
+  module that maps the old API onto ``torch.distributed.pipelining``; for Hugging Face
+  examples, offline stand-ins for what they download (model, tokenizer, dataset, metric).
 """
 
 from __future__ import annotations
@@ -50,9 +54,12 @@ class Script:
     text: str
     siblings: tuple[tuple[str, str], ...] = ()
     origin: str = "re-creation"  # or "<owner/repo>@<commit>:<path>"
+    argv: tuple[str, ...] = ()  # command-line arguments the script is run with
+    init_pg: bool = False  # create the gloo process group before the script runs
+    offline_hf: bool = False  # stand-ins for the Hub's model/tokenizer, `datasets`, `evaluate`
 
 
-def from_mirror(repo: str, path: str, siblings: tuple[str, ...] = ()) -> Script | None:
+def from_mirror(repo: str, path: str, siblings: tuple[str, ...] = (), **kw: Any) -> Script | None:
     """The file ``path`` of the fetched ``repo`` (bare git dir), or None when not fetched."""
     git_dir = MIRRORS / repo.replace("/", "+") / "repo"
     if not git_dir.is_dir():
@@ -69,13 +76,13 @@ def from_mirror(repo: str, path: str, siblings: tuple[str, ...] = ()) -> Script 
         sib = tuple((Path(s).name, show(s)) for s in siblings)
     except (OSError, subprocess.CalledProcessError):
         return None
-    return Script(Path(path).stem, text, sib, f"{repo}@{commit[:12]}:{path}")
+    return Script(Path(path).stem, text, sib, f"{repo}@{commit[:12]}:{path}", **kw)
 
 
-def recreation(name: str, siblings: tuple[str, ...] = ()) -> Script:
+def recreation(name: str, siblings: tuple[str, ...] = (), **kw: Any) -> Script:
     """This repository's re-creation ``tests/third_party_scripts/<name>.py``."""
     sib = tuple((s, (HERE / s).read_text()) for s in siblings)
-    return Script(name, (HERE / f"{name}.py").read_text(), sib)
+    return Script(name, (HERE / f"{name}.py").read_text(), sib, **kw)
 
 
 # ------------------------------------------------------------------ the loop rewrite
@@ -86,27 +93,54 @@ def _calls(node: ast.AST, attrs: set[str]) -> bool:
                for n in ast.walk(node))
 
 
+def _expr(src: str) -> ast.expr:
+    return ast.parse(src, mode="eval").body
+
+
+def _step_body(body: list[ast.stmt]) -> list[ast.stmt]:
+    return [ast.With(items=[ast.withitem(_expr("__ss_drv.step()"))], body=body)]
+
+
 def instrument(text: str) -> ast.Module:
-    """``text`` with its training loop repeated under stepscope (see the module doc)."""
+    """``text`` with its training loop repeated under stepscope (see the module doc).
+
+    A module-level script: the first top-level ``for``/``if`` that calls ``.backward()`` or
+    ``.step()``. Otherwise the innermost ``for`` loop that calls ``backward`` (a training
+    function's batch loop): it stops after ``steps`` iterations in all, ``begin(locals())``
+    runs before the function's statement that holds it and ``end()`` after.
+    """
     tree = ast.parse(text)
     body = tree.body
     found = [i for i, st in enumerate(body)
              if isinstance(st, (ast.For, ast.If)) and _calls(st, {"backward", "step"})]
-    if not found:
-        raise ValueError("no top-level training loop (a for/if calling .backward() or .step()) found")
-    i = found[0]
-    stmt = body[i]
-    drv = ast.parse("__ss_drv.begin(globals())\n__ss_drv.end()").body
-    if isinstance(stmt, ast.For):
-        stmt.iter = ast.parse("__ss_drv.steps()", mode="eval").body
-        stmt.body = [ast.With(items=[ast.withitem(ast.parse("__ss_drv.step()", mode="eval").body)],
-                              body=stmt.body)]
-        loop: ast.stmt = stmt
-    else:
-        loop = ast.parse("for __ss_i in __ss_drv.steps():\n    with __ss_drv.step():\n        pass").body[0]
-        loop.body[0].body = [stmt]  # type: ignore[attr-defined]
-    tree.body = [*body[:i], drv[0], loop, drv[1], *body[i + 1:]]
-    return ast.fix_missing_locations(tree)
+    if found:
+        i = found[0]
+        stmt = body[i]
+        drv = ast.parse("__ss_drv.begin(globals())\n__ss_drv.end()").body
+        if isinstance(stmt, ast.For):
+            stmt.iter = _expr("__ss_drv.steps()")
+            stmt.body = _step_body(stmt.body)
+            loop: ast.stmt = stmt
+        else:
+            loop = ast.parse("for __ss_i in __ss_drv.steps():\n    pass").body[0]
+            loop.body = _step_body([stmt])  # type: ignore[attr-defined]
+        tree.body = [*body[:i], drv[0], loop, drv[1], *body[i + 1:]]
+        return ast.fix_missing_locations(tree)
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        loops = [n for n in ast.walk(fn) if isinstance(n, ast.For) and _calls(n, {"backward"})]
+        inner = [n for n in loops if not any(m is not n and m in ast.walk(n) for m in loops)]
+        if not inner:
+            continue
+        target = inner[0]
+        target.iter = ast.Call(func=_expr("__ss_drv.limit"), args=[target.iter], keywords=[])
+        target.body = _step_body(target.body)
+        j = next(k for k, st in enumerate(fn.body) if any(n is target for n in ast.walk(st)))
+        drv = ast.parse("__ss_drv.begin(locals())\n__ss_drv.end()").body
+        fn.body = [*fn.body[:j], drv[0], fn.body[j], drv[1], *fn.body[j + 1:]]
+        return ast.fix_missing_locations(tree)
+    raise ValueError("no training loop (a for/if calling .backward() or .step()) found")
 
 
 # ------------------------------------------------------------------ what runs in each rank
@@ -132,6 +166,7 @@ class Driver:
     def __init__(self, rank: int, out_dir: str, steps: int, slow: tuple[int, str, float] | None) -> None:
         self.rank, self.out_dir, self.n, self.slow = rank, out_dir, steps, slow
         self.model: nn.Module | None = None
+        self.done = 0
 
     @staticmethod
     def _find(g: dict[str, Any]) -> tuple[nn.Module, torch.optim.Optimizer | None]:
@@ -167,11 +202,22 @@ class Driver:
                          if next(m.children(), None) is None and any(True for _ in m.parameters()))
             first.register_forward_hook(
                 lambda m, a, out: _SlowGrad.apply(out, ms) if isinstance(out, torch.Tensor) else out)
+        elif phase == "optimizer" and opt is not None:
+            inner = getattr(opt, "optimizer", opt)  # accelerate's AcceleratedOptimizer wraps it
+            inner.register_step_pre_hook(lambda o, a, k: time.sleep(ms / 1000.0))
         else:
-            raise ValueError(f"slow phase must be 'forward' or 'backward', got {phase!r}")
+            raise ValueError(f"slow phase must be 'forward', 'backward' or 'optimizer', got {phase!r}")
 
     def steps(self) -> range:
         return range(self.n)
+
+    def limit(self, it: Any) -> Iterator[Any]:
+        """The first items of ``it``, ``steps`` in all across every call (epochs)."""
+        for item in it:
+            if self.done >= self.n:
+                return
+            self.done += 1
+            yield item
 
     @contextmanager
     def step(self) -> Iterator[None]:
@@ -211,6 +257,77 @@ def _pippy_shim() -> types.ModuleType:
     return mod
 
 
+def _offline_hf(tmp: Path) -> None:
+    """Offline stand-ins for what HF example scripts download: a tiny BERT (random weights) for
+    ``from_pretrained``, a word-level tokenizer, GLUE-MRPC-shaped random sentence pairs
+    (``datasets.load_dataset``) and an accuracy metric (``evaluate.load``)."""
+    import random
+
+    import transformers
+
+    words = [f"w{i}" for i in range(200)]
+    vocab = tmp / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]) + "\n")
+    tok = transformers.BertTokenizerFast(vocab_file=str(vocab))
+    config = transformers.BertConfig(vocab_size=len(words) + 5, hidden_size=32, num_hidden_layers=2,
+                                     num_attention_heads=2, intermediate_size=64, num_labels=2)
+    transformers.AutoTokenizer.from_pretrained = lambda *a, **k: tok  # type: ignore[method-assign]
+    transformers.AutoModelForSequenceClassification.from_pretrained = (  # type: ignore[method-assign]
+        lambda *a, **k: transformers.BertForSequenceClassification(config))
+
+    class Split(torch.utils.data.Dataset[dict[str, Any]]):
+        def __init__(self, rows: list[dict[str, Any]]) -> None:
+            self.rows = rows
+
+        def __len__(self) -> int:
+            return len(self.rows)
+
+        def __getitem__(self, i: int) -> dict[str, Any]:
+            return self.rows[i]
+
+        def map(self, fn: Any, batched: bool = True, remove_columns: Any = ()) -> Split:
+            cols = {k: [r[k] for r in self.rows] for k in self.rows[0]}
+            new = dict(fn(cols))
+            return Split([{**{k: v for k, v in r.items() if k not in remove_columns},
+                           **{k: new[k][i] for k in new}} for i, r in enumerate(self.rows)])
+
+        def rename_column(self, a: str, b: str) -> Split:
+            return Split([{(b if k == a else k): v for k, v in r.items()} for r in self.rows])
+
+    class DatasetDict(dict[str, Split]):
+        def map(self, *a: Any, **k: Any) -> DatasetDict:
+            return DatasetDict({n: d.map(*a, **k) for n, d in self.items()})
+
+        def rename_column(self, a: str, b: str) -> DatasetDict:
+            return DatasetDict({n: d.rename_column(a, b) for n, d in self.items()})
+
+    def load_dataset(*args: Any, **kwargs: Any) -> DatasetDict:
+        rnd = random.Random(0)
+
+        def rows(n: int) -> list[dict[str, Any]]:
+            return [{"sentence1": " ".join(rnd.choices(words, k=rnd.randint(8, 16))),
+                     "sentence2": " ".join(rnd.choices(words, k=rnd.randint(8, 16))),
+                     "label": rnd.randint(0, 1), "idx": i} for i in range(n)]
+        return DatasetDict(train=Split(rows(1024)), validation=Split(rows(64)))
+
+    class Accuracy:
+        def __init__(self) -> None:
+            self.right, self.n = 0, 0
+
+        def add_batch(self, predictions: torch.Tensor, references: torch.Tensor) -> None:
+            self.right += int((predictions == references).sum())
+            self.n += len(references)
+
+        def compute(self) -> dict[str, float]:
+            return {"accuracy": self.right / max(1, self.n)}
+
+    ds = types.ModuleType("datasets")
+    ds.load_dataset = load_dataset  # type: ignore[attr-defined]
+    ev = types.ModuleType("evaluate")
+    ev.load = lambda *a, **k: Accuracy()  # type: ignore[attr-defined]
+    sys.modules["datasets"], sys.modules["evaluate"] = ds, ev
+
+
 def _worker(rank: int, world: int, port: int, out_dir: str, script: Script, steps: int,
             slow: tuple[int, str, float] | None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -224,6 +341,11 @@ def _worker(rank: int, world: int, port: int, out_dir: str, script: Script, step
     # CPU in place of an accelerator: the scripts ask torch which accelerator to use.
     torch.accelerator.current_accelerator = lambda check_available=False: torch.device("cpu")  # type: ignore[assignment]
     sys.modules.setdefault("pippy", _pippy_shim())
+    sys.argv = [script.name, *script.argv]
+    if script.offline_hf:
+        _offline_hf(src)
+    if script.init_pg:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
     for name, _ in script.siblings:
         mod = __import__(Path(name).stem)
         if hasattr(mod, "verify_min_gpu_count"):
