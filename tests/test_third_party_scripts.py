@@ -141,3 +141,35 @@ def test_live_line_matches_pipeline_links() -> None:
     assert s["slowest_phase_excess_ms"] == pytest.approx(42.9, abs=0.5)
     assert s["waited_in_op"] == "p2p" and s["waited_on_link"] == "1>2"
     assert "pipeline: waited on r1 over link 1>2" in format_line(s)
+
+
+# ------------------------------------------------------------------ accelerate
+
+
+def _acc_script(source: str) -> Any:
+    kw = {"argv": ("--cpu",), "init_pg": True}
+    if source == "recreation":
+        return third_party.recreation("acc_classifier", **kw)
+    script = third_party.from_mirror("huggingface/accelerate", "examples/nlp_example.py",
+                                     offline_hf=True, **kw)
+    if script is None:
+        pytest.skip(f"huggingface/accelerate is not fetched under {third_party.MIRRORS}")
+    return script
+
+
+@pytest.mark.parametrize(("source", "slow"), [
+    ("recreation", (1, "optimizer")), ("mirror", (1, "optimizer")), ("mirror", None)])
+def test_accelerate_script(tmp_path: Any, source: str, slow: tuple[int, str] | None) -> None:
+    # The prepared (wrapped) optimizer and DDP model, as the script has them at hand.
+    ms = 25.0
+    doc = analyze_run(third_party.launch(_acc_script(source), tmp_path, ranks=2, steps=20,
+                                         slow=None if slow is None else (*slow, ms)))
+    assert {"forward", "backward", "optimizer"} <= set(doc["phases"])
+    assert "pipeline" not in doc and "experts" not in doc and "blind" not in doc
+    if slow is None:
+        assert doc["stragglers"] == [] and doc["windows"] == [], doc["verdicts"]
+        assert all(v["severity"] == "info" for v in doc["verdicts"]), doc["verdicts"]
+        return
+    s = _culprit(doc)
+    assert (s["rank"], s["phase"]) == slow
+    assert 0.7 * ms < s["excess_ms"] < 1.4 * ms

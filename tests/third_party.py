@@ -321,9 +321,17 @@ def _offline_hf(tmp: Path) -> None:
         def compute(self) -> dict[str, float]:
             return {"accuracy": self.right / max(1, self.n)}
 
+    import importlib.machinery
+
+    class IterableDataset:  # accelerate checks prepared loaders' datasets against it
+        pass
+
     ds = types.ModuleType("datasets")
+    ds.__spec__ = importlib.machinery.ModuleSpec("datasets", None)
     ds.load_dataset = load_dataset  # type: ignore[attr-defined]
+    ds.IterableDataset = IterableDataset  # type: ignore[attr-defined]
     ev = types.ModuleType("evaluate")
+    ev.__spec__ = importlib.machinery.ModuleSpec("evaluate", None)
     ev.load = lambda *a, **k: Accuracy()  # type: ignore[attr-defined]
     sys.modules["datasets"], sys.modules["evaluate"] = ds, ev
 
