@@ -379,3 +379,35 @@ def launch(script: Script, out_dir: str | os.PathLike[str], ranks: int, steps: i
     mp.spawn(run_then_exit, args=(_worker, ranks, free_port(), str(out), script, steps, slow),  # type: ignore[attr-defined]
              nprocs=ranks, join=True)
     return out
+
+
+#: The fetched scripts this module knows: name → (repo, path, siblings, ranks, Script options).
+KNOWN: dict[str, tuple[str, str, tuple[str, ...], int, dict[str, Any]]] = {
+    "tp": ("pytorch/examples", "distributed/tensor_parallelism/tensor_parallel_example.py",
+           ("distributed/tensor_parallelism/log_utils.py",), 2, {}),
+    "pippy": ("pytorch/PiPPy", "examples/basic/example_train.py", (), 3, {}),
+    "accelerate": ("huggingface/accelerate", "examples/nlp_example.py", (), 2,
+                   {"argv": ("--cpu",), "init_pg": True, "offline_hf": True}),
+}
+
+
+def main(argv: list[str]) -> None:
+    """``python tests/third_party.py NAME OUT [RANK PHASE MS]``: run a fetched script, print
+    what stepscope reports (top verdict, stragglers, pipeline bottleneck)."""
+    from stepscope.analysis.run import analyze_run
+
+    repo, path, sib, ranks, kw = KNOWN[argv[0]]
+    script = from_mirror(repo, path, sib, **kw)
+    if script is None:
+        raise SystemExit(f"{repo} is not fetched under {MIRRORS}")
+    slow = (int(argv[2]), argv[3], float(argv[4])) if len(argv) > 2 else None
+    doc = analyze_run(launch(script, argv[1], ranks, steps=20, slow=slow))
+    found = {"script": script.origin, "injected": slow,
+             "verdicts": [(v["kind"], v["severity"]) for v in doc["verdicts"]],
+             "stragglers": [(s["rank"], s["phase"], s["excess_ms"]) for s in doc["stragglers"]],
+             "bottleneck_stage": (doc.get("pipeline") or {}).get("bottleneck_stage")}
+    print("STEPSCOPE-THIRD-PARTY", found)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
