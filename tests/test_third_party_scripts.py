@@ -172,7 +172,8 @@ def _acc_script(source: str) -> Any:
 
 
 @pytest.mark.parametrize(("source", "slow"), [
-    ("recreation", (1, "optimizer")), ("mirror", (1, "optimizer")), ("mirror", None)])
+    ("recreation", (1, "optimizer")), ("recreation", (0, "forward")),
+    ("mirror", (1, "optimizer")), ("mirror", (0, "forward")), ("mirror", None)])
 def test_accelerate_script(tmp_path: Any, source: str, slow: tuple[int, str] | None) -> None:
     # The prepared (wrapped) optimizer and DDP model, as the script has them at hand.
     ms = 25.0
@@ -186,3 +187,6 @@ def test_accelerate_script(tmp_path: Any, source: str, slow: tuple[int, str] | N
     s = _culprit(doc)
     assert (s["rank"], s["phase"]) == slow
     assert 0.7 * ms < s["excess_ms"] < 1.4 * ms
+    if slow[1] == "forward":
+        # The other rank waits in DDP's buffer broadcast at the start of its forward.
+        assert any(o["op"] == "broadcast" and "forward" in o["phases"] for o in doc["collectives"]["ops"])

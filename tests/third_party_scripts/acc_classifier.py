@@ -17,8 +17,10 @@ class BagOfWords(torch.nn.Module):
     def __init__(self, vocab: int = 500, dim: int = 64, labels: int = 2) -> None:
         super().__init__()
         self.emb = torch.nn.EmbeddingBag(vocab, dim)
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, dim), torch.nn.ReLU(),
-                                       torch.nn.Linear(dim, labels))
+        # Batch norm: running statistics are buffers, which DDP broadcasts every forward
+        # (BERT's position ids in the original play the same part).
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, dim), torch.nn.BatchNorm1d(dim),
+                                       torch.nn.ReLU(), torch.nn.Linear(dim, labels))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.emb(ids))

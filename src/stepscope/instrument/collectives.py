@@ -526,6 +526,10 @@ def _apply() -> None:
         for mod in _targets():
             if getattr(mod, name, None) is orig:
                 setattr(mod, name, patched)
+    orig_bc = getattr(torch.distributed, "_broadcast_coalesced", None)
+    if orig_bc is not None:
+        _originals["_broadcast_coalesced"] = orig_bc
+        setattr(torch.distributed, "_broadcast_coalesced", _make_broadcast_coalesced(orig_bc))  # noqa: B010 (private)
     funcol.apply(sys.modules[__name__])
 
 
@@ -537,6 +541,49 @@ def _restore() -> None:
                 setattr(mod, name, orig)
     _originals.clear()
     funcol.restore()
+
+
+def _make_broadcast_coalesced(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """DDP's buffer broadcast (``broadcast_buffers=True``, the default, with any buffer: batch
+    norm statistics, position ids) at the start of every forward: a collective issued from
+    Python through this private binding, recorded as a ``broadcast`` on DDP's group. A rank
+    that arrives late to forward makes the others wait here, inside their forward."""
+
+    def patched(process_group: Any, tensors: Any, buffer_size: int, src: int = 0) -> Any:
+        if _is_compiling():
+            return orig(process_group, tensors, buffer_size, src)
+        rec = gate.current()
+        if rec is None or _tls.inside or _disabled:
+            return orig(process_group, tensors, buffer_size, src)
+        try:
+            path = rec.current_path()
+            start = rec.clock.mark()  # this rank's arrival
+        except Exception as exc:  # protect the job: our error, the call goes through
+            _disable(exc)
+            return orig(process_group, tensors, buffer_size, src)
+        _tls.inside = True
+        try:
+            out = orig(process_group, tensors, buffer_size, src)
+        except BaseException:
+            _tls.inside = False
+            release(rec, start)
+            raise  # the collective's own error, unchanged
+        _tls.inside = False
+        try:
+            info = group_info(process_group)
+            if info is None:
+                release(rec, start)
+                return out
+            pid, size = info
+            nbytes = sum(t.numel() * t.element_size() for t in tensors)
+            add(rec, "broadcast", pid, size, nbytes, start, rec.clock.mark(), path, next_seq(pid),
+                None, None)
+        except Exception as exc:  # protect the job: the call already happened
+            _disable(exc)
+        return out
+
+    patched.__wrapped__ = orig  # type: ignore[attr-defined]
+    return patched
 
 
 _patch = SharedPatch(_apply, _restore)
