@@ -252,7 +252,10 @@ def traced_into_graph() -> None:
     the compiled graph: no cost when the graph runs. Only reached when compiling (then
     ``torch._dynamo`` is imported; stepscope never imports it itself).
     """
-    torch._dynamo.comptime.comptime(lambda ctx: _count_compiled())
+    try:
+        torch._dynamo.comptime.comptime(lambda ctx: _count_compiled())
+    except Exception:  # protect the job (a torch without comptime): only the count is lost
+        return
 
 
 def _count_compiled() -> None:
