@@ -176,7 +176,7 @@ def _acc_script(source: str) -> Any:
     ("mirror", (1, "optimizer")), ("mirror", (0, "forward")), ("mirror", None)])
 def test_accelerate_script(tmp_path: Any, source: str, slow: tuple[int, str] | None) -> None:
     # The prepared (wrapped) optimizer and DDP model, as the script has them at hand.
-    ms = 25.0
+    ms = 40.0  # the BERT example's forward varies by tens of ms a step on a loaded machine
     doc = analyze_run(third_party.launch(_acc_script(source), tmp_path, ranks=2, steps=20,
                                          slow=None if slow is None else (*slow, ms)))
     assert {"forward", "backward", "optimizer"} <= set(doc["phases"])
