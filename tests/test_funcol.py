@@ -95,3 +95,72 @@ def test_unseen_paths_are_counted_and_reported(world1: Any, tmp_path: Path) -> N
     (v,) = [v for v in doc["verdicts"] if v["kind"] == "blind_collectives"]
     assert v["severity"] == "warning" and "coalesced" in v["evidence"] and "traced" in v["evidence"]
     assert [o["op"] for o in doc["collectives"]["ops"]] == ["all_reduce"]
+
+
+def test_funcol_wait_is_recorded_in_the_phase_that_waited(world1: Any, mem_tracer: Any) -> None:
+    # Tensor parallel's row-parallel output is often first used outside the model (the loss):
+    # the rank's time in the collective is there, not in forward.
+    tr = mem_tracer(auto=False)
+    g = dist.group.WORLD
+    x = torch.ones(16)
+    funcol.all_reduce(x, "sum", g).wait()
+    with tr.step():
+        with tr.phase("forward"):
+            y = funcol.all_reduce(x, "sum", g)
+        with tr.phase("loss"):
+            assert float(y.sum()) == 16.0  # first use: waits here
+    tr.finish()
+    (rec,) = tr.sink.records
+    assert set(_colls(rec)) == {("loss", "all_reduce")}
+
+
+def _traced_run(tmp_path: Path, backend: str, with_collective: bool, compile_in_step: bool) -> Any:
+    torch._dynamo.reset()
+    g = dist.group.WORLD
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        x = x * 2
+        if with_collective:
+            x = funcol.all_reduce(x, "sum", g)
+        return x + 1
+
+    compiled = torch.compile(fn, backend=backend)
+    out = tmp_path / "run"
+    tr = stepscope.Tracer(stepscope.Config(out_dir=str(out), auto=set()))
+    t = torch.ones(8)
+    if not compile_in_step:
+        compiled(t)  # compiled before any step: counted at the next step's collective
+    for _ in range(4):
+        with tr.step():
+            assert float(compiled(t).sum()) == 24.0
+            dist.all_reduce(t.clone())  # seen
+    tr.finish()
+    return analyze_run(out)
+
+
+@pytest.mark.parametrize("compile_in_step", [True, False])
+def test_collectives_in_compiled_graphs_are_reported_blind(world1: Any, tmp_path: Path,
+                                                           compile_in_step: bool) -> None:
+    doc = _traced_run(tmp_path, "eager", True, compile_in_step)
+    blind = {b["path"]: b for b in doc["blind"]}
+    assert set(blind) == {"compiled"}
+    assert blind["compiled"]["calls"] == 1 and blind["compiled"]["ranks"] == [0]
+    (v,) = [v for v in doc["verdicts"] if v["kind"] == "blind_collectives"]
+    assert "inside compiled graphs" in v["evidence"] and "not attributed" in v["evidence"]
+    assert "1 collective call(s) traced into compiled graphs" in v["evidence"]
+    assert "balanced" not in {v["kind"] for v in doc["verdicts"]}
+    # Only the eager all_reduce is timed; the compiled one runs in the graph.
+    assert [(o["op"], o["calls_per_step"]) for o in doc["collectives"]["ops"]] == [("all_reduce", 1.0)]
+
+
+def test_compiled_graph_without_collectives_is_not_blind(world1: Any, tmp_path: Path) -> None:
+    doc = _traced_run(tmp_path, "eager", False, True)
+    assert "blind" not in doc
+    assert "blind_collectives" not in {v["kind"] for v in doc["verdicts"]}
+
+
+@pytest.mark.slow
+def test_collectives_in_inductor_graphs_are_reported_blind(world1: Any, tmp_path: Path) -> None:
+    # inductor (C++ compiler on CPU): the graph's all_reduce runs from generated code.
+    doc = _traced_run(tmp_path, "inductor", True, True)
+    assert {b["path"] for b in doc["blind"]} == {"compiled"}

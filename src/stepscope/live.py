@@ -195,8 +195,13 @@ def cross_rank_summary(payloads: list[dict[str, Any] | None], world_size: int) -
     threshold = max(0.5, 0.05 * step_mid)
     best = max((c[0] for c in cands), default=0.0)
     late = _late_by_waits(got, names, threshold)
+    waited_in: dict[str, Any] = {}
     if late is not None:
-        slow_rank, slow_phase, slow_ms, excess = late
+        slow_rank, slow_phase, slow_ms, excess, key = late
+        _, op, pg = key.split("|", 2)
+        waited_in = {"waited_in_op": op, "waited_in_group": pg}
+        if op == "p2p":  # a pipeline: the link (global ranks, sender first) the others waited on
+            waited_in["waited_on_link"] = pg.rsplit(":", 1)[-1]
     elif len(got) > 1 and best >= threshold:
         # Near-ties go to the phase that comes first in the step.
         excess, _, slow_rank, slow_phase, slow_ms = min(
@@ -231,6 +236,7 @@ def cross_rank_summary(payloads: list[dict[str, Any] | None], world_size: int) -
         "dataloader_share": sum(dl) / len(dl),
         "dataloader_share_max": max(dl),
         "per_rank": {str(p["r"]): {"step_ms_median": p["m"], "step_ms_max": p["x"]} for p in got},
+        **waited_in,
         **_resources_cross(got),  # [metrics] job tokens/s, MFU, peak memory
     }
 
@@ -239,32 +245,66 @@ def _resources_cross(got: list[dict[str, Any]]) -> dict[str, Any]:
     from stepscope.instrument.resources import cross_rank_fields
 
     return cross_rank_fields(got)
+#: Point-to-point ops: their key's group is the link (``"world:0>1"``), reported by its two ends.
+_P2P = frozenset({"send", "recv", "isend", "irecv"})
+
+
+def _matched(c: dict[str, float]) -> dict[str, tuple[float, str]]:
+    """A rank's collective times keyed as they match across ranks, each with its top phase.
+
+    A collective's key is ``phase|op|group``; a point-to-point link's is ``|p2p|<link>``,
+    its two ends' sends and receives summed (a sender's ``isend`` meets the receiver's
+    ``irecv``), as the report's pipeline rule matches them.
+    """
+    out: dict[str, tuple[float, str]] = {}
+    for key, ms in c.items():
+        phase, op, pg = [*key.split("|", 2), "", ""][:3]
+        top = phase.split("/", 1)[0] or "residual"
+        if op in _P2P:
+            key = f"|p2p|{pg}"
+            prev_ms, prev_top = out.get(key, (0.0, top))
+            out[key] = (prev_ms + float(ms), prev_top if prev_ms >= float(ms) else top)
+        else:
+            out[key] = (float(ms), top)
+    return out
+
+
 def _late_by_waits(
     got: list[dict[str, Any]], names: list[str], threshold: float
-) -> tuple[int, str, float, float] | None:
-    """The late rank by the wait rule on the exchanged collective times, and its phase.
+) -> tuple[int, str, float, float, str] | None:
+    """The late rank by the wait rule on the exchanged collective times, its phase, and the
+    collective key (``phase|op|group``, ``|p2p|<link>`` for a pipeline link) the others
+    waited in most.
 
-    For each collective every rank reported, ``waits`` gives each rank's wait; the rank
-    the others waited for most (the last arriver of the collective with the largest total
-    wait) is late, and its phase is the one where its own work (phase time minus its waits
-    there) exceeds the other ranks' median the most. None without a clear wait.
+    For each collective every rank reported (each point-to-point link its two ends
+    reported), ``waits`` gives each member's wait; the rank the others waited for most (the
+    last arriver of the collective with the largest total wait) is late, and its phase is
+    the one where its own work (phase time minus its waits there) exceeds the other ranks'
+    median the most. None without a clear wait.
     """
     if len(got) < 2 or not all(p.get("c") for p in got):
         return None
-    keys = set.intersection(*(set(p["c"]) for p in got))
+    colls = {p["r"]: _matched(p["c"]) for p in got}
+    keys = set.union(*(set(c) for c in colls.values()))
     wait: dict[int, dict[str, float]] = {p["r"]: {} for p in got}
-    best_key, best_total = None, 0.0
+    best_key, best_total, best_times = None, 0.0, {}
     for key in sorted(keys):
-        times = {p["r"]: float(p["c"][key]) for p in got}
+        have = {r: c[key] for r, c in colls.items() if key in c}
+        if len(have) != (2 if key.startswith("|p2p|") else len(got)):
+            continue  # a rank without it (or a link seen from one end): no match
+        times = {r: ms for r, (ms, _) in have.items()}
         w = waits(times)
-        top = key.split("|", 1)[0].split("/", 1)[0] or "residual"
-        for r, x in w.items():
+        # A stage's whole time in a link is its bubble, not its own work (the report's
+        # pipeline rule); which end waited for which is still the wait rule's.
+        spent = times if key.startswith("|p2p|") else w
+        for r, x in spent.items():
+            top = have[r][1]
             wait[r][top] = wait[r].get(top, 0.0) + x
         if sum(w.values()) > best_total:
-            best_key, best_total = key, sum(w.values())
+            best_key, best_total, best_times = key, sum(w.values()), times
     if best_key is None or best_total < threshold:
         return None
-    late = last_arriver({p["r"]: float(p["c"][best_key]) for p in got})
+    late = last_arriver(best_times)
     if late is None:
         return None
 
@@ -276,7 +316,7 @@ def _late_by_waits(
     rows = [(own(mine, n) - median(own(p, n) for p in got if p["r"] != late), n)
             for n in [*names, "residual"]]
     excess, phase = max(rows)
-    return late, phase, own(mine, phase), excess
+    return late, phase, own(mine, phase), excess, best_key
 
 
 def format_line(s: dict[str, Any]) -> str:
@@ -290,6 +330,8 @@ def format_line(s: dict[str, Any]) -> str:
         f"slowest [bold red]r{s['slowest_rank']}[/]: {rich_escape(one_line(s['slowest_phase']))} "
         f"{s['slowest_phase_ms']:.1f} ms ({s['slowest_phase_excess_ms']:+.1f}) | "
         f"exposed h2d {s['h2d_share']:.0%} dl {s['dataloader_share']:.0%}"
+        + (f" | pipeline: waited on r{s['slowest_rank']} over link "
+           f"{rich_escape(one_line(str(s['waited_on_link'])))}" if s.get("waited_on_link") else "")
         + _resources_suffix(s)  # [metrics]
     )
 

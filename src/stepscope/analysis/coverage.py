@@ -17,7 +17,7 @@ from stepscope.analysis.pipeline import pipeline_section, pipeline_verdicts
 def add_coverage_sections(con: Any, doc: dict[str, Any]) -> None:
     """Add ``pipeline``, ``experts`` and ``blind`` (when present) to ``doc``, and verdicts."""
     added: list[dict[str, Any]] = []
-    pipe = pipeline_section(con)
+    pipe = pipeline_section(con, [int(s["rank"]) for s in doc["stragglers"]])
     if pipe is not None:
         doc["pipeline"] = pipe
         added += pipeline_verdicts(pipe)
@@ -52,8 +52,9 @@ def blind_section(con: Any, doc: dict[str, Any]) -> list[dict[str, Any]]:
     for path, ranks, calls in con.execute(
         "SELECT path, list(DISTINCT rank ORDER BY rank), sum(n) FROM unseen GROUP BY 1 ORDER BY 1"
     ).fetchall():
+        # "compiled" counts calls traced into a graph (once per compilation, not per run of it).
         out.append({"path": str(path), "ranks": [int(r) for r in ranks],
-                    "calls_per_step": round(float(calls) / n_steps, 3),
+                    "calls": int(calls), "calls_per_step": round(float(calls) / n_steps, 3),
                     "what": UNSEEN.get(str(path), str(path))})
     return out
 
@@ -63,7 +64,8 @@ def blind_verdicts(blind: list[dict[str, Any]], doc: dict[str, Any]) -> list[dic
     if not blind:
         return []
     paths = "; ".join(f"{b['path']} on rank(s) {', '.join(str(r) for r in b['ranks'][:8])}"
-                      + f" ({b['calls_per_step']:g} calls per step)"
+                      + (f" ({b['calls']} collective call(s) traced into compiled graphs)"
+                         if b["path"] == "compiled" else f" ({b['calls_per_step']:g} calls per step)")
                       + f": {b['what']}" for b in blind)
     return [{
         # Its cost is unknown by definition: waits there are not measured.

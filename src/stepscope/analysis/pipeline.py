@@ -13,7 +13,7 @@ late upstream stage, or a sender for a downstream stage that posts its receive l
 
 The report's ``pipeline`` section: per stage (one rank per stage, ordered by rank), the bubble
 (time per step it waited on its neighbours, and its share of the step) and the time the other
-stages waited on it; the bottleneck is the stage the others waited on most.
+stages waited on it; the bottleneck is the stage the straggler analysis names (none when none is).
 """
 
 from __future__ import annotations
@@ -68,10 +68,11 @@ def _peer(pg: str, rank: int) -> int | None:
     return a if rank == b else None
 
 
-def pipeline_section(con: Any) -> dict[str, Any] | None:
+def pipeline_section(con: Any, culprits: list[int]) -> dict[str, Any] | None:
     """The report's ``pipeline`` section, or None when the run has no point-to-point traffic.
 
-    Needs ``cw`` (waits per row) and ``steps``.
+    Needs ``cw`` (waits per row) and ``steps``; ``culprits``: the stragglers' ranks, most
+    costly first (the first that is a stage is the bottleneck).
     """
     rows = con.execute(
         f"""SELECT c.rank, c.step, c.pg, sum(c.wait), sum(c.ms), any_value(b.late)
@@ -111,15 +112,19 @@ def pipeline_section(con: Any) -> dict[str, Any] | None:
             "p2p_ms": round(comm.get(r, 0.0) / n, 3),
             "waited_on_ms": round(caused.get(r, 0.0) / n, 3),
         })
-    worst = max(stages, key=lambda s: s["waited_on_ms"])
-    bottleneck = worst if worst["waited_on_ms"] > 0 else None
+    # The bottleneck is the stage the straggler analysis found slow (its own work, against
+    # its own noise). Who waited on whom alone cannot tell: in a balanced pipeline the
+    # schedule's fill and drain make the middle stages look waited on.
+    by_rank = {s["rank"]: s for s in stages}
+    bottleneck = next((by_rank[r] for r in culprits if r in by_rank), None)
     return {
         "stages": stages,
         "bottleneck_stage": None if bottleneck is None else bottleneck["stage"],
         "bottleneck_rank": None if bottleneck is None else bottleneck["rank"],
         "rule": "bubble = a stage's time in point-to-point transfers with its neighbours; "
         "waited_on = what the other end of each link spent beyond this stage's time in it "
-        "(per step and link); the bottleneck is the stage the others waited on most",
+        "(per step and link); the bottleneck is the stage named a straggler (its own work in a "
+        "phase above the other stages'), none when no stage is",
     }
 
 

@@ -235,13 +235,59 @@ UNSEEN = {
     "_coalescing_manager): the work runs at the block's exit, in C++",
     "traced": "functional collectives called while tracing (make_fx, fake or proxy "
     "modes): they run inside the captured graph",
+    "compiled": "collectives inside compiled graphs (torch.compile: dynamo turns them into "
+    "_c10d_functional graph ops that the compiled code runs): not timed, and waits there are "
+    "not attributed",
 }
+
+#: Collectives traced into a compiled graph while no sampled step was open on the tracing
+#: thread; added to the next sampled step that issues a collective.
+_compiled_pending = 0
+
+
+def traced_into_graph() -> None:
+    """Called by a collective wrapper while dynamo traces it (``torch.compile``).
+
+    ``comptime`` runs its callback once, while dynamo traces this call, and leaves nothing in
+    the compiled graph: no cost when the graph runs. Only reached when compiling (then
+    ``torch._dynamo`` is imported; stepscope never imports it itself).
+    """
+    try:
+        torch._dynamo.comptime.comptime(lambda ctx: _count_compiled())
+    except Exception:  # protect the job (a torch without comptime): only the count is lost
+        return
+
+
+def _count_compiled() -> None:
+    global _compiled_pending
+    rec = gate.current()
+    if rec is None:
+        _compiled_pending += 1
+        return
+    n, _compiled_pending = _compiled_pending + 1, 0
+    try:
+        rec.add_counter("unseen_compiled", n)
+    except Exception as exc:  # protect the job: this runs inside dynamo's tracing
+        _disable(exc)
+
+
+def flush_compiled(rec: Any) -> None:
+    """Count the compiled-graph collectives traced outside sampled steps into ``rec``'s step."""
+    global _compiled_pending
+    n, _compiled_pending = _compiled_pending, 0
+    if n:
+        unseen_n(rec, "compiled", n)
 
 
 def unseen(rec: Any, path: str) -> None:
     """Count one collective this rank issued where it cannot be timed (see :data:`UNSEEN`)."""
+    unseen_n(rec, path, 1)
+
+
+def unseen_n(rec: Any, path: str, n: int) -> None:
+    """Count ``n`` collectives this rank issued where they cannot be timed."""
     try:
-        rec.add_counter(f"unseen_{path}", 1)
+        rec.add_counter(f"unseen_{path}", n)
     except Exception as exc:  # protect the job: the call itself goes through untouched
         _disable(exc)
 
@@ -289,10 +335,14 @@ def _make_patched(spec: _Spec) -> Callable[..., Any]:
     def patched(*args: Any, **kwargs: Any) -> Any:
         # is_compiling first: while dynamo traces, it folds to True and nothing else is touched.
         if _is_compiling():
+            # Traced by dynamo: rewritten to the functional form (counted as compiled there)
+            # or a graph break (then it runs eagerly, timed).
             return orig(*args, **kwargs)
         rec = gate.current()
         if rec is None or _tls.inside or _disabled:
             return orig(*args, **kwargs)
+        if _compiled_pending:
+            flush_compiled(rec)
         if world.pg_coalesce_state:
             # Issued inside a coalescing block: the real work runs at its exit, in C++.
             unseen(rec, "coalesced")
@@ -479,6 +529,10 @@ def _apply() -> None:
         for mod in _targets():
             if getattr(mod, name, None) is orig:
                 setattr(mod, name, patched)
+    orig_bc = getattr(torch.distributed, "_broadcast_coalesced", None)
+    if orig_bc is not None:
+        _originals["_broadcast_coalesced"] = orig_bc
+        setattr(torch.distributed, "_broadcast_coalesced", _make_broadcast_coalesced(orig_bc))  # noqa: B010 (private)
     funcol.apply(sys.modules[__name__])
 
 
@@ -490,6 +544,49 @@ def _restore() -> None:
                 setattr(mod, name, orig)
     _originals.clear()
     funcol.restore()
+
+
+def _make_broadcast_coalesced(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """DDP's buffer broadcast (``broadcast_buffers=True``, the default, with any buffer: batch
+    norm statistics, position ids) at the start of every forward: a collective issued from
+    Python through this private binding, recorded as a ``broadcast`` on DDP's group. A rank
+    that arrives late to forward makes the others wait here, inside their forward."""
+
+    def patched(process_group: Any, tensors: Any, buffer_size: int, src: int = 0) -> Any:
+        if _is_compiling():
+            return orig(process_group, tensors, buffer_size, src)
+        rec = gate.current()
+        if rec is None or _tls.inside or _disabled:
+            return orig(process_group, tensors, buffer_size, src)
+        try:
+            path = rec.current_path()
+            start = rec.clock.mark()  # this rank's arrival
+        except Exception as exc:  # protect the job: our error, the call goes through
+            _disable(exc)
+            return orig(process_group, tensors, buffer_size, src)
+        _tls.inside = True
+        try:
+            out = orig(process_group, tensors, buffer_size, src)
+        except BaseException:
+            _tls.inside = False
+            release(rec, start)
+            raise  # the collective's own error, unchanged
+        _tls.inside = False
+        try:
+            info = group_info(process_group)
+            if info is None:
+                release(rec, start)
+                return out
+            pid, size = info
+            nbytes = sum(t.numel() * t.element_size() for t in tensors)
+            add(rec, "broadcast", pid, size, nbytes, start, rec.clock.mark(), path, next_seq(pid),
+                None, None)
+        except Exception as exc:  # protect the job: the call already happened
+            _disable(exc)
+        return out
+
+    patched.__wrapped__ = orig  # type: ignore[attr-defined]
+    return patched
 
 
 _patch = SharedPatch(_apply, _restore)

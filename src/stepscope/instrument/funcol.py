@@ -90,11 +90,16 @@ def _make(name: str, orig: Callable[..., Any], col: Any) -> Callable[..., Any]:
     gate = col.gate
 
     def patched(*args: Any, **kwargs: Any) -> Any:
-        if col._is_compiling() or col._disabled or col._tls.inside:
+        if col._is_compiling():
+            col.traced_into_graph()
+            return orig(*args, **kwargs)
+        if col._disabled or col._tls.inside:
             return orig(*args, **kwargs)
         rec = gate.current()
         if rec is None:
             return orig(*args, **kwargs)
+        if col._compiled_pending:
+            col.flush_compiled(rec)
         if tracing():
             col.unseen(rec, "traced")  # captured into a graph: runs there, untimed
             return orig(*args, **kwargs)
@@ -188,6 +193,7 @@ def _make_wait(orig: Callable[..., Any], col: Any) -> Callable[..., Any]:
             return orig(tensor)
         rec = pending[0]
         try:
+            wait_path = rec.current_path()
             wait_start = rec.clock.mark()
         except Exception as exc:  # protect the job
             col._disable(exc)
@@ -199,8 +205,10 @@ def _make_wait(orig: Callable[..., Any], col: Any) -> Callable[..., Any]:
             col.release(rec, wait_start)
             raise
         try:
-            _, op, pid, size, nbytes, start, path, seq, issued, recv = pending
-            col.add(rec, op, pid, size, nbytes, start, rec.clock.mark(), path, seq,
+            _, op, pid, size, nbytes, start, _, seq, issued, recv = pending
+            # Recorded in the phase that waited (where this rank's time went): the first use
+            # of a tensor-parallel output is often outside the forward that issued it.
+            col.add(rec, op, pid, size, nbytes, start, rec.clock.mark(), wait_path, seq,
                     (issued, wait_start), recv)
         except Exception as exc:  # protect the job: the wait already happened
             col._disable(exc)
