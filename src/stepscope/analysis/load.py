@@ -362,7 +362,8 @@ def _load_parquet(location: str, threads: int | None, memory_limit: str | None,
                 raise AnalysisError(f"{location}: no Parquet records ({st.parquet_glob(location)})"
                                     ) from exc
             raise
-        data = _build_tables(con, root or Path(location), skipped, set(torn or ()), lines)
+        data = _build_tables(con, root or Path(location), skipped, set(torn or ()), lines,
+                             light=root is not None)
         data._tmp = tmpdir
         return data
     except BaseException:
@@ -393,13 +394,14 @@ def _display_name(fname: str) -> str:
 
 
 def _build_tables(con: Any, root: Path, skipped: list[str], torn: set[str] | None = None,
-                  lines: dict[str, int] | None = None) -> RunData:
+                  lines: dict[str, int] | None = None, light: bool = True) -> RunData:
     """Validate table ``raw`` (one row per line, corrupt lines all NULL) into the tables.
 
     ``torn``: names of the files that do not end in a newline, when ``raw.filename`` holds
     names rather than paths (the Parquet store); otherwise each file is looked at.
     ``lines``: for the store, lines per file stored through its combined file, whose corrupt
     lines are rows without a file name (``tagged`` rows are those lines' good ones).
+    ``light``: also keep table ``light`` (goodput's rows), when ``raw`` came from rank files.
     """
     valid = " AND ".join(f"{c} IS NOT NULL" for c in _REQUIRED)
     if lines is None:
@@ -459,6 +461,20 @@ def _build_tables(con: Any, root: Path, skipped: list[str], torn: set[str] | Non
             WHERE {valid} AND schema IN {tuple(READABLE_SCHEMAS)} AND coalesce({_PLAUSIBLE}, FALSE)
                   AND {TIMED_FILTER}"""
     )
+    if light:
+        # Goodput's rows (analysis/goodput.py): every timed record of the rank JSONL files,
+        # re-done duplicates included, kept here so it never re-reads the files. Converted
+        # SQLite files are no rank JSONL (goodput then uses the analysed steps).
+        con.execute(
+            f"""CREATE TABLE light AS
+                SELECT rank, coalesce(run_id, '') AS run_id, step, start_unix_ns, step_ms
+                FROM raw
+                WHERE rank IS NOT NULL AND step IS NOT NULL AND start_unix_ns IS NOT NULL
+                  AND step_ms IS NOT NULL AND isfinite(step_ms) AND step_ms >= 0
+                  AND {TIMED_FILTER} AND start_unix_ns >= 0 AND start_unix_ns < {MAX_START_NS}
+                  AND step_ms <= {MAX_MS} AND filename IS NOT NULL
+                  AND NOT ends_with(filename, '.from-sqlite.jsonl')"""
+        )
     con.execute("DROP TABLE raw")
     n_rec, n_pairs = con.execute(
         "SELECT count(*), (SELECT count(*) FROM (SELECT DISTINCT rank, step FROM rec)) FROM rec"
