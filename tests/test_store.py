@@ -170,3 +170,13 @@ def test_goodput_reads_no_rank_file_twice(tmp_path: Path, store: bool,
         assert goodput.compute_goodput(data.con, run, doc["run"]["warmup"]) == gp
     finally:
         data.close()
+
+
+def test_no_progress_bar_on_stdout(tmp_path: Path) -> None:
+    # DuckDB draws a progress bar on stdout for a query over 2 s, even when stdout is a
+    # file: it would corrupt ``report --json > out.json`` on a large run.
+    data = load_run(write_run(tmp_path / "run", SynthRun(ranks=2, steps=6)))
+    try:
+        assert data.con.execute("SELECT current_setting('enable_progress_bar')").fetchone()[0] is False
+    finally:
+        data.close()

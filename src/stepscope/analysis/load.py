@@ -118,6 +118,9 @@ def _connect(tmp: str, threads: int | None, memory_limit: str | None) -> Any:
     con = duckdb.connect(str(Path(tmp) / "run.duckdb"))
     con.execute(f"SET temp_directory = '{tmp}'")
     con.execute("SET preserve_insertion_order = false")  # lets big scans stream in parallel
+    # DuckDB draws a progress bar on stdout for queries over 2 s: it would land in the
+    # report (``report --json > file``).
+    con.execute("SET enable_progress_bar = false")
     if threads:
         con.execute(f"SET threads = {int(threads)}")
     if memory_limit:
