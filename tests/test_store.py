@@ -174,9 +174,16 @@ def test_goodput_reads_no_rank_file_twice(tmp_path: Path, store: bool,
 
 def test_no_progress_bar_on_stdout(tmp_path: Path) -> None:
     # DuckDB draws a progress bar on stdout for a query over 2 s, even when stdout is a
-    # file: it would corrupt ``report --json > out.json`` on a large run.
-    data = load_run(write_run(tmp_path / "run", SynthRun(ranks=2, steps=6)))
-    try:
-        assert data.con.execute("SELECT current_setting('enable_progress_bar')").fetchone()[0] is False
-    finally:
-        data.close()
+    # file: it would corrupt ``report --json > out.json`` on a large run. (Checked in a
+    # child: DuckDB's default depends on the process it runs in.)
+    import os
+    import subprocess
+    import sys
+
+    run = write_run(tmp_path / "run", SynthRun(ranks=2, steps=6))
+    code = ("import sys; from stepscope.analysis.load import load_run; d = load_run(sys.argv[1]); "
+            "print(d.con.execute(\"SELECT current_setting('enable_progress_bar')\").fetchone()[0])")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", code, str(run)], capture_output=True, text=True,
+                         env=env, check=True, timeout=300)
+    assert out.stdout.strip() == "False"
