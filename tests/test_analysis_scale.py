@@ -92,3 +92,53 @@ def test_median_of_the_others_with_ties_and_ragged_steps() -> None:
             continue
         assert others == pytest.approx(median(rest)), (rank, step, name)
         assert excess == pytest.approx(o - median(rest))
+
+
+_PW_JOIN = """SELECT p.rank, p.step, p.path, any_value(p.parent), any_value(p.ms),
+                     CAST(coalesce(sum(c.wait), 0.0) AS DOUBLE), count(c.rank),
+                     CAST(coalesce(sum(c.ms), 0.0) AS DOUBLE)
+              FROM phases p LEFT JOIN cw c
+                ON c.rank = p.rank AND c.step = p.step
+               AND (c.phase = p.path OR starts_with(c.phase, p.path || '/'))
+              GROUP BY 1, 2, 3 ORDER BY 1, 2, 3"""
+
+
+def _nested_program() -> list[tuple[object, ...]]:
+    """Collectives two and three levels down, and in a phase's own body."""
+    return [("open", "dataloader"), ("work", "dataloader", 1.5), ("close", "dataloader"),
+            ("open", "forward"), ("open", "forward/attn"),
+            ("coll", "forward/attn", "all_gather", "0", 1 << 20, 0.3),
+            ("work", "forward/attn", 3.0), ("close", "forward/attn"),
+            ("coll", "forward", "all_gather", "0", 1 << 20, 0.3), ("work", "forward", 2.0),
+            ("close", "forward"), ("open", "backward"), ("open", "backward/l0"),
+            ("open", "backward/l0/mlp"), ("work", "backward/l0/mlp", 4.0),
+            ("coll", "backward/l0/mlp", "reduce_scatter", "0", 1 << 20, 0.3),
+            ("close", "backward/l0/mlp"), ("close", "backward/l0"), ("close", "backward"),
+            ("open", "optimizer"), ("work", "optimizer", 2.0), ("close", "optimizer")]
+
+
+@pytest.mark.parametrize("program", ["ddp", "fsdp", "hf", "nested"])
+def test_phase_waits_equal_the_prefix_join(tmp_path: Path, program: str) -> None:
+    # Table pw (waits per phase path, a collective counting in every phase above it) equals
+    # the direct "phase equal or below" join it replaced, on nested collective programs.
+    from synth_collectives import CollRun, ddp_program, fsdp_program, hf_program, write
+    from synth_collectives import make_records as coll_records
+
+    prog = {"ddp": ddp_program(micro=2), "fsdp": fsdp_program(), "hf": hf_program(),
+            "nested": _nested_program()}[program]
+    run = write(tmp_path / "run", coll_records(CollRun(prog, ranks=3, steps=20,
+                                                       slow=(Slow(1, "forward", 5.0),))))
+    doc = analyze_run(run, keep=True)
+    data = doc["_data"]
+    try:
+        new = data.con.execute("SELECT * FROM pw ORDER BY 1, 2, 3").fetchall()
+        old = data.con.execute(_PW_JOIN).fetchall()
+        n_nested = data.con.execute("SELECT count(*) FROM cw WHERE phase LIKE '%/%'").fetchone()[0]
+    finally:
+        data.close()
+    assert len(new) == len(old) and new
+    assert n_nested or program != "nested"
+    for a, b in zip(new, old, strict=True):
+        assert a[:5] == b[:5] and a[6] == b[6], (a, b)
+        assert a[5] == pytest.approx(b[5]) and a[7] == pytest.approx(b[7]), (a, b)
+    assert any(r[6] for r in new)
