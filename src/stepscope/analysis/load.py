@@ -222,12 +222,14 @@ def _ends_with_newline(path: Path) -> bool:
 
 def rank_files(root: Path) -> tuple[list[Path], list[Path]]:
     """``(rank*.jsonl and rank*.sqlite files inside root, links pointing outside it)``."""
-    inside: list[Path] = []
-    outside: list[Path] = []
+    inside: list[tuple[bool, str]] = []
+    outside: list[tuple[bool, str]] = []
     # One scandir, not a stat and two resolves per file: a run has up to 10^5 rank files.
+    # Sorted by name (JSONL first) before any Path is built: 10^4 Path objects cost seconds.
     with os.scandir(root) as it:
         for ent in it:
-            if not ent.name.startswith("rank") or not ent.name.endswith((".jsonl", ".sqlite")):
+            name = ent.name
+            if not name.startswith("rank") or not name.endswith((".jsonl", ".sqlite")):
                 continue
             try:
                 if not ent.is_file():
@@ -235,14 +237,10 @@ def rank_files(root: Path) -> tuple[list[Path], list[Path]]:
                 link = ent.is_symlink()
             except OSError:
                 continue
-            p = Path(ent.path)
             # Only a link can point outside; a plain file listed here is in root.
-            (outside if link and not _inside(root, p) else inside).append(p)
-    return sorted(inside, key=_jsonl_first), sorted(outside, key=_jsonl_first)
-
-
-def _jsonl_first(p: Path) -> tuple[bool, str]:
-    return p.suffix != ".jsonl", p.name
+            out = link and not _inside(root, Path(ent.path))
+            (outside if out else inside).append((not name.endswith(".jsonl"), name))
+    return [root / n for _, n in sorted(inside)], [root / n for _, n in sorted(outside)]
 
 
 def load_run(
