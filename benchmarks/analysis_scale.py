@@ -79,7 +79,8 @@ class _Timed:
 
 
 def _child(run_dir: str, threads: int, memory_limit: str, store: bool, profile: bool) -> None:
-    from stepscope.analysis import load, store as st
+    from stepscope.analysis import load
+    from stepscope.analysis import store as st
     from stepscope.analysis.run import analyze_run
 
     log: list[tuple[float, str]] = []
