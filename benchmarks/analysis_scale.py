@@ -99,7 +99,8 @@ def _child(run_dir: str, threads: int, memory_limit: str, store: bool, profile: 
                 compact_s.append(round(time.perf_counter() - t, 2))
 
         load._connect = timed_connect  # type: ignore[assignment]
-        st.compact = timed_compact  # type: ignore[assignment]
+        st.compact = timed_compact
+
     def cpu() -> float:  # this process' CPU time: on a shared machine, wall time is not ours
         ru = resource.getrusage(resource.RUSAGE_SELF)
         return ru.ru_utime + ru.ru_stime
