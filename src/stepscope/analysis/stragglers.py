@@ -353,24 +353,14 @@ def build_own(con: Any) -> None:
     ``ex`` (rank, step, name, own, wait, others, excess): top-level phases and residual;
     ``others`` is the median own work of the *other* ranks at that step, ``excess`` the gap.
     """
-    # A collective counts in its phase and in every phase above it: its waits, summed per
-    # (rank, step, phase) first, then spread to each '/'-prefix of the phase, join the
-    # phases on equality (a join on "equal or below" tests every phase of the step).
     con.execute(
         """CREATE OR REPLACE TABLE pw AS
-           WITH a AS (SELECT rank, step, phase, sum(wait) AS wait, count(*) AS n, sum(ms) AS ms
-                      FROM cw WHERE phase IS NOT NULL GROUP BY 1, 2, 3),
-                up AS (SELECT rank, step, array_to_string(parts[1:i], '/') AS path,
-                              sum(wait) AS wait, sum(n) AS n, sum(ms) AS ms
-                       FROM (SELECT *, unnest(range(1, len(parts) + 1)) AS i
-                             FROM (SELECT *, string_split(phase, '/') AS parts FROM a))
-                       GROUP BY 1, 2, 3)
            SELECT p.rank, p.step, p.path, any_value(p.parent) AS parent, any_value(p.ms) AS ms,
-                  CAST(coalesce(sum(c.wait), 0.0) AS DOUBLE) AS wait,
-                  CAST(coalesce(sum(c.n), 0) AS BIGINT) AS ncoll,
+                  CAST(coalesce(sum(c.wait), 0.0) AS DOUBLE) AS wait, count(c.rank) AS ncoll,
                   CAST(coalesce(sum(c.ms), 0.0) AS DOUBLE) AS coll_ms
-           FROM phases p LEFT JOIN up c
-             ON c.rank = p.rank AND c.step = p.step AND c.path = p.path
+           FROM phases p LEFT JOIN cw c
+             ON c.rank = p.rank AND c.step = p.step
+            AND (c.phase = p.path OR starts_with(c.phase, p.path || '/'))
            GROUP BY 1, 2, 3"""
     )
     con.execute(
