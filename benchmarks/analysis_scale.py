@@ -133,6 +133,46 @@ def _child(run_dir: str, threads: int, memory_limit: str, store: bool, profile: 
     }))
 
 
+def median_of_others(base_src: str, ranks: int = 512, steps: int = 2000, reps: int = 2) -> None:
+    """``build_own`` of this tree vs the one under ``base_src``, interleaved in one process on
+    the same table (ties from 0.01 ms rounding); prints CPU seconds and whether every row's
+    ``others``/``excess`` is identical."""
+    import importlib.util
+
+    import duckdb
+
+    def load(path: str, name: str) -> Any:
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+        return mod
+
+    here = Path(__file__).resolve().parents[1] / "src/stepscope/analysis/stragglers.py"
+    mods = {"base": load(str(Path(base_src) / "stepscope/analysis/stragglers.py"), "_base_str"),
+            "this": load(str(here), "_this_str")}
+    con = duckdb.connect()
+    con.execute("SET threads = 2")
+    con.execute(f"""CREATE TABLE phases AS SELECT (i % {ranks})::INTEGER AS rank,
+        (i // {ranks})::BIGINT AS step, n.name, NULL::VARCHAR AS parent,
+        round(random() * 10, 2) AS ms, n.name AS path
+        FROM range({ranks * steps}) t(i), (VALUES ('forward'), ('backward'), ('optimizer')) n(name)""")
+    con.execute("CREATE TABLE steps AS SELECT DISTINCT rank, step, 0.3::DOUBLE AS residual_ms "
+                "FROM phases")
+    con.execute("CREATE TABLE cw (rank INTEGER, step BIGINT, phase VARCHAR, ms DOUBLE, wait DOUBLE)")
+    rows: dict[str, Any] = {}
+    for _ in range(reps):
+        for name, mod in mods.items():
+            c0 = time.process_time()
+            mod.build_own(con)
+            print(json.dumps({"build_own": name, "cpu_s": round(time.process_time() - c0, 2)}),
+                  flush=True)
+            rows[name] = con.execute(
+                "SELECT rank, step, name, others, excess FROM ex ORDER BY 1, 2, 3").fetchall()
+    print(json.dumps({"rows": len(rows["this"]), "identical": rows["this"] == rows["base"]}))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", nargs="+", default=["64x1000", "512x1000", "4096x1000"],
@@ -146,8 +186,13 @@ def main() -> int:
                    help="print per-query timings (slowest first) and the compaction time")
     p.add_argument("--keep", action="store_true",
                    help="keep (and reuse) the generated runs under --dir")
+    p.add_argument("--median-of-others", metavar="BASE_SRC",
+                   help="time build_own against the one in BASE_SRC (another checkout's src/)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.median_of_others:
+        median_of_others(args.median_of_others)
+        return 0
     if args.child:
         _child(args.child, args.threads, args.memory_limit, not args.no_store, args.profile)
         return 0
