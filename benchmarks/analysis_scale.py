@@ -9,13 +9,17 @@ phase samples, records, seconds, peak RSS, and whether the slow rank was found.
 
 ``seconds`` is the first read (compaction into the run's Parquet store included);
 ``reread_seconds`` a second read, when the store is up to date. ``--no-store`` times the
-direct JSONL path instead.
+direct JSONL path instead. ``--profile`` adds per-query timings (the slowest statements of
+the re-read, or of the first read with ``--no-store``) and the compaction's own time.
+``--dir D --keep`` generates each size once under ``D`` and reuses it on later runs (its
+Parquet store is removed first, so ``seconds`` stays a first read).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import shutil
 import subprocess
@@ -23,6 +27,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 PHASES = (("dataloader", 2.0), ("h2d", 1.0), ("forward", 6.0), ("backward", 9.0), ("optimizer", 3.0))
 
@@ -57,26 +62,115 @@ def generate(root: Path, ranks: int, steps: int, slow_rank: int) -> float:
     return time.perf_counter() - t0
 
 
-def _child(run_dir: str, threads: int, memory_limit: str, store: bool) -> None:
+class _Timed:
+    """A DuckDB connection that times each statement (``--profile``)."""
+
+    def __init__(self, con: Any, log: list[tuple[float, str]]) -> None:
+        self._con, self._log = con, log
+
+    def execute(self, sql: str, *args: Any) -> Any:
+        t0 = time.perf_counter()
+        out = self._con.execute(sql, *args)
+        self._log.append((time.perf_counter() - t0, " ".join(sql.split())[:160]))
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._con, name)
+
+
+def _child(run_dir: str, threads: int, memory_limit: str, store: bool, profile: bool) -> None:
+    from stepscope.analysis import load
+    from stepscope.analysis import store as st
     from stepscope.analysis.run import analyze_run
 
-    t0 = time.perf_counter()
+    log: list[tuple[float, str]] = []
+    compact_s: list[float] = []
+    if profile:
+        connect, compact = load._connect, st.compact
+
+        def timed_connect(*a: Any) -> Any:
+            return _Timed(connect(*a), log)
+
+        def timed_compact(*a: Any, **k: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return compact(*a, **k)
+            finally:
+                compact_s.append(round(time.perf_counter() - t, 2))
+
+        load._connect = timed_connect  # type: ignore[assignment]
+        st.compact = timed_compact
+
+    def cpu() -> float:  # this process' CPU time: on a shared machine, wall time is not ours
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        return ru.ru_utime + ru.ru_stime
+
+    t0, c0 = time.perf_counter(), cpu()
     doc = analyze_run(run_dir, threads=threads, memory_limit=memory_limit, store=store)
-    first = time.perf_counter() - t0
-    again = None
+    first, first_cpu = time.perf_counter() - t0, cpu() - c0
+    again = again_cpu = None
     if store:  # the Parquet copy is now up to date: a re-read parses no JSON
-        t1 = time.perf_counter()
+        log.clear()
+        t1, c1 = time.perf_counter(), cpu()
         doc = analyze_run(run_dir, threads=threads, memory_limit=memory_limit, store=store)
-        again = round(time.perf_counter() - t1, 2)
+        again, again_cpu = round(time.perf_counter() - t1, 2), round(cpu() - c1, 2)
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    if profile:
+        total = sum(t for t, _ in log)
+        print(json.dumps({"compact_seconds": compact_s, "query_seconds": round(total, 2),
+                          "queries": len(log)}), file=sys.stderr)
+        for t, sql in sorted(log, reverse=True)[:15]:
+            print(f"{t:8.2f}s  {sql}", file=sys.stderr)
     print(json.dumps({
         "seconds": round(first, 2),
+        "cpu_seconds": round(first_cpu, 2),
         "reread_seconds": again,
+        "reread_cpu_seconds": again_cpu,
         "peak_rss_mb": round(peak_mb, 1),
         "phase_samples": doc["run"]["phase_samples"],
         "records": doc["run"]["records"],
         "stragglers": [(s["rank"], s["phase"]) for s in doc["stragglers"][:3]],
     }))
+
+
+def median_of_others(base_src: str, ranks: int = 512, steps: int = 2000, reps: int = 2) -> None:
+    """``build_own`` of this tree vs the one under ``base_src``, interleaved in one process on
+    the same table (ties from 0.01 ms rounding); prints CPU seconds and whether every row's
+    ``others``/``excess`` is identical."""
+    import importlib.util
+
+    import duckdb
+
+    def load(path: str, name: str) -> Any:
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+        return mod
+
+    here = Path(__file__).resolve().parents[1] / "src/stepscope/analysis/stragglers.py"
+    mods = {"base": load(str(Path(base_src) / "stepscope/analysis/stragglers.py"), "_base_str"),
+            "this": load(str(here), "_this_str")}
+    con = duckdb.connect()
+    con.execute("SET threads = 2")
+    con.execute(f"""CREATE TABLE phases AS SELECT (i % {ranks})::INTEGER AS rank,
+        (i // {ranks})::BIGINT AS step, n.name, NULL::VARCHAR AS parent,
+        round(random() * 10, 2) AS ms, n.name AS path
+        FROM range({ranks * steps}) t(i), (VALUES ('forward'), ('backward'), ('optimizer')) n(name)""")
+    con.execute("CREATE TABLE steps AS SELECT DISTINCT rank, step, 0.3::DOUBLE AS residual_ms "
+                "FROM phases")
+    con.execute("CREATE TABLE cw (rank INTEGER, step BIGINT, phase VARCHAR, ms DOUBLE, wait DOUBLE)")
+    rows: dict[str, Any] = {}
+    for _ in range(reps):
+        for name, mod in mods.items():
+            c0 = time.process_time()
+            mod.build_own(con)
+            print(json.dumps({"build_own": name, "cpu_s": round(time.process_time() - c0, 2)}),
+                  flush=True)
+            rows[name] = con.execute(
+                "SELECT rank, step, name, others, excess FROM ex ORDER BY 1, 2, 3").fetchall()
+    print(json.dumps({"rows": len(rows["this"]), "identical": rows["this"] == rows["base"]}))
 
 
 def main() -> int:
@@ -88,24 +182,45 @@ def main() -> int:
     p.add_argument("--dir", default=None, help="where to generate (default: a temp dir)")
     p.add_argument("--no-store", action="store_true",
                    help="analyse the JSONL directly (the path before the Parquet store)")
+    p.add_argument("--profile", action="store_true",
+                   help="print per-query timings (slowest first) and the compaction time")
+    p.add_argument("--keep", action="store_true",
+                   help="keep (and reuse) the generated runs under --dir")
+    p.add_argument("--median-of-others", metavar="BASE_SRC",
+                   help="time build_own against the one in BASE_SRC (another checkout's src/)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.child:
-        _child(args.child, args.threads, args.memory_limit, not args.no_store)
+    if args.median_of_others:
+        median_of_others(args.median_of_others)
         return 0
+    if args.child:
+        _child(args.child, args.threads, args.memory_limit, not args.no_store, args.profile)
+        return 0
+    if args.keep and not args.dir:
+        p.error("--keep needs --dir")
     base = Path(args.dir or tempfile.mkdtemp(prefix="stepscope-scale-"))
     for size in args.sizes:
         ranks, steps = (int(x) for x in size.lower().split("x"))
         if ranks < 2 or steps < 3:
             p.error(f"size {size!r}: need at least 2 ranks and 3 steps")
         run = base / size
-        gen_s = generate(run, ranks, steps, slow_rank=ranks // 3)
+        done = run / "_generated"
+        if args.keep and done.exists():
+            gen_s = 0.0
+            shutil.rmtree(run / "parquet", ignore_errors=True)
+        else:
+            shutil.rmtree(run, ignore_errors=True)
+            gen_s = generate(run, ranks, steps, slow_rank=ranks // 3)
+            done.touch()
         size_mb = sum(f.stat().st_size for f in run.glob("*.jsonl")) / 2**20
         out = subprocess.run(
             [sys.executable, __file__, "--child", str(run), "--threads", str(args.threads),
-             "--memory-limit", args.memory_limit] + (["--no-store"] if args.no_store else []),
+             "--memory-limit", args.memory_limit] + (["--no-store"] if args.no_store else [])
+            + (["--profile"] if args.profile else []),
             capture_output=True, text=True, check=False,
         )
+        if args.profile:
+            sys.stderr.write(out.stderr)
         if out.returncode != 0:
             print(json.dumps({"size": size, "error": out.stderr.strip()[-500:]}))
             continue
@@ -116,9 +231,11 @@ def main() -> int:
         res["rows_per_s"] = round(res["phase_samples"] / max(res["seconds"], 1e-9))
         print(json.dumps({"size": size, "ranks": ranks, "steps": steps, "jsonl_mb": round(size_mb, 1),
                           "gen_s": round(gen_s, 1), "threads": args.threads,
-                          "memory_limit": args.memory_limit, "store": not args.no_store, **res}),
+                          "memory_limit": args.memory_limit, "store": not args.no_store,
+                          "load_avg_1m": round(os.getloadavg()[0], 2), **res}),
               flush=True)
-        shutil.rmtree(run, ignore_errors=True)
+        if not args.keep:
+            shutil.rmtree(run, ignore_errors=True)
     if not args.dir:
         shutil.rmtree(base, ignore_errors=True)
     return 0

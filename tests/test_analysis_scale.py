@@ -52,3 +52,43 @@ def test_median_of_the_other_ranks_is_exact(tmp_path: Path, ranks: int) -> None:
     for rank, step, name, _, others in rows:
         rest = [v for r, v in own[(step, name)].items() if r != rank]
         assert others == pytest.approx(median(rest)), (rank, step, name)
+
+
+def test_median_of_the_others_with_ties_and_ragged_steps() -> None:
+    # build_own on hand-made tables: steps with 1..9 ranks, tied values (coarse rounding).
+    import random
+
+    import duckdb
+
+    from stepscope.analysis.stragglers import build_own
+
+    rng = random.Random(3)
+    con = duckdb.connect()
+    try:
+        con.execute("CREATE TABLE phases (rank INTEGER, step BIGINT, name VARCHAR, "
+                    "parent VARCHAR, ms DOUBLE, path VARCHAR)")
+        con.execute("CREATE TABLE steps (rank INTEGER, step BIGINT, residual_ms DOUBLE)")
+        con.execute("CREATE TABLE cw (rank INTEGER, step BIGINT, phase VARCHAR, ms DOUBLE, "
+                    "wait DOUBLE)")
+        ph, st = [], []
+        for step in range(40):
+            for rank in range(1 + step % 9):
+                ph.append((rank, step, "forward", None, float(rng.randint(0, 4)), "forward"))
+                st.append((rank, step, round(rng.uniform(0, 1), 1)))
+        con.executemany("INSERT INTO phases VALUES (?, ?, ?, ?, ?, ?)", ph)
+        con.executemany("INSERT INTO steps VALUES (?, ?, ?)", st)
+        build_own(con)
+        rows = con.execute("SELECT rank, step, name, own, others, excess FROM ex").fetchall()
+    finally:
+        con.close()
+    assert len(rows) == 2 * len(ph)
+    vals: dict[tuple[int, str], dict[int, float]] = {}
+    for rank, step, name, o, *_ in rows:
+        vals.setdefault((step, name), {})[rank] = o
+    for rank, step, name, o, others, excess in rows:
+        rest = [v for r, v in vals[(step, name)].items() if r != rank]
+        if not rest:
+            assert others is None and excess is None
+            continue
+        assert others == pytest.approx(median(rest)), (rank, step, name)
+        assert excess == pytest.approx(o - median(rest))

@@ -118,3 +118,72 @@ def test_compact_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert "no such run directory" in capsys.readouterr().err
     assert main(["report", str(run), "--json", "--threads", "1", "--memory-limit", "300MB"]) == 0
     assert json.loads(capsys.readouterr().out)["run"]["ranks"] == 2
+
+
+def _redone_run(root: Path) -> Path:
+    """A run relaunched from a checkpoint (steps 20..29 done twice, a new run_id), with a
+    corrupt line, a torn last line and a record outside the timed filter."""
+    first = make_records(SynthRun(ranks=3, steps=30, seed=1))
+    again = make_records(SynthRun(ranks=3, steps=20, seed=2))
+    end = max(r[-1]["start_unix_ns"] for r in first.values()) + 60 * 10**9
+    root.mkdir(parents=True)
+    for rank, rows in first.items():
+        for rec in again[rank]:
+            rec["step"] += 20
+            rec["start_unix_ns"] += end
+            rec["run_id"] = "relaunch"
+        lines = [json.dumps(r) for r in rows + again[rank]]
+        if rank == 1:
+            lines.insert(5, "{not json")
+            lines.append(json.dumps({**rows[3], "untimed": True, "step": 3}))
+        text = "\n".join(lines) + "\n"
+        if rank == 2:
+            text += '{"schema": 1, "rank": 2, "st'  # torn
+        (root / f"rank{rank}.jsonl").write_text(text)
+    return root
+
+
+@pytest.mark.parametrize("store", [True, False])
+def test_goodput_reads_no_rank_file_twice(tmp_path: Path, store: bool,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Goodput's rows come from the lines the load read (table ``light``), equal to what its
+    own re-read of the rank files gives; the files are not read a second time."""
+    from stepscope.analysis import goodput
+    from stepscope.analysis.run import analyze_run
+
+    run = _redone_run(tmp_path / "run")
+    reread = goodput._read_light
+
+    def no_reread(*a: Any, **k: Any) -> Any:
+        raise AssertionError("goodput re-read the rank files")
+
+    monkeypatch.setattr(goodput, "_read_light", no_reread)
+    doc = analyze_run(run, store=store, keep=True)
+    data = doc.pop("_data")
+    try:
+        gp = doc["goodput"]
+        assert gp["runs"] and len(gp["runs"]) == 2  # the relaunch is a segment of its own
+        assert gp["lost_gpu_hours"]["restarts"] > 0
+        # The old path (re-reading the files) gives the same section.
+        monkeypatch.setattr(goodput, "_read_light", reread)
+        data.con.execute("DROP TABLE light")
+        assert goodput.compute_goodput(data.con, run, doc["run"]["warmup"]) == gp
+    finally:
+        data.close()
+
+
+def test_no_progress_bar_on_stdout(tmp_path: Path) -> None:
+    # DuckDB draws a progress bar on stdout for a query over 2 s, even when stdout is a
+    # file: it would corrupt ``report --json > out.json`` on a large run. (Checked in a
+    # child: DuckDB's default depends on the process it runs in.)
+    import os
+    import subprocess
+    import sys
+
+    run = write_run(tmp_path / "run", SynthRun(ranks=2, steps=6))
+    code = ("import sys; from stepscope.analysis.load import load_run; d = load_run(sys.argv[1]); "
+            "print(d.con.execute(\"SELECT current_setting('enable_progress_bar')\").fetchone()[0])")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", code, str(run)], capture_output=True, text=True,
+                         env=env, check=True, timeout=300)
+    assert out.stdout.strip() == "False"

@@ -55,6 +55,9 @@ def _light_rows(con: Any, run_dir: Path) -> list[tuple[int, str, int, int, float
 
     from stepscope.analysis.load import MAX_LINE_BYTES, drop_long_lines, rank_files
 
+    if con.execute("SELECT count(*) FROM information_schema.tables "
+                   "WHERE table_name = 'light'").fetchone()[0]:
+        return _rows(con, "light")  # kept by load_run from the lines it read
     if not run_dir.is_dir():
         return []  # a Parquet store elsewhere (a glob, a URL): no rank files to re-read
     # The files the analysis read (inside the run, no links out), with its line cap: a
@@ -80,15 +83,19 @@ def _read_light(con: Any, files: list[Path], max_line: int) -> list[tuple[int, s
     lst = "[" + ", ".join("'" + str(p).replace("'", "''") + "'" for p in files) + "]"
     cols = ("{rank: 'BIGINT', run_id: 'VARCHAR', step: 'BIGINT', start_unix_ns: 'BIGINT', "
             "step_ms: 'DOUBLE', untimed: 'BOOLEAN'}")
+    return _rows(con, f"""(SELECT rank, coalesce(run_id, '') AS run_id, step, start_unix_ns, step_ms
+        FROM read_json({lst}, format='newline_delimited', columns={cols}, ignore_errors=true,
+                       maximum_object_size={max_line + 2})
+        WHERE rank IS NOT NULL AND step IS NOT NULL AND start_unix_ns IS NOT NULL
+          AND step_ms IS NOT NULL AND isfinite(step_ms) AND step_ms >= 0 AND {TIMED_FILTER}
+          AND start_unix_ns >= 0 AND start_unix_ns < {MAX_START_NS} AND step_ms <= {MAX_MS})""")
+
+
+def _rows(con: Any, source: str) -> list[tuple[int, str, int, int, float]]:
     rows = con.execute(
-        f"""SELECT rank, coalesce(run_id, ''), step, start_unix_ns, step_ms
-            FROM read_json({lst}, format='newline_delimited', columns={cols}, ignore_errors=true,
-                           maximum_object_size={max_line + 2})
-            WHERE rank IS NOT NULL AND step IS NOT NULL AND start_unix_ns IS NOT NULL
-              AND step_ms IS NOT NULL AND isfinite(step_ms) AND step_ms >= 0 AND {TIMED_FILTER}
-              AND start_unix_ns >= 0 AND start_unix_ns < {MAX_START_NS} AND step_ms <= {MAX_MS}
-              -- only what the analysis kept (plausible, timed), re-done duplicates included
-              AND (rank, step) IN (SELECT (rank, step) FROM steps)
+        f"""SELECT rank, run_id, step, start_unix_ns, step_ms FROM {source}
+            -- only what the analysis kept (plausible, timed), re-done duplicates included
+            WHERE (rank, step) IN (SELECT (rank, step) FROM steps)
             ORDER BY rank, start_unix_ns, step"""
     ).fetchall()
     return [(int(r), str(i), int(s), int(t), float(m)) for r, i, s, t, m in rows]

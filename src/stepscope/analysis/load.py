@@ -118,6 +118,9 @@ def _connect(tmp: str, threads: int | None, memory_limit: str | None) -> Any:
     con = duckdb.connect(str(Path(tmp) / "run.duckdb"))
     con.execute(f"SET temp_directory = '{tmp}'")
     con.execute("SET preserve_insertion_order = false")  # lets big scans stream in parallel
+    # DuckDB draws a progress bar on stdout for queries over 2 s: it would land in the
+    # report (``report --json > file``).
+    con.execute("SET enable_progress_bar = false")
     if threads:
         con.execute(f"SET threads = {int(threads)}")
     if memory_limit:
@@ -219,12 +222,14 @@ def _ends_with_newline(path: Path) -> bool:
 
 def rank_files(root: Path) -> tuple[list[Path], list[Path]]:
     """``(rank*.jsonl and rank*.sqlite files inside root, links pointing outside it)``."""
-    inside: list[Path] = []
-    outside: list[Path] = []
+    inside: list[tuple[bool, str]] = []
+    outside: list[tuple[bool, str]] = []
     # One scandir, not a stat and two resolves per file: a run has up to 10^5 rank files.
+    # Sorted by name (JSONL first) before any Path is built: 10^4 Path objects cost seconds.
     with os.scandir(root) as it:
         for ent in it:
-            if not ent.name.startswith("rank") or not ent.name.endswith((".jsonl", ".sqlite")):
+            name = ent.name
+            if not name.startswith("rank") or not name.endswith((".jsonl", ".sqlite")):
                 continue
             try:
                 if not ent.is_file():
@@ -232,14 +237,10 @@ def rank_files(root: Path) -> tuple[list[Path], list[Path]]:
                 link = ent.is_symlink()
             except OSError:
                 continue
-            p = Path(ent.path)
             # Only a link can point outside; a plain file listed here is in root.
-            (outside if link and not _inside(root, p) else inside).append(p)
-    return sorted(inside, key=_jsonl_first), sorted(outside, key=_jsonl_first)
-
-
-def _jsonl_first(p: Path) -> tuple[bool, str]:
-    return p.suffix != ".jsonl", p.name
+            out = link and not _inside(root, Path(ent.path))
+            (outside if out else inside).append((not name.endswith(".jsonl"), name))
+    return [root / n for _, n in sorted(inside)], [root / n for _, n in sorted(outside)]
 
 
 def load_run(
@@ -362,7 +363,8 @@ def _load_parquet(location: str, threads: int | None, memory_limit: str | None,
                 raise AnalysisError(f"{location}: no Parquet records ({st.parquet_glob(location)})"
                                     ) from exc
             raise
-        data = _build_tables(con, root or Path(location), skipped, set(torn or ()), lines)
+        data = _build_tables(con, root or Path(location), skipped, set(torn or ()), lines,
+                             light=root is not None)
         data._tmp = tmpdir
         return data
     except BaseException:
@@ -393,13 +395,14 @@ def _display_name(fname: str) -> str:
 
 
 def _build_tables(con: Any, root: Path, skipped: list[str], torn: set[str] | None = None,
-                  lines: dict[str, int] | None = None) -> RunData:
+                  lines: dict[str, int] | None = None, light: bool = True) -> RunData:
     """Validate table ``raw`` (one row per line, corrupt lines all NULL) into the tables.
 
     ``torn``: names of the files that do not end in a newline, when ``raw.filename`` holds
     names rather than paths (the Parquet store); otherwise each file is looked at.
     ``lines``: for the store, lines per file stored through its combined file, whose corrupt
     lines are rows without a file name (``tagged`` rows are those lines' good ones).
+    ``light``: also keep table ``light`` (goodput's rows), when ``raw`` came from rank files.
     """
     valid = " AND ".join(f"{c} IS NOT NULL" for c in _REQUIRED)
     if lines is None:
@@ -459,6 +462,20 @@ def _build_tables(con: Any, root: Path, skipped: list[str], torn: set[str] | Non
             WHERE {valid} AND schema IN {tuple(READABLE_SCHEMAS)} AND coalesce({_PLAUSIBLE}, FALSE)
                   AND {TIMED_FILTER}"""
     )
+    if light:
+        # Goodput's rows (analysis/goodput.py): every timed record of the rank JSONL files,
+        # re-done duplicates included, kept here so it never re-reads the files. Converted
+        # SQLite files are no rank JSONL (goodput then uses the analysed steps).
+        con.execute(
+            f"""CREATE TABLE light AS
+                SELECT rank, coalesce(run_id, '') AS run_id, step, start_unix_ns, step_ms
+                FROM raw
+                WHERE rank IS NOT NULL AND step IS NOT NULL AND start_unix_ns IS NOT NULL
+                  AND step_ms IS NOT NULL AND isfinite(step_ms) AND step_ms >= 0
+                  AND {TIMED_FILTER} AND start_unix_ns >= 0 AND start_unix_ns < {MAX_START_NS}
+                  AND step_ms <= {MAX_MS} AND filename IS NOT NULL
+                  AND NOT ends_with(filename, '.from-sqlite.jsonl')"""
+        )
     con.execute("DROP TABLE raw")
     n_rec, n_pairs = con.execute(
         "SELECT count(*), (SELECT count(*) FROM (SELECT DISTINCT rank, step FROM rec)) FROM rec"

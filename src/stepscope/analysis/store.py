@@ -280,6 +280,7 @@ def _write_parquet(store: Path, chunks: list[Path], threads: int | None,
     con = duckdb.connect()
     try:
         con.execute("SET preserve_insertion_order = false")
+        con.execute("SET enable_progress_bar = false")  # it would draw on stdout
         if threads:
             con.execute(f"SET threads = {int(threads)}")
         if memory_limit:

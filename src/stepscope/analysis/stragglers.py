@@ -165,7 +165,9 @@ def align(con: Any, hosts: dict[str, list[int]], n_ranks: int, median_step: floa
                   "recorded (offsets unknown)")
     con.execute("CREATE OR REPLACE TABLE hoff (host VARCHAR, off DOUBLE)")
     if offsets:
-        con.executemany("INSERT INTO hoff VALUES (?, ?)", list(offsets.items()))
+        # One statement: executemany runs one INSERT per host (seconds at 10^3 hosts).
+        con.execute("INSERT INTO hoff SELECT unnest(?::VARCHAR[]), unnest(?::DOUBLE[])",
+                    [list(offsets), list(offsets.values())])
     con.execute(
         """CREATE OR REPLACE TABLE st AS
            SELECT s.rank, s.step, s.host, s.t0 - coalesce(h.off, 0.0) AS t, s.step_ms
@@ -379,28 +381,40 @@ def build_own(con: Any) -> None:
 
     # Median of the other ranks without an n^2 self-join: drop this rank's position k from
     # the step's sorted values and take the middle of what remains. Only the three values at
-    # sorted positions b..b+2 (b = max((n-1)//2, 1)) can be that middle, so v keeps just those: a
-    # full list joined to every row would be n^2 memory.
+    # sorted positions b..b+2 (b = max((n-1)//2, 1)) can be that middle, so v keeps just those
+    # (picked from the ranked rows, one sort per step and phase): a full list joined to every
+    # row would be n^2 memory.
+    def at(p: str) -> str:  # the value at sorted position p (b <= p <= b + 2); NULL past n
+        return f"(CASE {p} - v.b WHEN 0 THEN v.v0 WHEN 1 THEN v.v1 ELSE v.v2 END)"
+
     def rem(j: str) -> str:
-        return f"(CASE WHEN {j} < o.k THEN v.v[{j} - v.b + 1] ELSE v.v[{j} - v.b + 2] END)"
+        return f"(CASE WHEN {j} < o.k THEN {at(j)} ELSE {at(f'{j} + 1')} END)"
 
     con.execute(
-        f"""CREATE OR REPLACE TABLE ex AS
-            WITH o AS (SELECT *, row_number() OVER (PARTITION BY step, name ORDER BY own, rank) AS k,
-                              count(*) OVER (PARTITION BY step, name) AS n FROM own),
-                 v AS (SELECT step, name, b, l[b:b + 2] AS v FROM (
-                           -- b >= 1: DuckDB lists are 1-based, and l[0:2] would start at
-                           -- element 1, shifting every index by one when n = 2.
-                           SELECT step, name, greatest((count(*) - 1) // 2, 1) AS b,
-                                  list(own ORDER BY own, rank) AS l FROM own GROUP BY 1, 2))
-            SELECT o.rank, o.step, o.name, o.own, o.wait, m.others, o.own - m.others AS excess
-            FROM o JOIN v USING (step, name),
-            LATERAL (SELECT CASE WHEN o.n < 2 THEN NULL
-                                 WHEN (o.n - 1) % 2 = 1 THEN {rem('o.n // 2')}
-                                 ELSE 0.5 * ({rem('(o.n - 1) // 2')} + {rem('(o.n - 1) // 2 + 1')})
-                            END AS others) m"""
+        """CREATE OR REPLACE TEMP TABLE o AS
+           SELECT *, row_number() OVER (PARTITION BY step, name ORDER BY own, rank) AS k FROM own"""
     )
     con.execute("DROP TABLE own")
+    con.execute(
+        f"""CREATE OR REPLACE TABLE ex AS
+            WITH g AS (SELECT step, name, count(*) AS n,
+                              -- b >= 1: with n = 2 the positions are 1..3, not 0..2.
+                              greatest((count(*) - 1) // 2, 1) AS b FROM o GROUP BY 1, 2),
+                 v AS (SELECT o.step, o.name, any_value(g.n) AS n, any_value(g.b) AS b,
+                              max(o.own) FILTER (WHERE o.k = g.b) AS v0,
+                              max(o.own) FILTER (WHERE o.k = g.b + 1) AS v1,
+                              max(o.own) FILTER (WHERE o.k = g.b + 2) AS v2
+                       FROM o JOIN g USING (step, name)
+                       WHERE o.k BETWEEN g.b AND g.b + 2 GROUP BY 1, 2)
+            SELECT rank, step, name, own, wait, others, own - others AS excess FROM (
+                SELECT o.rank, o.step, o.name, o.own, o.wait,
+                       CASE WHEN v.n < 2 THEN NULL
+                            WHEN (v.n - 1) % 2 = 1 THEN {rem('v.n // 2')}
+                            ELSE 0.5 * ({rem('(v.n - 1) // 2')} + {rem('(v.n - 1) // 2 + 1')})
+                       END AS others
+                FROM o JOIN v USING (step, name))"""
+    )
+    con.execute("DROP TABLE o")
 
 
 def build_thresholds(con: Any, median_step: float) -> dict[tuple[int, str], float]:
@@ -519,7 +533,7 @@ def _straggler(con: Any, rank: int, name: str, host_of: dict[int, str], steps: l
 def _add_victims(con: Any, s: dict[str, Any], flagged: list[int]) -> None:
     """Ranks whose wait rose while straggler ``s`` was slow: they waited more than it did."""
     con.execute("CREATE OR REPLACE TEMP TABLE fl (step BIGINT)")
-    con.executemany("INSERT INTO fl VALUES (?)", [(x,) for x in flagged])
+    con.execute("INSERT INTO fl SELECT unnest(?::BIGINT[])", [flagged])
     rows = con.execute(
         f"""SELECT q.rank, median(q.wait_ms - r.wait_ms), median(q.wait_ms)
             FROM wait q JOIN wait r ON q.step = r.step AND r.rank = {int(s['rank'])}
