@@ -10,7 +10,9 @@ piece gets a level (the median of the raw values in it), and consecutive pieces 
 baseline by more than a bar merge into one window, so a noisy stretch inside a window
 neither splits nor hides it.
 
-Pure Python (prefix sums; O(n log n) per series).
+Prefix sums and each candidate split's gain in numpy (O(n log n) per series); the same
+floating-point operations in the same order as the scalar definition, so results are
+exactly those of the pure-Python form (`tests/test_changepoint_numpy.py`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from stepscope.common import robust
 
@@ -54,7 +58,16 @@ def median_filter(xs: Sequence[float], width: int = FILTER) -> list[float]:
         raise ValueError(f"median filter width must be a positive odd number, got {width!r}")
     h = width // 2
     n = len(xs)
-    return [robust.median(xs[max(0, i - h):min(n, i + h + 1)]) for i in range(n)]
+    if n <= 2 * h:
+        return [robust.median(xs[max(0, i - h):min(n, i + h + 1)]) for i in range(n)]
+    # Interior: odd windows, so the median is one of the values (exact); the shrinking
+    # ends (even counts among them) keep the scalar definition.
+    windows = np.lib.stride_tricks.sliding_window_view(np.asarray(xs, dtype=np.float64), width)
+    inner = np.median(windows, axis=1)
+    head = [robust.median(xs[0:i + h + 1]) for i in range(h)]
+    tail = [robust.median(xs[i - h:n]) for i in range(n - h, n)]
+    mid: list[float] = inner.tolist()
+    return head + mid + tail
 
 
 def noise(xs: Sequence[float]) -> float:
@@ -70,24 +83,31 @@ def cuts(xs: Sequence[float], penalty: float, min_piece: int = MIN_PIECE,
          max_cuts: int = MAX_CUTS) -> list[int]:
     """Binary segmentation under squared error: sorted indices where a new piece begins."""
     n = len(xs)
-    s1 = [0.0]
-    s2 = [0.0]
-    for x in xs:
-        s1.append(s1[-1] + float(x))
-        s2.append(s2[-1] + float(x) * float(x))
+    x = np.asarray(xs, dtype=np.float64)
+    # cumsum adds in order, like a running Python sum: the same prefix sums bit for bit.
+    s1 = np.concatenate(([0.0], np.cumsum(x)))
+    s2 = np.concatenate(([0.0], np.cumsum(x * x)))
 
     def sse(a: int, b: int) -> float:
         m = b - a
         if m <= 0:
             return 0.0
-        t = s1[b] - s1[a]
-        return (s2[b] - s2[a]) - t * t / m
+        t = float(s1[b] - s1[a])
+        return float(s2[b] - s2[a]) - t * t / m
 
     def best_split(a: int, b: int) -> tuple[float, int]:
         if b - a < 2 * min_piece:
             return (-1.0, -1)
         whole = sse(a, b)
-        return max((whole - sse(a, t) - sse(t, b), t) for t in range(a + min_piece, b - min_piece + 1))
+        ts = np.arange(a + min_piece, b - min_piece + 1)
+        ml, mr = ts - a, b - ts
+        tl, tr = s1[ts] - s1[a], s1[b] - s1[ts]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            left = np.where(ml > 0, (s2[ts] - s2[a]) - tl * tl / ml, 0.0)
+            right = np.where(mr > 0, (s2[b] - s2[ts]) - tr * tr / mr, 0.0)
+        gain = whole - left - right
+        i = len(gain) - 1 - int(np.argmax(gain[::-1]))  # ties: the last split, as max() on (gain, t)
+        return (float(gain[i]), int(ts[i]))
 
     out: list[int] = []
     todo = {(0, n): best_split(0, n)}
