@@ -294,8 +294,10 @@ class Recorder:
         if span.end is not None:
             self.clock.release(span.end)
 
-    def _open_step(self) -> Step | None:
-        """Open step ``_index`` on this thread; the sampled step, or None (not sampled)."""
+    def _open_step(self, wall_ns: int | None = None) -> Step | None:
+        """Open step ``_index`` on this thread; the sampled step, or None (not sampled).
+
+        ``wall_ns``: ``time.time_ns()`` at entry, when the caller has read it already."""
         self._in_step = True
         tid = self._owner = self._train_thread = _get_ident()
         if not self.config.samples(self._index):
@@ -306,7 +308,7 @@ class Recorder:
         assert step is not None
         if step.start is None:
             step.start = self.clock.mark()
-            step.start_unix_ns = time.time_ns()
+            step.start_unix_ns = time.time_ns() if wall_ns is None else wall_ns
         stack = self._stacks.get(tid)
         if stack:  # pre-step spans still open (none normally) stay on the stack
             stack[:] = [s for s in stack if s.end is None]
