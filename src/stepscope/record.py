@@ -33,6 +33,8 @@ class Span:
 
 
 _wall = time.time
+#: A step's ``timed`` until it is resolved (shared, never mutated: ``_time`` replaces it).
+_NOT_TIMED: list[tuple[Span, float, float]] = []
 
 
 class Step:
@@ -64,13 +66,15 @@ class Step:
         self.start_unix_ns = 0
         self.end: Any = None
         self.spans: list[Span] = []
-        self.side: list[tuple[str, Any, Any]] = []
+        # What most steps never carry is None until the first one arrives: no empty list or
+        # dict allocated per step on the training thread.
+        self.side: list[tuple[str, Any, Any]] | None = None
         self.counters: dict[str, float] = {}
-        self.collectives: list[Any] = []
-        self.extra: dict[str, Any] = {}
+        self.collectives: list[Any] | None = None
+        self.extra: dict[str, Any] | None = None
         self.step_ms = 0.0
-        self.side_ms: list[tuple[str, float]] = []
-        self.timed: list[tuple[Span, float, float]] = []  # (span, start_ms, end_ms) once resolved
+        self.side_ms: list[tuple[str, float]] | None = None
+        self.timed: list[tuple[Span, float, float]] = _NOT_TIMED  # (span, start_ms, end_ms) once resolved
         self.collective_summary: list[dict[str, Any]] | None = None
         self.gpu_start_unix_ns: int | None = None
         self.res: Any = None  # ResourceMonitor.on_step_end snapshot (memory at step end)
@@ -88,10 +92,10 @@ class Step:
                 yield s.start
             if s.end is not end:
                 yield s.end
-        for _, a, b in self.side:
+        for _, a, b in self.side or ():
             yield a
             yield b
-        for c in self.collectives:  # (op, pg, pg_size, nbytes, start, end, path, seq, gap)
+        for c in self.collectives or ():  # (op, pg, pg_size, nbytes, start, end, path, seq, gap)
             yield c[4]
             yield c[5]
             if c[8] is not None:
