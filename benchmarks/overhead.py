@@ -61,9 +61,9 @@ def bare(model: torch.nn.Module, opt: torch.optim.Optimizer, data: list[torch.Te
 
 def bare_cpu(
     model: torch.nn.Module, opt: torch.optim.Optimizer, data: list[torch.Tensor], steps: int
-) -> tuple[float, float]:
-    """(wall, training-thread CPU) seconds per step of the loop without stepscope."""
-    t0, c0 = time.perf_counter(), time.thread_time()
+) -> tuple[float, float, float]:
+    """(wall, training-thread CPU, process CPU) seconds per step of the loop without stepscope."""
+    t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
     for i in range(steps):
         x = data[i % len(data)].to(torch.float32)
         loss = model(x).square().mean()
@@ -71,7 +71,8 @@ def bare_cpu(
         opt.step()
         opt.zero_grad(set_to_none=True)
         loss.item()
-    return (time.perf_counter() - t0) / steps, (time.thread_time() - c0) / steps
+    return ((time.perf_counter() - t0) / steps, (time.thread_time() - c0) / steps,
+            (time.process_time() - p0) / steps)
 
 
 def instrumented(
@@ -82,11 +83,12 @@ def instrumented(
 
 def instrumented_cpu(
     model: torch.nn.Module, opt: torch.optim.Optimizer, data: list[torch.Tensor], steps: int, out: str
-) -> tuple[float, float]:
-    """(wall, training-thread CPU) seconds per step with a new tracer (as ``init()`` builds it)."""
+) -> tuple[float, float, float]:
+    """(wall, training-thread CPU, process CPU) seconds per step with a new tracer (as
+    ``init()`` builds it; its writer thread's CPU is in the process CPU)."""
     tracer = Tracer(Config(out_dir=out), model=model, optimizer=opt)
     source = (data[i % len(data)] for i in range(steps))
-    t0, c0 = time.perf_counter(), time.thread_time()
+    t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
     for x in tracer.wrap_loader(source):
         with tracer.step():
             x = x.to(torch.float32)
@@ -97,8 +99,9 @@ def instrumented_cpu(
             with tracer.phase("metrics"):
                 loss.item()
     dt, dc = (time.perf_counter() - t0) / steps, (time.thread_time() - c0) / steps
+    dp = (time.process_time() - p0) / steps
     tracer.finish()
-    return dt, dc
+    return dt, dc, dp
 
 
 def primitive_costs(n: int = 20000) -> dict[str, float]:
@@ -127,11 +130,7 @@ def per_instrument(reps: int = 7, steps: int = 1500) -> dict[str, float]:
     the minimum over repetitions is the least noisy estimate of a fixed added cost.
     """
     one_rep = per_instrument_rep(steps)
-    best = {k: float("inf") for k in ["bare", *PER_INSTRUMENT_VARIANTS]}
-    for _ in range(reps):
-        for k, v in one_rep().items():
-            best[k] = min(best[k], v)
-    return per_instrument_summary(best)
+    return per_instrument_summary([one_rep() for _ in range(reps)])
 
 
 def per_instrument_rep(steps: int) -> Any:
@@ -143,8 +142,8 @@ def per_instrument_rep(steps: int) -> Any:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(2, 8)
 
-    def loop(tracer: Tracer | None) -> float:
-        t0 = time.perf_counter_ns()
+    def loop(tracer: Tracer | None) -> tuple[float, float, float]:
+        t0, c0, p0 = time.perf_counter_ns(), time.thread_time_ns(), time.process_time_ns()
         for _ in range(steps):
             if tracer is None:
                 y = x.to(torch.float32)
@@ -157,9 +156,10 @@ def per_instrument_rep(steps: int) -> Any:
                     model(y).sum().backward()
                     opt.step()
                     opt.zero_grad()
-        return (time.perf_counter_ns() - t0) / steps / 1e3
+        t1, c1, p1 = time.perf_counter_ns(), time.thread_time_ns(), time.process_time_ns()
+        return (t1 - t0) / steps / 1e3, (c1 - c0) / steps / 1e3, (p1 - p0) / steps / 1e3
 
-    def one_rep() -> dict[str, float]:
+    def one_rep() -> dict[str, tuple[float, float, float]]:
         got = {"bare": loop(None)}
         for name, auto in PER_INSTRUMENT_VARIANTS.items():
             tracer = Tracer(Config(out_dir="unused", auto=auto), model=model, optimizer=opt,
@@ -177,10 +177,15 @@ PER_INSTRUMENT_VARIANTS: dict[str, set[str]] = {
 }
 
 
-def per_instrument_summary(best: dict[str, float]) -> dict[str, float]:
-    return {f"{k}_added_us": round(v - best["bare"], 1) for k, v in best.items() if k != "bare"} | {
-        "bare_step_us": round(best["bare"], 1)
-    }
+def per_instrument_summary(reps: list[dict[str, Any]]) -> dict[str, Any]:
+    """µs/step added over the bare loop, minimum over repetitions: wall, training-thread CPU
+    and process CPU (every thread: the writer's record building included)."""
+    out: dict[str, Any] = {}
+    for i, kind in enumerate(("wall", "thread_cpu", "process_cpu")):
+        best = {k: min(r[k][i] for r in reps) for k in reps[0]}
+        out[kind] = {f"{k}_added_us": round(v - best["bare"], 1) for k, v in best.items() if k != "bare"}
+        out[kind]["bare_step_us"] = round(best["bare"], 1)
+    return out
 
 
 # ------------------------------------------------------------------ --baseline-src
@@ -203,7 +208,8 @@ def _serve(args: argparse.Namespace) -> None:
             else:
                 i = instrumented_cpu(model, opt, data, args.steps, out)
                 b = bare_cpu(model, opt, data, args.steps)
-            return {"bare_wall": b[0], "bare_cpu": b[1], "inst_wall": i[0], "inst_cpu": i[1]}
+            return {"bare_wall": b[0], "bare_cpu": b[1], "bare_proc": b[2],
+                    "inst_wall": i[0], "inst_cpu": i[1], "inst_proc": i[2]}
 
     import stepscope
 
@@ -245,8 +251,7 @@ def compare_builds(args: argparse.Namespace) -> None:
     med = statistics.median
     for name, got in reps.items():
         if args.per_instrument:
-            best = {k: min(r[k] for r in got) for k in got[0]}
-            body: dict[str, Any] = per_instrument_summary(best)
+            body: dict[str, Any] = per_instrument_summary(got)
         else:
             ratios = [r["inst_wall"] / r["bare_wall"] for r in got]
             cpu_ratios = [r["inst_cpu"] / r["bare_cpu"] for r in got]
@@ -257,6 +262,9 @@ def compare_builds(args: argparse.Namespace) -> None:
                 "thread_cpu_ratio_median": round(med(cpu_ratios), 4),
                 "added_wall_us_median": round(med(r["inst_wall"] - r["bare_wall"] for r in got) * 1e6, 1),
                 "added_thread_cpu_us_median": round(med(r["inst_cpu"] - r["bare_cpu"] for r in got) * 1e6, 1),
+                "process_cpu_ratio_median": round(med(r["inst_proc"] / r["bare_proc"] for r in got), 4),
+                "added_process_cpu_us_median": round(
+                    med(r["inst_proc"] - r["bare_proc"] for r in got) * 1e6, 1),
             }
         print(json.dumps({"benchmark": "overhead_per_instrument" if args.per_instrument else "overhead",
                           "build": name, "src": where[name], "reps": args.reps, "steps_per_rep": args.steps,

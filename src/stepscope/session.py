@@ -76,8 +76,8 @@ class Session(Recorder):
         self._step_wall = 0.0  # time.time() at step entry
         self._last_step: tuple[int, float, float] | None = None  # index, end wall, seconds
         self._raised: tuple[BaseException, list[str]] | None = None
-        # Throughput, FLOPs, memory, device health (issue 13). Built at the first sampled step,
-        # once the clock knows its device (init() often runs before set_device).
+        # Throughput, FLOPs, memory, device health (issue 13). Built once the clock knows its
+        # device (init() often runs before set_device): see _start.
         self._step_counts: tuple[int | None, int | None] | None = None
         self._resources: ResourceMonitor | None = None
         #: False when records go to a sink passed in (tests): no files beside them (heartbeat).
@@ -104,7 +104,10 @@ class Session(Recorder):
         removers, active = install_instruments(self, self.config, model, optimizer, self.warn)
         self._uninstallers.extend(removers)
         self._auto_active |= active
-        if self.clock.kind == "cpu":  # the device is known now; a CUDA clock knows it at its first mark
+        # Built here, off the first step, when the device is known (the CPU, or a CUDA clock
+        # given its device); a CUDA clock that follows the current device knows it at its
+        # first mark, so its monitor is built at the first sampled step.
+        if self.clock.device != "cuda":
             self._resources = self._new_resources()
         from stepscope.lifecycle import wire
 
