@@ -629,9 +629,14 @@ def test_host_phase_carries_host_ms_summed_over_calls(mem_tracer):
     assert 4.0 <= p["host_ms"] <= p["ms"] + 0.01
 
 
-def test_writer_gives_the_gil_back_between_records(mem_tracer):
-    """Building a batch pauses between two records (the writer's time.sleep(0)), so the
-    training thread never waits for a whole batch to be built."""
+def test_writer_gives_the_gil_back_in_long_batches_only(mem_tracer, monkeypatch):
+    """Building a batch can pause between two records; the writer's pause gives the GIL back
+    (sleep(0)) once per GIL_SLICE_S of building, so a large held-back batch never holds it
+    for long, and a usual batch does not pause at all."""
+    from types import SimpleNamespace
+
+    from stepscope import outbox
+
     tr = mem_tracer(auto=False, flush_every_n_steps=1000)
     for _ in range(5):
         with tr.step(), tr.phase("a"):
@@ -642,6 +647,20 @@ def test_writer_gives_the_gil_back_between_records(mem_tracer):
     records = tr.resolver.build(steps, pause=lambda: pauses.append(1))
     assert [r["step"] for r in records] == list(range(5)) and len(pauses) == 4
     tr.finish()
+
+    now = [0.0]
+    slept: list[float] = []
+    monkeypatch.setattr(outbox, "time", SimpleNamespace(perf_counter=lambda: now[0], sleep=slept.append))
+    slicer = outbox._GilSlicer()
+    for t in (0.0002, 0.0005, 0.0009):
+        now[0] = t
+        slicer()
+    assert slept == [], "a short batch keeps the GIL"
+    now[0] = outbox.GIL_SLICE_S + 0.0001
+    slicer()
+    now[0] += 0.0005
+    slicer()
+    assert slept == [0], "one pause per slice"
 
 
 def test_a_plain_step_allocates_no_side_collective_or_extra_containers(mem_tracer):

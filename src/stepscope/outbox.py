@@ -7,9 +7,12 @@ thread, never on the training thread. The hand-over never waits: the training th
 *tries* the outbox lock, and a batch the writer cannot take now (its queue full: a slow file
 system) stays with the resolver until the writer catches up, up to ``MAX_HELD_STEPS``.
 
-Building records holds the GIL. The writer gives it back between two records
-(``time.sleep(0)``), so a training thread returning from a C call that released the GIL waits
-for one record at most, never for a whole batch.
+Building records holds the GIL. Once a batch has held it for ``GIL_SLICE_S``, the writer
+gives it back between two records (``time.sleep(0)``): a training thread returning from a C
+call that released the GIL then waits about that long at most, not for a whole large batch
+(steps held back while the file system was slow). A usual batch (``flush_every_n_steps``
+records, ~10 µs each) never pauses: each pause can cost the writer up to the interpreter's
+switch interval (5 ms) to get the GIL back, which would slow it behind a busy training loop.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from stepscope.sinks import BackgroundWriter, Batch, Sink
 MAX_HELD_STEPS = 4096
 #: Records kept for ``summary()`` and the live view.
 RECENT_RECORDS = 256
+#: Seconds of record building after which the writer gives the GIL back (between records).
+GIL_SLICE_S = 0.001
 
 
 class RecentRecords:
@@ -115,7 +120,7 @@ class Outbox:
         listeners = [fn for fn in (getattr(x, "on_record", None) for x in self._listeners) if fn]
 
         def job() -> list[dict[str, Any]]:
-            records = resolver.build(steps, pause=_yield_gil)
+            records = resolver.build(steps, pause=_GilSlicer())
             for fn in listeners:
                 for rec in records:
                     fn(rec)
@@ -124,6 +129,16 @@ class Outbox:
         return Batch(job, len(steps))  # the count says how many steps a dropped batch held
 
 
-def _yield_gil() -> None:
-    # sleep(0) releases the GIL: a training thread waiting for it takes it here.
-    time.sleep(0)
+class _GilSlicer:
+    """Called between two records: gives the GIL back once per ``GIL_SLICE_S`` of building."""
+
+    __slots__ = ("_since",)
+
+    def __init__(self) -> None:
+        self._since = time.perf_counter()
+
+    def __call__(self) -> None:
+        now = time.perf_counter()
+        if now - self._since >= GIL_SLICE_S:
+            time.sleep(0)  # releases the GIL: a training thread waiting for it takes it here
+            self._since = time.perf_counter()

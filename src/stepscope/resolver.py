@@ -217,9 +217,9 @@ class Resolver:
     # -------------------------------------------------------------- writer thread
 
     def build(self, steps: list[Step], pause: Callable[[], Any] | None = None) -> list[dict[str, Any]]:
-        """Records of ``steps`` (writer thread). ``pause()`` runs between two records: the
-        writer passes ``time.sleep(0)``, which lets the training thread take the GIL there,
-        so it never waits for a whole batch to be built."""
+        """Records of ``steps`` (writer thread). ``pause()`` runs between two records: where
+        the writer gives the GIL back to the training thread in a long batch (see
+        :mod:`stepscope.outbox`)."""
         if self._read_on_writer:
             steps = [s for s in steps if self._time(s)]
         new: Counter[str] = Counter()
