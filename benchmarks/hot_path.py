@@ -8,11 +8,15 @@ JSONL writer (as ``init()`` builds them; no heartbeat unless ``--heartbeat``), a
   writer thread's CPU per step, against the same loop without a tracer (interleaved blocks).
 - ``--mode cprofile``: a cProfile of the training thread over ``--steps`` steps (top 30 by
   own time).
+- ``--mode wakes``: µs/step (wall, training-thread CPU) with ``flush_every_n_steps`` 1, 10
+  and 100 against the bare loop, interleaved: each flush wakes the writer thread, so the
+  difference between 1 and 10 is ~0.9 wakes per step.
 - ``--mode alloc``: tracemalloc's count of memory blocks still alive per step (records the
   writer and the recent-records buffer keep included), by allocation site.
 
     python benchmarks/hot_path.py --steps 100000 --mode cprofile
     python benchmarks/hot_path.py --mode alloc
+    python benchmarks/hot_path.py --mode wakes       # what waking the writer costs the training thread
     /work/main/.venv/bin/py-spy record --native -r 1000 -o hot.svg -- python benchmarks/hot_path.py
 """
 
@@ -20,10 +24,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import threading
 import time
+from typing import Any
 
 import torch
 
@@ -52,7 +58,6 @@ def _tracer(out: str, model: torch.nn.Module, opt: torch.optim.Optimizer, heartb
 
 def _writer_cpu_ns() -> int:
     """CPU time of the stepscope writer thread so far (Linux: /proc/self/task/<tid>/stat)."""
-    import os
 
     for t in threading.enumerate():
         if t.name == "stepscope-writer" and t.native_id is not None:
@@ -126,6 +131,36 @@ def cprofile_mode(steps: int, heartbeat: bool) -> None:
     stats.sort_stats("tottime").print_stats(30)
 
 
+def wakes_mode(steps: int, blocks: int) -> dict[str, Any]:
+    model, opt, x = _job()
+    for _ in range(200):
+        _step(model, opt, x)
+    got: dict[str, list[tuple[float, float]]] = {k: [] for k in ("bare", "1", "10", "100")}
+    with tempfile.TemporaryDirectory() as out:
+        for b in range(blocks):
+            for k in (list(got) if b % 2 else list(got)[::-1]):
+                tracer = None
+                if k != "bare":
+                    cfg = Config(out_dir=f"{out}/{k}", heartbeat_s=0.0, flush_every_n_steps=int(k),
+                                 max_pending_steps=1 << 20)
+                    tracer = Tracer(cfg, model=model, optimizer=opt, clock=CpuClock())
+                w0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+                for _ in range(steps):
+                    if tracer is None:
+                        _step(model, opt, x)
+                    else:
+                        with tracer.step():
+                            _step(model, opt, x)
+                got[k].append(((time.perf_counter_ns() - w0) / steps / 1e3,
+                               (time.thread_time_ns() - c0) / steps / 1e3))
+                if tracer is not None:
+                    tracer.finish()
+    med = statistics.median
+    return {f"flush_{k}" if k != "bare" else "bare": {"wall_us": round(med(a for a, _ in v), 1),
+                                                      "thread_cpu_us": round(med(c for _, c in v), 1)}
+            for k, v in got.items()}
+
+
 def alloc_mode(steps: int, heartbeat: bool) -> None:
     import tracemalloc
 
@@ -163,7 +198,7 @@ def alloc_mode(steps: int, heartbeat: bool) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=("time", "cprofile", "alloc"), default="time")
+    ap.add_argument("--mode", choices=("time", "cprofile", "alloc", "wakes"), default="time")
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--blocks", type=int, default=11)
     ap.add_argument("--heartbeat", action="store_true")
@@ -171,6 +206,10 @@ def main() -> None:
     torch.set_num_threads(1)
     if args.mode == "cprofile":
         cprofile_mode(args.steps, args.heartbeat)
+    elif args.mode == "wakes":
+        print(json.dumps({"benchmark": "hot_path_wakes", "steps": args.steps, "blocks": args.blocks,
+                          "loadavg_1m": round(os.getloadavg()[0], 2),
+                          **wakes_mode(args.steps, args.blocks)}))
     elif args.mode == "alloc":
         alloc_mode(args.steps, args.heartbeat)
     else:
