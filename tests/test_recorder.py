@@ -697,3 +697,45 @@ def test_worker_processes_are_listed_without_walking_proc():
             k.terminate()
             k.join()
         hm.close()
+
+
+def test_writer_is_woken_at_most_every_min_wake_s_and_deferred_steps_still_leave(mem_tracer):
+    """Each hand-over wakes the writer thread (a thread switch the training thread pays for):
+    fast steps with flush_every_n_steps=1 wake it at most once per MIN_WAKE_S, and the
+    steps whose hand-over was deferred reach the sink with no further step (the writer's
+    idle poll), not only at finish()."""
+    from stepscope import session
+
+    tr = mem_tracer(auto=False, flush_every_n_steps=1)
+    submits: list[float] = []
+    real = tr._writer.submit
+
+    def counted(item: Any) -> None:
+        submits.append(time.monotonic())
+        real(item)
+
+    tr._writer.submit = counted
+    t0 = time.monotonic()
+    for _ in range(300):
+        with tr.step():
+            pass
+    elapsed = time.monotonic() - t0
+    assert len(submits) <= elapsed / session.MIN_WAKE_S + 2, (len(submits), elapsed)
+    assert _wait_for(lambda: len(tr.sink.records) == 300, timeout=10.0), len(tr.sink.records)
+    tr.finish()
+    assert [r["step"] for r in tr.sink.records] == list(range(300))
+
+
+def test_the_idle_poll_keeps_the_flush_cadence(mem_tracer):
+    """The writer's own poll takes only a deferred hand-over: with flush_every_n_steps=1000,
+    20 steps stay with the resolver until finish()."""
+    from stepscope import sinks
+
+    tr = mem_tracer(auto=False, flush_every_n_steps=1000)
+    for _ in range(20):
+        with tr.step():
+            pass
+    time.sleep(3 * sinks.IDLE_POLL_S)
+    assert tr.sink.records == []
+    tr.finish()
+    assert len(tr.sink.records) == 20
