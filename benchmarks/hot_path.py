@@ -11,6 +11,8 @@ JSONL writer (as ``init()`` builds them; no heartbeat unless ``--heartbeat``), a
 - ``--mode wakes``: µs/step (wall, training-thread CPU) with ``flush_every_n_steps`` 1, 10
   and 100 against the bare loop, interleaved: each flush wakes the writer thread, so the
   difference between 1 and 10 is ~0.9 wakes per step.
+- ``--mode build``: the writer thread's µs per record, building (``Resolver.build``) and
+  encoding (orjson), from 4,000 resolved steps (minimum over chunks of 500).
 - ``--mode alloc``: tracemalloc's count of memory blocks still alive per step (records the
   writer and the recent-records buffer keep included), by allocation site.
 
@@ -161,6 +163,38 @@ def wakes_mode(steps: int, blocks: int) -> dict[str, Any]:
             for k, v in got.items()}
 
 
+def build_mode(chunks: int = 8, size: int = 500) -> dict[str, float]:
+    """Writer-thread µs per record: ``Resolver.build`` and orjson encoding (min over chunks)."""
+    import gc
+
+    from stepscope.sinks import encode_record
+
+    model, opt, x = _job()
+    with tempfile.TemporaryDirectory() as out:
+        cfg = Config(out_dir=out, heartbeat_s=0.0, flush_every_n_steps=1 << 30, max_pending_steps=1 << 20)
+        tracer = Tracer(cfg, model=model, optimizer=opt, clock=CpuClock())
+        for _ in range(chunks * size):
+            with tracer.step():
+                _step(model, opt, x)
+        tracer.resolver.poll(1 << 30)
+        steps = tracer.resolver.take_ready()
+        build, enc = [], []
+        for k in range(chunks):
+            chunk = steps[k * size:(k + 1) * size]
+            gc.disable()
+            c0 = time.thread_time_ns()
+            records = tracer.resolver.build(chunk)
+            c1 = time.thread_time_ns()
+            for r in records:
+                encode_record(r)
+            c2 = time.thread_time_ns()
+            gc.enable()
+            build.append((c1 - c0) / size / 1e3)
+            enc.append((c2 - c1) / size / 1e3)
+        tracer.finish()
+    return {"build_us_per_record": round(min(build), 2), "encode_us_per_record": round(min(enc), 2)}
+
+
 def alloc_mode(steps: int, heartbeat: bool) -> None:
     import tracemalloc
 
@@ -198,7 +232,7 @@ def alloc_mode(steps: int, heartbeat: bool) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=("time", "cprofile", "alloc", "wakes"), default="time")
+    ap.add_argument("--mode", choices=("time", "cprofile", "alloc", "wakes", "build"), default="time")
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--blocks", type=int, default=11)
     ap.add_argument("--heartbeat", action="store_true")
@@ -210,6 +244,8 @@ def main() -> None:
         print(json.dumps({"benchmark": "hot_path_wakes", "steps": args.steps, "blocks": args.blocks,
                           "loadavg_1m": round(os.getloadavg()[0], 2),
                           **wakes_mode(args.steps, args.blocks)}))
+    elif args.mode == "build":
+        print(json.dumps({"benchmark": "hot_path_build", **build_mode()}))
     elif args.mode == "alloc":
         alloc_mode(args.steps, args.heartbeat)
     else:
