@@ -29,7 +29,7 @@ What is read where, and why none of it waits for the GPU:
 * Host memory: process RSS at each sampled step's end from one ``pread`` of
   ``/proc/self/statm`` (~1.5 µs; elsewhere psutil on the writer thread, at most every
   ``RSS_EVERY_S``), and the summed RSS of DataLoader worker processes (psutil, writer thread,
-  every ``WORKERS_EVERY_S``: listing children walks /proc).
+  every ``WORKERS_EVERY_S``; the children come from ``/proc/self/task/*/children``).
 * Device health (NVML, extra ``gpu``): a daemon thread samples utilisation, SM clock, power
   and temperature every ``NVML_INTERVAL_S``; a step gets the mean of the samples taken during
   it, or else the sample nearest to it in time (within one interval). Without NVML the
@@ -57,7 +57,7 @@ MB = float(1 << 20)
 NVML_INTERVAL_S = 0.5
 #: Minimum seconds between process RSS reads (writer thread).
 RSS_EVERY_S = 0.05
-#: Minimum seconds between DataLoader worker scans (listing children walks /proc).
+#: Minimum seconds between DataLoader worker scans (psutil per worker).
 WORKERS_EVERY_S = 1.0
 #: Minimum seconds between reads of alloc retries / OOMs (writer thread, flush cadence).
 ALLOC_STATS_EVERY_S = 0.05
