@@ -234,3 +234,13 @@ class Resolver:
             dropped = dict(new) if i == 0 else {}
             out.append(build_record(step, self.identity, self.clock, self._fields, dropped))
         return out
+
+
+def capture_probe() -> Callable[[], bool]:
+    """``torch.cuda.is_current_stream_capturing`` (a constant False without CUDA: fake CUDA
+    clocks in tests can never be capturing)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return lambda: False
+    return torch.cuda.is_current_stream_capturing

@@ -1,12 +1,10 @@
 """Session: one recording run on one rank — wiring, the step boundary, failures, finish.
 
-The session builds the resolver and the background writer, installs the instruments the
-config asks for (they plug into the :class:`~stepscope.recorder.Recorder`), and hands
-finished steps from the recorder to the resolver and resolved steps to the writer.
-Observers are *listeners*: objects with any of ``on_step_end(tracer, index)``,
-``on_record(record)``, ``on_exception(tracer, exc_type, exc, phase_stack)``,
-``on_finish(tracer)``; :mod:`stepscope.lifecycle` attaches them. Data flows one way: the
-recorder never calls a listener, and no listener is imported here.
+The session builds the resolver and the :mod:`~stepscope.outbox` (the writer), installs the
+instruments the config asks for (:mod:`stepscope.instrument.install`), and hands finished
+steps from the recorder to the resolver and resolved steps to the outbox. Observers are
+*listeners* (see :meth:`Session.add_listener`), attached by :mod:`stepscope.lifecycle`; the
+recorder never calls one, and none is imported here.
 
 **Failures are acted on by the training thread.** An error found on another thread (the
 writer's disk error, a hook on an autograd thread) is handed over and applied at the next
@@ -33,7 +31,7 @@ from stepscope.instrument.resources import ResourceMonitor, monitor_for
 from stepscope.outbox import MAX_HELD_STEPS, RECENT_RECORDS, Outbox, RecentRecords
 from stepscope.record import Step
 from stepscope.recorder import Recorder
-from stepscope.resolver import Resolver
+from stepscope.resolver import Resolver, capture_probe
 from stepscope.sinks import Sink, open_sink
 
 __all__ = ["FINISH_TIMEOUT_S", "MAX_HELD_STEPS", "RECENT_RECORDS", "Session"]
@@ -61,7 +59,7 @@ class Session(Recorder):
              "world_size": rank.world_size, "hostname": rank.hostname},
             config.max_pending_steps,
             anchor,
-            _capture_probe() if anchor is not None else None,
+            capture_probe() if anchor is not None else None,
             self._step_fields,
         )
         super().__init__(config, clock, resolver)
@@ -405,11 +403,3 @@ class Session(Recorder):
         """Remember the open phases where ``exc`` was first seen (for crash evidence)."""
         if self._raised is None or self._raised[0] is not exc:
             self._raised = (exc, [sp.name for sp in self._stack_here() if sp.end is None])
-
-
-def _capture_probe() -> Callable[[], bool]:
-    import torch
-
-    if not torch.cuda.is_available():  # fake CUDA clocks in tests: nothing can be capturing
-        return lambda: False
-    return torch.cuda.is_current_stream_capturing
