@@ -113,7 +113,6 @@ def test_slow_file_system_drops_are_counted_warned_once_and_reported(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     # Past the hold (small here), batches go to the full queue and are dropped: counted.
     monkeypatch.setattr("stepscope.outbox.MAX_HELD_STEPS", 4)
-    monkeypatch.setattr("stepscope.session.MIN_WAKE_S", 0.0)  # a hand-over at every step
     run = tmp_path / "run"
     cfg = Config(out_dir=str(run), auto=False, flush_every_n_steps=1, heartbeat_s=0)
     tr = Tracer(cfg, sink=_SlowSink(run, 0))

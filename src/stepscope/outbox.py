@@ -66,9 +66,6 @@ class Outbox:
         #: Taking resolved steps and queueing them is one move: the training thread only tries
         #: this lock (it never waits); the writer holds it while it takes held-back steps.
         self._lock = threading.Lock()
-        #: Set by the training thread when a hand-over was due but deferred (it wakes the
-        #: writer at most every ``session.MIN_WAKE_S``); the writer's idle poll takes it.
-        self.due = False
         self.writer = BackgroundWriter(sink, on_error=on_error, on_idle=self._held_job)
 
     def submit(self) -> bool:
@@ -79,7 +76,6 @@ class Outbox:
             job = self.job()
             if job is None:
                 return False
-            self.due = False
             self.writer.submit(job)
             return True
         finally:
@@ -100,15 +96,11 @@ class Outbox:
             job = self.job(force=True) if final else None
         return self.writer.close(job, timeout=timeout)
 
-    def _held_job(self, polled: bool) -> Callable[[], list[dict[str, Any]]] | None:
-        """Writer thread, its queue just emptied (``polled``: its idle poll found it empty):
-        the steps held back while it was behind, or a deferred hand-over."""
-        if polled and not self.due:
-            return None  # between flushes: records leave at the flush cadence, not sooner
+    def _held_job(self) -> Callable[[], list[dict[str, Any]]] | None:
+        """Writer thread, its queue just emptied: the steps held back while it was behind."""
         with self._lock:
             if not self.writer.is_idle() or not self.resolver.ready_count():
                 return None
-            self.due = False
             return self.job(force=True)
 
     def job(self, force: bool = False) -> Callable[[], list[dict[str, Any]]] | None:

@@ -38,8 +38,6 @@ __all__ = ["FINISH_TIMEOUT_S", "MAX_HELD_STEPS", "RECENT_RECORDS", "Session"]
 
 #: How long ``finish()`` keeps polling CUDA events before giving up on them (seconds).
 FINISH_TIMEOUT_S = 5.0
-#: Shortest time between two hand-overs to the writer at the flush cadence (seconds).
-MIN_WAKE_S = 0.02
 
 _get_ident = threading.get_ident
 
@@ -66,7 +64,6 @@ class Session(Recorder):
         self._auto_active: set[str] = set()
         self._uninstallers: list[Callable[[], None]] = []
         self._since_flush = 0
-        self._last_wake = 0.0  # time.time() of the last hand-over to the writer
         self._failed = False
         self._finished = False
         self._handed: BaseException | None = None  # a failure found off the training thread
@@ -229,15 +226,9 @@ class Session(Recorder):
             if step is not None:
                 self.resolver.poll()
                 # An exception may end the job: what is resolved goes to the file now.
-                # Waking the writer costs the training thread a thread switch (~0.1-0.3 ms
-                # on a loaded host): at most one per MIN_WAKE_S; what waits is taken by the
-                # writer's own idle poll or the next hand-over.
-                if exc is not None or self._since_flush >= self.config.flush_every_n_steps:
-                    if exc is None and now - self._last_wake < MIN_WAKE_S:
-                        self._outbox.due = True
-                    elif self._outbox.submit():
-                        self._since_flush = 0
-                        self._last_wake = now
+                if (self._since_flush >= self.config.flush_every_n_steps or exc is not None) \
+                        and self._outbox.submit():
+                    self._since_flush = 0
             for fn in self._step_end:
                 fn(self, done)
         except Exception as err:  # protect the job

@@ -226,9 +226,6 @@ def open_sink(kind: str, out_dir: str | os.PathLike[str], rank: int) -> Sink:
 
 _STOP = object()
 
-#: Seconds between the writer's own looks for resolved steps (see ``BackgroundWriter._run``).
-IDLE_POLL_S = 0.1
-
 #: Keys this module adds to a record's ``dropped`` section (counts since the previous record).
 QUEUE_FULL = "writer_queue_full"
 UNWRITABLE = "unwritable"
@@ -267,7 +264,7 @@ class BackgroundWriter:
         sink: Sink,
         on_error: Callable[[BaseException], None],
         max_batches: int = 64,
-        on_idle: Callable[[bool], Callable[[], list[dict[str, Any]]] | None] | None = None,
+        on_idle: Callable[[], Callable[[], list[dict[str, Any]]] | None] | None = None,
     ) -> None:
         self.sink = sink
         #: Asked for more work whenever the queue runs dry (steps held back while it was full).
@@ -322,24 +319,16 @@ class BackgroundWriter:
         first["dropped"] = dropped
 
     def _run(self) -> None:
-        # With an on_idle source, the writer also looks for work every IDLE_POLL_S on its own:
-        # steps the training thread resolved but did not hand over (it wakes this thread at
-        # most every MIN_WAKE_S) leave within that time even if the loop stops stepping.
-        timeout = IDLE_POLL_S if self._on_idle is not None else None
         while True:
-            try:
-                item = self._q.get(timeout=timeout)
-            except queue.Empty:
-                item = None
+            item = self._q.get()
             if item is _STOP:
                 return
             if self._failed:
                 continue
-            if item is not None:
-                self._process(item)
+            self._process(item)
             if self._on_idle is not None and self._q.empty() and not self._failed:
                 try:
-                    held = self._on_idle(item is None)
+                    held = self._on_idle()
                 except Exception as exc:  # protect the job: report it like a write error
                     self._failed = True
                     self._on_error(exc)
