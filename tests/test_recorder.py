@@ -650,7 +650,7 @@ def test_writer_gives_the_gil_back_in_long_batches_only(mem_tracer, monkeypatch)
 
     now = [0.0]
     slept: list[float] = []
-    monkeypatch.setattr(outbox, "time", SimpleNamespace(perf_counter=lambda: now[0], sleep=slept.append))
+    monkeypatch.setattr(outbox, "time", SimpleNamespace(thread_time=lambda: now[0], sleep=slept.append))
     slicer = outbox._GilSlicer()
     for t in (0.0002, 0.0005, 0.0009):
         now[0] = t

@@ -130,15 +130,18 @@ class Outbox:
 
 
 class _GilSlicer:
-    """Called between two records: gives the GIL back once per ``GIL_SLICE_S`` of building."""
+    """Called between two records: gives the GIL back once per ``GIL_SLICE_S`` of building.
+
+    Counted in this thread's CPU time: time the writer spent preempted (a loaded host) held
+    no GIL, and counting it would make the writer yield, and fall behind, for nothing."""
 
     __slots__ = ("_since",)
 
     def __init__(self) -> None:
-        self._since = time.perf_counter()
+        self._since = time.thread_time()
 
     def __call__(self) -> None:
-        now = time.perf_counter()
+        now = time.thread_time()
         if now - self._since >= GIL_SLICE_S:
             time.sleep(0)  # releases the GIL: a training thread waiting for it takes it here
-            self._since = time.perf_counter()
+            self._since = time.thread_time()
