@@ -13,6 +13,13 @@ untimed one (2 gloo ranks, tiny ``all_reduce``, sync and async, blocks of calls 
 also on a one-rank group where the network does not add noise), and the step-time ratio with
 collective timing on vs off for a DDP and an FSDP2 (``fully_shard``) job on CPU.
     python benchmarks/overhead.py --resources        # issue 13: throughput and memory read costs
+
+``--baseline-src DIR`` (with the default mode or ``--per-instrument``) compares this build with
+another one (e.g. ``/work/main/src``) in the same run: two worker processes, one per build,
+each importing its own ``stepscope``, run one repetition each in turn (the order alternating),
+so machine drift hits both alike. Each build's ratio is its instrumented over its own bare
+loop; the training thread's CPU time (``thread_time``) is reported beside wall time, being less
+disturbed by other jobs on a shared machine.
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ import json
 import os
 import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from typing import Any
@@ -47,7 +56,14 @@ def make_job(hidden: int, batch: int) -> tuple[torch.nn.Module, torch.optim.Opti
 
 
 def bare(model: torch.nn.Module, opt: torch.optim.Optimizer, data: list[torch.Tensor], steps: int) -> float:
-    t0 = time.perf_counter()
+    return bare_cpu(model, opt, data, steps)[0]
+
+
+def bare_cpu(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, data: list[torch.Tensor], steps: int
+) -> tuple[float, float, float]:
+    """(wall, training-thread CPU, process CPU) seconds per step of the loop without stepscope."""
+    t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
     for i in range(steps):
         x = data[i % len(data)].to(torch.float32)
         loss = model(x).square().mean()
@@ -55,15 +71,24 @@ def bare(model: torch.nn.Module, opt: torch.optim.Optimizer, data: list[torch.Te
         opt.step()
         opt.zero_grad(set_to_none=True)
         loss.item()
-    return (time.perf_counter() - t0) / steps
+    return ((time.perf_counter() - t0) / steps, (time.thread_time() - c0) / steps,
+            (time.process_time() - p0) / steps)
 
 
 def instrumented(
     model: torch.nn.Module, opt: torch.optim.Optimizer, data: list[torch.Tensor], steps: int, out: str
 ) -> float:
+    return instrumented_cpu(model, opt, data, steps, out)[0]
+
+
+def instrumented_cpu(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, data: list[torch.Tensor], steps: int, out: str
+) -> tuple[float, float, float]:
+    """(wall, training-thread CPU, process CPU) seconds per step with a new tracer (as
+    ``init()`` builds it; its writer thread's CPU is in the process CPU)."""
     tracer = Tracer(Config(out_dir=out), model=model, optimizer=opt)
     source = (data[i % len(data)] for i in range(steps))
-    t0 = time.perf_counter()
+    t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
     for x in tracer.wrap_loader(source):
         with tracer.step():
             x = x.to(torch.float32)
@@ -73,9 +98,10 @@ def instrumented(
             opt.zero_grad(set_to_none=True)
             with tracer.phase("metrics"):
                 loss.item()
-    dt = (time.perf_counter() - t0) / steps
+    dt, dc = (time.perf_counter() - t0) / steps, (time.thread_time() - c0) / steps
+    dp = (time.process_time() - p0) / steps
     tracer.finish()
-    return dt
+    return dt, dc, dp
 
 
 def primitive_costs(n: int = 20000) -> dict[str, float]:
@@ -103,6 +129,12 @@ def per_instrument(reps: int = 7, steps: int = 1500) -> dict[str, float]:
     The tiny model makes the step ~0.25 ms so that tracer costs stand out of the noise;
     the minimum over repetitions is the least noisy estimate of a fixed added cost.
     """
+    one_rep = per_instrument_rep(steps)
+    return per_instrument_summary([one_rep() for _ in range(reps)])
+
+
+def per_instrument_rep(steps: int) -> Any:
+    """A function running one repetition: µs per step, bare and with each variant."""
     from stepscope.sinks import MemorySink
 
     torch.manual_seed(0)
@@ -110,8 +142,8 @@ def per_instrument(reps: int = 7, steps: int = 1500) -> dict[str, float]:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(2, 8)
 
-    def loop(tracer: Tracer | None) -> float:
-        t0 = time.perf_counter_ns()
+    def loop(tracer: Tracer | None) -> tuple[float, float, float]:
+        t0, c0, p0 = time.perf_counter_ns(), time.thread_time_ns(), time.process_time_ns()
         for _ in range(steps):
             if tracer is None:
                 y = x.to(torch.float32)
@@ -124,23 +156,119 @@ def per_instrument(reps: int = 7, steps: int = 1500) -> dict[str, float]:
                     model(y).sum().backward()
                     opt.step()
                     opt.zero_grad()
-        return (time.perf_counter_ns() - t0) / steps / 1e3
+        t1, c1, p1 = time.perf_counter_ns(), time.thread_time_ns(), time.process_time_ns()
+        return (t1 - t0) / steps / 1e3, (c1 - c0) / steps / 1e3, (p1 - p0) / steps / 1e3
 
-    variants: dict[str, set[str]] = {
-        "step_only": set(), "forward": {"forward"}, "forward_backward": {"forward", "backward"},
-        "optimizer": {"optimizer"}, "h2d": {"h2d"}, "all": {"forward", "backward", "optimizer", "h2d"},
-    }
-    best = {k: float("inf") for k in ["bare", *variants]}
-    for _ in range(reps):
-        best["bare"] = min(best["bare"], loop(None))
-        for name, auto in variants.items():
+    def one_rep() -> dict[str, tuple[float, float, float]]:
+        got = {"bare": loop(None)}
+        for name, auto in PER_INSTRUMENT_VARIANTS.items():
             tracer = Tracer(Config(out_dir="unused", auto=auto), model=model, optimizer=opt,
                             clock=CpuClock(), sink=MemorySink())
-            best[name] = min(best[name], loop(tracer))
+            got[name] = loop(tracer)
             tracer.finish()
-    return {f"{k}_added_us": round(v - best["bare"], 1) for k, v in best.items() if k != "bare"} | {
-        "bare_step_us": round(best["bare"], 1)
-    }
+        return got
+
+    return one_rep
+
+
+PER_INSTRUMENT_VARIANTS: dict[str, set[str]] = {
+    "step_only": set(), "forward": {"forward"}, "forward_backward": {"forward", "backward"},
+    "optimizer": {"optimizer"}, "h2d": {"h2d"}, "all": {"forward", "backward", "optimizer", "h2d"},
+}
+
+
+def per_instrument_summary(reps: list[dict[str, Any]]) -> dict[str, Any]:
+    """µs/step added over the bare loop, minimum over repetitions: wall, training-thread CPU
+    and process CPU (every thread: the writer's record building included)."""
+    out: dict[str, Any] = {}
+    for i, kind in enumerate(("wall", "thread_cpu", "process_cpu")):
+        best = {k: min(r[k][i] for r in reps) for k in reps[0]}
+        out[kind] = {f"{k}_added_us": round(v - best["bare"], 1) for k, v in best.items() if k != "bare"}
+        out[kind]["bare_step_us"] = round(best["bare"], 1)
+    return out
+
+
+# ------------------------------------------------------------------ --baseline-src
+
+
+def _serve(args: argparse.Namespace) -> None:
+    """Worker side of ``--baseline-src``: one repetition per line read from stdin."""
+    if args.per_instrument:
+        one = per_instrument_rep(args.steps)
+        run: Any = lambda rep: one()  # noqa: E731
+    else:
+        model, opt, data = make_job(args.hidden, args.batch)
+        bare_cpu(model, opt, data, 20)  # warm-up
+        out = tempfile.mkdtemp(prefix="stepscope-overhead-")
+
+        def run(rep: int) -> dict[str, float]:
+            if rep % 2:
+                b = bare_cpu(model, opt, data, args.steps)
+                i = instrumented_cpu(model, opt, data, args.steps, out)
+            else:
+                i = instrumented_cpu(model, opt, data, args.steps, out)
+                b = bare_cpu(model, opt, data, args.steps)
+            return {"bare_wall": b[0], "bare_cpu": b[1], "bare_proc": b[2],
+                    "inst_wall": i[0], "inst_cpu": i[1], "inst_proc": i[2]}
+
+    import stepscope
+
+    print(json.dumps({"ready": os.path.dirname(stepscope.__file__)}), flush=True)
+    for line in sys.stdin:
+        print(json.dumps(run(int(line))), flush=True)
+    if not args.per_instrument:
+        import shutil
+
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def compare_builds(args: argparse.Namespace) -> None:
+    """``--baseline-src``: this build and the baseline, one repetition each in turn."""
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src")
+    builds = {"this": os.path.abspath(here), "baseline": os.path.abspath(args.baseline_src)}
+    argv = [sys.executable, os.path.abspath(__file__), "--serve", "--steps", str(args.steps),
+            "--hidden", str(args.hidden), "--batch", str(args.batch)]
+    if args.per_instrument:
+        argv.append("--per-instrument")
+    procs = {}
+    for name, src in builds.items():
+        env = dict(os.environ, PYTHONPATH=src)
+        procs[name] = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+                                       text=True)
+    where = {name: json.loads(p.stdout.readline())["ready"] for name, p in procs.items()}  # type: ignore[union-attr]
+    reps: dict[str, list[dict[str, float]]] = {name: [] for name in procs}
+    order = list(procs)
+    for rep in range(args.reps):
+        for name in (order if rep % 2 == 0 else order[::-1]):
+            p = procs[name]
+            p.stdin.write(f"{rep}\n")  # type: ignore[union-attr]
+            p.stdin.flush()  # type: ignore[union-attr]
+            reps[name].append(json.loads(p.stdout.readline()))  # type: ignore[union-attr]
+    for p in procs.values():
+        p.stdin.close()  # type: ignore[union-attr]
+        p.wait()
+    load = os.getloadavg()
+    med = statistics.median
+    for name, got in reps.items():
+        if args.per_instrument:
+            body: dict[str, Any] = per_instrument_summary(got)
+        else:
+            ratios = [r["inst_wall"] / r["bare_wall"] for r in got]
+            cpu_ratios = [r["inst_cpu"] / r["bare_cpu"] for r in got]
+            body = {
+                "bare_step_ms_median": round(med(r["bare_wall"] for r in got) * 1e3, 3),
+                "ratio_median": round(med(ratios), 4),
+                "ratio_quartiles": [round(q, 4) for q in statistics.quantiles(ratios, n=4)],
+                "thread_cpu_ratio_median": round(med(cpu_ratios), 4),
+                "added_wall_us_median": round(med(r["inst_wall"] - r["bare_wall"] for r in got) * 1e6, 1),
+                "added_thread_cpu_us_median": round(med(r["inst_cpu"] - r["bare_cpu"] for r in got) * 1e6, 1),
+                "process_cpu_ratio_median": round(med(r["inst_proc"] / r["bare_proc"] for r in got), 4),
+                "added_process_cpu_us_median": round(
+                    med(r["inst_proc"] - r["bare_proc"] for r in got) * 1e6, 1),
+            }
+        print(json.dumps({"benchmark": "overhead_per_instrument" if args.per_instrument else "overhead",
+                          "build": name, "src": where[name], "reps": args.reps, "steps_per_rep": args.steps,
+                          "hidden": args.hidden, "loadavg_1m_end": round(load[0], 2), **body}))
 
 
 # ------------------------------------------------------------------ --collectives
@@ -394,8 +522,18 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=21, help="--collectives: interleaved blocks")
     ap.add_argument("--calls", type=int, default=500, help="--collectives: calls per block")
     ap.add_argument("--resources", action="store_true", help="throughput / memory instrument costs")
+    ap.add_argument("--baseline-src", help="compare with the stepscope in this src dir, interleaved")
+    ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.serve:
+        _serve(args)
+        return
+    if args.baseline_src:
+        if args.per_instrument and args.steps == 60:
+            args.steps = 1500
+        compare_builds(args)
+        return
     if args.collectives:
         if args.hidden == 768:
             args.hidden = 256

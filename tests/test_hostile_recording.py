@@ -112,7 +112,7 @@ def test_slow_file_system_loses_nothing_while_the_hold_lasts(tmp_path: Path) -> 
 def test_slow_file_system_drops_are_counted_warned_once_and_reported(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     # Past the hold (small here), batches go to the full queue and are dropped: counted.
-    monkeypatch.setattr("stepscope.session.MAX_HELD_STEPS", 4)
+    monkeypatch.setattr("stepscope.outbox.MAX_HELD_STEPS", 4)
     run = tmp_path / "run"
     cfg = Config(out_dir=str(run), auto=False, flush_every_n_steps=1, heartbeat_s=0)
     tr = Tracer(cfg, sink=_SlowSink(run, 0))

@@ -580,3 +580,120 @@ def test_the_recorder_imports_no_instrument_and_no_observer(core):
            if (m.startswith("stepscope.instrument") and m not in allowed and not m.startswith(allowed[1]))
            or m.startswith(observers)]
     assert not bad, f"{core} imports {bad}"
+
+
+# ------------------------------------------- issue 22 §3: the hot path and the writer
+
+
+def test_phases_aggregate_by_path_repeated_and_nested(mem_tracer):
+    """The writer's one-pass record build: calls summed per path, first start, last end,
+    nested time inside its parent, residual = step - top-level phases (exact GPU-style times)."""
+    gpu = LagGpu(lag=0)
+    tr = mem_tracer(auto=False, clock=lag_clock(gpu), flush_every_n_steps=1)
+    with tr.step():
+        gpu.work(0.25)  # before any phase: residual
+        with tr.phase("a"):
+            gpu.work(1.0)
+        with tr.phase("a"):
+            gpu.work(1.5)
+            with tr.phase("b"):
+                gpu.work(0.5)
+            with tr.phase("b"):
+                gpu.work(0.25)
+        with tr.phase("c"):
+            gpu.work(2.0)
+        gpu.work(0.5)
+    gpu.end_step()
+    tr.finish()
+    (rec,) = tr.sink.records
+    got = {p["path"]: p for p in rec["phases"]}
+    assert list(got) == ["a", "a/b", "c"], "first-appearance order by path"
+    a, ab, c = got["a"], got["a/b"], got["c"]
+    assert (a["calls"], a["ms"], a["start_ms"], a["end_ms"]) == (2, 3.25, 0.25, 3.5)
+    assert (ab["calls"], ab["ms"], ab["start_ms"], ab["end_ms"], ab["parent"]) == (2, 0.75, 2.75, 3.5, "a")
+    assert (c["calls"], c["ms"], c["parent"], c["name"]) == (1, 2.0, None, "c")
+    assert rec["step_ms"] == 6.0 and rec["residual_ms"] == 0.75
+    assert all("host_ms" not in p for p in rec["phases"])
+    assert list(a) == ["name", "path", "parent", "ms", "calls", "start_ms", "end_ms"]
+
+
+def test_host_phase_carries_host_ms_summed_over_calls(mem_tracer):
+    tr = mem_tracer(auto=False, flush_every_n_steps=1)
+    with tr.step():
+        for _ in range(2):
+            with tr.phase("wait", host=True):
+                time.sleep(0.002)
+    tr.finish()
+    (p,) = tr.sink.records[0]["phases"]
+    assert p["calls"] == 2 and list(p)[-1] == "host_ms"
+    assert 4.0 <= p["host_ms"] <= p["ms"] + 0.01
+
+
+def test_writer_gives_the_gil_back_in_long_batches_only(mem_tracer, monkeypatch):
+    """Building a batch can pause between two records; the writer's pause gives the GIL back
+    (sleep(0)) once per GIL_SLICE_S of building, so a large held-back batch never holds it
+    for long, and a usual batch does not pause at all."""
+    from types import SimpleNamespace
+
+    from stepscope import outbox
+
+    tr = mem_tracer(auto=False, flush_every_n_steps=1000)
+    for _ in range(5):
+        with tr.step(), tr.phase("a"):
+            pass
+    tr.resolver.poll()
+    steps = tr.resolver.take_ready()
+    pauses: list[int] = []
+    records = tr.resolver.build(steps, pause=lambda: pauses.append(1))
+    assert [r["step"] for r in records] == list(range(5)) and len(pauses) == 4
+    tr.finish()
+
+    now = [0.0]
+    slept: list[float] = []
+    monkeypatch.setattr(outbox, "time", SimpleNamespace(thread_time=lambda: now[0], sleep=slept.append))
+    slicer = outbox._GilSlicer()
+    for t in (0.0002, 0.0005, 0.0009):
+        now[0] = t
+        slicer()
+    assert slept == [], "a short batch keeps the GIL"
+    now[0] = outbox.GIL_SLICE_S + 0.0001
+    slicer()
+    now[0] += 0.0005
+    slicer()
+    assert slept == [0], "one pause per slice"
+
+
+def test_a_plain_step_allocates_no_side_collective_or_extra_containers(mem_tracer):
+    tr = mem_tracer(auto=False, collectives=False, flush_every_n_steps=1000)
+    seen: list[Any] = []
+    with tr.step(), tr.phase("a"):
+        seen.append(tr._cur)
+    step = seen[0]
+    assert step.side is None and step.collectives is None and step.extra is None
+    tr.add_listener(lambda rec: None)
+    tr.finish()
+    rec = tr.sink.records[0]
+    assert "side_ms" not in rec and "collectives" not in rec
+
+
+def test_worker_processes_are_listed_without_walking_proc():
+    """The children of this process, from /proc/self/task/*/children: the same processes
+    psutil's full /proc scan finds."""
+    psutil = pytest.importorskip("psutil")
+    from stepscope.instrument.resources import HostMemory
+
+    hm = HostMemory()
+    kids = [mp.get_context("spawn").Process(target=time.sleep, args=(30,)) for _ in range(2)]
+    for k in kids:
+        k.start()
+    try:
+        fast = sorted(p.pid for p in hm._children())
+        slow = sorted(p.pid for p in psutil.Process().children(recursive=False))
+        assert {k.pid for k in kids} <= set(fast)
+        assert fast == slow
+        assert hm.workers_rss_bytes() is not None
+    finally:
+        for k in kids:
+            k.terminate()
+            k.join()
+        hm.close()

@@ -33,6 +33,8 @@ class Span:
 
 
 _wall = time.time
+#: A step's ``timed`` until it is resolved (shared, never mutated: ``_time`` replaces it).
+_NOT_TIMED: list[tuple[Span, float, float]] = []
 
 
 class Step:
@@ -64,13 +66,15 @@ class Step:
         self.start_unix_ns = 0
         self.end: Any = None
         self.spans: list[Span] = []
-        self.side: list[tuple[str, Any, Any]] = []
+        # What most steps never carry is None until the first one arrives: no empty list or
+        # dict allocated per step on the training thread.
+        self.side: list[tuple[str, Any, Any]] | None = None
         self.counters: dict[str, float] = {}
-        self.collectives: list[Any] = []
-        self.extra: dict[str, Any] = {}
+        self.collectives: list[Any] | None = None
+        self.extra: dict[str, Any] | None = None
         self.step_ms = 0.0
-        self.side_ms: list[tuple[str, float]] = []
-        self.timed: list[tuple[Span, float, float]] = []  # (span, start_ms, end_ms) once resolved
+        self.side_ms: list[tuple[str, float]] | None = None
+        self.timed: list[tuple[Span, float, float]] = _NOT_TIMED  # (span, start_ms, end_ms) once resolved
         self.collective_summary: list[dict[str, Any]] | None = None
         self.gpu_start_unix_ns: int | None = None
         self.res: Any = None  # ResourceMonitor.on_step_end snapshot (memory at step end)
@@ -88,10 +92,10 @@ class Step:
                 yield s.start
             if s.end is not end:
                 yield s.end
-        for _, a, b in self.side:
+        for _, a, b in self.side or ():
             yield a
             yield b
-        for c in self.collectives:  # (op, pg, pg_size, nbytes, start, end, path, seq, gap)
+        for c in self.collectives or ():  # (op, pg, pg_size, nbytes, start, end, path, seq, gap)
             yield c[4]
             yield c[5]
             if c[8] is not None:
@@ -108,32 +112,33 @@ def build_record(
 ) -> dict[str, Any]:
     """The record of a timed step (writer thread): phases keyed by path, residual, side
     spans, counters, sections from ``fields`` and the step's extra fields."""
-    phases: dict[str, dict[str, Any]] = {}
+    # One pass over the timed spans, one dict per phase path built once at the end: this
+    # runs on the writer thread while it holds the GIL, so fewer objects is less stolen time.
+    acc: dict[str, list[Any]] = {}  # path -> [span, ms, calls, start_ms, end_ms, host_ms]
     top = 0.0
     for s, start_ms, end_ms in step.timed:
         ms = end_ms - start_ms
-        p = phases.get(s.path)
+        p = acc.get(s.path)
         if p is None:
-            p = phases[s.path] = {
-                "name": s.name,
-                "path": s.path,
-                "parent": s.parent,
-                "ms": ms,
-                "calls": 1,
-                "start_ms": start_ms,
-                "end_ms": end_ms,
-            }
-            if s.host_start is not None:
-                p["host_ms"] = 0.0
+            acc[s.path] = p = [s, ms, 1, start_ms, end_ms, None if s.host_start is None else 0.0]
         else:
-            p["ms"] += ms
-            p["calls"] += 1
-            p["start_ms"] = min(p["start_ms"], start_ms)
-            p["end_ms"] = max(p["end_ms"], end_ms)
-        if s.host_start is not None and s.host_end is not None and "host_ms" in p:
-            p["host_ms"] += (s.host_end - s.host_start) / 1e6
+            p[1] += ms
+            p[2] += 1
+            if start_ms < p[3]:
+                p[3] = start_ms
+            if end_ms > p[4]:
+                p[4] = end_ms
+        if p[5] is not None and s.host_start is not None and s.host_end is not None:
+            p[5] += (s.host_end - s.host_start) / 1e6
         if s.parent is None:
             top += ms
+    phases = []
+    for s, ms, calls, start_ms, end_ms, host_ms in acc.values():
+        ph = {"name": s.name, "path": s.path, "parent": s.parent, "ms": round(ms, 4), "calls": calls,
+              "start_ms": round(start_ms, 4), "end_ms": round(end_ms, 4)}
+        if host_ms is not None:
+            ph["host_ms"] = round(host_ms, 4)
+        phases.append(ph)
     rec: dict[str, Any] = {
         "schema": SCHEMA_VERSION,
         **identity,
@@ -141,13 +146,9 @@ def build_record(
         "start_unix_ns": step.start_unix_ns,
         "device_name": clock.device,
         "clock": clock.kind,
-        "step_ms": _r(step.step_ms),
-        "phases": [
-            {**p, "ms": _r(p["ms"]), "start_ms": _r(p["start_ms"]), "end_ms": _r(p["end_ms"]),
-             **({"host_ms": _r(p["host_ms"])} if "host_ms" in p else {})}
-            for p in phases.values()
-        ],
-        "residual_ms": _r(max(0.0, step.step_ms - top)),
+        "step_ms": round(step.step_ms, 4),
+        "phases": phases,
+        "residual_ms": round(max(0.0, step.step_ms - top), 4),
     }
     if step.gpu_start_unix_ns is not None:
         rec["gpu_start_unix_ns"] = step.gpu_start_unix_ns
@@ -157,7 +158,7 @@ def build_record(
             side[name] = side.get(name, 0.0) + ms
         rec["side_ms"] = {k: _r(v) for k, v in side.items()}
         if "h2d_copy" in side:
-            exposed = sum(p["ms"] for p in phases.values() if p["name"] == "h2d")
+            exposed = sum(p[1] for p in acc.values() if p[0].name == "h2d")
             rec["h2d_hidden_ms"] = _r(max(0.0, side["h2d_copy"] - exposed))
     counters = dict(step.counters)
     if fields is not None:

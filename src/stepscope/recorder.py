@@ -217,7 +217,11 @@ class Recorder:
         step = self._reporting_step()
         if step is not None:
             foreign = self.clock.foreign
-            step.side.append((name, foreign(start), foreign(end)))
+            item = (name, foreign(start), foreign(end))
+            if step.side is None:
+                step.side = [item]
+            else:
+                step.side.append(item)
 
     def add_counter(self, name: str, value: float) -> None:
         """Add ``value`` to the per-step counter ``name`` (e.g. ``h2d_bytes``)."""
@@ -241,14 +245,20 @@ class Recorder:
             for m in (start, end, *(gap or ())):
                 rel(m)
             return
-        step.collectives.append((op, pg, pg_size, nbytes, start, end, phase_path, seq, gap,
-                                 recv_bytes))
+        item = (op, pg, pg_size, nbytes, start, end, phase_path, seq, gap, recv_bytes)
+        if step.collectives is None:
+            step.collectives = [item]
+        else:
+            step.collectives.append(item)
 
     def set_step_fields(self, fields: dict[str, Any]) -> None:
         """Merge extra top-level record sections (throughput, memory, ...) into the open step."""
         step = self._cur
         if step is not None:
-            step.extra.update(fields)
+            if step.extra is None:
+                step.extra = dict(fields)
+            else:
+                step.extra.update(fields)
 
     # ------------------------------------------------------------- step open/close
 
@@ -294,8 +304,10 @@ class Recorder:
         if span.end is not None:
             self.clock.release(span.end)
 
-    def _open_step(self) -> Step | None:
-        """Open step ``_index`` on this thread; the sampled step, or None (not sampled)."""
+    def _open_step(self, wall_ns: int | None = None) -> Step | None:
+        """Open step ``_index`` on this thread; the sampled step, or None (not sampled).
+
+        ``wall_ns``: ``time.time_ns()`` at entry, when the caller has read it already."""
         self._in_step = True
         tid = self._owner = self._train_thread = _get_ident()
         if not self.config.samples(self._index):
@@ -306,7 +318,7 @@ class Recorder:
         assert step is not None
         if step.start is None:
             step.start = self.clock.mark()
-            step.start_unix_ns = time.time_ns()
+            step.start_unix_ns = time.time_ns() if wall_ns is None else wall_ns
         stack = self._stacks.get(tid)
         if stack:  # pre-step spans still open (none normally) stay on the stack
             stack[:] = [s for s in stack if s.end is None]

@@ -216,7 +216,10 @@ class Resolver:
 
     # -------------------------------------------------------------- writer thread
 
-    def build(self, steps: list[Step]) -> list[dict[str, Any]]:
+    def build(self, steps: list[Step], pause: Callable[[], Any] | None = None) -> list[dict[str, Any]]:
+        """Records of ``steps`` (writer thread). ``pause()`` runs between two records: where
+        the writer gives the GIL back to the training thread in a long batch (see
+        :mod:`stepscope.outbox`)."""
         if self._read_on_writer:
             steps = [s for s in steps if self._time(s)]
         new: Counter[str] = Counter()
@@ -226,6 +229,18 @@ class Resolver:
                 self._dropped_reported.update(new)
         out = []
         for i, step in enumerate(steps):
+            if i and pause is not None:
+                pause()
             dropped = dict(new) if i == 0 else {}
             out.append(build_record(step, self.identity, self.clock, self._fields, dropped))
         return out
+
+
+def capture_probe() -> Callable[[], bool]:
+    """``torch.cuda.is_current_stream_capturing`` (a constant False without CUDA: fake CUDA
+    clocks in tests can never be capturing)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return lambda: False
+    return torch.cuda.is_current_stream_capturing

@@ -1,12 +1,10 @@
 """Session: one recording run on one rank — wiring, the step boundary, failures, finish.
 
-The session builds the resolver and the background writer, installs the instruments the
-config asks for (they plug into the :class:`~stepscope.recorder.Recorder`), and hands
-finished steps from the recorder to the resolver and resolved steps to the writer.
-Observers are *listeners*: objects with any of ``on_step_end(tracer, index)``,
-``on_record(record)``, ``on_exception(tracer, exc_type, exc, phase_stack)``,
-``on_finish(tracer)``; :mod:`stepscope.lifecycle` attaches them. Data flows one way: the
-recorder never calls a listener, and no listener is imported here.
+The session builds the resolver and the :mod:`~stepscope.outbox` (the writer), installs the
+instruments the config asks for (:mod:`stepscope.instrument.install`), and hands finished
+steps from the recorder to the resolver and resolved steps to the outbox. Observers are
+*listeners* (see :meth:`Session.add_listener`), attached by :mod:`stepscope.lifecycle`; the
+recorder never calls one, and none is imported here.
 
 **Failures are acted on by the training thread.** An error found on another thread (the
 writer's disk error, a hook on an autograd thread) is handed over and applied at the next
@@ -21,7 +19,6 @@ import contextlib
 import threading
 import time
 import weakref
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -29,36 +26,20 @@ from stepscope.clock import Clock, CudaClock, GpuAnchor
 from stepscope.config import Config
 from stepscope.dist import RankInfo
 from stepscope.instrument import gate
-from stepscope.instrument.resources import ResourceMonitor
+from stepscope.instrument.install import install_instruments
+from stepscope.instrument.resources import ResourceMonitor, monitor_for
+from stepscope.outbox import MAX_HELD_STEPS, RECENT_RECORDS, Outbox, RecentRecords
 from stepscope.record import Step
 from stepscope.recorder import Recorder
-from stepscope.resolver import Resolver
-from stepscope.sinks import BackgroundWriter, Batch, Sink, open_sink
+from stepscope.resolver import Resolver, capture_probe
+from stepscope.sinks import Sink, open_sink
+
+__all__ = ["FINISH_TIMEOUT_S", "MAX_HELD_STEPS", "RECENT_RECORDS", "Session"]
 
 #: How long ``finish()`` keeps polling CUDA events before giving up on them (seconds).
 FINISH_TIMEOUT_S = 5.0
-#: Resolved steps held back while the writer is behind, before a batch is dropped (counted).
-MAX_HELD_STEPS = 4096
-#: Records kept for ``summary()`` and the live view.
-RECENT_RECORDS = 256
 
 _get_ident = threading.get_ident
-
-
-class _RecentRecords:
-    """The last resolved records (a listener), for ``summary()`` and the live view."""
-
-    def __init__(self, size: int = RECENT_RECORDS) -> None:
-        self._buf: deque[dict[str, Any]] = deque(maxlen=size)
-        self._lock = threading.Lock()
-
-    def on_record(self, record: dict[str, Any]) -> None:
-        with self._lock:
-            self._buf.append(record)
-
-    def snapshot(self) -> list[dict[str, Any]]:
-        with self._lock:
-            return list(self._buf)
 
 
 class Session(Recorder):
@@ -72,16 +53,11 @@ class Session(Recorder):
         anchor = GpuAnchor(clock) if isinstance(clock, CudaClock) else None
         resolver = Resolver(
             clock,
-            {
-                "run_id": run_id,
-                "rank": rank.rank,
-                "local_rank": rank.local_rank,
-                "world_size": rank.world_size,
-                "hostname": rank.hostname,
-            },
+            {"run_id": run_id, "rank": rank.rank, "local_rank": rank.local_rank,
+             "world_size": rank.world_size, "hostname": rank.hostname},
             config.max_pending_steps,
             anchor,
-            _capture_probe() if anchor is not None else None,
+            capture_probe() if anchor is not None else None,
             self._step_fields,
         )
         super().__init__(config, clock, resolver)
@@ -98,22 +74,19 @@ class Session(Recorder):
         self._step_wall = 0.0  # time.time() at step entry
         self._last_step: tuple[int, float, float] | None = None  # index, end wall, seconds
         self._raised: tuple[BaseException, list[str]] | None = None
-        # Throughput, FLOPs, memory, device health (issue 13). Built at the first sampled step,
-        # once the clock knows its device (init() often runs before set_device).
+        # Throughput, FLOPs, memory, device health (issue 13). Built once the clock knows its
+        # device (init() often runs before set_device): see _start.
         self._step_counts: tuple[int | None, int | None] | None = None
         self._resources: ResourceMonitor | None = None
         #: False when records go to a sink passed in (tests): no files beside them (heartbeat).
         self.writes_files = sink is None
-        self._recent = _RecentRecords()
+        self._recent = RecentRecords()
         self._listeners.append(self._recent)
-        #: Taking resolved steps and queueing them is one move: the training thread only tries
-        #: this lock (it never waits); the writer holds it while it takes held-back steps.
-        self._flush_lock = threading.Lock()
-        self._writer = BackgroundWriter(
-            sink if sink is not None else open_sink(config.sink, config.out_dir, rank.rank),
-            on_error=self.fail,
-            on_idle=self._held_job,
+        self._outbox = Outbox(
+            resolver, sink if sink is not None else open_sink(config.sink, config.out_dir, rank.rank),
+            self._listeners, on_error=self.fail,
         )
+        self._writer = self._outbox.writer
         #: Observers attached by :mod:`stepscope.lifecycle` (opaque here), for users and tests.
         self.profiler: Any = None
         self.live: Any = None
@@ -121,8 +94,18 @@ class Session(Recorder):
 
     def _start(self, model: Any, optimizer: Any) -> None:
         """Install instruments, wire observers, register the exit flush (end of ``__init__``)."""
-        self._install(model, optimizer)
-        if self.clock.kind == "cpu":  # the device is known now; a CUDA clock knows it at its first mark
+        from stepscope.instrument.collectives import summarize
+
+        # Whoever reports collectives (the patch, a framework integration), their records
+        # get the collectives section; the resolver itself imports no instrument.
+        self.resolver.summarize_collectives = summarize
+        removers, active = install_instruments(self, self.config, model, optimizer, self.warn)
+        self._uninstallers.extend(removers)
+        self._auto_active |= active
+        # Built here, off the first step, when the device is known (the CPU, or a CUDA clock
+        # given its device); a CUDA clock that follows the current device knows it at its
+        # first mark, so its monitor is built at the first sampled step.
+        if self.clock.device != "cuda":
             self._resources = self._new_resources()
         from stepscope.lifecycle import wire
 
@@ -162,12 +145,7 @@ class Session(Recorder):
 
     def submit_background(self, job: Callable[[], Any]) -> None:
         """Run ``job()`` on the writer thread (never blocks; no CUDA calls allowed there)."""
-
-        def run() -> list[dict[str, Any]]:
-            job()
-            return []
-
-        self._writer.submit(run)
+        self._outbox.submit_background(job)
 
     # ------------------------------------------------------------ step boundary
 
@@ -188,8 +166,9 @@ class Session(Recorder):
                           "steps are per thread, the second one is not timed", key="threads")
             return
         try:
-            self._step_wall = time.time()
-            step = self._open_step()
+            wall_ns = time.time_ns()  # one wall-clock read: the heartbeat's and the record's
+            self._step_wall = wall_ns / 1e9
+            step = self._open_step(wall_ns)
             if step is None:
                 self._step_counts = None
                 return
@@ -248,7 +227,7 @@ class Session(Recorder):
                 self.resolver.poll()
                 # An exception may end the job: what is resolved goes to the file now.
                 if (self._since_flush >= self.config.flush_every_n_steps or exc is not None) \
-                        and self._submit_flush():
+                        and self._outbox.submit():
                     self._since_flush = 0
             for fn in self._step_end:
                 fn(self, done)
@@ -258,63 +237,8 @@ class Session(Recorder):
         if self._handed is not None:
             self._take_handed()
 
-    def _submit_flush(self) -> bool:
-        """Queue the steps resolved so far (training thread); False when none went."""
-        if not self._flush_lock.acquire(blocking=False):
-            return False  # the writer is taking held steps this instant; these go next time
-        try:
-            job = self._flush_job()
-            if job is None:
-                return False
-            self._writer.submit(job)
-            return True
-        finally:
-            self._flush_lock.release()
-
-    def _held_job(self) -> Callable[[], list[dict[str, Any]]] | None:
-        """Writer thread, its queue just emptied: the steps held back while it was behind."""
-        with self._flush_lock:
-            if not self._writer.is_idle() or not self.resolver.ready_count():
-                return None
-            return self._flush_job(force=True)
-
-    def _flush_job(self, force: bool = False) -> Callable[[], list[dict[str, Any]]] | None:
-        """The writer's job for the steps resolved so far; None when there are none (an
-        empty job would only take a place in the writer's bounded queue).
-
-        While the writer is behind (its queue full: a slow file system), resolved steps stay
-        with the resolver and leave with the next batch instead of being dropped; only past
-        ``MAX_HELD_STEPS`` does a batch go to the full queue, where its loss is counted.
-        """
-        if (not force and self._writer.behind()
-                and self.resolver.ready_count() < MAX_HELD_STEPS):
-            return None
-        steps = self.resolver.take_ready()
-        if not steps:
-            return None
-        listeners = [fn for fn in (getattr(x, "on_record", None) for x in self._listeners) if fn]
-
-        def job() -> list[dict[str, Any]]:
-            records = self.resolver.build(steps)
-            for fn in listeners:
-                for rec in records:
-                    fn(rec)
-            return records
-
-        return Batch(job, len(steps))  # the count says how many steps a dropped batch held
-
     def _new_resources(self) -> ResourceMonitor:
-        cfg = self.config
-
-        def build(device: str) -> ResourceMonitor:
-            return ResourceMonitor(device=device, flops_per_step=cfg.flops_per_step,
-                                   model_flops=cfg.model_flops, peak_tflops=cfg.peak_tflops)
-
-        try:
-            return build(self.clock.device)
-        except Exception as exc:  # protect the job: device metrics are optional, timing is not
-            self.warn(f"device memory and health are not recorded: {exc!r}", key="resources")
-            return build("cpu")
+        return monitor_for(self.config, self.clock.device, self.warn)
 
     def _step_fields(
         self, index: int, start_unix_ns: int, step_ms: float, counters: dict[str, float], res: Any
@@ -344,7 +268,7 @@ class Session(Recorder):
         if self.enabled and not self._finished:
             self.resolver.poll()
             self._since_flush = 0
-            self._submit_flush()
+            self._outbox.submit()
 
     def finish(self) -> None:
         """Resolve pending events, flush, close files and remove hooks. Idempotent."""
@@ -379,9 +303,7 @@ class Session(Recorder):
                 self.resolver.drain(late)
             except Exception as exc:  # protect the job
                 self._fail_now(exc)
-        with self._flush_lock:
-            final = self._flush_job(force=True) if self.enabled else None
-        closed = self._writer.close(final, timeout=FINISH_TIMEOUT_S + 10.0)
+        closed = self._outbox.close(self.enabled, timeout=FINISH_TIMEOUT_S + 10.0)
         if not closed:
             self.warn("the writer did not finish within its timeout; the last records may be missing")
         for fn in [getattr(x, "on_closed", None) for x in self._listeners]:  # after the last record
@@ -423,39 +345,6 @@ class Session(Recorder):
         self.warn(f"timing disabled after an internal error: {exc!r}")
 
     # ------------------------------------------------------------ instruments
-
-    def _install(self, model: Any, optimizer: Any) -> None:
-        from stepscope.instrument.collectives import summarize
-
-        # Whoever reports collectives (the patch, a framework integration), their records
-        # get the collectives section; the resolver itself imports no instrument.
-        self.resolver.summarize_collectives = summarize
-        auto = self.config.auto
-        if model is not None and auto & {"forward", "backward"}:
-            from stepscope.instrument.hooks import attach_model
-
-            self._uninstallers.append(
-                attach_model(self, model, forward="forward" in auto, backward="backward" in auto)  # type: ignore[arg-type]
-            )
-            self._auto_active |= auto & {"forward", "backward"}
-        if optimizer is not None and "optimizer" in auto:
-            from stepscope.instrument.hooks import attach_optimizer
-
-            try:
-                self._uninstallers.append(attach_optimizer(self, optimizer))  # type: ignore[arg-type]
-                self._auto_active.add("optimizer")
-            except Exception as exc:  # protect the job: drop only this phase, keep all other timing
-                self.warn(f"the optimizer phase is not timed: cannot hook {type(optimizer).__name__} "
-                          f"({exc!r}); pass the underlying torch.optim.Optimizer")
-        if "h2d" in auto:
-            from stepscope.instrument.h2d import install_patch
-
-            self._uninstallers.append(install_patch())
-            self._auto_active.add("h2d")
-        if self.config.collectives:
-            from stepscope.instrument import collectives
-
-            self._uninstallers.append(collectives.install_patch())
 
     def add_uninstaller(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` when the tracer finishes (instruments installed from outside)."""
@@ -505,11 +394,3 @@ class Session(Recorder):
         """Remember the open phases where ``exc`` was first seen (for crash evidence)."""
         if self._raised is None or self._raised[0] is not exc:
             self._raised = (exc, [sp.name for sp in self._stack_here() if sp.end is None])
-
-
-def _capture_probe() -> Callable[[], bool]:
-    import torch
-
-    if not torch.cuda.is_available():  # fake CUDA clocks in tests: nothing can be capturing
-        return lambda: False
-    return torch.cuda.is_current_stream_capturing

@@ -1,0 +1,257 @@
+"""Where the tracer's per-step host time goes: a trivial step under every automatic instrument.
+
+Runs ``--steps`` steps of a tiny model (``Linear(8, 8)``, SGD) inside ``tracer.step()``, with
+forward, backward, optimizer and h2d hooks, collective timing, the resource monitor and the
+JSONL writer (as ``init()`` builds them; no heartbeat unless ``--heartbeat``), and reports:
+
+- ``--mode time`` (default): µs/step of the training thread (wall and thread CPU) and the
+  writer thread's CPU per step, against the same loop without a tracer (interleaved blocks).
+- ``--mode cprofile``: a cProfile of the training thread over ``--steps`` steps (top 30 by
+  own time).
+- ``--mode wakes``: µs/step (wall, training-thread CPU) with ``flush_every_n_steps`` 1, 10
+  and 100 against the bare loop, interleaved: each flush wakes the writer thread, so the
+  difference between 1 and 10 is ~0.9 wakes per step.
+- ``--mode build``: the writer thread's µs per record, building (``Resolver.build``) and
+  encoding (orjson), from 4,000 resolved steps (minimum over chunks of 500).
+- ``--mode alloc``: tracemalloc's count of memory blocks still alive per step (records the
+  writer and the recent-records buffer keep included), by allocation site.
+
+    python benchmarks/hot_path.py --steps 100000 --mode cprofile
+    python benchmarks/hot_path.py --mode alloc
+    python benchmarks/hot_path.py --mode wakes       # what waking the writer costs the training thread
+    /work/main/.venv/bin/py-spy record --native -r 1000 -o hot.svg -- python benchmarks/hot_path.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import threading
+import time
+from typing import Any
+
+import torch
+
+from stepscope.clock import CpuClock
+from stepscope.config import Config
+from stepscope.tracer import Tracer
+
+
+def _job() -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tensor]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(2, 8)
+
+
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
+    y = x.to(torch.float32)
+    model(y).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _tracer(out: str, model: torch.nn.Module, opt: torch.optim.Optimizer, heartbeat: bool) -> Tracer:
+    cfg = Config(out_dir=out, heartbeat_s=5.0 if heartbeat else 0.0, max_pending_steps=1 << 20)
+    return Tracer(cfg, model=model, optimizer=opt, clock=CpuClock())
+
+
+def _writer_cpu_ns() -> int:
+    """CPU time of the stepscope writer thread so far (Linux: /proc/self/task/<tid>/stat)."""
+
+    for t in threading.enumerate():
+        if t.name == "stepscope-writer" and t.native_id is not None:
+            with open(f"/proc/self/task/{t.native_id}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+            tick = os.sysconf("SC_CLK_TCK")
+            return int((int(fields[11]) + int(fields[12])) * 1e9 / tick)
+    return 0
+
+
+def time_mode(steps: int, blocks: int, heartbeat: bool) -> dict[str, float]:
+    model, opt, x = _job()
+    for _ in range(200):
+        _step(model, opt, x)
+    bare_w, bare_c, inst_w, inst_c, writer_c = [], [], [], [], []
+    with tempfile.TemporaryDirectory() as out:
+        tracer = _tracer(out, model, opt, heartbeat)
+        for b in range(blocks):
+            for on in ((True, False) if b % 2 else (False, True)):
+                w0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+                wr0 = _writer_cpu_ns() if on else 0
+                if on:
+                    for _ in range(steps):
+                        with tracer.step():
+                            _step(model, opt, x)
+                    tracer.flush()
+                else:
+                    for _ in range(steps):
+                        _step(model, opt, x)
+                dw = (time.perf_counter_ns() - w0) / steps / 1e3
+                dc = (time.thread_time_ns() - c0) / steps / 1e3
+                if on:
+                    time.sleep(0.05)  # let the writer finish this block's records
+                    inst_w.append(dw)
+                    inst_c.append(dc)
+                    writer_c.append((_writer_cpu_ns() - wr0) / steps / 1e3)
+                else:
+                    bare_w.append(dw)
+                    bare_c.append(dc)
+        tracer.finish()
+    med = statistics.median
+    return {
+        "bare_step_us": round(med(bare_w), 2),
+        "added_wall_us": round(med(inst_w) - med(bare_w), 2),
+        "added_thread_cpu_us": round(med(inst_c) - med(bare_c), 2),
+        "added_thread_cpu_us_min": round(min(inst_c) - min(bare_c), 2),
+        "writer_cpu_us_per_step": round(med(writer_c), 2),
+    }
+
+
+def cprofile_mode(steps: int, heartbeat: bool) -> None:
+    import cProfile
+    import pstats
+
+    model, opt, x = _job()
+    with tempfile.TemporaryDirectory() as out:
+        tracer = _tracer(out, model, opt, heartbeat)
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(steps):
+            with tracer.step():
+                _step(model, opt, x)
+        prof.disable()
+        tracer.finish()
+    stats = pstats.Stats(prof)
+    # Deterministic (load-independent): Python calls into stepscope per step on this thread.
+    ours = sum(v[1] for k, v in stats.stats.items() if "stepscope" in k[0])  # type: ignore[attr-defined]
+    every = sum(v[1] for v in stats.stats.values())  # type: ignore[attr-defined]
+    print(json.dumps({"steps": steps, "stepscope_calls_per_step": round(ours / steps, 2),
+                      "all_calls_per_step": round(every / steps, 2)}))
+    stats.sort_stats("tottime").print_stats(30)
+
+
+def wakes_mode(steps: int, blocks: int) -> dict[str, Any]:
+    model, opt, x = _job()
+    for _ in range(200):
+        _step(model, opt, x)
+    got: dict[str, list[tuple[float, float]]] = {k: [] for k in ("bare", "1", "10", "100")}
+    with tempfile.TemporaryDirectory() as out:
+        for b in range(blocks):
+            for k in (list(got) if b % 2 else list(got)[::-1]):
+                tracer = None
+                if k != "bare":
+                    cfg = Config(out_dir=f"{out}/{k}", heartbeat_s=0.0, flush_every_n_steps=int(k),
+                                 max_pending_steps=1 << 20)
+                    tracer = Tracer(cfg, model=model, optimizer=opt, clock=CpuClock())
+                w0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+                for _ in range(steps):
+                    if tracer is None:
+                        _step(model, opt, x)
+                    else:
+                        with tracer.step():
+                            _step(model, opt, x)
+                got[k].append(((time.perf_counter_ns() - w0) / steps / 1e3,
+                               (time.thread_time_ns() - c0) / steps / 1e3))
+                if tracer is not None:
+                    tracer.finish()
+    med = statistics.median
+    return {f"flush_{k}" if k != "bare" else "bare": {"wall_us": round(med(a for a, _ in v), 1),
+                                                      "thread_cpu_us": round(med(c for _, c in v), 1)}
+            for k, v in got.items()}
+
+
+def build_mode(chunks: int = 8, size: int = 500) -> dict[str, float]:
+    """Writer-thread µs per record: ``Resolver.build`` and orjson encoding (min over chunks)."""
+    import gc
+
+    from stepscope.sinks import encode_record
+
+    model, opt, x = _job()
+    with tempfile.TemporaryDirectory() as out:
+        cfg = Config(out_dir=out, heartbeat_s=0.0, flush_every_n_steps=1 << 30, max_pending_steps=1 << 20)
+        tracer = Tracer(cfg, model=model, optimizer=opt, clock=CpuClock())
+        for _ in range(chunks * size):
+            with tracer.step():
+                _step(model, opt, x)
+        tracer.resolver.poll(1 << 30)
+        steps = tracer.resolver.take_ready()
+        build, enc = [], []
+        for k in range(chunks):
+            chunk = steps[k * size:(k + 1) * size]
+            gc.disable()
+            c0 = time.thread_time_ns()
+            records = tracer.resolver.build(chunk)
+            c1 = time.thread_time_ns()
+            for r in records:
+                encode_record(r)
+            c2 = time.thread_time_ns()
+            gc.enable()
+            build.append((c1 - c0) / size / 1e3)
+            enc.append((c2 - c1) / size / 1e3)
+        tracer.finish()
+    return {"build_us_per_record": round(min(build), 2), "encode_us_per_record": round(min(enc), 2)}
+
+
+def alloc_mode(steps: int, heartbeat: bool) -> None:
+    import tracemalloc
+
+    model, opt, x = _job()
+    with tempfile.TemporaryDirectory() as out:
+        tracer = _tracer(out, model, opt, heartbeat)
+        for _ in range(50):
+            with tracer.step():
+                _step(model, opt, x)
+        tracer.flush()
+        time.sleep(0.2)
+        # Bare loop first: what the step itself allocates, to subtract.
+        tracemalloc.start(3)
+        s0 = tracemalloc.take_snapshot()
+        for _ in range(steps):
+            _step(model, opt, x)
+        s1 = tracemalloc.take_snapshot()
+        for _ in range(steps):
+            with tracer.step():
+                _step(model, opt, x)
+        s2 = tracemalloc.take_snapshot()
+        tracemalloc.stop()
+        tracer.finish()
+
+    def live(a: tracemalloc.Snapshot, b: tracemalloc.Snapshot) -> int:
+        return sum(d.count_diff for d in b.compare_to(a, "traceback") if d.count_diff > 0)
+
+    filt = [tracemalloc.Filter(False, tracemalloc.__file__)]
+    s0, s1, s2 = (s.filter_traces(filt) for s in (s0, s1, s2))
+    print(json.dumps({"steps": steps, "bare_live_blocks_per_step": live(s0, s1) / steps,
+                      "traced_live_blocks_per_step": live(s1, s2) / steps}))
+    for d in s2.compare_to(s1, "lineno")[:25]:
+        print(f"{d.count_diff / steps:8.2f} blocks/step {d.size_diff / steps:9.1f} B/step  {d.traceback}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", choices=("time", "cprofile", "alloc", "wakes", "build"), default="time")
+    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--blocks", type=int, default=11)
+    ap.add_argument("--heartbeat", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    if args.mode == "cprofile":
+        cprofile_mode(args.steps, args.heartbeat)
+    elif args.mode == "wakes":
+        print(json.dumps({"benchmark": "hot_path_wakes", "steps": args.steps, "blocks": args.blocks,
+                          "loadavg_1m": round(os.getloadavg()[0], 2),
+                          **wakes_mode(args.steps, args.blocks)}))
+    elif args.mode == "build":
+        print(json.dumps({"benchmark": "hot_path_build", **build_mode()}))
+    elif args.mode == "alloc":
+        alloc_mode(args.steps, args.heartbeat)
+    else:
+        print(json.dumps({"benchmark": "hot_path", "steps": args.steps, "blocks": args.blocks,
+                          **time_mode(args.steps, args.blocks, args.heartbeat)}))
+
+
+if __name__ == "__main__":
+    main()
