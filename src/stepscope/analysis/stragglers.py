@@ -527,7 +527,9 @@ def find_stragglers(
             if med >= max(MIN_EXCESS_MS, CHRONIC_IMPACT * median_step) and whole > chronic_floor:
                 out.append(_straggler(con, rank, name, host_of, steps, idx, med, "chronic",
                                       _confidence(len(idx), len(idx) / (idx[-1] - idx[0] + 1), med / t)))
-            continue
+                continue
+            # Flagged on most steps by a gap within the run's noise (a busy host favouring the
+            # other rank): not chronic, but a window on top of it is still looked for.
         chronic_done = any(o["rank"] == rank and o["phase"] == name for o in out)
         for w in changepoint.elevated(xs, bar, min_len=min_n):
             seg = [i for i, _ in pts[w.start:w.end + 1]]
