@@ -65,6 +65,8 @@ WINDOW_IMPACT = 0.10
 MIN_EXCESS_MS = 1.0
 #: Shortest all-rank step-time window, as a share of the analysed steps.
 ALL_RANK_MIN_SHARE = 0.10
+#: Share of a window's steps whose gap must reach half its level (a sustained slowdown).
+SUSTAINED = 0.75
 #: Bar for a change-point window's level, in the rank's noise sigmas.
 WINDOW_SIGMAS = 2.5
 VICTIM_FRACTION = 0.5  # a victim's wait exceeds the culprit's by this share of the excess
@@ -544,6 +546,15 @@ def find_stragglers(
             else:
                 level = window_excess(xs, own, w.start, w.end, w.excess)
                 if level < bar or level <= noise_floor(owns[name], rank, w.length):
+                    continue
+                inside = xs[w.start:w.end + 1]
+                if sum(1 for x in inside if x >= 0.5 * level) < SUSTAINED * len(inside):
+                    # Not sustained: a rank the host descheduled now and then (gaps from 0 to
+                    # twice the level), not one running slow for a while.
+                    continue
+                if seg[0] == 0 and len(seg) < ALL_RANK_MIN_SHARE * n_steps:
+                    # A short slow start on one rank: its warm-up (lazy init, the first
+                    # rank's logging set-up), as for every rank in find_windows.
                     continue
             out.append(_straggler(con, rank, name, host_of, steps, seg, level,
                                   "chronic" if chronic else "window",
