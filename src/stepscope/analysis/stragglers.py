@@ -482,9 +482,10 @@ def find_stragglers(
     Chronic: flagged (gap above the rank's threshold) on most steps across the run. Window:
     a stretch found by change-point detection on the rank's gap series
     (:func:`stepscope.analysis.changepoint.elevated`), with its whole bounds and its excess
-    from :func:`window_excess`. Either must exceed the run's noise floor
-    (:func:`noise_floor`): what the other ranks' own work rises by, by itself, over as many
-    steps (a chronic gap over a quarter of the run).
+    from :func:`window_excess`. A window must exceed the run's noise floor
+    (:func:`noise_floor`: what the other ranks' own work rises by, by itself, over as many
+    steps) and be sustained. A chronic gap is present on every step, so a transient swing
+    of the others is no measure of it: it keeps the per-step and impact bars.
     """
     pos = {s: i for i, s in enumerate(steps)}
     series: dict[tuple[int, str], list[tuple[int, float]]] = {}
@@ -499,7 +500,6 @@ def find_stragglers(
         owns.setdefault(name, {})[rank] = xs
     n_steps = len(steps)
     min_n = max(MIN_SEGMENT, math.ceil(0.04 * n_steps))
-    chronic_width = max(min_n, n_steps // 4)
     out: list[dict[str, Any]] = []
     for (rank, name), pts in series.items():
         t = thr.get((rank, name))
@@ -512,9 +512,8 @@ def find_stragglers(
         xs = [x for _, x in pts]
         own = own_of[(rank, name)]
         whole = robust.median(xs)
-        chronic_floor = noise_floor(owns[name], rank, chronic_width)
         if (len(pts) >= CHRONIC_COVER * n_steps and whole > bar
-                and whole >= max(MIN_EXCESS_MS, CHRONIC_IMPACT * median_step, chronic_floor)
+                and whole >= max(MIN_EXCESS_MS, CHRONIC_IMPACT * median_step)
                 and not (len(idx) >= CHRONIC_DENSITY * n_steps)):
             # The gap's level over the whole run sits well above its noise even where single
             # steps are too noisy to flag (a busy host): chronic, priced at that level.
@@ -526,12 +525,12 @@ def find_stragglers(
               and idx[-1] - idx[0] + 1 >= CHRONIC_COVER * n_steps):
             # Flagged on most steps across the run: one chronic straggler, whatever its holes.
             med = robust.median(x for _, x in pts if x > t)
-            if med >= max(MIN_EXCESS_MS, CHRONIC_IMPACT * median_step) and whole > chronic_floor:
+            if med >= max(MIN_EXCESS_MS, CHRONIC_IMPACT * median_step):
                 out.append(_straggler(con, rank, name, host_of, steps, idx, med, "chronic",
                                       _confidence(len(idx), len(idx) / (idx[-1] - idx[0] + 1), med / t)))
                 continue
-            # Flagged on most steps by a gap within the run's noise (a busy host favouring the
-            # other rank): not chronic, but a window on top of it is still looked for.
+            # Flagged on most steps by a gap too small to name (a busy host favouring the other
+            # rank): not chronic, but a window on top of it is still looked for.
         chronic_done = any(o["rank"] == rank and o["phase"] == name for o in out)
         for w in changepoint.elevated(xs, bar, min_len=min_n):
             seg = [i for i, _ in pts[w.start:w.end + 1]]
@@ -541,7 +540,7 @@ def find_stragglers(
             # Chronic: the gap itself (to the other ranks' median), not over a short outside.
             if chronic:
                 level = robust.median(xs[w.start:w.end + 1])
-                if level < max(MIN_EXCESS_MS, CHRONIC_IMPACT * median_step, chronic_floor):
+                if level < max(MIN_EXCESS_MS, CHRONIC_IMPACT * median_step):
                     continue
             else:
                 level = window_excess(xs, own, w.start, w.end, w.excess)
