@@ -525,12 +525,14 @@ def find_stragglers(
               and idx[-1] - idx[0] + 1 >= CHRONIC_COVER * n_steps):
             # Flagged on most steps across the run: one chronic straggler, whatever its holes.
             med = robust.median(x for _, x in pts if x > t)
-            if med >= max(MIN_EXCESS_MS, CHRONIC_IMPACT * median_step):
+            if (min(med, whole) >= max(MIN_EXCESS_MS, CHRONIC_IMPACT * median_step)
+                    and whole >= 0.5 * med):
                 out.append(_straggler(con, rank, name, host_of, steps, idx, med, "chronic",
                                       _confidence(len(idx), len(idx) / (idx[-1] - idx[0] + 1), med / t)))
                 continue
-            # Flagged on most steps by a gap too small to name (a busy host favouring the other
-            # rank): not chronic, but a window on top of it is still looked for.
+            # Flagged on most steps, but the run's median gap is too small to name or far
+            # under the flagged steps' (a busy host favouring the other rank by half a
+            # millisecond, with a real window on top): not chronic; windows are looked for.
         chronic_done = any(o["rank"] == rank and o["phase"] == name for o in out)
         for w in changepoint.elevated(xs, bar, min_len=min_n):
             seg = [i for i, _ in pts[w.start:w.end + 1]]
