@@ -2,9 +2,9 @@
 
 The fast suite keeps one clean run per rank count for the plain DDP demo; the soak suite
 (``-m soak``) repeats every framework path (DDP at 2, 4 and 8 ranks, FSDP2, Lightning, the HF
-Trainer, a 2-stage ``torch.distributed.pipelining`` GPipe) ``SOAK_RUNS`` times. Severity follows cost (analysis/cost.py): a finding must cost
-the job at least 1% of its time to be a warning, so scheduling noise on a busy host stays a
-note at most.
+Trainer, a 2-stage ``torch.distributed.pipelining`` GPipe) ``SOAK_RUNS`` times. Severity
+follows cost (analysis/cost.py): a finding must cost the job at least 1% of its time to be a
+warning, so scheduling noise on a busy host stays a note at most.
 """
 
 from __future__ import annotations
