@@ -2,9 +2,9 @@
 
 The fast suite keeps one clean run per rank count for the plain DDP demo; the soak suite
 (``-m soak``) repeats every framework path (DDP at 2, 4 and 8 ranks, FSDP2, Lightning, the HF
-Trainer) ``SOAK_RUNS`` times. Severity follows cost (analysis/cost.py): a finding must cost
-the job at least 1% of its time to be a warning, so scheduling noise on a busy host stays a
-note at most.
+Trainer, a 2-stage ``torch.distributed.pipelining`` GPipe) ``SOAK_RUNS`` times. Severity
+follows cost (analysis/cost.py): a finding must cost the job at least 1% of its time to be a
+warning, so scheduling noise on a busy host stays a note at most.
 """
 
 from __future__ import annotations
@@ -37,6 +37,11 @@ def _lightning(out: Path, ranks: int) -> Path:
     return Path(pl.launch_lightning(out, ranks=ranks, steps=60))
 
 
+def _pipeline(out: Path, ranks: int) -> Path:
+    fw = pytest.importorskip("dist_frameworks")
+    return Path(fw.launch_pipeline(out, ranks=ranks, steps=60))  # GPipe, one stage per rank
+
+
 def _hf(out: Path, ranks: int) -> Path:
     pytest.importorskip("transformers")
     return Path(harness.launch_hf(out, ranks=ranks, steps=60))
@@ -47,6 +52,7 @@ PATHS: dict[str, Callable[[Path, int], Path]] = {
     "fsdp2": lambda out, ranks: Path(harness.launch_fsdp(out, ranks=ranks, steps=60)),
     "lightning": _lightning,
     "hf": _hf,
+    "pipeline": _pipeline,
 }
 
 
@@ -60,7 +66,8 @@ def test_clean_ddp_run_is_quiet(tmp_path: Path, ranks: int) -> None:
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize(("path", "ranks"), [("ddp", 2), ("ddp", 4), ("ddp", 8), ("fsdp2", 2),
-                                             ("fsdp2", 4), ("lightning", 2), ("hf", 2)])
+                                             ("fsdp2", 4), ("lightning", 2), ("hf", 2),
+                                             ("pipeline", 2)])
 def test_soak_clean_runs_never_warn(tmp_path: Path, path: str, ranks: int) -> None:
     loud = []
     for i in range(SOAK_RUNS):

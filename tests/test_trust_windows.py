@@ -7,6 +7,10 @@ nor shortens it, and the excess is the window's level, not the mean of its highe
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -21,20 +25,56 @@ FIRST, END = 30, 60  # the window: steps [30, 60)
 MS = 30.0
 
 
-def _window_doc(tmp_path: Any, ranks: int, phase: str, rank: int) -> dict[str, Any]:
+@contextmanager
+def _sleep_probe(taken: list[float]) -> Iterator[None]:
+    """Time ``sleep(MS)`` in a thread while the run records: what the injection really takes.
+
+    On a loaded machine a sleeping process waits for a core after waking: at a load of 8 on
+    2 cores a 30 ms sleep took 39-56 ms of the rank's wall time (its own work inside the
+    window rose by as much as its gap to the others). That is the true excess; the analysis
+    cannot know what was asked for, so the test compares with what a sleep took here, now.
+    """
+    stop = threading.Event()
+
+    def probe() -> None:
+        # Like a rank: some work, then the sleep (a thread that only ever sleeps wakes with
+        # the scheduler's favour and under-states the rank's wait for a core).
+        while not stop.is_set():
+            t = time.perf_counter()
+            while time.perf_counter() - t < 0.01:
+                pass
+            t = time.perf_counter()
+            time.sleep(MS / 1000.0)
+            taken.append(1000.0 * (time.perf_counter() - t))
+
+    th = threading.Thread(target=probe, daemon=True)
+    th.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        th.join()
+
+
+def _window_doc(tmp_path: Any, ranks: int, phase: str, rank: int) -> tuple[dict[str, Any], float]:
     spec = demo.SlowSpec(rank, phase, start_step=FIRST, end_step=END, ms=MS)
-    return analyze_run(demo.launch(tmp_path / f"{phase}{ranks}", ranks=ranks, steps=STEPS,
-                                   slow=(spec,), seed=3))
+    taken: list[float] = []
+    with _sleep_probe(taken):
+        run = demo.launch(tmp_path / f"{phase}{ranks}", ranks=ranks, steps=STEPS, slow=(spec,),
+                          seed=3)
+    taken.sort()
+    return analyze_run(run), taken[len(taken) // 2] if taken else MS
 
 
-def _check_whole(doc: dict[str, Any], rank: int, phase: str) -> None:
+def _check_whole(doc: dict[str, Any], rank: int, phase: str, true_ms: float = MS) -> None:
     hits = [s for s in doc["stragglers"] if (s["rank"], s["phase"]) == (rank, phase)]
     assert len(hits) == 1, doc["stragglers"]  # one window, not split in two
     s = hits[0]
     assert s["persistence"] == "window"
     assert abs(s["first_step"] - FIRST) <= 2 and abs(s["last_step"] - (END - 1)) <= 2, s
-    # sleep() overshoots by a fraction of a millisecond on a busy host, never by 3 ms.
-    assert 0.9 * MS <= s["excess_ms"] <= 1.1 * MS, s
+    # true_ms: what the injected sleep took on this machine during the run (MS when idle).
+    # At least 90% of what was asked for, at most 110% of what a sleep took meanwhile.
+    assert 0.9 * MS <= s["excess_ms"] <= 1.1 * max(MS, true_ms), (s, true_ms)
     top = doc["verdicts"][0]
     assert top["kind"] == "straggler" and f"rank {rank}" in top["evidence"]
     c = top["cost"]
@@ -46,10 +86,12 @@ def _check_whole(doc: dict[str, Any], rank: int, phase: str) -> None:
 
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_ddp_backward_window_found_whole(tmp_path: Any, ranks: int) -> None:
-    _check_whole(_window_doc(tmp_path, ranks, "backward", 1), 1, "backward")
+    doc, true_ms = _window_doc(tmp_path, ranks, "backward", 1)
+    _check_whole(doc, 1, "backward", true_ms)
 
 
 @pytest.mark.soak
 @pytest.mark.parametrize("phase", ["forward", "optimizer", "dataloader"])
 def test_window_found_whole_in_every_phase(tmp_path: Any, phase: str) -> None:
-    _check_whole(_window_doc(tmp_path, 2, phase, 0), 0, phase)
+    doc, true_ms = _window_doc(tmp_path, 2, phase, 0)
+    _check_whole(doc, 0, phase, true_ms)

@@ -16,7 +16,7 @@ from stepscope.analysis.load import RunData, load_run
 from stepscope.analysis.resources import analyze_resources
 from stepscope.analysis.stats import create_phase_samples, phase_stats, rank_stats
 from stepscope.analysis.status import crash_evidence
-from stepscope.analysis.stragglers import attribute, phase_waits
+from stepscope.analysis.stragglers import attribute, own_slowdown, phase_waits
 from stepscope.analysis.triggers import link_triggers
 
 #: Version of the JSON document; bump when a key changes meaning.
@@ -77,7 +77,7 @@ def _analyze(data: RunData) -> dict[str, Any]:
     total_ms = con.execute(
         "SELECT median(t) FROM (SELECT rank, sum(step_ms) AS t FROM steps GROUP BY 1)").fetchone()[0]
     al, thr, stragglers, windows = att.alignment, att.thresholds, att.stragglers, att.windows
-    windows, host_busy = split_host_busy(windows, data.clock, stragglers)
+    windows, host_busy = split_host_busy(windows, data.clock, stragglers, con)
 
     phases = phase_stats(con, n_rows)
     phase_waits(con, phases)
@@ -215,15 +215,31 @@ def run_notes(data: RunData, run: dict[str, Any]) -> list[str]:
 
 
 _COMPUTE = ("forward", "backward", "optimizer")
+#: A compute phase this many times slower on a rank of an all-rank window: the host.
+HOST_BUSY_SLOWDOWN = 1.5
 
 
 def split_host_busy(windows: list[dict[str, Any]], clock: str | None,
-                    stragglers: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+                    stragglers: list[dict[str, Any]],
+                    con: Any = None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Windows, and those that are a busy host rather than the job: on a CPU clock, compute
-    (forward, backward, optimizer) slowing on every rank at once with no rank singled out."""
+    (forward, backward, optimizer) slowing on every rank at once with no rank singled out,
+    or any phase doing so while a compute phase, too, ran ``HOST_BUSY_SLOWDOWN`` times slower
+    there on one of those ranks (a real input-bound window slows the loader, not the model's
+    compute; a busy host deschedules a rank's compute, and the others wait for it in
+    whatever they do next: seen as a 10-step all-rank dataloader window in a clean Lightning
+    run next to a CPU hog, one rank's backward 5x slower meanwhile)."""
     if not str(clock or "").startswith("cpu"):
         return windows, []
-    busy = [w for w in windows if len(w["ranks"]) > 1 and w["phase"] in _COMPUTE
+
+    def compute_slowed(w: dict[str, Any]) -> bool:
+        if con is None:
+            return False
+        return any(own_slowdown(con, p, int(w["start_step"]), int(w["end_step"]), r)
+                   >= HOST_BUSY_SLOWDOWN for p in _COMPUTE for r in w["ranks"])
+
+    busy = [w for w in windows if len(w["ranks"]) > 1
+            and (w["phase"] in _COMPUTE or compute_slowed(w))
             and not any(s["first_step"] <= w["end_step"] and s["last_step"] >= w["start_step"]
                         for s in stragglers)]
     return [w for w in windows if w not in busy], busy

@@ -65,6 +65,8 @@ WINDOW_IMPACT = 0.10
 MIN_EXCESS_MS = 1.0
 #: Shortest all-rank step-time window, as a share of the analysed steps.
 ALL_RANK_MIN_SHARE = 0.10
+#: Share of a window's steps whose gap must reach half its level (a sustained slowdown).
+SUSTAINED = 0.75
 #: Bar for a change-point window's level, in the rank's noise sigmas.
 WINDOW_SIGMAS = 2.5
 VICTIM_FRACTION = 0.5  # a victim's wait exceeds the culprit's by this share of the excess
@@ -449,6 +451,42 @@ def _confidence(n: int, density: float, ratio: float) -> float:
     return round(min(0.99, max(0.0, c)), 2)
 
 
+def noise_floor(own: dict[int, list[float]], rank: int, width: int) -> float:
+    """How far the *other* ranks' own work rises by itself over a stretch of ``width`` steps.
+
+    The highest median of ``width`` consecutive own-work values of each other rank, minus
+    that rank's median; the largest over the other ranks. On a busy host every rank gets
+    descheduled now and then, a few steps at a time, and warm-up slows them all: an excess
+    no larger than what another rank shows on its own, over as many steps, is that noise.
+    """
+    rises = []
+    for r, xs in own.items():
+        if r == rank or len(xs) < width:
+            continue
+        rises.append(changepoint.rolling_max_median(xs, width) - robust.median(xs))
+    return max(rises, default=0.0)
+
+
+def window_excess(gap: list[float], own: list[float], start: int, end: int, level: float) -> float:
+    """A window's excess from two estimates that bracket it.
+
+    The gap estimate (the smaller of ``level``, the gap's level inside over its level
+    outside, and the median gap inside) is the excess itself when the host slows every
+    rank alike, but over-states it when the other ranks run faster while the straggler holds
+    them (on a busy host its idle time gives them the cores: seen at +3..6 ms on a 30 ms
+    window). The rank's own rise (its own work inside over its own work outside) over-states
+    it when the host slows every rank, and under-states it when the straggler's own work,
+    too, speeds up. When the own rise is the lower one, the other ranks sped up and the truth
+    lies between the two: their midpoint. Otherwise the gap.
+    """
+    gap_level = min(level, robust.median(gap[start:end + 1]))
+    own_out = own[:start] + own[end + 1:]
+    if len(own_out) < MIN_SEGMENT:
+        return gap_level
+    rise = robust.median(own[start:end + 1]) - robust.median(own_out)
+    return gap_level if rise >= gap_level else 0.5 * (gap_level + max(rise, 0.0))
+
+
 def find_stragglers(
     con: Any, steps: list[int], host_of: dict[int, str], thr: dict[tuple[int, str], float],
     median_step: float = 0.0,
@@ -458,14 +496,22 @@ def find_stragglers(
     Chronic: flagged (gap above the rank's threshold) on most steps across the run. Window:
     a stretch found by change-point detection on the rank's gap series
     (:func:`stepscope.analysis.changepoint.elevated`), with its whole bounds and its excess
-    as the median gap inside minus the level outside.
+    from :func:`window_excess`. A window must exceed the run's noise floor
+    (:func:`noise_floor`: what the other ranks' own work rises by, by itself, over as many
+    steps) and be sustained. A chronic gap is present on every step, so a transient swing
+    of the others is no measure of it: it keeps the per-step and impact bars.
     """
     pos = {s: i for i, s in enumerate(steps)}
     series: dict[tuple[int, str], list[tuple[int, float]]] = {}
-    for rank, name, step, excess in con.execute(
-        "SELECT rank, name, step, excess FROM ex WHERE excess IS NOT NULL ORDER BY 1, 2, 3"
+    owns: dict[str, dict[int, list[float]]] = {}
+    own_of: dict[tuple[int, str], list[float]] = {}
+    for rank, name, step, excess, own in con.execute(
+        "SELECT rank, name, step, excess, own FROM ex WHERE excess IS NOT NULL ORDER BY 1, 2, 3"
     ).fetchall():
         series.setdefault((int(rank), str(name)), []).append((pos[int(step)], float(excess)))
+        own_of.setdefault((int(rank), str(name)), []).append(float(own))
+    for (rank, name), xs in own_of.items():
+        owns.setdefault(name, {})[rank] = xs
     n_steps = len(steps)
     min_n = max(MIN_SEGMENT, math.ceil(0.04 * n_steps))
     out: list[dict[str, Any]] = []
@@ -478,6 +524,7 @@ def find_stragglers(
         # step's, so its bar is a few of the rank's noise sigmas, not the per-step SIGMAS.
         bar = max(WINDOW_SIGMAS * t / SIGMAS, MIN_EXCESS_MS, WINDOW_IMPACT * median_step)
         xs = [x for _, x in pts]
+        own = own_of[(rank, name)]
         whole = robust.median(xs)
         if (len(pts) >= CHRONIC_COVER * n_steps and whole > bar
                 and whole >= max(MIN_EXCESS_MS, CHRONIC_IMPACT * median_step)
@@ -492,10 +539,14 @@ def find_stragglers(
               and idx[-1] - idx[0] + 1 >= CHRONIC_COVER * n_steps):
             # Flagged on most steps across the run: one chronic straggler, whatever its holes.
             med = robust.median(x for _, x in pts if x > t)
-            if med >= max(MIN_EXCESS_MS, CHRONIC_IMPACT * median_step):
+            if (min(med, whole) >= max(MIN_EXCESS_MS, CHRONIC_IMPACT * median_step)
+                    and whole >= 0.5 * med):
                 out.append(_straggler(con, rank, name, host_of, steps, idx, med, "chronic",
                                       _confidence(len(idx), len(idx) / (idx[-1] - idx[0] + 1), med / t)))
-            continue
+                continue
+            # Flagged on most steps, but the run's median gap is too small to name or far
+            # under the flagged steps' (a busy host favouring the other rank by half a
+            # millisecond, with a real window on top): not chronic; windows are looked for.
         chronic_done = any(o["rank"] == rank and o["phase"] == name for o in out)
         for w in changepoint.elevated(xs, bar, min_len=min_n):
             seg = [i for i, _ in pts[w.start:w.end + 1]]
@@ -503,9 +554,23 @@ def find_stragglers(
             if chronic and chronic_done:
                 continue
             # Chronic: the gap itself (to the other ranks' median), not over a short outside.
-            level = robust.median(xs[w.start:w.end + 1]) if chronic else w.excess
-            if chronic and level < max(MIN_EXCESS_MS, CHRONIC_IMPACT * median_step):
-                continue
+            if chronic:
+                level = robust.median(xs[w.start:w.end + 1])
+                if level < max(MIN_EXCESS_MS, CHRONIC_IMPACT * median_step):
+                    continue
+            else:
+                level = window_excess(xs, own, w.start, w.end, w.excess)
+                if level < bar or level <= noise_floor(owns[name], rank, w.length):
+                    continue
+                inside = xs[w.start:w.end + 1]
+                if sum(1 for x in inside if x >= 0.5 * level) < SUSTAINED * len(inside):
+                    # Not sustained: a rank the host descheduled now and then (gaps from 0 to
+                    # twice the level), not one running slow for a while.
+                    continue
+                if seg[0] == 0 and len(seg) < ALL_RANK_MIN_SHARE * n_steps:
+                    # A short slow start on one rank: its warm-up (lazy init, the first
+                    # rank's logging set-up), as for every rank in find_windows.
+                    continue
             out.append(_straggler(con, rank, name, host_of, steps, seg, level,
                                   "chronic" if chronic else "window",
                                   _confidence(len(seg), 1.0, w.excess / t)))
