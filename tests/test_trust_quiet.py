@@ -39,7 +39,8 @@ def _lightning(out: Path, ranks: int) -> Path:
 
 def _pipeline(out: Path, ranks: int) -> Path:
     fw = pytest.importorskip("dist_frameworks")
-    return Path(fw.launch_pipeline(out, ranks=ranks, steps=60))  # GPipe, one stage per rank
+    # GPipe, one stage per rank, each with a few ms of compute per micro-batch
+    return Path(fw.launch_pipeline(out, ranks=ranks, steps=60, dim=1024))
 
 
 def _hf(out: Path, ranks: int) -> Path:

@@ -20,7 +20,7 @@ def add_coverage_sections(con: Any, doc: dict[str, Any]) -> None:
     pipe = pipeline_section(con, [int(s["rank"]) for s in doc["stragglers"]])
     if pipe is not None:
         doc["pipeline"] = pipe
-        added += pipeline_verdicts(pipe)
+        added += pipeline_verdicts(pipe, doc["verdicts"])
     experts = experts_section(con, doc["run"]["step_ms"]["median"] or 0.0)
     if experts is not None:
         doc["experts"] = experts

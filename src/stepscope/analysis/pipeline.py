@@ -132,8 +132,15 @@ def pipeline_section(con: Any, culprits: list[int]) -> dict[str, Any] | None:
 BUBBLE_SHARE = (0.08, 0.20)
 
 
-def pipeline_verdicts(section: dict[str, Any]) -> list[dict[str, Any]]:
-    """A ``pipeline_bubble`` verdict naming the bottleneck stage, when the bubble is large."""
+def pipeline_verdicts(section: dict[str, Any],
+                      verdicts: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """A ``pipeline_bubble`` verdict naming the bottleneck stage, when the bubble is large.
+
+    The bottleneck is a straggler, and the bubble it causes is that straggler's price seen
+    from the other stages: counted once, there. The verdict takes the straggler verdict's
+    cost and severity (a 5-step descheduling of one stage on a busy host is a warning there,
+    so it is one here too), as ``comm_wait`` does.
+    """
     b = section.get("bottleneck_stage")
     if b is None:
         return []
@@ -143,13 +150,21 @@ def pipeline_verdicts(section: dict[str, Any]) -> list[dict[str, Any]]:
         return []
     worst = next(s for s in section["stages"] if s["stage"] == b)
     waiting = ", ".join(str(s["stage"]) for s in others if (s["bubble_share"] or 0.0) >= BUBBLE_SHARE[0])
+    culprit = next((v for v in verdicts or () if v["kind"] == "straggler"
+                    and v.get("subject", "").startswith(f"rank {worst['rank']} ")), None)
+    extra: dict[str, Any] = {}
+    severity = "critical" if share >= BUBBLE_SHARE[1] else "warning"
+    if culprit is not None:
+        severity, extra = culprit["severity"], {"cost": culprit["cost"]}
     return [{
         "kind": "pipeline_bubble",
-        "severity": "critical" if share >= BUBBLE_SHARE[1] else "warning",
+        "severity": severity,
+        **extra,
         "evidence": f"stage {b} (rank {worst['rank']}) is the pipeline's bottleneck: its neighbours "
         f"wait {worst['waited_on_ms']:.1f} ms per step on it in send/recv; stage(s) {waiting or '-'} "
         f"spend a median {100.0 * share:.0f}% of their step time in the bubble (waiting on "
-        "neighbours), counted as waiting, not host overhead",
+        "neighbours), counted as waiting, not host overhead"
+        + (" (its cost is the straggler's)" if culprit is not None else ""),
         "suggestion": f"Rebalance the stages: move layers off stage {b} (or give it the lighter "
         "end of the model), and use more micro-batches or an interleaved schedule "
         "(ScheduleInterleaved1F1B) to shrink the bubble",
