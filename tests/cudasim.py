@@ -122,6 +122,7 @@ class _Stream:
         self.pending: deque[_Item] = deque()
         self.last: _Item | None = None  # the most recently enqueued item
         self.last_end_ns = 0
+        self.last_host_ns = 0  # when the host enqueued the most recently completed item
 
 
 class _Device:
@@ -605,6 +606,12 @@ class CudaSim:
             # The host stopped ticking (end of the loop, an eval, a hang): the GPU keeps going
             # on its own and works through its queue at the recent pace of a step.
             base = item.host_ns + lag * self._recent_step_ns()  # done once the host is there
+            # The work between two marks takes the GPU as long as the host took to issue it
+            # (the model's stand-in for kernel time, as in the lagging case above): a GPU that
+            # is behind never runs a step's kernels in zero time. Without this, a host stall
+            # under load squeezed three whole steps onto one instant (step_ms 0.0).
+            gap = max(0, item.host_ns - s.last_host_ns) if s.last_host_ns else 0
+            base = max(base, s.last_end_ns + gap)
         else:
             return None
         start = max(s.last_end_ns, base + self.lag_ns)  # in order: after the previous item
@@ -645,6 +652,7 @@ class CudaSim:
         item.end_ns = end
         item.done = True
         s.last_end_ns = end
+        s.last_host_ns = item.host_ns
 
     def _drain_to(self, target: _Item | None) -> None:
         """Block the host until ``target`` (and everything before it, and its deps) ran."""

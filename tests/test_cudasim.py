@@ -387,3 +387,31 @@ def test_a_forced_drain_keeps_the_spacing_of_the_queued_work(cuda_sim):
     gaps = [a.elapsed_time(b) for a, b in itertools.pairwise(events)]
     assert all(g >= 4.0 for g in gaps), gaps  # each ~5 ms apart, as enqueued
     assert sim.syncs == 1
+
+
+def test_a_host_stall_never_squeezes_a_lagging_step_to_zero(cuda_sim):
+    """Seen in a loaded CI run: the host stalled past ``idle_drain_s`` mid-run while the GPU
+    was 100 steps behind, and three whole steps came out at one instant (elapsed 0.0). The
+    GPU runs a step's work with the spacing the host gave it, whichever way it catches up."""
+    import time
+
+    sim = cuda_sim(lag_steps=4, idle_drain_s=0.05)
+    pairs = []
+    pauses = [0.002] * 6 + [0.04] + [0.002] * 3 + [0.12] + [0.002] * 4 + [0.08, 0.002, 0.002]
+    for k, pause in enumerate(pauses):
+        a, b = _timed(), _timed()
+        a.record()
+        time.sleep(0.003)
+        b.record()
+        pairs.append((a, b))
+        if k in (9, 15):
+            time.sleep(0.12)  # the host stalls past idle_drain_s between two steps
+            for x, y in pairs:
+                x.query(), y.query()
+        time.sleep(pause)
+        sim.host_tick()
+    time.sleep(0.5)
+    assert all(a.query() and b.query() for a, b in pairs)
+    widths = [a.elapsed_time(b) for a, b in pairs]
+    assert min(widths) > 0, widths
+    assert sim.syncs == 0
