@@ -66,3 +66,20 @@ def test_piped_compare_keeps_the_columns_and_gates(runs: tuple[Path, Path],
     assert "slower than A" in capsys.readouterr().err
     assert main(["compare", slow, fixed, "--fail-if-slower", "2"]) == 0
     assert main(["compare", slow, fixed, "--fail-if-slower", "nan"]) == 2
+
+
+def test_a_window_in_the_driving_phase_is_still_named() -> None:
+    """Seen in a CI run: the fixed run was 57% faster per step and the dataloader's median fell
+    0.6 → 0.4 ms, so the verdict named only that and dropped the 25-step, 30 ms window in the
+    same phase, which is where the time went."""
+    from stepscope.analysis.compare import verdict
+
+    step = {"change_pct": -57.0, "significant": True, "ci_low_pct": -86.0, "ci_high_pct": -29.0,
+            "a_ms": 2.1, "b_ms": 0.9}
+    phases = [{"name": "dataloader", "significant": True, "a_ms": 0.6, "b_ms": 0.4},
+              {"name": "forward", "significant": False, "a_ms": 0.5, "b_ms": 0.5}]
+    window = {"delta_ms": -30.1, "direction": "faster", "start_step": 25, "end_step": 49,
+              "steps": 25, "phase": "dataloader", "phase_a_ms": 30.6, "phase_b_ms": 0.4}
+    text = verdict(step, phases, [window])
+    assert "dataloader fell from 0.6 to 0.4 ms" in text
+    assert "steps 25–49" in text and "dataloader fell from 30.6 to 0.4 ms there" in text
