@@ -309,6 +309,27 @@ def _get(v: Any, default: Any) -> Any:
     return default if v is UNSET else v
 
 
+def _note_flops(out: ParsedTrace, e: Any, fl: Any) -> None:
+    """Keep a CPU op's ``flops`` (a non-negative finite number, else the event is bad)."""
+    if isinstance(fl, bool) or not isinstance(fl, (int, float, Decimal)):
+        raise _BadEvent("flops is not a number")
+    fv = float(fl)
+    if not math.isfinite(fv) or fv < 0:
+        raise _BadEvent("flops is out of range")
+    out.flops.append((_time(e.ts, "ts"), fv))
+
+
+def _note_comm(out: ParsedTrace, e: Any, key: tuple[str, str, int] | None, ext_raw: Any) -> None:
+    """Keep a ``record_param_comms`` op: its span and, with a sequence number, its external id."""
+    if key is None:
+        return
+    start, end = _span(e)
+    ext = _int_arg(ext_raw)
+    if key[2] >= 0 and ext >= 0:
+        out.comm_seq[ext] = key
+    out.comm_ops.append((start, end, key))
+
+
 def _comm_key_of(a: Args) -> tuple[str, str, int] | None:
     """:func:`_comm_key` on decoded :class:`Args`."""
     pg = a.pg if a.pg is not UNSET else _get(a.pg_name, None)
@@ -345,22 +366,10 @@ def _scan_events(batches: Iterable[list[Any]], out: ParsedTrace) -> None:
                     a = e.args
                     if a is None:
                         continue
-                    fl = a.flops
-                    if fl:
-                        if isinstance(fl, bool) or not isinstance(fl, (int, float, Decimal)):
-                            raise _BadEvent("flops is not a number")
-                        fv = float(fl)
-                        if not math.isfinite(fv) or fv < 0:
-                            raise _BadEvent("flops is out of range")
-                        out.flops.append((_time(e.ts, "ts"), fv))
+                    if a.flops:
+                        _note_flops(out, e, a.flops)
                     if e.name == "record_param_comms":
-                        key = _comm_key_of(a)
-                        if key is not None:
-                            start, end = _span(e)
-                            ext = _int_arg(_get(a.external_id, -1))
-                            if key[2] >= 0 and ext >= 0:
-                                out.comm_seq[ext] = key
-                            out.comm_ops.append((start, end, key))
+                        _note_comm(out, e, _comm_key_of(a), _get(a.external_id, -1))
                 elif cat in _LAUNCH_CATS:
                     a = e.args
                     corr = None if a is None else a.correlation
@@ -455,22 +464,10 @@ def _lenient_event(e: TraceEvent, out: ParsedTrace, names: dict[str, str]) -> No
             if b'"flops"' not in raw and e.name != "record_param_comms":
                 return
             args = _args(e)
-            fl = args.get("flops")
-            if fl:
-                if isinstance(fl, bool) or not isinstance(fl, (int, float, Decimal)):
-                    raise _BadEvent("flops is not a number")
-                fv = float(fl)
-                if not math.isfinite(fv) or fv < 0:
-                    raise _BadEvent("flops is out of range")
-                out.flops.append((_time(e.ts, "ts"), fv))
+            if args.get("flops"):
+                _note_flops(out, e, args["flops"])
             if e.name == "record_param_comms":
-                key = _comm_key(args)
-                if key is not None:
-                    start, end = _span(e)
-                    ext = _int_arg(args.get("External id", -1))
-                    if key[2] >= 0 and ext >= 0:
-                        out.comm_seq[ext] = key
-                    out.comm_ops.append((start, end, key))
+                _note_comm(out, e, _comm_key(args), args.get("External id", -1))
     except (_BadEvent, KeyError, TypeError, ValueError, ArithmeticError) as exc:
         # One malformed event (missing ts, a string where a number belongs, args that
         # are not an object) must not cost the whole file: skip it and count it.
