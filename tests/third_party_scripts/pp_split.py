@@ -3,6 +3,10 @@ written against the upstream ``torch.distributed.pipelining`` API: a module-leve
 builds the whole model on every rank, splits it with the tracing frontend (``pipeline`` and
 ``SplitPoint.END`` after blocks), builds this rank's stage, and runs one GPipe step over
 micro-batches: the first stage feeds the input, the last computes the loss.
+
+As in a language model's pipeline, the first stage holds an input projection (the embedding's
+place) and the last the output head, so neither end carries more operators than the other: the
+balanced run really is balanced, not just left with the loss on its last stage.
 """
 
 import os
@@ -13,7 +17,7 @@ from torch.distributed.pipelining import ScheduleGPipe, SplitPoint, pipeline
 
 rank = int(os.environ["RANK"])
 world = int(os.environ["WORLD_SIZE"])
-width, n_out, batch, n_micro = 64, 4, 16, 4
+width, n_out, batch, n_micro = 256, 4, 32, 4
 
 
 class Block(torch.nn.Module):
@@ -28,10 +32,12 @@ class Block(torch.nn.Module):
 class Stack(torch.nn.Module):
     def __init__(self, n_blocks: int) -> None:
         super().__init__()
+        self.embed = torch.nn.Linear(width, width)
         self.blocks = torch.nn.ModuleList(Block() for _ in range(n_blocks))
         self.head = torch.nn.Linear(width, n_out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
         for b in self.blocks:
             x = b(x)
         return self.head(x)
