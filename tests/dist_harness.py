@@ -13,20 +13,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import stepscope
 from stepscope import demo
-from stepscope.dist import free_port, run_then_exit
+from stepscope.dist import become_local_rank, spawn_local
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str, steps: int,
             slow: tuple[demo.SlowSpec, ...], micro: int, ddp_kw: dict[str, Any]) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
+    become_local_rank(rank, world, port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         torch.manual_seed(0)
@@ -68,15 +65,11 @@ def _worker(rank: int, world: int, port: int, out_dir: str, steps: int,
 def launch(out_dir: str | os.PathLike[str], ranks: int = 2, steps: int = 60,
            slow: tuple[demo.SlowSpec, ...] = (), micro: int = 1, **ddp_kw: Any) -> Path:
     """Run the job with one process per rank; returns the run directory."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    mp.spawn(run_then_exit, args=(_worker, ranks, free_port(), str(out), steps, tuple(slow), micro, ddp_kw),  # type: ignore[attr-defined]
-             nprocs=ranks, join=True)
-    return out
+    return spawn_local(_worker, ranks, out_dir, steps, tuple(slow), micro, ddp_kw)
 
 
 class _Sleep(nn.Module):
-    """Sleeps in forward (and, through demo's _SlowGrad, in backward) when injected."""
+    """Sleeps in forward (and, through demo's SleepInBackward, in backward) when injected."""
 
     def __init__(self, injector: Any) -> None:
         super().__init__()
@@ -84,7 +77,7 @@ class _Sleep(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.injector.sleep("forward")
-        out: torch.Tensor = demo._SlowGrad.apply(x, self.injector)
+        out: torch.Tensor = demo.SleepInBackward.apply(x, self.injector.delay("backward"))
         return out
 
 
@@ -92,9 +85,7 @@ def _fsdp_worker(rank: int, world: int, port: int, out_dir: str, steps: int,
                  slow: tuple[demo.SlowSpec, ...], layers: int) -> None:
     from torch.distributed.fsdp import fully_shard
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
+    become_local_rank(rank, world, port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         torch.manual_seed(0)
@@ -141,11 +132,7 @@ def _fsdp_worker(rank: int, world: int, port: int, out_dir: str, steps: int,
 def launch_fsdp(out_dir: str | os.PathLike[str], ranks: int = 2, steps: int = 60,
                 slow: tuple[demo.SlowSpec, ...] = (), layers: int = 4) -> Path:
     """FSDP2 (``fully_shard`` per Linear and the root) over gloo; returns the run directory."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    mp.spawn(run_then_exit, args=(_fsdp_worker, ranks, free_port(), str(out), steps, tuple(slow), layers),  # type: ignore[attr-defined]
-             nprocs=ranks, join=True)
-    return out
+    return spawn_local(_fsdp_worker, ranks, out_dir, steps, tuple(slow), layers)
 
 
 def _hf_worker(rank: int, world: int, port: int, out_dir: str, steps: int, slow_rank: int,
@@ -156,9 +143,7 @@ def _hf_worker(rank: int, world: int, port: int, out_dir: str, steps: int, slow_
 
     from stepscope.integrations.hf import StepscopeCallback
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
+    become_local_rank(rank, world, port)
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128,
                                        n_positions=32, bos_token_id=0, eos_token_id=0))
@@ -188,9 +173,5 @@ def _hf_worker(rank: int, world: int, port: int, out_dir: str, steps: int, slow_
 def launch_hf(out_dir: str | os.PathLike[str], ranks: int = 2, steps: int = 60, slow_rank: int = -1,
               phase: str = "", ms: float = 0.0) -> Path:
     """The HF Trainer under DDP (gloo, CPU) on a tiny GPT-2 built from a config."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    mp.spawn(run_then_exit, args=(_hf_worker, ranks, free_port(), str(out), steps, slow_rank, phase, ms),  # type: ignore[attr-defined]
-             nprocs=ranks, join=True)
-    return out
+    return spawn_local(_hf_worker, ranks, out_dir, steps, slow_rank, phase, ms)
 

@@ -8,7 +8,6 @@ import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from stepscope.autoprofile import (
     TRIGGERS_FILE,
@@ -16,7 +15,7 @@ from stepscope.autoprofile import (
     SlowStepDetector,
     resolve_auto_profile,
 )
-from stepscope.dist import free_port, run_then_exit
+from stepscope.dist import become_local_rank, spawn_local
 from stepscope.errors import ConfigError
 
 
@@ -142,9 +141,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 
     import stepscope
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
+    become_local_rank(rank, world, port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         # Threshold >= 5x the 8 ms pace (40 ms); rank 1's slow steps take 150 ms.
@@ -171,7 +168,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 
 @pytest.mark.slow
 def test_slow_rank_captures_and_a_healthy_rank_compares(tmp_path):
-    mp.spawn(run_then_exit, args=(_worker, 2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_local(_worker, 2, tmp_path)
     lines = [json.loads(x) for x in (tmp_path / TRIGGERS_FILE).read_text().splitlines()]
     by_role = {x["role"]: x for x in lines}
     assert [x["rank"] for x in lines if x["role"] == "affected"] == [1], lines
@@ -209,9 +206,7 @@ def _stress_worker(rank: int, world: int, port: int, out: str, steps: int) -> No
     from stepscope.profiler import Profiler
 
     faulthandler.enable()  # a crash prints every thread's Python stack to stderr
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
+    become_local_rank(rank, world, port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         # A capture on every slow step, one profiled step each, no cooldown; a live exchange
@@ -270,7 +265,7 @@ def test_profiler_start_stop_with_side_gathers_in_flight_never_crashes(tmp_path)
     with a gather still in flight happen many times per run; the test checks that they did.
     """
     steps = 90
-    mp.spawn(run_then_exit, args=(_stress_worker, 2, free_port(), str(tmp_path), steps), nprocs=2, join=True)
+    spawn_local(_stress_worker, 2, tmp_path, steps)
     lines = [json.loads(x) for x in (tmp_path / TRIGGERS_FILE).read_text().splitlines()]
     for rank in (0, 1):
         mine = [x for x in lines if x["rank"] == rank]

@@ -12,21 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import cudasim
-from stepscope.dist import free_port, run_then_exit
+from stepscope.dist import become_local_rank, spawn_local
 
 pytestmark = pytest.mark.slow
-
-
-def _env(rank: int, world: int, port: int) -> None:
-    import os
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
 
 
 def _flat(params) -> torch.Tensor:
@@ -38,7 +29,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    _env(rank, world, port)
+    become_local_rank(rank, world, port)
     sim = cudasim.install(devices=world, lag_steps=1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     res: dict[str, object] = {}
@@ -99,8 +90,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 
 
 def test_ddp_and_fsdp2_train_over_gloo_with_the_simulator(tmp_path):
-    mp.spawn(run_then_exit, args=(_worker, 2, free_port(), str(tmp_path)),  # type: ignore[attr-defined]
-             nprocs=2, join=True)
+    spawn_local(_worker, 2, tmp_path)
     for rank in (0, 1):
         res = json.loads((tmp_path / f"fw{rank}.json").read_text())
         assert res["ddp"] == {"devices": [f"cuda:{rank}"], "current_device": 0, "in_sync": True,

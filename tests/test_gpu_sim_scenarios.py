@@ -26,7 +26,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import cudasim
 import stepscope
-from stepscope.dist import free_port, run_then_exit
+from stepscope.demo import SleepInBackward
+from stepscope.dist import become_local_rank, free_port, run_then_exit, spawn_local
 from stepscope.records import read_run
 
 MS = 25.0  # injected slowness: far above a busy 2-core machine's jitter
@@ -212,35 +213,19 @@ def test_prefetch_loader_over_wrap_loader_with_unpinned_leaves(cuda_sim, tmp_pat
 # --------------------------------------------------------------------------------------------
 
 
-class _SlowBackward(torch.autograd.Function):
-    """Identity whose backward sleeps on the slow rank (runs on the device thread)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, delay: float) -> torch.Tensor:
-        ctx.delay = delay
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        if ctx.delay:
-            time.sleep(ctx.delay)
-        return g, None
-
-
 class _Slow(nn.Module):
     def __init__(self, delay: float) -> None:
         super().__init__()
         self.delay = delay
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = _SlowBackward.apply(x, self.delay)
+        # Sleeps on the slow rank in backward, on the device thread.
+        out: torch.Tensor = SleepInBackward.apply(x, self.delay)
         return out
 
 
 def _env(rank: int, world: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
+    become_local_rank(rank, world, port)
 
 
 def _result(out: str, rank: int, **fields: Any) -> None:
@@ -292,9 +277,7 @@ def _fsdp_worker(rank: int, world: int, port: int, out: str, steps: int, slow_ra
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("fsdp2-sim")
-    mp.spawn(run_then_exit, args=(_fsdp_worker, 2, free_port(), str(out), 40, 1),  # type: ignore[attr-defined]
-             nprocs=2, join=True)
-    return out
+    return spawn_local(_fsdp_worker, 2, out, 40, 1)
 
 
 @pytest.mark.slow
@@ -361,8 +344,7 @@ def _ddp_tutorial_worker(rank: int, world: int, port: int, out: str, steps: int)
 @pytest.mark.slow
 def test_ddp_tutorial_without_set_device_records_on_the_models_device(tmp_path):
     steps = 30
-    mp.spawn(run_then_exit, args=(_ddp_tutorial_worker, 2, free_port(), str(tmp_path), steps),  # type: ignore[attr-defined]
-             nprocs=2, join=True)
+    spawn_local(_ddp_tutorial_worker, 2, tmp_path, steps)
     for rank in (0, 1):
         res = json.loads((tmp_path / f"result{rank}.json").read_text())
         assert res == {"current_device": 0, "param_device": f"cuda:{rank}"}  # the pattern

@@ -7,9 +7,8 @@ import os
 import time
 
 import pytest
-import torch.multiprocessing as mp
 
-from stepscope.dist import free_port, run_then_exit
+from stepscope.dist import become_local_rank, spawn_local
 from stepscope.live import (
     PAYLOAD_BYTES,
     cross_rank_summary,
@@ -131,14 +130,11 @@ def test_failing_live_view_disables_timing_with_one_warning(mem_tracer, monkeypa
 
 
 def _worker(rank: int, world: int, port: int, out: str, stall_s: float) -> None:
-    import torch
     import torch.distributed as dist
 
     import stepscope
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
+    become_local_rank(rank, world, port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         tracer = stepscope.init(out_dir=out, auto=False, log_every_n_steps=5, flush_every_n_steps=5)
@@ -168,7 +164,7 @@ def _worker(rank: int, world: int, port: int, out: str, stall_s: float) -> None:
 @pytest.mark.slow
 def test_two_gloo_ranks_exchange_without_blocking(tmp_path):
     stall = 1.5
-    mp.spawn(run_then_exit, args=(_worker, 2, free_port(), str(tmp_path), stall), nprocs=2, join=True)
+    spawn_local(_worker, 2, tmp_path, stall)
     r0 = json.loads((tmp_path / "result0.json").read_text())
     r1 = json.loads((tmp_path / "result1.json").read_text())
     # No barrier in the hot path: rank 0 kept stepping while rank 1 stalled for 1.5 s.

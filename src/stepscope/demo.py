@@ -16,12 +16,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import stepscope
-from stepscope.dist import free_port, run_then_exit
+from stepscope.dist import become_local_rank, spawn_local
 
 INJECTABLE_PHASES = ("dataloader", "h2d", "forward", "backward", "optimizer")
 
@@ -58,23 +57,29 @@ class _Injector:
     slow: tuple[SlowSpec, ...]
     step: int = 0
 
+    def delay(self, phase: str) -> float:
+        """Seconds to sleep in ``phase`` at the current step."""
+        return sum(s.delay_s(self.rank, phase, self.step) for s in self.slow)
+
     def sleep(self, phase: str) -> None:
-        delay = sum(s.delay_s(self.rank, phase, self.step) for s in self.slow)
+        delay = self.delay(phase)
         if delay > 0:
             time.sleep(delay)
 
 
-class _SlowGrad(torch.autograd.Function):
-    """Identity whose backward sleeps: slowness in backward *compute*, before the all-reduce."""
+class SleepInBackward(torch.autograd.Function):
+    """Identity whose backward sleeps ``seconds``: slowness in backward *compute* (before
+    the gradient all-reduce; on the autograd engine's thread for a device tensor)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, injector: _Injector) -> torch.Tensor:
-        ctx.injector = injector
+    def forward(ctx: Any, x: torch.Tensor, seconds: float) -> torch.Tensor:
+        ctx.seconds = seconds
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        ctx.injector.sleep("backward")
+        if ctx.seconds > 0:
+            time.sleep(ctx.seconds)
         return grad, None
 
 
@@ -89,7 +94,7 @@ class DemoModel(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.injector.sleep("forward")
-        out: torch.Tensor = _SlowGrad.apply(self.net(x), self.injector)
+        out: torch.Tensor = SleepInBackward.apply(self.net(x), self.injector.delay("backward"))
         return out
 
 
@@ -131,12 +136,7 @@ def _worker(
     progress: bool,
     log_every: int,
 ) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-        WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-    )
-    # Several ranks share few cores: one intra-op thread each keeps them from thrashing.
-    torch.set_num_threads(1)
+    become_local_rank(rank, world, port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         torch.manual_seed(seed)
@@ -214,15 +214,8 @@ def launch(
     ]:
         old.unlink(missing_ok=True)
     run_id = time.strftime("demo-%Y%m%d-%H%M%S")
-    mp.spawn(  # type: ignore[attr-defined]
-        run_then_exit,
-        args=(
-            _worker, ranks, free_port(), str(out), steps, tuple(slow), sink, seed, run_id, progress,
-            log_every_n_steps,
-        ),
-        nprocs=ranks,
-        join=True,
-    )
+    spawn_local(_worker, ranks, out, steps, tuple(slow), sink, seed, run_id, progress,
+                log_every_n_steps)
     return out
 
 

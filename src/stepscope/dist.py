@@ -7,6 +7,7 @@ import os
 import socket
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 
@@ -80,6 +81,31 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def become_local_rank(rank: int, world: int, port: int) -> None:
+    """Give this process the environment ``torchrun`` gives a rank of a one-host job
+    (``MASTER_ADDR``/``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+    ``LOCAL_WORLD_SIZE``) and one intra-op thread, since the ranks share the host's cores."""
+    import torch
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+
+
+def spawn_local(fn: Callable[..., Any], ranks: int, out_dir: str | os.PathLike[str],
+                *args: Any) -> Path:
+    """Run ``fn(rank, ranks, port, out_dir, *args)`` in one process per rank on this host
+    (``torch.multiprocessing.spawn`` through :func:`run_then_exit`, a free rendezvous port);
+    ``out_dir`` is created first and returned. For the demo and tests."""
+    import torch.multiprocessing as mp
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    mp.spawn(run_then_exit, args=(fn, ranks, free_port(), str(out), *args),  # type: ignore[attr-defined]
+             nprocs=ranks, join=True)
+    return out
 
 
 def run_then_exit(index: int, fn: Callable[..., Any], *args: Any) -> None:
