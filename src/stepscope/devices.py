@@ -23,13 +23,11 @@ resolved, and none synchronises.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
-import warnings
 from typing import Any, Protocol
 
-from stepscope.errors import StepscopeWarning
+from stepscope.errors import warn
 
 __all__ = ["CudaRuntime", "current_stream", "local_rank_index", "model_device_index", "resolve"]
 
@@ -136,14 +134,9 @@ def _warn_mismatch(index: int, current: int, why: str) -> None:
         if (index, current) in _warned:
             return
         _warned.add((index, current))
-    # protect the job: warnings configured as errors must not escape into it
-    with contextlib.suppress(Exception):
-        warnings.warn(
-            f"stepscope: timing on cuda:{index} ({why}) while the current CUDA device is "
-            f"cuda:{current}; call torch.cuda.set_device({index}) early so the job's own "
-            "device-less CUDA calls go there too",
-            StepscopeWarning, stacklevel=3,
-        )
+    warn(f"timing on cuda:{index} ({why}) while the current CUDA device is cuda:{current}; "
+         f"call torch.cuda.set_device({index}) early so the job's own device-less CUDA calls go "
+         "there too", stacklevel=3)
 
 
 def current_stream(index: int) -> Any:

@@ -300,10 +300,6 @@ def agree_at_init(
 
 
 def _warn(msg: str) -> None:
-    import warnings
+    from stepscope.errors import warn
 
-    from stepscope.errors import StepscopeWarning
-
-    # protect the job: warnings configured as errors must not escape into it
-    with contextlib.suppress(Exception):
-        warnings.warn(f"stepscope: {msg}", StepscopeWarning, stacklevel=3)
+    warn(msg, stacklevel=3)

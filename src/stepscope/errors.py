@@ -8,6 +8,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+
 
 class StepscopeError(Exception):
     """Base class of every error stepscope raises on purpose."""
@@ -27,3 +30,14 @@ class AnalysisError(StepscopeError):
 
 class StepscopeWarning(RuntimeWarning):
     """Something went wrong inside stepscope; the training job goes on."""
+
+
+def warn(msg: str, stacklevel: int = 1) -> None:
+    """Issue ``StepscopeWarning("stepscope: " + msg)``, never raising into the job.
+
+    ``stacklevel`` counts from the caller, as for :func:`warnings.warn`. A filter that turns
+    warnings into errors (``-W error``, pytest's ``filterwarnings = error``) would otherwise
+    raise out of a hook or thread in the middle of training; the warning is then lost instead.
+    """
+    with contextlib.suppress(Exception):  # protect the job (see above)
+        warnings.warn(f"stepscope: {msg}", StepscopeWarning, stacklevel=stacklevel + 1)

@@ -14,13 +14,11 @@ tool never guesses a peak.
 
 from __future__ import annotations
 
-import contextlib
 import re
-import warnings
 from collections import Counter
 from typing import Any
 
-from stepscope.errors import StepscopeWarning
+from stepscope.errors import warn
 
 #: Dense peak TFLOP/s by device key and math dtype. "fp32" is the non-tensor-core rate;
 #: "tf32" is what float32 matmuls reach when TF32 is allowed
@@ -177,10 +175,5 @@ class FlopCount:
 def warn_unknown_peak(device_name: str, dtype: str | None) -> None:
     """The one warning for a device (or dtype) without a peak: MFU stays absent."""
     what = f"{device_name!r}" + (f" with {dtype}" if dtype else "")
-    with contextlib.suppress(Exception):  # protect the job: warnings-as-errors must not escape
-        warnings.warn(
-            f"stepscope: no peak TFLOP/s known for {what}; MFU is not recorded. Pass "
-            "init(peak_tflops=...) to set it (dense peak of one device, TFLOP/s)",
-            StepscopeWarning,
-            stacklevel=3,
-        )
+    warn(f"no peak TFLOP/s known for {what}; MFU is not recorded. Pass init(peak_tflops=...) "
+         "to set it (dense peak of one device, TFLOP/s)", stacklevel=3)

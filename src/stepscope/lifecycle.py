@@ -8,17 +8,15 @@ as listeners. The tracer never imports those modules; this one does, lazily.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from stepscope.config import Config
 from stepscope.dist import rank_info
-from stepscope.errors import StepscopeWarning
+from stepscope.errors import warn
 from stepscope.records import SCHEMA_VERSION
 from stepscope.sinks import Sink, write_json_atomic
 
@@ -179,10 +177,7 @@ def create(
             write_json_atomic(Path(config.out_dir) / "meta.json", meta(tracer))
         return tracer
     except Exception as exc:  # protect the job: a bad runtime environment disables timing
-        # protect the job: warnings configured as errors must not escape into it
-        with contextlib.suppress(Exception):
-            warnings.warn(f"stepscope: timing disabled, could not start: {exc!r}", StepscopeWarning,
-                          stacklevel=3)
+        warn(f"timing disabled, could not start: {exc!r}", stacklevel=3)
         return NULL_TRACER
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import warnings
 import weakref
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -14,7 +13,7 @@ import torch
 
 from stepscope.batch import iter_tensors, map_tensors
 from stepscope.devices import resolve
-from stepscope.errors import StepscopeWarning
+from stepscope.errors import warn
 from stepscope.instrument.h2d import auto_h2d_suppressed
 
 __all__ = ["PrefetchLoader"]
@@ -135,9 +134,7 @@ class PrefetchLoader:
         if key in self._warned:
             return
         self._warned.add(key)
-        # protect the job: warnings configured as errors must not escape into it
-        with contextlib.suppress(Exception):
-            warnings.warn(f"stepscope: PrefetchLoader: {msg}", StepscopeWarning, stacklevel=4)
+        warn(f"PrefetchLoader: {msg}", stacklevel=4)
 
     def _copy_stream(self, device: torch.device) -> Any:
         stream = self._streams.get(device)

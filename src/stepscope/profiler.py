@@ -14,7 +14,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from stepscope.errors import ConfigError, StepscopeWarning
+from stepscope.errors import ConfigError, warn
 
 
 def current_rank() -> int:
@@ -218,9 +218,7 @@ class Profiler:
     def _disable(self, msg: str) -> None:
         self._prof = None
         self.enabled = False
-        # protect the job: warnings configured as errors must not escape into training
-        with contextlib.suppress(Exception):
-            warnings.warn(f"stepscope: {msg}; profiling is off", StepscopeWarning, stacklevel=3)
+        warn(f"{msg}; profiling is off", stacklevel=3)
 
     def __repr__(self) -> str:
         state = "enabled" if self.enabled else "disabled"

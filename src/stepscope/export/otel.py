@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from stepscope.errors import StepscopeWarning
+from stepscope.errors import warn
 from stepscope.export.metrics import CATALOGUE, RANK, Metric, MetricState
 
 #: Longest ``finish()`` waits for the last export (seconds); a dead collector is not waited for.
@@ -139,6 +138,4 @@ class OtelBackend:
 
 
 def _warn(msg: str) -> None:
-    # protect the job: warnings configured as errors must not escape into the exporter thread
-    with contextlib.suppress(Exception):
-        warnings.warn(f"stepscope: {msg}", StepscopeWarning, stacklevel=2)
+    warn(msg, stacklevel=2)

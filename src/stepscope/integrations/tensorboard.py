@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-import warnings
 from typing import Any
 
-from stepscope.errors import StepscopeWarning
+from stepscope.errors import warn
 from stepscope.instrument.resources import record_scalars
 from stepscope.integrations import require
 from stepscope.lifecycle import NullTracer
@@ -49,8 +47,7 @@ class TensorBoardSink:
             self.writer.flush()
         except Exception as exc:  # protect the job: a broken sink must not stop recording
             self._failed = True
-            with contextlib.suppress(Exception):  # warnings-as-errors must not escape
-                warnings.warn(f"stepscope: TensorBoard sink stopped: {exc!r}", StepscopeWarning, stacklevel=2)
+            warn(f"TensorBoard sink stopped: {exc!r}", stacklevel=2)
 
     def close(self) -> None:
         self.writer.close()

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
-import warnings
 from typing import Any
 
-from stepscope.errors import StepscopeWarning
+from stepscope.errors import warn
 from stepscope.instrument.resources import record_scalars
 from stepscope.integrations import require
 from stepscope.lifecycle import NullTracer
@@ -61,8 +59,7 @@ class WandbSink:
             self.last_step = record["step"]
         except Exception as exc:  # protect the job: a broken sink must not stop recording
             self._failed = True
-            with contextlib.suppress(Exception):  # warnings-as-errors must not escape
-                warnings.warn(f"stepscope: W&B sink stopped: {exc!r}", StepscopeWarning, stacklevel=2)
+            warn(f"W&B sink stopped: {exc!r}", stacklevel=2)
 
 
 def attach_wandb(tracer: Tracer | NullTracer, run: Any = None, *, commit: bool = False) -> WandbSink | None:
