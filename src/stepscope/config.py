@@ -201,7 +201,20 @@ def _normalise_ranks(ranks: Any) -> frozenset[int]:
     return out
 
 
-_ENV_INT = ("start_step", "end_step", "every_n_steps", "flush_every_n_steps", "log_every_n_steps")
+def _env_flag(raw: str) -> bool:
+    """Any value but an explicit off (``0``/``false``/``no``/``off``) turns the feature on."""
+    return raw.lower() not in ("0", "false", "no", "off")
+
+
+#: ``STEPSCOPE_<NAME>`` variables that override an ``init()`` argument: parser, what it expects.
+_ENV_TYPED: dict[str, tuple[Any, str]] = {
+    **{name: (int, "an int") for name in (
+        "start_step", "end_step", "every_n_steps", "flush_every_n_steps", "log_every_n_steps")},
+    "heartbeat_s": (float, "a number"),
+    "dump_stacks_after_s": (float, "a number"),
+    "collectives": (_env_flag, "a flag"),
+    "otel": (_env_flag, "a flag"),  # [export]
+}
 
 
 def env_overrides(environ: dict[str, str] | os._Environ[str] | None = None) -> dict[str, Any]:
@@ -218,26 +231,13 @@ def env_overrides(environ: dict[str, str] | os._Environ[str] | None = None) -> d
         out["out_dir"] = env["STEPSCOPE_OUT_DIR"]
     if env.get("STEPSCOPE_SINK"):
         out["sink"] = env["STEPSCOPE_SINK"]
-    raw_coll = env.get("STEPSCOPE_COLLECTIVES", "").strip().lower()
-    if raw_coll:
-        out["collectives"] = raw_coll not in ("0", "false", "no", "off")
-    for name in _ENV_INT:
-        raw = env.get(f"STEPSCOPE_{name.upper()}")
+    for name, (parse, kind) in _ENV_TYPED.items():
+        raw = env.get(f"STEPSCOPE_{name.upper()}", "").strip()
         if raw:
             try:
-                out[name] = int(raw)
+                out[name] = parse(raw)
             except ValueError:
-                raise ConfigError(f"STEPSCOPE_{name.upper()} must be an int; got {raw!r}") from None
-    for name in ("heartbeat_s", "dump_stacks_after_s"):
-        raw = env.get(f"STEPSCOPE_{name.upper()}")
-        if raw:
-            try:
-                out[name] = float(raw)
-            except ValueError:
-                raise ConfigError(f"STEPSCOPE_{name.upper()} must be a number; got {raw!r}") from None
-    raw_otel = env.get("STEPSCOPE_OTEL", "").strip().lower()  # [export]
-    if raw_otel:
-        out["otel"] = raw_otel not in ("0", "false", "no", "off")
+                raise ConfigError(f"STEPSCOPE_{name.upper()} must be {kind}; got {raw!r}") from None
     if env.get("STEPSCOPE_PROMETHEUS_PORT"):
         try:
             out["prometheus_port"] = int(env["STEPSCOPE_PROMETHEUS_PORT"])
