@@ -19,6 +19,8 @@ from stepscope.analysis.trace.scan import (
     Event,
     EventScan,
     Malformed,
+    Mark,
+    Span,
     TraceEvent,
 )
 from stepscope.errors import StepscopeWarning
@@ -39,13 +41,20 @@ def _scan(doc: bytes, piece: int) -> list[Any]:
 
 
 def _plain(x: Any) -> Any:
-    """A decoded item back as plain JSON values (an event keeps only the args keys read)."""
-    if isinstance(x, (TraceEvent, Event)):
+    """A decoded item back as plain JSON values (an event keeps only the args keys read;
+    an event of a phase other than "X" from the fast path keeps only its phase)."""
+    if isinstance(x, Mark):
+        return {"ph": x.__struct_config__.tag}
+    if isinstance(x, (TraceEvent, Event)) and isinstance(x.ph, str) and x.ph != "X":
+        return {"ph": x.ph}
+    if isinstance(x, (TraceEvent, Event, Span)):
         out = {f: (json.loads(bytes(v)) if isinstance(v, msgspec.Raw) else v)
                for f in x.__struct_fields__
                if (v := getattr(x, f)) is not msgspec.UNSET and not (isinstance(v, msgspec.Raw)
                                                                      and not len(v))}
-        if isinstance(x, Event) and x.args is not None:
+        if isinstance(x, Span):
+            out["ph"] = "X"
+        if isinstance(x, (Event, Span)) and x.args is not None:
             out["args"] = json.loads(msgspec.json.encode(x.args))  # UNSET keys are left out
         return out
     return x
@@ -55,7 +64,10 @@ _ARG_KEYS = set(json.loads(msgspec.json.encode(Args(*range(len(Args.__struct_fie
 
 
 def _as_read(x: Any) -> Any:
-    """An item as the scan keeps it: an event's args reduced to the keys the analysis reads."""
+    """An item as the scan keeps it: an event's args reduced to the keys the analysis reads,
+    an event of another phase than "X" reduced to its phase."""
+    if isinstance(x, dict) and isinstance(x.get("ph"), str) and x["ph"] != "X":
+        return {"ph": x["ph"]}
     if isinstance(x, dict) and isinstance(x.get("args"), dict):
         return {**x, "args": {k: v for k, v in x["args"].items() if k in _ARG_KEYS}}
     return x
@@ -73,6 +85,9 @@ def _tricky_doc(seed: int, odd: bool = True) -> tuple[bytes, list[Any]]:
             ev = _kernel(i, rng.choice(names))
             if r < 0.3:
                 ev["args"]["nested"] = {"deep": [[{"k": "],}"}]], "n": None}
+            elif r < 0.45:  # a flow or instant event: the fast path keeps only its phase
+                ev = {"ph": "fsiM"[i % 4], "id": i, "name": ev["name"], "ts": ev["ts"],
+                      "cat": "ac2g", "args": {"nested": [{"a": 1}]}}
             items.append({k: ev[k] for k in rng.sample(list(ev), len(ev))})
     head = {"deviceProperties": [{"name": "[{x"}], "distributedInfo": {"rank": 3}}
     sep = rng.choice([",", ", ", ",\n  ", " ,\r\n"])

@@ -34,6 +34,7 @@ from stepscope.analysis.trace.scan import (
     Event,
     EventScan,
     Malformed,
+    Span,
     TraceEvent,
     value,
 )
@@ -244,7 +245,7 @@ def _time(raw: Raw, what: str) -> int:
     return _num(v, what)
 
 
-def _span(e: Event | TraceEvent) -> tuple[int, int]:
+def _span(e: Span | Event | TraceEvent) -> tuple[int, int]:
     start = _time(e.ts, "ts")
     if not len(e.dur):
         raise _BadEvent("dur is missing")
@@ -281,7 +282,7 @@ def _correlation(e: TraceEvent) -> Any:
     return None if a is None else a.correlation
 
 
-def _name(e: Event | TraceEvent) -> Any:
+def _name(e: Span | Event | TraceEvent) -> Any:
     return "" if e.name is UNSET else e.name
 
 
@@ -354,12 +355,12 @@ def _scan_events(batches: Iterable[list[Any]], out: ParsedTrace) -> None:
     for batch in batches:
         out.events_seen += len(batch)
         for e in batch:
-            if type(e) is not Event:
-                if type(e) is TraceEvent:
+            tp = type(e)
+            if tp is not Span:  # the fast path's complete events; the rest are rare
+                if tp is TraceEvent:
                     _lenient_event(e, out, names)
-                continue
-            if e.ph != "X":
-                continue
+                if tp is not Event or e.ph != "X":
+                    continue
             cat = e.cat
             try:
                 if cat == "cpu_op":
@@ -486,7 +487,7 @@ def _scan_cpu(batches: Iterable[list[Any]], out: ParsedTrace) -> None:
     for batch in batches:
         for e in batch:
             tp = type(e)
-            if (tp is not Event and tp is not TraceEvent) or e.ph != "X":
+            if tp is not Span and ((tp is not Event and tp is not TraceEvent) or e.ph != "X"):
                 continue
             cat = e.cat
             if cat != "cpu_op" and cat != "user_annotation":
