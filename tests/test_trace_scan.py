@@ -248,3 +248,23 @@ def test_fast_path_gives_up_on_a_trace_whose_slices_keep_failing() -> None:
         got.extend(batch)
     assert [_plain(x) for x in got] == [_as_read(x) for x in items]
     assert scan.fast_items == 0 and scan._fast_failures == 8
+
+
+def test_events_of_unknown_or_missing_phase_do_not_change_the_result(tmp_path: Path) -> None:
+    # The fast path decodes by phase (a tagged union on "ph"): an unknown phase, a missing
+    # one or a non-string one fails its slice, which the exact scan then reads. The kernels
+    # (one with a numeric name, classified as its text) must come out the same either way.
+    kernels = [_kernel(i) for i in range(3000)] + [{**_kernel(3000), "name": 12345}]
+    odd = [{"ph": "Z", "name": "x", "ts": 1}, {"name": "no phase", "ts": 2},
+           {"ph": 7, "cat": "kernel", "name": "k", "ts": 3, "dur": 1}]
+    plain, mixed = tmp_path / "plain", tmp_path / "mixed"
+    plain.mkdir()
+    mixed.mkdir()
+    (plain / "rank0.pt.trace.json").write_text(json.dumps({"traceEvents": kernels}))
+    evs = kernels[:1000] + odd + kernels[1000:2000] + odd + kernels[2000:]
+    (mixed / "rank0.pt.trace.json").write_text(json.dumps({"traceEvents": evs}))
+    a, b = analyse(plain).ranks[0], analyse(mixed).ranks[0]
+    assert a.device_events == b.device_events == 3001
+    assert b.events_seen == a.events_seen + 2 * len(odd)
+    assert a.total == b.total and a.top_kernels == b.top_kernels
+    assert any(k["name"] == "12345" for k in a.top_kernels)

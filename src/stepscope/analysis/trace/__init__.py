@@ -6,6 +6,7 @@ A package: ``reader`` (bytes, bounds, head), ``events`` (the pass over events), 
 
 from __future__ import annotations
 
+import gc
 import os
 from collections import Counter
 from collections.abc import Iterator
@@ -83,7 +84,16 @@ def trace_files(path: str | os.PathLike[str]) -> list[Path]:
 
 
 def _analyse_file(path: str, max_bytes: int = MAX_INFLATED_BYTES) -> RankResult:
-    return analyse_parsed(parse_trace(path, max_bytes))
+    # The pass builds hundreds of thousands of small objects and no reference cycles: the
+    # cyclic collector's passes over them found nothing and cost 3-6% of the CPU (py-spy on
+    # a 295 MB trace), so it is paused here and restored as it was.
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return analyse_parsed(parse_trace(path, max_bytes))
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def analyse(path: str | os.PathLike[str], workers: int | None = None,

@@ -351,7 +351,7 @@ def _scan_events(batches: Iterable[list[Any]], out: ParsedTrace) -> None:
     # Kernel names repeat thousands of times and run to hundreds of characters: keep one
     # copy, and classify each distinct (name, category) once.
     names: dict[str, str] = {}
-    classes: dict[tuple[str, Any], str] = {}
+    classes: dict[tuple[str, str], tuple[str, str]] = {}
     for batch in batches:
         out.events_seen += len(batch)
         for e in batch:
@@ -383,12 +383,14 @@ def _scan_events(batches: Iterable[list[Any]], out: ParsedTrace) -> None:
                     a = e.args or _NO_ARGS
                     start, end = _span(e)
                     name = e.name
-                    name = "" if name is UNSET else str(name)
-                    name = names.setdefault(name, name)
-                    ck = (name, cat)
-                    category = classes.get(ck)
-                    if category is None:
-                        category = classes[ck] = K.classify(name, cat)
+                    if type(name) is not str:
+                        name = "" if name is UNSET else str(name)
+                    # One lookup per event: the first copy of the name and its class.
+                    known = classes.get((name, cat))
+                    if known is None:
+                        first = names.setdefault(name, name)
+                        known = classes[(name, cat)] = (first, K.classify(first, cat))
+                    name, category = known
                     kind = ""
                     nbytes = 0
                     if category == K.MEMORY:
@@ -397,12 +399,14 @@ def _scan_events(batches: Iterable[list[Any]], out: ParsedTrace) -> None:
                     stream = a.stream
                     if stream is UNSET:
                         stream = -1 if e.tid is UNSET else e.tid
+                    corr = a.correlation
+                    ext = a.external_id
                     dev.append(DeviceEvent(
                         start, end, name, category,
                         int(stream) if isinstance(stream, int) else -1,
-                        _int_arg(_get(a.correlation, -1)), nbytes, kind,
+                        corr if type(corr) is int else _int_arg(_get(corr, -1)), nbytes, kind,
                         _comm_key_of(a) if category == K.COMMUNICATION else None,
-                        _int_arg(_get(a.external_id, -1)),
+                        ext if type(ext) is int else _int_arg(_get(ext, -1)),
                     ))
                 elif cat == "user_annotation":
                     m = _STEP_RE.match(str(_name(e)))
