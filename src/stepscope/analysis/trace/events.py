@@ -163,7 +163,9 @@ def parse_trace(path: str | os.PathLike[str], max_bytes: int = MAX_INFLATED_BYTE
 
 def _items(reader: _TraceReader, scan: EventScan) -> Iterator[list[Any]]:
     """The items of the trace's ``traceEvents`` array in lists, decoded a block at a time."""
-    for block in read_blocks(reader, BLOCK_BYTES):
+    # A small first block: the exact scan reads the document's head up to traceEvents,
+    # and the fast path takes every block after the array has begun.
+    for block in read_blocks(reader, BLOCK_BYTES, first=64 << 10):
         yield from scan.feed_batches(block)
         if scan.stopped is not None:
             return
