@@ -268,3 +268,28 @@ def test_events_of_unknown_or_missing_phase_do_not_change_the_result(tmp_path: P
     assert b.events_seen == a.events_seen + 2 * len(odd)
     assert a.total == b.total and a.top_kernels == b.top_kernels
     assert any(k["name"] == "12345" for k in a.top_kernels)
+
+
+def test_correlation_ids_past_64_bits_split_idle_time_as_small_ones(tmp_path: Path) -> None:
+    # Launch times are matched to kernels by a sorted int64 search; ids past 64 bits (legal
+    # JSON, msgspec reads them up to 2**64) take the per-event path and must agree with it.
+    def doc(base: int) -> dict[str, Any]:
+        evs: list[dict[str, Any]] = []
+        for i in range(6):
+            k = _kernel(i)
+            k["args"]["correlation"] = base + i
+            evs.append(k)
+            # Kernel i starts at 1000.5 + 10 i; its launch 3 µs before (late ones make host wait).
+            evs.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel",
+                        "ts": 1000.5 + 10 * i - (3 if i % 2 else 9), "dur": 1,
+                        "args": {"correlation": base + i}})
+        return {"traceEvents": evs}
+
+    small, big = tmp_path / "small", tmp_path / "big"
+    for d, base in ((small, 7), (big, 2**63 + 5)):
+        d.mkdir()
+        (d / "rank0.pt.trace.json").write_text(json.dumps(doc(base)))
+    a, b = analyse(small).ranks[0], analyse(big).ranks[0]
+    assert a.total is not None and b.total is not None
+    assert a.total.idle_host_wait_us > 0 and a.total.idle_kernel_wait_us > 0
+    assert (a.total, a.steps) == (b.total, b.steps)

@@ -114,8 +114,9 @@ def analyse_parsed(pt: ParsedTrace, top: int = 15) -> RankResult:
     n = len(ev)
     t0 = np.fromiter((d.start for d in ev), dtype=np.int64, count=n)
     t1 = np.fromiter((d.end for d in ev), dtype=np.int64, count=n)
-    class_of = {c: K.kernel_class(c) for c in {d.category for d in ev}}
-    klass = np.array([class_of[d.category] for d in ev])
+    cats = np.array([d.category for d in ev])
+    class_of = {c: K.kernel_class(c) for c in set(cats.tolist())}
+    klass = np.array([class_of[c] for c in cats.tolist()])
     pos = t1 > t0
     b_s, b_e = merge_arrays(t0[pos], t1[pos])
     compute, comm, memory = (merge_arrays(t0[pos & (klass == c)], t1[pos & (klass == c)])
@@ -124,11 +125,12 @@ def analyse_parsed(pt: ParsedTrace, top: int = 15) -> RankResult:
     m_busy, m_comp, m_comm, m_mem, m_ov = (
         _Measure(x) for x in ((b_s, b_e), compute, comm, memory, overlap)
     )
-    host_wait, kernel_wait = _idle_split(b_s, b_e, t0, ev, pt.launches)
+    launch, found = _launch_times(ev, pt.launches)
+    host_wait, kernel_wait = _idle_split(b_s, b_e, t0, np.where(found, launch, _EARLY))
     m_host, m_kwait = _Measure(host_wait), _Measure(kernel_wait)
     starts = t0.tolist()
-    has_launch_info = any(d.correlation in pt.launches for d in ev)
-    launch_ts = sorted(pt.launches.get(d.correlation, d.start) for d in ev if d.category != K.MEMORY)
+    has_launch_info = bool(found.any())
+    launch_ts = np.sort(np.where(found, launch, t0)[cats != K.MEMORY]).tolist()
     flops_ts = sorted(pt.flops)
     flops_starts = [t for t, _ in flops_ts]
     flops_prefix = [0.0]
@@ -308,8 +310,39 @@ def _cpu_result(pt: ParsedTrace, platform: str, warnings: list[str], top: int) -
 _Pair = tuple[np.ndarray, np.ndarray]  # (starts, ends) of a merged interval list
 
 
-def _idle_split(b_s: np.ndarray, b_e: np.ndarray, starts: np.ndarray, ev: list[DeviceEvent],
-                launches: dict[int, int]) -> tuple[_Pair, _Pair]:
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+_EARLY = -(1 << 62) - 1  # below every gap start (the first gap starts at -2**62)
+
+
+def _launch_times(ev: list[DeviceEvent], launches: dict[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """Each event's host launch time (ns) found by its correlation id, and where one was.
+
+    A sorted search over the launches instead of a dict lookup per event. Ids or times past
+    64 bits (hostile input only) take one lookup each, times clamped to int64: every device
+    time is int64, so a clamped launch compares with them as the exact one does.
+    """
+    n = len(ev)
+    try:
+        keys = np.fromiter(launches.keys(), dtype=np.int64, count=len(launches))
+        vals = np.fromiter(launches.values(), dtype=np.int64, count=len(launches))
+        corr = np.fromiter((d.correlation for d in ev), dtype=np.int64, count=n)
+    except OverflowError:
+        lo, hi = _INT64
+        got = [launches.get(d.correlation) for d in ev]
+        found = np.array([g is not None for g in got], dtype=bool)
+        launch = np.fromiter((0 if g is None else max(lo, min(hi, g)) for g in got),
+                             dtype=np.int64, count=n)
+        return launch, found
+    order = np.argsort(keys)
+    keys, vals = keys[order], vals[order]
+    at = np.minimum(np.searchsorted(keys, corr), max(len(keys) - 1, 0))
+    found = keys[at] == corr if len(keys) else np.zeros(n, dtype=bool)
+    launch = np.where(found, vals[at], 0) if len(keys) else np.zeros(n, dtype=np.int64)
+    return launch, found
+
+
+def _idle_split(b_s: np.ndarray, b_e: np.ndarray, starts: np.ndarray, launch_of: np.ndarray
+                ) -> tuple[_Pair, _Pair]:
     """Split every gap in device activity into host wait and kernel wait.
 
     A gap ends when the next device event starts. If the host launched that event only after
@@ -317,18 +350,15 @@ def _idle_split(b_s: np.ndarray, b_e: np.ndarray, starts: np.ndarray, ev: list[D
     CPU was late) and the rest is launch latency (kernel wait). If it was launched before the
     gap began, the work was queued but not running (a dependency or sync): kernel wait. The
     time before the first and after the last event counts as host wait: nothing was queued.
-    ``(b_s, b_e)`` is the busy union, ``starts`` the events' starts (sorted, as ``ev``); the
-    two results are ``(starts, ends)`` arrays. One dict lookup per gap is the only Python
-    work per item.
+    ``(b_s, b_e)`` is the busy union, ``starts`` the events' sorted starts and ``launch_of``
+    their launch times (:data:`_EARLY` where unknown: read as launched before any gap); the
+    two results are ``(starts, ends)`` arrays.
     """
-    lo, hi = -(1 << 62), 1 << 62
+    lo, hi = _EARLY + 1, 1 << 62
     if not len(b_s):
         return (np.array([lo]), np.array([hi])), (b_s[:0], b_s[:0])
     # The first event starting at each busy start is the one whose start ends the gap.
-    first = np.searchsorted(starts, b_s[1:], side="left").tolist()
-    missing = lo - 1  # below every gap start: "no launch known" reads as launched early
-    launch = np.fromiter((launches.get(ev[i].correlation, missing) for i in first),
-                         dtype=np.int64, count=len(first))
+    launch = launch_of[np.searchsorted(starts, b_s[1:], side="left")]
     prev, s = b_e[:-1], b_s[1:]
     late = launch > prev  # launched after the gap began
     cut = np.minimum(launch, s)

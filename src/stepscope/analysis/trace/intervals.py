@@ -85,19 +85,17 @@ class _Measure:
 
     def __init__(self, merged: list[Interval] | tuple[np.ndarray, np.ndarray]) -> None:
         s, e = merged if isinstance(merged, tuple) else _arrays(merged)
-        self.starts = s.tolist()
-        self.ends = e.tolist()
-        self.prefix = [0, *np.cumsum(e - s).tolist()]
+        self.prefix = np.concatenate((np.zeros(1, dtype=np.int64), np.cumsum(e - s)))
         self._s, self._e = s, e
 
     def within(self, w0: int, w1: int) -> int:
-        if w1 <= w0 or not self.starts:
+        if w1 <= w0 or not len(self._s):
             return 0
         i = int(np.searchsorted(self._e, w0, side="right"))  # first interval ending after w0
         j = int(np.searchsorted(self._s, w1, side="left"))  # intervals i..j-1 start before w1
         if i >= j:
             return 0
-        total: int = self.prefix[j] - self.prefix[i]
-        total -= max(0, w0 - self.starts[i])
-        total -= max(0, self.ends[j - 1] - w1)
+        total: int = int(self.prefix[j]) - int(self.prefix[i])
+        total -= max(0, w0 - int(self._s[i]))
+        total -= max(0, int(self._e[j - 1]) - w1)
         return total
