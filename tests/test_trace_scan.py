@@ -19,6 +19,8 @@ from stepscope.analysis.trace.scan import (
     Event,
     EventScan,
     Malformed,
+    Mark,
+    Span,
     TraceEvent,
 )
 from stepscope.errors import StepscopeWarning
@@ -39,13 +41,20 @@ def _scan(doc: bytes, piece: int) -> list[Any]:
 
 
 def _plain(x: Any) -> Any:
-    """A decoded item back as plain JSON values (an event keeps only the args keys read)."""
-    if isinstance(x, (TraceEvent, Event)):
+    """A decoded item back as plain JSON values (an event keeps only the args keys read;
+    an event of a phase other than "X" from the fast path keeps only its phase)."""
+    if isinstance(x, Mark):
+        return {"ph": x.__struct_config__.tag}
+    if isinstance(x, (TraceEvent, Event)) and isinstance(x.ph, str) and x.ph != "X":
+        return {"ph": x.ph}
+    if isinstance(x, (TraceEvent, Event, Span)):
         out = {f: (json.loads(bytes(v)) if isinstance(v, msgspec.Raw) else v)
                for f in x.__struct_fields__
                if (v := getattr(x, f)) is not msgspec.UNSET and not (isinstance(v, msgspec.Raw)
                                                                      and not len(v))}
-        if isinstance(x, Event) and x.args is not None:
+        if isinstance(x, Span):
+            out["ph"] = "X"
+        if isinstance(x, (Event, Span)) and x.args is not None:
             out["args"] = json.loads(msgspec.json.encode(x.args))  # UNSET keys are left out
         return out
     return x
@@ -55,7 +64,10 @@ _ARG_KEYS = set(json.loads(msgspec.json.encode(Args(*range(len(Args.__struct_fie
 
 
 def _as_read(x: Any) -> Any:
-    """An item as the scan keeps it: an event's args reduced to the keys the analysis reads."""
+    """An item as the scan keeps it: an event's args reduced to the keys the analysis reads,
+    an event of another phase than "X" reduced to its phase."""
+    if isinstance(x, dict) and isinstance(x.get("ph"), str) and x["ph"] != "X":
+        return {"ph": x["ph"]}
     if isinstance(x, dict) and isinstance(x.get("args"), dict):
         return {**x, "args": {k: v for k, v in x["args"].items() if k in _ARG_KEYS}}
     return x
@@ -73,6 +85,9 @@ def _tricky_doc(seed: int, odd: bool = True) -> tuple[bytes, list[Any]]:
             ev = _kernel(i, rng.choice(names))
             if r < 0.3:
                 ev["args"]["nested"] = {"deep": [[{"k": "],}"}]], "n": None}
+            elif r < 0.45:  # a flow or instant event: the fast path keeps only its phase
+                ev = {"ph": "fsiM"[i % 4], "id": i, "name": ev["name"], "ts": ev["ts"],
+                      "cat": "ac2g", "args": {"nested": [{"a": 1}]}}
             items.append({k: ev[k] for k in rng.sample(list(ev), len(ev))})
     head = {"deviceProperties": [{"name": "[{x"}], "distributedInfo": {"rank": 3}}
     sep = rng.choice([",", ", ", ",\n  ", " ,\r\n"])
@@ -233,3 +248,48 @@ def test_fast_path_gives_up_on_a_trace_whose_slices_keep_failing() -> None:
         got.extend(batch)
     assert [_plain(x) for x in got] == [_as_read(x) for x in items]
     assert scan.fast_items == 0 and scan._fast_failures == 8
+
+
+def test_events_of_unknown_or_missing_phase_do_not_change_the_result(tmp_path: Path) -> None:
+    # The fast path decodes by phase (a tagged union on "ph"): an unknown phase, a missing
+    # one or a non-string one fails its slice, which the exact scan then reads. The kernels
+    # (one with a numeric name, classified as its text) must come out the same either way.
+    kernels = [_kernel(i) for i in range(3000)] + [{**_kernel(3000), "name": 12345}]
+    odd = [{"ph": "Z", "name": "x", "ts": 1}, {"name": "no phase", "ts": 2},
+           {"ph": 7, "cat": "kernel", "name": "k", "ts": 3, "dur": 1}]
+    plain, mixed = tmp_path / "plain", tmp_path / "mixed"
+    plain.mkdir()
+    mixed.mkdir()
+    (plain / "rank0.pt.trace.json").write_text(json.dumps({"traceEvents": kernels}))
+    evs = kernels[:1000] + odd + kernels[1000:2000] + odd + kernels[2000:]
+    (mixed / "rank0.pt.trace.json").write_text(json.dumps({"traceEvents": evs}))
+    a, b = analyse(plain).ranks[0], analyse(mixed).ranks[0]
+    assert a.device_events == b.device_events == 3001
+    assert b.events_seen == a.events_seen + 2 * len(odd)
+    assert a.total == b.total and a.top_kernels == b.top_kernels
+    assert any(k["name"] == "12345" for k in a.top_kernels)
+
+
+def test_correlation_ids_past_64_bits_split_idle_time_as_small_ones(tmp_path: Path) -> None:
+    # Launch times are matched to kernels by a sorted int64 search; ids past 64 bits (legal
+    # JSON, msgspec reads them up to 2**64) take the per-event path and must agree with it.
+    def doc(base: int) -> dict[str, Any]:
+        evs: list[dict[str, Any]] = []
+        for i in range(6):
+            k = _kernel(i)
+            k["args"]["correlation"] = base + i
+            evs.append(k)
+            # Kernel i starts at 1000.5 + 10 i; its launch 3 µs before (late ones make host wait).
+            evs.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel",
+                        "ts": 1000.5 + 10 * i - (3 if i % 2 else 9), "dur": 1,
+                        "args": {"correlation": base + i}})
+        return {"traceEvents": evs}
+
+    small, big = tmp_path / "small", tmp_path / "big"
+    for d, base in ((small, 7), (big, 2**63 + 5)):
+        d.mkdir()
+        (d / "rank0.pt.trace.json").write_text(json.dumps(doc(base)))
+    a, b = analyse(small).ranks[0], analyse(big).ranks[0]
+    assert a.total is not None and b.total is not None
+    assert a.total.idle_host_wait_us > 0 and a.total.idle_kernel_wait_us > 0
+    assert (a.total, a.steps) == (b.total, b.steps)

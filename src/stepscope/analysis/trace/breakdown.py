@@ -6,13 +6,22 @@ import re
 from bisect import bisect_left
 from collections import defaultdict
 from dataclasses import dataclass, field
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from stepscope.analysis import kernels as K
 from stepscope.analysis.trace.collectives import CommKey, _kernel_key, _match_keys
 from stepscope.analysis.trace.events import DeviceEvent, ParsedTrace
-from stepscope.analysis.trace.intervals import Interval, _Measure, intersect, merge
+from stepscope.analysis.trace.intervals import (
+    Interval,
+    _Measure,
+    intersect_arrays,
+    merge,
+    merge_arrays,
+)
 
 
 @dataclass
@@ -96,28 +105,32 @@ def analyse_parsed(pt: ParsedTrace, top: int = 15) -> RankResult:
     if pt.skipped_events:
         warnings.append(f"{Path(pt.path).name}: skipped {pt.skipped_events} malformed event(s) "
                         f"(first: {pt.first_skip_reason})")
-    ev = sorted(pt.device_events, key=lambda d: d.start)
+    ev = sorted(pt.device_events, key=attrgetter("start"))
     platform = "rocm" if pt.is_rocm else ("cuda" if ev else "cpu")
     if not ev:
         return _cpu_result(pt, platform, warnings, top)
 
-    by_class: dict[str, list[Interval]] = {K.COMPUTE: [], K.COMM: [], K.MEM: []}
-    for d in ev:
-        if d.end > d.start:
-            by_class[K.kernel_class(d.category)].append((d.start, d.end))
-    busy = merge(iv for ivs in by_class.values() for iv in ivs)
-    compute = merge(by_class[K.COMPUTE])
-    comm = merge(by_class[K.COMM])
-    memory = merge(by_class[K.MEM])
-    overlap = intersect(compute, comm)
+    # Unions per kernel class on int64 columns (exact ns).
+    n = len(ev)
+    t0 = np.fromiter((d.start for d in ev), dtype=np.int64, count=n)
+    t1 = np.fromiter((d.end for d in ev), dtype=np.int64, count=n)
+    cats = np.array([d.category for d in ev])
+    class_of = {c: K.kernel_class(c) for c in set(cats.tolist())}
+    klass = np.array([class_of[c] for c in cats.tolist()])
+    pos = t1 > t0
+    b_s, b_e = merge_arrays(t0[pos], t1[pos])
+    compute, comm, memory = (merge_arrays(t0[pos & (klass == c)], t1[pos & (klass == c)])
+                             for c in (K.COMPUTE, K.COMM, K.MEM))
+    overlap = intersect_arrays(*compute, *comm)
     m_busy, m_comp, m_comm, m_mem, m_ov = (
-        _Measure(x) for x in (busy, compute, comm, memory, overlap)
+        _Measure(x) for x in ((b_s, b_e), compute, comm, memory, overlap)
     )
-    host_wait, kernel_wait = _idle_split(busy, ev, pt.launches)
+    launch, found = _launch_times(ev, pt.launches)
+    host_wait, kernel_wait = _idle_split(b_s, b_e, t0, np.where(found, launch, _EARLY))
     m_host, m_kwait = _Measure(host_wait), _Measure(kernel_wait)
-    starts = [d.start for d in ev]
-    has_launch_info = any(d.correlation in pt.launches for d in ev)
-    launch_ts = sorted(pt.launches.get(d.correlation, d.start) for d in ev if d.category != K.MEMORY)
+    starts = t0.tolist()
+    has_launch_info = bool(found.any())
+    launch_ts = np.sort(np.where(found, launch, t0)[cats != K.MEMORY]).tolist()
     flops_ts = sorted(pt.flops)
     flops_starts = [t for t, _ in flops_ts]
     flops_prefix = [0.0]
@@ -168,8 +181,8 @@ def analyse_parsed(pt: ParsedTrace, top: int = 15) -> RankResult:
         steps.append(window(f"ProfilerStep#{n}", n, s, e))
     if not steps:
         warnings.append("no ProfilerStep markers: reporting the whole trace as one window")
-    lo_t = busy[0][0] if busy else min(d.start for d in ev)
-    hi_t = busy[-1][1] if busy else max(d.end for d in ev)
+    lo_t = int(b_s[0]) if len(b_s) else min(d.start for d in ev)
+    hi_t = int(b_e[-1]) if len(b_s) else max(d.end for d in ev)
     total = window("whole trace", None, lo_t, hi_t)
 
     names: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
@@ -294,8 +307,42 @@ def _cpu_result(pt: ParsedTrace, platform: str, warnings: list[str], top: int) -
                       _match_keys(coll_items), cpu, pt.skipped_events)
 
 
-def _idle_split(busy: list[Interval], ev: list[DeviceEvent], launches: dict[int, int]
-                ) -> tuple[list[Interval], list[Interval]]:
+_Pair = tuple[np.ndarray, np.ndarray]  # (starts, ends) of a merged interval list
+
+
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+_EARLY = -(1 << 62) - 1  # below every gap start (the first gap starts at -2**62)
+
+
+def _launch_times(ev: list[DeviceEvent], launches: dict[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """Each event's host launch time (ns) found by its correlation id, and where one was.
+
+    A sorted search over the launches instead of a dict lookup per event. Ids or times past
+    64 bits (hostile input only) take one lookup each, times clamped to int64: every device
+    time is int64, so a clamped launch compares with them as the exact one does.
+    """
+    n = len(ev)
+    try:
+        keys = np.fromiter(launches.keys(), dtype=np.int64, count=len(launches))
+        vals = np.fromiter(launches.values(), dtype=np.int64, count=len(launches))
+        corr = np.fromiter((d.correlation for d in ev), dtype=np.int64, count=n)
+    except OverflowError:
+        lo, hi = _INT64
+        got = [launches.get(d.correlation) for d in ev]
+        found = np.array([g is not None for g in got], dtype=bool)
+        launch = np.fromiter((0 if g is None else max(lo, min(hi, g)) for g in got),
+                             dtype=np.int64, count=n)
+        return launch, found
+    order = np.argsort(keys)
+    keys, vals = keys[order], vals[order]
+    at = np.minimum(np.searchsorted(keys, corr), max(len(keys) - 1, 0))
+    found = keys[at] == corr if len(keys) else np.zeros(n, dtype=bool)
+    launch = np.where(found, vals[at], 0) if len(keys) else np.zeros(n, dtype=np.int64)
+    return launch, found
+
+
+def _idle_split(b_s: np.ndarray, b_e: np.ndarray, starts: np.ndarray, launch_of: np.ndarray
+                ) -> tuple[_Pair, _Pair]:
     """Split every gap in device activity into host wait and kernel wait.
 
     A gap ends when the next device event starts. If the host launched that event only after
@@ -303,25 +350,20 @@ def _idle_split(busy: list[Interval], ev: list[DeviceEvent], launches: dict[int,
     CPU was late) and the rest is launch latency (kernel wait). If it was launched before the
     gap began, the work was queued but not running (a dependency or sync): kernel wait. The
     time before the first and after the last event counts as host wait: nothing was queued.
+    ``(b_s, b_e)`` is the busy union, ``starts`` the events' sorted starts and ``launch_of``
+    their launch times (:data:`_EARLY` where unknown: read as launched before any gap); the
+    two results are ``(starts, ends)`` arrays.
     """
-    host: list[Interval] = []
-    kwait: list[Interval] = []
-    starts = [d.start for d in ev]
-    lo = -(1 << 62)
-    prev_end = lo
-    for s, e in busy:
-        # The first event starting at s is the one whose start ends the gap.
-        d = ev[bisect_left(starts, s)]
-        launch = launches.get(d.correlation)
-        if prev_end == lo:
-            host.append((lo, s))
-        elif launch is None or launch <= prev_end:
-            kwait.append((prev_end, s))
-        else:
-            cut = min(launch, s)
-            host.append((prev_end, cut))
-            if cut < s:
-                kwait.append((cut, s))
-        prev_end = e
-    host.append((prev_end, 1 << 62))
-    return host, kwait
+    lo, hi = _EARLY + 1, 1 << 62
+    if not len(b_s):
+        return (np.array([lo]), np.array([hi])), (b_s[:0], b_s[:0])
+    # The first event starting at each busy start is the one whose start ends the gap.
+    launch = launch_of[np.searchsorted(starts, b_s[1:], side="left")]
+    prev, s = b_e[:-1], b_s[1:]
+    late = launch > prev  # launched after the gap began
+    cut = np.minimum(launch, s)
+    host_s = np.concatenate(([lo], prev[late], b_e[-1:]))
+    host_e = np.concatenate((b_s[:1], cut[late], [hi]))
+    kw = ~late | (cut < s)
+    kw_s = np.where(late, cut, prev)[kw]
+    return (host_s, host_e), (kw_s, s[kw])

@@ -34,6 +34,7 @@ from stepscope.analysis.trace.scan import (
     Event,
     EventScan,
     Malformed,
+    Span,
     TraceEvent,
     value,
 )
@@ -162,7 +163,9 @@ def parse_trace(path: str | os.PathLike[str], max_bytes: int = MAX_INFLATED_BYTE
 
 def _items(reader: _TraceReader, scan: EventScan) -> Iterator[list[Any]]:
     """The items of the trace's ``traceEvents`` array in lists, decoded a block at a time."""
-    for block in read_blocks(reader, BLOCK_BYTES):
+    # A small first block: the exact scan reads the document's head up to traceEvents,
+    # and the fast path takes every block after the array has begun.
+    for block in read_blocks(reader, BLOCK_BYTES, first=64 << 10):
         yield from scan.feed_batches(block)
         if scan.stopped is not None:
             return
@@ -244,7 +247,7 @@ def _time(raw: Raw, what: str) -> int:
     return _num(v, what)
 
 
-def _span(e: Event | TraceEvent) -> tuple[int, int]:
+def _span(e: Span | Event | TraceEvent) -> tuple[int, int]:
     start = _time(e.ts, "ts")
     if not len(e.dur):
         raise _BadEvent("dur is missing")
@@ -281,7 +284,7 @@ def _correlation(e: TraceEvent) -> Any:
     return None if a is None else a.correlation
 
 
-def _name(e: Event | TraceEvent) -> Any:
+def _name(e: Span | Event | TraceEvent) -> Any:
     return "" if e.name is UNSET else e.name
 
 
@@ -350,16 +353,16 @@ def _scan_events(batches: Iterable[list[Any]], out: ParsedTrace) -> None:
     # Kernel names repeat thousands of times and run to hundreds of characters: keep one
     # copy, and classify each distinct (name, category) once.
     names: dict[str, str] = {}
-    classes: dict[tuple[str, Any], str] = {}
+    classes: dict[tuple[str, str], tuple[str, str]] = {}
     for batch in batches:
         out.events_seen += len(batch)
         for e in batch:
-            if type(e) is not Event:
-                if type(e) is TraceEvent:
+            tp = type(e)
+            if tp is not Span:  # the fast path's complete events; the rest are rare
+                if tp is TraceEvent:
                     _lenient_event(e, out, names)
-                continue
-            if e.ph != "X":
-                continue
+                if tp is not Event or e.ph != "X":
+                    continue
             cat = e.cat
             try:
                 if cat == "cpu_op":
@@ -382,12 +385,14 @@ def _scan_events(batches: Iterable[list[Any]], out: ParsedTrace) -> None:
                     a = e.args or _NO_ARGS
                     start, end = _span(e)
                     name = e.name
-                    name = "" if name is UNSET else str(name)
-                    name = names.setdefault(name, name)
-                    ck = (name, cat)
-                    category = classes.get(ck)
-                    if category is None:
-                        category = classes[ck] = K.classify(name, cat)
+                    if type(name) is not str:
+                        name = "" if name is UNSET else str(name)
+                    # One lookup per event: the first copy of the name and its class.
+                    known = classes.get((name, cat))
+                    if known is None:
+                        first = names.setdefault(name, name)
+                        known = classes[(name, cat)] = (first, K.classify(first, cat))
+                    name, category = known
                     kind = ""
                     nbytes = 0
                     if category == K.MEMORY:
@@ -396,12 +401,14 @@ def _scan_events(batches: Iterable[list[Any]], out: ParsedTrace) -> None:
                     stream = a.stream
                     if stream is UNSET:
                         stream = -1 if e.tid is UNSET else e.tid
+                    corr = a.correlation
+                    ext = a.external_id
                     dev.append(DeviceEvent(
                         start, end, name, category,
                         int(stream) if isinstance(stream, int) else -1,
-                        _int_arg(_get(a.correlation, -1)), nbytes, kind,
+                        corr if type(corr) is int else _int_arg(_get(corr, -1)), nbytes, kind,
                         _comm_key_of(a) if category == K.COMMUNICATION else None,
-                        _int_arg(_get(a.external_id, -1)),
+                        ext if type(ext) is int else _int_arg(_get(ext, -1)),
                     ))
                 elif cat == "user_annotation":
                     m = _STEP_RE.match(str(_name(e)))
@@ -486,7 +493,7 @@ def _scan_cpu(batches: Iterable[list[Any]], out: ParsedTrace) -> None:
     for batch in batches:
         for e in batch:
             tp = type(e)
-            if (tp is not Event and tp is not TraceEvent) or e.ph != "X":
+            if tp is not Span and ((tp is not Event and tp is not TraceEvent) or e.ph != "X"):
                 continue
             cat = e.cat
             if cat != "cpu_op" and cat != "user_annotation":

@@ -48,47 +48,54 @@ def intersect(a: list[Interval], b: list[Interval]) -> list[Interval]:
     """Intersection of two merged interval lists."""
     if not a or not b:
         return []
-    a_s, a_e = _arrays(a)
-    b_s, b_e = _arrays(b)
+    s, e = intersect_arrays(*_arrays(a), *_arrays(b))
+    return list(zip(s.tolist(), e.tolist(), strict=True))
+
+
+def intersect_arrays(a_s: np.ndarray, a_e: np.ndarray, b_s: np.ndarray, b_e: np.ndarray
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`intersect` on ``(starts, ends)`` arrays of two merged lists."""
+    if not len(a_s) or not len(b_s):
+        return a_s[:0], a_e[:0]
     # Each piece of the intersection starts at a start of one list inside an interval of
     # the other; with both lists disjoint and sorted, each such start opens one piece.
     lo_a = np.searchsorted(b_e, a_s, side="right")  # first b ending after each a start
     lo_b = np.searchsorted(a_e, b_s, side="right")
-    pieces: list[Interval] = []
+    p_s: list[np.ndarray] = []
+    p_e: list[np.ndarray] = []
     for starts, ends, o_s, o_e, idx in ((a_s, a_e, b_s, b_e, lo_a), (b_s, b_e, a_s, a_e, lo_b)):
         ok = idx < len(o_s)
         i = np.flatnonzero(ok)
         j = idx[ok]
         inside = o_s[j] <= starts[i]  # this start lies within interval j of the other list
-        if not inside.any():
-            continue
         i, j = i[inside], j[inside]
         s = starts[i]
         e = np.minimum(ends[i], o_e[j])
         keep = s < e
-        pieces += zip(s[keep].tolist(), e[keep].tolist(), strict=True)
-    # A piece whose start is a start in both lists was found twice.
-    return sorted(set(pieces))
+        p_s.append(s[keep])
+        p_e.append(e[keep])
+    # A piece whose start is a start in both lists was found twice: unique rows, sorted.
+    pairs = np.unique(np.stack((np.concatenate(p_s), np.concatenate(p_e)), axis=1), axis=0)
+    return pairs[:, 0].copy(), pairs[:, 1].copy()
 
 
 class _Measure:
-    """Length of a merged interval list inside any window, in O(log n) via prefix sums."""
+    """Length of a merged interval list inside any window, in O(log n) via prefix sums.
+    ``merged`` is a list of intervals or a ``(starts, ends)`` pair of int64 arrays."""
 
-    def __init__(self, merged: list[Interval]) -> None:
-        s, e = _arrays(merged)
-        self.starts = s.tolist()
-        self.ends = e.tolist()
-        self.prefix = [0, *np.cumsum(e - s).tolist()]
+    def __init__(self, merged: list[Interval] | tuple[np.ndarray, np.ndarray]) -> None:
+        s, e = merged if isinstance(merged, tuple) else _arrays(merged)
+        self.prefix = np.concatenate((np.zeros(1, dtype=np.int64), np.cumsum(e - s)))
         self._s, self._e = s, e
 
     def within(self, w0: int, w1: int) -> int:
-        if w1 <= w0 or not self.starts:
+        if w1 <= w0 or not len(self._s):
             return 0
         i = int(np.searchsorted(self._e, w0, side="right"))  # first interval ending after w0
         j = int(np.searchsorted(self._s, w1, side="left"))  # intervals i..j-1 start before w1
         if i >= j:
             return 0
-        total: int = self.prefix[j] - self.prefix[i]
-        total -= max(0, w0 - self.starts[i])
-        total -= max(0, self.ends[j - 1] - w1)
+        total: int = int(self.prefix[j]) - int(self.prefix[i])
+        total -= max(0, w0 - int(self._s[i]))
+        total -= max(0, int(self._e[j - 1]) - w1)
         return total

@@ -14,6 +14,9 @@ import ijson
 _RANK_FROM_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
 # Kineto writes distributedInfo before traceEvents; the head of the file is enough to find it.
 _HEAD_BYTES = 1 << 20
+#: What is read of the head first: traceEvents usually starts within a few KB, and each
+#: byte read here is depth-checked; only a longer head is read again up to _HEAD_BYTES.
+_HEAD_FIRST = 64 << 10
 
 #: Deepest JSON nesting a trace may have. Kineto's deepest values sit at about 7 levels (the
 #: document, traceEvents, an event, args, "Input Dims", one tensor's dims, nested lists);
@@ -205,13 +208,15 @@ def _open(path: Path, max_bytes: int = MAX_INFLATED_BYTES,
     return _TraceReader(path, max_bytes=max_bytes, max_depth=max_depth)
 
 
-def read_blocks(reader: _TraceReader, size: int) -> Iterator[bytes]:
-    """The reader's bytes in blocks of about ``size`` (fewer calls, larger native work)."""
+def read_blocks(reader: _TraceReader, size: int, first: int | None = None) -> Iterator[bytes]:
+    """The reader's bytes in blocks of about ``size`` (fewer calls, larger native work); the
+    first block is ``first`` bytes when given."""
+    want = first or size
     while True:
         parts: list[bytes] = []
         total = 0
-        while total < size:
-            data = reader.read(size - total)
+        while total < want:
+            data = reader.read(want - total)
             if not data:
                 break
             parts.append(data)
@@ -219,14 +224,18 @@ def read_blocks(reader: _TraceReader, size: int) -> Iterator[bytes]:
         if not parts:
             return
         yield parts[0] if len(parts) == 1 else b"".join(parts)
+        want = size
 
 
 def _read_head_meta(path: Path) -> dict[str, Any]:
     """Top-level keys that precede traceEvents (distributedInfo, deviceProperties, ...)."""
     meta: dict[str, Any] = {}
     try:
-        with _open(path, _HEAD_BYTES) as f:
-            head = f.read(_HEAD_BYTES)
+        for size in (_HEAD_FIRST, _HEAD_BYTES):
+            with _open(path, size) as f:
+                head = f.read(size)
+            if b'"traceEvents"' in head or len(head) < size:
+                break
         # Close the object just before traceEvents so that parsing the head never builds
         # events (the head may hold a megabyte of them).
         cut = head.find(b'"traceEvents"')

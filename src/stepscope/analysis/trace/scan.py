@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Generator, Iterator
 from decimal import Decimal
-from typing import Any
+from typing import Any, Union
 
 import msgspec
 import numpy as np
@@ -58,21 +58,6 @@ _SKELETON_CAP = 16 << 20
 
 
 
-class TraceEvent(msgspec.Struct):
-    """The fields of an event the analysis reads, for events whose ``args`` is not a plain
-    object of plain values (rare: the lenient form). ``ts``, ``dur`` and ``args`` stay raw
-    JSON until an event is kept; :func:`value` decodes them with non-integers as exact
-    ``Decimal``."""
-
-    ph: Any = msgspec.UNSET
-    cat: Any = msgspec.UNSET
-    name: Any = msgspec.UNSET
-    tid: Any = msgspec.UNSET
-    ts: msgspec.Raw = msgspec.Raw(b"")
-    dur: msgspec.Raw = msgspec.Raw(b"")
-    args: msgspec.Raw = msgspec.Raw(b"")
-
-
 class Args(msgspec.Struct, gc=False):
     """The ``args`` keys the analysis reads; msgspec skips every other key without building it.
     A key that is absent stays ``UNSET`` (``None`` is a JSON null)."""
@@ -91,23 +76,58 @@ class Args(msgspec.Struct, gc=False):
     seq: Any = msgspec.UNSET
 
 
-class Event(msgspec.Struct, gc=False):
-    """One event in the common form: ``args`` an object (or absent/null) decoded straight into
-    :class:`Args`, ``ts``/``dur`` raw until kept. An event that does not fit (args not an
-    object, a number too large for 64 bits) is decoded as a :class:`TraceEvent` instead."""
+class _Fields(msgspec.Struct, gc=False):
+    """The fields of an event the analysis reads, declared once for every form below.
+    ``ts`` and ``dur`` stay raw JSON until an event is kept (see ``events._time``)."""
 
-    ph: Any = msgspec.UNSET
     cat: Any = msgspec.UNSET
     name: Any = msgspec.UNSET
     tid: Any = msgspec.UNSET
     ts: msgspec.Raw = msgspec.Raw(b"")
     dur: msgspec.Raw = msgspec.Raw(b"")
+
+
+class Span(_Fields, tag_field="ph", tag="X"):
+    """A complete event (``"ph": "X"``) from the fast path: the only phase the analysis reads.
+    ``args`` (an object, absent or null) is decoded straight into :class:`Args`."""
+
     args: Args | None = None
+
+
+class Mark(msgspec.Struct, gc=False, tag_field="ph"):
+    """An event of any other phase (flows, instants, metadata, counters) from the fast path:
+    counted, never read, so none of its fields is built."""
+
+
+# One tagged type per phase of the Chrome trace event format (and its legacy async ones).
+# An event whose phase is none of these (or missing) fails the fast decode of its slice,
+# and the exact path decodes it as an :class:`Event`.
+_MARKS = tuple(msgspec.defstruct(f"Mark_{ord(c)}", [], bases=(Mark,), tag=c)
+               for c in "BEIiCbnestfPONDMRc()STpF")
+
+
+class Event(_Fields):
+    """One event in the common form, from the exact path: ``args`` an object (or absent/null)
+    decoded straight into :class:`Args`. An event that does not fit (args not an object, a
+    number too large for 64 bits) is decoded as a :class:`TraceEvent` instead."""
+
+    ph: Any = msgspec.UNSET
+    args: Args | None = None
+
+
+class TraceEvent(_Fields):
+    """An event whose ``args`` is not a plain object of plain values (rare: the lenient form);
+    :func:`value` decodes its raw ``args`` with non-integers as exact ``Decimal``."""
+
+    ph: Any = msgspec.UNSET
+    args: msgspec.Raw = msgspec.Raw(b"")
 
 
 _DECODER = msgspec.json.Decoder(float_hook=Decimal)
 _BATCH = msgspec.json.Decoder(list[Event], float_hook=Decimal)
-_FAST = _BATCH
+# The fast path decodes complete events into Span and every other phase into a fieldless Mark.
+_FAST_ITEM: Any = Union[(Span,) + _MARKS]  # noqa: UP007, RUF005 - a union from a tuple (3.10)
+_FAST = msgspec.json.Decoder(list[_FAST_ITEM], float_hook=Decimal)
 _ONE_EVENT = msgspec.json.Decoder(Event, float_hook=Decimal)
 _ONE = msgspec.json.Decoder(TraceEvent)
 
