@@ -232,6 +232,8 @@ class Attribution:
     collectives: dict[str, Any]
     notes: list[str] = field(default_factory=list)
     warmup: dict[str, Any] | None = None
+    #: Would-be stragglers explained by the rank's extra run-queue wait (host contention).
+    contention: list[dict[str, Any]] = field(default_factory=list)
 
 
 def _q(s: str) -> str:
@@ -489,7 +491,7 @@ def window_excess(gap: list[float], own: list[float], start: int, end: int, leve
 
 def find_stragglers(
     con: Any, steps: list[int], host_of: dict[int, str], thr: dict[tuple[int, str], float],
-    median_step: float = 0.0,
+    median_step: float = 0.0, contention: list[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """Ranks whose own work in a phase exceeds the other ranks' median over a run of steps.
 
@@ -503,13 +505,92 @@ def find_stragglers(
     """
     pos = {s: i for i, s in enumerate(steps)}
     series: dict[tuple[int, str], list[tuple[int, float]]] = {}
-    owns: dict[str, dict[int, list[float]]] = {}
     own_of: dict[tuple[int, str], list[float]] = {}
-    for rank, name, step, excess, own in con.execute(
+    rows = con.execute(
         "SELECT rank, name, step, excess, own FROM ex WHERE excess IS NOT NULL ORDER BY 1, 2, 3"
-    ).fetchall():
+    ).fetchall()
+    for rank, name, step, excess, own in rows:
         series.setdefault((int(rank), str(name)), []).append((pos[int(step)], float(excess)))
         own_of.setdefault((int(rank), str(name)), []).append(float(own))
+    extra = runq_extra(con)
+    if not extra:
+        return _find(con, steps, host_of, thr, median_step, series, own_of)
+    # CPU clock with the run-queue wait recorded: a rank's own work less its extra wait for a
+    # CPU (over the other ranks', same step) is what the job did; only that can name it.
+    a_series: dict[tuple[int, str], list[tuple[int, float]]] = {}
+    a_own: dict[tuple[int, str], list[float]] = {}
+    for rank, name, step, excess, own in rows:
+        cut = max(0.0, extra.get(int(rank), {}).get(int(step), 0.0))
+        a_series.setdefault((int(rank), str(name)), []).append((pos[int(step)], float(excess) - cut))
+        a_own.setdefault((int(rank), str(name)), []).append(float(own) - cut)
+    found = _find(con, steps, host_of, thr, median_step, a_series, a_own)
+    if contention is not None:
+        for s in _find(con, steps, host_of, thr, median_step, series, own_of):
+            if any(f["rank"] == s["rank"] and f["phase"] == s["phase"]
+                   and f["first_step"] <= s["last_step"] and f["last_step"] >= s["first_step"]
+                   for f in found):
+                continue
+            contention.append(_contention(con, s, extra))
+    return found
+
+
+def runq_extra(con: Any) -> dict[int, dict[int, float]]:
+    """Each rank's run-queue wait per step (``res.runq_ms``) minus the other ranks' median at
+    that step: ``{rank: {step: ms}}``; empty when the runs carry none (a GPU run, records
+    from before :mod:`stepscope.instrument.sched`)."""
+    has = con.execute(
+        """SELECT count(*) FROM information_schema.columns
+           WHERE table_name = 'res' AND column_name = 'runq_ms'""").fetchone()[0]
+    if not has:
+        return {}
+    by_step: dict[int, list[tuple[float, int]]] = {}
+    for step, rank, ms in con.execute(
+        "SELECT step, rank, runq_ms FROM res WHERE runq_ms IS NOT NULL AND isfinite(runq_ms)"
+    ).fetchall():
+        by_step.setdefault(int(step), []).append((float(ms), int(rank)))
+    out: dict[int, dict[int, float]] = {}
+    for step, vals in by_step.items():
+        n = len(vals)
+        if n < 2:
+            continue
+        vals.sort()
+        xs = [v for v, _ in vals]
+        for k, (ms, rank) in enumerate(vals):
+            out.setdefault(rank, {})[step] = ms - _median_without(xs, k)
+    return out
+
+
+def _median_without(xs: list[float], k: int) -> float:
+    """Median of sorted ``xs`` with position ``k`` left out (the other ranks'), in O(1)."""
+    m = len(xs) - 1
+
+    def at(j: int) -> float:
+        return xs[j if j < k else j + 1]
+
+    return at(m // 2) if m % 2 else 0.5 * (at(m // 2 - 1) + at(m // 2))
+
+
+def _contention(con: Any, s: dict[str, Any], extra: dict[int, dict[int, float]]) -> dict[str, Any]:
+    """What a straggler found on raw own work, but not once run-queue wait is taken out, was."""
+    first, last, rank = int(s["first_step"]), int(s["last_step"]), int(s["rank"])
+    row = con.execute(
+        f"""SELECT median(runq_ms) FILTER (WHERE rank = {rank}),
+                   median(runq_ms) FILTER (WHERE rank <> {rank})
+            FROM res WHERE step BETWEEN {first} AND {last} AND runq_ms IS NOT NULL"""
+    ).fetchone()
+    mine = [v for st, v in extra.get(rank, {}).items() if first <= st <= last]
+    return {"rank": rank, "phase": s["phase"], "first_step": first, "last_step": last,
+            "persistence": s["persistence"], "excess_ms": s["excess_ms"],
+            "runq_ms": round(float(row[0] or 0.0), 3), "others_runq_ms": round(float(row[1] or 0.0), 3),
+            "extra_runq_ms": round(robust.median(mine), 3) if mine else 0.0}
+
+
+def _find(
+    con: Any, steps: list[int], host_of: dict[int, str], thr: dict[tuple[int, str], float],
+    median_step: float, series: dict[tuple[int, str], list[tuple[int, float]]],
+    own_of: dict[tuple[int, str], list[float]],
+) -> list[dict[str, Any]]:
+    owns: dict[str, dict[int, list[float]]] = {}
     for (rank, name), xs in own_of.items():
         owns.setdefault(name, {})[rank] = xs
     n_steps = len(steps)
@@ -855,7 +936,8 @@ def attribute(con: Any, hosts: dict[str, list[int]], ranks: list[int], median_st
     build_own(con)
     thr = build_thresholds(con, median_step)
     host_of = {r: h for h, rs in hosts.items() for r in rs}
-    stragglers = find_stragglers(con, steps, host_of, thr, median_step)
+    contention: list[dict[str, Any]] = []
+    stragglers = find_stragglers(con, steps, host_of, thr, median_step, contention)
     warmup: dict[str, Any] = {}
     windows = find_windows(con, steps, stragglers, ranks, warmup)
     by_phase: dict[str, list[float]] = {}
@@ -863,4 +945,5 @@ def attribute(con: Any, hosts: dict[str, list[int]], ranks: list[int], median_st
         by_phase.setdefault(name, []).append(t)
     thresholds = {n: robust.median(v) for n, v in by_phase.items()}
     return Attribution(al, source, thresholds, stragglers, windows,
-                       collectives_section(con, source, notes + info), notes, warmup or None)
+                       collectives_section(con, source, notes + info), notes, warmup or None,
+                       contention)

@@ -18,6 +18,7 @@ the host's scheduling does not stretch, so the reader is only built for a CPU cl
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -90,10 +91,9 @@ class RunQueueReader:
     def close(self) -> None:
         fd, self._fd = self._fd, None
         if fd is not None:
-            try:
+            # Already closed (fork/exit races): nothing left to release.
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:  # already closed (fork/exit races): nothing left to release
-                pass
 
 
 def reader_for(clock_kind: str) -> RunQueueReader | None:

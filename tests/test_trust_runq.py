@@ -1,0 +1,167 @@
+"""A rank the OS descheduled is not a straggler; a rank that really slowed still is.
+
+Synthetic runs carry ``counters.runq_ms`` (the training thread's run-queue wait per step,
+:mod:`stepscope.instrument.sched`) as a busy 2-core host hands it out: a few ms on every rank,
+and on a descheduled rank the time it lost, since it was runnable all along. A ``time.sleep``
+or slower code does not wait on a run queue, so its rise stays in the analysis.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from stepscope.analysis import stragglers
+from stepscope.analysis.run import analyze_run
+from stepscope.instrument import sched
+
+synth = pytest.importorskip("synth_runs")
+
+STEPS = 60
+BASE = {"dataloader": 1.0, "h2d": 0.1, "forward": 6.0, "backward": 10.0, "optimizer": 3.0}
+
+
+def _write(tmp: Path, ranks: int, slow: tuple[Any, ...], runq: dict[tuple[int, int], float],
+           seed: int = 0, with_runq: bool = True) -> Path:
+    """A run whose ``runq_ms`` is 0.5–3 ms on every step plus ``runq[(rank, step)]``."""
+    spec = synth.SynthRun(ranks=ranks, steps=STEPS, base_ms=dict(BASE), noise_ms=0.2, seed=seed,
+                          comm_child=True, slow=slow)
+    rng = random.Random(seed)
+    tmp.mkdir(parents=True, exist_ok=True)
+    for rank, recs in synth.make_records(spec).items():
+        with open(tmp / f"rank{rank}.jsonl", "w") as fh:
+            for rec in recs:
+                if with_runq:
+                    rec["counters"] = {"runq_ms": rng.uniform(0.5, 3.0) + runq.get((rank, rec["step"]), 0.0)}
+                fh.write(json.dumps(rec) + "\n")
+    return tmp
+
+
+def _descheduled(rank: int, first: int, last: int, ms: float) -> tuple[tuple[Any, ...], dict[tuple[int, int], float]]:
+    """``rank`` kept off the CPU for ``ms`` per step in backward on steps first..last."""
+    slow = (synth.Slow(rank, "backward", ms, first, last),)
+    return slow, {(rank, s): ms for s in range(first, last + 1)}
+
+
+def _alarms(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    return [v for v in doc["verdicts"] if v["severity"] != "info"]
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_descheduled_rank_is_a_note_not_a_straggler(tmp_path: Path, ranks: int) -> None:
+    slow, runq = _descheduled(1, 30, 37, 22.0)
+    doc = analyze_run(_write(tmp_path / "rq", ranks, slow, runq))
+    assert doc["stragglers"] == [], doc["stragglers"]
+    assert _alarms(doc) == [], _alarms(doc)
+    (c,) = doc["run"]["host_contention"]
+    assert (c["rank"], c["phase"]) == (1, "backward")
+    assert abs(c["first_step"] - 30) <= 2 and abs(c["last_step"] - 37) <= 2, c
+    assert c["extra_runq_ms"] == pytest.approx(22.0, abs=3.0)
+    note = [n for n in doc["run"]["notes"] if n.startswith("rank 1 waited")]
+    assert len(note) == 1 and "for a CPU" in note[0] and "oversubscribed" in note[0], doc["run"]["notes"]
+
+
+def test_without_runq_the_same_run_names_the_rank(tmp_path: Path) -> None:
+    """Records without the field (older runs, GPU runs) are analysed as before."""
+    slow, runq = _descheduled(1, 30, 37, 22.0)
+    doc = analyze_run(_write(tmp_path / "old", 2, slow, runq, with_runq=False))
+    assert [(s["rank"], s["phase"]) for s in doc["stragglers"]] == [(1, "backward")]
+    assert doc["run"]["host_contention"] == []
+
+
+@pytest.mark.parametrize(("ranks", "phase"), [(2, "backward"), (4, "forward")])
+def test_sleep_window_is_still_found_whole(tmp_path: Path, ranks: int, phase: str) -> None:
+    # A sleeping rank waits on no run queue; its wake-up waits like everyone's (the noise).
+    doc = analyze_run(_write(tmp_path / "sl", ranks, (synth.Slow(1, phase, 30.0, 30, 49),), {}, seed=3))
+    (s,) = [s for s in doc["stragglers"] if s["rank"] == 1]
+    assert s["phase"] == phase
+    assert abs(s["first_step"] - 30) <= 2 and abs(s["last_step"] - 49) <= 2, s
+    assert 27.0 <= s["excess_ms"] <= 33.0, s
+    assert doc["run"]["host_contention"] == []
+    assert _alarms(doc)
+
+
+def test_a_slow_rank_also_descheduled_keeps_what_is_its_own(tmp_path: Path) -> None:
+    """+30 ms of real work and 8 ms of waiting for a CPU: 30 ms is named, not 38."""
+    slow = (synth.Slow(1, "backward", 38.0, 30, 49),)
+    runq = {(1, s): 8.0 for s in range(30, 50)}
+    doc = analyze_run(_write(tmp_path / "both", 2, slow, runq, seed=5))
+    (s,) = doc["stragglers"]
+    assert (s["rank"], s["phase"]) == (1, "backward")
+    assert 27.0 <= s["excess_ms"] <= 33.0, s
+
+
+def test_runq_extra_is_over_the_other_ranks_median(tmp_path: Path) -> None:
+    import duckdb
+
+    con = duckdb.connect()
+    con.execute("CREATE TABLE res (rank INTEGER, step BIGINT, runq_ms DOUBLE)")
+    con.execute("INSERT INTO res VALUES (0, 0, 1.0), (1, 0, 2.0), (2, 0, 10.0), (3, 0, 4.0),"
+                " (0, 1, 5.0), (1, 1, 1.0), (0, 2, 3.0), (1, 2, NULL)")
+    ex = stragglers.runq_extra(con)
+    assert ex[2][0] == pytest.approx(8.0)  # others 1, 2, 4
+    assert ex[0][0] == pytest.approx(-3.0)  # others 2, 4, 10
+    assert ex[3][0] == pytest.approx(2.0)
+    assert ex[0][1] == pytest.approx(4.0) and ex[1][1] == pytest.approx(-4.0)
+    assert 2 not in ex[0]  # a step with one rank's value compares nothing
+    empty = duckdb.connect()
+    empty.execute("CREATE TABLE res (rank INTEGER, step BIGINT)")
+    assert stragglers.runq_extra(empty) == {}
+
+
+# ------------------------------------------------------------------ the instrument
+
+
+def test_reader_is_off_for_a_device_clock_and_without_the_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert sched.reader_for("cuda") is None
+    monkeypatch.setattr(sched, "PATH", "/proc/no-such-file/schedstat")
+    rq = sched.RunQueueReader()
+    assert not rq.on and "missing" in str(rq.reason)
+    assert rq.step_end() is None and rq.step_end() is None
+
+
+@pytest.mark.skipif(not os.path.exists(sched.PATH) or not hasattr(os, "sched_setaffinity"),
+                    reason="needs Linux schedstat and CPU affinity")
+def test_reader_sees_a_cpu_hog_and_not_a_sleep() -> None:
+    """Busy work next to a hog pinned to the same CPU waits on the run queue; a sleep does not."""
+    cpu = min(os.sched_getaffinity(0))
+    out: dict[str, float] = {}
+
+    def spin(ms: float) -> None:
+        t = time.perf_counter()
+        while time.perf_counter() - t < ms / 1000:
+            pass
+
+    def body() -> None:
+        os.sched_setaffinity(0, {cpu})
+        rq = sched.RunQueueReader()
+        rq.step_end()
+        time.sleep(0.2)
+        out["sleep"] = float(rq.step_end() or 0.0)
+        hog = subprocess.Popen([sys.executable, "-c",
+                                f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nwhile 1: pass"])
+        try:
+            time.sleep(0.3)
+            rq.step_end()
+            spin(300)
+            out["hog"] = float(rq.step_end() or 0.0)
+        finally:
+            hog.kill()
+            hog.wait()
+        rq.close()
+
+    th = threading.Thread(target=body)
+    th.start()
+    th.join()
+    # Sharing one CPU with a busy loop, a 300 ms spin waits for about half of it.
+    assert out["hog"] >= 60.0, out
+    assert out["sleep"] < 0.5 * out["hog"], out
