@@ -28,6 +28,7 @@ gaps at the synchronising phase, clocks compared) stand in, and the report says 
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from dataclasses import dataclass, field
@@ -512,19 +513,18 @@ def find_stragglers(
     for rank, name, step, excess, own in rows:
         series.setdefault((int(rank), str(name)), []).append((pos[int(step)], float(excess)))
         own_of.setdefault((int(rank), str(name)), []).append(float(own))
-    extra = runq_extra(con)
-    if not extra:
+    runq = runq_by_step(con)
+    if not runq:
         return _find(con, steps, host_of, thr, median_step, series, own_of)
-    # CPU clock with the run-queue wait recorded: a rank's own work less its extra wait for a
-    # CPU (over the other ranks', same step) is what the job did; only that can name it.
-    a_series: dict[tuple[int, str], list[tuple[int, float]]] = {}
-    a_own: dict[tuple[int, str], list[float]] = {}
-    for rank, name, step, excess, own in rows:
-        cut = max(0.0, extra.get(int(rank), {}).get(int(step), 0.0))
-        a_series.setdefault((int(rank), str(name)), []).append((pos[int(step)], float(excess) - cut))
-        a_own.setdefault((int(rank), str(name)), []).append(float(own) - cut)
-    found = _find(con, steps, host_of, thr, median_step, a_series, a_own)
+    # CPU clock with the run-queue wait recorded: what a rank did is its own work less the
+    # time it was runnable but held off the CPU (split over its phases in proportion to their
+    # own work: it was preempted wherever it ran); the gaps to the other ranks and their
+    # noise are taken again on that. Only what remains can name a straggler.
+    a_series, a_own = _net_of_runq(rows, runq, pos)
+    a_thr = _thresholds(a_series, median_step)
+    found = _find(con, steps, host_of, a_thr, median_step, a_series, a_own)
     if contention is not None:
+        extra = runq_extra(con)
         for s in _find(con, steps, host_of, thr, median_step, series, own_of):
             if any(f["rank"] == s["rank"] and f["phase"] == s["phase"]
                    and f["first_step"] <= s["last_step"] and f["last_step"] >= s["first_step"]
@@ -532,6 +532,87 @@ def find_stragglers(
                 continue
             contention.append(_contention(con, s, extra))
     return found
+
+
+def runq_by_step(con: Any) -> dict[int, dict[int, float]]:
+    """``{rank: {step: run-queue wait ms}}`` from ``res.runq_ms``; empty when not recorded."""
+    has = con.execute(
+        """SELECT count(*) FROM information_schema.columns
+           WHERE table_name = 'res' AND column_name = 'runq_ms'""").fetchone()[0]
+    out: dict[int, dict[int, float]] = {}
+    if not has:
+        return out
+    for rank, step, ms in con.execute(
+        "SELECT rank, step, runq_ms FROM res WHERE runq_ms IS NOT NULL AND isfinite(runq_ms) AND runq_ms >= 0"
+    ).fetchall():
+        out.setdefault(int(rank), {})[int(step)] = float(ms)
+    return out if len(out) > 1 else {}
+
+
+def _net_of_runq(
+    rows: list[Any], runq: dict[int, dict[int, float]], pos: dict[int, int],
+) -> tuple[dict[tuple[int, str], list[tuple[int, float]]], dict[tuple[int, str], list[float]]]:
+    """Gap series and own-work series with each rank's run-queue wait taken out.
+
+    A step's wait is split over the rank's phases by weight own × max(1, own / the rank's
+    median own in that phase): preemption falls on the time the thread ran, and most on
+    a phase that ran long (one long preemption lands in one phase). Each phase keeps at
+    least nothing (never negative).
+    """
+    base: dict[tuple[int, str], float] = {}
+    per_key: dict[tuple[int, str], list[float]] = {}
+    for rank, name, _, _, own in rows:
+        per_key.setdefault((int(rank), str(name)), []).append(max(float(own), 0.0))
+    for key, xs in per_key.items():
+        base[key] = robust.median(xs)
+    weight: dict[tuple[int, int], float] = {}
+
+    def w_of(r: int, name: str, o: float) -> float:
+        b = base[(r, name)]
+        return o * max(1.0, o / b) if b > 1e-9 else o
+
+    for rank, name, step, _, own in rows:
+        r = int(rank)
+        weight[(r, int(step))] = weight.get((r, int(step)), 0.0) + w_of(r, str(name), max(float(own), 0.0))
+    net: dict[tuple[int, str], dict[int, float]] = {}
+    by_cell: dict[tuple[int, str], list[tuple[float, int]]] = {}
+    for rank, name, step, _, own in rows:
+        r, st, o = int(rank), int(step), max(float(own), 0.0)
+        tw = weight[(r, st)]
+        q = runq.get(r, {}).get(st, 0.0)
+        v = max(0.0, o - q * w_of(r, str(name), o) / tw) if tw > 0 else o
+        net.setdefault((r, str(name)), {})[st] = v
+        by_cell.setdefault((st, str(name)), []).append((v, r))
+    series: dict[tuple[int, str], list[tuple[int, float]]] = {}
+    owns: dict[tuple[int, str], list[float]] = {}
+    others: dict[tuple[int, int, str], float] = {}
+    for (st, name), vals in by_cell.items():
+        if len(vals) < 2:
+            continue
+        vals.sort()
+        xs = [v for v, _ in vals]
+        for k, (_, r) in enumerate(vals):
+            others[(r, st, name)] = _median_without(xs, k)
+    for (r, name), per in net.items():
+        for st in sorted(per, key=lambda x: pos[x]):
+            med = others.get((r, st, name))
+            if med is None:
+                continue
+            series.setdefault((r, name), []).append((pos[st], per[st] - med))
+            owns.setdefault((r, name), []).append(per[st])
+    return series, owns
+
+
+def _thresholds(series: dict[tuple[int, str], list[tuple[int, float]]],
+                median_step: float) -> dict[tuple[int, str], float]:
+    """:func:`build_thresholds`' rule on series built in Python."""
+    floor = max(FLOOR_MS, FLOOR_FRAC * median_step)
+    out: dict[tuple[int, str], float] = {}
+    for key, pts in series.items():
+        d = [b[1] - a[1] for a, b in itertools.pairwise(pts)]
+        sig = SIGMAS * robust.MAD_SCALE * robust.mad(d) / math.sqrt(2.0) if len(d) >= 2 else 0.0
+        out[key] = max(sig, floor)
+    return out
 
 
 def runq_extra(con: Any) -> dict[int, dict[int, float]]:
