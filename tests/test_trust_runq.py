@@ -171,7 +171,9 @@ def test_reader_sees_a_cpu_hog_and_not_a_sleep() -> None:
 # ------------------------------------------------------------------ a real gloo run
 
 STARVE = (1, 12, 21)  # rank 1 shares its CPU with a busy loop on steps 12..21
-SLEEP_FIRST, SLEEP_END, SLEEP_MS = 36, 56, 30.0  # rank 0 sleeps in backward on steps [36, 56)
+# Rank 0 sleeps in backward on steps [36, 56): 60 ms, as the wider model's steps (~50 ms
+# idle, 80-120 ms at a load of 13 on 2 cores) swing by 20 ms from step to step.
+SLEEP_FIRST, SLEEP_END, SLEEP_MS = 36, 56, 60.0
 
 
 def _without_runq(src: Path, dst: Path) -> Path:
@@ -197,7 +199,8 @@ def test_gloo_starved_rank_is_a_note_and_a_sleep_window_is_still_found(tmp_path:
     taken: list[float] = []
     with _sleep_probe(taken):
         run = dist_starve.launch(tmp_path / "run", ranks=2, steps=70, slow=(spec,), starve=STARVE)
-    true_ms = sorted(taken)[len(taken) // 2] if taken else SLEEP_MS
+    # What waking from a sleep added here, now (the probe sleeps 30 ms): added, not scaled.
+    late = max(0.0, sorted(taken)[len(taken) // 2] - 30.0) if taken else 0.0
     doc = analyze_run(run)
 
     # The instrument saw it: rank 1 waited for its CPU while the busy loop ran.
@@ -214,12 +217,14 @@ def test_gloo_starved_rank_is_a_note_and_a_sleep_window_is_still_found(tmp_path:
         return lo <= STARVE[2] + 2 and hi >= STARVE[1] - 2
 
     assert not [s for s in doc["stragglers"] if in_starve(s["first_step"], s["last_step"])], doc["stragglers"]
-    loud = [v for v in doc["verdicts"] if v["severity"] != "info" and "rank 1" in v.get("evidence", "")]
+    assert [s for s in doc["stragglers"] if s["rank"] == 1] == [], doc["stragglers"]
+    loud = [v for v in doc["verdicts"] if v["severity"] != "info"
+            and v["kind"] not in ("straggler", "comm_wait")]  # rank 0's sleep and who waited for it
     assert loud == [], loud
     (s,) = [s for s in doc["stragglers"] if s["rank"] == 0]
     assert s["phase"] == "backward" and s["persistence"] == "window", s
     assert abs(s["first_step"] - SLEEP_FIRST) <= 2 and abs(s["last_step"] - (SLEEP_END - 1)) <= 2, s
-    assert 0.9 * SLEEP_MS <= s["excess_ms"] <= 1.1 * max(SLEEP_MS, true_ms), (s, true_ms)
+    assert 0.9 * SLEEP_MS <= s["excess_ms"] <= 1.1 * (SLEEP_MS + late), (s, late)
 
     # Where the run without run-queue wait names rank 1 on the starved steps (the old false
     # alarm; the machine's load decides whether the squeeze shows), the note names it now.

@@ -522,7 +522,7 @@ def find_stragglers(
     # noise are taken again on that. Only what remains can name a straggler.
     a_series, a_own = _net_of_runq(rows, runq, pos)
     a_thr = _thresholds(a_series, median_step)
-    found = _find(con, steps, host_of, a_thr, median_step, a_series, a_own)
+    found = _find(con, steps, host_of, a_thr, median_step, a_series, a_own, net=True)
     if contention is not None:
         extra = runq_extra(con)
         for s in _find(con, steps, host_of, thr, median_step, series, own_of):
@@ -669,8 +669,11 @@ def _contention(con: Any, s: dict[str, Any], extra: dict[int, dict[int, float]])
 def _find(
     con: Any, steps: list[int], host_of: dict[int, str], thr: dict[tuple[int, str], float],
     median_step: float, series: dict[tuple[int, str], list[tuple[int, float]]],
-    own_of: dict[tuple[int, str], list[float]],
+    own_of: dict[tuple[int, str], list[float]], net: bool = False,
 ) -> list[dict[str, Any]]:
+    # net: the series are net of run-queue wait. The others' speed-up while a straggler
+    # sleeps (window_excess' reason to meet the own rise halfway) was their shorter wait for
+    # a CPU, already taken out: the gap is the excess.
     owns: dict[str, dict[int, list[float]]] = {}
     for (rank, name), xs in own_of.items():
         owns.setdefault(name, {})[rank] = xs
@@ -721,7 +724,8 @@ def _find(
                 if level < max(MIN_EXCESS_MS, CHRONIC_IMPACT * median_step):
                     continue
             else:
-                level = window_excess(xs, own, w.start, w.end, w.excess)
+                level = (min(w.excess, robust.median(xs[w.start:w.end + 1])) if net
+                         else window_excess(xs, own, w.start, w.end, w.excess))
                 if level < bar or level <= noise_floor(owns[name], rank, w.length):
                     continue
                 inside = xs[w.start:w.end + 1]
