@@ -522,7 +522,7 @@ def find_stragglers(
     # noise are taken again on that. Only what remains can name a straggler.
     a_series, a_own = _net_of_runq(rows, runq, pos)
     a_thr = _thresholds(a_series, median_step)
-    found = _find(con, steps, host_of, a_thr, median_step, a_series, a_own, net=True)
+    found = _find(con, steps, host_of, a_thr, median_step, a_series, a_own, (series, own_of))
     if contention is not None:
         extra = runq_extra(con)
         for s in _find(con, steps, host_of, thr, median_step, series, own_of):
@@ -669,11 +669,16 @@ def _contention(con: Any, s: dict[str, Any], extra: dict[int, dict[int, float]])
 def _find(
     con: Any, steps: list[int], host_of: dict[int, str], thr: dict[tuple[int, str], float],
     median_step: float, series: dict[tuple[int, str], list[tuple[int, float]]],
-    own_of: dict[tuple[int, str], list[float]], net: bool = False,
+    own_of: dict[tuple[int, str], list[float]],
+    raw: tuple[dict[tuple[int, str], list[tuple[int, float]]],
+               dict[tuple[int, str], list[float]]] | None = None,
 ) -> list[dict[str, Any]]:
-    # net: the series are net of run-queue wait. The others' speed-up while a straggler
-    # sleeps (window_excess' reason to meet the own rise halfway) was their shorter wait for
-    # a CPU, already taken out: the gap is the excess.
+    # raw given: ``series``/``own_of`` are net of run-queue wait and decide whether and where
+    # a window is (the others' speed-up while a straggler sleeps, window_excess' reason to
+    # meet the own rise halfway, was their shorter wait for a CPU: the net gap is the level).
+    # Its price is what the others waited, so the raw series over those bounds counts too:
+    # waking from a sleep on a busy host waits for a CPU, and that wait held them as well.
+    net = raw is not None
     owns: dict[str, dict[int, list[float]]] = {}
     for (rank, name), xs in own_of.items():
         owns.setdefault(name, {})[rank] = xs
@@ -737,11 +742,30 @@ def _find(
                     # A short slow start on one rank: its warm-up (lazy init, the first
                     # rank's logging set-up), as for every rank in find_windows.
                     continue
+            if raw is not None and not chronic:
+                level = _raw_level(raw, (rank, name), w.start, w.end, level)
             out.append(_straggler(con, rank, name, host_of, steps, seg, level,
                                   "chronic" if chronic else "window",
                                   _confidence(len(seg), 1.0, w.excess / t)))
     out.sort(key=lambda s: -s["excess_ms"] * s["steps"])
     return out
+
+
+def _raw_level(raw: tuple[dict[tuple[int, str], list[tuple[int, float]]],
+                          dict[tuple[int, str], list[float]]],
+               key: tuple[int, str], start: int, end: int, net_level: float) -> float:
+    """:func:`window_excess` on the raw series over a window found on the net one."""
+    pts, own = raw[0].get(key), raw[1].get(key)
+    if not pts or own is None or len(own) != len(pts):
+        return net_level
+    xs = [x for _, x in pts]
+    out = xs[:start] + xs[end + 1:]
+    if len(out) < MIN_SEGMENT:
+        return net_level
+    level = robust.median(xs[start:end + 1]) - robust.median(out)
+    # Two estimates, each low in its own way: the net level leaves out the straggler's wait
+    # for a CPU after each sleep, the raw estimate meets a low own rise halfway.
+    return max(net_level, window_excess(xs, own, start, end, level))
 
 
 def _straggler(con: Any, rank: int, name: str, host_of: dict[int, str], steps: list[int],
