@@ -244,3 +244,17 @@ def test_gloo_starved_rank_is_a_note_and_a_sleep_window_is_still_found(tmp_path:
     if any(s["rank"] == 1 and in_starve(s["first_step"], s["last_step"]) for s in old["stragglers"]):
         assert [c for c in doc["run"]["host_contention"] if c["rank"] == 1], doc["run"]
         assert any(n.startswith("rank 1 waited") for n in doc["run"]["notes"]), doc["run"]["notes"]
+
+
+def test_a_chronic_gap_that_is_waiting_for_a_cpu_is_host_not_stage(tmp_path: Path) -> None:
+    """A persistent ~10% gap between two processes (a pipeline's two stages on a loaded 2-core
+    box): with the slower one's extra run-queue wait as large, the host; without it, named."""
+    slow = (synth.Slow(1, "forward", 2.5),)
+    runq = {(1, s): 2.5 for s in range(STEPS)}
+    quiet = analyze_run(_write(tmp_path / "host", 2, slow, runq, seed=11))
+    assert quiet["stragglers"] == [] and _alarms(quiet) == [], quiet["stragglers"]
+    (c,) = quiet["run"]["host_contention"]
+    assert (c["rank"], c["phase"], c["persistence"]) == (1, "forward", "chronic")
+    stage = analyze_run(_write(tmp_path / "stage", 2, slow, {}, seed=11))
+    named = [(s["rank"], s["phase"], s["persistence"]) for s in stage["stragglers"]]
+    assert named == [(1, "forward", "chronic")], stage["stragglers"]
