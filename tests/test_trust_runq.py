@@ -69,6 +69,8 @@ def test_descheduled_rank_is_a_note_not_a_straggler(tmp_path: Path, ranks: int) 
     assert c["extra_runq_ms"] == pytest.approx(22.0, abs=3.0)
     note = [n for n in doc["run"]["notes"] if n.startswith("rank 1 waited")]
     assert len(note) == 1 and "for a CPU" in note[0] and "oversubscribed" in note[0], doc["run"]["notes"]
+    # The all-rank slowdown it caused is that rank, not "no rank singled out".
+    assert not any("no rank singled out" in n for n in doc["run"]["notes"]), doc["run"]["notes"]
 
 
 def test_without_runq_the_same_run_names_the_rank(tmp_path: Path) -> None:
@@ -258,3 +260,23 @@ def test_a_chronic_gap_that_is_waiting_for_a_cpu_is_host_not_stage(tmp_path: Pat
     stage = analyze_run(_write(tmp_path / "stage", 2, slow, {}, seed=11))
     named = [(s["rank"], s["phase"], s["persistence"]) for s in stage["stragglers"]]
     assert named == [(1, "forward", "chronic")], stage["stragglers"]
+
+
+def test_host_busy_rule_takes_run_queue_wait_as_evidence() -> None:
+    import duckdb
+
+    from stepscope.analysis import host
+
+    w = {"start_step": 10, "end_step": 19, "ranks": [0, 1], "phase": "dataloader", "excess_ms": 20.0}
+    rq = {0: {s: 0.0 for s in range(30)}, 1: {s: (15.0 if 10 <= s <= 19 else 0.0) for s in range(30)}}
+    assert host.is_host_busy(w, "cpu", [], None, rq)  # rank 1 waited 15 of the 20 ms for a CPU
+    assert not host.is_host_busy(w, "cpu", [], None, {0: rq[0], 1: {s: 2.0 for s in range(30)}})
+    assert not host.is_host_busy(w, "cuda", [], None, rq)
+    assert host.is_host_busy({**w, "phase": "backward"}, "cpu", [], None, None)
+    con = duckdb.connect()
+    con.execute("CREATE TABLE res (rank INTEGER, step BIGINT, runq_ms DOUBLE)")
+    con.execute("INSERT INTO res SELECT r, s, CASE WHEN r = 1 AND s BETWEEN 10 AND 19 THEN 15.0 ELSE 0.5 END"
+                " FROM range(2) t(r), range(30) u(s)")
+    job, busy = host.split_host_busy([w], "cpu", [], None)
+    assert busy == [] and job == [w]  # no run loaded: only the phase rule
+    assert host.runq_extra(con)[1][12] == pytest.approx(14.5)

@@ -159,6 +159,9 @@ def _analyze(data: RunData) -> dict[str, Any]:
             f"{c['phase']} was {c['excess_ms']:.1f} ms over theirs): the host is oversubscribed; "
             "not the job's code")
     for w in host_busy:
+        if any(h["first_step"] <= w["end_step"] and h["last_step"] >= w["start_step"]
+               for h in att.contention):
+            continue  # one rank waiting for a CPU: its note above says so
         c = cost.price(job, float(w.get("excess_ms") or 0.0), int(w.get("steps") or 0), job["world_size"])
         run["notes"].append(
             f"steps {w['start_step']}–{w['end_step']}: every rank's {w['phase']} slowed together "
