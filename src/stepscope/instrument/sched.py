@@ -10,10 +10,11 @@ slow data source or slower code does not raise the second number; a process hogg
 cores does. The record's ``counters.runq_ms`` is its rise from the previous step's end to
 this step's end (so the dataloader wait before ``step()`` opens is covered, as the step is).
 
-Cost: one ``os.pread`` of the already open file and one ``int`` parse at each step end
-(~1.2 µs on the 2-core test machine, min of 30 batches; ``benchmarks/overhead.py``-style
-measurement in README). GPU runs do not need it: CUDA events time the device's work, which
-the host's scheduling does not stretch, so the reader is only built for a CPU clock.
+Cost: one ``os.pread`` of the already open file and one ``int`` parse at each step end,
+on the training thread: 1.3–1.4 µs of thread CPU time on the 2-core test machine
+(``PYTHONPATH=src python benchmarks/runq_cost.py``). GPU runs do not need it: CUDA events
+time the device's work, which the host's scheduling does not stretch, so the reader is only
+built for a CPU clock.
 """
 
 from __future__ import annotations
