@@ -28,6 +28,7 @@ from stepscope.dist import RankInfo
 from stepscope.instrument import gate
 from stepscope.instrument.install import install_instruments
 from stepscope.instrument.resources import ResourceMonitor, monitor_for
+from stepscope.instrument.sched import reader_for
 from stepscope.outbox import MAX_HELD_STEPS, RECENT_RECORDS, Outbox, RecentRecords
 from stepscope.record import Step
 from stepscope.recorder import Recorder
@@ -78,6 +79,7 @@ class Session(Recorder):
         # device (init() often runs before set_device): see _start.
         self._step_counts: tuple[int | None, int | None] | None = None
         self._resources: ResourceMonitor | None = None
+        self.sched = reader_for(clock.kind)  # run-queue wait per step (CPU clock only)
         #: False when records go to a sink passed in (tests): no files beside them (heartbeat).
         self.writes_files = sink is None
         self._recent = RecentRecords()
@@ -107,6 +109,8 @@ class Session(Recorder):
         # first mark, so its monitor is built at the first sampled step.
         if self.clock.device != "cuda":
             self._resources = self._new_resources()
+        if self.sched is not None:
+            self.sched.step_end()  # the first step's baseline
         from stepscope.lifecycle import wire
 
         wire(self)  # type: ignore[arg-type]
@@ -214,7 +218,10 @@ class Session(Recorder):
                         fn(self, type(exc), exc, raised_in)
             done = self._index
             step = self._close_step()
+            rq = self.sched.step_end() if self.sched is not None else None
             if step is not None:
+                if rq is not None:
+                    step.counters["runq_ms"] = rq
                 if self._resources is not None:
                     step.res = self._resources.on_step_end(step.index)
                 if not self._forward_seen and "forward" in self._auto_active:
@@ -289,6 +296,8 @@ class Session(Recorder):
             self._uninstall()
             if self._resources is not None:
                 self._resources.close()
+            if self.sched is not None:
+                self.sched.close()
         except Exception as exc:  # protect the job
             self._fail_now(exc)
         if self.enabled:
@@ -379,6 +388,7 @@ class Session(Recorder):
             "finished": self._finished,
             "enabled": self.enabled,
             "collective": self._blocked_in(),
+            "runq": None if self.sched is None else (self.sched.reason or "on"),
         }
 
     def _blocked_in(self) -> dict[str, Any] | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from stepscope.analysis import cost
+from stepscope.analysis.host import is_host_busy
 from stepscope.common.robust import median
 
 #: Share of step time above which a phase is called a bottleneck (warning / critical).
@@ -13,8 +14,6 @@ H2D_SHARE = (0.10, 0.25)
 HOST_SHARE = (0.25, 0.40)  # untimed Python work of an eager loop on a busy host reaches ~20%
 WAIT_SHARE = (0.08, 0.20)
 COMPUTE_SHARE = 0.60
-
-_COMPUTE = ("forward", "backward", "optimizer")
 
 _STRAGGLER_FIX = {
     "dataloader": "check that rank's data shard, storage and CPU (noisy neighbour, fewer cores); "
@@ -219,12 +218,10 @@ def diagnose(
         c = cost.price(job, float(w.get("excess_ms") or 0.0), n_w, world,
                        step_med + float(w.get("excess_ms") or 0.0))
         sev = cost.severity(cost.share(c))
-        host_busy = (str(run.get("clock") or "").startswith("cpu") and len(w["ranks"]) > 1
-                     and w["phase"] in _COMPUTE)
+        # The one host rule (analysis/host.py; analyze_run has already split such windows
+        # out): the CPU was shared with other processes. Priced, but a note: nothing to fix.
+        host_busy = is_host_busy(w, run.get("clock"), stragglers)
         if host_busy:
-            # Host-timed compute slowing on every rank at once, no rank singled out: the CPU
-            # was shared with something else (other processes on a busy host). Priced, but a
-            # note: nothing in the job to fix.
             sev = "info"
         out.append({
             "kind": _window_kind(w["phase"]), "severity": sev,

@@ -6,7 +6,10 @@ calls :func:`create_resource_table` to flatten them into one table::
 
     res (rank, step, tokens, samples, tokens_per_s, samples_per_s, tflops, mfu,
          peak_allocated_mb, peak_reserved_mb, allocated_mb, rss_mb, workers_rss_mb,
-         alloc_retries, ooms, util_pct, sm_clock_mhz, power_w, temp_c)
+         alloc_retries, ooms, util_pct, sm_clock_mhz, power_w, temp_c, runq_ms)
+
+``runq_ms`` is the training thread's run-queue wait in the step (``counters.runq_ms``,
+:mod:`stepscope.instrument.sched`; CPU clock only), read by the straggler analysis.
 
 Records marked ``"untimed": true`` (the step FLOPs were counted on) are left out of every
 table by the loader (:data:`TIMED_FILTER`).
@@ -75,6 +78,7 @@ def create_resource_table(con: Any, keep: str = "TRUE") -> None:
     cols = ",\n".join(
         f"TRY_CAST(json_extract_string({sec}, '$.{name}') AS DOUBLE) AS {name}" for sec, name in _FIELDS
     )
+    cols += ",\nTRY_CAST(json_extract_string(counters, '$.runq_ms') AS DOUBLE) AS runq_ms"
     con.execute(
         f"""CREATE TABLE res AS SELECT CAST(rank AS INTEGER) AS rank, step, {cols}
             FROM rec WHERE {keep}"""

@@ -12,11 +12,12 @@ from stepscope.analysis import cost
 from stepscope.analysis.coverage import add_coverage_sections
 from stepscope.analysis.diagnose import diagnose
 from stepscope.analysis.goodput import compute_goodput
+from stepscope.analysis.host import split_host_busy
 from stepscope.analysis.load import RunData, load_run
 from stepscope.analysis.resources import analyze_resources
 from stepscope.analysis.stats import create_phase_samples, phase_stats, rank_stats
 from stepscope.analysis.status import crash_evidence
-from stepscope.analysis.stragglers import attribute, own_slowdown, phase_waits
+from stepscope.analysis.stragglers import attribute, phase_waits
 from stepscope.analysis.triggers import link_triggers
 
 #: Version of the JSON document; bump when a key changes meaning.
@@ -114,6 +115,9 @@ def _analyze(data: RunData) -> dict[str, Any]:
         "warmup": att.warmup,
         # Every rank's host-timed compute slowing at once on a CPU clock: the host was busy.
         "host_busy": host_busy,
+        # A rank that would be a straggler but for its extra wait for a CPU (run-queue wait,
+        # counters.runq_ms): the host was oversubscribed, not the job's code.
+        "host_contention": att.contention,
         "skipped": list(data.skipped) + att.notes,
         "partial": bool(data.skipped or att.notes),
     }
@@ -148,7 +152,16 @@ def _analyze(data: RunData) -> dict[str, Any]:
     run["headline"] = cost.headline(run, doc["verdicts"])
     run["notes"] = run_notes(data, run)
     job = run["cost"]
+    for c in att.contention:
+        run["notes"].append(
+            f"rank {c['rank']} waited {c['runq_ms']:.1f} ms per step for a CPU on steps "
+            f"{c['first_step']}–{c['last_step']} (the other ranks {c['others_runq_ms']:.1f} ms; its "
+            f"{c['phase']} was {c['excess_ms']:.1f} ms over theirs): the host is oversubscribed; "
+            "not the job's code")
     for w in host_busy:
+        if any(h["first_step"] <= w["end_step"] and h["last_step"] >= w["start_step"]
+               for h in att.contention):
+            continue  # one rank waiting for a CPU: its note above says so
         c = cost.price(job, float(w.get("excess_ms") or 0.0), int(w.get("steps") or 0), job["world_size"])
         run["notes"].append(
             f"steps {w['start_step']}–{w['end_step']}: every rank's {w['phase']} slowed together "
@@ -213,38 +226,3 @@ def run_notes(data: RunData, run: dict[str, Any]) -> list[str]:
                          "init(peak_tflops=...))")
     return notes
 
-
-_COMPUTE = ("forward", "backward", "optimizer")
-#: On a CPU clock these are all host work: the residual (Python between phases) slows with
-#: the model's compute when another process takes the cores (seen: a balanced pipeline next
-#: to other jobs, residual 1.2x on both ranks for 11 steps, nothing else changed).
-_HOST_WORK = (*_COMPUTE, "residual")
-#: A compute phase this many times slower on a rank of an all-rank window: the host.
-HOST_BUSY_SLOWDOWN = 1.5
-
-
-def split_host_busy(windows: list[dict[str, Any]], clock: str | None,
-                    stragglers: list[dict[str, Any]],
-                    con: Any = None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Windows, and those that are a busy host rather than the job: on a CPU clock, host
-    work (forward, backward, optimizer, residual) slowing on every rank at once with no rank
-    singled out,
-    or any phase doing so while a compute phase, too, ran ``HOST_BUSY_SLOWDOWN`` times slower
-    there on one of those ranks (a real input-bound window slows the loader, not the model's
-    compute; a busy host deschedules a rank's compute, and the others wait for it in
-    whatever they do next: seen as a 10-step all-rank dataloader window in a clean Lightning
-    run next to a CPU hog, one rank's backward 5x slower meanwhile)."""
-    if not str(clock or "").startswith("cpu"):
-        return windows, []
-
-    def compute_slowed(w: dict[str, Any]) -> bool:
-        if con is None:
-            return False
-        return any(own_slowdown(con, p, int(w["start_step"]), int(w["end_step"]), r)
-                   >= HOST_BUSY_SLOWDOWN for p in _COMPUTE for r in w["ranks"])
-
-    busy = [w for w in windows if len(w["ranks"]) > 1
-            and (w["phase"] in _HOST_WORK or compute_slowed(w))
-            and not any(s["first_step"] <= w["end_step"] and s["last_step"] >= w["start_step"]
-                        for s in stragglers)]
-    return [w for w in windows if w not in busy], busy

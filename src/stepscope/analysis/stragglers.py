@@ -28,6 +28,7 @@ gaps at the synchronising phase, clocks compared) stand in, and the report says 
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from dataclasses import dataclass, field
@@ -232,6 +233,8 @@ class Attribution:
     collectives: dict[str, Any]
     notes: list[str] = field(default_factory=list)
     warmup: dict[str, Any] | None = None
+    #: Would-be stragglers explained by the rank's extra run-queue wait (host contention).
+    contention: list[dict[str, Any]] = field(default_factory=list)
 
 
 def _q(s: str) -> str:
@@ -489,7 +492,7 @@ def window_excess(gap: list[float], own: list[float], start: int, end: int, leve
 
 def find_stragglers(
     con: Any, steps: list[int], host_of: dict[int, str], thr: dict[tuple[int, str], float],
-    median_step: float = 0.0,
+    median_step: float = 0.0, contention: list[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """Ranks whose own work in a phase exceeds the other ranks' median over a run of steps.
 
@@ -503,13 +506,180 @@ def find_stragglers(
     """
     pos = {s: i for i, s in enumerate(steps)}
     series: dict[tuple[int, str], list[tuple[int, float]]] = {}
-    owns: dict[str, dict[int, list[float]]] = {}
     own_of: dict[tuple[int, str], list[float]] = {}
-    for rank, name, step, excess, own in con.execute(
+    rows = con.execute(
         "SELECT rank, name, step, excess, own FROM ex WHERE excess IS NOT NULL ORDER BY 1, 2, 3"
-    ).fetchall():
+    ).fetchall()
+    for rank, name, step, excess, own in rows:
         series.setdefault((int(rank), str(name)), []).append((pos[int(step)], float(excess)))
         own_of.setdefault((int(rank), str(name)), []).append(float(own))
+    runq = runq_by_step(con)
+    if not runq:
+        return _find(con, steps, host_of, thr, median_step, series, own_of)
+    # CPU clock with the run-queue wait recorded: what a rank did is its own work less the
+    # time it was runnable but held off the CPU (split over its phases in proportion to their
+    # own work: it was preempted wherever it ran); the gaps to the other ranks and their
+    # noise are taken again on that. Only what remains can name a straggler.
+    a_series, a_own = _net_of_runq(rows, runq, pos)
+    a_thr = _thresholds(a_series, median_step)
+    found = _find(con, steps, host_of, a_thr, median_step, a_series, a_own, (series, own_of))
+    if contention is not None:
+        extra = runq_extra(con)
+        for s in _find(con, steps, host_of, thr, median_step, series, own_of):
+            if any(f["rank"] == s["rank"] and f["phase"] == s["phase"]
+                   and f["first_step"] <= s["last_step"] and f["last_step"] >= s["first_step"]
+                   for f in found):
+                continue
+            contention.append(_contention(con, s, extra))
+    return found
+
+
+def runq_by_step(con: Any) -> dict[int, dict[int, float]]:
+    """``{rank: {step: run-queue wait ms}}`` from ``res.runq_ms``; empty when not recorded."""
+    has = con.execute(
+        """SELECT count(*) FROM information_schema.columns
+           WHERE table_name = 'res' AND column_name = 'runq_ms'""").fetchone()[0]
+    out: dict[int, dict[int, float]] = {}
+    if not has:
+        return out
+    for rank, step, ms in con.execute(
+        "SELECT rank, step, runq_ms FROM res WHERE runq_ms IS NOT NULL AND isfinite(runq_ms) AND runq_ms >= 0"
+    ).fetchall():
+        out.setdefault(int(rank), {})[int(step)] = float(ms)
+    return out if len(out) > 1 else {}
+
+
+def _net_of_runq(
+    rows: list[Any], runq: dict[int, dict[int, float]], pos: dict[int, int],
+) -> tuple[dict[tuple[int, str], list[tuple[int, float]]], dict[tuple[int, str], list[float]]]:
+    """Gap series and own-work series with each rank's run-queue wait taken out.
+
+    A step's wait is split over the rank's phases by weight own × max(1, own / the rank's
+    median own in that phase): preemption falls on the time the thread ran, and most on
+    a phase that ran long (one long preemption lands in one phase). Each phase keeps at
+    least nothing (never negative).
+    """
+    base: dict[tuple[int, str], float] = {}
+    per_key: dict[tuple[int, str], list[float]] = {}
+    for rank, name, _, _, own in rows:
+        per_key.setdefault((int(rank), str(name)), []).append(max(float(own), 0.0))
+    for key, xs in per_key.items():
+        base[key] = robust.median(xs)
+    weight: dict[tuple[int, int], float] = {}
+
+    def w_of(r: int, name: str, o: float) -> float:
+        b = base[(r, name)]
+        return o * max(1.0, o / b) if b > 1e-9 else o
+
+    for rank, name, step, _, own in rows:
+        r = int(rank)
+        weight[(r, int(step))] = weight.get((r, int(step)), 0.0) + w_of(r, str(name), max(float(own), 0.0))
+    net: dict[tuple[int, str], dict[int, float]] = {}
+    by_cell: dict[tuple[int, str], list[tuple[float, int]]] = {}
+    for rank, name, step, _, own in rows:
+        r, st, o = int(rank), int(step), max(float(own), 0.0)
+        tw = weight[(r, st)]
+        q = runq.get(r, {}).get(st, 0.0)
+        v = max(0.0, o - q * w_of(r, str(name), o) / tw) if tw > 0 else o
+        net.setdefault((r, str(name)), {})[st] = v
+        by_cell.setdefault((st, str(name)), []).append((v, r))
+    series: dict[tuple[int, str], list[tuple[int, float]]] = {}
+    owns: dict[tuple[int, str], list[float]] = {}
+    others: dict[tuple[int, int, str], float] = {}
+    for (st, name), vals in by_cell.items():
+        if len(vals) < 2:
+            continue
+        vals.sort()
+        xs = [v for v, _ in vals]
+        for k, (_, r) in enumerate(vals):
+            others[(r, st, name)] = _median_without(xs, k)
+    for (r, name), per in net.items():
+        for st in sorted(per, key=lambda x: pos[x]):
+            med = others.get((r, st, name))
+            if med is None:
+                continue
+            series.setdefault((r, name), []).append((pos[st], per[st] - med))
+            owns.setdefault((r, name), []).append(per[st])
+    return series, owns
+
+
+def _thresholds(series: dict[tuple[int, str], list[tuple[int, float]]],
+                median_step: float) -> dict[tuple[int, str], float]:
+    """:func:`build_thresholds`' rule on series built in Python."""
+    floor = max(FLOOR_MS, FLOOR_FRAC * median_step)
+    out: dict[tuple[int, str], float] = {}
+    for key, pts in series.items():
+        d = [b[1] - a[1] for a, b in itertools.pairwise(pts)]
+        sig = SIGMAS * robust.MAD_SCALE * robust.mad(d) / math.sqrt(2.0) if len(d) >= 2 else 0.0
+        out[key] = max(sig, floor)
+    return out
+
+
+def runq_extra(con: Any) -> dict[int, dict[int, float]]:
+    """Each rank's run-queue wait per step (``res.runq_ms``) minus the other ranks' median at
+    that step: ``{rank: {step: ms}}``; empty when the runs carry none (a GPU run, records
+    from before :mod:`stepscope.instrument.sched`)."""
+    has = con.execute(
+        """SELECT count(*) FROM information_schema.columns
+           WHERE table_name = 'res' AND column_name = 'runq_ms'""").fetchone()[0]
+    if not has:
+        return {}
+    by_step: dict[int, list[tuple[float, int]]] = {}
+    for step, rank, ms in con.execute(
+        "SELECT step, rank, runq_ms FROM res WHERE runq_ms IS NOT NULL AND isfinite(runq_ms)"
+    ).fetchall():
+        by_step.setdefault(int(step), []).append((float(ms), int(rank)))
+    out: dict[int, dict[int, float]] = {}
+    for step, vals in by_step.items():
+        n = len(vals)
+        if n < 2:
+            continue
+        vals.sort()
+        xs = [v for v, _ in vals]
+        for k, (ms, rank) in enumerate(vals):
+            out.setdefault(rank, {})[step] = ms - _median_without(xs, k)
+    return out
+
+
+def _median_without(xs: list[float], k: int) -> float:
+    """Median of sorted ``xs`` with position ``k`` left out (the other ranks'), in O(1)."""
+    m = len(xs) - 1
+
+    def at(j: int) -> float:
+        return xs[j if j < k else j + 1]
+
+    return at(m // 2) if m % 2 else 0.5 * (at(m // 2 - 1) + at(m // 2))
+
+
+def _contention(con: Any, s: dict[str, Any], extra: dict[int, dict[int, float]]) -> dict[str, Any]:
+    """What a straggler found on raw own work, but not once run-queue wait is taken out, was."""
+    first, last, rank = int(s["first_step"]), int(s["last_step"]), int(s["rank"])
+    row = con.execute(
+        f"""SELECT median(runq_ms) FILTER (WHERE rank = {rank}),
+                   median(runq_ms) FILTER (WHERE rank <> {rank})
+            FROM res WHERE step BETWEEN {first} AND {last} AND runq_ms IS NOT NULL"""
+    ).fetchone()
+    mine = [v for st, v in extra.get(rank, {}).items() if first <= st <= last]
+    return {"rank": rank, "phase": s["phase"], "first_step": first, "last_step": last,
+            "persistence": s["persistence"], "excess_ms": s["excess_ms"],
+            "runq_ms": round(float(row[0] or 0.0), 3), "others_runq_ms": round(float(row[1] or 0.0), 3),
+            "extra_runq_ms": round(robust.median(mine), 3) if mine else 0.0}
+
+
+def _find(
+    con: Any, steps: list[int], host_of: dict[int, str], thr: dict[tuple[int, str], float],
+    median_step: float, series: dict[tuple[int, str], list[tuple[int, float]]],
+    own_of: dict[tuple[int, str], list[float]],
+    raw: tuple[dict[tuple[int, str], list[tuple[int, float]]],
+               dict[tuple[int, str], list[float]]] | None = None,
+) -> list[dict[str, Any]]:
+    # raw given: ``series``/``own_of`` are net of run-queue wait and decide whether and where
+    # a window is (the others' speed-up while a straggler sleeps, window_excess' reason to
+    # meet the own rise halfway, was their shorter wait for a CPU: the net gap is the level).
+    # Its price is what the others waited, so the raw series over those bounds counts too:
+    # waking from a sleep on a busy host waits for a CPU, and that wait held them as well.
+    net = raw is not None
+    owns: dict[str, dict[int, list[float]]] = {}
     for (rank, name), xs in own_of.items():
         owns.setdefault(name, {})[rank] = xs
     n_steps = len(steps)
@@ -559,7 +729,8 @@ def find_stragglers(
                 if level < max(MIN_EXCESS_MS, CHRONIC_IMPACT * median_step):
                     continue
             else:
-                level = window_excess(xs, own, w.start, w.end, w.excess)
+                level = (min(w.excess, robust.median(xs[w.start:w.end + 1])) if net
+                         else window_excess(xs, own, w.start, w.end, w.excess))
                 if level < bar or level <= noise_floor(owns[name], rank, w.length):
                     continue
                 inside = xs[w.start:w.end + 1]
@@ -571,11 +742,30 @@ def find_stragglers(
                     # A short slow start on one rank: its warm-up (lazy init, the first
                     # rank's logging set-up), as for every rank in find_windows.
                     continue
+            if raw is not None and not chronic:
+                level = _raw_level(raw, (rank, name), w.start, w.end, level)
             out.append(_straggler(con, rank, name, host_of, steps, seg, level,
                                   "chronic" if chronic else "window",
                                   _confidence(len(seg), 1.0, w.excess / t)))
     out.sort(key=lambda s: -s["excess_ms"] * s["steps"])
     return out
+
+
+def _raw_level(raw: tuple[dict[tuple[int, str], list[tuple[int, float]]],
+                          dict[tuple[int, str], list[float]]],
+               key: tuple[int, str], start: int, end: int, net_level: float) -> float:
+    """:func:`window_excess` on the raw series over a window found on the net one."""
+    pts, own = raw[0].get(key), raw[1].get(key)
+    if not pts or own is None or len(own) != len(pts):
+        return net_level
+    xs = [x for _, x in pts]
+    out = xs[:start] + xs[end + 1:]
+    if len(out) < MIN_SEGMENT:
+        return net_level
+    level = robust.median(xs[start:end + 1]) - robust.median(out)
+    # Two estimates, each low in its own way: the net level leaves out the straggler's wait
+    # for a CPU after each sleep, the raw estimate meets a low own rise halfway.
+    return max(net_level, window_excess(xs, own, start, end, level))
 
 
 def _straggler(con: Any, rank: int, name: str, host_of: dict[int, str], steps: list[int],
@@ -855,7 +1045,8 @@ def attribute(con: Any, hosts: dict[str, list[int]], ranks: list[int], median_st
     build_own(con)
     thr = build_thresholds(con, median_step)
     host_of = {r: h for h, rs in hosts.items() for r in rs}
-    stragglers = find_stragglers(con, steps, host_of, thr, median_step)
+    contention: list[dict[str, Any]] = []
+    stragglers = find_stragglers(con, steps, host_of, thr, median_step, contention)
     warmup: dict[str, Any] = {}
     windows = find_windows(con, steps, stragglers, ranks, warmup)
     by_phase: dict[str, list[float]] = {}
@@ -863,4 +1054,5 @@ def attribute(con: Any, hosts: dict[str, list[int]], ranks: list[int], median_st
         by_phase.setdefault(name, []).append(t)
     thresholds = {n: robust.median(v) for n, v in by_phase.items()}
     return Attribution(al, source, thresholds, stragglers, windows,
-                       collectives_section(con, source, notes + info), notes, warmup or None)
+                       collectives_section(con, source, notes + info), notes, warmup or None,
+                       contention)

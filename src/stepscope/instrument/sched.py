@@ -1,0 +1,102 @@
+"""Run-queue wait: how long the training thread was runnable but waiting for a CPU, per step.
+
+On a CPU clock a rank's phase times include the time the kernel kept it off the CPU while it
+was ready to run (another process, or another rank, holding the cores). That is not the
+job's work, but to a cross-rank comparison it looks like a slow rank. The kernel keeps the
+account per thread: ``/proc/<pid>/task/<tid>/schedstat`` holds three numbers, time spent on
+the CPU (ns), time spent waiting on a run queue (ns), and the number of timeslices run
+(Linux ``Documentation/scheduler/sched-stats.rst``, "/proc/<pid>/schedstat"). A sleep, a
+slow data source or slower code does not raise the second number; a process hogging the
+cores does. The record's ``counters.runq_ms`` is its rise from the previous step's end to
+this step's end (so the dataloader wait before ``step()`` opens is covered, as the step is).
+
+Cost: one ``os.pread`` of the already open file and one ``int`` parse at each step end,
+on the training thread: 1.3–1.4 µs of thread CPU time on the 2-core test machine
+(``PYTHONPATH=src python benchmarks/runq_cost.py``). GPU runs do not need it: CUDA events
+time the device's work, which the host's scheduling does not stretch, so the reader is only
+built for a CPU clock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+
+#: The file read (the calling thread's own schedstat).
+PATH = "/proc/thread-self/schedstat"
+
+
+class RunQueueReader:
+    """Run-queue wait of one thread, in ms, between successive :meth:`step_end` calls.
+
+    Bound to the thread that first calls :meth:`step_end` (the training thread; ``/proc/
+    thread-self`` resolves when opened). Off (``reason`` says why) where the file is missing
+    or unreadable; never raises into the job.
+
+    Example::
+
+        rq = RunQueueReader()
+        rq.step_end()            # baseline
+        ...                      # a step
+        runq_ms = rq.step_end()  # None while off
+    """
+
+    def __init__(self) -> None:
+        self.reason: str | None = None
+        self._fd: int | None = None
+        self._thread: int | None = None
+        self._last = -1
+        if not sys.platform.startswith("linux"):
+            self.reason = f"run-queue wait needs Linux schedstat ({sys.platform} has none)"
+        elif not os.path.exists(PATH):
+            self.reason = f"run-queue wait off: {PATH} missing (kernel without CONFIG_SCHEDSTATS?)"
+
+    @property
+    def on(self) -> bool:
+        return self.reason is None
+
+    def _open(self) -> None:
+        try:
+            fd = os.open(PATH, os.O_RDONLY)
+            self._last = int(os.pread(fd, 64, 0).split()[1])
+        except (OSError, ValueError, IndexError) as exc:  # protect the job: no runq, say why
+            self.reason = f"run-queue wait off: {PATH} unreadable ({exc!r})"
+            return
+        self._fd = fd
+        self._thread = threading.get_ident()
+
+    def step_end(self) -> float | None:
+        """Run-queue wait (ms) since the last call on this thread; ``None`` when off or on
+        the first call (the baseline)."""
+        fd = self._fd
+        if fd is None:
+            if self.reason is None:
+                self._open()
+            return None
+        if threading.get_ident() != self._thread:
+            # Steps moved to another thread (init() ran elsewhere): follow them.
+            self.close()
+            self._open()
+            return None
+        try:
+            now = int(os.pread(fd, 64, 0).split()[1])
+        except (OSError, ValueError, IndexError) as exc:  # protect the job: stop reading, say why
+            self.reason = f"run-queue wait off: {PATH} read failed ({exc!r})"
+            self.close()
+            return None
+        ns, self._last = now - self._last, now
+        return ns / 1e6
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            # Already closed (fork/exit races): nothing left to release.
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def reader_for(clock_kind: str) -> RunQueueReader | None:
+    """A reader for a CPU clock; ``None`` for a device clock (device work is event-timed)."""
+    return RunQueueReader() if clock_kind == "cpu" else None

@@ -1,0 +1,98 @@
+"""A real gloo DDP run in which one rank is starved of CPU for a stretch of steps.
+
+Each rank is pinned to one CPU (rank r to the r-th allowed CPU, wrapping). A busy-loop child
+pinned to the starved rank's CPU waits on a pipe from the start (so its start-up costs no
+step) and spins from ``first`` to ``last`` (steps, inclusive): the rank is runnable all that
+time but gets about half of its CPU, as when another job lands on its core. The job's code
+does not change; the demo's model, loader and slow-injection points are reused, so a
+``SlowSpec`` can add a real (sleep) window too.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import stepscope
+from stepscope import demo
+from stepscope.dist import free_port, run_then_exit
+
+HIDDEN = 1024
+BATCH = 128
+_HOG = ("import os, sys\nos.sched_setaffinity(0, {%d})\nsys.stdin.buffer.read(1)\n"
+        "while True:\n    pass\n")
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str, steps: int,
+            slow: tuple[demo.SlowSpec, ...], starve: tuple[int, int, int] | None) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    cpus = sorted(os.sched_getaffinity(0))
+    cpu = cpus[rank % len(cpus)]
+    os.sched_setaffinity(0, {cpu})
+    torch.set_num_threads(1)
+    hog = None
+    if starve is not None and starve[0] == rank:
+        hog = subprocess.Popen([sys.executable, "-c", _HOG % cpu], stdin=subprocess.PIPE)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        injector = demo._Injector(rank, slow)
+        # Wider than the demo's (~10 ms of compute per step on one core): being descheduled
+        # costs a share of a step, as in the soak's false alarms (+22-25 ms on ~45 ms steps).
+        model = DDP(demo.DemoModel(injector, hidden=HIDDEN))
+        opt = demo._SlowSGD(model.parameters(), lr=0.01)
+        opt.injector = injector
+        g = torch.Generator().manual_seed(rank)
+        data = torch.utils.data.TensorDataset(torch.randn(2048, 64, generator=g),
+                                              torch.randint(0, 10, (2048,), generator=g))
+        loader = torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=True, generator=g)
+        stepscope.init(out_dir=out_dir, model=model, optimizer=opt, run_id="starve",
+                       auto={"dataloader", "forward", "backward", "optimizer"})
+        loss_fn = nn.CrossEntropyLoss()
+        step = 0
+        while step < steps:
+            for batch in stepscope.wrap_loader(demo._batches(loader, injector)):
+                if step >= steps:
+                    break
+                if hog is not None and starve is not None:
+                    if step == starve[1]:
+                        assert hog.stdin is not None
+                        hog.stdin.write(b"x")
+                        hog.stdin.flush()
+                    elif step == starve[2] + 1:
+                        hog.kill()
+                        hog.wait()
+                        hog = None
+                with stepscope.step():
+                    x, y = batch.to("cpu")
+                    loss_fn(model(x), y).backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                step += 1
+                injector.step = step
+        stepscope.finish()
+    finally:
+        if hog is not None:
+            hog.kill()
+            hog.wait()
+        dist.destroy_process_group()
+
+
+def launch(out_dir: str | Path, ranks: int = 2, steps: int = 60,
+           slow: tuple[demo.SlowSpec, ...] = (), starve: tuple[int, int, int] | None = None) -> Path:
+    """Run the job; ``starve=(rank, first, last)`` shares that rank's CPU with a busy loop
+    on steps first..last. Returns the run directory."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    mp.spawn(run_then_exit, args=(_worker, ranks, free_port(), str(out), steps, slow, starve),  # type: ignore[attr-defined]
+             nprocs=ranks, join=True)
+    return out
