@@ -15,34 +15,15 @@ machine's jitter). One process per rank, one intra-op thread each.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import stepscope
 from stepscope import demo
-from stepscope.dist import free_port, run_then_exit
-
-
-def _env(rank: int, world: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-
-
-def _spawn(worker: Callable[..., None], out_dir: str | os.PathLike[str], ranks: int,
-           *args: Any) -> Path:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    mp.spawn(run_then_exit, args=(worker, ranks, free_port(), str(out), *args),  # type: ignore[attr-defined]
-             nprocs=ranks, join=True)
-    return out
-
+from stepscope.dist import become_local_rank, spawn_local
 
 # ------------------------------------------------------------------ accelerate
 
@@ -51,7 +32,7 @@ def _accelerate_worker(rank: int, world: int, port: int, out_dir: str, steps: in
                        slow: tuple[demo.SlowSpec, ...]) -> None:
     from accelerate import Accelerator
 
-    _env(rank, world, port)
+    become_local_rank(rank, world, port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         accelerator = Accelerator(cpu=True)
@@ -92,7 +73,7 @@ def _accelerate_worker(rank: int, world: int, port: int, out_dir: str, steps: in
 def launch_accelerate(out_dir: str | os.PathLike[str], ranks: int = 2, steps: int = 40,
                       slow: tuple[demo.SlowSpec, ...] = ()) -> Path:
     """accelerate over gloo (CPU) with the prepared model/optimizer/loader; the run directory."""
-    return _spawn(_accelerate_worker, out_dir, ranks, steps, tuple(slow))
+    return spawn_local(_accelerate_worker, ranks, out_dir, steps, tuple(slow))
 
 
 # ------------------------------------------------------------------ tensor parallel
@@ -113,7 +94,7 @@ class _FeedForward(nn.Module):
         # Slowness between the two projections: before the forward all-reduce of the
         # row-parallel output, and (backward) before the column-parallel input's all-reduce.
         self.injector.sleep("forward")
-        h = demo._SlowGrad.apply(h, self.injector)
+        h = demo.SleepInBackward.apply(h, self.injector.delay("backward"))
         out: torch.Tensor = self.out_proj(h)
         return out
 
@@ -127,7 +108,7 @@ def _tp_worker(rank: int, world: int, port: int, out_dir: str, steps: int,
         parallelize_module,
     )
 
-    _env(rank, world, port)
+    become_local_rank(rank, world, port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         mesh = init_device_mesh("cpu", (world,))
@@ -159,7 +140,7 @@ def _tp_worker(rank: int, world: int, port: int, out_dir: str, steps: int,
 def launch_tp(out_dir: str | os.PathLike[str], ranks: int = 2, steps: int = 40,
               slow: tuple[demo.SlowSpec, ...] = ()) -> Path:
     """Tensor parallel (Colwise/RowwiseParallel on a 1-D CPU mesh) over gloo; the run directory."""
-    return _spawn(_tp_worker, out_dir, ranks, steps, tuple(slow))
+    return spawn_local(_tp_worker, ranks, out_dir, steps, tuple(slow))
 
 
 # ------------------------------------------------------------------ pipeline parallel
@@ -190,7 +171,7 @@ def _pp_worker(rank: int, world: int, port: int, out_dir: str, steps: int,
                slow: tuple[demo.SlowSpec, ...], schedule_name: str, n_micro: int, dim: int) -> None:
     from torch.distributed import pipelining
 
-    _env(rank, world, port)
+    become_local_rank(rank, world, port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         torch.manual_seed(rank)
@@ -230,7 +211,7 @@ def launch_pipeline(out_dir: str | os.PathLike[str], ranks: int = 2, steps: int 
     schedule's own work around it (chunking, the loss, scaling gradients, its bookkeeping) is
     a quarter of the step: real host overhead, which ``host_overhead`` rightly reports.
     """
-    return _spawn(_pp_worker, out_dir, ranks, steps, tuple(slow), schedule, n_micro, dim)
+    return spawn_local(_pp_worker, ranks, out_dir, steps, tuple(slow), schedule, n_micro, dim)
 
 
 # ------------------------------------------------------------------ expert parallel
@@ -288,7 +269,7 @@ class _MoE(nn.Module):
 
 def _moe_worker(rank: int, world: int, port: int, out_dir: str, steps: int, hot: int,
                 skew: float, per_token_ms: float) -> None:
-    _env(rank, world, port)
+    become_local_rank(rank, world, port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         torch.manual_seed(rank)
@@ -315,4 +296,4 @@ def launch_moe(out_dir: str | os.PathLike[str], ranks: int = 2, steps: int = 30,
 
     ``skew=0`` routes evenly; ``skew=0.8`` sends 80% of every rank's tokens to rank ``hot``.
     """
-    return _spawn(_moe_worker, out_dir, ranks, steps, hot, skew, per_token_ms)
+    return spawn_local(_moe_worker, ranks, out_dir, steps, hot, skew, per_token_ms)

@@ -17,13 +17,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import stepscope
 from stepscope import demo
-from stepscope.dist import free_port, run_then_exit
+from stepscope.dist import become_local_rank, spawn_local
 
 HIDDEN = 1024
 BATCH = 128
@@ -33,12 +32,10 @@ _HOG = ("import os, sys\nos.sched_setaffinity(0, {%d})\nsys.stdin.buffer.read(1)
 
 def _worker(rank: int, world: int, port: int, out_dir: str, steps: int,
             slow: tuple[demo.SlowSpec, ...], starve: tuple[int, int, int] | None) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    become_local_rank(rank, world, port)
     cpus = sorted(os.sched_getaffinity(0))
     cpu = cpus[rank % len(cpus)]
     os.sched_setaffinity(0, {cpu})
-    torch.set_num_threads(1)
     hog = None
     if starve is not None and starve[0] == rank:
         hog = subprocess.Popen([sys.executable, "-c", _HOG % cpu], stdin=subprocess.PIPE)
@@ -91,8 +88,4 @@ def launch(out_dir: str | Path, ranks: int = 2, steps: int = 60,
            slow: tuple[demo.SlowSpec, ...] = (), starve: tuple[int, int, int] | None = None) -> Path:
     """Run the job; ``starve=(rank, first, last)`` shares that rank's CPU with a busy loop
     on steps first..last. Returns the run directory."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    mp.spawn(run_then_exit, args=(_worker, ranks, free_port(), str(out), steps, slow, starve),  # type: ignore[attr-defined]
-             nprocs=ranks, join=True)
-    return out
+    return spawn_local(_worker, ranks, out_dir, steps, slow, starve)
