@@ -85,6 +85,62 @@ def recreation(name: str, siblings: tuple[str, ...] = (), **kw: Any) -> Script:
     return Script(name, (HERE / f"{name}.py").read_text(), sib, **kw)
 
 
+#: torchtitan's expert-parallel MoE before its kernels needed a GPU-only build step: the
+#: commit whose ``ExpertParallel`` and ``MoE`` are run, and the files they import.
+TORCHTITAN_EP = "ea4989e0dfc15d214e69c9569b358da322087f46"
+_TT_FILES = ("torchtitan/models/moe.py", "torchtitan/distributed/expert_parallel.py",
+             "torchtitan/experiments/kernels/moe/indices.py")
+#: Packages whose ``__init__`` pulls torchtitan's trainer (config, tyro, datasets): empty here.
+_TT_PACKAGES = ("torchtitan", "torchtitan/models", "torchtitan/distributed", "torchtitan/experiments",
+                "torchtitan/experiments/kernels", "torchtitan/experiments/kernels/moe")
+# What the script imports as ``moe_impl`` when it runs torchtitan's modules. Triton is absent
+# on a CPU-only machine: a stand-in lets the permutation module import, and its permutation
+# runs its own CPU implementation (``use_cpu=True``); the router's ``histc`` of integer expert
+# ids (CUDA-only for integers) counts them as floats, the result keeping the ids' dtype.
+_TT_SHIM = """import sys, types
+import torch
+_histc = torch.histc
+torch.histc = lambda t, bins=100, min=0, max=0: _histc(t.double(), bins, min, max).to(t.dtype)
+triton = types.ModuleType("triton")
+triton.jit = lambda fn=None, **kw: fn if fn is not None else (lambda f: f)
+triton.cdiv = lambda a, b: (a + b - 1) // b
+triton.language = types.ModuleType("triton.language")
+triton.language.constexpr = int
+sys.modules.setdefault("triton", triton)
+sys.modules.setdefault("triton.language", triton.language)
+from torchtitan.experiments.kernels.moe import indices
+_gpi = indices.generate_permute_indices
+indices.generate_permute_indices = lambda *a, **k: _gpi(*a, **{**k, "use_cpu": True})
+from torchtitan.distributed.expert_parallel import ExpertParallel
+from torchtitan.models.moe import MoE, MoEArgs
+"""
+
+
+def ep_moe_recreation(**kw: Any) -> Script:
+    """``ep_moe_train.py`` on this repository's re-creation of torchtitan's MoE (``ep_moe.py``)."""
+    return Script("ep_moe_train", (HERE / "ep_moe_train.py").read_text(),
+                  (("moe_impl.py", (HERE / "ep_moe.py").read_text()),), **kw)
+
+
+def torchtitan_moe(**kw: Any) -> Script | None:
+    """``ep_moe_train.py`` on pytorch/torchtitan's own MoE and ExpertParallel (at
+    :data:`TORCHTITAN_EP`), or None when torchtitan is not fetched."""
+    git_dir = MIRRORS / "pytorch+torchtitan" / "repo"
+    if not git_dir.is_dir():
+        return None
+    try:
+        files = [(f, subprocess.run(["git", "--git-dir", str(git_dir), "show", f"{TORCHTITAN_EP}:{f}"],
+                                    check=True, capture_output=True, text=True).stdout)
+                 for f in _TT_FILES]
+    except (OSError, subprocess.CalledProcessError):
+        return None  # a mirror without that commit
+    inits = [(f"{p}/__init__.py", "") for p in _TT_PACKAGES]
+    return Script("ep_moe_train", (HERE / "ep_moe_train.py").read_text(),
+                  (*inits, *files, ("moe_impl.py", _TT_SHIM)),
+                  f"ep_moe_train.py on pytorch/torchtitan@{TORCHTITAN_EP[:12]}",
+                  **kw)
+
+
 # ------------------------------------------------------------------ the loop rewrite
 
 
@@ -344,6 +400,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, script: Script, step
     src = Path(out_dir) / "src"
     src.mkdir(parents=True, exist_ok=True)
     for name, text in script.siblings:
+        (src / name).parent.mkdir(parents=True, exist_ok=True)  # a package's module: pkg/mod.py
         (src / name).write_text(text)
     sys.path.insert(0, str(src))
     # CPU in place of an accelerator: the scripts ask torch which accelerator to use.
@@ -354,7 +411,13 @@ def _worker(rank: int, world: int, port: int, out_dir: str, script: Script, step
         _offline_hf(src)
     if script.init_pg:
         dist.init_process_group("gloo", rank=rank, world_size=world)
+    if not torch.cuda.is_available():
+        # torchtitan-era expert parallel syncs the current CUDA stream before reading splits.
+        torch.cuda.current_stream = lambda device=None: types.SimpleNamespace(  # type: ignore[assignment]
+            synchronize=lambda: None)
     for name, _ in script.siblings:
+        if "/" in name:
+            continue  # a package's module: the script imports it
         mod = __import__(Path(name).stem)
         if hasattr(mod, "verify_min_gpu_count"):
             mod.verify_min_gpu_count = lambda min_gpus=2: True

@@ -39,10 +39,10 @@ group id (:func:`p2p_id`), so the analysis pairs a send with its receive.
 Not seen: DDP's bucketed all-reduce (issued from C++; timed by the ``grad_sync`` phase),
 calls inside a ``_coalescing_manager`` block (the real work happens at its exit, in C++;
 ``batch_isend_irecv`` on NCCL uses one), counted per step as the ``unseen_coalesced`` counter
-so the report says so, and functions a module bound by name (``from torch.distributed import
-all_reduce``) before the patch went in. An async Work waited after its step ends is attached
-to the next sampled step; one never waited (e.g. only ``get_future()``, as DDP comm hooks do)
-is never recorded. Nested calls
+so the report says so. Functions a module bound by name (``from torch.distributed import
+all_reduce``) before the patch went in are rebound to the patched ones (:mod:`.bound`).
+An async Work waited after its step ends is attached to the next sampled step; one never
+waited (e.g. only ``get_future()``, as DDP comm hooks do) is never recorded. Nested calls
 (``all_gather_into_tensor`` → ``all_gather_single``, ``all_gather_object`` → ``all_gather``)
 are timed once, as the outermost.
 
@@ -66,7 +66,7 @@ from typing import Any
 import torch
 
 from stepscope.errors import StepscopeWarning
-from stepscope.instrument import funcol, gate
+from stepscope.instrument import bound, funcol, gate
 from stepscope.instrument.patch import SharedPatch
 
 #: function name → the parameter whose tensor(s) give the byte count (None: no payload).
@@ -529,6 +529,7 @@ def _apply() -> None:
         for mod in _targets():
             if getattr(mod, name, None) is orig:
                 setattr(mod, name, patched)
+    bound.rebind((orig, getattr(c10d, name)) for name, orig in _originals.items())
     orig_bc = getattr(torch.distributed, "_broadcast_coalesced", None)
     if orig_bc is not None:
         _originals["_broadcast_coalesced"] = orig_bc
@@ -537,6 +538,7 @@ def _apply() -> None:
 
 
 def _restore() -> None:
+    bound.restore(_originals.values())
     for name, orig in _originals.items():
         for mod in _targets():
             cur = getattr(mod, name, None)
