@@ -196,3 +196,48 @@ def test_accelerate_script(tmp_path: Any, source: str, slow: tuple[int, str] | N
     if slow[1] == "forward":
         # The other rank waits in DDP's buffer broadcast at the start of its forward.
         assert any(o["op"] == "broadcast" and "forward" in o["phases"] for o in doc["collectives"]["ops"])
+
+
+# ------------------------------------------------------------------ expert parallel
+
+
+PER_TOKEN_MS = 0.5  # each routed token's expert compute (ep_moe_train.py's --per-token-ms)
+TOKENS = 64  # per rank per step (ep_moe_train.py)
+
+
+def _ep_script(source: str, skew: float) -> Any:
+    kw = {"argv": ("--skew", str(skew), "--hot", "1", "--per-token-ms", str(PER_TOKEN_MS))}
+    if source == "recreation":
+        return third_party.ep_moe_recreation(**kw)
+    script = third_party.torchtitan_moe(**kw)
+    if script is None:
+        pytest.skip(f"pytorch/torchtitan (commit {third_party.TORCHTITAN_EP[:12]}) is not fetched "
+                    f"under {third_party.MIRRORS}")
+    return script
+
+
+@pytest.mark.parametrize(("source", "ranks", "skew"), [
+    ("recreation", 2, 0.5), ("recreation", 2, 0.0),
+    ("mirror", 2, 0.5), ("mirror", 2, 0.0), ("mirror", 4, 0.5)])
+def test_expert_parallel_script(tmp_path: Any, source: str, ranks: int, skew: float) -> None:
+    # torchtitan's MoE + ExpertParallel (or their re-creation): the router's expert bias sends
+    # every token to rank 1's experts (skew), or routes by the random gate (balanced).
+    doc = analyze_run(third_party.launch(_ep_script(source, skew), tmp_path, ranks=ranks, steps=20))
+    (g,) = doc["experts"]["groups"]
+    assert {o["op"] for o in doc["collectives"]["ops"]} == {"all_to_all_single"}
+    assert "pipeline" not in doc and "blind" not in doc
+    # All of every rank's tokens on rank 1: it computes ranks × TOKENS, the others nothing,
+    # and they wait that long for it in the all-to-all that returns the tokens.
+    lost = ranks * TOKENS * PER_TOKEN_MS
+    if skew == 0.0:
+        assert g["imbalance"] < 1.3, g
+        _assert_quiet(doc, lost)
+        return
+    (v,) = [v for v in doc["verdicts"] if v["kind"] == "expert_imbalance"]
+    assert v["severity"] != "info" and "rank 1 receives" in v["evidence"]
+    # Rank 1 gets every rank's tokens in the dispatch; another rank, its own back in the combine.
+    assert g["max_recv_rank"] == 1 and g["imbalance"] == pytest.approx(ranks, rel=0.05)
+    assert 0.6 * lost < g["lost_ms_per_step"] < 1.5 * lost, g
+    assert "balanced" not in {v["kind"] for v in doc["verdicts"]}
+    s = doc["stragglers"][0]
+    assert (s["rank"], s["phase"]) == (1, "forward") and 0.6 * lost < s["excess_ms"] < 1.5 * lost
