@@ -448,6 +448,9 @@ def launch(script: Script, out_dir: str | os.PathLike[str], ranks: int, steps: i
 KNOWN: dict[str, tuple[str, str, tuple[str, ...], int, dict[str, Any]]] = {
     "tp": ("pytorch/examples", "distributed/tensor_parallelism/tensor_parallel_example.py",
            ("distributed/tensor_parallelism/log_utils.py",), 2, {}),
+    "fsdp_tp": ("pytorch/examples", "distributed/tensor_parallelism/fsdp_tp_example.py",
+                ("distributed/tensor_parallelism/log_utils.py",
+                 "distributed/tensor_parallelism/llama2_model.py"), 4, {}),
     "pippy": ("pytorch/PiPPy", "examples/basic/example_train.py", (), 3, {}),
     "accelerate": ("huggingface/accelerate", "examples/nlp_example.py", (), 2,
                    {"argv": ("--cpu",), "init_pg": True, "offline_hf": True}),
@@ -456,19 +459,29 @@ KNOWN: dict[str, tuple[str, str, tuple[str, ...], int, dict[str, Any]]] = {
 
 def main(argv: list[str]) -> None:
     """``python tests/third_party.py NAME OUT [RANK PHASE MS]``: run a fetched script, print
-    what stepscope reports (top verdict, stragglers, pipeline bottleneck)."""
+    what stepscope reports (top verdict, stragglers, pipeline bottleneck, expert imbalance);
+    ``torchtitan-ep OUT SKEW RANKS`` runs torchtitan's expert-parallel MoE (``ep_moe_train.py``)."""
     from stepscope.analysis.run import analyze_run
 
-    repo, path, sib, ranks, kw = KNOWN[argv[0]]
-    script = from_mirror(repo, path, sib, **kw)
-    if script is None:
-        raise SystemExit(f"{repo} is not fetched under {MIRRORS}")
-    slow = (int(argv[2]), argv[3], float(argv[4])) if len(argv) > 2 else None
+    if argv[0] == "torchtitan-ep":  # ... torchtitan-ep OUT SKEW RANKS: the router's bias on r1
+        ep = torchtitan_moe(argv=("--skew", argv[2], "--hot", "1", "--per-token-ms", "0.5"))
+        if ep is None:
+            raise SystemExit(f"pytorch/torchtitan is not fetched under {MIRRORS}")
+        script, ranks, slow = ep, int(argv[3]), None
+    else:
+        repo, path, sib, ranks, kw = KNOWN[argv[0]]
+        found_script = from_mirror(repo, path, sib, **kw)
+        if found_script is None:
+            raise SystemExit(f"{repo} is not fetched under {MIRRORS}")
+        script = found_script
+        slow = (int(argv[2]), argv[3], float(argv[4])) if len(argv) > 2 else None
     doc = analyze_run(launch(script, argv[1], ranks, steps=20, slow=slow))
     found = {"script": script.origin, "injected": slow,
              "verdicts": [(v["kind"], v["severity"]) for v in doc["verdicts"]],
              "stragglers": [(s["rank"], s["phase"], s["excess_ms"]) for s in doc["stragglers"]],
-             "bottleneck_stage": (doc.get("pipeline") or {}).get("bottleneck_stage")}
+             "bottleneck_stage": (doc.get("pipeline") or {}).get("bottleneck_stage"),
+             "experts": [(g["max_recv_rank"], g["imbalance"], g["lost_ms_per_step"])
+                         for g in (doc.get("experts") or {}).get("groups", [])]}
     print("STEPSCOPE-THIRD-PARTY", found)
 
 
