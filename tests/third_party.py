@@ -15,8 +15,11 @@ with these run-time changes only:
   calls ``backward`` instead, stopped after ``steps`` batches, ``init`` with the function's
   locals; the script's own command line (``argv``, e.g. ``--cpu``);
 - CPU instead of an accelerator (``torch.accelerator.current_accelerator`` answers ``cpu``, GPU
-  count checks pass), gloo (the default for CPU tensors), and for PiPPy-era scripts a ``pippy``
-  module that maps the old API onto ``torch.distributed.pipelining``; for Hugging Face
+  count checks pass, attention on head-sharded DTensors computed on the local heads where
+  DTensor lacks a rule for CPU flash attention, a no-op
+  ``torch.cuda.current_stream().synchronize()``), gloo (the default for CPU tensors), and for
+  PiPPy-era scripts a ``pippy`` module that maps the old API onto
+  ``torch.distributed.pipelining``; for Hugging Face
   examples, offline stand-ins for what they download (model, tokenizer, dataset, metric).
 """
 
@@ -392,6 +395,23 @@ def _offline_hf(tmp: Path) -> None:
     sys.modules["datasets"], sys.modules["evaluate"] = ds, ev
 
 
+def _local_head_attention() -> None:
+    """Attention on head-sharded DTensors computed on the local heads (what DTensor's rule for
+    the GPU flash kernel does): heads are independent, so the result is the same."""
+    import torch.nn.functional as F
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    orig = F.scaled_dot_product_attention
+
+    def sdpa(q: Any, k: Any, v: Any, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(q, DTensor) or any(p not in (Shard(1), Replicate()) for p in q.placements):
+            return orig(q, k, v, *args, **kwargs)
+        out = orig(q.to_local(), k.to_local(), v.to_local(), *args, **kwargs)
+        return DTensor.from_local(out, q.device_mesh, q.placements, run_check=False)
+
+    F.scaled_dot_product_attention = sdpa
+
+
 def _worker(rank: int, world: int, port: int, out_dir: str, script: Script, steps: int,
             slow: tuple[int, str, float] | None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -412,6 +432,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str, script: Script, step
     if script.init_pg:
         dist.init_process_group("gloo", rank=rank, world_size=world)
     if not torch.cuda.is_available():
+        # DTensor has a sharding rule for the GPU flash-attention kernel, none for the CPU one.
+        _local_head_attention()
         # torchtitan-era expert parallel syncs the current CUDA stream before reading splits.
         torch.cuda.current_stream = lambda device=None: types.SimpleNamespace(  # type: ignore[assignment]
             synchronize=lambda: None)

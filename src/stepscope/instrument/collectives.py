@@ -215,6 +215,11 @@ class _Spec:
 _RECV: dict[str, str] = {"all_to_all_single": "output", "all_to_all": "output_tensor_list"}
 
 
+def timed_calls(pid: str) -> int:
+    """How many calls on group ``pid`` this process has timed (its last sequence number)."""
+    return _seq.get(pid, 0)
+
+
 def next_seq(pid: str) -> int:
     """The next per-group sequence number (shared by every patched collective path)."""
     seq = _seq.get(pid, 0) + 1
@@ -235,6 +240,9 @@ UNSEEN = {
     "_coalescing_manager): the work runs at the block's exit, in C++",
     "traced": "functional collectives called while tracing (make_fx, fake or proxy "
     "modes): they run inside the captured graph",
+    "untimed": "collectives issued from C++ (a ProcessGroup method called directly, a "
+    "framework's native code) on a process group that carried no timed call: its sequence "
+    "number moved on, stepscope saw nothing",
     "compiled": "collectives inside compiled graphs (torch.compile: dynamo turns them into "
     "_c10d_functional graph ops that the compiled code runs): not timed, and waits there are "
     "not attributed",
