@@ -216,8 +216,10 @@ _RECV: dict[str, str] = {"all_to_all_single": "output", "all_to_all": "output_te
 
 
 def timed_calls(pid: str) -> int:
-    """How many calls on group ``pid`` this process has timed (its last sequence number)."""
-    return _seq.get(pid, 0)
+    """How many calls on group ``pid`` this process has timed, its point-to-point links'
+    (``"<pid>:<src>><dst>"``, numbered apart) included."""
+    link = pid + ":"
+    return sum(n for k, n in list(_seq.items()) if k == pid or k.startswith(link))
 
 
 def next_seq(pid: str) -> int:
