@@ -52,7 +52,7 @@ def blind_section(con: Any, doc: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
     n_steps = max(1, int(doc["run"]["steps"]))
     # DDP's bucketed all-reduce is issued from C++ on purpose: it is timed as grad_sync.
-    ddp = "grad_sync" in doc["phases"]
+    ddp = any(str(p).split("/")[-1] == "grad_sync" for p in doc["phases"])
     for path, ranks, calls in con.execute(
         "SELECT path, list(DISTINCT rank ORDER BY rank), sum(n) FROM unseen GROUP BY 1 ORDER BY 1"
     ).fetchall():
