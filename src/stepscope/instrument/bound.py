@@ -4,7 +4,7 @@
 dispatcher does this) or ``from torch.distributed import all_reduce`` copies the function
 into the importing module: replacing the attribute on torch's module later does not reach
 that copy, so those calls would go untimed. When a patch goes in, the modules already loaded
-are searched once for the original function objects and each binding is pointed at the
+are searched for the original function objects and each binding is pointed at the
 patched function; :func:`restore` puts back the ones still pointing at it.
 
 torch's own modules are left alone (the patches are placed where torch's callers look them
@@ -21,10 +21,24 @@ from typing import Any
 _lock = threading.Lock()
 # (module, attribute, original, patched) for every binding rebound.
 _rebound: list[tuple[Any, str, Any, Any]] = []
+# Per set of originals: the modules already searched and the bindings found there, so a
+# patch applied again (every new tracer after the last one finished) searches only modules
+# imported since (one search of ~3300 modules takes ~60 ms).
+_searched: dict[frozenset[int], tuple[set[str], list[tuple[Any, str]]]] = {}
 
 
 def _skip(name: str) -> bool:
-    return name == "torch" or name.startswith(("torch.", "stepscope", "__main__.stepscope"))
+    return name == "torch" or name.startswith(("torch.", "stepscope"))
+
+
+def _point(mod: Any, attr: str, orig: Any, patched: Any) -> bool:
+    try:
+        setattr(mod, attr, patched)
+    except (AttributeError, TypeError):  # a read-only module stand-in: left untimed
+        return False
+    with _lock:
+        _rebound.append((mod, attr, orig, patched))
+    return True
 
 
 def rebind(pairs: Iterable[tuple[Callable[..., Any], Callable[..., Any]]]) -> int:
@@ -32,8 +46,16 @@ def rebind(pairs: Iterable[tuple[Callable[..., Any], Callable[..., Any]]]) -> in
     by_id = {id(orig): (orig, patched) for orig, patched in pairs}
     if not by_id:
         return 0
+    searched, found = _searched.setdefault(frozenset(by_id), (set(), []))
     n = 0
+    for mod, attr in found:  # bindings found by an earlier search, still the original's
+        hit = by_id.get(id(getattr(mod, attr, None)))
+        if hit is not None and getattr(mod, attr, None) is hit[0]:
+            n += _point(mod, attr, *hit)
     for mod_name, mod in list(sys.modules.items()):
+        if mod_name in searched:
+            continue
+        searched.add(mod_name)
         if mod is None or _skip(mod_name):
             continue
         try:
@@ -44,13 +66,8 @@ def rebind(pairs: Iterable[tuple[Callable[..., Any], Callable[..., Any]]]) -> in
             hit = by_id.get(id(value))
             if hit is None or hit[0] is not value:
                 continue
-            try:
-                setattr(mod, attr, hit[1])
-            except (AttributeError, TypeError):  # a read-only module stand-in: left untimed
-                continue
-            with _lock:
-                _rebound.append((mod, attr, hit[0], hit[1]))
-            n += 1
+            found.append((mod, attr))
+            n += _point(mod, attr, *hit)
     return n
 
 
