@@ -164,3 +164,38 @@ def test_collectives_in_inductor_graphs_are_reported_blind(world1: Any, tmp_path
     # inductor (C++ compiler on CPU): the graph's all_reduce runs from generated code.
     doc = _traced_run(tmp_path, "inductor", True, True)
     assert {b["path"] for b in doc["blind"]} == {"compiled"}
+
+
+def test_all_to_all_bytes_count_rows_a_rank_receives_while_sending_none() -> None:
+    # A fully skewed router: this rank routes no token away (0 rows in) but gets 6 rows back.
+    from stepscope.instrument.funcol import _split_bytes
+
+    assert _split_bytes(torch.empty(0, 4), [6], 1) == 96
+    assert _split_bytes(torch.empty(3, 2, 2), [1, 2], 2) == 48
+
+
+def test_collectives_bound_by_name_before_init_are_timed(world1: Any, tmp_path: Path) -> None:
+    # torchtitan's token dispatcher: `from torch.distributed._functional_collectives import
+    # all_to_all_single`, at import, long before stepscope.init.
+    import sys
+    import types
+
+    user = types.ModuleType("user_dispatcher")
+    user.all_to_all_single = funcol.all_to_all_single  # type: ignore[attr-defined]
+    user.all_reduce = dist.all_reduce  # type: ignore[attr-defined]
+    originals = (funcol.all_to_all_single, dist.all_reduce)
+    sys.modules["user_dispatcher"] = user
+    try:
+        out = tmp_path / "run"
+        tr = stepscope.Tracer(stepscope.Config(out_dir=str(out), auto=set()))
+        assert user.all_to_all_single is not originals[0]  # type: ignore[attr-defined]
+        for _ in range(3):
+            with tr.step():
+                funcol.wait_tensor(user.all_to_all_single(torch.ones(6, 4), [6], [6], dist.group.WORLD))  # type: ignore[attr-defined]
+                user.all_reduce(torch.ones(4))  # type: ignore[attr-defined]
+        tr.finish()
+        assert (user.all_to_all_single, user.all_reduce) == originals  # type: ignore[attr-defined]
+    finally:
+        del sys.modules["user_dispatcher"]
+    ops = {o["op"]: o for o in analyze_run(out)["collectives"]["ops"]}
+    assert set(ops) == {"all_to_all_single", "all_reduce"}, ops

@@ -196,3 +196,73 @@ def test_accelerate_script(tmp_path: Any, source: str, slow: tuple[int, str] | N
     if slow[1] == "forward":
         # The other rank waits in DDP's buffer broadcast at the start of its forward.
         assert any(o["op"] == "broadcast" and "forward" in o["phases"] for o in doc["collectives"]["ops"])
+
+
+# ------------------------------------------------------------------ expert parallel
+
+
+PER_TOKEN_MS = 0.5  # each routed token's expert compute (ep_moe_train.py's --per-token-ms)
+TOKENS = 64  # per rank per step (ep_moe_train.py)
+
+
+def _ep_script(source: str, skew: float) -> Any:
+    kw = {"argv": ("--skew", str(skew), "--hot", "1", "--per-token-ms", str(PER_TOKEN_MS))}
+    if source == "recreation":
+        return third_party.ep_moe_recreation(**kw)
+    script = third_party.torchtitan_moe(**kw)
+    if script is None:
+        pytest.skip(f"pytorch/torchtitan (commit {third_party.TORCHTITAN_EP[:12]}) is not fetched "
+                    f"under {third_party.MIRRORS}")
+    return script
+
+
+@pytest.mark.parametrize(("source", "ranks", "skew"), [
+    ("recreation", 2, 0.5), ("recreation", 2, 0.0),
+    ("mirror", 2, 0.5), ("mirror", 2, 0.0), ("mirror", 4, 0.5)])
+def test_expert_parallel_script(tmp_path: Any, source: str, ranks: int, skew: float) -> None:
+    # torchtitan's MoE + ExpertParallel (or their re-creation): the router's expert bias sends
+    # every token to rank 1's experts (skew), or routes by the random gate (balanced).
+    doc = analyze_run(third_party.launch(_ep_script(source, skew), tmp_path, ranks=ranks, steps=20))
+    (g,) = doc["experts"]["groups"]
+    assert {o["op"] for o in doc["collectives"]["ops"]} == {"all_to_all_single"}
+    assert "pipeline" not in doc and "blind" not in doc
+    # All of every rank's tokens on rank 1: it computes ranks × TOKENS, the others nothing,
+    # and they wait that long for it in the all-to-all that returns the tokens.
+    lost = ranks * TOKENS * PER_TOKEN_MS
+    if skew == 0.0:
+        assert g["imbalance"] < 1.3, g
+        _assert_quiet(doc, lost)
+        return
+    (v,) = [v for v in doc["verdicts"] if v["kind"] == "expert_imbalance"]
+    assert v["severity"] != "info" and "rank 1 receives" in v["evidence"]
+    # Rank 1 gets every rank's tokens in the dispatch; another rank, its own back in the combine.
+    assert g["max_recv_rank"] == 1 and g["imbalance"] == pytest.approx(ranks, rel=0.05)
+    assert 0.6 * lost < g["lost_ms_per_step"] < 1.5 * lost, g
+    assert "balanced" not in {v["kind"] for v in doc["verdicts"]}
+    s = doc["stragglers"][0]
+    assert (s["rank"], s["phase"]) == (1, "forward") and 0.6 * lost < s["excess_ms"] < 1.5 * lost
+
+
+# ------------------------------------------------------------------ 2-D: FSDP + tensor parallel
+
+
+@pytest.mark.soak  # the script's Llama (32000-word vocabulary) takes 10-17 s a step on 2 cores
+@pytest.mark.parametrize("slow", [(1, "forward"), None])
+def test_fsdp_tp_script(tmp_path: Any, slow: tuple[int, str] | None) -> None:
+    # pytorch/examples' 2-D example on a 2×2 (dp, tp) mesh; no re-creation: it would not fit
+    # the fast suite's time, so it runs only where the mirror is fetched.
+    repo, path, sib, ranks, kw = third_party.KNOWN["fsdp_tp"]
+    script = third_party.from_mirror(repo, path, sib, **kw)
+    if script is None:
+        pytest.skip(f"{repo} is not fetched under {third_party.MIRRORS}")
+    ms = 6000.0  # the steps vary by seconds: 4 ranks of a 32000-word output layer on 2 cores
+    doc = analyze_run(third_party.launch(script, tmp_path, ranks=ranks, steps=10,
+                                         slow=None if slow is None else (*slow, ms)))
+    assert "blind" not in doc and "experts" not in doc and "pipeline" not in doc
+    if slow is None:
+        _assert_quiet(doc, ms)
+        return
+    s = _culprit(doc)
+    assert (s["rank"], s["phase"]) == slow
+    assert 0.7 * ms < s["excess_ms"] < 1.4 * ms
+    assert sorted(s["victims"]) == [0, 2, 3]

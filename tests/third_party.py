@@ -15,8 +15,11 @@ with these run-time changes only:
   calls ``backward`` instead, stopped after ``steps`` batches, ``init`` with the function's
   locals; the script's own command line (``argv``, e.g. ``--cpu``);
 - CPU instead of an accelerator (``torch.accelerator.current_accelerator`` answers ``cpu``, GPU
-  count checks pass), gloo (the default for CPU tensors), and for PiPPy-era scripts a ``pippy``
-  module that maps the old API onto ``torch.distributed.pipelining``; for Hugging Face
+  count checks pass, attention on head-sharded DTensors computed on the local heads where
+  DTensor lacks a rule for CPU flash attention, a no-op
+  ``torch.cuda.current_stream().synchronize()``), gloo (the default for CPU tensors), and for
+  PiPPy-era scripts a ``pippy`` module that maps the old API onto
+  ``torch.distributed.pipelining``; for Hugging Face
   examples, offline stand-ins for what they download (model, tokenizer, dataset, metric).
 """
 
@@ -83,6 +86,62 @@ def recreation(name: str, siblings: tuple[str, ...] = (), **kw: Any) -> Script:
     """This repository's re-creation ``tests/third_party_scripts/<name>.py``."""
     sib = tuple((s, (HERE / s).read_text()) for s in siblings)
     return Script(name, (HERE / f"{name}.py").read_text(), sib, **kw)
+
+
+#: torchtitan's expert-parallel MoE before its kernels needed a GPU-only build step: the
+#: commit whose ``ExpertParallel`` and ``MoE`` are run, and the files they import.
+TORCHTITAN_EP = "ea4989e0dfc15d214e69c9569b358da322087f46"
+_TT_FILES = ("torchtitan/models/moe.py", "torchtitan/distributed/expert_parallel.py",
+             "torchtitan/experiments/kernels/moe/indices.py")
+#: Packages whose ``__init__`` pulls torchtitan's trainer (config, tyro, datasets): empty here.
+_TT_PACKAGES = ("torchtitan", "torchtitan/models", "torchtitan/distributed", "torchtitan/experiments",
+                "torchtitan/experiments/kernels", "torchtitan/experiments/kernels/moe")
+# What the script imports as ``moe_impl`` when it runs torchtitan's modules. Triton is absent
+# on a CPU-only machine: a stand-in lets the permutation module import, and its permutation
+# runs its own CPU implementation (``use_cpu=True``); the router's ``histc`` of integer expert
+# ids (CUDA-only for integers) counts them as floats, the result keeping the ids' dtype.
+_TT_SHIM = """import sys, types
+import torch
+_histc = torch.histc
+torch.histc = lambda t, bins=100, min=0, max=0: _histc(t.double(), bins, min, max).to(t.dtype)
+triton = types.ModuleType("triton")
+triton.jit = lambda fn=None, **kw: fn if fn is not None else (lambda f: f)
+triton.cdiv = lambda a, b: (a + b - 1) // b
+triton.language = types.ModuleType("triton.language")
+triton.language.constexpr = int
+sys.modules.setdefault("triton", triton)
+sys.modules.setdefault("triton.language", triton.language)
+from torchtitan.experiments.kernels.moe import indices
+_gpi = indices.generate_permute_indices
+indices.generate_permute_indices = lambda *a, **k: _gpi(*a, **{**k, "use_cpu": True})
+from torchtitan.distributed.expert_parallel import ExpertParallel
+from torchtitan.models.moe import MoE, MoEArgs
+"""
+
+
+def ep_moe_recreation(**kw: Any) -> Script:
+    """``ep_moe_train.py`` on this repository's re-creation of torchtitan's MoE (``ep_moe.py``)."""
+    return Script("ep_moe_train", (HERE / "ep_moe_train.py").read_text(),
+                  (("moe_impl.py", (HERE / "ep_moe.py").read_text()),), **kw)
+
+
+def torchtitan_moe(**kw: Any) -> Script | None:
+    """``ep_moe_train.py`` on pytorch/torchtitan's own MoE and ExpertParallel (at
+    :data:`TORCHTITAN_EP`), or None when torchtitan is not fetched."""
+    git_dir = MIRRORS / "pytorch+torchtitan" / "repo"
+    if not git_dir.is_dir():
+        return None
+    try:
+        files = [(f, subprocess.run(["git", "--git-dir", str(git_dir), "show", f"{TORCHTITAN_EP}:{f}"],
+                                    check=True, capture_output=True, text=True).stdout)
+                 for f in _TT_FILES]
+    except (OSError, subprocess.CalledProcessError):
+        return None  # a mirror without that commit
+    inits = [(f"{p}/__init__.py", "") for p in _TT_PACKAGES]
+    return Script("ep_moe_train", (HERE / "ep_moe_train.py").read_text(),
+                  (*inits, *files, ("moe_impl.py", _TT_SHIM)),
+                  f"ep_moe_train.py on pytorch/torchtitan@{TORCHTITAN_EP[:12]}",
+                  **kw)
 
 
 # ------------------------------------------------------------------ the loop rewrite
@@ -336,6 +395,23 @@ def _offline_hf(tmp: Path) -> None:
     sys.modules["datasets"], sys.modules["evaluate"] = ds, ev
 
 
+def _local_head_attention() -> None:
+    """Attention on head-sharded DTensors computed on the local heads (what DTensor's rule for
+    the GPU flash kernel does): heads are independent, so the result is the same."""
+    import torch.nn.functional as F
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    orig = F.scaled_dot_product_attention
+
+    def sdpa(q: Any, k: Any, v: Any, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(q, DTensor) or any(p not in (Shard(1), Replicate()) for p in q.placements):
+            return orig(q, k, v, *args, **kwargs)
+        out = orig(q.to_local(), k.to_local(), v.to_local(), *args, **kwargs)
+        return DTensor.from_local(out, q.device_mesh, q.placements, run_check=False)
+
+    F.scaled_dot_product_attention = sdpa
+
+
 def _worker(rank: int, world: int, port: int, out_dir: str, script: Script, steps: int,
             slow: tuple[int, str, float] | None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -344,6 +420,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, script: Script, step
     src = Path(out_dir) / "src"
     src.mkdir(parents=True, exist_ok=True)
     for name, text in script.siblings:
+        (src / name).parent.mkdir(parents=True, exist_ok=True)  # a package's module: pkg/mod.py
         (src / name).write_text(text)
     sys.path.insert(0, str(src))
     # CPU in place of an accelerator: the scripts ask torch which accelerator to use.
@@ -354,7 +431,15 @@ def _worker(rank: int, world: int, port: int, out_dir: str, script: Script, step
         _offline_hf(src)
     if script.init_pg:
         dist.init_process_group("gloo", rank=rank, world_size=world)
+    if not torch.cuda.is_available():
+        # DTensor has a sharding rule for the GPU flash-attention kernel, none for the CPU one.
+        _local_head_attention()
+        # torchtitan-era expert parallel syncs the current CUDA stream before reading splits.
+        torch.cuda.current_stream = lambda device=None: types.SimpleNamespace(  # type: ignore[assignment]
+            synchronize=lambda: None)
     for name, _ in script.siblings:
+        if "/" in name:
+            continue  # a package's module: the script imports it
         mod = __import__(Path(name).stem)
         if hasattr(mod, "verify_min_gpu_count"):
             mod.verify_min_gpu_count = lambda min_gpus=2: True
@@ -385,6 +470,9 @@ def launch(script: Script, out_dir: str | os.PathLike[str], ranks: int, steps: i
 KNOWN: dict[str, tuple[str, str, tuple[str, ...], int, dict[str, Any]]] = {
     "tp": ("pytorch/examples", "distributed/tensor_parallelism/tensor_parallel_example.py",
            ("distributed/tensor_parallelism/log_utils.py",), 2, {}),
+    "fsdp_tp": ("pytorch/examples", "distributed/tensor_parallelism/fsdp_tp_example.py",
+                ("distributed/tensor_parallelism/log_utils.py",
+                 "distributed/tensor_parallelism/llama2_model.py"), 4, {}),
     "pippy": ("pytorch/PiPPy", "examples/basic/example_train.py", (), 3, {}),
     "accelerate": ("huggingface/accelerate", "examples/nlp_example.py", (), 2,
                    {"argv": ("--cpu",), "init_pg": True, "offline_hf": True}),
@@ -393,19 +481,29 @@ KNOWN: dict[str, tuple[str, str, tuple[str, ...], int, dict[str, Any]]] = {
 
 def main(argv: list[str]) -> None:
     """``python tests/third_party.py NAME OUT [RANK PHASE MS]``: run a fetched script, print
-    what stepscope reports (top verdict, stragglers, pipeline bottleneck)."""
+    what stepscope reports (top verdict, stragglers, pipeline bottleneck, expert imbalance);
+    ``torchtitan-ep OUT SKEW RANKS`` runs torchtitan's expert-parallel MoE (``ep_moe_train.py``)."""
     from stepscope.analysis.run import analyze_run
 
-    repo, path, sib, ranks, kw = KNOWN[argv[0]]
-    script = from_mirror(repo, path, sib, **kw)
-    if script is None:
-        raise SystemExit(f"{repo} is not fetched under {MIRRORS}")
-    slow = (int(argv[2]), argv[3], float(argv[4])) if len(argv) > 2 else None
+    if argv[0] == "torchtitan-ep":  # ... torchtitan-ep OUT SKEW RANKS: the router's bias on r1
+        ep = torchtitan_moe(argv=("--skew", argv[2], "--hot", "1", "--per-token-ms", "0.5"))
+        if ep is None:
+            raise SystemExit(f"pytorch/torchtitan is not fetched under {MIRRORS}")
+        script, ranks, slow = ep, int(argv[3]), None
+    else:
+        repo, path, sib, ranks, kw = KNOWN[argv[0]]
+        found_script = from_mirror(repo, path, sib, **kw)
+        if found_script is None:
+            raise SystemExit(f"{repo} is not fetched under {MIRRORS}")
+        script = found_script
+        slow = (int(argv[2]), argv[3], float(argv[4])) if len(argv) > 2 else None
     doc = analyze_run(launch(script, argv[1], ranks, steps=20, slow=slow))
     found = {"script": script.origin, "injected": slow,
              "verdicts": [(v["kind"], v["severity"]) for v in doc["verdicts"]],
              "stragglers": [(s["rank"], s["phase"], s["excess_ms"]) for s in doc["stragglers"]],
-             "bottleneck_stage": (doc.get("pipeline") or {}).get("bottleneck_stage")}
+             "bottleneck_stage": (doc.get("pipeline") or {}).get("bottleneck_stage"),
+             "experts": [(g["max_recv_rank"], g["imbalance"], g["lost_ms_per_step"])
+                         for g in (doc.get("experts") or {}).get("groups", [])]}
     print("STEPSCOPE-THIRD-PARTY", found)
 
 

@@ -41,7 +41,9 @@ def add_coverage_sections(con: Any, doc: dict[str, Any]) -> None:
 def blind_section(con: Any, doc: dict[str, Any]) -> list[dict[str, Any]]:
     """Collective paths the job used that stepscope does not time, each with its evidence.
 
-    From the records' ``unseen_<path>`` counters (table ``unseen``). (A multi-rank run with
+    From the records' ``unseen_<path>`` counters (table ``unseen``); ``untimed`` (a group that
+    carried only C++-issued collectives) not in a DDP job, whose C++ all-reduce is ``grad_sync``.
+    (A multi-rank run with
     no collective timing at all already says so in its collectives notes: waits estimated
     from the timeline.)
     """
@@ -49,9 +51,13 @@ def blind_section(con: Any, doc: dict[str, Any]) -> list[dict[str, Any]]:
 
     out = []
     n_steps = max(1, int(doc["run"]["steps"]))
+    # DDP's bucketed all-reduce is issued from C++ on purpose: it is timed as grad_sync.
+    ddp = any(str(p).split("/")[-1] == "grad_sync" for p in doc["phases"])
     for path, ranks, calls in con.execute(
         "SELECT path, list(DISTINCT rank ORDER BY rank), sum(n) FROM unseen GROUP BY 1 ORDER BY 1"
     ).fetchall():
+        if path == "untimed" and ddp:
+            continue
         # "compiled" counts calls traced into a graph (once per compilation, not per run of it).
         out.append({"path": str(path), "ranks": [int(r) for r in ranks],
                     "calls": int(calls), "calls_per_step": round(float(calls) / n_steps, 3),

@@ -39,10 +39,10 @@ group id (:func:`p2p_id`), so the analysis pairs a send with its receive.
 Not seen: DDP's bucketed all-reduce (issued from C++; timed by the ``grad_sync`` phase),
 calls inside a ``_coalescing_manager`` block (the real work happens at its exit, in C++;
 ``batch_isend_irecv`` on NCCL uses one), counted per step as the ``unseen_coalesced`` counter
-so the report says so, and functions a module bound by name (``from torch.distributed import
-all_reduce``) before the patch went in. An async Work waited after its step ends is attached
-to the next sampled step; one never waited (e.g. only ``get_future()``, as DDP comm hooks do)
-is never recorded. Nested calls
+so the report says so. Functions a module bound by name (``from torch.distributed import
+all_reduce``) before the patch went in are rebound to the patched ones (:mod:`.bound`).
+An async Work waited after its step ends is attached to the next sampled step; one never
+waited (e.g. only ``get_future()``, as DDP comm hooks do) is never recorded. Nested calls
 (``all_gather_into_tensor`` → ``all_gather_single``, ``all_gather_object`` → ``all_gather``)
 are timed once, as the outermost.
 
@@ -66,7 +66,7 @@ from typing import Any
 import torch
 
 from stepscope.errors import StepscopeWarning
-from stepscope.instrument import funcol, gate
+from stepscope.instrument import bound, funcol, gate
 from stepscope.instrument.patch import SharedPatch
 
 #: function name → the parameter whose tensor(s) give the byte count (None: no payload).
@@ -215,6 +215,13 @@ class _Spec:
 _RECV: dict[str, str] = {"all_to_all_single": "output", "all_to_all": "output_tensor_list"}
 
 
+def timed_calls(pid: str) -> int:
+    """How many calls on group ``pid`` this process has timed, its point-to-point links'
+    (``"<pid>:<src>><dst>"``, numbered apart) included."""
+    link = pid + ":"
+    return sum(n for k, n in list(_seq.items()) if k == pid or k.startswith(link))
+
+
 def next_seq(pid: str) -> int:
     """The next per-group sequence number (shared by every patched collective path)."""
     seq = _seq.get(pid, 0) + 1
@@ -235,6 +242,9 @@ UNSEEN = {
     "_coalescing_manager): the work runs at the block's exit, in C++",
     "traced": "functional collectives called while tracing (make_fx, fake or proxy "
     "modes): they run inside the captured graph",
+    "untimed": "collectives issued from C++ (a ProcessGroup method called directly, a "
+    "framework's native code) on a process group that carried no timed call: its sequence "
+    "number moved on, stepscope saw nothing",
     "compiled": "collectives inside compiled graphs (torch.compile: dynamo turns them into "
     "_c10d_functional graph ops that the compiled code runs): not timed, and waits there are "
     "not attributed",
@@ -529,6 +539,7 @@ def _apply() -> None:
         for mod in _targets():
             if getattr(mod, name, None) is orig:
                 setattr(mod, name, patched)
+    bound.rebind((orig, getattr(c10d, name)) for name, orig in _originals.items())
     orig_bc = getattr(torch.distributed, "_broadcast_coalesced", None)
     if orig_bc is not None:
         _originals["_broadcast_coalesced"] = orig_bc
@@ -537,6 +548,7 @@ def _apply() -> None:
 
 
 def _restore() -> None:
+    bound.restore(_originals.values())
     for name, orig in _originals.items():
         for mod in _targets():
             cur = getattr(mod, name, None)

@@ -13,6 +13,9 @@ does in between is the entry's ``gap``, not time in the collective. Issue and wa
 matched through the result's storage (views of the result share it). A result never waited
 through ``wait_tensor`` (its memory freed first) is never recorded.
 
+Functions a module bound by name before the patch (``from ..._functional_collectives import
+all_to_all_single``) are found and rebound (:mod:`.bound`).
+
 Not seen: functional collectives traced into a graph (``torch.compile``: they become graph
 ops; :mod:`stepscope.instrument.collectives` counts such calls as *blind*), and callers that
 reach ``torch.ops._c10d_functional`` directly instead of through this module.
@@ -26,6 +29,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from stepscope.instrument import bound
 
 #: funcol function name → the op name recorded (the c10d name for the same collective, so
 #: bus-bandwidth factors and tables apply unchanged).
@@ -79,7 +84,8 @@ def _group(funcol: Any, group: Any, tag: str) -> tuple[str, int] | None:
 def _split_bytes(t: torch.Tensor, splits: Any, size: int) -> int:
     if splits is None:
         return t.numel() * t.element_size()
-    row = t[0].numel() * t.element_size() if t.dim() > 0 and t.shape[0] else 0
+    # One row's size from the shape: a rank that sends no rows may still receive some.
+    row = int(t.shape[1:].numel()) * t.element_size() if t.dim() > 0 else 0
     return int(sum(int(s) for s in splits)) * row
 
 
@@ -235,12 +241,14 @@ def apply(col: Any) -> None:
     orig_wait = funcol.wait_tensor
     _originals["wait_tensor"] = orig_wait
     funcol.wait_tensor = _make_wait(orig_wait, col)
+    bound.rebind((orig, getattr(funcol, name)) for name, orig in _originals.items())
 
 
 def restore() -> None:
     if not _originals:
         return
     funcol = _module()
+    bound.restore(_originals.values())
     for name, orig in _originals.items():
         cur = getattr(funcol, name, None)
         if getattr(cur, "__wrapped__", None) is orig:

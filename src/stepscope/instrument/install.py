@@ -46,4 +46,8 @@ def install_instruments(
         from stepscope.instrument import collectives
 
         removers.append(collectives.install_patch())
+        if hasattr(recorder, "add_listener"):  # groups that carried only C++-issued work
+            from stepscope.instrument.untimed import UntimedGroups
+
+            recorder.add_listener(UntimedGroups())
     return removers, active

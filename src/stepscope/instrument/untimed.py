@@ -1,0 +1,73 @@
+"""Process groups that carried collectives stepscope did not time (issued from C++).
+
+A collective issued from C++ (a ``ProcessGroup`` method called directly, a framework's native
+code, a backend's own scheduling) never passes through the Python functions
+:mod:`.collectives` patches. The process group still counts it: its sequence number
+(``_get_sequence_number_for_group``, kept by gloo and NCCL) moves on by one per collective.
+
+At the end of each sampled step this listener reads every group's sequence number. A group
+whose number moved while stepscope timed no call on it since the previous step's end carried
+only untimed work: the difference is counted as ``unseen_untimed`` (on the next sampled step,
+where counters reported between steps go), so the report's ``blind`` section names it instead
+of a silent "balanced". Conservative by design: a group that also carried timed calls in that
+window is not counted (a funcol's backward issued from C++ beside its timed forward, DDP's
+buffer broadcast beside its C++ bucket all-reduce), nor is a backend without sequence numbers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from stepscope.instrument import collectives as col
+
+
+class UntimedGroups:
+    """Listener: ``on_step_end`` compares each group's sequence number with the calls timed on it."""
+
+    def __init__(self) -> None:
+        # ProcessGroup → (its sequence number, stepscope's timed-call count) at the last look.
+        self._last: dict[Any, tuple[int, int]] = {}
+        self._off = False
+
+    def _groups(self) -> list[Any]:
+        world = getattr(torch.distributed.distributed_c10d, "_world", None)
+        pg_map = getattr(world, "pg_map", None)
+        return list(pg_map) if pg_map else []
+
+    def look(self) -> int:
+        """Collectives issued on groups that carried no timed call since the last look."""
+        n = 0
+        seen = set()
+        for pg in self._groups():
+            try:
+                seq = int(pg._get_sequence_number_for_group())
+            except Exception:  # a backend without sequence numbers: cannot tell, not counted
+                continue
+            info = col.group_info(pg)
+            if info is None:
+                continue
+            timed = col.timed_calls(info[0])
+            seen.add(pg)
+            prev = self._last.get(pg)
+            self._last[pg] = (seq, timed)
+            if prev is not None and seq > prev[0] and timed == prev[1]:
+                n += seq - prev[0]
+        for pg in [g for g in self._last if g not in seen]:  # destroyed groups
+            del self._last[pg]
+        return n
+
+    def on_step_end(self, session: Any, index: int) -> None:
+        if self._off or not torch.distributed.is_initialized():
+            return
+        try:
+            if not session.config.samples(index):
+                # An unsampled step times nothing: start the next window at its end.
+                self.look()
+                return
+            n = self.look()
+            if n:
+                col.unseen_n(session, "untimed", n)
+        except Exception:  # protect the job: this check is off for the rest of the run
+            self._off = True
