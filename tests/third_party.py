@@ -39,11 +39,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import stepscope
-from stepscope.dist import free_port, run_then_exit
+from stepscope.demo import SleepInBackward
+from stepscope.dist import become_local_rank, spawn_local
 
 MIRRORS = Path(os.environ.get("STEPSCOPE_MIRRORS", "/work/.mirror"))
 HERE = Path(__file__).resolve().parent / "third_party_scripts"
@@ -205,20 +205,6 @@ def instrument(text: str) -> ast.Module:
 # ------------------------------------------------------------------ what runs in each rank
 
 
-class _SlowGrad(torch.autograd.Function):
-    """Identity whose backward sleeps ``ms``."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, ms: float) -> torch.Tensor:
-        ctx.ms = ms
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        time.sleep(ctx.ms / 1000.0)
-        return grad, None
-
-
 class Driver:
     """What the rewritten script calls: ``begin``, ``steps``, ``step``, ``end``."""
 
@@ -260,7 +246,8 @@ class Driver:
             first = next(m for m in model.modules()
                          if next(m.children(), None) is None and any(True for _ in m.parameters()))
             first.register_forward_hook(
-                lambda m, a, out: _SlowGrad.apply(out, ms) if isinstance(out, torch.Tensor) else out)
+                lambda m, a, out: (SleepInBackward.apply(out, ms / 1000.0)
+                                   if isinstance(out, torch.Tensor) else out))
         elif phase == "optimizer" and opt is not None:
             inner = getattr(opt, "optimizer", opt)  # accelerate's AcceleratedOptimizer wraps it
             inner.register_step_pre_hook(lambda o, a, k: time.sleep(ms / 1000.0))
@@ -414,9 +401,7 @@ def _local_head_attention() -> None:
 
 def _worker(rank: int, world: int, port: int, out_dir: str, script: Script, steps: int,
             slow: tuple[int, str, float] | None) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
+    become_local_rank(rank, world, port)
     src = Path(out_dir) / "src"
     src.mkdir(parents=True, exist_ok=True)
     for name, text in script.siblings:
@@ -459,11 +444,7 @@ def launch(script: Script, out_dir: str | os.PathLike[str], ranks: int, steps: i
     ``slow=(rank, phase, ms)`` adds ``ms`` per forward call of the model on ``rank``, in
     ``phase`` (``"forward"`` or ``"backward"``).
     """
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    mp.spawn(run_then_exit, args=(_worker, ranks, free_port(), str(out), script, steps, slow),  # type: ignore[attr-defined]
-             nprocs=ranks, join=True)
-    return out
+    return spawn_local(_worker, ranks, out_dir, script, steps, slow)
 
 
 #: The fetched scripts this module knows: name → (repo, path, siblings, ranks, Script options).
