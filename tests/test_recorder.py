@@ -697,3 +697,39 @@ def test_worker_processes_are_listed_without_walking_proc():
             k.terminate()
             k.join()
         hm.close()
+
+
+# ------------------------------------------------------------- issue 22 §3: writer wakes
+
+
+def _thread_named(name: str) -> threading.Thread:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        for t in threading.enumerate():
+            if t.name == name and t.native_id is not None:
+                return t
+        time.sleep(0.01)
+    raise AssertionError(f"no thread {name!r}")
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux-only")
+def test_background_threads_do_not_preempt_the_training_thread_when_woken(tmp_path):
+    """A wake of the writer (each hand-over) or of the heartbeat must not take the CPU from
+    the training thread that holds the GIL: both run as SCHED_BATCH (fair share, no wake-up
+    preemption). The training thread's own policy is left alone."""
+    main_policy = os.sched_getscheduler(0)
+    tr = Tracer(Config(out_dir=str(tmp_path), auto=False, heartbeat_s=0.05), clock=CpuClock())
+    try:
+        for name in ("stepscope-writer", "stepscope-heartbeat"):
+            tid = _thread_named(name).native_id
+            deadline = time.monotonic() + 10  # the thread sets it itself when it starts
+            while os.sched_getscheduler(tid) != os.SCHED_BATCH and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert os.sched_getscheduler(tid) == os.SCHED_BATCH, name
+        for _ in range(3):
+            with tr.step():
+                pass
+        assert os.sched_getscheduler(0) == main_policy
+    finally:
+        tr.finish()
+    assert [r["step"] for r in read_run(tmp_path)] == [0, 1, 2]

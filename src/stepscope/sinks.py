@@ -319,6 +319,7 @@ class BackgroundWriter:
         first["dropped"] = dropped
 
     def _run(self) -> None:
+        yield_on_wake()
         while True:
             item = self._q.get()
             if item is _STOP:
@@ -366,6 +367,27 @@ class BackgroundWriter:
         except Exception as exc:  # protect the job: closing a broken file is not fatal
             self._on_error(exc)
         return True
+
+
+def yield_on_wake() -> bool:
+    """Make the calling thread one that does not preempt others when it wakes (Linux).
+
+    Handing a batch to the writer wakes it; a woken thread of the default policy usually
+    preempts the thread that woke it (the training thread, holding the GIL) and then waits
+    for that GIL, so the training thread loses its CPU for a scheduler round: ~0.4 ms per
+    wake on 2 loaded cores (``benchmarks/hot_path.py --mode wakes``). ``SCHED_BATCH`` keeps
+    the thread's fair CPU share (no priority inversion while it holds the GIL) but it only
+    runs at the next tick or on an idle CPU. Returns True when the policy was set.
+    """
+    setter = getattr(os, "sched_setscheduler", None)
+    policy = getattr(os, "SCHED_BATCH", None)
+    if setter is None or policy is None:
+        return False
+    try:
+        setter(0, policy, os.sched_param(0))  # pid 0: the calling thread on Linux
+    except OSError:  # protect the job: a sandbox refusing the call only costs speed
+        return False
+    return True
 
 
 def _warn(msg: str) -> None:
