@@ -733,3 +733,28 @@ def test_background_threads_do_not_preempt_the_training_thread_when_woken(tmp_pa
     finally:
         tr.finish()
     assert [r["step"] for r in read_run(tmp_path)] == [0, 1, 2]
+
+
+def test_records_reach_the_file_within_the_idle_tick_when_the_loop_stops(tmp_path):
+    """Steps resolved since the last hand-over are written by the writer's own tick
+    (``IDLE_TICK_S``) while the run is still going, not only at the next flush or finish."""
+    from stepscope import sinks
+
+    tick = getattr(sinks, "IDLE_TICK_S", 0.5)
+    tr = Tracer(Config(out_dir=str(tmp_path), auto=False, flush_every_n_steps=1000, heartbeat_s=0),
+                clock=CpuClock())
+    try:
+        for _ in range(5):
+            with tr.step():
+                pass
+        t0 = time.monotonic()
+        got: list[int] = []
+        while time.monotonic() - t0 < 20 * tick + 10:  # generous: 2 loaded cores
+            got = [r["step"] for r in read_run(tmp_path)] if (tmp_path / "rank0.jsonl").exists() else []
+            if len(got) == 5:
+                break
+            time.sleep(0.02)
+        assert got == [0, 1, 2, 3, 4], "a stalled loop's resolved steps never reached the file"
+        assert not tr._finished
+    finally:
+        tr.finish()

@@ -6,6 +6,9 @@ deferred batch: the records are built (and listeners' ``on_record`` called) on t
 thread, never on the training thread. The hand-over never waits: the training thread only
 *tries* the outbox lock, and a batch the writer cannot take now (its queue full: a slow file
 system) stays with the resolver until the writer catches up, up to ``MAX_HELD_STEPS``.
+Between two hand-overs the writer also takes resolved steps on its own every
+``sinks.IDLE_TICK_S`` (0.5 s): a loop that stops stepping (a hang, an evaluation) still gets
+its last steps' records on disk within that time, without a wake from the training thread.
 
 Building records holds the GIL. Once a batch has held it for ``GIL_SLICE_S``, the writer
 gives it back between two records (``time.sleep(0)``): a training thread returning from a C
@@ -97,7 +100,8 @@ class Outbox:
         return self.writer.close(job, timeout=timeout)
 
     def _held_job(self) -> Callable[[], list[dict[str, Any]]] | None:
-        """Writer thread, its queue just emptied: the steps held back while it was behind."""
+        """Writer thread, its queue just emptied (or its idle tick): the steps held back while
+        it was behind, or resolved since the last hand-over."""
         with self._lock:
             if not self.writer.is_idle() or not self.resolver.ready_count():
                 return None

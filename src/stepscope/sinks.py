@@ -226,6 +226,10 @@ def open_sink(kind: str, out_dir: str | os.PathLike[str], rank: int) -> Sink:
 
 _STOP = object()
 
+#: Seconds between the writer's own looks for resolved steps not yet handed over (the bound
+#: on how long a resolved step waits in memory when the loop stops between two flushes).
+IDLE_TICK_S = 0.5
+
 #: Keys this module adds to a record's ``dropped`` section (counts since the previous record).
 QUEUE_FULL = "writer_queue_full"
 UNWRITABLE = "unwritable"
@@ -320,13 +324,21 @@ class BackgroundWriter:
 
     def _run(self) -> None:
         yield_on_wake()
+        # With an on_idle source the writer also looks for work every IDLE_TICK_S on its own:
+        # steps resolved since the last hand-over reach the file within that time even when
+        # the loop stops stepping (a hang, a long evaluation) before its next flush.
+        tick = IDLE_TICK_S if self._on_idle is not None else None
         while True:
-            item = self._q.get()
+            try:
+                item = self._q.get(timeout=tick)
+            except queue.Empty:
+                item = None
             if item is _STOP:
                 return
             if self._failed:
                 continue
-            self._process(item)
+            if item is not None:
+                self._process(item)
             if self._on_idle is not None and self._q.empty() and not self._failed:
                 try:
                     held = self._on_idle()
