@@ -24,7 +24,8 @@ disturbed by other jobs on a shared machine. ``--noise-floor`` adds a third work
 show when measured the same way (the spread any other ratio must be read against). Each line
 carries ``uptime`` at the start and end (other jobs share the machine).
 
-    python benchmarks/overhead.py --reps 31 --steps 60 --hidden 640 --baseline-src /work/main/src --noise-floor
+    python benchmarks/overhead.py --reps 31 --steps 60 --hidden 640 \
+        --baseline-src /work/main/src --noise-floor
 """
 
 from __future__ import annotations
