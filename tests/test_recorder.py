@@ -758,3 +758,37 @@ def test_records_reach_the_file_within_the_idle_tick_when_the_loop_stops(tmp_pat
         assert not tr._finished
     finally:
         tr.finish()
+
+
+def test_writer_takes_a_few_stray_steps_only_at_its_tick_not_after_each_batch(mem_tracer, monkeypatch):
+    """After a batch, steps resolved meanwhile (fewer than a flush's worth) wait for the next
+    hand-over or the idle tick: each would otherwise be a batch and a file write of its own.
+    Steps held back while the writer was behind (a flush's worth or more) go right away."""
+    from stepscope import sinks
+
+    monkeypatch.setattr(sinks, "IDLE_TICK_S", None)  # no tick racing the checks below
+    tr = mem_tracer(auto=False, flush_every_n_steps=10)
+    ob = tr._outbox
+    for _ in range(3):
+        with tr.step():
+            pass
+    assert tr.resolver.ready_count() == 3
+    assert ob._held_job(False) is None, "3 stray steps became a batch of their own"
+    job = ob._held_job(True)  # the idle tick takes them
+    assert job is not None and [r["step"] for r in job()] == [0, 1, 2]
+    tr.resolver.add(_held_step(tr, 3))
+    for i in range(4, 13):
+        tr.resolver.add(_held_step(tr, i))
+    tr.resolver.poll(1 << 30)
+    assert tr.resolver.ready_count() == 10
+    held = ob._held_job(False)  # ten held back: a flush's worth, taken after the batch
+    assert held is not None and [r["step"] for r in held()] == list(range(3, 13))
+
+
+def _held_step(tr: Tracer, index: int) -> Any:
+    from stepscope.record import Step
+
+    step = Step(index)
+    step.start, step.end = tr.clock.mark(), tr.clock.mark()
+    step.start_unix_ns = time.time_ns()
+    return step

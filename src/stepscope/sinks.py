@@ -39,6 +39,7 @@ class JsonlSink:
         self.path = rank_file(out_dir, rank, "jsonl")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fh = _open_append(self.path)
+        self._id = _file_id(self._fh.fileno())
         self._warned = False
         #: Records that could not be encoded (counted, never raised).
         self.unwritable = 0
@@ -46,12 +47,13 @@ class JsonlSink:
     def write(self, records: Sequence[dict[str, Any]]) -> None:
         if not records:
             return
-        if _file_gone(self.path, self._fh.fileno()):
+        if _file_gone(self.path, self._id):
             # Writing on would append to an unlinked file: every record lost, silently.
             self._warned = _warn_gone(self.path, self._warned)
             self._fh.close()
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._fh = _open_append(self.path)
+            self._id = _file_id(self._fh.fileno())
         lines = [encode_record(r) for r in records]
         kept = [line for line in lines if line is not None]
         if len(kept) < len(lines):
@@ -129,14 +131,19 @@ def _open_append(path: Path) -> Any:
     return os.fdopen(fd, "ab")
 
 
-def _file_gone(path: Path, fd: int) -> bool:
-    """Whether ``path`` no longer names the open file ``fd`` (deleted, or its dir removed)."""
+def _file_id(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return st.st_ino, st.st_dev
+
+
+def _file_gone(path: Path, file_id: tuple[int, int]) -> bool:
+    """Whether ``path`` no longer names the open file ``file_id`` (deleted, or its dir
+    removed); one ``stat`` per batch, the open file's identity being known."""
     try:
         st = os.stat(path)
     except OSError:
         return True
-    own = os.fstat(fd)
-    return (st.st_ino, st.st_dev) != (own.st_ino, own.st_dev)
+    return (st.st_ino, st.st_dev) != file_id
 
 
 def _warn_gone(path: Path, warned: bool) -> bool:
@@ -268,10 +275,11 @@ class BackgroundWriter:
         sink: Sink,
         on_error: Callable[[BaseException], None],
         max_batches: int = 64,
-        on_idle: Callable[[], Callable[[], list[dict[str, Any]]] | None] | None = None,
+        on_idle: Callable[[bool], Callable[[], list[dict[str, Any]]] | None] | None = None,
     ) -> None:
         self.sink = sink
-        #: Asked for more work whenever the queue runs dry (steps held back while it was full).
+        #: Asked for more work whenever the queue runs dry (steps held back while it was full;
+        #: the argument says whether this is the idle tick rather than the end of a batch).
         self._on_idle = on_idle
         self.dropped_batches = 0
         #: Steps lost in dropped batches and records the sink could not encode, by reason.
@@ -341,7 +349,7 @@ class BackgroundWriter:
                 self._process(item)
             if self._on_idle is not None and self._q.empty() and not self._failed:
                 try:
-                    held = self._on_idle()
+                    held = self._on_idle(item is None)
                 except Exception as exc:  # protect the job: report it like a write error
                     self._failed = True
                     self._on_error(exc)
