@@ -13,6 +13,9 @@ JSONL writer (as ``init()`` builds them; no heartbeat unless ``--heartbeat``), a
   difference between 1 and 10 is ~0.9 wakes per step.
 - ``--mode build``: the writer thread's µs per record, building (``Resolver.build``) and
   encoding (orjson), from 4,000 resolved steps (minimum over chunks of 500).
+- ``--mode cycle``: wall minus training-thread CPU per step by its place in the flush cycle,
+  with the writer thread as ``SCHED_BATCH`` and as ``SCHED_OTHER`` (interleaved blocks): where
+  a woken writer takes the CPU from the training thread.
 - ``--mode alloc``: tracemalloc's count of memory blocks still alive per step (records the
   writer and the recent-records buffer keep included), by allocation site.
 
@@ -163,6 +166,44 @@ def wakes_mode(steps: int, blocks: int) -> dict[str, Any]:
             for k, v in got.items()}
 
 
+def cycle_mode(steps: int, blocks: int) -> dict[str, Any]:
+    """Where the wall time beyond thread CPU goes in the flush cycle: per step, wall minus the
+    training thread's CPU time, by the step's place in the cycle (the hand-over, which wakes
+    the writer, is at the exit of place 9 with the default ``flush_every_n_steps=10``), with
+    the writer thread as ``SCHED_BATCH`` (this build) and switched back to ``SCHED_OTHER``
+    (a woken writer preempts the training thread), interleaved blocks on one tracer."""
+    model, opt, x = _job()
+    for _ in range(200):
+        _step(model, opt, x)
+    pc, tt = time.perf_counter_ns, time.thread_time_ns
+    got: dict[str, list[list[float]]] = {"batch": [[] for _ in range(10)], "other": [[] for _ in range(10)]}
+    with tempfile.TemporaryDirectory() as out:
+        tracer = _tracer(out, model, opt, False)
+        writer = next(t for t in threading.enumerate() if t.name == "stepscope-writer")
+        assert writer.native_id is not None
+        for b in range(blocks):
+            for mode in (("batch", "other") if b % 2 else ("other", "batch")):
+                policy = os.SCHED_BATCH if mode == "batch" else os.SCHED_OTHER
+                os.sched_setscheduler(writer.native_id, policy, os.sched_param(0))
+                tracer.flush()
+                time.sleep(0.05)
+                base = tracer.step_index
+                for _ in range(steps):
+                    place = (tracer.step_index - base) % 10
+                    w0, c0 = pc(), tt()
+                    with tracer.step():
+                        _step(model, opt, x)
+                    got[mode][place].append((pc() - w0 - (tt() - c0)) / 1e3)
+        tracer.finish()
+    out_: dict[str, Any] = {}
+    for mode, places in got.items():
+        out_[mode] = {
+            "mean_wall_minus_cpu_us_by_place": [round(statistics.fmean(v), 1) for v in places],
+            "p90_wall_minus_cpu_us_by_place": [round(sorted(v)[int(len(v) * 0.9)], 1) for v in places],
+        }
+    return out_
+
+
 def build_mode(chunks: int = 8, size: int = 500) -> dict[str, float]:
     """Writer-thread µs per record: ``Resolver.build`` and orjson encoding (min over chunks)."""
     import gc
@@ -234,7 +275,8 @@ def alloc_mode(steps: int, heartbeat: bool) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=("time", "cprofile", "alloc", "wakes", "build"), default="time")
+    ap.add_argument("--mode", choices=("time", "cprofile", "alloc", "wakes", "build", "cycle"),
+                    default="time")
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--blocks", type=int, default=11)
     ap.add_argument("--heartbeat", action="store_true")
@@ -250,6 +292,9 @@ def main() -> None:
         print(json.dumps({"benchmark": "hot_path_build", **build_mode()}))
     elif args.mode == "alloc":
         alloc_mode(args.steps, args.heartbeat)
+    elif args.mode == "cycle":
+        print(json.dumps({"benchmark": "hot_path_cycle", "steps": args.steps, "blocks": args.blocks,
+                          "loadavg_1m": round(os.getloadavg()[0], 2), **cycle_mode(args.steps, args.blocks)}))
     else:
         print(json.dumps({"benchmark": "hot_path", "steps": args.steps, "blocks": args.blocks,
                           **time_mode(args.steps, args.blocks, args.heartbeat)}))
