@@ -16,6 +16,8 @@ JSONL writer (as ``init()`` builds them; no heartbeat unless ``--heartbeat``), a
 - ``--mode cycle``: wall minus training-thread CPU per step by its place in the flush cycle,
   with the writer thread as ``SCHED_BATCH`` and as ``SCHED_OTHER`` (interleaved blocks): where
   a woken writer takes the CPU from the training thread.
+- ``--mode handover``: the wall time of each hand-over call (``Outbox.submit``) on the
+  training thread: median, p90, p99, mean (once per build, by ``PYTHONPATH``).
 - ``--mode alloc``: tracemalloc's count of memory blocks still alive per step (records the
   writer and the recent-records buffer keep included), by allocation site.
 
@@ -204,6 +206,41 @@ def cycle_mode(steps: int, blocks: int) -> dict[str, Any]:
     return out_
 
 
+def handover_mode(steps: int, blocks: int) -> dict[str, Any]:
+    """What the hand-over itself costs the training thread: the wall time of each call that
+    queues a batch for the writer (``Outbox.submit``, once per ``flush_every_n_steps`` steps),
+    over ``blocks`` x ``steps`` steps of the tiny model. Run it once per build (``PYTHONPATH``)
+    to compare: the call is the same in both."""
+    model, opt, x = _job()
+    for _ in range(200):
+        _step(model, opt, x)
+    took: list[float] = []
+    pc = time.perf_counter_ns
+    with tempfile.TemporaryDirectory() as out:
+        tracer = _tracer(out, model, opt, False)
+        outbox = tracer._outbox
+        real = outbox.submit
+
+        def timed() -> bool:
+            t0 = pc()
+            done = real()
+            took.append((pc() - t0) / 1e3)
+            return done
+
+        outbox.submit = timed  # type: ignore[method-assign]
+        for _ in range(blocks):
+            for _ in range(steps):
+                with tracer.step():
+                    _step(model, opt, x)
+            time.sleep(0.05)
+        outbox.submit = real  # type: ignore[method-assign]
+        tracer.finish()
+    took.sort()
+    n = len(took)
+    return {"handovers": n, "median_us": round(took[n // 2], 1), "p90_us": round(took[int(n * 0.9)], 1),
+            "p99_us": round(took[int(n * 0.99)], 1), "mean_us": round(statistics.fmean(took), 1)}
+
+
 def build_mode(chunks: int = 8, size: int = 500) -> dict[str, float]:
     """Writer-thread µs per record: ``Resolver.build`` and orjson encoding (min over chunks)."""
     import gc
@@ -275,7 +312,7 @@ def alloc_mode(steps: int, heartbeat: bool) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=("time", "cprofile", "alloc", "wakes", "build", "cycle"),
+    ap.add_argument("--mode", choices=("time", "cprofile", "alloc", "wakes", "build", "cycle", "handover"),
                     default="time")
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--blocks", type=int, default=11)
@@ -292,6 +329,10 @@ def main() -> None:
         print(json.dumps({"benchmark": "hot_path_build", **build_mode()}))
     elif args.mode == "alloc":
         alloc_mode(args.steps, args.heartbeat)
+    elif args.mode == "handover":
+        got = handover_mode(args.steps, args.blocks)
+        print(json.dumps({"benchmark": "hot_path_handover", "steps": args.steps, "blocks": args.blocks,
+                          "loadavg_1m": round(os.getloadavg()[0], 2), **got}))
     elif args.mode == "cycle":
         print(json.dumps({"benchmark": "hot_path_cycle", "steps": args.steps, "blocks": args.blocks,
                           "loadavg_1m": round(os.getloadavg()[0], 2), **cycle_mode(args.steps, args.blocks)}))

@@ -347,7 +347,9 @@ class BackgroundWriter:
         first["dropped"] = dropped
 
     def _run(self) -> None:
-        yield_on_wake()
+        # The writer keeps the default policy: as SCHED_BATCH (see ``yield_on_wake``) it stole
+        # less CPU from the training thread at each hand-over, but on a host with no idle core
+        # it then ran late enough that a fast run's records were not on disk during the run.
         # With an on_idle source the writer also looks for work every IDLE_TICK_S on its own:
         # steps resolved since the last hand-over reach the file within that time even when
         # the loop stops stepping (a hang, a long evaluation) before its next flush.
@@ -406,12 +408,11 @@ class BackgroundWriter:
 def yield_on_wake() -> bool:
     """Make the calling thread one that does not preempt others when it wakes (Linux).
 
-    Handing a batch to the writer wakes it; a woken thread of the default policy usually
-    preempts the thread that woke it (the training thread, holding the GIL) and then waits
-    for that GIL, so the training thread loses its CPU for a scheduler round: ~0.4 ms per
-    wake on 2 loaded cores (``benchmarks/hot_path.py --mode wakes``). ``SCHED_BATCH`` keeps
-    the thread's fair CPU share (no priority inversion while it holds the GIL) but it only
-    runs at the next tick or on an idle CPU. Returns True when the policy was set.
+    For the background threads whose wakes are on a timer (the heartbeat): a woken thread of
+    the default policy usually preempts the running one (the training thread, holding the
+    GIL) and then waits for that GIL, so the training thread loses its CPU for a scheduler
+    round on a host with no idle core. ``SCHED_BATCH`` keeps the thread's fair CPU share but
+    it only runs at the next tick or on an idle CPU. Returns True when the policy was set.
     """
     setter = getattr(os, "sched_setscheduler", None)
     policy = getattr(os, "SCHED_BATCH", None)
