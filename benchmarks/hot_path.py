@@ -172,8 +172,9 @@ def cycle_mode(steps: int, blocks: int) -> dict[str, Any]:
     """Where the wall time beyond thread CPU goes in the flush cycle: per step, wall minus the
     training thread's CPU time, by the step's place in the cycle (the hand-over, which wakes
     the writer, is at the exit of place 9 with the default ``flush_every_n_steps=10``), with
-    the writer thread as ``SCHED_BATCH`` (this build) and switched back to ``SCHED_OTHER``
-    (a woken writer preempts the training thread), interleaved blocks on one tracer."""
+    the writer thread as ``SCHED_BATCH`` (a woken writer waits for a free CPU) and as
+    ``SCHED_OTHER`` (the default: a woken writer preempts the training thread), interleaved
+    blocks on one tracer."""
     model, opt, x = _job()
     for _ in range(200):
         _step(model, opt, x)
