@@ -13,6 +13,11 @@ JSONL writer (as ``init()`` builds them; no heartbeat unless ``--heartbeat``), a
   difference between 1 and 10 is ~0.9 wakes per step.
 - ``--mode build``: the writer thread's µs per record, building (``Resolver.build``) and
   encoding (orjson), from 4,000 resolved steps (minimum over chunks of 500).
+- ``--mode cycle``: wall minus training-thread CPU per step by its place in the flush cycle,
+  with the writer thread as ``SCHED_BATCH`` and as ``SCHED_OTHER`` (interleaved blocks): where
+  a woken writer takes the CPU from the training thread.
+- ``--mode handover``: the wall time of each hand-over call (``Outbox.submit``) on the
+  training thread: median, p90, p99, mean (once per build, by ``PYTHONPATH``).
 - ``--mode alloc``: tracemalloc's count of memory blocks still alive per step (records the
   writer and the recent-records buffer keep included), by allocation site.
 
@@ -163,13 +168,89 @@ def wakes_mode(steps: int, blocks: int) -> dict[str, Any]:
             for k, v in got.items()}
 
 
+def cycle_mode(steps: int, blocks: int) -> dict[str, Any]:
+    """Where the wall time beyond thread CPU goes in the flush cycle: per step, wall minus the
+    training thread's CPU time, by the step's place in the cycle (the hand-over, which wakes
+    the writer, is at the exit of place 9 with the default ``flush_every_n_steps=10``), with
+    the writer thread as ``SCHED_BATCH`` (a woken writer waits for a free CPU) and as
+    ``SCHED_OTHER`` (the default: a woken writer preempts the training thread), interleaved
+    blocks on one tracer."""
+    model, opt, x = _job()
+    for _ in range(200):
+        _step(model, opt, x)
+    pc, tt = time.perf_counter_ns, time.thread_time_ns
+    got: dict[str, list[list[float]]] = {"batch": [[] for _ in range(10)], "other": [[] for _ in range(10)]}
+    with tempfile.TemporaryDirectory() as out:
+        tracer = _tracer(out, model, opt, False)
+        writer = next(t for t in threading.enumerate() if t.name == "stepscope-writer")
+        assert writer.native_id is not None
+        for b in range(blocks):
+            for mode in (("batch", "other") if b % 2 else ("other", "batch")):
+                policy = os.SCHED_BATCH if mode == "batch" else os.SCHED_OTHER
+                os.sched_setscheduler(writer.native_id, policy, os.sched_param(0))
+                tracer.flush()
+                time.sleep(0.05)
+                base = tracer.step_index
+                for _ in range(steps):
+                    place = (tracer.step_index - base) % 10
+                    w0, c0 = pc(), tt()
+                    with tracer.step():
+                        _step(model, opt, x)
+                    got[mode][place].append((pc() - w0 - (tt() - c0)) / 1e3)
+        tracer.finish()
+    out_: dict[str, Any] = {}
+    for mode, places in got.items():
+        out_[mode] = {
+            "mean_wall_minus_cpu_us_by_place": [round(statistics.fmean(v), 1) for v in places],
+            "p90_wall_minus_cpu_us_by_place": [round(sorted(v)[int(len(v) * 0.9)], 1) for v in places],
+        }
+    return out_
+
+
+def handover_mode(steps: int, blocks: int) -> dict[str, Any]:
+    """What the hand-over itself costs the training thread: the wall time of each call that
+    queues a batch for the writer (``Outbox.submit``, once per ``flush_every_n_steps`` steps),
+    over ``blocks`` x ``steps`` steps of the tiny model. Run it once per build (``PYTHONPATH``)
+    to compare: the call is the same in both."""
+    model, opt, x = _job()
+    for _ in range(200):
+        _step(model, opt, x)
+    took: list[float] = []
+    pc = time.perf_counter_ns
+    with tempfile.TemporaryDirectory() as out:
+        tracer = _tracer(out, model, opt, False)
+        outbox = tracer._outbox
+        real = outbox.submit
+
+        def timed() -> bool:
+            t0 = pc()
+            done = real()
+            took.append((pc() - t0) / 1e3)
+            return done
+
+        outbox.submit = timed  # type: ignore[method-assign]
+        for _ in range(blocks):
+            for _ in range(steps):
+                with tracer.step():
+                    _step(model, opt, x)
+            time.sleep(0.05)
+        outbox.submit = real  # type: ignore[method-assign]
+        tracer.finish()
+    took.sort()
+    n = len(took)
+    return {"handovers": n, "median_us": round(took[n // 2], 1), "p90_us": round(took[int(n * 0.9)], 1),
+            "p99_us": round(took[int(n * 0.99)], 1), "mean_us": round(statistics.fmean(took), 1)}
+
+
 def build_mode(chunks: int = 8, size: int = 500) -> dict[str, float]:
     """Writer-thread µs per record: ``Resolver.build`` and orjson encoding (min over chunks)."""
     import gc
 
+    from stepscope import sinks
     from stepscope.sinks import encode_record
 
     model, opt, x = _job()
+    sinks.IDLE_TICK_S = None  # type: ignore[assignment]  # the writer must not take these steps itself
     with tempfile.TemporaryDirectory() as out:
         cfg = Config(out_dir=out, heartbeat_s=0.0, flush_every_n_steps=1 << 30, max_pending_steps=1 << 20)
         tracer = Tracer(cfg, model=model, optimizer=opt, clock=CpuClock())
@@ -232,7 +313,8 @@ def alloc_mode(steps: int, heartbeat: bool) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=("time", "cprofile", "alloc", "wakes", "build"), default="time")
+    ap.add_argument("--mode", choices=("time", "cprofile", "alloc", "wakes", "build", "cycle", "handover"),
+                    default="time")
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--blocks", type=int, default=11)
     ap.add_argument("--heartbeat", action="store_true")
@@ -248,6 +330,13 @@ def main() -> None:
         print(json.dumps({"benchmark": "hot_path_build", **build_mode()}))
     elif args.mode == "alloc":
         alloc_mode(args.steps, args.heartbeat)
+    elif args.mode == "handover":
+        got = handover_mode(args.steps, args.blocks)
+        print(json.dumps({"benchmark": "hot_path_handover", "steps": args.steps, "blocks": args.blocks,
+                          "loadavg_1m": round(os.getloadavg()[0], 2), **got}))
+    elif args.mode == "cycle":
+        print(json.dumps({"benchmark": "hot_path_cycle", "steps": args.steps, "blocks": args.blocks,
+                          "loadavg_1m": round(os.getloadavg()[0], 2), **cycle_mode(args.steps, args.blocks)}))
     else:
         print(json.dumps({"benchmark": "hot_path", "steps": args.steps, "blocks": args.blocks,
                           **time_mode(args.steps, args.blocks, args.heartbeat)}))

@@ -19,7 +19,13 @@ another one (e.g. ``/work/main/src``) in the same run: two worker processes, one
 each importing its own ``stepscope``, run one repetition each in turn (the order alternating),
 so machine drift hits both alike. Each build's ratio is its instrumented over its own bare
 loop; the training thread's CPU time (``thread_time``) is reported beside wall time, being less
-disturbed by other jobs on a shared machine.
+disturbed by other jobs on a shared machine. ``--noise-floor`` adds a third worker whose
+"instrumented" loop is the bare loop again: its ratios are what two identical untraced loops
+show when measured the same way (the spread any other ratio must be read against). Each line
+carries ``uptime`` at the start and end (other jobs share the machine).
+
+    python benchmarks/overhead.py --reps 31 --steps 60 --hidden 640 \
+        --baseline-src /work/main/src --noise-floor
 """
 
 from __future__ import annotations
@@ -201,12 +207,15 @@ def _serve(args: argparse.Namespace) -> None:
         bare_cpu(model, opt, data, 20)  # warm-up
         out = tempfile.mkdtemp(prefix="stepscope-overhead-")
 
+        # The noise floor: the same loop in place of the instrumented one (no tracer at all).
+        second = bare_cpu if args.floor else lambda m, o, d, n: instrumented_cpu(m, o, d, n, out)
+
         def run(rep: int) -> dict[str, float]:
             if rep % 2:
                 b = bare_cpu(model, opt, data, args.steps)
-                i = instrumented_cpu(model, opt, data, args.steps, out)
+                i = second(model, opt, data, args.steps)
             else:
-                i = instrumented_cpu(model, opt, data, args.steps, out)
+                i = second(model, opt, data, args.steps)
                 b = bare_cpu(model, opt, data, args.steps)
             return {"bare_wall": b[0], "bare_cpu": b[1], "bare_proc": b[2],
                     "inst_wall": i[0], "inst_cpu": i[1], "inst_proc": i[2]}
@@ -230,11 +239,14 @@ def compare_builds(args: argparse.Namespace) -> None:
             "--hidden", str(args.hidden), "--batch", str(args.batch)]
     if args.per_instrument:
         argv.append("--per-instrument")
+    elif args.noise_floor:
+        builds["noise_floor"] = builds["this"]
+    uptime_start = _uptime()
     procs = {}
     for name, src in builds.items():
         env = dict(os.environ, PYTHONPATH=src)
-        procs[name] = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
-                                       text=True)
+        procs[name] = subprocess.Popen(argv + (["--floor"] if name == "noise_floor" else []),
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
     where = {name: json.loads(p.stdout.readline())["ready"] for name, p in procs.items()}  # type: ignore[union-attr]
     reps: dict[str, list[dict[str, float]]] = {name: [] for name in procs}
     order = list(procs)
@@ -268,7 +280,16 @@ def compare_builds(args: argparse.Namespace) -> None:
             }
         print(json.dumps({"benchmark": "overhead_per_instrument" if args.per_instrument else "overhead",
                           "build": name, "src": where[name], "reps": args.reps, "steps_per_rep": args.steps,
-                          "hidden": args.hidden, "loadavg_1m_end": round(load[0], 2), **body}))
+                          "hidden": args.hidden, "loadavg_1m_end": round(load[0], 2),
+                          "uptime_start": uptime_start, "uptime_end": _uptime(), **body}))
+
+
+def _uptime() -> str:
+    """``uptime``'s line (load averages), recorded with every number on a shared machine."""
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "load average: " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 # ------------------------------------------------------------------ --collectives
@@ -523,7 +544,11 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=500, help="--collectives: calls per block")
     ap.add_argument("--resources", action="store_true", help="throughput / memory instrument costs")
     ap.add_argument("--baseline-src", help="compare with the stepscope in this src dir, interleaved")
+    ap.add_argument("--noise-floor", action="store_true",
+                    help="with --baseline-src: a third worker times the bare loop twice (no tracer), "
+                         "measured like the others: the ratio two identical loops show")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--floor", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.serve:

@@ -697,3 +697,99 @@ def test_worker_processes_are_listed_without_walking_proc():
             k.terminate()
             k.join()
         hm.close()
+
+
+# ------------------------------------------------------------- issue 22 §3: writer wakes
+
+
+def _thread_named(name: str) -> threading.Thread:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        for t in threading.enumerate():
+            if t.name == name and t.native_id is not None:
+                return t
+        time.sleep(0.01)
+    raise AssertionError(f"no thread {name!r}")
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux-only")
+def test_heartbeat_does_not_preempt_the_training_thread_when_woken(tmp_path):
+    """The heartbeat's timer wakes must not take the CPU from the training thread that holds
+    the GIL: it runs as SCHED_BATCH (fair share, no wake-up preemption). The training thread's
+    own policy is left alone, and so is the writer's (records must reach disk promptly)."""
+    main_policy = os.sched_getscheduler(0)
+    tr = Tracer(Config(out_dir=str(tmp_path), auto=False, heartbeat_s=0.05), clock=CpuClock())
+    try:
+        assert os.sched_getscheduler(_thread_named("stepscope-writer").native_id) == main_policy
+        for name in ("stepscope-heartbeat",):
+            tid = _thread_named(name).native_id
+            deadline = time.monotonic() + 10  # the thread sets it itself when it starts
+            while os.sched_getscheduler(tid) != os.SCHED_BATCH and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert os.sched_getscheduler(tid) == os.SCHED_BATCH, name
+        for _ in range(3):
+            with tr.step():
+                pass
+        assert os.sched_getscheduler(0) == main_policy
+    finally:
+        tr.finish()
+    assert [r["step"] for r in read_run(tmp_path)] == [0, 1, 2]
+
+
+def test_records_reach_the_file_within_the_idle_tick_when_the_loop_stops(tmp_path):
+    """Steps resolved since the last hand-over are written by the writer's own tick
+    (``IDLE_TICK_S``) while the run is still going, not only at the next flush or finish."""
+    from stepscope import sinks
+
+    tick = getattr(sinks, "IDLE_TICK_S", 0.5)
+    tr = Tracer(Config(out_dir=str(tmp_path), auto=False, flush_every_n_steps=1000, heartbeat_s=0),
+                clock=CpuClock())
+    try:
+        for _ in range(5):
+            with tr.step():
+                pass
+        t0 = time.monotonic()
+        got: list[int] = []
+        while time.monotonic() - t0 < 20 * tick + 10:  # generous: 2 loaded cores
+            got = [r["step"] for r in read_run(tmp_path)] if (tmp_path / "rank0.jsonl").exists() else []
+            if len(got) == 5:
+                break
+            time.sleep(0.02)
+        assert got == [0, 1, 2, 3, 4], "a stalled loop's resolved steps never reached the file"
+        assert not tr._finished
+    finally:
+        tr.finish()
+
+
+def test_writer_takes_a_few_stray_steps_only_at_its_tick_not_after_each_batch(mem_tracer, monkeypatch):
+    """After a batch, steps resolved meanwhile (fewer than a flush's worth) wait for the next
+    hand-over or the idle tick: each would otherwise be a batch and a file write of its own.
+    Steps held back while the writer was behind (a flush's worth or more) go right away."""
+    from stepscope import sinks
+
+    monkeypatch.setattr(sinks, "IDLE_TICK_S", None)  # no tick racing the checks below
+    tr = mem_tracer(auto=False, flush_every_n_steps=10)
+    ob = tr._outbox
+    for _ in range(3):
+        with tr.step():
+            pass
+    assert tr.resolver.ready_count() == 3
+    assert ob._held_job(False) is None, "3 stray steps became a batch of their own"
+    job = ob._held_job(True)  # the idle tick takes them
+    assert job is not None and [r["step"] for r in job()] == [0, 1, 2]
+    tr.resolver.add(_held_step(tr, 3))
+    for i in range(4, 13):
+        tr.resolver.add(_held_step(tr, i))
+    tr.resolver.poll(1 << 30)
+    assert tr.resolver.ready_count() == 10
+    held = ob._held_job(False)  # ten held back: a flush's worth, taken after the batch
+    assert held is not None and [r["step"] for r in held()] == list(range(3, 13))
+
+
+def _held_step(tr: Tracer, index: int) -> Any:
+    from stepscope.record import Step
+
+    step = Step(index)
+    step.start, step.end = tr.clock.mark(), tr.clock.mark()
+    step.start_unix_ns = time.time_ns()
+    return step

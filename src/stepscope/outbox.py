@@ -6,6 +6,9 @@ deferred batch: the records are built (and listeners' ``on_record`` called) on t
 thread, never on the training thread. The hand-over never waits: the training thread only
 *tries* the outbox lock, and a batch the writer cannot take now (its queue full: a slow file
 system) stays with the resolver until the writer catches up, up to ``MAX_HELD_STEPS``.
+Between two hand-overs the writer also takes resolved steps on its own every
+``sinks.IDLE_TICK_S`` (0.5 s): a loop that stops stepping (a hang, an evaluation) still gets
+its last steps' records on disk within that time, without a wake from the training thread.
 
 Building records holds the GIL. Once a batch has held it for ``GIL_SLICE_S``, the writer
 gives it back between two records (``time.sleep(0)``): a training thread returning from a C
@@ -59,9 +62,13 @@ class Outbox:
 
     def __init__(
         self, resolver: Resolver, sink: Sink, listeners: list[Any],
-        on_error: Callable[[BaseException], None],
+        on_error: Callable[[BaseException], None], batch: int = 1,
     ) -> None:
         self.resolver = resolver
+        #: Resolved steps the writer takes on its own right after a batch (steps held back
+        #: while it was behind): fewer than this wait for the next hand-over or idle tick, so a
+        #: step or two resolved during a write do not become a batch (and a write) of their own.
+        self._batch = batch
         self._listeners = listeners
         #: Taking resolved steps and queueing them is one move: the training thread only tries
         #: this lock (it never waits); the writer holds it while it takes held-back steps.
@@ -96,8 +103,12 @@ class Outbox:
             job = self.job(force=True) if final else None
         return self.writer.close(job, timeout=timeout)
 
-    def _held_job(self) -> Callable[[], list[dict[str, Any]]] | None:
-        """Writer thread, its queue just emptied: the steps held back while it was behind."""
+    def _held_job(self, tick: bool) -> Callable[[], list[dict[str, Any]]] | None:
+        """Writer thread, its queue just emptied: the steps held back while it was behind; or
+        (``tick``) its idle tick: every step resolved since the last hand-over."""
+        held = self.resolver.ready_count()
+        if not held or (not tick and held < self._batch):
+            return None
         with self._lock:
             if not self.writer.is_idle() or not self.resolver.ready_count():
                 return None

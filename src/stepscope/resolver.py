@@ -82,9 +82,10 @@ class Resolver:
         self.summarize_collectives: Summarizer | None = None
         #: Finished steps whose marks are not known to be complete (training thread only).
         self.pending: deque[Step] = deque()
-        #: Timed steps waiting for the writer (filled on the training thread, drained by
-        #: ``take_ready``; the lock guards the hand-over).
-        self._ready: list[Step] = []
+        #: Timed steps waiting for the writer: appended on the training thread, taken by
+        #: ``take_ready`` (one taker at a time, under the outbox's lock). A deque: neither side
+        #: takes a lock, so the training thread never waits for a preempted writer.
+        self._ready: deque[Step] = deque()
         self._lock = threading.Lock()
         self.dropped: Counter[str] = Counter()
         self._dropped_reported: Counter[str] = Counter()
@@ -117,8 +118,7 @@ class Resolver:
             if state is True and (self._read_on_writer or self._time(step)):
                 done.append(step)
         if done:
-            with self._lock:
-                self._ready.extend(done)
+            self._ready.extend(done)
 
     def drain(self, deadline_poll: Callable[[], bool]) -> None:
         """At finish: poll until nothing is pending or ``deadline_poll()`` says stop."""
@@ -136,9 +136,9 @@ class Resolver:
         return len(self._ready)
 
     def take_ready(self) -> list[Step]:
-        with self._lock:
-            out, self._ready = self._ready, []
-        return out
+        ready = self._ready
+        pop = ready.popleft
+        return [pop() for _ in range(len(ready))]  # only appended meanwhile: never short
 
     def _complete(self, step: Step) -> bool | None:
         """True when every mark of ``step`` is complete, False when not yet (the check

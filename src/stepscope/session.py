@@ -86,7 +86,7 @@ class Session(Recorder):
         self._listeners.append(self._recent)
         self._outbox = Outbox(
             resolver, sink if sink is not None else open_sink(config.sink, config.out_dir, rank.rank),
-            self._listeners, on_error=self.fail,
+            self._listeners, on_error=self.fail, batch=config.flush_every_n_steps,
         )
         self._writer = self._outbox.writer
         #: Observers attached by :mod:`stepscope.lifecycle` (opaque here), for users and tests.

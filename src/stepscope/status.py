@@ -37,7 +37,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from stepscope.sinks import write_json_atomic
+from stepscope.sinks import write_json_atomic, yield_on_wake
 
 if TYPE_CHECKING:
     from stepscope.tracer import Tracer
@@ -122,6 +122,7 @@ class Heartbeat:
         self._thread.start()
 
     def _run(self) -> None:
+        yield_on_wake()  # its timer wakes must not take the CPU from the training thread
         while not self._stop.wait(self.interval_s):
             self._tick()
 
