@@ -7,7 +7,6 @@ import json
 import sys
 import threading
 import time
-import warnings
 from collections import deque
 from collections.abc import Callable
 from datetime import timedelta
@@ -15,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from stepscope.common.robust import median
 from stepscope.common.waits import last_arriver, waits
-from stepscope.errors import StepscopeWarning
+from stepscope.errors import warn
 
 if TYPE_CHECKING:
     from stepscope.tracer import Tracer
@@ -527,9 +526,7 @@ class LiveView:
         if self._broken:
             return
         self._broken = True
-        # protect the job: warnings configured as errors must not escape into it
-        with contextlib.suppress(Exception):
-            warnings.warn(f"stepscope: live summary stopped: {exc!r}", StepscopeWarning, stacklevel=2)
+        warn(f"live summary stopped: {exc!r}", stacklevel=2)
 
     # -- finish
 

@@ -28,15 +28,13 @@ The hot path takes clock marks and appends small objects to lists; no I/O, no GP
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
-import warnings
 from typing import Any
 
 from stepscope.clock import Clock
 from stepscope.config import Config
-from stepscope.errors import StepscopeWarning
+from stepscope.errors import warn
 from stepscope.instrument import gate
 from stepscope.record import Span, Step
 from stepscope.resolver import Resolver
@@ -368,6 +366,4 @@ class Recorder:
         if key in self._warned:
             return
         self._warned.add(key)
-        # protect the job: warnings configured as errors must not escape into it
-        with contextlib.suppress(Exception):
-            warnings.warn(f"stepscope: {msg}", StepscopeWarning, stacklevel=3)
+        warn(msg, stacklevel=3)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import json
 import math
@@ -10,7 +9,6 @@ import os
 import sqlite3
 import stat
 import threading
-import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -18,6 +16,7 @@ from typing import Any, Protocol
 
 import orjson
 
+from stepscope.errors import warn
 from stepscope.records import SQLITE_COLUMNS, SQLITE_TABLE, rank_file, record_to_row
 
 
@@ -148,12 +147,8 @@ def _file_gone(path: Path, file_id: tuple[int, int]) -> bool:
 
 def _warn_gone(path: Path, warned: bool) -> bool:
     if not warned:
-        from stepscope.errors import StepscopeWarning
-
-        with contextlib.suppress(Exception):  # warnings set as errors must not reach the job
-            warnings.warn(f"stepscope: {path} was deleted while the run was writing to it (output "
-                          "directory removed?); records written before are lost, it is recreated "
-                          "for the rest", StepscopeWarning, stacklevel=2)
+        warn(f"{path} was deleted while the run was writing to it (output directory removed?); "
+             "records written before are lost, it is recreated for the rest", stacklevel=2)
     return True
 
 
@@ -426,10 +421,7 @@ def yield_on_wake() -> bool:
 
 
 def _warn(msg: str) -> None:
-    from stepscope.errors import StepscopeWarning
-
-    with contextlib.suppress(Exception):  # warnings set as errors must not reach the job
-        warnings.warn(f"stepscope: {msg}", StepscopeWarning, stacklevel=3)
+    warn(msg, stacklevel=3)
 
 
 def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:

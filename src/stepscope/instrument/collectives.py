@@ -58,14 +58,13 @@ import inspect
 import sys
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-from stepscope.errors import StepscopeWarning
+from stepscope.errors import warn
 from stepscope.instrument import bound, funcol, gate
 from stepscope.instrument.patch import SharedPatch
 
@@ -317,13 +316,7 @@ def _disable(exc: BaseException) -> None:
     if _disabled:
         return
     _disabled = True
-    # protect the job: warnings configured as errors must not escape into it
-    with contextlib.suppress(Exception):
-        warnings.warn(
-            f"stepscope: collective timing disabled after an internal error: {exc!r}",
-            StepscopeWarning,
-            stacklevel=3,
-        )
+    warn(f"collective timing disabled after an internal error: {exc!r}", stacklevel=3)
 
 
 #: The timed collective a thread is blocked in, by thread id: ``(op, wall time it entered)``.

@@ -44,12 +44,11 @@ import contextlib
 import os
 import threading
 import time
-import warnings
 from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from stepscope.errors import StepscopeWarning
+from stepscope.errors import warn
 from stepscope.flops import FlopCount, device_key, peak_tflops, warn_unknown_peak
 
 MB = float(1 << 20)
@@ -122,13 +121,8 @@ def check_config(flops_per_step: Any, model_flops: Any, peak_tflops: Any) -> Non
 
 
 def warn_outside_step(name: str) -> None:
-    with contextlib.suppress(Exception):  # protect the job: warnings-as-errors must not escape
-        warnings.warn(
-            f"stepscope: count({name!r}, ...) called outside a step; ignored (call it inside "
-            "`with stepscope.step():`)",
-            StepscopeWarning,
-            stacklevel=3,
-        )
+    warn(f"count({name!r}, ...) called outside a step; ignored (call it inside "
+         "`with stepscope.step():`)", stacklevel=3)
 
 
 # --------------------------------------------------------------------- back ends
@@ -295,9 +289,7 @@ class NvmlSampler:
             except Exception as exc:  # protect the job: this metric stops alone
                 del self.readers[name]
                 self.failed[name] = repr(exc)
-                with contextlib.suppress(Exception):
-                    warnings.warn(f"stepscope: NVML {name} stopped after an error: {exc!r}",
-                                  StepscopeWarning, stacklevel=2)
+                warn(f"NVML {name} stopped after an error: {exc!r}", stacklevel=2)
         if vals:
             with self._lock:
                 self.samples.append((time.time_ns(), vals))
@@ -450,9 +442,7 @@ class ResourceMonitor:
                 self._stop_metric("FLOP counting", exc)
 
     def _stop_metric(self, what: str, exc: BaseException) -> None:
-        with contextlib.suppress(Exception):  # warnings-as-errors must not escape into the job
-            warnings.warn(f"stepscope: {what} stopped after an error: {exc!r}", StepscopeWarning,
-                          stacklevel=3)
+        warn(f"{what} stopped after an error: {exc!r}", stacklevel=3)
 
     def on_step_end(self, index: int) -> Any:
         """Training thread, at a sampled step's exit; the returned snapshot goes to ``step_fields``."""
