@@ -12,6 +12,7 @@ from typing import Any
 from stepscope.analysis import cost
 from stepscope.analysis.experts import expert_verdicts, experts_section
 from stepscope.analysis.pipeline import pipeline_section, pipeline_verdicts
+from stepscope.common.unseen import UNSEEN
 
 
 def add_coverage_sections(con: Any, doc: dict[str, Any]) -> None:
@@ -29,6 +30,7 @@ def add_coverage_sections(con: Any, doc: dict[str, Any]) -> None:
     if blind:
         doc["blind"] = blind
         added += blind_verdicts(blind, doc)
+        caveat_unseen_waits(doc["verdicts"], blind)
     if added:
         verdicts = doc["verdicts"] + added
         if any(v["severity"] != "info" for v in added):
@@ -47,8 +49,6 @@ def blind_section(con: Any, doc: dict[str, Any]) -> list[dict[str, Any]]:
     no collective timing at all already says so in its collectives notes: waits estimated
     from the timeline.)
     """
-    from stepscope.instrument.collectives import UNSEEN
-
     out = []
     n_steps = max(1, int(doc["run"]["steps"]))
     # DDP's bucketed all-reduce is issued from C++ on purpose: it is timed as grad_sync.
@@ -63,6 +63,20 @@ def blind_section(con: Any, doc: dict[str, Any]) -> list[dict[str, Any]]:
                     "calls": int(calls), "calls_per_step": round(float(calls) / n_steps, 3),
                     "what": UNSEEN.get(str(path), str(path))})
     return out
+
+
+def caveat_unseen_waits(verdicts: list[dict[str, Any]], blind: list[dict[str, Any]]) -> None:
+    """Collectives issued from C++ (``untimed``) run outside every timed phase, so the time
+    ranks wait in them is ``residual``: a residual straggler or ``host_overhead`` may be that
+    wait, not host work. Such findings become notes that say so; the late rank, found in the
+    phase it really spent longer in, keeps its severity."""
+    if not any(b["path"] == "untimed" for b in blind):
+        return
+    for v in verdicts:
+        if v["kind"] == "host_overhead" or (v["kind"] == "straggler" and v.get("phase") == "residual"):
+            v["severity"] = "info"
+            v["evidence"] += ("; this time may be waiting in collectives issued from C++, which "
+                              "stepscope cannot see (blind_collectives), not host work")
 
 
 def blind_verdicts(blind: list[dict[str, Any]], doc: dict[str, Any]) -> list[dict[str, Any]]:

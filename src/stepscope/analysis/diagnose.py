@@ -101,7 +101,8 @@ def diagnose(
         out.append({"kind": "straggler", "severity": cost.severity(cost.share(c)), "evidence": ev,
                     "suggestion": f"Look at rank {s['rank']}'s {s['phase']}: "
                     + _STRAGGLER_FIX.get(s["phase"], "time its sub-steps with stepscope.phase(...)"),
-                    "cost": c, "subject": f"rank {s['rank']} slow in {s['phase']}"})
+                    "cost": c, "subject": f"rank {s['rank']} slow in {s['phase']}",
+                    "rank": s["rank"], "phase": s["phase"]})
     out += _host_verdicts(run, stragglers, out)
 
     wait_share = median([r["wait_share"] or 0.0 for r in ranks])

@@ -578,7 +578,7 @@ def _build_tables(con: Any, root: Path, skipped: list[str], torn: set[str] | Non
         """CREATE TABLE lost AS SELECT key, sum(try_cast(value::VARCHAR AS BIGINT)) AS n
            FROM rec, json_each(rec.dropped) WHERE json_type(rec.dropped) = 'OBJECT' GROUP BY 1"""
     )
-    # Collectives issued where they cannot be timed (instrument/collectives.py UNSEEN).
+    # Collectives issued where they cannot be timed (common/unseen.py UNSEEN).
     con.execute(
         f"""CREATE TABLE unseen AS
             SELECT CAST(rank AS INTEGER) AS rank, step, substr(k, 8) AS path,

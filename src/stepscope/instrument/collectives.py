@@ -234,21 +234,6 @@ def release(rec: Any, mark: Any) -> None:
         rec.clock.release(mark)
 
 
-#: Paths whose collectives stepscope cannot time, counted per step as ``unseen_<path>``
-#: counters so the report says which (their waits are not attributed).
-UNSEEN = {
-    "coalesced": "collectives issued inside a coalescing block (batch_isend_irecv on NCCL, "
-    "_coalescing_manager): the work runs at the block's exit, in C++",
-    "traced": "functional collectives called while tracing (make_fx, fake or proxy "
-    "modes): they run inside the captured graph",
-    "untimed": "collectives issued from C++ (a ProcessGroup method called directly, a "
-    "framework's native code) on a process group that carried no timed call: its sequence "
-    "number moved on, stepscope saw nothing",
-    "compiled": "collectives inside compiled graphs (torch.compile: dynamo turns them into "
-    "_c10d_functional graph ops that the compiled code runs): not timed, and waits there are "
-    "not attributed",
-}
-
 #: Collectives traced into a compiled graph while no sampled step was open on the tracing
 #: thread; added to the next sampled step that issues a collective.
 _compiled_pending = 0
@@ -289,7 +274,8 @@ def flush_compiled(rec: Any) -> None:
 
 
 def unseen(rec: Any, path: str) -> None:
-    """Count one collective this rank issued where it cannot be timed (see :data:`UNSEEN`)."""
+    """Count one collective this rank issued where it cannot be timed (the paths:
+    :data:`stepscope.common.unseen.UNSEEN`)."""
     unseen_n(rec, path, 1)
 
 
