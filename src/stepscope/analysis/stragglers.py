@@ -28,10 +28,13 @@ gaps at the synchronising phase, clocks compared) stand in, and the report says 
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from stepscope.analysis import changepoint
 from stepscope.analysis.pipeline import IS_P2P, build_p2p_waits
@@ -501,52 +504,79 @@ def find_stragglers(
     steps) and be sustained. A chronic gap is present on every step, so a transient swing
     of the others is no measure of it: it keeps the per-step and impact bars.
     """
-    pos = {s: i for i, s in enumerate(steps)}
-    series: dict[tuple[int, str], list[tuple[int, float]]] = {}
+    # Fixed-dtype columns, not Python rows: one (rank, phase) series is a slice of arrays
+    # sorted by (rank, phase, step), the order the series are judged in.
+    names = [str(n) for (n,) in con.execute(
+        "SELECT DISTINCT name FROM ex WHERE excess IS NOT NULL ORDER BY 1").fetchall()]
+    cols = con.execute(
+        "SELECT rank, list_position($names, name) AS nid, step, excess, own FROM ex "
+        "WHERE excess IS NOT NULL", {"names": names}).fetchnumpy()
+    rank_a = np.asarray(cols["rank"], dtype=np.int64)
+    nid_a = np.asarray(cols["nid"], dtype=np.int64)
+    order = np.lexsort((np.asarray(cols["step"], dtype=np.int64), nid_a, rank_a))
+    rank_a, nid_a = rank_a[order], nid_a[order]
+    step_sorted = np.asarray(steps, dtype=np.int64)
+    pos_a = np.searchsorted(step_sorted, np.asarray(cols["step"], dtype=np.int64)[order])
+    ex_a = np.asarray(cols["excess"], dtype=np.float64)[order]
+    own_a = np.asarray(cols["own"], dtype=np.float64)[order]
+    del cols, order
+    key_a = rank_a * (len(names) + 1) + nid_a
+    starts = np.flatnonzero(np.r_[True, key_a[1:] != key_a[:-1]]) if len(key_a) else key_a
+    bounds = [*starts.tolist(), len(key_a)]
+    # Each phase's own-work series per rank, as lists, built when a window needs them.
     owns: dict[str, dict[int, list[float]]] = {}
-    own_of: dict[tuple[int, str], list[float]] = {}
-    for rank, name, step, excess, own in con.execute(
-        "SELECT rank, name, step, excess, own FROM ex WHERE excess IS NOT NULL ORDER BY 1, 2, 3"
-    ).fetchall():
-        series.setdefault((int(rank), str(name)), []).append((pos[int(step)], float(excess)))
-        own_of.setdefault((int(rank), str(name)), []).append(float(own))
-    for (rank, name), xs in own_of.items():
-        owns.setdefault(name, {})[rank] = xs
+
+    def owns_of(name: str) -> dict[int, list[float]]:
+        if name not in owns:
+            i = names.index(name) + 1
+            owns[name] = {int(rank_a[a]): own_a[a:b].tolist()
+                          for a, b in itertools.pairwise(bounds) if nid_a[a] == i}
+        return owns[name]
+
     n_steps = len(steps)
     min_n = max(MIN_SEGMENT, math.ceil(0.04 * n_steps))
     out: list[dict[str, Any]] = []
-    for (rank, name), pts in series.items():
+    for a, b in itertools.pairwise(bounds):
+        rank, name = int(rank_a[a]), names[int(nid_a[a]) - 1]
         t = thr.get((rank, name))
         if t is None:
             continue
-        idx = [i for i, x in pts if x > t]
+        xa = ex_a[a:b]
+        at = pos_a[a:b]
+        high = xa > t
+        idx = at[high]
         # A stretch's level is a median over >= min_n steps: its noise is well under one
         # step's, so its bar is a few of the rank's noise sigmas, not the per-step SIGMAS.
         bar = max(WINDOW_SIGMAS * t / SIGMAS, MIN_EXCESS_MS, WINDOW_IMPACT * median_step)
-        xs = [x for _, x in pts]
-        own = own_of[(rank, name)]
-        whole = robust.median(xs)
-        if (len(pts) >= CHRONIC_COVER * n_steps and whole > bar
+        whole = float(np.median(xa))  # robust.median: the same middle value(s), same mean
+        if (len(xa) >= CHRONIC_COVER * n_steps and whole > bar
                 and whole >= max(MIN_EXCESS_MS, CHRONIC_IMPACT * median_step)
                 and not (len(idx) >= CHRONIC_DENSITY * n_steps)):
             # The gap's level over the whole run sits well above its noise even where single
             # steps are too noisy to flag (a busy host): chronic, priced at that level.
-            seg = [i for i, _ in pts]
+            seg = at.tolist()
             out.append(_straggler(con, rank, name, host_of, steps, seg, whole, "chronic",
                                   _confidence(len(seg), 1.0, whole / t)))
             # A window on top of the chronic level is still looked for below.
-        elif (len(idx) >= CHRONIC_DENSITY * n_steps and idx
-              and idx[-1] - idx[0] + 1 >= CHRONIC_COVER * n_steps):
+        elif (len(idx) >= CHRONIC_DENSITY * n_steps and len(idx)
+              and int(idx[-1]) - int(idx[0]) + 1 >= CHRONIC_COVER * n_steps):
             # Flagged on most steps across the run: one chronic straggler, whatever its holes.
-            med = robust.median(x for _, x in pts if x > t)
+            med = float(np.median(xa[high]))
             if (min(med, whole) >= max(MIN_EXCESS_MS, CHRONIC_IMPACT * median_step)
                     and whole >= 0.5 * med):
-                out.append(_straggler(con, rank, name, host_of, steps, idx, med, "chronic",
-                                      _confidence(len(idx), len(idx) / (idx[-1] - idx[0] + 1), med / t)))
+                ids = idx.tolist()
+                out.append(_straggler(con, rank, name, host_of, steps, ids, med, "chronic",
+                                      _confidence(len(ids), len(ids) / (ids[-1] - ids[0] + 1),
+                                                  med / t)))
                 continue
             # Flagged on most steps, but the run's median gap is too small to name or far
             # under the flagged steps' (a busy host favouring the other rank by half a
             # millisecond, with a real window on top): not chronic; windows are looked for.
+        if len(xa) < min_n or not changepoint.may_hold_window(xa, bar, whole):
+            continue  # a bound, not a guess: elevated() would find no window here
+        xs = xa.tolist()
+        own = own_a[a:b].tolist()
+        pts = list(zip(at.tolist(), xs, strict=True))
         chronic_done = any(o["rank"] == rank and o["phase"] == name for o in out)
         for w in changepoint.elevated(xs, bar, min_len=min_n):
             seg = [i for i, _ in pts[w.start:w.end + 1]]
@@ -560,7 +590,7 @@ def find_stragglers(
                     continue
             else:
                 level = window_excess(xs, own, w.start, w.end, w.excess)
-                if level < bar or level <= noise_floor(owns[name], rank, w.length):
+                if level < bar or level <= noise_floor(owns_of(name), rank, w.length):
                     continue
                 inside = xs[w.start:w.end + 1]
                 if sum(1 for x in inside if x >= 0.5 * level) < SUSTAINED * len(inside):
