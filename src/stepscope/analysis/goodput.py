@@ -152,20 +152,32 @@ def _day(ns: int) -> str:
     return _dt.datetime.fromtimestamp(ns / 1e9, tz=_dt.timezone.utc).strftime("%Y-%m-%d")
 
 
-def _days(start_ns: np.ndarray[Any, Any]) -> list[str]:
-    """``_day`` of every start: by day number, and by ``_day`` itself within a second of
-    midnight (where rounding to microseconds could move the date)."""
+def _days(start_ns: np.ndarray[Any, Any]) -> tuple[list[str], np.ndarray[Any, Any]]:
+    """The sorted ``_day`` names of the starts and each start's index into them: by day
+    number, and by ``_day`` itself within a second of midnight (where rounding to
+    microseconds could move the date)."""
     t = start_ns.astype(np.float64) / 1e9
     num = np.floor(t / 86_400.0).astype(np.int64)
     into = t - num.astype(np.float64) * 86_400.0
-    near = (into < 1.0) | (into > 86_399.0)
+    near = np.flatnonzero((into < 1.0) | (into > 86_399.0)).tolist()
     epoch = _dt.date(1970, 1, 1)
-    names = {int(d): (epoch + _dt.timedelta(days=int(d))).strftime("%Y-%m-%d")
-             for d in np.unique(num)}
-    out = [names[d] for d in num.tolist()]
-    for k in np.flatnonzero(near).tolist():
-        out[k] = _day(int(start_ns[k]))
-    return out
+    nums, idx = np.unique(num, return_inverse=True)
+    names = [(epoch + _dt.timedelta(days=int(d))).strftime("%Y-%m-%d") for d in nums.tolist()]
+    if not near:
+        return names, idx  # day numbers sort as their dates
+    exact = {k: _day(int(start_ns[k])) for k in near}
+    day_list = sorted(set(names) | set(exact.values()))
+    pos = {d: i for i, d in enumerate(day_list)}
+    idx = np.asarray([pos[d] for d in names], dtype=np.int64)[idx]
+    for k, d in exact.items():
+        idx[k] = pos[d]
+    # A day only a near-midnight start named by number, then moved, has no start left.
+    used = np.bincount(idx, minlength=len(day_list)) > 0
+    if not used.all():
+        keep = np.flatnonzero(used)
+        day_list = [day_list[i] for i in keep.tolist()]
+        idx = np.searchsorted(keep, idx)
+    return day_list, idx
 
 
 _CATS = (*CATEGORIES, "productive")
@@ -228,14 +240,11 @@ def compute_goodput(con: Any, run_dir: str | Path, warmup: dict[str, Any] | None
     shifted = step + np.repeat(np.arange(len(firsts), dtype=np.int64), ends - firsts) * BIG
     seen = np.maximum.accumulate(shifted)
     redone = has_prev & (shifted <= seen[prev])
-    keys = sorted({(int(g), int(r)) for g, r in zip(seg.tolist(), rid.tolist(), strict=True)})
-    run_of = {k: i for i, k in enumerate(keys)}
-    run_idx = np.asarray([run_of[(int(g), int(r))] for g, r in
-                          zip(seg.tolist(), rid.tolist(), strict=True)], dtype=np.int64)
-    day_names = _days(start) if dated else ["undated"] * n
-    day_list = sorted(set(day_names))
-    day_of = {d: i for i, d in enumerate(day_list)}
-    day_idx = np.asarray([day_of[d] for d in day_names], dtype=np.int64)
+    # Runs are (segment ordinal, run id); days are UTC dates of the step starts.
+    code = seg * len(ids) + rid
+    codes, run_idx = np.unique(code, return_inverse=True)
+    keys = [(int(c) // len(ids), int(c) % len(ids)) for c in codes.tolist()]
+    day_list, day_idx = _days(start) if dated else (["undated"], np.zeros(n, dtype=np.int64))
 
     # The time between steps, on rows with a previous one on the same rank.
     prev_end = start[prev].astype(np.float64) + ms[prev] * 1e6
@@ -274,26 +283,31 @@ def compute_goodput(con: Any, run_dir: str | Path, warmup: dict[str, Any] | None
     slots.append((np.where(redone, ms, 0.0), _C["restarts"], here))
     for v, c in zip(step_parts(here, ~redone, ms), _STEP_CATS, strict=True):
         slots.append((v, c, here))
-    val = np.stack([v for v, _, _ in slots], axis=1).reshape(-1)
-    cat = np.tile(np.asarray([c for _, c, _ in slots], dtype=np.int64), n)
-    owner = np.stack([o for _, _, o in slots], axis=1).reshape(-1)
-    del slots
-    # add() skips what is not above zero.
-    live = ~(val <= 0.0)
-    val, cat, owner = val[live], cat[live], owner[live]
-    blocks.append((val, cat, run_idx[owner], day_idx[owner]))
+    # A slot with no event on any row adds nothing (the restart and sampling slots, mostly).
+    slots = [sl for sl in slots if not (sl[0] <= 0.0).all()]
+    if slots:
+        val = np.stack([v for v, _, _ in slots], axis=1).reshape(-1)
+        cat = np.tile(np.asarray([c for _, c, _ in slots], dtype=np.int64), n)
+        owner = np.stack([o for _, _, o in slots], axis=1).reshape(-1)
+        del slots
+        # add() skips what is not above zero.
+        live = ~(val <= 0.0)
+        val, cat, owner = val[live], cat[live], owner[live]
+        blocks.append((val, cat, run_idx[owner], day_idx[owner]))
 
     totals = _empty()
     run_ms = [_empty() for _ in keys]
     day_ms = [_empty() for _ in day_list]
     for val, cat, rix, dix in blocks:
         _accumulate(totals, val, cat)
-        for g in np.unique(rix).tolist():
-            m = rix == g
-            _accumulate(run_ms[g], val[m], cat[m])
-        for g in np.unique(dix).tolist():
-            m = dix == g
-            _accumulate(day_ms[g], val[m], cat[m])
+        for accs, ix in ((run_ms, rix), (day_ms, dix)):
+            present = np.flatnonzero(np.bincount(ix, minlength=len(accs))).tolist()
+            for g in present:
+                if len(present) == 1:  # one run or one day: every event is its
+                    _accumulate(accs[g], val, cat)
+                else:
+                    m = ix == g
+                    _accumulate(accs[g], val[m], cat[m])
 
     def finish(acc: dict[str, float]) -> dict[str, Any]:
         total = acc["total"]
@@ -333,7 +347,7 @@ def compute_goodput(con: Any, run_dir: str | Path, warmup: dict[str, Any] | None
 def _accumulate(acc: dict[str, float], val: np.ndarray[Any, Any], cat: np.ndarray[Any, Any]) -> None:
     """Add events to one bucket: per category and to its total, each a running sum."""
     acc["total"] = _seq_sum(acc["total"], val)
-    for c in np.unique(cat).tolist():
+    for c in np.flatnonzero(np.bincount(cat, minlength=len(_CATS))).tolist():
         acc[_CATS[c]] = _seq_sum(acc[_CATS[c]], val[cat == c])
 
 
