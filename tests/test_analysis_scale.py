@@ -179,3 +179,24 @@ def test_window_screen_keeps_a_four_step_piece_with_high_ends() -> None:
     wins = changepoint.elevated(xs, 2.0, min_len=1)
     assert [(w.start, w.end) for w in wins] == [(0, 3)]
     assert changepoint.may_hold_window(np.asarray(xs), 2.0, robust.median(xs))
+
+
+def test_goodput_days_vectorised_equal_day_by_day() -> None:
+    # goodput._days names every start's UTC day at once; it must equal _day() per start,
+    # including starts within a microsecond of midnight (fromtimestamp rounds to µs).
+    import random
+
+    import numpy as np
+
+    from stepscope.analysis import goodput
+
+    rng = random.Random(5)
+    day = 86_400 * 10**9
+    ns = [rng.randrange(0, 1 << 62) for _ in range(2000)]
+    for _ in range(500):  # around midnights: ±2 µs, ±1 s
+        mid = rng.randrange(1, (1 << 62) // day) * day
+        ns.append(mid + rng.choice((-2000, -500, -1, 0, 1, 499, 500, 501, 2000, -10**9, 10**9)))
+    arr = np.asarray(ns, dtype=np.int64)
+    names, idx = goodput._days(arr)
+    assert names == sorted(set(names))
+    assert [names[i] for i in idx.tolist()] == [goodput._day(n) for n in ns]
