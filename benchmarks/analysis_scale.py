@@ -13,6 +13,11 @@ direct JSONL path instead. ``--profile`` adds per-query timings (the slowest sta
 the re-read, or of the first read with ``--no-store``) and the compaction's own time.
 ``--dir D --keep`` generates each size once under ``D`` and reuses it on later runs (its
 Parquet store is removed first, so ``seconds`` stays a first read).
+
+    PYTHONPATH=BASE/src python benchmarks/analysis_scale.py --reread /work/scale-data/512x2000
+
+times one re-read of a run whose store is up to date with whichever ``stepscope`` is on the
+path (run it once per build, alternating, to compare builds on the same store).
 """
 
 from __future__ import annotations
@@ -173,6 +178,27 @@ def median_of_others(base_src: str, ranks: int = 512, steps: int = 2000, reps: i
     print(json.dumps({"rows": len(rows["this"]), "identical": rows["this"] == rows["base"]}))
 
 
+def reread(run_dir: str, threads: int, memory_limit: str) -> None:
+    """One ``analyze_run`` of ``run_dir`` in this process: wall, CPU, peak RSS, load."""
+    import stepscope
+    from stepscope.analysis.run import analyze_run
+
+    ru0 = resource.getrusage(resource.RUSAGE_SELF)
+    t0 = time.perf_counter()
+    doc = analyze_run(run_dir, threads=threads, memory_limit=memory_limit)
+    wall = time.perf_counter() - t0
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    print(json.dumps({
+        "stepscope": str(Path(stepscope.__file__).parents[1]),
+        "wall_seconds": round(wall, 2),
+        "cpu_seconds": round(ru.ru_utime + ru.ru_stime - ru0.ru_utime - ru0.ru_stime, 2),
+        "peak_rss_mb": round(ru.ru_maxrss / 1024.0, 1),
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+        "phase_samples": doc["run"]["phase_samples"],
+        "stragglers": [(s["rank"], s["phase"]) for s in doc["stragglers"][:3]],
+    }), flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", nargs="+", default=["64x1000", "512x1000", "4096x1000"],
@@ -188,8 +214,13 @@ def main() -> int:
                    help="keep (and reuse) the generated runs under --dir")
     p.add_argument("--median-of-others", metavar="BASE_SRC",
                    help="time build_own against the one in BASE_SRC (another checkout's src/)")
+    p.add_argument("--reread", metavar="RUN",
+                   help="time one re-read of RUN (store kept) with the stepscope on the path")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.reread:
+        reread(args.reread, args.threads, args.memory_limit)
+        return 0
     if args.median_of_others:
         median_of_others(args.median_of_others)
         return 0

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 from statistics import median
+from typing import Any
 
 import pytest
 from tests.synth_runs import Slow, SynthRun, write_run
@@ -92,3 +93,110 @@ def test_median_of_the_others_with_ties_and_ragged_steps() -> None:
             continue
         assert others == pytest.approx(median(rest)), (rank, step, name)
         assert excess == pytest.approx(o - median(rest))
+
+
+def _series(rng: Any, n: int) -> list[float]:
+    """Noise, spikes, level shifts and windows of random size: what gap series look like."""
+    kind = rng.randrange(5)
+    xs = [rng.gauss(0.0, rng.choice((0.05, 0.2, 1.0))) for _ in range(n)]
+    if kind >= 1:  # scattered spikes, sometimes in pairs a few steps apart
+        for _ in range(rng.randrange(1, 12)):
+            i = rng.randrange(n)
+            xs[i] += rng.uniform(0.5, 8.0)
+            if rng.random() < 0.5 and i + 3 < n:
+                xs[i + rng.randrange(1, 4)] += rng.uniform(0.5, 8.0)
+    if kind >= 2:  # a window (or a step up to the end)
+        a = rng.randrange(n)
+        e = min(n, a + rng.randrange(2, max(3, n // 2)))
+        lift = rng.uniform(0.2, 6.0)
+        for i in range(a, e if kind < 4 else n):
+            xs[i] += lift
+    if kind == 3:  # quantised like 0.01 ms rounding: ties in the medians
+        xs = [round(x, 2) for x in xs]
+    return xs
+
+
+def test_window_screen_is_a_bound_never_a_guess() -> None:
+    # changepoint.may_hold_window lets find_stragglers skip the change-point search on series
+    # that cannot hold a window: wherever it says no, the full search must find nothing.
+    import random
+
+    import numpy as np
+
+    from stepscope.analysis import changepoint
+    from stepscope.common import robust
+
+    rng = random.Random(22)
+    said_no = said_yes = found = 0
+    for _ in range(1500):
+        n = rng.choice((3, 4, 5, 6, 7, 9, 12, 20, 40, 80, 200))
+        xs = _series(rng, n)
+        base = robust.median(xs)
+        assert float(np.median(np.asarray(xs))) == base  # the screen's base is elevated()'s
+        for bar in (0.0, 0.1, 0.3, 1.0, 2.5):
+            for min_len in (1, 3, 5):
+                wins = changepoint.elevated(xs, bar, min_len=min_len)
+                found += bool(wins)
+                if changepoint.may_hold_window(np.asarray(xs, dtype=np.float64), bar, base):
+                    said_yes += 1
+                else:
+                    said_no += 1
+                    assert wins == [], (xs, bar, min_len)
+    # Not vacuous either way: the screen skips most clean series and lets windows through.
+    assert said_no > 1000 and said_yes > 1000 and found > 200, (said_no, said_yes, found)
+
+
+def test_window_screen_passes_the_window_tests_series() -> None:
+    # The shapes of the changepoint tests: a window in noise is let through, flat noise is not.
+    import random
+
+    import numpy as np
+
+    from stepscope.analysis import changepoint
+    from stepscope.common import robust
+
+    rng = random.Random(3)
+    flat = [10.0 + rng.uniform(-0.2, 0.2) for _ in range(300)]
+    win = [x + (4.0 if 120 <= i < 160 else 0.0) for i, x in enumerate(flat)]
+    assert changepoint.elevated(win, 1.0, min_len=5)
+    assert changepoint.may_hold_window(np.asarray(win), 1.0, robust.median(win))
+    assert not changepoint.may_hold_window(np.asarray(flat), 1.0, robust.median(flat))
+    assert not changepoint.may_hold_window(np.asarray(win), -1.0, robust.median(win))
+
+
+def test_window_screen_keeps_a_four_step_piece_with_high_ends() -> None:
+    # The bound's one tight case: a piece of 4 whose two high values sit at its ends, 3 steps
+    # apart (median = mean of a low and a high value). A screen asking for high values at most
+    # 2 apart would drop this window (found by a random search over 4-step pieces).
+    import numpy as np
+
+    from stepscope.analysis import changepoint
+    from stepscope.common import robust
+
+    xs = [10.009374263590994, 5.00610450873629, 5.0074130141873185, 10.004345201257047,
+          1.0059807908310054, 0.0004985039725818108, 0.004407840032417573,
+          0.0005039944228085746, 5.006197665789897]
+    wins = changepoint.elevated(xs, 2.0, min_len=1)
+    assert [(w.start, w.end) for w in wins] == [(0, 3)]
+    assert changepoint.may_hold_window(np.asarray(xs), 2.0, robust.median(xs))
+
+
+def test_goodput_days_vectorised_equal_day_by_day() -> None:
+    # goodput._days names every start's UTC day at once; it must equal _day() per start,
+    # including starts within a microsecond of midnight (fromtimestamp rounds to µs).
+    import random
+
+    import numpy as np
+
+    from stepscope.analysis import goodput
+
+    rng = random.Random(5)
+    day = 86_400 * 10**9
+    ns = [rng.randrange(0, 1 << 62) for _ in range(2000)]
+    for _ in range(500):  # around midnights: ±2 µs, ±1 s
+        mid = rng.randrange(1, (1 << 62) // day) * day
+        ns.append(mid + rng.choice((-2000, -500, -1, 0, 1, 499, 500, 501, 2000, -10**9, 10**9)))
+    arr = np.asarray(ns, dtype=np.int64)
+    names, idx = goodput._days(arr)
+    assert names == sorted(set(names))
+    assert [names[i] for i in idx.tolist()] == [goodput._day(n) for n in ns]

@@ -185,9 +185,11 @@ def test_reader_sees_a_cpu_hog_and_not_a_sleep() -> None:
 # ------------------------------------------------------------------ a real gloo run
 
 STARVE = (1, 12, 21)  # rank 1 shares its CPU with a busy loop on steps 12..21
-# Rank 0 sleeps in backward on steps [36, 56): 60 ms, as the wider model's steps (~50 ms
-# idle, 80-120 ms at a load of 13 on 2 cores) swing by 20 ms from step to step.
-SLEEP_FIRST, SLEEP_END, SLEEP_MS = 36, 56, 60.0
+# Rank 0 sleeps in backward on steps [36, 56): 100 ms, as the wider model's steps (~50 ms
+# idle, 80-120 ms at a load of 13 on 2 cores) swing by 20-40 ms from step to step, so a
+# 60 ms window's 20-step estimate came out 53.6 ms (-11%) in 1 of 4 runs at load 5, with
+# and without run-queue wait alike.
+SLEEP_FIRST, SLEEP_END, SLEEP_MS = 36, 56, 100.0
 
 
 def _without_runq(src: Path, dst: Path) -> Path:
@@ -217,14 +219,16 @@ def test_gloo_starved_rank_is_a_note_and_a_sleep_window_is_still_found(tmp_path:
     late = max(0.0, sorted(taken)[len(taken) // 2] - 30.0) if taken else 0.0
     doc = analyze_run(run)
 
-    # The instrument saw it: rank 1 waited for its CPU while the busy loop ran.
-    rq: dict[int, list[float]] = {0: [], 1: []}
-    for r in (0, 1):
-        for line in (run / f"rank{r}.jsonl").read_text().splitlines():
-            rec = json.loads(line)
-            if STARVE[1] <= rec["step"] <= STARVE[2]:
-                rq[r].append(rec["counters"]["runq_ms"])
-    assert sorted(rq[1])[len(rq[1]) // 2] > sorted(rq[0])[len(rq[0]) // 2], rq
+    # The instrument saw it: rank 1 waited for its CPU while the busy loop shared its core
+    # (the scheduler gives each half of it, so waits of ms per step; an idle core gives
+    # ~0.1 ms). Rank 0's is not compared: other jobs on the machine load its core too.
+    rq: list[float] = []
+    for line in (run / "rank1.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        assert rec["counters"]["runq_ms"] >= 0.0
+        if STARVE[1] <= rec["step"] <= STARVE[2]:
+            rq.append(rec["counters"]["runq_ms"])
+    assert sorted(rq)[len(rq) // 2] > 1.0, rq
 
     # Nothing about rank 1 or the starved steps is an alarm; the sleep window is.
     def in_starve(lo: int, hi: int) -> bool:
@@ -235,8 +239,10 @@ def test_gloo_starved_rank_is_a_note_and_a_sleep_window_is_still_found(tmp_path:
     loud = [v for v in doc["verdicts"] if v["severity"] != "info"
             and v["kind"] not in ("straggler", "comm_wait")]  # rank 0's sleep and who waited for it
     assert loud == [], loud
-    (s,) = [s for s in doc["stragglers"] if s["rank"] == 0]
-    assert s["phase"] == "backward" and s["persistence"] == "window", s
+    # (Other jobs on the machine can add a small window of rank 0's own: only the sleep's
+    # is checked here.)
+    (s,) = [s for s in doc["stragglers"] if s["rank"] == 0 and s["phase"] == "backward"]
+    assert s["persistence"] == "window", s
     assert abs(s["first_step"] - SLEEP_FIRST) <= 2 and abs(s["last_step"] - (SLEEP_END - 1)) <= 2, s
     assert 0.9 * SLEEP_MS <= s["excess_ms"] <= 1.1 * (SLEEP_MS + late), (s, late)
 

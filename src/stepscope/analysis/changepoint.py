@@ -21,6 +21,7 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -192,6 +193,27 @@ def elevated(xs: Sequence[float], bar: float, *, baseline: float | None = None,
             continue
         out.append(Window(a, e, level))
     return out
+
+
+def may_hold_window(xs: np.ndarray[Any, np.dtype[np.float64]], bar: float,
+                    base: float) -> bool:
+    """False only when :func:`elevated` (``baseline=None``, so ``base`` is the median of
+    ``xs``) is sure to find no window: a cheap bound, checked before the full search.
+
+    Every window grows from a *hot* piece, one whose median sits more than ``bar`` above the
+    median of the series. Pieces are at least ``MIN_PIECE`` (3) steps long (a series too short
+    to cut is one piece, whose median is the baseline itself). A median of ``L >= 3`` values
+    above ``base + bar`` needs ``ceil(L/2)`` of them above it (the middle value, or for an even
+    count the upper middle, since a rounded mean never exceeds its larger term); with every
+    two high values at least 4 steps apart, at most ``ceil(L/4) < ceil(L/2)`` fit. So a hot
+    piece needs two high values at most 3 steps apart; none means no hot piece, nothing to
+    merge, no window. ``x - base > bar`` is the comparison
+    ``elevated`` makes, in the same floating-point operations.
+    """
+    if len(xs) < MIN_PIECE or bar < 0:
+        return False
+    hi = np.flatnonzero((xs - base) > bar)
+    return bool(len(hi) >= 2 and int(np.diff(hi).min()) <= 3)
 
 
 def unlikely_by_chance(k: int, span: int, k_out: int, n_out: int, n: int,

@@ -31,13 +31,13 @@ directory. A category measures time, not cause: the straggler's own slow work is
 from __future__ import annotations
 
 import datetime as _dt
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from stepscope.analysis.load import MAX_MS, MAX_START_NS
 from stepscope.analysis.resources import TIMED_FILTER
-from stepscope.common import robust
 
 #: Loss categories, in report order.
 CATEGORIES: tuple[str, ...] = (
@@ -49,8 +49,15 @@ MS_PER_HOUR = 3_600_000.0
 MAX_SAMPLING_GAP = 1000
 
 
-def _light_rows(con: Any, run_dir: Path) -> list[tuple[int, str, int, int, float]]:
-    """(rank, run_id, step, start_unix_ns, step_ms) of every timed record, duplicates included."""
+#: Row columns of the accounting, in order: rank, run id code, step, start ns, step ms, and
+#: the (rank, step)'s split (stragglers, exposed_comm, input, host) ms.
+Rows = dict[str, np.ndarray[Any, Any]]
+#: Rank-ordered rows accounted at once: the per-event arrays of a block stay small.
+BLOCK_ROWS = 200_000
+
+
+def _light_rows(con: Any, run_dir: Path) -> tuple[Rows, list[str]] | None:
+    """Every timed record (duplicates included) with its split, and the run ids by code."""
     import tempfile
 
     from stepscope.analysis.load import MAX_LINE_BYTES, drop_long_lines, rank_files
@@ -59,12 +66,12 @@ def _light_rows(con: Any, run_dir: Path) -> list[tuple[int, str, int, int, float
                    "WHERE table_name = 'light'").fetchone()[0]:
         return _rows(con, "light")  # kept by load_run from the lines it read
     if not run_dir.is_dir():
-        return []  # a Parquet store elsewhere (a glob, a URL): no rank files to re-read
+        return None  # a Parquet store elsewhere (a glob, a URL): no rank files to re-read
     # The files the analysis read (inside the run, no links out), with its line cap: a
     # larger maximum_object_size makes DuckDB allocate buffers of twice that per thread.
     files = sorted(p for p in rank_files(run_dir)[0] if p.suffix == ".jsonl")
     if not files:
-        return []
+        return None
     # Records are KBs: a 1 MiB object cap keeps DuckDB's read buffers small (it allocates
     # twice the cap per thread); a larger record retries with the analysis' own line cap.
     for cap in (1 << 20, MAX_LINE_BYTES):
@@ -79,30 +86,46 @@ def _light_rows(con: Any, run_dir: Path) -> list[tuple[int, str, int, int, float
         return _read_light(con, kept, MAX_LINE_BYTES)
 
 
-def _read_light(con: Any, files: list[Path], max_line: int) -> list[tuple[int, str, int, int, float]]:
+def _read_light(con: Any, files: list[Path], max_line: int) -> tuple[Rows, list[str]] | None:
     lst = "[" + ", ".join("'" + str(p).replace("'", "''") + "'" for p in files) + "]"
     cols = ("{rank: 'BIGINT', run_id: 'VARCHAR', step: 'BIGINT', start_unix_ns: 'BIGINT', "
             "step_ms: 'DOUBLE', untimed: 'BOOLEAN'}")
-    return _rows(con, f"""(SELECT rank, coalesce(run_id, '') AS run_id, step, start_unix_ns, step_ms
+    con.execute(f"""CREATE OR REPLACE TEMP TABLE light_read AS
+        SELECT rank, coalesce(run_id, '') AS run_id, step, start_unix_ns, step_ms
         FROM read_json({lst}, format='newline_delimited', columns={cols}, ignore_errors=true,
                        maximum_object_size={max_line + 2})
         WHERE rank IS NOT NULL AND step IS NOT NULL AND start_unix_ns IS NOT NULL
           AND step_ms IS NOT NULL AND isfinite(step_ms) AND step_ms >= 0 AND {TIMED_FILTER}
-          AND start_unix_ns >= 0 AND start_unix_ns < {MAX_START_NS} AND step_ms <= {MAX_MS})""")
+          AND start_unix_ns >= 0 AND start_unix_ns < {MAX_START_NS} AND step_ms <= {MAX_MS}""")
+    try:
+        return _rows(con, "light_read")
+    finally:
+        con.execute("DROP TABLE light_read")
 
 
-def _rows(con: Any, source: str) -> list[tuple[int, str, int, int, float]]:
-    rows = con.execute(
-        f"""SELECT rank, run_id, step, start_unix_ns, step_ms FROM {source}
+def _rows(con: Any, source: str) -> tuple[Rows, list[str]] | None:
+    """Fixed-dtype columns in accounting order (rank, start, step), each with its split."""
+    ids = [str(i) for (i,) in con.execute(f"SELECT DISTINCT run_id FROM {source} ORDER BY 1").fetchall()]
+    cols = con.execute(
+        f"""SELECT l.rank, list_position($ids, l.run_id) - 1 AS rid, l.step, l.start_unix_ns,
+                   l.step_ms, sp.w, sp.c, sp.i, sp.h
+            FROM {source} l
             -- only what the analysis kept (plausible, timed), re-done duplicates included
-            WHERE (rank, step) IN (SELECT (rank, step) FROM steps)
-            ORDER BY rank, start_unix_ns, step"""
-    ).fetchall()
-    return [(int(r), str(i), int(s), int(t), float(m)) for r, i, s, t, m in rows]
+            JOIN ({_split_sql(con)}) sp USING (rank, step)
+            ORDER BY l.rank, l.start_unix_ns, l.step""", {"ids": ids}).fetchnumpy()
+    if not len(cols["rank"]):
+        return None
+    return _typed(cols), ids
 
 
-def _split(con: Any) -> dict[tuple[int, int], tuple[float, float, float, float]]:
-    """Per (rank, step) of the analysed records: (stragglers, exposed_comm, input, host) ms."""
+def _typed(cols: dict[str, Any]) -> Rows:
+    ints = ("rank", "rid", "step", "start_unix_ns")
+    return {k: np.asarray(v, dtype=np.int64 if k in ints else np.float64) for k, v in cols.items()}
+
+
+def _split_sql(con: Any) -> str:
+    """Per (rank, step) of the analysed records: w (stragglers), c (exposed_comm), i (input),
+    h (host) ms."""
     has_cw = bool(con.execute(
         "SELECT count(*) FROM information_schema.tables WHERE table_name = 'cw'").fetchone()[0])
     comm = ("SELECT rank, step, sum(greatest(ms - wait, 0.0)) AS comm FROM cw GROUP BY 1, 2"
@@ -111,15 +134,14 @@ def _split(con: Any) -> dict[tuple[int, int], tuple[float, float, float, float]]
         "SELECT count(*) FROM information_schema.tables WHERE table_name = 'wait'").fetchone()[0])
     wait = ("SELECT rank, step, wait_ms FROM wait" if has_wait
             else "SELECT rank, step, 0.0 AS wait_ms FROM steps WHERE false")
-    rows = con.execute(
-        f"""WITH i AS (SELECT rank, step, sum(ms) AS input FROM phases
+    return f"""WITH i AS (SELECT rank, step, sum(ms) AS input FROM phases
                       WHERE (parent IS NULL AND name = 'dataloader') OR name = 'h2d' GROUP BY 1, 2)
-            SELECT s.rank, s.step, coalesce(w.wait_ms, 0.0), coalesce(c.comm, 0.0),
-                   coalesce(i.input, 0.0), greatest(s.residual_ms, 0.0)
+            SELECT s.rank, s.step, CAST(coalesce(w.wait_ms, 0.0) AS DOUBLE) AS w,
+                   CAST(coalesce(c.comm, 0.0) AS DOUBLE) AS c,
+                   CAST(coalesce(i.input, 0.0) AS DOUBLE) AS i,
+                   CAST(greatest(s.residual_ms, 0.0) AS DOUBLE) AS h
             FROM steps s LEFT JOIN ({wait}) w USING (rank, step)
                  LEFT JOIN ({comm}) c USING (rank, step) LEFT JOIN i USING (rank, step)"""
-    ).fetchall()
-    return {(int(r), int(s)): (float(w), float(c), float(i), float(h)) for r, s, w, c, i, h in rows}
 
 
 def _empty() -> dict[str, float]:
@@ -130,147 +152,203 @@ def _day(ns: int) -> str:
     return _dt.datetime.fromtimestamp(ns / 1e9, tz=_dt.timezone.utc).strftime("%Y-%m-%d")
 
 
+def _days(start_ns: np.ndarray[Any, Any]) -> tuple[list[str], np.ndarray[Any, Any]]:
+    """The sorted ``_day`` names of the starts and each start's index into them: by day
+    number, and by ``_day`` itself within a second of midnight (where rounding to
+    microseconds could move the date)."""
+    t = start_ns.astype(np.float64) / 1e9
+    num = np.floor(t / 86_400.0).astype(np.int64)
+    into = t - num.astype(np.float64) * 86_400.0
+    near = np.flatnonzero((into < 1.0) | (into > 86_399.0)).tolist()
+    epoch = _dt.date(1970, 1, 1)
+    nums, idx = np.unique(num, return_inverse=True)
+    names = [(epoch + _dt.timedelta(days=int(d))).strftime("%Y-%m-%d") for d in nums.tolist()]
+    if not near:
+        return names, idx  # day numbers sort as their dates
+    exact = {k: _day(int(start_ns[k])) for k in near}
+    day_list = sorted(set(names) | set(exact.values()))
+    pos = {d: i for i, d in enumerate(day_list)}
+    idx = np.asarray([pos[d] for d in names], dtype=np.int64)[idx]
+    for k, d in exact.items():
+        idx[k] = pos[d]
+    # A day only a near-midnight start named by number, then moved, has no start left.
+    used = np.bincount(idx, minlength=len(day_list)) > 0
+    if not used.all():
+        keep = np.flatnonzero(used)
+        day_list = [day_list[i] for i in keep.tolist()]
+        idx = np.searchsorted(keep, idx)
+    return day_list, idx
+
+
+_CATS = (*CATEGORIES, "productive")
+_C = {c: i for i, c in enumerate(_CATS)}
+#: What a step's time splits into, in the order the accounting adds them.
+_STEP_CATS = tuple(_C[c] for c in ("stragglers", "exposed_comm", "input_stalls", "host_overhead",
+                                   "warmup", "productive"))
+
+
+def _seq_sum(acc: float, v: np.ndarray[Any, Any]) -> float:
+    """``acc`` plus each value of ``v`` in turn (a running sum: the Python loop's rounding)."""
+    if not len(v):
+        return acc
+    return float(np.cumsum(np.concatenate(([acc], v)))[-1])
+
+
 def compute_goodput(con: Any, run_dir: str | Path, warmup: dict[str, Any] | None) -> dict[str, Any] | None:
     """The report's ``goodput`` section from a loaded run (after attribution built ``wait``/``cw``).
 
     ``None`` when there is no record to account for.
     """
     root = Path(run_dir)
-    split = _split(con)
-    rows = _light_rows(con, root)
-    if not rows:  # SQLite-only run: the analysed steps, without restarts or days
-        rows = [(int(r), "", int(s), int(t0 * 1e6), float(ms)) for r, s, t0, ms in con.execute(
-            "SELECT rank, step, t0, step_ms FROM steps ORDER BY rank, t0, step").fetchall()]
-        dated = False
-    else:
-        dated = True
-    if not rows:
-        return None
+    got = _light_rows(con, root)
+    dated = got is not None
+    if got is None:  # SQLite-only run: the analysed steps, without restarts or days
+        cols = con.execute(
+            f"""SELECT s.rank, 0 AS rid, s.step, CAST(trunc(s.t0 * 1e6) AS BIGINT) AS start_unix_ns,
+                       s.step_ms, sp.w, sp.c, sp.i, sp.h
+                FROM steps s JOIN ({_split_sql(con)}) sp USING (rank, step)
+                ORDER BY s.rank, s.t0, s.step""").fetchnumpy()
+        if not len(cols["rank"]):
+            return None
+        got = (_typed(cols), [""])
+    rows, ids = got
     w_first, w_last = ((int(warmup["start_step"]), int(warmup["end_step"]))
                        if warmup and "start_step" in warmup else (1, 0))
+    rank, rid, step = rows["rank"], rows["rid"], rows["step"]
+    start, ms = rows["start_unix_ns"], rows["step_ms"]
+    n = len(rank)
     # Each rank's typical step outside the warm-up: the warm-up loss is the excess over it.
-    by_rank: dict[int, list[float]] = defaultdict(list)
-    for rank, _, step, _, ms in rows:
-        if not w_first <= step <= w_last:
-            by_rank[rank].append(ms)
-    typical = {r: robust.median(v) for r, v in by_rank.items()}
+    firsts = np.flatnonzero(np.r_[True, rank[1:] != rank[:-1]])
+    ends = np.r_[firsts[1:], n]
+    in_warm = (step >= w_first) & (step <= w_last)
+    typical = np.full(n, np.nan)
+    has_typ = np.zeros(n, dtype=bool)
+    for a, b in zip(firsts.tolist(), ends.tolist(), strict=True):
+        keep = ms[a:b][~in_warm[a:b]]
+        if len(keep):
+            typical[a:b] = float(np.median(keep))  # robust.median: same middle, same mean
+            has_typ[a:b] = True
+
+    # Segments: a new run id, or the step index going back, starts one (per rank).
+    has_prev = np.r_[False, rank[1:] == rank[:-1]]
+    prev = np.maximum(np.arange(n) - 1, 0)
+    new_seg = has_prev & ((rid != rid[prev]) | (step <= step[prev]))
+    cum = np.cumsum(new_seg)
+    seg = cum - np.repeat(cum[firsts], ends - firsts)
+    # Steps re-done after resuming: at or under the highest step the rank reached before.
+    BIG = np.int64(1) << np.int64(40)
+    shifted = step + np.repeat(np.arange(len(firsts), dtype=np.int64), ends - firsts) * BIG
+    seen = np.maximum.accumulate(shifted)
+    redone = has_prev & (shifted <= seen[prev])
+    # Runs are (segment ordinal, run id); days are UTC dates of the step starts.
+    code = seg * len(ids) + rid
+    codes, run_idx = np.unique(code, return_inverse=True)
+    keys = [(int(c) // len(ids), int(c) % len(ids)) for c in codes.tolist()]
+    day_list, day_idx = _days(start) if dated else (["undated"], np.zeros(n, dtype=np.int64))
+
+    # The time between steps, on rows with a previous one on the same rank.
+    prev_end = start[prev].astype(np.float64) + ms[prev] * 1e6
+    gap = np.where(has_prev, np.maximum(0.0, (start.astype(np.float64) - prev_end) / 1e6), 0.0)
+    missing = step - step[prev] - 1
+    sampled = has_prev & ~new_seg & (missing > 0) & (missing <= MAX_SAMPLING_GAP)
+    est = np.where(sampled, np.minimum(gap, missing * ms[prev]), 0.0)
+
+    # Events in the order the accounting adds them, per row: the relaunch gap, the estimate
+    # of unrecorded steps (split like the previous row), the rest of the gap, then the step.
+    blocks: list[tuple[np.ndarray[Any, Any], ...]] = []
+
+    def step_parts(at: np.ndarray[Any, Any], use: np.ndarray[Any, Any],
+                   amount: np.ndarray[Any, Any]) -> list[np.ndarray[Any, Any]]:
+        ref = ms[at]
+        ok = use & (amount > 0.0) & (ref > 0.0)
+        warm = np.where(in_warm[at] & has_typ[at], np.maximum(0.0, ref - typical[at]), 0.0)
+        parts = [rows[c][at] for c in ("w", "c", "i", "h")]
+        known = ((parts[0] + parts[1]) + parts[2]) + parts[3]
+        body = ref - warm
+        with np.errstate(divide="ignore", invalid="ignore"):
+            scale = np.where(known > 0, np.minimum(1.0, body / known), 1.0)
+            scale = np.where(warm > 0, np.minimum(scale, body / ref), scale)
+            f = amount / ref
+        vals = [p * scale for p in parts]
+        total = (((vals[0] + vals[1]) + vals[2]) + vals[3]) + warm
+        vals += [warm, np.maximum(0.0, ref - total)]
+        return [np.where(ok, v * f, 0.0) for v in vals]
+
+    slots: list[tuple[np.ndarray[Any, Any], int, np.ndarray[Any, Any]]] = []
+    here = np.arange(n)
+    slots.append((np.where(new_seg, gap, 0.0), _C["restarts"], here))
+    for v, c in zip(step_parts(prev, sampled, est), _STEP_CATS, strict=True):
+        slots.append((v, c, prev))
+    slots.append((np.where(has_prev & ~new_seg, gap - est, 0.0), _C["outside_steps"], here))
+    slots.append((np.where(redone, ms, 0.0), _C["restarts"], here))
+    for v, c in zip(step_parts(here, ~redone, ms), _STEP_CATS, strict=True):
+        slots.append((v, c, here))
+    # A slot with no event on any row adds nothing (the restart and sampling slots, mostly).
+    slots = [sl for sl in slots if not (sl[0] <= 0.0).all()]
+    if slots:
+        val = np.stack([v for v, _, _ in slots], axis=1).reshape(-1)
+        cat = np.tile(np.asarray([c for _, c, _ in slots], dtype=np.int64), n)
+        owner = np.stack([o for _, _, o in slots], axis=1).reshape(-1)
+        del slots
+        # add() skips what is not above zero.
+        live = ~(val <= 0.0)
+        val, cat, owner = val[live], cat[live], owner[live]
+        blocks.append((val, cat, run_idx[owner], day_idx[owner]))
 
     totals = _empty()
-    runs: dict[tuple[int, str], dict[str, Any]] = {}  # keyed by (segment ordinal, run id)
-    days: dict[str, dict[str, float]] = defaultdict(_empty)
-    ranks_per_run: dict[tuple[int, str], set[int]] = defaultdict(set)
-
-    def add(bucket_run: dict[str, Any], day: str, cat: str, ms: float) -> None:
-        if ms <= 0.0:
-            return
-        for d in (totals, bucket_run["ms"], days[day]):
-            d[cat] += ms
-            d["total"] += ms
-
-    i = 0
-    while i < len(rows):
-        rank = rows[i][0]
-        j = i
-        while j < len(rows) and rows[j][0] == rank:
-            j += 1
-        seg = 0
-        seen_max = -1
-        prev: tuple[int, str, int, int, float] | None = None
-        prev_run: dict[str, Any] = {}
-        prev_day = ""
-        for k in range(i, j):
-            cur = rows[k]
-            _, run_id, step, start_ns, step_ms = cur
-            new_seg = prev is not None and (run_id != prev[1] or step <= prev[2])
-            if new_seg:
-                seg += 1
-            key = (seg, run_id)
-            run = runs.setdefault(key, {"run_id": run_id or None, "start_ns": start_ns,
-                                        "end_ns": start_ns, "ms": _empty()})
-            ranks_per_run[key].add(rank)
-            run["start_ns"] = min(run["start_ns"], start_ns)
-            run["end_ns"] = max(run["end_ns"], start_ns + int(step_ms * 1e6))
-            day = _day(start_ns) if dated else "undated"
-            if prev is not None:
-                prev_end = prev[3] + prev[4] * 1e6
-                gap_ms = max(0.0, (start_ns - prev_end) / 1e6)
-                if new_seg:
-                    # The relaunch: from the last step of the old segment to this one's start.
-                    add(run, day, "restarts", gap_ms)
+    run_ms = [_empty() for _ in keys]
+    day_ms = [_empty() for _ in day_list]
+    for val, cat, rix, dix in blocks:
+        _accumulate(totals, val, cat)
+        for accs, ix in ((run_ms, rix), (day_ms, dix)):
+            present = np.flatnonzero(np.bincount(ix, minlength=len(accs))).tolist()
+            for g in present:
+                if len(present) == 1:  # one run or one day: every event is its
+                    _accumulate(accs[g], val, cat)
                 else:
-                    missing = step - prev[2] - 1
-                    est = 0.0
-                    if 0 < missing <= MAX_SAMPLING_GAP:
-                        est = min(gap_ms, missing * prev[4])
-                        _step(add, prev_run, prev_day, prev[0], prev[2], est, prev[4], split,
-                              typical, w_first, w_last)
-                    add(run, day, "outside_steps", gap_ms - est)
-            if step <= seen_max:
-                add(run, day, "restarts", step_ms)  # re-done after resuming from a checkpoint
-            else:
-                _step(add, run, day, rank, step, step_ms, step_ms, split, typical, w_first, w_last)
-            seen_max = max(seen_max, step)
-            prev, prev_run, prev_day = cur, run, day
-        i = j
+                    m = ix == g
+                    _accumulate(accs[g], val[m], cat[m])
 
-    def finish(ms: dict[str, float]) -> dict[str, Any]:
-        total = ms["total"]
+    def finish(acc: dict[str, float]) -> dict[str, Any]:
+        total = acc["total"]
         return {
             "gpu_hours": _h(total),
-            "productive_gpu_hours": _h(ms["productive"]),
-            "goodput": round(ms["productive"] / total, 4) if total > 0 else None,
-            "lost_gpu_hours": {k: _h(ms[k]) for k in CATEGORIES},
+            "productive_gpu_hours": _h(acc["productive"]),
+            "goodput": round(acc["productive"] / total, 4) if total > 0 else None,
+            "lost_gpu_hours": {k: _h(acc[k]) for k in CATEGORIES},
         }
 
+    # Per run: its first start, last end, ranks.
+    run_start = np.full(len(keys), np.iinfo(np.int64).max, dtype=np.int64)
+    run_end = np.full(len(keys), np.iinfo(np.int64).min, dtype=np.int64)
+    np.minimum.at(run_start, run_idx, start)
+    np.maximum.at(run_end, run_idx, start + (ms * 1e6).astype(np.int64))
+    run_ranks = [len(np.unique(rank[run_idx == g])) for g in range(len(keys))]
     run_list = []
-    for key in sorted(runs, key=lambda k: (runs[k]["start_ns"], k)):
-        r = runs[key]
+    for g in sorted(range(len(keys)), key=lambda g: (int(run_start[g]), keys[g][0], ids[keys[g][1]])):
         run_list.append({
-            "run_id": r["run_id"],
-            "segment": key[0],
-            "ranks": len(ranks_per_run[key]),
-            "start_unix": round(r["start_ns"] / 1e9, 3) if dated else None,
-            "end_unix": round(r["end_ns"] / 1e9, 3) if dated else None,
-            **finish(r["ms"]),
+            "run_id": ids[keys[g][1]] or None,
+            "segment": keys[g][0],
+            "ranks": run_ranks[g],
+            "start_unix": round(int(run_start[g]) / 1e9, 3) if dated else None,
+            "end_unix": round(int(run_end[g]) / 1e9, 3) if dated else None,
+            **finish(run_ms[g]),
         })
     return {
         "unit": "GPU-hours (one device per rank)",
         **finish(totals),
         "categories": list(CATEGORIES),
         "runs": run_list,
-        "days": [{"day": d, **finish(days[d])} for d in sorted(days)],
+        "days": [{"day": d, **finish(day_ms[i])} for i, d in enumerate(day_list)],
         "warmup_steps": [w_first, w_last] if w_first <= w_last else None,
     }
 
 
-def _step(add: Any, run: dict[str, Any], day: str, rank: int, step: int, ms: float, ref_ms: float,
-          split: dict[tuple[int, int], tuple[float, float, float, float]],
-          typical: dict[int, float], w_first: int, w_last: int) -> None:
-    """Split ``ms`` of device time like the recorded (rank, step) of ``ref_ms`` is split.
-
-    ``ms == ref_ms`` for a recorded step; less or more for unrecorded steps estimated from it.
-    """
-    if ms <= 0.0 or ref_ms <= 0.0:
-        return
-    warm = 0.0
-    if w_first <= step <= w_last and rank in typical:
-        warm = max(0.0, ref_ms - typical[rank])
-    vals: dict[str, float] = {}
-    parts = split.get((rank, step))
-    if parts is not None:
-        known = sum(parts)
-        body = ref_ms - warm
-        # The parts cannot exceed the step; on warm-up steps they share what the excess leaves.
-        scale = min(1.0, body / known) if known > 0 else 1.0
-        if warm > 0:
-            scale = min(scale, body / ref_ms)
-        vals = dict(zip(("stragglers", "exposed_comm", "input_stalls", "host_overhead"),
-                        (p * scale for p in parts), strict=True))
-    vals["warmup"] = warm
-    vals["productive"] = max(0.0, ref_ms - sum(vals.values()))
-    f = ms / ref_ms
-    for cat, v in vals.items():
-        add(run, day, cat, v * f)
+def _accumulate(acc: dict[str, float], val: np.ndarray[Any, Any], cat: np.ndarray[Any, Any]) -> None:
+    """Add events to one bucket: per category and to its total, each a running sum."""
+    acc["total"] = _seq_sum(acc["total"], val)
+    for c in np.flatnonzero(np.bincount(cat, minlength=len(_CATS))).tolist():
+        acc[_CATS[c]] = _seq_sum(acc[_CATS[c]], val[cat == c])
 
 
 def _h(ms: float) -> float:

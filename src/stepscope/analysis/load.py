@@ -357,7 +357,11 @@ def _load_parquet(location: str, threads: int | None, memory_limit: str | None,
             raise AnalysisError(f"{root}: no records in any rank file")
         src = " UNION ALL BY NAME ".join(parts)
         try:
-            con.execute(f"CREATE TABLE raw AS {src}")
+            # A view, not a copy: Parquet is typed and columnar, so the checks below read
+            # only the columns they name, and the one full copy is ``rec`` (a table here
+            # would hold every record twice at the peak).
+            con.execute(f"CREATE VIEW raw AS {src}")
+            con.execute("SELECT 1 FROM raw LIMIT 1").fetchall()
         except Exception as exc:  # duckdb.IOException: no files match the glob
             if root is None and "No files found" in str(exc):
                 raise AnalysisError(f"{location}: no Parquet records ({st.parquet_glob(location)})"
@@ -476,7 +480,9 @@ def _build_tables(con: Any, root: Path, skipped: list[str], torn: set[str] | Non
                   AND step_ms <= {MAX_MS} AND filename IS NOT NULL
                   AND NOT ends_with(filename, '.from-sqlite.jsonl')"""
         )
-    con.execute("DROP TABLE raw")
+    kind = con.execute("SELECT table_type FROM information_schema.tables "
+                       "WHERE table_name = 'raw'").fetchone()[0]
+    con.execute("DROP VIEW raw" if kind == "VIEW" else "DROP TABLE raw")
     n_rec, n_pairs = con.execute(
         "SELECT count(*), (SELECT count(*) FROM (SELECT DISTINCT rank, step FROM rec)) FROM rec"
     ).fetchone()

@@ -34,6 +34,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from stepscope.analysis import changepoint
 from stepscope.analysis.pipeline import IS_P2P, build_p2p_waits
 from stepscope.analysis.stats import RESIDUAL, phase_order
@@ -504,34 +506,56 @@ def find_stragglers(
     steps) and be sustained. A chronic gap is present on every step, so a transient swing
     of the others is no measure of it: it keeps the per-step and impact bars.
     """
-    pos = {s: i for i, s in enumerate(steps)}
-    series: dict[tuple[int, str], list[tuple[int, float]]] = {}
-    own_of: dict[tuple[int, str], list[float]] = {}
-    rows = con.execute(
-        "SELECT rank, name, step, excess, own FROM ex WHERE excess IS NOT NULL ORDER BY 1, 2, 3"
-    ).fetchall()
-    for rank, name, step, excess, own in rows:
-        series.setdefault((int(rank), str(name)), []).append((pos[int(step)], float(excess)))
-        own_of.setdefault((int(rank), str(name)), []).append(float(own))
+    data = _series(con, steps)
     runq = runq_by_step(con)
     if not runq:
-        return _find(con, steps, host_of, thr, median_step, series, own_of)
+        return _find(con, steps, host_of, thr, median_step, data)
     # CPU clock with the run-queue wait recorded: what a rank did is its own work less the
     # time it was runnable but held off the CPU (split over its phases in proportion to their
     # own work: it was preempted wherever it ran); the gaps to the other ranks and their
     # noise are taken again on that. Only what remains can name a straggler.
-    a_series, a_own = _net_of_runq(rows, runq, pos)
-    a_thr = _thresholds(a_series, median_step)
-    found = _find(con, steps, host_of, a_thr, median_step, a_series, a_own, (series, own_of))
+    net = _net_of_runq(data, runq, steps)
+    found = _find(con, steps, host_of, _thresholds(net, median_step), median_step, net, raw=data)
     if contention is not None:
         extra = runq_extra(con)
-        for s in _find(con, steps, host_of, thr, median_step, series, own_of):
+        for s in _find(con, steps, host_of, thr, median_step, data):
             if any(f["rank"] == s["rank"] and f["phase"] == s["phase"]
                    and f["first_step"] <= s["last_step"] and f["last_step"] >= s["first_step"]
                    for f in found):
                 continue
             contention.append(_contention(con, s, extra))
     return found
+
+
+#: One (rank, phase) series: step positions, gap to the other ranks, own work (numpy arrays).
+Series = dict[tuple[int, str], tuple[Any, Any, Any]]
+
+
+def _series(con: Any, steps: list[int]) -> Series:
+    """Every (rank, phase) gap series of table ``ex``, in (rank, phase, step) order.
+
+    Fixed-dtype columns, not Python rows: each series is a slice (a view) of arrays sorted
+    once in numpy.
+    """
+    names = [str(n) for (n,) in con.execute(
+        "SELECT DISTINCT name FROM ex WHERE excess IS NOT NULL ORDER BY 1").fetchall()]
+    cols = con.execute(
+        "SELECT rank, list_position($names, name) AS nid, step, excess, own FROM ex "
+        "WHERE excess IS NOT NULL", {"names": names}).fetchnumpy()
+    rank_a = np.asarray(cols["rank"], dtype=np.int64)
+    nid_a = np.asarray(cols["nid"], dtype=np.int64)
+    order = np.lexsort((np.asarray(cols["step"], dtype=np.int64), nid_a, rank_a))
+    rank_a, nid_a = rank_a[order], nid_a[order]
+    pos_a = np.searchsorted(np.asarray(steps, dtype=np.int64),
+                            np.asarray(cols["step"], dtype=np.int64)[order])
+    ex_a = np.asarray(cols["excess"], dtype=np.float64)[order]
+    own_a = np.asarray(cols["own"], dtype=np.float64)[order]
+    del cols, order
+    key_a = rank_a * (len(names) + 1) + nid_a
+    starts = np.flatnonzero(np.r_[True, key_a[1:] != key_a[:-1]]) if len(key_a) else key_a
+    bounds = [*starts.tolist(), len(key_a)]
+    return {(int(rank_a[i]), names[int(nid_a[i]) - 1]): (pos_a[i:j], ex_a[i:j], own_a[i:j])
+            for i, j in itertools.pairwise(bounds)}
 
 
 def runq_by_step(con: Any) -> dict[int, dict[int, float]]:
@@ -549,9 +573,7 @@ def runq_by_step(con: Any) -> dict[int, dict[int, float]]:
     return out if len(out) > 1 else {}
 
 
-def _net_of_runq(
-    rows: list[Any], runq: dict[int, dict[int, float]], pos: dict[int, int],
-) -> tuple[dict[tuple[int, str], list[tuple[int, float]]], dict[tuple[int, str], list[float]]]:
+def _net_of_runq(data: Series, runq: dict[int, dict[int, float]], steps: list[int]) -> Series:
     """Gap series and own-work series with each rank's run-queue wait taken out.
 
     A step's wait is split over the rank's phases by weight own × max(1, own / the rank's
@@ -559,10 +581,12 @@ def _net_of_runq(
     a phase that ran long (one long preemption lands in one phase). Each phase keeps at
     least nothing (never negative).
     """
+    rows = [(r, name, steps[int(i)], o) for (r, name), (pos, _, own) in data.items()
+            for i, o in zip(pos.tolist(), own.tolist(), strict=True)]
     base: dict[tuple[int, str], float] = {}
     per_key: dict[tuple[int, str], list[float]] = {}
-    for rank, name, _, _, own in rows:
-        per_key.setdefault((int(rank), str(name)), []).append(max(float(own), 0.0))
+    for rank, name, _, own in rows:
+        per_key.setdefault((rank, name), []).append(max(own, 0.0))
     for key, xs in per_key.items():
         base[key] = robust.median(xs)
     weight: dict[tuple[int, int], float] = {}
@@ -571,20 +595,17 @@ def _net_of_runq(
         b = base[(r, name)]
         return o * max(1.0, o / b) if b > 1e-9 else o
 
-    for rank, name, step, _, own in rows:
-        r = int(rank)
-        weight[(r, int(step))] = weight.get((r, int(step)), 0.0) + w_of(r, str(name), max(float(own), 0.0))
+    for rank, name, step, own in rows:
+        weight[(rank, step)] = weight.get((rank, step), 0.0) + w_of(rank, name, max(own, 0.0))
     net: dict[tuple[int, str], dict[int, float]] = {}
     by_cell: dict[tuple[int, str], list[tuple[float, int]]] = {}
-    for rank, name, step, _, own in rows:
-        r, st, o = int(rank), int(step), max(float(own), 0.0)
-        tw = weight[(r, st)]
-        q = runq.get(r, {}).get(st, 0.0)
-        v = max(0.0, o - q * w_of(r, str(name), o) / tw) if tw > 0 else o
-        net.setdefault((r, str(name)), {})[st] = v
-        by_cell.setdefault((st, str(name)), []).append((v, r))
-    series: dict[tuple[int, str], list[tuple[int, float]]] = {}
-    owns: dict[tuple[int, str], list[float]] = {}
+    for rank, name, step, own in rows:
+        o = max(own, 0.0)
+        tw = weight[(rank, step)]
+        q = runq.get(rank, {}).get(step, 0.0)
+        v = max(0.0, o - q * w_of(rank, name, o) / tw) if tw > 0 else o
+        net.setdefault((rank, name), {})[step] = v
+        by_cell.setdefault((step, name), []).append((v, rank))
     others: dict[tuple[int, int, str], float] = {}
     for (st, name), vals in by_cell.items():
         if len(vals) < 2:
@@ -593,23 +614,24 @@ def _net_of_runq(
         xs = [v for v, _ in vals]
         for k, (_, r) in enumerate(vals):
             others[(r, st, name)] = _median_without(xs, k)
+    pos_of = {s: i for i, s in enumerate(steps)}
+    out: Series = {}
     for (r, name), per in net.items():
-        for st in sorted(per, key=lambda x: pos[x]):
-            med = others.get((r, st, name))
-            if med is None:
-                continue
-            series.setdefault((r, name), []).append((pos[st], per[st] - med))
-            owns.setdefault((r, name), []).append(per[st])
-    return series, owns
+        pts = [(pos_of[st], per[st] - others[(r, st, name)], per[st])
+               for st in sorted(per, key=lambda x: pos_of[x]) if (r, st, name) in others]
+        if pts:
+            out[(r, name)] = (np.array([p for p, _, _ in pts], dtype=np.int64),
+                              np.array([g for _, g, _ in pts], dtype=np.float64),
+                              np.array([o for _, _, o in pts], dtype=np.float64))
+    return out
 
 
-def _thresholds(series: dict[tuple[int, str], list[tuple[int, float]]],
-                median_step: float) -> dict[tuple[int, str], float]:
+def _thresholds(data: Series, median_step: float) -> dict[tuple[int, str], float]:
     """:func:`build_thresholds`' rule on series built in Python."""
     floor = max(FLOOR_MS, FLOOR_FRAC * median_step)
     out: dict[tuple[int, str], float] = {}
-    for key, pts in series.items():
-        d = [b[1] - a[1] for a, b in itertools.pairwise(pts)]
+    for key, (_, gap, _) in data.items():
+        d = [b - a for a, b in itertools.pairwise(gap.tolist())]
         sig = SIGMAS * robust.MAD_SCALE * robust.mad(d) / math.sqrt(2.0) if len(d) >= 2 else 0.0
         out[key] = max(sig, floor)
     return out
@@ -668,55 +690,63 @@ def _contention(con: Any, s: dict[str, Any], extra: dict[int, dict[int, float]])
 
 def _find(
     con: Any, steps: list[int], host_of: dict[int, str], thr: dict[tuple[int, str], float],
-    median_step: float, series: dict[tuple[int, str], list[tuple[int, float]]],
-    own_of: dict[tuple[int, str], list[float]],
-    raw: tuple[dict[tuple[int, str], list[tuple[int, float]]],
-               dict[tuple[int, str], list[float]]] | None = None,
+    median_step: float, data: Series, raw: Series | None = None,
 ) -> list[dict[str, Any]]:
-    # raw given: ``series``/``own_of`` are net of run-queue wait and decide whether and where
-    # a window is (the others' speed-up while a straggler sleeps, window_excess' reason to
-    # meet the own rise halfway, was their shorter wait for a CPU: the net gap is the level).
-    # Its price is what the others waited, so the raw series over those bounds counts too:
-    # waking from a sleep on a busy host waits for a CPU, and that wait held them as well.
+    # raw given: ``data`` is net of run-queue wait and decides whether and where a window is
+    # (the others' speed-up while a straggler sleeps, window_excess' reason to meet the own
+    # rise halfway, was their shorter wait for a CPU: the net gap is the level). Its price is
+    # what the others waited, so the raw series over those bounds counts too: waking from a
+    # sleep on a busy host waits for a CPU, and that wait held them as well.
     net = raw is not None
+    # Each phase's own-work series per rank, as lists, built when a window needs them.
     owns: dict[str, dict[int, list[float]]] = {}
-    for (rank, name), xs in own_of.items():
-        owns.setdefault(name, {})[rank] = xs
+
+    def owns_of(name: str) -> dict[int, list[float]]:
+        if name not in owns:
+            owns[name] = {r: own.tolist() for (r, n), (_, _, own) in data.items() if n == name}
+        return owns[name]
+
     n_steps = len(steps)
     min_n = max(MIN_SEGMENT, math.ceil(0.04 * n_steps))
     out: list[dict[str, Any]] = []
-    for (rank, name), pts in series.items():
+    for (rank, name), (at, xa, own_a) in data.items():
         t = thr.get((rank, name))
         if t is None:
             continue
-        idx = [i for i, x in pts if x > t]
+        high = xa > t
+        idx = at[high]
         # A stretch's level is a median over >= min_n steps: its noise is well under one
         # step's, so its bar is a few of the rank's noise sigmas, not the per-step SIGMAS.
         bar = max(WINDOW_SIGMAS * t / SIGMAS, MIN_EXCESS_MS, WINDOW_IMPACT * median_step)
-        xs = [x for _, x in pts]
-        own = own_of[(rank, name)]
-        whole = robust.median(xs)
-        if (len(pts) >= CHRONIC_COVER * n_steps and whole > bar
+        whole = float(np.median(xa))  # robust.median: the same middle value(s), same mean
+        if (len(xa) >= CHRONIC_COVER * n_steps and whole > bar
                 and whole >= max(MIN_EXCESS_MS, CHRONIC_IMPACT * median_step)
                 and not (len(idx) >= CHRONIC_DENSITY * n_steps)):
             # The gap's level over the whole run sits well above its noise even where single
             # steps are too noisy to flag (a busy host): chronic, priced at that level.
-            seg = [i for i, _ in pts]
+            seg = at.tolist()
             out.append(_straggler(con, rank, name, host_of, steps, seg, whole, "chronic",
                                   _confidence(len(seg), 1.0, whole / t)))
             # A window on top of the chronic level is still looked for below.
-        elif (len(idx) >= CHRONIC_DENSITY * n_steps and idx
-              and idx[-1] - idx[0] + 1 >= CHRONIC_COVER * n_steps):
+        elif (len(idx) >= CHRONIC_DENSITY * n_steps and len(idx)
+              and int(idx[-1]) - int(idx[0]) + 1 >= CHRONIC_COVER * n_steps):
             # Flagged on most steps across the run: one chronic straggler, whatever its holes.
-            med = robust.median(x for _, x in pts if x > t)
+            med = float(np.median(xa[high]))
             if (min(med, whole) >= max(MIN_EXCESS_MS, CHRONIC_IMPACT * median_step)
                     and whole >= 0.5 * med):
-                out.append(_straggler(con, rank, name, host_of, steps, idx, med, "chronic",
-                                      _confidence(len(idx), len(idx) / (idx[-1] - idx[0] + 1), med / t)))
+                ids = idx.tolist()
+                out.append(_straggler(con, rank, name, host_of, steps, ids, med, "chronic",
+                                      _confidence(len(ids), len(ids) / (ids[-1] - ids[0] + 1),
+                                                  med / t)))
                 continue
             # Flagged on most steps, but the run's median gap is too small to name or far
             # under the flagged steps' (a busy host favouring the other rank by half a
             # millisecond, with a real window on top): not chronic; windows are looked for.
+        if len(xa) < min_n or not changepoint.may_hold_window(xa, bar, whole):
+            continue  # a bound, not a guess: elevated() would find no window here
+        xs = xa.tolist()
+        own = own_a.tolist()
+        pts = list(zip(at.tolist(), xs, strict=True))
         chronic_done = any(o["rank"] == rank and o["phase"] == name for o in out)
         for w in changepoint.elevated(xs, bar, min_len=min_n):
             seg = [i for i, _ in pts[w.start:w.end + 1]]
@@ -731,7 +761,7 @@ def _find(
             else:
                 level = (min(w.excess, robust.median(xs[w.start:w.end + 1])) if net
                          else window_excess(xs, own, w.start, w.end, w.excess))
-                if level < bar or level <= noise_floor(owns[name], rank, w.length):
+                if level < bar or level <= noise_floor(owns_of(name), rank, w.length):
                     continue
                 inside = xs[w.start:w.end + 1]
                 if sum(1 for x in inside if x >= 0.5 * level) < SUSTAINED * len(inside):
@@ -751,14 +781,13 @@ def _find(
     return out
 
 
-def _raw_level(raw: tuple[dict[tuple[int, str], list[tuple[int, float]]],
-                          dict[tuple[int, str], list[float]]],
-               key: tuple[int, str], start: int, end: int, net_level: float) -> float:
+def _raw_level(raw: Series, key: tuple[int, str], start: int, end: int,
+               net_level: float) -> float:
     """:func:`window_excess` on the raw series over a window found on the net one."""
-    pts, own = raw[0].get(key), raw[1].get(key)
-    if not pts or own is None or len(own) != len(pts):
+    cols = raw.get(key)
+    if cols is None or not len(cols[1]):
         return net_level
-    xs = [x for _, x in pts]
+    xs, own = cols[1].tolist(), cols[2].tolist()
     out = xs[:start] + xs[end + 1:]
     if len(out) < MIN_SEGMENT:
         return net_level
