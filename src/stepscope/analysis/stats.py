@@ -105,6 +105,8 @@ def phase_stats(con: Any, n_rows: int) -> dict[str, dict[str, Any]]:
                 "p99_ms": _r(qs[2]),
                 "max_ms": _r(mx),
                 "share": _r(total / denom, 4) if top[name] and denom else None,
+                # What the single slowest call is of that share (a one-off: a first batch).
+                "max_share": _r(mx / denom, 4) if top[name] and denom else None,
                 "samples": int(n),
             }
         )
