@@ -44,7 +44,9 @@ def _launch(path: str, out: Path, ranks: int, seed: int) -> Path:
     if path == "pipeline":
         import dist_frameworks
 
-        return Path(dist_frameworks.launch_pipeline(out, ranks=ranks, steps=60))
+        # Stages with real compute (1024 wide), as the soak test: a 64-wide toy stage spends a
+        # true ~27% of its step in the schedule's own Python (a real host_overhead).
+        return Path(dist_frameworks.launch_pipeline(out, ranks=ranks, steps=60, dim=1024))
     raise ValueError(f"--path must be one of {', '.join(PATHS)}; got {path!r}")
 
 
