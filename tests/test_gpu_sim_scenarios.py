@@ -115,19 +115,31 @@ def test_300_marks_per_step_with_the_gpu_100_steps_behind(cuda_sim, tmp_path):
 
 
 def test_few_marks_per_step_resolve_during_the_run(cuda_sim, tmp_path):
-    """The control: under 16 marks per step the pipeline already keeps up (no xfail)."""
+    """The control: under 16 marks per step the pipeline already keeps up (no xfail).
+
+    Every step but the GPU's last ``lag`` resolves during the run and reaches the file
+    before ``finish()``: handed over every 5 steps, and taken by the writer on its own
+    within its idle tick (``sinks.IDLE_TICK_S``) where it did not get the CPU in time (a
+    busy 2-core machine: 81 of 90 lines at the last step once). So the check waits up to
+    ten ticks, never calling ``finish()`` first.
+    """
+    from stepscope.sinks import IDLE_TICK_S
+
     steps, lag = 120, 10
     sim = cuda_sim(lag_steps=lag)
     torch.manual_seed(0)
     model = nn.Linear(8, 8).to("cuda")
     stepscope.init(out_dir=str(tmp_path), model=model, auto=False, flush_every_n_steps=5)
     sim.reset_counts()
-    for i in range(steps):
+    for _ in range(steps):
         with stepscope.step(), stepscope.phase("work"):
             model(torch.randn(4, 8))
         sim.host_tick()
-        if i == steps - 1:
-            mid = _lines(_rank_file(tmp_path))
+    deadline = time.monotonic() + 10 * IDLE_TICK_S
+    mid = _lines(_rank_file(tmp_path))
+    while mid < steps - lag - 20 and time.monotonic() < deadline:
+        time.sleep(0.05)
+        mid = _lines(_rank_file(tmp_path))
     assert sim.syncs == 0
     stepscope.finish()
     assert mid >= steps - lag - 20

@@ -286,3 +286,16 @@ def test_host_busy_rule_takes_run_queue_wait_as_evidence() -> None:
     job, busy = host.split_host_busy([w], "cpu", [], None)
     assert busy == [] and job == [w]  # no run loaded: only the phase rule
     assert host.runq_extra(con)[1][12] == pytest.approx(14.5)
+
+
+def test_a_chronic_sleep_is_priced_at_what_the_others_waited(tmp_path: Path) -> None:
+    """A busy host makes every rank wait for a CPU alike (8 ms a step here). Taking that out
+    of each rank's phases in proportion to how long they ran puts most of the slow rank's on
+    the phase it sleeps in, so its net gap reads low; the price is the raw gap, what the
+    other rank waited (a CI run beside a CPU hog read 23.9 ms for a 30 ms sleep)."""
+    slow = (synth.Slow(1, "optimizer", 30.0),)
+    busy = {(r, s): 8.0 for r in range(2) for s in range(STEPS)}
+    doc = analyze_run(_write(tmp_path / "run", 2, slow, busy))
+    s = doc["stragglers"][0]
+    assert (s["rank"], s["phase"], s["persistence"]) == (1, "optimizer", "chronic"), s
+    assert 27.0 <= s["excess_ms"] <= 33.0, s

@@ -725,6 +725,8 @@ def _find(
             # The gap's level over the whole run sits well above its noise even where single
             # steps are too noisy to flag (a busy host): chronic, priced at that level.
             seg = at.tolist()
+            if raw is not None:
+                whole = _raw_chronic(raw, (rank, name), at, whole)
             out.append(_straggler(con, rank, name, host_of, steps, seg, whole, "chronic",
                                   _confidence(len(seg), 1.0, whole / t)))
             # A window on top of the chronic level is still looked for below.
@@ -735,6 +737,8 @@ def _find(
             if (min(med, whole) >= max(MIN_EXCESS_MS, CHRONIC_IMPACT * median_step)
                     and whole >= 0.5 * med):
                 ids = idx.tolist()
+                if raw is not None:
+                    med = _raw_chronic(raw, (rank, name), idx, med)
                 out.append(_straggler(con, rank, name, host_of, steps, ids, med, "chronic",
                                       _confidence(len(ids), len(ids) / (ids[-1] - ids[0] + 1),
                                                   med / t)))
@@ -772,13 +776,27 @@ def _find(
                     # A short slow start on one rank: its warm-up (lazy init, the first
                     # rank's logging set-up), as for every rank in find_windows.
                     continue
-            if raw is not None and not chronic:
-                level = _raw_level(raw, (rank, name), w.start, w.end, level)
+            if raw is not None:
+                level = (_raw_chronic(raw, (rank, name), np.asarray(seg), level) if chronic
+                         else _raw_level(raw, (rank, name), w.start, w.end, level))
             out.append(_straggler(con, rank, name, host_of, steps, seg, level,
                                   "chronic" if chronic else "window",
                                   _confidence(len(seg), 1.0, w.excess / t)))
     out.sort(key=lambda s: -s["excess_ms"] * s["steps"])
     return out
+
+
+def _raw_chronic(raw: Series, key: tuple[int, str], positions: Any, net_level: float) -> float:
+    """A chronic straggler found on the net series is priced at no less than its raw gap over
+    the same steps: what the others waited. Spreading a step's run-queue wait over phases
+    puts most of it on the phase that ran long, so the net level under-states a rank that
+    sleeps there (a 30 ms optimizer sleep read 23.9 ms net beside a CPU hog)."""
+    cols = raw.get(key)
+    if cols is None:
+        return net_level
+    pos, gap, _ = cols
+    sel = gap[np.isin(pos, positions)]
+    return max(net_level, float(np.median(sel))) if len(sel) else net_level
 
 
 def _raw_level(raw: Series, key: tuple[int, str], start: int, end: int,
