@@ -8,6 +8,8 @@ process per rank, one intra-op thread each.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -21,45 +23,66 @@ from stepscope import demo
 from stepscope.dist import become_local_rank, spawn_local
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str, steps: int,
-            slow: tuple[demo.SlowSpec, ...], micro: int, ddp_kw: dict[str, Any]) -> None:
+@contextmanager
+def gloo_group(rank: int, world: int, port: int) -> Iterator[None]:
+    """This process as rank ``rank`` of a local gloo group, torn down on the way out."""
     become_local_rank(rank, world, port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        torch.manual_seed(0)
-        injector = demo._Injector(rank, slow)
-        model = DDP(demo.DemoModel(injector), **ddp_kw)
-        opt = demo._SlowSGD(model.parameters(), lr=0.01)
-        opt.injector = injector
-        g = torch.Generator().manual_seed(rank)
-        n = 32 * 16 * micro
-        data = torch.utils.data.TensorDataset(torch.randn(n, 64, generator=g),
-                                              torch.randint(0, 10, (n,), generator=g))
-        loader = torch.utils.data.DataLoader(data, batch_size=16 * micro, shuffle=True, generator=g)
-        stepscope.init(out_dir=out_dir, model=model, optimizer=opt, run_id="harness",
-                       auto={"dataloader", "forward", "backward", "optimizer"})
-        loss_fn = nn.CrossEntropyLoss()
-        step = 0
-        while step < steps:
-            for batch in stepscope.wrap_loader(demo._batches(loader, injector)):
-                if step >= steps:
-                    break
-                with stepscope.step():
-                    x, y = batch.to("cpu")
-                    for m, (xm, ym) in enumerate(zip(x.chunk(micro), y.chunk(micro), strict=True)):
-                        if m < micro - 1:
-                            with model.no_sync():
-                                loss_fn(model(xm), ym).backward()
-                        else:
-                            loss_fn(model(xm), ym).backward()
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-                step += 1
-                injector.step = step
-        stepscope.finish()
+        yield
     finally:
         dist.destroy_process_group()
 
+
+def loader(rank: int, n: int, batch: int) -> torch.utils.data.DataLoader[Any]:
+    """The harness's data: ``n`` random 64-feature samples of 10 classes, seeded by rank."""
+    g = torch.Generator().manual_seed(rank)
+    data = torch.utils.data.TensorDataset(torch.randn(n, 64, generator=g),
+                                          torch.randint(0, 10, (n,), generator=g))
+    return torch.utils.data.DataLoader(data, batch_size=batch, shuffle=True, generator=g)
+
+
+def train(out_dir: str, run_id: str, model: nn.Module, injector: demo._Injector,
+          data: torch.utils.data.DataLoader[Any], steps: int, micro: int = 1,
+          before_step: Callable[[int], None] | None = None) -> None:
+    """The harness's training loop, recorded with every automatic phase.
+
+    ``micro`` micro-batches per step, ``no_sync`` on all but the last (DDP); ``before_step(i)``
+    runs before step ``i`` opens, outside it. The demo's slow-injection points fire as set.
+    """
+    opt = demo._SlowSGD(model.parameters(), lr=0.01)
+    opt.injector = injector
+    stepscope.init(out_dir=out_dir, model=model, optimizer=opt, run_id=run_id,
+                   auto={"dataloader", "forward", "backward", "optimizer"})
+    loss_fn = nn.CrossEntropyLoss()
+    step = 0
+    while step < steps:
+        for batch in stepscope.wrap_loader(demo._batches(data, injector)):
+            if step >= steps:
+                break
+            if before_step is not None:
+                before_step(step)
+            with stepscope.step():
+                x, y = batch.to("cpu")
+                for m, (xm, ym) in enumerate(zip(x.chunk(micro), y.chunk(micro), strict=True)):
+                    # DDP's no_sync: the all-reduce waits for the last micro-batch.
+                    with model.no_sync() if m < micro - 1 else nullcontext():  # type: ignore[operator]
+                        loss_fn(model(xm), ym).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            step += 1
+            injector.step = step
+    stepscope.finish()
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str, steps: int,
+            slow: tuple[demo.SlowSpec, ...], micro: int, ddp_kw: dict[str, Any]) -> None:
+    with gloo_group(rank, world, port):
+        torch.manual_seed(0)
+        injector = demo._Injector(rank, slow)
+        model = DDP(demo.DemoModel(injector), **ddp_kw)
+        train(out_dir, "harness", model, injector, loader(rank, 32 * 16 * micro, 16 * micro),
+              steps, micro)
 
 
 def launch(out_dir: str | os.PathLike[str], ranks: int = 2, steps: int = 60,
@@ -85,9 +108,7 @@ def _fsdp_worker(rank: int, world: int, port: int, out_dir: str, steps: int,
                  slow: tuple[demo.SlowSpec, ...], layers: int) -> None:
     from torch.distributed.fsdp import fully_shard
 
-    become_local_rank(rank, world, port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with gloo_group(rank, world, port):
         torch.manual_seed(0)
         injector = demo._Injector(rank, slow)
         mods: list[nn.Module] = [nn.Linear(64, 128), nn.ReLU()]
@@ -103,30 +124,7 @@ def _fsdp_worker(rank: int, world: int, port: int, out_dir: str, steps: int,
             if isinstance(m, nn.Linear):
                 fully_shard(m)
         fully_shard(model)
-        opt = demo._SlowSGD(model.parameters(), lr=0.01)
-        opt.injector = injector
-        g = torch.Generator().manual_seed(rank)
-        data = torch.utils.data.TensorDataset(torch.randn(32 * 16, 64, generator=g),
-                                              torch.randint(0, 10, (32 * 16,), generator=g))
-        loader = torch.utils.data.DataLoader(data, batch_size=32, shuffle=True, generator=g)
-        stepscope.init(out_dir=out_dir, model=model, optimizer=opt, run_id="fsdp",
-                       auto={"dataloader", "forward", "backward", "optimizer"})
-        loss_fn = nn.CrossEntropyLoss()
-        step = 0
-        while step < steps:
-            for batch in stepscope.wrap_loader(demo._batches(loader, injector)):
-                if step >= steps:
-                    break
-                with stepscope.step():
-                    x, y = batch.to("cpu")
-                    loss_fn(model(x), y).backward()
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-                step += 1
-                injector.step = step
-        stepscope.finish()
-    finally:
-        dist.destroy_process_group()
+        train(out_dir, "fsdp", model, injector, loader(rank, 32 * 16, 32), steps)
 
 
 def launch_fsdp(out_dir: str | os.PathLike[str], ranks: int = 2, steps: int = 60,

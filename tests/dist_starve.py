@@ -16,13 +16,11 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import stepscope
+from dist_harness import gloo_group, loader, train
 from stepscope import demo
-from stepscope.dist import become_local_rank, spawn_local
+from stepscope.dist import spawn_local
 
 HIDDEN = 1024
 BATCH = 128
@@ -32,56 +30,39 @@ _HOG = ("import os, sys\nos.sched_setaffinity(0, {%d})\nsys.stdin.buffer.read(1)
 
 def _worker(rank: int, world: int, port: int, out_dir: str, steps: int,
             slow: tuple[demo.SlowSpec, ...], starve: tuple[int, int, int] | None) -> None:
-    become_local_rank(rank, world, port)
     cpus = sorted(os.sched_getaffinity(0))
     cpu = cpus[rank % len(cpus)]
     os.sched_setaffinity(0, {cpu})
     hog = None
     if starve is not None and starve[0] == rank:
         hog = subprocess.Popen([sys.executable, "-c", _HOG % cpu], stdin=subprocess.PIPE)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+    def pace_hog(step: int) -> None:
+        nonlocal hog
+        if hog is None or starve is None:
+            return
+        if step == starve[1]:
+            assert hog.stdin is not None
+            hog.stdin.write(b"x")
+            hog.stdin.flush()
+        elif step == starve[2] + 1:
+            hog.kill()
+            hog.wait()
+            hog = None
+
     try:
-        torch.manual_seed(0)
-        injector = demo._Injector(rank, slow)
-        # Wider than the demo's (~10 ms of compute per step on one core): being descheduled
-        # costs a share of a step, as in the soak's false alarms (+22-25 ms on ~45 ms steps).
-        model = DDP(demo.DemoModel(injector, hidden=HIDDEN))
-        opt = demo._SlowSGD(model.parameters(), lr=0.01)
-        opt.injector = injector
-        g = torch.Generator().manual_seed(rank)
-        data = torch.utils.data.TensorDataset(torch.randn(2048, 64, generator=g),
-                                              torch.randint(0, 10, (2048,), generator=g))
-        loader = torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=True, generator=g)
-        stepscope.init(out_dir=out_dir, model=model, optimizer=opt, run_id="starve",
-                       auto={"dataloader", "forward", "backward", "optimizer"})
-        loss_fn = nn.CrossEntropyLoss()
-        step = 0
-        while step < steps:
-            for batch in stepscope.wrap_loader(demo._batches(loader, injector)):
-                if step >= steps:
-                    break
-                if hog is not None and starve is not None:
-                    if step == starve[1]:
-                        assert hog.stdin is not None
-                        hog.stdin.write(b"x")
-                        hog.stdin.flush()
-                    elif step == starve[2] + 1:
-                        hog.kill()
-                        hog.wait()
-                        hog = None
-                with stepscope.step():
-                    x, y = batch.to("cpu")
-                    loss_fn(model(x), y).backward()
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-                step += 1
-                injector.step = step
-        stepscope.finish()
+        with gloo_group(rank, world, port):
+            torch.manual_seed(0)
+            injector = demo._Injector(rank, slow)
+            # Wider than the demo's (~10 ms of compute per step on one core): being descheduled
+            # costs a share of a step, as in the soak's false alarms (+22-25 ms on ~45 ms steps).
+            model = DDP(demo.DemoModel(injector, hidden=HIDDEN))
+            train(out_dir, "starve", model, injector, loader(rank, 2048, BATCH), steps,
+                  before_step=pace_hog)
     finally:
         if hog is not None:
             hog.kill()
             hog.wait()
-        dist.destroy_process_group()
 
 
 def launch(out_dir: str | Path, ranks: int = 2, steps: int = 60,
