@@ -110,8 +110,10 @@ _disabled = False
 _originals: dict[str, Callable[..., Any]] = {}
 # Per process-group object: (id string, size); weak so destroyed groups are forgotten.
 _groups: weakref.WeakKeyDictionary[Any, tuple[str, int]] = weakref.WeakKeyDictionary()
-# Per group id string: the number of calls timed so far.
+# Per group id string (a point-to-point link's id too): the number of calls timed so far.
 _seq: dict[str, int] = {}
+# Per group id string: calls timed on the group, its point-to-point links' included.
+_timed: dict[str, int] = {}
 
 
 def available() -> bool:
@@ -217,14 +219,16 @@ _RECV: dict[str, str] = {"all_to_all_single": "output", "all_to_all": "output_te
 def timed_calls(pid: str) -> int:
     """How many calls on group ``pid`` this process has timed, its point-to-point links'
     (``"<pid>:<src>><dst>"``, numbered apart) included."""
-    link = pid + ":"
-    return sum(n for k, n in list(_seq.items()) if k == pid or k.startswith(link))
+    return _timed.get(pid, 0)
 
 
-def next_seq(pid: str) -> int:
-    """The next per-group sequence number (shared by every patched collective path)."""
+def next_seq(pid: str, group: str | None = None) -> int:
+    """The next sequence number of ``pid`` (shared by every patched collective path); a
+    point-to-point link's call passes the id of the ``group`` it runs on."""
     seq = _seq.get(pid, 0) + 1
     _seq[pid] = seq
+    g = pid if group is None else group
+    _timed[g] = _timed.get(g, 0) + 1
     return seq
 
 
@@ -365,10 +369,11 @@ def _make_patched(spec: _Spec) -> Callable[..., Any]:
                 rec.clock.release(start)
                 return out
             pid, size = info
+            group_pid = pid
             if name in P2P:
                 pid, size = p2p_id(pid, name, args, kwargs,
                                    spec.arg(args, kwargs, spec.group_i, "group")), 2
-            seq = next_seq(pid)
+            seq = next_seq(pid, group_pid)
             payload = spec.arg(args, kwargs, spec.payload_i, spec.payload)
             nbytes = _nbytes(payload) if spec.payload is not None else 0
             recv = (_nbytes(spec.arg(args, kwargs, spec.recv_i, spec.recv))
@@ -508,6 +513,7 @@ def _apply() -> None:
     global _disabled
     _disabled = False
     _seq.clear()
+    _timed.clear()
     c10d = torch.distributed.distributed_c10d
     for name in OPS:
         orig = getattr(c10d, name, None)
