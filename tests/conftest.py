@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch.distributed as dist
 
 from stepscope.clock import CpuClock
 from stepscope.config import Config
@@ -53,3 +56,14 @@ def cuda_sim():
     finally:
         for sim in reversed(made):
             sim.uninstall()
+
+
+@pytest.fixture
+def world1() -> Iterator[Any]:
+    """A one-rank gloo world in this process (HashStore: no port), torn down afterwards."""
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

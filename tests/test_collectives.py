@@ -27,17 +27,6 @@ C10D = dist.distributed_c10d
 # ---------------------------------------------------------------- one-rank, in-process
 
 
-@pytest.fixture
-def world1():
-    """A one-rank gloo world in this process (HashStore: no port), torn down afterwards."""
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def colls(rec: dict[str, Any]) -> dict[tuple[Any, str], dict[str, Any]]:
     return {(c["phase"], c["op"]): c for c in rec.get("collectives", [])}
 

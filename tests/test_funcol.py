@@ -21,16 +21,6 @@ from stepscope.analysis.run import analyze_run
 from stepscope.instrument import collectives
 
 
-@pytest.fixture
-def world1() -> Any:
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def _colls(rec: dict[str, Any]) -> dict[tuple[Any, str], dict[str, Any]]:
     return {(c["phase"], c["op"]): c for c in rec.get("collectives", [])}
 
