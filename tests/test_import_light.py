@@ -43,3 +43,11 @@ def test_lazy_names_resolve_and_phase_works_before_init() -> None:
         print(Tracer is T2, "torch" in sys.modules)
     """)
     assert got.split() == ["checked", "False", "True", "True"], got
+
+
+def test_python_dash_m_runs_the_cli() -> None:
+    out = subprocess.run([sys.executable, "-m", "stepscope", "--help"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    for command in ("demo", "report", "trace", "compare", "compact"):
+        assert command in out.stdout, out.stdout
