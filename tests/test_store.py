@@ -187,3 +187,24 @@ def test_no_progress_bar_on_stdout(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-c", code, str(run)], capture_output=True, text=True,
                          env=env, check=True, timeout=300)
     assert out.stdout.strip() == "False"
+
+
+def test_a_run_directory_rewritten_by_a_longer_run_is_rebuilt(tmp_path: Path) -> None:
+    """A new run written over an old one's rank files (``stepscope demo`` twice into one
+    directory) must not be read as the old run plus appended lines: the files grew, but
+    they begin with other records."""
+    old = write_run(tmp_path, SynthRun(ranks=2, steps=20, seed=1))
+    st.compact(old)
+    for f in old.glob("rank*.jsonl"):
+        f.unlink()
+    new = write_run(tmp_path, SynthRun(ranks=2, steps=30, slow=(Slow(1, "forward", 6.0),)))
+    assert new == old
+    again = st.compact(new)
+    assert again.rebuilt
+    con = duckdb.connect()
+    got = con.execute(f"SELECT count(*), count(DISTINCT (rank, step)) FROM "
+                      f"{st.parquet_source(str(new / st.STORE_DIR))}").fetchone()
+    assert got == (60, 60)  # the new run's records only, each once
+    assert _doc(new) == _doc(new, store=False)
+    # Appending to the same file is still incremental.
+    assert not st.compact(new).rebuilt

@@ -13,8 +13,9 @@ Layout (a hive-partitioned Parquet dataset any engine reads)::
 One row per JSON line, with the fixed typed schema of :data:`stepscope.analysis.load.COLUMNS`
 plus ``filename`` (the rank file it came from); a corrupt line is a row of NULLs (so the
 report can still say how many were skipped). Only whole lines are consumed: a torn last
-line stays in the JSONL until its newline arrives. A file that shrank or vanished (rewritten
-run directory) triggers a full rebuild.
+line stays in the JSONL until its newline arrives. A file that shrank, vanished or begins
+with other bytes than the ones stored (a run directory rewritten by a new run, even one
+that wrote more) triggers a full rebuild.
 
 The analysis reads the dataset through :func:`parquet_source`, a ``read_parquet`` over a
 glob, so the same SQL runs on a copy in object storage (``s3://``, ``gs://``, ``hf://``).
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -38,11 +40,13 @@ from stepscope.errors import AnalysisError
 STORE_DIR = "parquet"
 RECORDS = "records"
 STATE = "_state.json"
-STATE_VERSION = 3  # 3: gpu_start_unix_ns and phases[].host_ms columns
+STATE_VERSION = 4  # 3: gpu_start_unix_ns and phases[].host_ms columns; 4: each file's head
 #: The key a regular line is tagged with (its rank file) in the combined file.
 TAG = "_stepscope_file"
 COMBINED = "_combined.jsonl"
 _PIECE = 64 << 20
+#: How much of a rank file's beginning identifies it: its first record (run id, start time).
+_HEAD = 4096
 _WRITING = "_writing"
 #: Ranks per partition directory: a report that needs some ranks reads only their blocks,
 #: and a 10,000-rank run has 40 directories, not 10,000.
@@ -59,6 +63,7 @@ class FileState:
     dropped: int = 0  # lines over the length cap, dropped so far
     torn: bool = False  # bytes after ``offset`` without a final newline
     lines: int = 0  # lines stored through the combined file (tagged with this file's name)
+    head: str = ""  # digest of the file's first min(offset, _HEAD) bytes: the same file?
 
 
 @dataclass
@@ -121,16 +126,28 @@ def read_state(store: Path) -> dict[str, FileState]:
     for name, st in files.items():
         try:
             out[str(name)] = FileState(int(st["offset"]), int(st["dropped"]), bool(st["torn"]),
-                                       int(st["lines"]))
+                                       int(st["lines"]), str(st["head"]))
         except (KeyError, TypeError, ValueError):
             return {}  # a damaged state file: rebuild rather than trust part of it
     return out
 
 
+def _head(path: Path, offset: int) -> str:
+    """A digest of the first ``min(offset, _HEAD)`` bytes of ``path`` ("" for none)."""
+    if offset <= 0:
+        return ""
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(min(offset, _HEAD))
+    except OSError:
+        return ""
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
 def _write_state(store: Path, files: dict[str, FileState]) -> None:
     doc = {"version": STATE_VERSION, "rank_block": RANK_BLOCK,
            "files": {n: {"offset": s.offset, "dropped": s.dropped, "torn": s.torn,
-                         "lines": s.lines}
+                         "lines": s.lines, "head": s.head}
                      for n, s in sorted(files.items())}}
     tmp = store / (STATE + ".tmp")
     tmp.write_text(json.dumps(doc, indent=1))
@@ -206,7 +223,8 @@ def _compact_locked(root: Path, store: Path, files: list[Path], threads: int | N
     # A compaction that died between writing Parquet and saving offsets left rows the
     # state does not know about: rebuild rather than count them twice.
     if (store / _WRITING).exists() or (not state and (store / RECORDS).exists()) or any(
-            n not in names or sizes[n] < s.offset for n, s in state.items()):
+            n not in names or sizes[n] < s.offset or _head(names[n], s.offset) != s.head
+            for n, s in state.items()):
         shutil.rmtree(store / RECORDS, ignore_errors=True)
         state, rebuilt = {}, True
     before = {n: dataclasses.replace(fs) for n, fs in state.items()}
@@ -259,6 +277,8 @@ def _compact_locked(root: Path, store: Path, files: list[Path], threads: int | N
                     chunks.append(bounded)
                 new_bytes += cut - st.offset
                 new_files += 1
+                if st.offset < _HEAD:  # the head grows with the bytes consumed, up to _HEAD
+                    st.head = _head(path, cut)
                 st.offset = cut
         if combined_path.stat().st_size:
             chunks.append(combined_path)
