@@ -226,12 +226,11 @@ class Session(Recorder):
                     step.res = self._resources.on_step_end(step.index)
                 if not self._forward_seen and "forward" in self._auto_active:
                     self._check_forward(step)
-                self.resolver.add(step)
                 self._since_flush += 1
             now = time.time()
             self._last_step = (done, now, now - self._step_wall)
             if step is not None:
-                self.resolver.poll()
+                self.resolver.add(step, poll=True)
                 # An exception may end the job: what is resolved goes to the file now.
                 if (self._since_flush >= self.config.flush_every_n_steps or exc is not None) \
                         and self._outbox.submit():
