@@ -713,15 +713,15 @@ def _thread_named(name: str) -> threading.Thread:
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux-only")
-def test_heartbeat_does_not_preempt_the_training_thread_when_woken(tmp_path):
-    """The heartbeat's timer wakes must not take the CPU from the training thread that holds
-    the GIL: it runs as SCHED_BATCH (fair share, no wake-up preemption). The training thread's
-    own policy is left alone, and so is the writer's (records must reach disk promptly)."""
+def test_heartbeat_and_writer_do_not_preempt_the_training_thread_when_woken(tmp_path):
+    """The heartbeat's timer wakes and the writer's hand-over wakes must not take the CPU from
+    the training thread that holds the GIL: both run as SCHED_BATCH (fair share, no wake-up
+    preemption). The training thread's own policy is left alone. The writer's records are
+    bound by time instead (``sinks.DELIVERY_BOUND_S``; see the GPU-simulator tests)."""
     main_policy = os.sched_getscheduler(0)
     tr = Tracer(Config(out_dir=str(tmp_path), auto=False, heartbeat_s=0.05), clock=CpuClock())
     try:
-        assert os.sched_getscheduler(_thread_named("stepscope-writer").native_id) == main_policy
-        for name in ("stepscope-heartbeat",):
+        for name in ("stepscope-heartbeat", "stepscope-writer"):
             tid = _thread_named(name).native_id
             deadline = time.monotonic() + 10  # the thread sets it itself when it starts
             while os.sched_getscheduler(tid) != os.SCHED_BATCH and time.monotonic() < deadline:

@@ -33,7 +33,7 @@ from stepscope.outbox import MAX_HELD_STEPS, RECENT_RECORDS, Outbox, RecentRecor
 from stepscope.record import Step
 from stepscope.recorder import Recorder
 from stepscope.resolver import Resolver, capture_probe
-from stepscope.sinks import Sink, open_sink
+from stepscope.sinks import DELIVERY_BOUND_S, Sink, open_sink
 
 __all__ = ["FINISH_TIMEOUT_S", "MAX_HELD_STEPS", "RECENT_RECORDS", "Session"]
 
@@ -275,6 +275,15 @@ class Session(Recorder):
             self.resolver.poll()
             self._since_flush = 0
             self._outbox.submit()
+
+    def settle(self, timeout: float = DELIVERY_BOUND_S) -> bool:
+        """Hand over what is resolved and wait (up to ``timeout`` s) until the writer has built
+        it, so records and ``recent_records()`` cover every step resolved so far. On the
+        training thread between steps only (``summary()``); elsewhere it does not wait."""
+        if not self.enabled or self._finished or self._in_step or _get_ident() != self._train_thread:
+            return False
+        self.flush()
+        return self._writer.wait_written(timeout)
 
     def finish(self) -> None:
         """Resolve pending events, flush, close files and remove hooks. Idempotent."""

@@ -154,8 +154,14 @@ class Tracer(Session):
         return H2DProxy(batch, self)
 
     def summary(self) -> dict[str, Any]:
-        """Per-phase medians over the records resolved so far on this rank (plain dict)."""
+        """Per-phase medians over the records resolved so far on this rank (plain dict).
+
+        Called between steps on the training thread, it first waits (at most
+        ``sinks.DELIVERY_BOUND_S``) for the writer thread to build the records handed to it.
+        """
         from stepscope.live import local_summary
+
+        self.settle()
 
         return local_summary(self)
 
