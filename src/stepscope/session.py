@@ -232,9 +232,12 @@ class Session(Recorder):
             if step is not None:
                 self.resolver.add(step, poll=True)
                 # An exception may end the job: what is resolved goes to the file now.
-                if (self._since_flush >= self.config.flush_every_n_steps or exc is not None) \
-                        and self._outbox.submit():
+                # One try per cadence: what is not handed over now (the writer behind, or
+                # nothing resolved yet on a lagging GPU) leaves with the next hand-over or the
+                # writer's own take (held steps, its idle tick): no retry on every step.
+                if self._since_flush >= self.config.flush_every_n_steps or exc is not None:
                     self._since_flush = 0
+                    self._outbox.submit()
             for fn in self._step_end:
                 fn(self, done)
         except Exception as err:  # protect the job
