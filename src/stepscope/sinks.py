@@ -425,7 +425,7 @@ class BackgroundWriter:
 def yield_on_wake() -> bool:
     """Make the calling thread one that does not preempt others when it wakes (Linux).
 
-    For the background threads whose wakes are on a timer (the heartbeat): a woken thread of
+    For the background threads (the heartbeat's timer, the writer's hand-overs): a woken thread of
     the default policy usually preempts the running one (the training thread, holding the
     GIL) and then waits for that GIL, so the training thread loses its CPU for a scheduler
     round on a host with no idle core. ``SCHED_BATCH`` keeps the thread's fair CPU share but
