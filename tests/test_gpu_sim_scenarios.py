@@ -37,6 +37,19 @@ def _rank_file(out: Path, rank: int = 0) -> Path:
     return out / f"rank{rank}.jsonl"
 
 
+def _lines_within(path: Path, want: int) -> int:
+    """Lines in ``path`` once there are ``want`` of them, or after five times the writer's
+    delivery bound (``sinks.DELIVERY_BOUND_S``: the margin is for a loaded 2-core CI host)."""
+    from stepscope.sinks import DELIVERY_BOUND_S
+
+    deadline = time.monotonic() + 5 * DELIVERY_BOUND_S
+    n = _lines(path)
+    while n < want and time.monotonic() < deadline:
+        time.sleep(0.02)
+        n = _lines(path)
+    return n
+
+
 def _lines(path: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
@@ -77,7 +90,9 @@ def _marks_job(out: Path, sim: cudasim.CudaSim, steps: int, user_phases: int) ->
             sim.host_tick()
             i += 1
             if i in (steps // 2, steps - 1):
-                written_at[i] = _lines(_rank_file(out))
+                # Delivery is bound by time, not steps: the writer (which never preempts the
+                # training thread) gets up to DELIVERY_BOUND_S; no finish(), no host sync.
+                written_at[i] = _lines_within(_rank_file(out), i - sim.lag_steps - 30)
     syncs = list(sim.sync_log)
     # The host is done; the GPU, 100 steps behind, works through its queue (an idle host lets
     # it, at the step pace: seconds here). drain() skips that wait; it is not a host sync.

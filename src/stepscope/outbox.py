@@ -9,6 +9,8 @@ system) stays with the resolver until the writer catches up, up to ``MAX_HELD_ST
 Between two hand-overs the writer also takes resolved steps on its own every
 ``sinks.IDLE_TICK_S`` (0.5 s): a loop that stops stepping (a hang, an evaluation) still gets
 its last steps' records on disk within that time, without a wake from the training thread.
+The writer never preempts the training thread when woken (``SCHED_BATCH``), so what it
+promises is a time (``sinks.DELIVERY_BOUND_S``), not that a record is on disk N steps later.
 
 Building records holds the GIL. Once a batch has held it for ``GIL_SLICE_S``, the writer
 gives it back between two records (``time.sleep(0)``): a training thread returning from a C

@@ -120,7 +120,13 @@ class Recorder:
         if not self.enabled:
             return None
         try:
-            stack = self._stack_here()
+            # This thread's stack (as _stack_here, inlined: three phases a step come here).
+            tid = _get_ident()
+            if self._adopted:
+                tid = self._adopted.get(tid, tid)
+            stack = self._stacks.get(tid)
+            if stack is None:
+                stack = self._stacks[tid] = []
             if self._in_step:
                 cur = self._cur
                 if cur is None:
@@ -308,12 +314,17 @@ class Recorder:
         ``wall_ns``: ``time.time_ns()`` at entry, when the caller has read it already."""
         self._in_step = True
         tid = self._owner = self._train_thread = _get_ident()
-        if not self.config.samples(self._index):
+        index = self._index
+        step = self._next
+        if step is not None and step.index == index:
+            self._next = None  # made by a pre-step phase of this (so sampled) step
+        elif not self.config.samples(index):
             self._drop_next()
             return None
-        step = self._next_step()
-        self._next = None
-        assert step is not None
+        else:
+            if step is not None:  # the step index moved on (step(index=...)): stale
+                self._drop_next()
+            step = Step(index)
         if step.start is None:
             step.start = self.clock.mark()
             step.start_unix_ns = time.time_ns() if wall_ns is None else wall_ns

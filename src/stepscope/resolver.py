@@ -92,12 +92,16 @@ class Resolver:
 
     # ------------------------------------------------------------ training thread
 
-    def add(self, step: Step) -> None:
+    def add(self, step: Step, *, poll: bool = False) -> None:
+        """A finished step joins the pending ones; ``poll``: then :meth:`poll` (the step
+        exit's one call)."""
         pending = self.pending
         pending.append(step)
         while len(pending) > self.max_pending:
             self._release(pending.popleft())
             self._count("pending_overflow")
+        if poll:
+            self.poll()
 
     def poll(self, max_steps: int = MAX_STEPS_PER_POLL) -> None:
         """Time the oldest pending steps whose marks are complete; never blocks."""

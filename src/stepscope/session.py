@@ -33,7 +33,7 @@ from stepscope.outbox import MAX_HELD_STEPS, RECENT_RECORDS, Outbox, RecentRecor
 from stepscope.record import Step
 from stepscope.recorder import Recorder
 from stepscope.resolver import Resolver, capture_probe
-from stepscope.sinks import Sink, open_sink
+from stepscope.sinks import DELIVERY_BOUND_S, Sink, open_sink
 
 __all__ = ["FINISH_TIMEOUT_S", "MAX_HELD_STEPS", "RECENT_RECORDS", "Session"]
 
@@ -226,16 +226,18 @@ class Session(Recorder):
                     step.res = self._resources.on_step_end(step.index)
                 if not self._forward_seen and "forward" in self._auto_active:
                     self._check_forward(step)
-                self.resolver.add(step)
                 self._since_flush += 1
             now = time.time()
             self._last_step = (done, now, now - self._step_wall)
             if step is not None:
-                self.resolver.poll()
+                self.resolver.add(step, poll=True)
                 # An exception may end the job: what is resolved goes to the file now.
-                if (self._since_flush >= self.config.flush_every_n_steps or exc is not None) \
-                        and self._outbox.submit():
+                # One try per cadence: what is not handed over now (the writer behind, or
+                # nothing resolved yet on a lagging GPU) leaves with the next hand-over or the
+                # writer's own take (held steps, its idle tick): no retry on every step.
+                if self._since_flush >= self.config.flush_every_n_steps or exc is not None:
                     self._since_flush = 0
+                    self._outbox.submit()
             for fn in self._step_end:
                 fn(self, done)
         except Exception as err:  # protect the job
@@ -276,6 +278,15 @@ class Session(Recorder):
             self.resolver.poll()
             self._since_flush = 0
             self._outbox.submit()
+
+    def settle(self, timeout: float = DELIVERY_BOUND_S) -> bool:
+        """Hand over what is resolved and wait (up to ``timeout`` s) until the writer has built
+        it, so records and ``recent_records()`` cover every step resolved so far. On the
+        training thread between steps only (``summary()``); elsewhere it does not wait."""
+        if not self.enabled or self._finished or self._in_step or _get_ident() != self._train_thread:
+            return False
+        self.flush()
+        return self._writer.wait_written(timeout)
 
     def finish(self) -> None:
         """Resolve pending events, flush, close files and remove hooks. Idempotent."""

@@ -232,6 +232,13 @@ _STOP = object()
 #: on how long a resolved step waits in memory when the loop stops between two flushes).
 IDLE_TICK_S = 0.5
 
+#: The delivery bound during a run: the record of a step resolved on the training thread
+#: reaches the sink within this time (two idle ticks), on a host that gives the writer thread
+#: CPU at all. Hand-overs (every ``flush_every_n_steps`` sampled steps) only wake the writer
+#: sooner; its wake never preempts the training thread (SCHED_BATCH, Linux), so a record is
+#: bound by time, not by a number of steps. At ``finish()``/exit every record is written.
+DELIVERY_BOUND_S = 2 * IDLE_TICK_S
+
 #: Keys this module adds to a record's ``dropped`` section (counts since the previous record).
 QUEUE_FULL = "writer_queue_full"
 UNWRITABLE = "unwritable"
@@ -293,6 +300,8 @@ class BackgroundWriter:
         self._bell = threading.Lock()
         self._bell.acquire()
         self._failed = False
+        #: Whether the writer thread runs as SCHED_BATCH (set by the thread as it starts).
+        self.batch_policy = False
         self._thread = threading.Thread(target=self._run, name="stepscope-writer", daemon=True)
         self._thread.start()
 
@@ -342,12 +351,13 @@ class BackgroundWriter:
         first["dropped"] = dropped
 
     def _run(self) -> None:
-        # The writer keeps the default policy: as SCHED_BATCH (see ``yield_on_wake``) it stole
-        # less CPU from the training thread at each hand-over, but on a host with no idle core
-        # it then ran late enough that a fast run's records were not on disk during the run.
+        # SCHED_BATCH (see ``yield_on_wake``): a hand-over's wake no longer takes the CPU from
+        # the training thread on a host with no idle core; the writer runs at the scheduler's
+        # next turn instead. What it promises is a time, not a step count (DELIVERY_BOUND_S).
         # With an on_idle source the writer also looks for work every IDLE_TICK_S on its own:
         # steps resolved since the last hand-over reach the file within that time even when
         # the loop stops stepping (a hang, a long evaluation) before its next flush.
+        self.batch_policy = yield_on_wake()
         tick = IDLE_TICK_S if self._on_idle is not None else None
         items, bell = self._items, self._bell
         while True:
@@ -369,6 +379,18 @@ class BackgroundWriter:
                     continue
                 if held is not None:
                     self._process(held)
+
+    def wait_written(self, timeout: float) -> bool:
+        """Wait until everything submitted before this call is written (or dropped); False on
+        timeout, or at once when waiting cannot work (on the writer thread itself, the writer
+        stopped, its queue full). Never on the training thread's hot path: for calls a user
+        makes between steps (``summary()``)."""
+        if self._failed or self.behind() or threading.current_thread() is self._thread:
+            return False
+        done = threading.Event()
+        self._items.append(done.set)  # a callable item whose "records" are None: nothing written
+        self._ring()
+        return done.wait(timeout)
 
     def is_idle(self) -> bool:
         """Nothing queued."""
@@ -403,7 +425,7 @@ class BackgroundWriter:
 def yield_on_wake() -> bool:
     """Make the calling thread one that does not preempt others when it wakes (Linux).
 
-    For the background threads whose wakes are on a timer (the heartbeat): a woken thread of
+    For the background threads (the heartbeat's timer, the writer's hand-overs): a woken thread of
     the default policy usually preempts the running one (the training thread, holding the
     GIL) and then waits for that GIL, so the training thread loses its CPU for a scheduler
     round on a host with no idle core. ``SCHED_BATCH`` keeps the thread's fair CPU share but

@@ -91,7 +91,7 @@ class Tracer(Session):
         ``tokens``/``samples`` (non-negative ints) give the step's throughput numbers.
         """
         # Validated at the call (ValueError), applied when the step opens.
-        self._step_counts = check_counts(tokens, samples)
+        self._step_counts = None if tokens is None and samples is None else check_counts(tokens, samples)
         if index is not None:
             if isinstance(index, bool) or not isinstance(index, int) or index < 0:
                 raise ValueError(f"step index must be a non-negative int; got {index!r}")
@@ -154,8 +154,14 @@ class Tracer(Session):
         return H2DProxy(batch, self)
 
     def summary(self) -> dict[str, Any]:
-        """Per-phase medians over the records resolved so far on this rank (plain dict)."""
+        """Per-phase medians over the records resolved so far on this rank (plain dict).
+
+        Called between steps on the training thread, it first waits (at most
+        ``sinks.DELIVERY_BOUND_S``) for the writer thread to build the records handed to it.
+        """
         from stepscope.live import local_summary
+
+        self.settle()
 
         return local_summary(self)
 

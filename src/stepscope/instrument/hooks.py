@@ -89,6 +89,13 @@ class _ModelHooks:
         self._sync_handle: Any = None
         # grad_sync times DDP's (or FSDP's) gradient sync: without one, no such phase.
         self._ddp = unwrap.uses_ddp(model)
+        # Built once, not per step: the gradient hook registered on each forward's output,
+        # and the end-of-backward callback that queues the closing one behind the others.
+        self._on_grad = self.on_grad
+        engine = torch.autograd.Variable._execution_engine
+        self._engine = engine
+        close = self._close_backward
+        self._queue_close: Callable[[], None] = lambda: engine.queue_callback(close)
 
     # When dynamo traces a compiled module's hooks, is_compiling() is a constant True, so the
     # hooks trace to nothing: no graph break, and the compiled wrapper's own hooks (called
@@ -96,9 +103,13 @@ class _ModelHooks:
     # The gate (a thread-local) is raised only on the thread that owns the open sampled
     # step, so forwards run by other threads (evaluation, EMA) are not counted.
     def pre(self, module: Any, args: Any) -> None:
-        if not self._ddp and not _is_compiling():
+        if _is_compiling():
+            return
+        # Whether DDP runs this forward matters only until the first backward decides on
+        # grad_sync (``_sync_param``): no lookup on every later step.
+        if not self._ddp and self._sync_param is None:
             self._ddp = unwrap.ddp_forward_active()
-        if self.forward and not _is_compiling() and gate.current() is self.tracer:
+        if self.forward and gate.current() is self.tracer:
             self._fwd.append(self.tracer.open_phase("forward"))
 
     def post(self, module: Any, args: Any, output: Any) -> None:
@@ -110,14 +121,17 @@ class _ModelHooks:
         # Prepended: our gradient hook is registered on the outputs before FSDP2's
         # pre-backward hook, so backward is open when its all-gathers start.
         tracer = self.tracer
-        if _is_compiling() or gate.current() is not tracer:
+        if _is_compiling() or gate.current() is not tracer or not torch.is_grad_enabled():
             return
-        if self.backward and torch.is_grad_enabled():
-            try:
-                for t in _first_grad_tensors(output):
-                    t.register_hook(self.on_grad)
-            except Exception as exc:  # protect the job: an odd output type must not break it
-                tracer.fail(exc)
+        try:
+            if isinstance(output, torch.Tensor):  # the usual output: no search
+                if output.requires_grad and output.grad_fn is not None:
+                    output.register_hook(self._on_grad)
+                return
+            for t in _first_grad_tensors(output):
+                t.register_hook(self._on_grad)
+        except Exception as exc:  # protect the job: an odd output type must not break it
+            tracer.fail(exc)
 
     # Gradient hooks and engine callbacks run on autograd's threads (one per device on GPU),
     # so they cannot use the gate; they were registered only from the owning thread's forward.
@@ -139,8 +153,7 @@ class _ModelHooks:
             # Public-in-practice engine API (DDP and FSDP use it): runs at the end of this
             # backward pass. Queue the closing callback from inside the first one so it lands
             # behind callbacks queued during backward (DDP's all-reduce finalisation).
-            engine = torch.autograd.Variable._execution_engine
-            engine.queue_callback(lambda: engine.queue_callback(self._close_backward))
+            self._engine.queue_callback(self._queue_close)
             if self._sync_param is None:
                 self._start_calibration()
         except Exception as exc:  # protect the job
@@ -206,11 +219,12 @@ def attach_model(
     hooks = _ModelHooks(tracer, model, forward, backward)
     # Pre-hook first and close-hook last, so collectives other forward hooks issue (FSDP2's
     # unshard and reshard of the root) are inside ``forward``.
-    handles = [
-        model.register_forward_pre_hook(hooks.pre, prepend=True),
-        model.register_forward_hook(hooks.post),
-        model.register_forward_hook(hooks.post_grad, prepend=True),
-    ]
+    # Only the hooks this config needs: each is a Python call on every forward.
+    handles = [model.register_forward_pre_hook(hooks.pre, prepend=True)]
+    if forward:
+        handles.append(model.register_forward_hook(hooks.post))
+    if backward:
+        handles.append(model.register_forward_hook(hooks.post_grad, prepend=True))
 
     def remove() -> None:
         for h in handles:

@@ -399,6 +399,7 @@ class ResourceMonitor:
         self._fast_rss: Callable[[], int] | None = getattr(host, "fast_rss", None) if host else None
         self._rss_at = -1e9
         self._rss_last: int | None = None
+        self._rss_snap: tuple[None, int | None, bool] = (None, None, False)
         self.sampler: NvmlSampler | None = None
         if index is not None or nvml is not None:
             self.sampler = start_nvml(index or 0, nvml, nvml_interval_s)
@@ -475,8 +476,15 @@ class ResourceMonitor:
                     self._rss_at = now
                 except Exception:  # protect the job: RSS falls back to the writer thread's psutil
                     self._fast_rss = None
-        if mem is None and rss is None and not counted:
-            return None
+        if mem is None and not counted:
+            if rss is None:
+                return None
+            # The usual CPU step: the same RSS as the last read (rate-limited): the same
+            # (immutable) snapshot, not a new tuple per step.
+            snap = self._rss_snap
+            if snap[1] is not rss:
+                snap = self._rss_snap = (None, rss, False)
+            return snap
         return (mem, rss, counted)
 
     def _counted(self, counter: FlopCount) -> None:
