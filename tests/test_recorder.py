@@ -385,16 +385,6 @@ class _AllReduceGrad(torch.autograd.Function):
         return g
 
 
-@pytest.fixture
-def world1():
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def test_backward_on_a_device_thread_times_its_collectives_and_nothing_else(world1, mem_tracer):
     """On CUDA, backward runs on a device thread while the owner blocks; the thread-local
     gate was never raised there, so backward all-reduces/reduce-scatters were unseen."""
