@@ -132,7 +132,7 @@ _ONE_EVENT = msgspec.json.Decoder(Event, float_hook=Decimal)
 _ONE = msgspec.json.Decoder(TraceEvent)
 
 
-def value(raw: msgspec.Raw, missing: Any = None) -> Any:
+def value(raw: msgspec.Raw | bytes, missing: Any = None) -> Any:
     """A raw field decoded (``missing`` when the event did not have it)."""
     return _DECODER.decode(raw) if len(raw) else missing
 
