@@ -412,6 +412,7 @@ def _scan_events(batches: Iterable[list[Any]], out: ParsedTrace) -> None:
     # copy, and classify each distinct (name, category) once.
     names: dict[str, str] = {}
     classes: dict[tuple[str, str], tuple[str, str]] = {}
+    kinds: dict[tuple[str, str | None], str] = {}  # (memcpy name, args.kind) -> copy kind
     # Columns filled per event, times converted together after the pass (see _TimeColumn):
     # launches (correlation, ts) and device events (ts, dur, the other fields).
     launch_corr: list[int] = []
@@ -466,7 +467,12 @@ def _scan_events(batches: Iterable[list[Any]], out: ParsedTrace) -> None:
                         kind = ""
                         nbytes = 0
                         if category == K.MEMORY:
-                            kind = K.copy_kind(name, _get(a.kind, None))
+                            ka = _get(a.kind, None)
+                            if ka is None or type(ka) is str:  # hashable: once per pair
+                                kind = kinds.get((name, ka)) or kinds.setdefault(
+                                    (name, ka), K.copy_kind(name, ka))
+                            else:
+                                kind = K.copy_kind(name, ka)
                             nbytes = max(0, _int_arg(_get(a.nbytes, None), 0))
                         stream = a.stream
                         if stream is UNSET:

@@ -23,7 +23,7 @@ MAX_US_INT = int(4.6e15)
 _WEIGHTS = np.array([10**k for k in range(18, 2, -1)] + [0, 100, 10, 1], dtype=np.int64)
 _I64_MAX = (1 << 63) - 1
 _SEP = 10  # "\n": never part of a JSON number
-_ROWS = 1 << 16
+_ROWS = 1 << 14
 
 
 def parse_ns(buf: bytes, n: int) -> tuple[np.ndarray, np.ndarray]:
