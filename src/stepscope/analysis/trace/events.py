@@ -418,7 +418,7 @@ def _scan_events(batches: Iterable[list[Any]], out: ParsedTrace) -> None:
     launch_corr: list[int] = []
     launch_ts = _TimeColumn()
     dev_ts, dev_dur = _TimeColumn(), _TimeColumn()
-    dev_rows: list[tuple[Any, ...]] = []
+    dev_rows: list[DeviceEvent] = []
     lts, dts, ddur = launch_ts.batch, dev_ts.batch, dev_dur.batch
     try:
         for batch in batches:
@@ -479,8 +479,8 @@ def _scan_events(batches: Iterable[list[Any]], out: ParsedTrace) -> None:
                             stream = -1 if e.tid is UNSET else e.tid
                         corr = a.correlation
                         ext = a.external_id
-                        row = (
-                            name, category,
+                        row = DeviceEvent(
+                            0, 0, name, category,
                             int(stream) if isinstance(stream, int) else -1,
                             corr if type(corr) is int else _int_arg(_get(corr, -1)), nbytes, kind,
                             _comm_key_of(a) if category == K.COMMUNICATION else None,
@@ -521,23 +521,26 @@ def _finish_launches(out: ParsedTrace, corr: list[int], ts_col: _TimeColumn) -> 
 
 
 def _finish_device(dev: list[DeviceEvent], out: ParsedTrace, ts_col: _TimeColumn,
-                   dur_col: _TimeColumn, rows: list[tuple[Any, ...]]) -> None:
+                   dur_col: _TimeColumn, rows: list[DeviceEvent]) -> None:
+    """Give the device events built during the pass their times (skipping bad ones)."""
     ts, ts_err = ts_col.values("ts")
     dur, dur_err = dur_col.values("dur")
-    if not any(ts_err) and not any(dur_err) and min(dur, default=0) >= 0:
-        dev.extend([DeviceEvent(s, s + d, *r) for s, d, r in zip(ts, dur, rows, strict=True)])
-        return
+    clean = not any(ts_err) and not any(dur_err) and min(dur, default=0) >= 0
     for s, d, r, se, de in zip(ts, dur, rows, ts_err, dur_err, strict=True):
-        err = se or de or ("dur is negative" if d < 0 else None)
-        if err is None:
-            dev.append(DeviceEvent(s, s + d, *r))
+        if clean or not (se or de or d < 0):
+            r.start = s
+            r.end = s + d
+            if not clean:
+                dev.append(r)
         else:
-            _skip(out, err)
+            _skip(out, se or de or "dur is negative")
+    if clean:
+        dev.extend(rows)
 
 
 def _lenient_event(e: TraceEvent, out: ParsedTrace, names: dict[str, str],
                    launch_corr: list[int], launch_ts: list[Any], dev_ts: list[Any],
-                   dev_dur: list[Any], dev_rows: list[tuple[Any, ...]]) -> None:
+                   dev_dur: list[Any], dev_rows: list[DeviceEvent]) -> None:
     """One event in the lenient form (args not an object, or a value msgspec could not
     convert): the general path, reading ``args`` as a dict. Launches and device events
     join the columns of :func:`_scan_events` (in file order)."""
@@ -559,8 +562,8 @@ def _lenient_event(e: TraceEvent, out: ParsedTrace, names: dict[str, str],
                 kind = K.copy_kind(name, args.get("kind"))
                 nbytes = max(0, _int_arg(args.get("bytes"), 0))
             stream = args.get("stream", -1 if e.tid is UNSET else e.tid)
-            row = (
-                name, category,
+            row = DeviceEvent(
+                0, 0, name, category,
                 int(stream) if isinstance(stream, int) else -1,
                 _int_arg(args.get("correlation", -1)), nbytes, kind,
                 _comm_key(args) if category == K.COMMUNICATION else None,
