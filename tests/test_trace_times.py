@@ -103,3 +103,23 @@ def test_bad_device_times_are_skipped_in_place(tmp_path: Path) -> None:
         ("k3", 1712195495519700500, 1712195495519702750),
     ]
     assert pt.launches == {4: 1712195495519680001}
+
+
+def test_head_meta_native_equals_partial(tmp_path: Path) -> None:
+    """The head decoded in one native call gives what the key-by-key reader gives; a head
+    cut mid-value still yields the keys before the cut."""
+    from stepscope.analysis.trace.reader import _head_meta_partial, _read_head_meta
+
+    head = ('{"schemaVersion": 1, "distributedInfo": {"backend": "nccl", "rank": 3, '
+            '"world_size": 8}, "deviceProperties": [{"id": 0, "name": "H100", "x": 1.25}], '
+            '"traceEvents": [{"ph": "X", "cat": "kernel", "name": "k", "ts": 1, "dur": 2}]}')
+    p = tmp_path / "t.json"
+    p.write_text(head)
+    meta = _read_head_meta(p)
+    cut = head.find('"traceEvents"')
+    assert meta == _head_meta_partial((head[:cut] + '"traceEvents": []}').encode())
+    assert meta["distributedInfo"]["rank"] == 3 and "traceEvents" not in meta
+    assert str(meta["deviceProperties"][0]["x"]) == "1.25"  # exact, as ijson gives it
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"distributedInfo": {"rank": 5}, "deviceProperties": [{"id": 0, "na')
+    assert _read_head_meta(broken) == {"distributedInfo": {"rank": 5}}
