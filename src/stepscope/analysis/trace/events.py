@@ -447,7 +447,7 @@ def _scan_events(batches: Iterable[list[Any]], out: ParsedTrace) -> None:
                             key = corr if type(corr) is int else _int_arg(corr)
                             launch_corr.append(key)
                             lts.append(e.ts)
-                        if cat[:3] == "hip":
+                        if cat[0] == "h" and cat[:3] == "hip":  # no slice for CUDA
                             out.is_rocm = True
                     elif cat in _DEVICE_CATS:
                         a = e.args or _NO_ARGS
