@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import re
 from bisect import bisect_left
-from collections import defaultdict
 from dataclasses import dataclass, field
-from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -105,18 +103,27 @@ def analyse_parsed(pt: ParsedTrace, top: int = 15) -> RankResult:
     if pt.skipped_events:
         warnings.append(f"{Path(pt.path).name}: skipped {pt.skipped_events} malformed event(s) "
                         f"(first: {pt.first_skip_reason})")
-    ev = sorted(pt.device_events, key=attrgetter("start"))
-    platform = "rocm" if pt.is_rocm else ("cuda" if ev else "cpu")
-    if not ev:
+    dev = pt.device_events
+    platform = "rocm" if pt.is_rocm else ("cuda" if dev else "cpu")
+    if not dev:
         return _cpu_result(pt, platform, warnings, top)
 
-    # Unions per kernel class on int64 columns (exact ns).
-    n = len(ev)
-    t0 = np.fromiter((d.start for d in ev), dtype=np.int64, count=n)
+    # Device events by start (a stable sort, as sorted() by start), then int64 columns
+    # (exact ns) for the unions per kernel class and the per-window sums.
+    n = len(dev)
+    start = np.fromiter((d.start for d in dev), dtype=np.int64, count=n)
+    by_start = np.argsort(start, kind="stable")
+    ev = list(map(dev.__getitem__, by_start.tolist()))
+    t0 = start[by_start]
     t1 = np.fromiter((d.end for d in ev), dtype=np.int64, count=n)
-    cats = np.array([d.category for d in ev])
-    class_of = {c: K.kernel_class(c) for c in set(cats.tolist())}
-    klass = np.array([class_of[c] for c in cats.tolist()])
+    dur = t1 - t0
+    # Categories as small integer codes (in the order they first appear).
+    cat_list, cat_code = _codes([d.category for d in ev])
+    mem_code = cat_list.index(K.MEMORY) if K.MEMORY in cat_list else -1
+    mem_at = np.flatnonzero(cat_code == mem_code).tolist() if mem_code >= 0 else []
+    is_h2d = np.zeros(n, dtype=bool)
+    is_h2d[[i for i in mem_at if ev[i].copy_kind == "HtoD"]] = True
+    klass = np.array([K.kernel_class(c) for c in cat_list])[cat_code]
     pos = t1 > t0
     b_s, b_e = merge_arrays(t0[pos], t1[pos])
     compute, comm, memory = (merge_arrays(t0[pos & (klass == c)], t1[pos & (klass == c)])
@@ -130,7 +137,7 @@ def analyse_parsed(pt: ParsedTrace, top: int = 15) -> RankResult:
     m_host, m_kwait = _Measure(host_wait), _Measure(kernel_wait)
     starts = t0.tolist()
     has_launch_info = bool(found.any())
-    launch_ts = np.sort(np.where(found, launch, t0)[cats != K.MEMORY]).tolist()
+    launch_ts = np.sort(np.where(found, launch, t0)[cat_code != mem_code]).tolist()
     flops_ts = sorted(pt.flops)
     flops_starts = [t for t, _ in flops_ts]
     flops_prefix = [0.0]
@@ -143,15 +150,17 @@ def analyse_parsed(pt: ParsedTrace, top: int = 15) -> RankResult:
         b_ov = m_ov.within(w0, w1)
         exposed_comm = b_comm - b_ov
         lo, hi = bisect_left(starts, w0), bisect_left(starts, w1)
-        cats: dict[str, float] = defaultdict(float)
-        kcount = h2d = h2d_bytes = 0
-        for d in ev[lo:hi]:
-            cats[d.category] += d.end - d.start
-            if d.category != K.MEMORY:
-                kcount += 1
-            elif d.copy_kind == "HtoD":
-                h2d += 1
-                h2d_bytes += d.nbytes
+        # Time per category in the order each first appears (ties in the sort below keep
+        # it), summed in event order as floats (a cumulative sum adds in order).
+        cc, dd = cat_code[lo:hi], dur[lo:hi]
+        present, first = np.unique(cc, return_index=True)
+        cats: dict[str, float] = {
+            cat_list[k]: float(np.cumsum(dd[cc == k], dtype=np.float64)[-1])
+            for k in present[np.argsort(first, kind="stable")].tolist()}
+        kcount = int((cc != mem_code).sum())
+        h2d_at = (np.flatnonzero(is_h2d[lo:hi]) + lo).tolist()
+        h2d = len(h2d_at)
+        h2d_bytes = sum(ev[i].nbytes for i in h2d_at)
         fl = flops_prefix[bisect_left(flops_starts, w1)] - flops_prefix[bisect_left(flops_starts, w0)]
         idle = wall - b_busy
         hw, kw = m_host.within(w0, w1), m_kwait.within(w0, w1)
@@ -185,19 +194,25 @@ def analyse_parsed(pt: ParsedTrace, top: int = 15) -> RankResult:
     hi_t = int(b_e[-1]) if len(b_s) else max(d.end for d in ev)
     total = window("whole trace", None, lo_t, hi_t)
 
-    names: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    name_cat: dict[str, str] = {}
+    # Per kernel name, in the order names first appear: count, total ns (float sums of
+    # exact integers) and the category of its last event.
+    name_list, code = _codes([d.name for d in ev])
+    k = len(name_list)
+    counts = np.bincount(code, minlength=k).tolist()
+    totals = np.bincount(code, weights=dur, minlength=k).tolist()
+    last = np.full(k, -1, dtype=np.int64)
+    np.maximum.at(last, code, np.arange(len(ev), dtype=np.int64))
+    last_cat = cat_code[last].tolist()
+    name_ix = {nm: i for i, nm in enumerate(name_list)}
+    names = {nm: [counts[i], totals[i]] for nm, i in name_ix.items()}
+    name_cat = {nm: cat_list[last_cat[i]] for nm, i in name_ix.items()}
     copies: dict[str, dict[str, float]] = {}
-    for d in ev:
-        agg = names[d.name]
-        agg[0] += 1
-        agg[1] += d.end - d.start
-        name_cat[d.name] = d.category
-        if d.category == K.MEMORY:
-            c = copies.setdefault(d.copy_kind, {"count": 0, "bytes": 0, "time_us": 0.0})
-            c["count"] += 1
-            c["bytes"] += d.nbytes
-            c["time_us"] += (d.end - d.start) / 1000.0
+    for i in mem_at:
+        d = ev[i]
+        c = copies.setdefault(d.copy_kind, {"count": 0, "bytes": 0, "time_us": 0.0})
+        c["count"] += 1
+        c["bytes"] += d.nbytes
+        c["time_us"] += (d.end - d.start) / 1000.0
     for c in copies.values():
         c["time_us"] = round(c["time_us"], 3)
         # bytes per µs is MB/s; /1e3 gives GB/s. Memsets carry no bytes.
@@ -217,6 +232,13 @@ def analyse_parsed(pt: ParsedTrace, top: int = 15) -> RankResult:
         top_kernels, copies, round(100.0 * other / ksum, 2) if ksum else None, warnings,
         collectives, None, pt.skipped_events,
     )
+
+
+def _codes(values: list[Any]) -> tuple[list[Any], np.ndarray]:
+    """The distinct ``values`` in the order they first appear, and each value's index there."""
+    distinct = list(dict.fromkeys(values))
+    index = {v: i for i, v in enumerate(distinct)}
+    return distinct, np.fromiter(map(index.__getitem__, values), dtype=np.int64, count=len(values))
 
 
 _DATALOADER_RE = re.compile(r"DataLoader|_DataLoaderIter|dataloader", re.IGNORECASE)

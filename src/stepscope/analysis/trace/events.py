@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import numpy as np
 from msgspec import UNSET, Raw
 
 from stepscope.analysis import kernels as K
@@ -38,6 +39,7 @@ from stepscope.analysis.trace.scan import (
     TraceEvent,
     value,
 )
+from stepscope.analysis.trace.times import parse_ns
 
 _DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset", "Kernel", "Memcpy", "Memset"}
 # Host-side API calls whose `correlation` arg ties a launch to the device event it created.
@@ -223,7 +225,7 @@ _MAX_US_INT = int(_MAX_US)
 _US_DIGITS = 10**16  # a Decimal with adjusted() < 16, as _num accepts
 
 
-def _time(raw: Raw, what: str) -> int:
+def _time(raw: Raw | bytes, what: str) -> int:
     """A raw JSON number of µs as exact integer ns (``int(Decimal(text) * 1000)``)."""
     b = bytes(raw)
     if not b.isdigit():
@@ -346,94 +348,211 @@ def _comm_key_of(a: Args) -> tuple[str, str, int] | None:
 _NO_ARGS = Args()
 
 
+class _TimeColumn:
+    """Raw JSON times gathered while scanning, converted to ns together at the end.
+
+    Each decoded batch's raw texts are joined into one buffer when the batch ends (a raw
+    value points into the decoded slice; joining copies the few bytes and lets the slice
+    go). :func:`times.parse_ns` converts the plain numbers in numpy; any other text is
+    converted on its own by :func:`_time`, which also raises for the bad ones.
+    """
+
+    __slots__ = ("batch", "n", "odd", "parts")
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+        self.batch: list[Any] = []
+        self.n = 0
+        self.odd: dict[int, bytes] = {}  # row -> text that spans lines (never a number)
+
+    def flush(self) -> None:
+        raws = self.batch
+        if not raws:
+            return
+        buf = b"\n".join(raws)
+        if buf.count(b"\n") != len(raws) - 1:  # a value with a line break (not a number)
+            for i, r in enumerate(raws):
+                if b"\n" in bytes(r):
+                    self.odd[self.n + i] = bytes(r)
+                    raws[i] = b"?"
+            buf = b"\n".join(raws)
+        self.parts.append(buf)
+        self.n += len(raws)
+        self.batch = []
+
+    def values(self, what: str) -> tuple[list[int], list[str | None]]:
+        """Each row's ns (0 where bad) and, per row, None or why it is bad."""
+        self.flush()
+        buf = b"\n".join(self.parts)
+        self.parts = []
+        ns, ok = parse_ns(buf, self.n)
+        out = ns.tolist()
+        errors: list[str | None] = [None] * self.n
+        if self.n and not ok.all():
+            texts = buf.split(b"\n")
+            for i in np.flatnonzero(~ok).tolist():
+                text = self.odd.get(i, texts[i] if i < len(texts) else b"")
+                try:
+                    out[i] = _time(text, what)
+                except _BadEvent as exc:
+                    errors[i] = str(exc)
+        return out, errors
+
+
+def _skip(out: ParsedTrace, reason: str) -> None:
+    out.skipped_events += 1
+    if out.skipped_events == 1:
+        out.first_skip_reason = reason[:120]
+
+
 def _scan_events(batches: Iterable[list[Any]], out: ParsedTrace) -> None:
     dev = out.device_events
-    launches = out.launches
     steps = out.steps
     # Kernel names repeat thousands of times and run to hundreds of characters: keep one
     # copy, and classify each distinct (name, category) once.
     names: dict[str, str] = {}
     classes: dict[tuple[str, str], tuple[str, str]] = {}
-    for batch in batches:
-        out.events_seen += len(batch)
-        for e in batch:
-            tp = type(e)
-            if tp is not Span:  # the fast path's complete events; the rest are rare
-                if tp is TraceEvent:
-                    _lenient_event(e, out, names)
-                if tp is not Event or e.ph != "X":
-                    continue
-            cat = e.cat
-            try:
-                if cat == "cpu_op":
-                    a = e.args
-                    if a is None:
+    kinds: dict[tuple[str, str | None], str] = {}  # (memcpy name, args.kind) -> copy kind
+    # Columns filled per event, times converted together after the pass (see _TimeColumn):
+    # launches (correlation, ts) and device events (ts, dur, the other fields).
+    launch_corr: list[int] = []
+    launch_ts = _TimeColumn()
+    dev_ts, dev_dur = _TimeColumn(), _TimeColumn()
+    dev_rows: list[DeviceEvent] = []
+    lts, dts, ddur = launch_ts.batch, dev_ts.batch, dev_dur.batch
+    try:
+        for batch in batches:
+            out.events_seen += len(batch)
+            for e in batch:
+                tp = type(e)
+                if tp is not Span:  # the fast path's complete events; the rest are rare
+                    if tp is TraceEvent:
+                        _lenient_event(e, out, names, launch_corr, lts, dts, ddur, dev_rows)
+                    if tp is not Event or e.ph != "X":
                         continue
-                    if a.flops:
-                        _note_flops(out, e, a.flops)
-                    if e.name == "record_param_comms":
-                        _note_comm(out, e, _comm_key_of(a), _get(a.external_id, -1))
-                elif cat in _LAUNCH_CATS:
-                    a = e.args
-                    corr = None if a is None else a.correlation
-                    if corr is not None and corr is not UNSET:
-                        launches[corr if type(corr) is int else _int_arg(corr)] = \
+                cat = e.cat
+                try:
+                    if cat == "cpu_op":
+                        a = e.args
+                        if a is None:
+                            continue
+                        if a.flops:
+                            _note_flops(out, e, a.flops)
+                        if e.name == "record_param_comms":
+                            _note_comm(out, e, _comm_key_of(a), _get(a.external_id, -1))
+                    elif cat in _LAUNCH_CATS:
+                        a = e.args
+                        corr = None if a is None else a.correlation
+                        if corr is not None and corr is not UNSET:
+                            key = corr if type(corr) is int else _int_arg(corr)
+                            launch_corr.append(key)
+                            lts.append(e.ts)
+                        if cat[0] == "h" and cat[:3] == "hip":  # no slice for CUDA
+                            out.is_rocm = True
+                    elif cat in _DEVICE_CATS:
+                        a = e.args or _NO_ARGS
+                        if not len(e.dur):
+                            # The ts is checked first, as for any span.
                             _time(e.ts, "ts")
-                    if cat[:3] == "hip":
-                        out.is_rocm = True
-                elif cat in _DEVICE_CATS:
-                    a = e.args or _NO_ARGS
-                    start, end = _span(e)
-                    name = e.name
-                    if type(name) is not str:
-                        name = "" if name is UNSET else str(name)
-                    # One lookup per event: the first copy of the name and its class.
-                    known = classes.get((name, cat))
-                    if known is None:
-                        first = names.setdefault(name, name)
-                        known = classes[(name, cat)] = (first, K.classify(first, cat))
-                    name, category = known
-                    kind = ""
-                    nbytes = 0
-                    if category == K.MEMORY:
-                        kind = K.copy_kind(name, _get(a.kind, None))
-                        nbytes = max(0, _int_arg(_get(a.nbytes, None), 0))
-                    stream = a.stream
-                    if stream is UNSET:
-                        stream = -1 if e.tid is UNSET else e.tid
-                    corr = a.correlation
-                    ext = a.external_id
-                    dev.append(DeviceEvent(
-                        start, end, name, category,
-                        int(stream) if isinstance(stream, int) else -1,
-                        corr if type(corr) is int else _int_arg(_get(corr, -1)), nbytes, kind,
-                        _comm_key_of(a) if category == K.COMMUNICATION else None,
-                        ext if type(ext) is int else _int_arg(_get(ext, -1)),
-                    ))
-                elif cat == "user_annotation":
-                    m = _STEP_RE.match(str(_name(e)))
-                    if m:
-                        start, end = _span(e)
-                        steps.append((int(m.group(1)), start, end))
-            except (_BadEvent, KeyError, TypeError, ValueError, ArithmeticError) as exc:
-                # One malformed event (missing ts, a string where a number belongs) must
-                # not cost the whole file: skip it and count it.
-                out.skipped_events += 1
-                if out.skipped_events == 1:
-                    out.first_skip_reason = str(exc)[:120] or type(exc).__name__
+                            raise _BadEvent("dur is missing")
+                        name = e.name
+                        if type(name) is not str:
+                            name = "" if name is UNSET else str(name)
+                        # One lookup per event: the first copy of the name and its class.
+                        known = classes.get((name, cat))
+                        if known is None:
+                            first = names.setdefault(name, name)
+                            known = classes[(name, cat)] = (first, K.classify(first, cat))
+                        name, category = known
+                        kind = ""
+                        nbytes = 0
+                        if category == K.MEMORY:
+                            ka = _get(a.kind, None)
+                            if ka is None or type(ka) is str:  # hashable: once per pair
+                                kind = kinds.get((name, ka)) or kinds.setdefault(
+                                    (name, ka), K.copy_kind(name, ka))
+                            else:
+                                kind = K.copy_kind(name, ka)
+                            nbytes = max(0, _int_arg(_get(a.nbytes, None), 0))
+                        stream = a.stream
+                        if stream is UNSET:
+                            stream = -1 if e.tid is UNSET else e.tid
+                        corr = a.correlation
+                        ext = a.external_id
+                        row = DeviceEvent(
+                            0, 0, name, category,
+                            int(stream) if isinstance(stream, int) else -1,
+                            corr if type(corr) is int else _int_arg(_get(corr, -1)), nbytes, kind,
+                            _comm_key_of(a) if category == K.COMMUNICATION else None,
+                            ext if type(ext) is int else _int_arg(_get(ext, -1)),
+                        )
+                        dts.append(e.ts)
+                        ddur.append(e.dur)
+                        dev_rows.append(row)
+                    elif cat == "user_annotation":
+                        m = _STEP_RE.match(str(_name(e)))
+                        if m:
+                            start, end = _span(e)
+                            steps.append((int(m.group(1)), start, end))
+                except (_BadEvent, KeyError, TypeError, ValueError, ArithmeticError) as exc:
+                    # One malformed event (missing ts, a string where a number belongs) must
+                    # not cost the whole file: skip it and count it.
+                    _skip(out, str(exc) or type(exc).__name__)
+            launch_ts.flush()
+            dev_ts.flush()
+            dev_dur.flush()
+            lts, dts, ddur = launch_ts.batch, dev_ts.batch, dev_dur.batch
+    finally:
+        # Also when the scan stops at damage: what was read before it is kept.
+        _finish_launches(out, launch_corr, launch_ts)
+        _finish_device(dev, out, dev_ts, dev_dur, dev_rows)
 
 
-def _lenient_event(e: TraceEvent, out: ParsedTrace, names: dict[str, str]) -> None:
+def _finish_launches(out: ParsedTrace, corr: list[int], ts_col: _TimeColumn) -> None:
+    ts, errors = ts_col.values("ts")
+    if not any(errors):
+        out.launches.update(zip(corr, ts, strict=True))
+        return
+    for k, t, err in zip(corr, ts, errors, strict=True):
+        if err is None:
+            out.launches[k] = t
+        else:
+            _skip(out, err)
+
+
+def _finish_device(dev: list[DeviceEvent], out: ParsedTrace, ts_col: _TimeColumn,
+                   dur_col: _TimeColumn, rows: list[DeviceEvent]) -> None:
+    """Give the device events built during the pass their times (skipping bad ones)."""
+    ts, ts_err = ts_col.values("ts")
+    dur, dur_err = dur_col.values("dur")
+    clean = not any(ts_err) and not any(dur_err) and min(dur, default=0) >= 0
+    for s, d, r, se, de in zip(ts, dur, rows, ts_err, dur_err, strict=True):
+        if clean or not (se or de or d < 0):
+            r.start = s
+            r.end = s + d
+            if not clean:
+                dev.append(r)
+        else:
+            _skip(out, se or de or "dur is negative")
+    if clean:
+        dev.extend(rows)
+
+
+def _lenient_event(e: TraceEvent, out: ParsedTrace, names: dict[str, str],
+                   launch_corr: list[int], launch_ts: list[Any], dev_ts: list[Any],
+                   dev_dur: list[Any], dev_rows: list[DeviceEvent]) -> None:
     """One event in the lenient form (args not an object, or a value msgspec could not
-    convert): the general path, reading ``args`` as a dict."""
+    convert): the general path, reading ``args`` as a dict. Launches and device events
+    join the columns of :func:`_scan_events` (in file order)."""
     if e.ph != "X":
         return
-    dev = out.device_events
     cat = e.cat
     try:
         if cat in _DEVICE_CATS:
             args = _args(e)
-            start, end = _span(e)
+            if not len(e.dur):
+                _time(e.ts, "ts")
+                raise _BadEvent("dur is missing")
             name = str(_name(e))
             name = names.setdefault(name, name)
             category = K.classify(name, cat)
@@ -443,17 +562,21 @@ def _lenient_event(e: TraceEvent, out: ParsedTrace, names: dict[str, str]) -> No
                 kind = K.copy_kind(name, args.get("kind"))
                 nbytes = max(0, _int_arg(args.get("bytes"), 0))
             stream = args.get("stream", -1 if e.tid is UNSET else e.tid)
-            dev.append(DeviceEvent(
-                start, end, name, category,
+            row = DeviceEvent(
+                0, 0, name, category,
                 int(stream) if isinstance(stream, int) else -1,
                 _int_arg(args.get("correlation", -1)), nbytes, kind,
                 _comm_key(args) if category == K.COMMUNICATION else None,
                 _int_arg(args.get("External id", -1)),
-            ))
+            )
+            dev_ts.append(e.ts)
+            dev_dur.append(e.dur)
+            dev_rows.append(row)
         elif cat in _LAUNCH_CATS:
             corr = _correlation(e)
             if corr is not None:
-                out.launches[_int_arg(corr)] = _time(e.ts, "ts")
+                launch_corr.append(_int_arg(corr))
+                launch_ts.append(e.ts)
             if str(cat).startswith("hip"):
                 out.is_rocm = True
         elif cat == "user_annotation":
@@ -478,9 +601,7 @@ def _lenient_event(e: TraceEvent, out: ParsedTrace, names: dict[str, str]) -> No
     except (_BadEvent, KeyError, TypeError, ValueError, ArithmeticError) as exc:
         # One malformed event (missing ts, a string where a number belongs, args that
         # are not an object) must not cost the whole file: skip it and count it.
-        out.skipped_events += 1
-        if out.skipped_events == 1:
-            out.first_skip_reason = str(exc)[:120] or type(exc).__name__
+        _skip(out, str(exc) or type(exc).__name__)
 
 
 def _scan_cpu(batches: Iterable[list[Any]], out: ParsedTrace) -> None:

@@ -6,10 +6,11 @@ import io
 import re
 import zlib
 from collections.abc import Iterator
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
-import ijson
+import msgspec
 
 _RANK_FROM_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
 # Kineto writes distributedInfo before traceEvents; the head of the file is enough to find it.
@@ -27,6 +28,8 @@ MAX_INFLATED_BYTES = 4 << 30
 #: How much is read (and inflated) at a time: large reads keep per-call overhead negligible.
 _READ_CHUNK = 1 << 20
 
+# Non-integers as exact Decimal, as ijson gives them.
+_HEAD_DECODER = msgspec.json.Decoder(float_hook=Decimal)
 _OPENERS = b"[{"
 _KEEP = b'[]{}"'
 _DROP = bytes(b for b in range(256) if b not in _KEEP)
@@ -229,22 +232,38 @@ def read_blocks(reader: _TraceReader, size: int, first: int | None = None) -> It
 
 def _read_head_meta(path: Path) -> dict[str, Any]:
     """Top-level keys that precede traceEvents (distributedInfo, deviceProperties, ...)."""
-    meta: dict[str, Any] = {}
     try:
         for size in (_HEAD_FIRST, _HEAD_BYTES):
             with _open(path, size) as f:
                 head = f.read(size)
             if b'"traceEvents"' in head or len(head) < size:
                 break
-        # Close the object just before traceEvents so that parsing the head never builds
-        # events (the head may hold a megabyte of them).
-        cut = head.find(b'"traceEvents"')
-        if cut >= 0:
-            head = head[:cut] + b'"traceEvents": []}'
+    except (OSError, EOFError, zlib.error, ValueError):
+        return {}  # unreadable: the full parse reports it
+    # Close the object just before traceEvents so that parsing the head never builds
+    # events (the head may hold a megabyte of them).
+    cut = head.find(b'"traceEvents"')
+    if cut >= 0:
+        head = head[:cut] + b'"traceEvents": []}'
+    try:  # the usual head: whole JSON once closed, decoded natively in one call
+        doc = _HEAD_DECODER.decode(head)
+    except (msgspec.DecodeError, RecursionError):  # ValidationError included
+        return _head_meta_partial(head)
+    if not isinstance(doc, dict):
+        return {}
+    return {k: v for k, v in doc.items() if k != "traceEvents"}
+
+
+def _head_meta_partial(head: bytes) -> dict[str, Any]:
+    """The keys of a head that is not whole JSON, one at a time up to the damage."""
+    import ijson  # only for damaged or very long heads: its import costs ~20 ms
+
+    meta: dict[str, Any] = {}
+    try:
         for key, value in ijson.kvitems(io.BytesIO(head), ""):
             if key != "traceEvents":
                 meta[key] = value
-    except (ijson.JSONError, OSError, EOFError, zlib.error, ValueError):
+    except (ijson.JSONError, ValueError):
         # The head was cut mid-value (expected when traceEvents starts) or is not JSON; the
         # full parse reports real damage.
         pass

@@ -132,7 +132,7 @@ _ONE_EVENT = msgspec.json.Decoder(Event, float_hook=Decimal)
 _ONE = msgspec.json.Decoder(TraceEvent)
 
 
-def value(raw: msgspec.Raw, missing: Any = None) -> Any:
+def value(raw: msgspec.Raw | bytes, missing: Any = None) -> Any:
     """A raw field decoded (``missing`` when the event did not have it)."""
     return _DECODER.decode(raw) if len(raw) else missing
 
@@ -263,24 +263,25 @@ class EventScan:
         and leaves the rest to the exact scan.
         """
         pos, n, size = 0, len(data), self._fast_bytes
+        view = memoryview(data)
         while n - pos > size:
             c = _cut(data, pos, pos + size)
             if c < 0:
                 break
-            piece = data[pos:c + 1]
-            if not self._shallow(piece):
+            # The slice as a JSON array, in one copy.
+            doc = b"".join((b"[", view[pos:c + 1], b"]"))
+            if not self._shallow(doc):
                 break
             try:
-                items: list[Any] = _FAST.decode(b"[" + piece + b"]")
+                items: list[Any] = _FAST.decode(doc)
             except (msgspec.DecodeError, RecursionError):  # ValidationError included
                 # Most often a "},{" inside an event (a list of objects in args): one
                 # earlier cut, then the exact scan.
                 c = _cut(data, pos, c)
                 if c < 0:
                     break
-                piece = data[pos:c + 1]
-                try:
-                    items = _FAST.decode(b"[" + piece + b"]")
+                try:  # a prefix of a shallow slice is shallow
+                    items = _FAST.decode(b"".join((b"[", view[pos:c + 1], b"]")))
                 except (msgspec.DecodeError, RecursionError):
                     self._fast_failures += 1
                     break
@@ -291,8 +292,9 @@ class EventScan:
         self.offset += pos
         return pos
 
-    def _shallow(self, piece: bytes) -> bool:
-        """Whether ``piece`` (whole events from a boundary) can stay within ``max_depth``.
+    def _shallow(self, doc: bytes) -> bool:
+        """Whether ``doc`` (``[`` whole events from a boundary ``]``) can stay within
+        ``max_depth``.
 
         Counts brackets without telling strings apart (one ``translate``, one cumsum over
         the brackets alone, ~2% of the bytes): brackets inside Kineto strings are balanced
@@ -301,8 +303,8 @@ class EventScan:
         bounds (RecursionError: the exact scan takes over). A piece that does not pass is
         scanned exactly, which stops at the first byte past ``max_depth``.
         """
-        br = piece.translate(None, _NOT_BRACKETS)
-        room = self.max_depth - self.array_depth
+        br = doc.translate(None, _NOT_BRACKETS)
+        room = self.max_depth - self.array_depth + 1  # the brackets around the events
         if len(br) <= room:
             return True
         # "[" and "{" have bit 1 set, "]" and "}" do not: (b & 2) - 1 is +1 or -1.
