@@ -1,8 +1,9 @@
 """Quiet when healthy: clean real gloo runs report ``balanced`` with no WARNING or CRITICAL.
 
 The fast suite keeps one clean run per rank count for the plain DDP demo; the soak suite
-(``-m soak``) repeats every framework path (DDP at 2, 4 and 8 ranks, FSDP2, Lightning, the HF
-Trainer, a 2-stage ``torch.distributed.pipelining`` GPipe) ``SOAK_RUNS`` times. Severity
+(``-m soak``) repeats every framework path (DDP at 2, 4 and 8 ranks, FSDP2 at 2, 4 and 8,
+Lightning and the HF Trainer at 2 and 4, ``torch.distributed.pipelining`` GPipe with 2 and 4
+stages) ``SOAK_RUNS`` times. Severity
 follows cost (analysis/cost.py): a finding must cost the job at least 1% of its time to be a
 warning, so scheduling noise on a busy host stays a note at most.
 """
@@ -67,8 +68,9 @@ def test_clean_ddp_run_is_quiet(tmp_path: Path, ranks: int) -> None:
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize(("path", "ranks"), [("ddp", 2), ("ddp", 4), ("ddp", 8), ("fsdp2", 2),
-                                             ("fsdp2", 4), ("lightning", 2), ("hf", 2),
-                                             ("pipeline", 2)])
+                                             ("fsdp2", 4), ("fsdp2", 8), ("lightning", 2),
+                                             ("lightning", 4), ("hf", 2), ("hf", 4),
+                                             ("pipeline", 2), ("pipeline", 4)])
 def test_soak_clean_runs_never_warn(tmp_path: Path, path: str, ranks: int) -> None:
     loud = []
     for i in range(SOAK_RUNS):

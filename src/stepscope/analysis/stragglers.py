@@ -776,6 +776,16 @@ def _find(
                     # A short slow start on one rank: its warm-up (lazy init, the first
                     # rank's logging set-up), as for every rank in find_windows.
                     continue
+                if raw is not None and (rank, name) in raw:
+                    # Run-queue wait explains a gap away, never makes one: a window the net
+                    # series alone shows (another rank's wait for a CPU taken out of it) cost
+                    # no one a wait. The raw gap over these steps must clear the same bar.
+                    rp, rg, _ = raw[(rank, name)]
+                    sel = np.isin(rp, seg)
+                    r_in = float(np.median(rg[sel])) if sel.any() else 0.0
+                    r_out = float(np.median(rg[~sel])) if (~sel).any() else 0.0
+                    if min(r_in, r_in - r_out) < bar:
+                        continue
             if raw is not None:
                 level = (_raw_chronic(raw, (rank, name), np.asarray(seg), level) if chronic
                          else _raw_level(raw, (rank, name), w.start, w.end, level))
