@@ -36,7 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from stepscope.analysis import changepoint
+from stepscope.analysis import changepoint, grouped
+from stepscope.analysis.own import build_own
 from stepscope.analysis.pipeline import IS_P2P, build_p2p_waits
 from stepscope.analysis.stats import RESIDUAL, phase_order
 from stepscope.common import robust
@@ -354,100 +355,18 @@ def build_waits(con: Any, n_ranks: int, al: Alignment,
     return source, notes
 
 
-def build_own(con: Any) -> None:
-    """Tables ``pw`` (waits inside each phase path) and ``ex`` (own work vs the other ranks).
-
-    ``ex`` (rank, step, name, own, wait, others, excess): top-level phases and residual;
-    ``others`` is the median own work of the *other* ranks at that step, ``excess`` the gap.
-    """
-    con.execute(
-        """CREATE OR REPLACE TABLE pw AS
-           SELECT p.rank, p.step, p.path, any_value(p.parent) AS parent, any_value(p.ms) AS ms,
-                  CAST(coalesce(sum(c.wait), 0.0) AS DOUBLE) AS wait, count(c.rank) AS ncoll,
-                  CAST(coalesce(sum(c.ms), 0.0) AS DOUBLE) AS coll_ms
-           FROM phases p LEFT JOIN cw c
-             ON c.rank = p.rank AND c.step = p.step
-            AND (c.phase = p.path OR starts_with(c.phase, p.path || '/'))
-           GROUP BY 1, 2, 3"""
-    )
-    con.execute(
-        f"""CREATE OR REPLACE TABLE own AS
-            SELECT rank, step, name, own, wait FROM (
-                SELECT rank, step, path AS name, greatest(ms - wait, 0.0) AS own, wait, ncoll,
-                       max(ncoll) OVER (PARTITION BY step, path) AS any_coll
-                FROM pw WHERE parent IS NULL)
-            -- A rank with no collective timing in a phase where others have some: its
-            -- waits are unknown, so its own work there is not compared.
-            WHERE NOT (ncoll = 0 AND any_coll > 0)
-            UNION ALL
-            SELECT s.rank, s.step, '{RESIDUAL}', greatest(s.residual_ms - coalesce(r.w, 0.0), 0.0),
-                   coalesce(r.w, 0.0)
-            FROM steps s LEFT JOIN (SELECT rank, step, sum(wait) AS w FROM cw
-                                    WHERE phase IS NULL GROUP BY 1, 2) r USING (rank, step)"""
-    )
-
-    # Median of the other ranks without an n^2 self-join: drop this rank's position k from
-    # the step's sorted values and take the middle of what remains. Only the three values at
-    # sorted positions b..b+2 (b = max((n-1)//2, 1)) can be that middle, so v keeps just those
-    # (picked from the ranked rows, one sort per step and phase): a full list joined to every
-    # row would be n^2 memory.
-    def at(p: str) -> str:  # the value at sorted position p (b <= p <= b + 2); NULL past n
-        return f"(CASE {p} - v.b WHEN 0 THEN v.v0 WHEN 1 THEN v.v1 ELSE v.v2 END)"
-
-    def rem(j: str) -> str:
-        return f"(CASE WHEN {j} < o.k THEN {at(j)} ELSE {at(f'{j} + 1')} END)"
-
-    con.execute(
-        """CREATE OR REPLACE TEMP TABLE o AS
-           SELECT *, row_number() OVER (PARTITION BY step, name ORDER BY own, rank) AS k FROM own"""
-    )
-    con.execute("DROP TABLE own")
-    con.execute(
-        f"""CREATE OR REPLACE TABLE ex AS
-            WITH g AS (SELECT step, name, count(*) AS n,
-                              -- b >= 1: with n = 2 the positions are 1..3, not 0..2.
-                              greatest((count(*) - 1) // 2, 1) AS b FROM o GROUP BY 1, 2),
-                 v AS (SELECT o.step, o.name, any_value(g.n) AS n, any_value(g.b) AS b,
-                              max(o.own) FILTER (WHERE o.k = g.b) AS v0,
-                              max(o.own) FILTER (WHERE o.k = g.b + 1) AS v1,
-                              max(o.own) FILTER (WHERE o.k = g.b + 2) AS v2
-                       FROM o JOIN g USING (step, name)
-                       WHERE o.k BETWEEN g.b AND g.b + 2 GROUP BY 1, 2)
-            SELECT rank, step, name, own, wait, others, own - others AS excess FROM (
-                SELECT o.rank, o.step, o.name, o.own, o.wait,
-                       CASE WHEN v.n < 2 THEN NULL
-                            WHEN (v.n - 1) % 2 = 1 THEN {rem('v.n // 2')}
-                            ELSE 0.5 * ({rem('(v.n - 1) // 2')} + {rem('(v.n - 1) // 2 + 1')})
-                       END AS others
-                FROM o JOIN v USING (step, name))"""
-    )
-    con.execute("DROP TABLE o")
-
-
-def build_thresholds(con: Any, median_step: float) -> dict[tuple[int, str], float]:
+def build_thresholds(con: Any, median_step: float,
+                     series: Series | None = None) -> dict[tuple[int, str], float]:
     """Flag threshold per (rank, phase): the rank's own noise in its gap to the others.
 
     Noise is the robust sigma of successive differences of the gap (divided by sqrt 2), so
-    a level shift or a window of slow steps does not inflate it; floored.
+    a level shift or a window of slow steps does not inflate it; floored. ``series``: the
+    gap series of table ``ex`` (:func:`_series`) when already read.
     """
-    floor = max(FLOOR_MS, FLOOR_FRAC * median_step)
-    # In SQL (DuckDB's mad() is robust.mad) so a run of many ranks and steps neither moves
-    # every gap list into Python nor inserts the thresholds row by row.
-    con.execute(
-        f"""CREATE OR REPLACE TABLE thr AS
-            SELECT CAST(rank AS INTEGER) AS rank, CAST(name AS VARCHAR) AS name,
-                   greatest(CASE WHEN count(d) >= 2
-                                 THEN {SIGMAS} * ({robust.MAD_SCALE} * mad(d) / sqrt(2.0))
-                                 ELSE 0.0 END, {floor!r}) AS thr
-            FROM (SELECT rank, name,
-                         excess - lag(excess) OVER (PARTITION BY rank, name ORDER BY step) AS d
-                  FROM ex WHERE excess IS NOT NULL)
-            GROUP BY 1, 2"""
-    )
-    thr: dict[tuple[int, str], float] = {
-        (int(r), str(n)): float(t) for r, n, t in con.execute("SELECT * FROM thr").fetchall()
-    }
-    return thr
+    if series is None:
+        steps = [int(s) for (s,) in con.execute("SELECT DISTINCT step FROM ex ORDER BY 1").fetchall()]
+        series = _series(con, steps)
+    return _thresholds(series, median_step)
 
 
 def _confidence(n: int, density: float, ratio: float) -> float:
@@ -495,6 +414,7 @@ def window_excess(gap: list[float], own: list[float], start: int, end: int, leve
 def find_stragglers(
     con: Any, steps: list[int], host_of: dict[int, str], thr: dict[tuple[int, str], float],
     median_step: float = 0.0, contention: list[dict[str, Any]] | None = None,
+    series: Series | None = None,
 ) -> list[dict[str, Any]]:
     """Ranks whose own work in a phase exceeds the other ranks' median over a run of steps.
 
@@ -506,7 +426,7 @@ def find_stragglers(
     steps) and be sustained. A chronic gap is present on every step, so a transient swing
     of the others is no measure of it: it keeps the per-step and impact bars.
     """
-    data = _series(con, steps)
+    data = _series(con, steps) if series is None else series
     runq = runq_by_step(con)
     if not runq:
         return _find(con, steps, host_of, thr, median_step, data)
@@ -627,14 +547,21 @@ def _net_of_runq(data: Series, runq: dict[int, dict[int, float]], steps: list[in
 
 
 def _thresholds(data: Series, median_step: float) -> dict[tuple[int, str], float]:
-    """:func:`build_thresholds`' rule on series built in Python."""
+    """:func:`build_thresholds`' rule, over every series at once (numpy, one sort)."""
     floor = max(FLOOR_MS, FLOOR_FRAC * median_step)
-    out: dict[tuple[int, str], float] = {}
-    for key, (_, gap, _) in data.items():
-        d = [b - a for a, b in itertools.pairwise(gap.tolist())]
-        sig = SIGMAS * robust.MAD_SCALE * robust.mad(d) / math.sqrt(2.0) if len(d) >= 2 else 0.0
-        out[key] = max(sig, floor)
-    return out
+    keys = list(data)
+    if not keys:
+        return {}
+    lens = np.array([len(data[k][1]) for k in keys], dtype=np.int64)
+    gap = np.concatenate([np.asarray(data[k][1], dtype=np.float64) for k in keys])
+    gid = np.repeat(np.arange(len(keys), dtype=np.int64), lens)
+    same = gid[1:] == gid[:-1]  # successive differences within one series only
+    d = (gap[1:] - gap[:-1])[same]
+    dg = gid[1:][same]
+    mad = grouped.mads(dg, d, len(keys))
+    n_d = np.bincount(dg, minlength=len(keys))
+    sig = np.where(n_d >= 2, SIGMAS * (robust.MAD_SCALE * np.nan_to_num(mad) / math.sqrt(2.0)), 0.0)
+    return {k: max(float(v), floor) for k, v in zip(keys, sig.tolist(), strict=True)}
 
 
 def runq_extra(con: Any) -> dict[int, dict[int, float]]:
@@ -1090,10 +1017,12 @@ def attribute(con: Any, hosts: dict[str, list[int]], ranks: list[int], median_st
             al.arrival = GRAD_SYNC if row[1] == DDP_OP else str(row[1])
             al.aligned = True
     build_own(con)
-    thr = build_thresholds(con, median_step)
+    series = _series(con, steps)
+    thr = build_thresholds(con, median_step, series)
     host_of = {r: h for h, rs in hosts.items() for r in rs}
     contention: list[dict[str, Any]] = []
-    stragglers = find_stragglers(con, steps, host_of, thr, median_step, contention)
+    stragglers = find_stragglers(con, steps, host_of, thr, median_step, contention, series)
+    del series
     warmup: dict[str, Any] = {}
     windows = find_windows(con, steps, stragglers, ranks, warmup)
     by_phase: dict[str, list[float]] = {}

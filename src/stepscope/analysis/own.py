@@ -1,0 +1,138 @@
+"""Each rank's own work per phase and step, and the median of the *other* ranks' at that step.
+
+Tables built on the run's connection (after :func:`stepscope.analysis.stragglers.build_waits`
+made ``cw``):
+
+``pw`` (rank, step, path, parent, ms, wait, ncoll, coll_ms): every phase path with the
+       waits and the time of the collectives inside it at any depth.
+``ex`` (rank, step, name, own, wait, others, excess): top-level phases and ``residual``;
+       ``own`` is the phase time less its waits, ``others`` the median own work of the other
+       ranks at that step, ``excess`` the gap.
+
+Shape: hash joins and group-bys only, no window sorts. A collective is credited to its
+phase and each ancestor by expanding its path into its prefixes (one equi-join, instead of a
+prefix-match join). The median of the others per (step, phase) needs only the two or three
+middle order statistics of that cell (taken in numpy, one sort of the column): which one a
+rank gets depends only on whether its own value lies below, at or above them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from stepscope.analysis import grouped
+from stepscope.analysis.stats import RESIDUAL
+
+
+def build_pw(con: Any) -> None:
+    """Table ``pw``: each phase path with the waits, count and time of collectives inside it."""
+    # A collective in 'a/b/c' is inside phases 'a', 'a/b' and 'a/b/c': its path and every
+    # prefix ending before a '/' (exactly the paths p with phase = p or phase LIKE p || '/%').
+    con.execute(
+        """CREATE OR REPLACE TEMP TABLE cin AS
+           SELECT rank, step, anc, sum(wait) AS wait, count(*) AS n, sum(ms) AS ms FROM (
+               SELECT rank, step, wait, ms,
+                      unnest([phase] || list_transform(
+                          list_filter(range(2, length(phase) + 1),
+                                      lambda i: substr(phase, i, 1) = '/'),
+                          lambda i: substr(phase, 1, i - 1))) AS anc
+               FROM cw WHERE phase IS NOT NULL)
+           GROUP BY 1, 2, 3"""
+    )
+    con.execute(
+        """CREATE OR REPLACE TABLE pw AS
+           SELECT p.rank, p.step, p.path, any_value(p.parent) AS parent, any_value(p.ms) AS ms,
+                  CAST(coalesce(sum(c.wait), 0.0) AS DOUBLE) AS wait,
+                  CAST(coalesce(sum(c.n), 0) AS BIGINT) AS ncoll,
+                  CAST(coalesce(sum(c.ms), 0.0) AS DOUBLE) AS coll_ms
+           FROM phases p LEFT JOIN cin c
+             ON c.rank = p.rank AND c.step = p.step AND c.anc = p.path
+           GROUP BY 1, 2, 3"""
+    )
+    con.execute("DROP TABLE cin")
+
+
+def build_own(con: Any) -> None:
+    """Tables ``pw`` (waits inside each phase path) and ``ex`` (own work vs the other ranks).
+
+    ``ex`` (rank, step, name, own, wait, others, excess): top-level phases and residual;
+    ``others`` is the median own work of the *other* ranks at that step, ``excess`` the gap.
+    """
+    build_pw(con)
+    con.execute(
+        f"""CREATE OR REPLACE TEMP TABLE own AS
+            WITH top AS (SELECT rank, step, path AS name, greatest(ms - wait, 0.0) AS own, wait,
+                                ncoll FROM pw WHERE parent IS NULL),
+                 timed AS (SELECT step, name, TRUE AS any_coll FROM top GROUP BY 1, 2
+                           HAVING max(ncoll) > 0)
+            SELECT top.rank, top.step, top.name, top.own, top.wait
+            FROM top LEFT JOIN timed ON timed.step = top.step AND timed.name = top.name
+            -- A rank with no collective timing in a phase where others have some: its
+            -- waits are unknown, so its own work there is not compared.
+            WHERE top.ncoll > 0 OR timed.any_coll IS NULL
+            UNION ALL
+            SELECT s.rank, s.step, '{RESIDUAL}', greatest(s.residual_ms - coalesce(r.w, 0.0), 0.0),
+                   coalesce(r.w, 0.0)
+            FROM steps s LEFT JOIN (SELECT rank, step, sum(wait) AS w FROM cw
+                                    WHERE phase IS NULL GROUP BY 1, 2) r USING (rank, step)"""
+    )
+    _middles(con)
+    # Removing a rank's value from its cell leaves a median that depends only on where that
+    # value lies against the cell's middle values (ties give the same multiset either way).
+    con.execute(
+        """CREATE OR REPLACE TABLE ex AS
+           SELECT rank, step, name, own, wait, others, own - others AS excess FROM (
+               SELECT o.rank, o.step, o.name, o.own, o.wait,
+                      CASE WHEN m.n < 2 THEN NULL
+                           WHEN m.n % 2 = 0 THEN CASE WHEN o.own > m.p THEN m.p ELSE m.q END
+                           WHEN o.own < m.m THEN 0.5 * (m.m + m.q)
+                           WHEN o.own > m.m THEN 0.5 * (m.p + m.m)
+                           ELSE 0.5 * (m.p + m.q)
+                      END AS others
+               FROM own o JOIN mid m USING (step, name))"""
+    )
+    con.execute("DROP TABLE own")
+    con.execute("DROP TABLE mid")
+
+
+def _middles(con: Any) -> None:
+    """Table ``mid`` (step, name, n, p, m, q): per (step, name) cell of ``own`` with n values
+    sorted as S, for even n: p = S[n/2 - 1], q = S[n/2]; for odd n (c = (n - 1) / 2):
+    p = S[c - 1], m = S[c], q = S[c + 1] (NULL where the cell is too small)."""
+    names = [str(n) for (n,) in con.execute("SELECT DISTINCT name FROM own ORDER BY 1").fetchall()]
+    cols = con.execute(
+        "SELECT step, list_position($names, name) - 1 AS nid, own FROM own", {"names": names}
+    ).fetchnumpy()
+    step = np.asarray(cols["step"], dtype=np.int64)
+    nid = np.asarray(cols["nid"], dtype=np.int64)
+    own = np.asarray(cols["own"], dtype=np.float64)
+    del cols
+    ustep, sidx = np.unique(step, return_inverse=True)
+    del step
+    gid = sidx.reshape(-1) * max(len(names), 1) + nid
+    del sidx, nid
+    n_groups = len(ustep) * max(len(names), 1)
+    v, starts, counts = grouped.sort_groups(gid, own, n_groups)
+    del gid, own
+    has = np.flatnonzero(counts > 0)
+    starts, counts = starts[has], counts[has]
+    c = (counts - 1) // 2  # odd n: the middle; even n: the lower middle
+
+    def at(i: Any, ok: Any) -> list[float | None]:
+        vals = v[np.where(ok, starts + i, 0)] if len(v) else np.zeros(len(i))
+        return [float(x) if o else None for x, o in zip(vals.tolist(), ok.tolist(), strict=True)]
+
+    even = counts % 2 == 0
+    p = at(np.where(even, c, c - 1), counts >= 2)
+    m = at(c, ~even & (counts >= 1))
+    q = at(c + 1, counts >= 2)
+    n_names = max(len(names), 1)
+    con.execute("CREATE OR REPLACE TEMP TABLE mid (step BIGINT, name VARCHAR, n BIGINT, "
+                "p DOUBLE, m DOUBLE, q DOUBLE)")
+    con.execute(
+        "INSERT INTO mid SELECT unnest(?::BIGINT[]), unnest(?::VARCHAR[]), unnest(?::BIGINT[]), "
+        "unnest(?::DOUBLE[]), unnest(?::DOUBLE[]), unnest(?::DOUBLE[])",
+        [ustep[has // n_names].tolist(), [names[int(i)] for i in (has % n_names).tolist()],
+         counts.tolist(), p, m, q])
