@@ -67,6 +67,85 @@ def generate(root: Path, ranks: int, steps: int, slow_rank: int) -> float:
     return time.perf_counter() - t0
 
 
+#: Ten phase paths per step (three nested), DDP-shaped: the all-reduce is ``backward/grad_sync``.
+STORE_PHASES = (("dataloader", None, 2.0), ("h2d", None, 1.0), ("forward", None, 6.0),
+                ("attention", "forward", 2.5), ("mlp", "forward", 3.0), ("backward", None, 9.0),
+                ("recompute", "backward", 2.0), ("grad_sync", "backward", 1.0),
+                ("optimizer", None, 3.0), ("clip", "optimizer", 0.5))
+
+
+def write_store(root: Path, ranks: int, steps: int, slow_rank: int, threads: int) -> float:
+    """Write ``root/parquet/records/rank_block=K/*.parquet`` directly (DuckDB ``COPY``), with
+    the columns compaction writes: the same records ``generate`` would put in JSONL, but ten
+    phases per step, without the 11 GB of JSON a 10^8-sample run would take to write and
+    parse. Rank ``slow_rank`` has +8 ms dataloader; the others wait in ``grad_sync``."""
+    import duckdb
+
+    from stepscope.analysis import store as st
+
+    t0 = time.perf_counter()
+    out = root / st.STORE_DIR / st.RECORDS
+    shutil.rmtree(out, ignore_errors=True)
+    con = duckdb.connect()
+    con.execute(f"SET threads = {int(threads)}")
+    con.execute("SET preserve_insertion_order = false")
+    con.execute("SET enable_progress_bar = false")
+    jitter = ", ".join(
+        f"{base} + 0.4 * (random() - 0.5)"
+        + (f" + CASE WHEN rank = {slow_rank} THEN 8.0 ELSE 0.0 END" if name == "dataloader" else "")
+        + (f" + CASE WHEN rank = {slow_rank} THEN 0.0 ELSE 8.0 END" if name == "grad_sync" else "")
+        + f" AS v{i}"
+        for i, (name, _, base) in enumerate(STORE_PHASES))
+    # Offsets: top-level phases one after another; children from their parent's start on.
+    starts: list[str] = []
+    top_at = "0.0"
+    child_at: dict[str, str] = {}
+    idx = {name: i for i, (name, parent, _) in enumerate(STORE_PHASES) if parent is None}
+    for i, (name, parent, _) in enumerate(STORE_PHASES):
+        if parent is None:
+            starts.append(top_at)
+            child_at[name] = top_at
+            top_at = f"({top_at} + v{i})"
+        else:
+            starts.append(child_at[parent])
+            child_at[parent] = f"({child_at[parent]} + v{i})"
+    # A parent lasts at least as long as its children: its time is the children's sum plus its own.
+    ms = [f"v{i}" for i in range(len(STORE_PHASES))]
+    for i, (name, parent, _) in enumerate(STORE_PHASES):
+        if parent is not None:
+            ms[idx[parent]] += f" + v{i}"
+    phases = ", ".join(
+        f"{{'name': '{name}', 'parent': {'NULL' if parent is None else repr(parent)}, "
+        f"'ms': {ms[i]}, 'calls': 1, 'start_ms': {starts[i]}, "
+        f"'end_ms': {starts[i]} + {ms[i]}, "
+        f"'path': '{name if parent is None else parent + '/' + name}', 'host_ms': NULL}}"
+        for i, (name, parent, _) in enumerate(STORE_PHASES))
+    step_ms = " + ".join(ms[i] for i, (_, parent, _) in enumerate(STORE_PHASES) if parent is None)
+    from stepscope.analysis.load import COLUMNS
+
+    given = {
+        "schema": "1", "run_id": "'bench'", "rank": "rank", "world_size": str(ranks),
+        "hostname": "'node-' || (rank // 8)", "step": "step",
+        "start_unix_ns": "1763000000000000000 + step * 40000000", "clock": "'cpu'",
+        "step_ms": "step_ms", "phases": "phases", "residual_ms": "0.3"}
+    select = ", ".join(f"CAST({given.get(c, 'NULL')} AS {t}) AS {c}" for c, t in COLUMNS.items())
+    for block in range(0, (ranks + st.RANK_BLOCK - 1) // st.RANK_BLOCK):
+        lo, hi = block * st.RANK_BLOCK, min(ranks, (block + 1) * st.RANK_BLOCK)
+        dest = out / f"rank_block={block}"
+        dest.mkdir(parents=True, exist_ok=True)
+        con.execute(
+            f"""COPY (
+                WITH g AS (SELECT r.range AS rank, s.range AS step, {jitter}
+                           FROM range({lo}, {hi}) r, range(0, {steps}) s),
+                p AS (SELECT rank, step, [{phases}] AS phases, {step_ms} + 0.3 AS step_ms FROM g)
+                SELECT {select},
+                       'rank' || rank || '.jsonl' AS filename, TRUE AS tagged
+                FROM p) TO '{dest}/part_gen.parquet' (FORMAT parquet)"""
+        )
+    con.close()
+    return time.perf_counter() - t0
+
+
 class _Timed:
     """A DuckDB connection that times each statement (``--profile``)."""
 
@@ -216,8 +295,20 @@ def main() -> int:
                    help="time build_own against the one in BASE_SRC (another checkout's src/)")
     p.add_argument("--reread", metavar="RUN",
                    help="time one re-read of RUN (store kept) with the stepscope on the path")
+    p.add_argument("--write-store", metavar="RANKSxSTEPS",
+                   help="write DIR/RANKSxSTEPS/parquet directly (10 phases per step, no JSONL); "
+                        "time its re-read with --reread DIR/RANKSxSTEPS/parquet")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.write_store:
+        if not args.dir:
+            p.error("--write-store needs --dir")
+        ranks, steps = (int(x) for x in args.write_store.lower().split("x"))
+        secs = write_store(Path(args.dir) / args.write_store, ranks, steps, ranks // 3, args.threads)
+        print(json.dumps({"store": str(Path(args.dir) / args.write_store / "parquet"),
+                          "phase_samples": ranks * steps * len(STORE_PHASES),
+                          "seconds": round(secs, 1)}))
+        return 0
     if args.reread:
         reread(args.reread, args.threads, args.memory_limit)
         return 0

@@ -105,30 +105,27 @@ def _middles(con: Any) -> None:
     cols = con.execute(
         "SELECT step, list_position($names, name) - 1 AS nid, own FROM own", {"names": names}
     ).fetchnumpy()
-    step = np.asarray(cols["step"], dtype=np.int64)
-    nid = np.asarray(cols["nid"], dtype=np.int64)
-    own = np.asarray(cols["own"], dtype=np.float64)
-    del cols
-    ustep, sidx = np.unique(step, return_inverse=True)
-    del step
-    gid = sidx.reshape(-1) * max(len(names), 1) + nid
-    del sidx, nid
-    n_groups = len(ustep) * max(len(names), 1)
-    v, starts, counts = grouped.sort_groups(gid, own, n_groups)
-    del gid, own
+    n_names = max(len(names), 1)
+    ustep = np.asarray([s for (s,) in con.execute("SELECT DISTINCT step FROM own ORDER BY 1").fetchall()],
+                       dtype=np.int64)
+    gid = np.searchsorted(ustep, np.asarray(cols["step"], dtype=np.int64)) * n_names
+    gid += np.asarray(cols["nid"], dtype=np.int64)
+    order, starts, counts = grouped.group_order(gid, len(ustep) * n_names)
+    del gid
+    own = np.asarray(cols["own"], dtype=np.float64)[order]
+    del cols, order
     has = np.flatnonzero(counts > 0)
     starts, counts = starts[has], counts[has]
-    c = (counts - 1) // 2  # odd n: the middle; even n: the lower middle
 
-    def at(i: Any, ok: Any) -> list[float | None]:
-        vals = v[np.where(ok, starts + i, 0)] if len(v) else np.zeros(len(i))
-        return [float(x) if o else None for x, o in zip(vals.tolist(), ok.tolist(), strict=True)]
+    def positions(n: int) -> list[int]:  # p, m, q of the docstring (-1: none)
+        c = (n - 1) // 2  # odd n: the middle; even n: the lower middle
+        if n % 2 == 0:
+            return [c, -1, c + 1]
+        return [c - 1 if n >= 3 else -1, c, c + 1 if n >= 3 else -1]
 
-    even = counts % 2 == 0
-    p = at(np.where(even, c, c - 1), counts >= 2)
-    m = at(c, ~even & (counts >= 1))
-    q = at(c + 1, counts >= 2)
-    n_names = max(len(names), 1)
+    p, m, q = (
+        [None if x != x else float(x) for x in a.tolist()]  # NaN (x != x): none, NULL
+        for a in grouped.order_stats(own, starts, counts, positions))
     con.execute("CREATE OR REPLACE TEMP TABLE mid (step BIGINT, name VARCHAR, n BIGINT, "
                 "p DOUBLE, m DOUBLE, q DOUBLE)")
     con.execute(

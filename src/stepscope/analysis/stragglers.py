@@ -464,10 +464,11 @@ def _series(con: Any, steps: list[int]) -> Series:
         "WHERE excess IS NOT NULL", {"names": names}).fetchnumpy()
     rank_a = np.asarray(cols["rank"], dtype=np.int64)
     nid_a = np.asarray(cols["nid"], dtype=np.int64)
-    order = np.lexsort((np.asarray(cols["step"], dtype=np.int64), nid_a, rank_a))
-    rank_a, nid_a = rank_a[order], nid_a[order]
     pos_a = np.searchsorted(np.asarray(steps, dtype=np.int64),
-                            np.asarray(cols["step"], dtype=np.int64)[order])
+                            np.asarray(cols["step"], dtype=np.int64))
+    # One integer key (rank, phase, step position): a single argsort, not a three-key lexsort.
+    order = np.argsort((rank_a * (len(names) + 1) + nid_a) * (len(steps) + 1) + pos_a)
+    rank_a, nid_a, pos_a = rank_a[order], nid_a[order], pos_a[order]
     ex_a = np.asarray(cols["excess"], dtype=np.float64)[order]
     own_a = np.asarray(cols["own"], dtype=np.float64)[order]
     del cols, order
@@ -547,19 +548,20 @@ def _net_of_runq(data: Series, runq: dict[int, dict[int, float]], steps: list[in
 
 
 def _thresholds(data: Series, median_step: float) -> dict[tuple[int, str], float]:
-    """:func:`build_thresholds`' rule, over every series at once (numpy, one sort)."""
+    """:func:`build_thresholds`' rule, over every series at once (numpy, no per-series loop)."""
     floor = max(FLOOR_MS, FLOOR_FRAC * median_step)
     keys = list(data)
     if not keys:
         return {}
     lens = np.array([len(data[k][1]) for k in keys], dtype=np.int64)
     gap = np.concatenate([np.asarray(data[k][1], dtype=np.float64) for k in keys])
-    gid = np.repeat(np.arange(len(keys), dtype=np.int64), lens)
-    same = gid[1:] == gid[:-1]  # successive differences within one series only
-    d = (gap[1:] - gap[:-1])[same]
-    dg = gid[1:][same]
-    mad = grouped.mads(dg, d, len(keys))
-    n_d = np.bincount(dg, minlength=len(keys))
+    # Successive differences within each series: every difference but those across series.
+    n_d = np.maximum(lens - 1, 0)
+    keep = np.ones(max(len(gap) - 1, 0), dtype=bool)
+    ends = np.cumsum(lens)[:-1] - 1  # last value of each series but the final one
+    keep[ends[(ends >= 0) & (ends < len(keep))]] = False
+    d = (gap[1:] - gap[:-1])[keep]
+    mad = grouped.mads_contiguous(d, grouped.starts_of(n_d), n_d)
     sig = np.where(n_d >= 2, SIGMAS * (robust.MAD_SCALE * np.nan_to_num(mad) / math.sqrt(2.0)), 0.0)
     return {k: max(float(v), floor) for k, v in zip(keys, sig.tolist(), strict=True)}
 
