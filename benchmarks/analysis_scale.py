@@ -111,7 +111,7 @@ def write_store(root: Path, ranks: int, steps: int, slow_rank: int, threads: int
             child_at[parent] = f"({child_at[parent]} + v{i})"
     # A parent lasts at least as long as its children: its time is the children's sum plus its own.
     ms = [f"v{i}" for i in range(len(STORE_PHASES))]
-    for i, (name, parent, _) in enumerate(STORE_PHASES):
+    for i, (_, parent, _) in enumerate(STORE_PHASES):
         if parent is not None:
             ms[idx[parent]] += f" + v{i}"
     phases = ", ".join(

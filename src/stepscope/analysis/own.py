@@ -18,6 +18,7 @@ rank gets depends only on whether its own value lies below, at or above them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -54,11 +55,25 @@ def build_pw(con: Any) -> None:
     con.execute("DROP TABLE cin")
 
 
-def build_own(con: Any) -> None:
+@dataclass
+class OwnColumns:
+    """The rows of ``ex`` with an excess, as numpy columns (row order unspecified):
+    ``nid`` indexes ``names``."""
+
+    names: list[str]
+    rank: Any
+    nid: Any
+    step: Any
+    own: Any
+    excess: Any
+
+
+def build_own(con: Any) -> OwnColumns:
     """Tables ``pw`` (waits inside each phase path) and ``ex`` (own work vs the other ranks).
 
     ``ex`` (rank, step, name, own, wait, others, excess): top-level phases and residual;
     ``others`` is the median own work of the *other* ranks at that step, ``excess`` the gap.
+    Returns ex's rows that have an excess as numpy columns (the gap series' source).
     """
     build_pw(con)
     con.execute(
@@ -78,7 +93,7 @@ def build_own(con: Any) -> None:
             FROM steps s LEFT JOIN (SELECT rank, step, sum(wait) AS w FROM cw
                                     WHERE phase IS NULL GROUP BY 1, 2) r USING (rank, step)"""
     )
-    _middles(con)
+    cols = _middles(con)
     # Removing a rank's value from its cell leaves a median that depends only on where that
     # value lies against the cell's middle values (ties give the same multiset either way).
     con.execute(
@@ -95,27 +110,29 @@ def build_own(con: Any) -> None:
     )
     con.execute("DROP TABLE own")
     con.execute("DROP TABLE mid")
+    return cols
 
 
-def _middles(con: Any) -> None:
+def _middles(con: Any) -> OwnColumns:
     """Table ``mid`` (step, name, n, p, m, q): per (step, name) cell of ``own`` with n values
     sorted as S, for even n: p = S[n/2 - 1], q = S[n/2]; for odd n (c = (n - 1) / 2):
     p = S[c - 1], m = S[c], q = S[c + 1] (NULL where the cell is too small)."""
     names = [str(n) for (n,) in con.execute("SELECT DISTINCT name FROM own ORDER BY 1").fetchall()]
     cols = con.execute(
-        "SELECT step, list_position($names, name) - 1 AS nid, own FROM own", {"names": names}
-    ).fetchnumpy()
+        "SELECT rank, step, list_position($names, name) - 1 AS nid, own FROM own",
+        {"names": names}).fetchnumpy()
     n_names = max(len(names), 1)
     ustep = np.asarray([s for (s,) in con.execute("SELECT DISTINCT step FROM own ORDER BY 1").fetchall()],
                        dtype=np.int64)
-    gid = np.searchsorted(ustep, np.asarray(cols["step"], dtype=np.int64)) * n_names
-    gid += np.asarray(cols["nid"], dtype=np.int64)
-    order, starts, counts = grouped.group_order(gid, len(ustep) * n_names)
-    del gid
-    own = np.asarray(cols["own"], dtype=np.float64)[order]
-    del cols, order
-    has = np.flatnonzero(counts > 0)
-    starts, counts = starts[has], counts[has]
+    step = np.asarray(cols["step"], dtype=np.int64)
+    nid = np.asarray(cols["nid"], dtype=np.int64)
+    own = np.asarray(cols["own"], dtype=np.float64)
+    rank = np.asarray(cols["rank"], dtype=np.int64)
+    del cols
+    gid = np.searchsorted(ustep, step) * n_names + nid
+    order, starts_all, counts_all = grouped.group_order(gid, len(ustep) * n_names)
+    has = np.flatnonzero(counts_all > 0)
+    starts, counts = starts_all[has], counts_all[has]
 
     def positions(n: int) -> list[int]:  # p, m, q of the docstring (-1: none)
         c = (n - 1) // 2  # odd n: the middle; even n: the lower middle
@@ -123,9 +140,10 @@ def _middles(con: Any) -> None:
             return [c, -1, c + 1]
         return [c - 1 if n >= 3 else -1, c, c + 1 if n >= 3 else -1]
 
-    p, m, q = (
-        [None if x != x else float(x) for x in a.tolist()]  # NaN (x != x): none, NULL
-        for a in grouped.order_stats(own, starts, counts, positions))
+    pa, ma, qa = grouped.order_stats(own[order], starts, counts, positions)
+    del order
+    p, m, q = ([None if x != x else float(x) for x in a.tolist()]  # NaN (x != x): NULL
+               for a in (pa, ma, qa))
     con.execute("CREATE OR REPLACE TEMP TABLE mid (step BIGINT, name VARCHAR, n BIGINT, "
                 "p DOUBLE, m DOUBLE, q DOUBLE)")
     con.execute(
@@ -133,3 +151,17 @@ def _middles(con: Any) -> None:
         "unnest(?::DOUBLE[]), unnest(?::DOUBLE[]), unnest(?::DOUBLE[])",
         [ustep[has // n_names].tolist(), [names[int(i)] for i in (has % n_names).tolist()],
          counts.tolist(), p, m, q])
+    # The same rule as ex's SQL, on the columns already here (the gap series need them).
+    cell = np.full(len(counts_all), -1, dtype=np.int64)
+    cell[has] = np.arange(len(has))
+    at = cell[gid]
+    del gid, cell
+    n, pv, mv, qv = counts[at], pa[at], ma[at], qa[at]
+    with np.errstate(invalid="ignore"):
+        others = np.where(
+            n % 2 == 0, np.where(own > pv, pv, qv),
+            np.where(own < mv, 0.5 * (mv + qv),
+                     np.where(own > mv, 0.5 * (pv + mv), 0.5 * (pv + qv))))
+    keep = n >= 2
+    return OwnColumns(names, rank[keep], nid[keep], step[keep], own[keep],
+                      own[keep] - others[keep])

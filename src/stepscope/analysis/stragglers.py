@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from stepscope.analysis import changepoint, grouped
-from stepscope.analysis.own import build_own
+from stepscope.analysis.own import OwnColumns, build_own
 from stepscope.analysis.pipeline import IS_P2P, build_p2p_waits
 from stepscope.analysis.stats import RESIDUAL, phase_order
 from stepscope.common import robust
@@ -451,31 +451,35 @@ def find_stragglers(
 Series = dict[tuple[int, str], tuple[Any, Any, Any]]
 
 
-def _series(con: Any, steps: list[int]) -> Series:
+def _series(con: Any, steps: list[int], cols: OwnColumns | None = None) -> Series:
     """Every (rank, phase) gap series of table ``ex``, in (rank, phase, step) order.
 
     Fixed-dtype columns, not Python rows: each series is a slice (a view) of arrays sorted
-    once in numpy.
+    once in numpy. ``cols``: ex's columns as :func:`build_own` returned them (else read).
     """
-    names = [str(n) for (n,) in con.execute(
-        "SELECT DISTINCT name FROM ex WHERE excess IS NOT NULL ORDER BY 1").fetchall()]
-    cols = con.execute(
-        "SELECT rank, list_position($names, name) AS nid, step, excess, own FROM ex "
-        "WHERE excess IS NOT NULL", {"names": names}).fetchnumpy()
-    rank_a = np.asarray(cols["rank"], dtype=np.int64)
-    nid_a = np.asarray(cols["nid"], dtype=np.int64)
-    pos_a = np.searchsorted(np.asarray(steps, dtype=np.int64),
-                            np.asarray(cols["step"], dtype=np.int64))
+    if cols is None:
+        names = [str(n) for (n,) in con.execute(
+            "SELECT DISTINCT name FROM ex WHERE excess IS NOT NULL ORDER BY 1").fetchall()]
+        got = con.execute(
+            "SELECT rank, list_position($names, name) - 1 AS nid, step, excess, own FROM ex "
+            "WHERE excess IS NOT NULL", {"names": names}).fetchnumpy()
+        cols = OwnColumns(names, *(np.asarray(got[c]) for c in ("rank", "nid", "step", "own",
+                                                                 "excess")))
+        del got
+    names = cols.names
+    rank_a = np.asarray(cols.rank, dtype=np.int64)
+    nid_a = np.asarray(cols.nid, dtype=np.int64)
+    pos_a = np.searchsorted(np.asarray(steps, dtype=np.int64), np.asarray(cols.step, dtype=np.int64))
     # One integer key (rank, phase, step position): a single argsort, not a three-key lexsort.
-    order = np.argsort((rank_a * (len(names) + 1) + nid_a) * (len(steps) + 1) + pos_a)
-    rank_a, nid_a, pos_a = rank_a[order], nid_a[order], pos_a[order]
-    ex_a = np.asarray(cols["excess"], dtype=np.float64)[order]
-    own_a = np.asarray(cols["own"], dtype=np.float64)[order]
-    del cols, order
     key_a = rank_a * (len(names) + 1) + nid_a
+    order = np.argsort(key_a * (len(steps) + 1) + pos_a)
+    rank_a, nid_a, pos_a, key_a = rank_a[order], nid_a[order], pos_a[order], key_a[order]
+    ex_a = np.asarray(cols.excess, dtype=np.float64)[order]
+    own_a = np.asarray(cols.own, dtype=np.float64)[order]
+    del order
     starts = np.flatnonzero(np.r_[True, key_a[1:] != key_a[:-1]]) if len(key_a) else key_a
     bounds = [*starts.tolist(), len(key_a)]
-    return {(int(rank_a[i]), names[int(nid_a[i]) - 1]): (pos_a[i:j], ex_a[i:j], own_a[i:j])
+    return {(int(rank_a[i]), names[int(nid_a[i])]): (pos_a[i:j], ex_a[i:j], own_a[i:j])
             for i, j in itertools.pairwise(bounds)}
 
 
@@ -1018,8 +1022,7 @@ def attribute(con: Any, hosts: dict[str, list[int]], ranks: list[int], median_st
             al.sync_phase = str(row[0]).split("/")[0]
             al.arrival = GRAD_SYNC if row[1] == DDP_OP else str(row[1])
             al.aligned = True
-    build_own(con)
-    series = _series(con, steps)
+    series = _series(con, steps, build_own(con))
     thr = build_thresholds(con, median_step, series)
     host_of = {r: h for h, rs in hosts.items() for r in rs}
     contention: list[dict[str, Any]] = []
