@@ -15,6 +15,8 @@ the re-read, or of the first read with ``--no-store``) and the compaction's own 
 Parquet store is removed first, so ``seconds`` stays a first read).
 
     PYTHONPATH=BASE/src python benchmarks/analysis_scale.py --reread /work/scale-data/512x2000
+    python benchmarks/analysis_scale.py --write-store 4096x2500 --dir /work/scale-data
+    python benchmarks/analysis_scale.py --equivalence BASE/src RUN [RUN ...]
 
 times one re-read of a run whose store is up to date with whichever ``stepscope`` is on the
 path (run it once per build, alternating, to compare builds on the same store).
@@ -257,6 +259,59 @@ def median_of_others(base_src: str, ranks: int = 512, steps: int = 2000, reps: i
     print(json.dumps({"rows": len(rows["this"]), "identical": rows["this"] == rows["base"]}))
 
 
+_DOC = """
+import json, sys
+from stepscope.analysis.run import analyze_run
+doc = analyze_run(sys.argv[1], threads=2, memory_limit="1GB")
+doc["run"].pop("dir", None)
+print(json.dumps(doc, sort_keys=True, default=str))
+"""
+
+
+def _differences(a: Any, b: Any, path: str, out: list[str]) -> None:
+    """Where two report documents differ beyond rounding (1e-6 relative, 1.5e-3 absolute)."""
+    import math
+
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b)):
+            if k not in a or k not in b:
+                out.append(f"{path}/{k}: only in one")
+            else:
+                _differences(a[k], b[k], f"{path}/{k}", out)
+    elif isinstance(a, list) and isinstance(b, list):
+        if len(a) != len(b):
+            out.append(f"{path}: {len(a)} items vs {len(b)}")
+        for i, (x, y) in enumerate(zip(a, b, strict=False)):
+            _differences(x, y, f"{path}[{i}]", out)
+    elif (isinstance(a, float) or isinstance(b, float)) and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in (a, b)):
+        if not math.isclose(float(a), float(b), rel_tol=1e-6, abs_tol=1.5e-3):
+            out.append(f"{path}: {a} vs {b}")
+    elif a != b:
+        out.append(f"{path}: {a!r} vs {b!r}")
+
+
+def equivalence(base_src: str, runs: list[str]) -> int:
+    """The report of each run by this tree and by the one under ``base_src``, each in a fresh
+    process: one JSON line per run saying identical, equal within rounding, or where not."""
+    this = str(Path(__file__).resolve().parents[1] / "src")
+    bad = 0
+    for run in runs:
+        docs = []
+        for src in (this, base_src):
+            env = {**os.environ, "PYTHONPATH": src}
+            out = subprocess.run([sys.executable, "-c", _DOC, run], capture_output=True,
+                                 text=True, env=env, check=True)
+            docs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        diffs: list[str] = []
+        _differences(docs[0], docs[1], "", diffs)
+        bad += bool(diffs)
+        print(json.dumps({"run": run, "identical": docs[0] == docs[1], "within_rounding": not diffs,
+                          "stragglers": len(docs[0]["stragglers"]), "windows": len(docs[0]["windows"]),
+                          "differences": diffs[:10]}), flush=True)
+    return 1 if bad else 0
+
+
 def reread(run_dir: str, threads: int, memory_limit: str) -> None:
     """One ``analyze_run`` of ``run_dir`` in this process: wall, CPU, peak RSS, load."""
     import stepscope
@@ -298,8 +353,14 @@ def main() -> int:
     p.add_argument("--write-store", metavar="RANKSxSTEPS",
                    help="write DIR/RANKSxSTEPS/parquet directly (10 phases per step, no JSONL); "
                         "time its re-read with --reread DIR/RANKSxSTEPS/parquet")
+    p.add_argument("--equivalence", nargs="+", metavar=("BASE_SRC", "RUN"),
+                   help="compare this tree's report of each RUN with BASE_SRC's (fresh processes)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.equivalence:
+        if len(args.equivalence) < 2:
+            p.error("--equivalence needs BASE_SRC and at least one RUN")
+        return equivalence(args.equivalence[0], args.equivalence[1:])
     if args.write_store:
         if not args.dir:
             p.error("--write-store needs --dir")
