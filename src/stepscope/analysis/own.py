@@ -9,6 +9,8 @@ made ``cw``):
        ``own`` is the phase time less its waits, ``others`` the median own work of the other
        ranks at that step, ``excess`` the gap.
 
+:func:`phase_waits` adds each phase's wait and own/work shares to the report from them.
+
 Shape: hash joins and group-bys only, no window sorts. A collective is credited to its
 phase and each ancestor by expanding its path into its prefixes (one equi-join, instead of a
 prefix-match join). The median of the others per (step, phase) needs only the two or three
@@ -165,3 +167,50 @@ def _middles(con: Any) -> OwnColumns:
     keep = n >= 2
     return OwnColumns(names, rank[keep], nid[keep], step[keep], own[keep],
                       own[keep] - others[keep])
+
+
+def phase_waits(con: Any, phases: dict[str, Any]) -> None:
+    """Add ``wait_ms`` (median wait inside, per step), ``own_share`` and ``work_share``.
+
+    ``own_share`` is the phase's share of step time once its waits are taken out;
+    ``work_share`` takes out all collective time inside it (waits and transfers), so a
+    ``dataloader`` that gathers across ranks is judged on its own data time.
+    """
+    total = con.execute("SELECT sum(step_ms) FROM steps").fetchone()[0] or 0.0
+    # Residual work: untimed time minus every collective issued outside a phase (waits and
+    # transfers: a pipeline's send/recv is communication, not host overhead).
+    con.execute(
+        """CREATE OR REPLACE TEMP TABLE rx AS
+           SELECT ex.rank, ex.step, ex.wait, ex.own,
+                  greatest(ex.own + ex.wait - coalesce(c.ms, 0.0), 0.0) AS work
+           FROM ex LEFT JOIN (SELECT rank, step, sum(ms) AS ms FROM cw WHERE phase IS NULL
+                              GROUP BY 1, 2) c USING (rank, step)
+           WHERE ex.name = 'residual'"""
+    )
+    rank_step = dict(con.execute("SELECT rank, sum(step_ms) FROM steps GROUP BY 1").fetchall())
+    rows = con.execute(
+        f"""SELECT path, NULL AS rank, median(wait), sum(ms - wait), bool_and(parent IS NULL),
+                   sum(greatest(ms - coll_ms, 0.0))
+            FROM pw GROUP BY 1
+            UNION ALL SELECT '{RESIDUAL}', NULL, median(wait), sum(own), TRUE, sum(work) FROM rx
+            UNION ALL SELECT path, rank, median(wait), sum(ms - wait), bool_and(parent IS NULL),
+                             sum(greatest(ms - coll_ms, 0.0))
+            FROM pw GROUP BY 1, 2
+            UNION ALL SELECT '{RESIDUAL}', rank, median(wait), sum(own), TRUE, sum(work) FROM rx
+                      GROUP BY 2"""
+    ).fetchall()
+    # Index the per-rank entries once: searching per_rank for each row is ranks^2.
+    per_rank: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for pname, ph in phases.items():
+        for p in ph["per_rank"]:
+            per_rank.setdefault((pname, int(p["rank"])), []).append(p)
+    for path, rank, wmed, own_sum, top, work_sum in rows:
+        ph = phases.get(str(path))
+        if ph is None:
+            continue
+        targets = [ph] if rank is None else per_rank.get((str(path), int(rank)), [])
+        denom = total if rank is None else (rank_step.get(rank) or 0.0)
+        for t in targets:
+            t["wait_ms"] = round(float(wmed or 0.0), 3)
+            t["own_share"] = round(float(own_sum) / denom, 4) if top and denom else None
+            t["work_share"] = round(float(work_sum) / denom, 4) if top and denom else None
