@@ -15,6 +15,8 @@ the re-read, or of the first read with ``--no-store``) and the compaction's own 
 Parquet store is removed first, so ``seconds`` stays a first read).
 
     PYTHONPATH=BASE/src python benchmarks/analysis_scale.py --reread /work/scale-data/512x2000
+    python benchmarks/analysis_scale.py --write-store 4096x2500 --dir /work/scale-data
+    python benchmarks/analysis_scale.py --equivalence BASE/src RUN [RUN ...]
 
 times one re-read of a run whose store is up to date with whichever ``stepscope`` is on the
 path (run it once per build, alternating, to compare builds on the same store).
@@ -64,6 +66,85 @@ def generate(root: Path, ranks: int, steps: int, slow_rank: int) -> float:
                 f'"step_ms": {sum(ms) + 0.3:.4f}, "phases": [{", ".join(parts)}], '
                 f'"residual_ms": 0.3}}\n')
         (root / f"rank{r}.jsonl").write_text("".join(lines))
+    return time.perf_counter() - t0
+
+
+#: Ten phase paths per step (three nested), DDP-shaped: the all-reduce is ``backward/grad_sync``.
+STORE_PHASES = (("dataloader", None, 2.0), ("h2d", None, 1.0), ("forward", None, 6.0),
+                ("attention", "forward", 2.5), ("mlp", "forward", 3.0), ("backward", None, 9.0),
+                ("recompute", "backward", 2.0), ("grad_sync", "backward", 1.0),
+                ("optimizer", None, 3.0), ("clip", "optimizer", 0.5))
+
+
+def write_store(root: Path, ranks: int, steps: int, slow_rank: int, threads: int) -> float:
+    """Write ``root/parquet/records/rank_block=K/*.parquet`` directly (DuckDB ``COPY``), with
+    the columns compaction writes: the same records ``generate`` would put in JSONL, but ten
+    phases per step, without the 11 GB of JSON a 10^8-sample run would take to write and
+    parse. Rank ``slow_rank`` has +8 ms dataloader; the others wait in ``grad_sync``."""
+    import duckdb
+
+    from stepscope.analysis import store as st
+
+    t0 = time.perf_counter()
+    out = root / st.STORE_DIR / st.RECORDS
+    shutil.rmtree(out, ignore_errors=True)
+    con = duckdb.connect()
+    con.execute(f"SET threads = {int(threads)}")
+    con.execute("SET preserve_insertion_order = false")
+    con.execute("SET enable_progress_bar = false")
+    jitter = ", ".join(
+        f"{base} + 0.4 * (random() - 0.5)"
+        + (f" + CASE WHEN rank = {slow_rank} THEN 8.0 ELSE 0.0 END" if name == "dataloader" else "")
+        + (f" + CASE WHEN rank = {slow_rank} THEN 0.0 ELSE 8.0 END" if name == "grad_sync" else "")
+        + f" AS v{i}"
+        for i, (name, _, base) in enumerate(STORE_PHASES))
+    # Offsets: top-level phases one after another; children from their parent's start on.
+    starts: list[str] = []
+    top_at = "0.0"
+    child_at: dict[str, str] = {}
+    idx = {name: i for i, (name, parent, _) in enumerate(STORE_PHASES) if parent is None}
+    for i, (name, parent, _) in enumerate(STORE_PHASES):
+        if parent is None:
+            starts.append(top_at)
+            child_at[name] = top_at
+            top_at = f"({top_at} + v{i})"
+        else:
+            starts.append(child_at[parent])
+            child_at[parent] = f"({child_at[parent]} + v{i})"
+    # A parent lasts at least as long as its children: its time is the children's sum plus its own.
+    ms = [f"v{i}" for i in range(len(STORE_PHASES))]
+    for i, (_, parent, _) in enumerate(STORE_PHASES):
+        if parent is not None:
+            ms[idx[parent]] += f" + v{i}"
+    phases = ", ".join(
+        f"{{'name': '{name}', 'parent': {'NULL' if parent is None else repr(parent)}, "
+        f"'ms': {ms[i]}, 'calls': 1, 'start_ms': {starts[i]}, "
+        f"'end_ms': {starts[i]} + {ms[i]}, "
+        f"'path': '{name if parent is None else parent + '/' + name}', 'host_ms': NULL}}"
+        for i, (name, parent, _) in enumerate(STORE_PHASES))
+    step_ms = " + ".join(ms[i] for i, (_, parent, _) in enumerate(STORE_PHASES) if parent is None)
+    from stepscope.analysis.load import COLUMNS
+
+    given = {
+        "schema": "1", "run_id": "'bench'", "rank": "rank", "world_size": str(ranks),
+        "hostname": "'node-' || (rank // 8)", "step": "step",
+        "start_unix_ns": "1763000000000000000 + step * 40000000", "clock": "'cpu'",
+        "step_ms": "step_ms", "phases": "phases", "residual_ms": "0.3"}
+    select = ", ".join(f"CAST({given.get(c, 'NULL')} AS {t}) AS {c}" for c, t in COLUMNS.items())
+    for block in range(0, (ranks + st.RANK_BLOCK - 1) // st.RANK_BLOCK):
+        lo, hi = block * st.RANK_BLOCK, min(ranks, (block + 1) * st.RANK_BLOCK)
+        dest = out / f"rank_block={block}"
+        dest.mkdir(parents=True, exist_ok=True)
+        con.execute(
+            f"""COPY (
+                WITH g AS (SELECT r.range AS rank, s.range AS step, {jitter}
+                           FROM range({lo}, {hi}) r, range(0, {steps}) s),
+                p AS (SELECT rank, step, [{phases}] AS phases, {step_ms} + 0.3 AS step_ms FROM g)
+                SELECT {select},
+                       'rank' || rank || '.jsonl' AS filename, TRUE AS tagged
+                FROM p) TO '{dest}/part_gen.parquet' (FORMAT parquet)"""
+        )
+    con.close()
     return time.perf_counter() - t0
 
 
@@ -178,6 +259,59 @@ def median_of_others(base_src: str, ranks: int = 512, steps: int = 2000, reps: i
     print(json.dumps({"rows": len(rows["this"]), "identical": rows["this"] == rows["base"]}))
 
 
+_DOC = """
+import json, sys
+from stepscope.analysis.run import analyze_run
+doc = analyze_run(sys.argv[1], threads=2, memory_limit="1GB")
+doc["run"].pop("dir", None)
+print(json.dumps(doc, sort_keys=True, default=str))
+"""
+
+
+def _differences(a: Any, b: Any, path: str, out: list[str]) -> None:
+    """Where two report documents differ beyond rounding (1e-6 relative, 1.5e-3 absolute)."""
+    import math
+
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b)):
+            if k not in a or k not in b:
+                out.append(f"{path}/{k}: only in one")
+            else:
+                _differences(a[k], b[k], f"{path}/{k}", out)
+    elif isinstance(a, list) and isinstance(b, list):
+        if len(a) != len(b):
+            out.append(f"{path}: {len(a)} items vs {len(b)}")
+        for i, (x, y) in enumerate(zip(a, b, strict=False)):
+            _differences(x, y, f"{path}[{i}]", out)
+    elif (isinstance(a, float) or isinstance(b, float)) and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in (a, b)):
+        if not math.isclose(float(a), float(b), rel_tol=1e-6, abs_tol=1.5e-3):
+            out.append(f"{path}: {a} vs {b}")
+    elif a != b:
+        out.append(f"{path}: {a!r} vs {b!r}")
+
+
+def equivalence(base_src: str, runs: list[str]) -> int:
+    """The report of each run by this tree and by the one under ``base_src``, each in a fresh
+    process: one JSON line per run saying identical, equal within rounding, or where not."""
+    this = str(Path(__file__).resolve().parents[1] / "src")
+    bad = 0
+    for run in runs:
+        docs = []
+        for src in (this, base_src):
+            env = {**os.environ, "PYTHONPATH": src}
+            out = subprocess.run([sys.executable, "-c", _DOC, run], capture_output=True,
+                                 text=True, env=env, check=True)
+            docs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        diffs: list[str] = []
+        _differences(docs[0], docs[1], "", diffs)
+        bad += bool(diffs)
+        print(json.dumps({"run": run, "identical": docs[0] == docs[1], "within_rounding": not diffs,
+                          "stragglers": len(docs[0]["stragglers"]), "windows": len(docs[0]["windows"]),
+                          "differences": diffs[:10]}), flush=True)
+    return 1 if bad else 0
+
+
 def reread(run_dir: str, threads: int, memory_limit: str) -> None:
     """One ``analyze_run`` of ``run_dir`` in this process: wall, CPU, peak RSS, load."""
     import stepscope
@@ -216,8 +350,26 @@ def main() -> int:
                    help="time build_own against the one in BASE_SRC (another checkout's src/)")
     p.add_argument("--reread", metavar="RUN",
                    help="time one re-read of RUN (store kept) with the stepscope on the path")
+    p.add_argument("--write-store", metavar="RANKSxSTEPS",
+                   help="write DIR/RANKSxSTEPS/parquet directly (10 phases per step, no JSONL); "
+                        "time its re-read with --reread DIR/RANKSxSTEPS/parquet")
+    p.add_argument("--equivalence", nargs="+", metavar=("BASE_SRC", "RUN"),
+                   help="compare this tree's report of each RUN with BASE_SRC's (fresh processes)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.equivalence:
+        if len(args.equivalence) < 2:
+            p.error("--equivalence needs BASE_SRC and at least one RUN")
+        return equivalence(args.equivalence[0], args.equivalence[1:])
+    if args.write_store:
+        if not args.dir:
+            p.error("--write-store needs --dir")
+        ranks, steps = (int(x) for x in args.write_store.lower().split("x"))
+        secs = write_store(Path(args.dir) / args.write_store, ranks, steps, ranks // 3, args.threads)
+        print(json.dumps({"store": str(Path(args.dir) / args.write_store / "parquet"),
+                          "phase_samples": ranks * steps * len(STORE_PHASES),
+                          "seconds": round(secs, 1)}))
+        return 0
     if args.reread:
         reread(args.reread, args.threads, args.memory_limit)
         return 0

@@ -200,3 +200,98 @@ def test_goodput_days_vectorised_equal_day_by_day() -> None:
     names, idx = goodput._days(arr)
     assert names == sorted(set(names))
     assert [names[i] for i in idx.tolist()] == [goodput._day(n) for n in ns]
+
+
+def test_grouped_order_statistics_match_robust() -> None:
+    # analysis/grouped.py is robust.median / robust.mad over many groups at once: ragged
+    # sizes (0..9, so several matrices), ties from coarse rounding, groups out of order.
+    import random
+
+    import numpy as np
+
+    from stepscope.analysis import grouped
+    from stepscope.common import robust
+
+    rng = random.Random(11)
+    groups: dict[int, list[float]] = {g: [round(rng.gauss(0, 2), rng.choice((0, 1, 3)))
+                                          for _ in range(rng.randrange(10))] for g in range(60)}
+    rows = [(g, v) for g, vs in groups.items() for v in vs]
+    rng.shuffle(rows)
+    gid = np.array([g for g, _ in rows], dtype=np.int64)
+    val = np.array([v for _, v in rows], dtype=np.float64)
+    med = grouped.medians(gid, val, len(groups))
+    order, starts, counts = grouped.group_order(gid, len(groups))
+    mad = grouped.mads_contiguous(val[order], starts, counts)
+    for g, vs in groups.items():
+        if not vs:
+            assert np.isnan(med[g]) and np.isnan(mad[g])
+            continue
+        assert med[g] == robust.median(vs), (g, vs)
+        assert mad[g] == pytest.approx(robust.mad(vs), abs=1e-12), (g, vs)
+    with pytest.raises(ValueError, match="group ids"):
+        grouped.medians(np.array([0, 3]), np.array([1.0, 2.0]), 3)
+
+
+def test_thresholds_vectorised_match_the_per_series_rule() -> None:
+    # The flag threshold over every series at once against the rule written per series
+    # (robust sigma of successive differences / sqrt 2, floored), on ragged series.
+    import itertools
+    import math
+    import random
+
+    import numpy as np
+
+    from stepscope.analysis.stragglers import FLOOR_MS, SIGMAS, _thresholds
+    from stepscope.common import robust
+
+    rng = random.Random(5)
+    data = {}
+    for r in range(40):
+        n = rng.choice((1, 2, 3, 4, 17, 50))
+        gap = [round(rng.gauss(0, rng.choice((0.01, 0.3, 2.0))), 2) for _ in range(n)]
+        data[(r, rng.choice(("forward", "backward")))] = (
+            np.arange(n), np.array(gap), np.zeros(n))
+    got = _thresholds(data, median_step=20.0)
+    floor = max(FLOOR_MS, 0.02 * 20.0)
+    assert set(got) == set(data)
+    for key, (_, gap, _) in data.items():
+        d = [b - a for a, b in itertools.pairwise(gap.tolist())]
+        sig = SIGMAS * robust.MAD_SCALE * robust.mad(d) / math.sqrt(2.0) if len(d) >= 2 else 0.0
+        assert got[key] == pytest.approx(max(sig, floor), rel=1e-12), key
+    assert any(v > floor for v in got.values())  # the noisy series are above the floor
+
+
+def test_waits_credit_each_enclosing_phase_exactly() -> None:
+    # pw: a collective in 'a/b/c' counts in 'a', 'a/b' and 'a/b/c', never in 'a/bc' or 'ab'
+    # (the prefix-expanded join against the prefix-match rule it replaced).
+    import duckdb
+
+    from stepscope.analysis.own import build_pw
+
+    paths = ["a", "a/b", "a/b/c", "a/bc", "ab", "ab/c", "x/y", "a/b/c/d"]
+    colls = ["a/b/c", "a/b/c", "a/bc", "ab/c", "a", "x/y/z", "q", "a/b/c/d"]
+    con = duckdb.connect()
+    try:
+        con.execute("CREATE TABLE phases (rank INTEGER, step BIGINT, path VARCHAR, "
+                    "parent VARCHAR, ms DOUBLE)")
+        con.execute("CREATE TABLE cw (rank INTEGER, step BIGINT, phase VARCHAR, ms DOUBLE, "
+                    "wait DOUBLE)")
+        for rank in range(2):
+            for i, p in enumerate(paths):
+                parent = p.rsplit("/", 1)[0] if "/" in p else None
+                con.execute("INSERT INTO phases VALUES (?, 0, ?, ?, ?)", [rank, p, parent, 10.0 + i])
+            for j, c in enumerate(colls):
+                con.execute("INSERT INTO cw VALUES (?, 0, ?, ?, ?)", [rank, c, 1.0 + j, 0.5 * j + rank])
+            con.execute("INSERT INTO cw VALUES (?, 0, NULL, 7.0, 3.0)", [rank])
+        build_pw(con)
+        got = {(r, p): (w, n, c) for r, p, w, n, c in con.execute(
+            "SELECT rank, path, wait, ncoll, coll_ms FROM pw").fetchall()}
+    finally:
+        con.close()
+    assert len(got) == 2 * len(paths)
+    for rank in range(2):
+        for p in paths:
+            inside = [j for j, c in enumerate(colls) if c == p or c.startswith(p + "/")]
+            want = (sum(0.5 * j + rank for j in inside), len(inside), sum(1.0 + j for j in inside))
+            assert got[(rank, p)] == pytest.approx(want), (rank, p)
+    assert got[(0, "a")][1] == 5 and got[(0, "ab")][1] == 1 and got[(0, "a/bc")][1] == 1

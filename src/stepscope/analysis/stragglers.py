@@ -24,38 +24,80 @@ the chronic straggler's flagged steps, or the window's level over the level outs
 
 Only when a run carries no collective timing at all does the old timeline estimate (arrival
 gaps at the synchronising phase, clocks compared) stand in, and the report says so.
+
+The parts live in their own modules: :mod:`~stepscope.analysis.align` (timeline),
+:mod:`~stepscope.analysis.collwaits` (wait tables, collectives view),
+:mod:`~stepscope.analysis.own` (own work, median of the others, per-phase waits) and
+:mod:`~stepscope.analysis.series` (gap series and their noise); this module searches them
+for stragglers and windows.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from stepscope.analysis import changepoint
-from stepscope.analysis.pipeline import IS_P2P, build_p2p_waits
-from stepscope.analysis.stats import RESIDUAL, phase_order
+from stepscope.analysis.align import Alignment, align
+from stepscope.analysis.collwaits import (
+    DDP_OP,
+    DDP_PG,
+    GRAD_SYNC,
+    WAIT_RULE,
+    _q,
+    build_waits,
+    collectives_section,
+)
+from stepscope.analysis.own import build_own, phase_waits
+from stepscope.analysis.series import (
+    FLOOR_FRAC,
+    FLOOR_MS,
+    SIGMAS,
+    Series,
+    _median_without,
+    _net_of_runq,
+    _series,
+    _thresholds,
+    build_thresholds,
+    runq_by_step,
+    runq_extra,
+)
+from stepscope.analysis.stats import RESIDUAL
 from stepscope.common import robust
-from stepscope.common.waits import sql_wait
 
-#: A phase nested in the sync phase with one of these names times the collective itself;
-#: its start is then the rank's arrival (timeline fallback only).
-_COMM_NAME = re.compile(r"all_?reduce|allgather|reduce_scatter|collective|comm|grad_sync|sync|wait",
-                        re.IGNORECASE)
+#: Names other modules import from here (the module was split; these stay importable).
+__all__ = [
+    "DDP_OP",
+    "DDP_PG",
+    "FLOOR_FRAC",
+    "FLOOR_MS",
+    "GRAD_SYNC",
+    "SIGMAS",
+    "WAIT_RULE",
+    "Alignment",
+    "Attribution",
+    "Series",
+    "_median_without",
+    "_thresholds",
+    "align",
+    "attribute",
+    "build_own",
+    "build_thresholds",
+    "build_waits",
+    "collectives_section",
+    "find_stragglers",
+    "find_windows",
+    "noise_floor",
+    "own_slowdown",
+    "phase_waits",
+    "runq_by_step",
+    "runq_extra",
+    "window_excess",
+]
 
-GRAD_SYNC = "grad_sync"
-DDP_OP = "ddp_allreduce"
-DDP_PG = "ddp"
-
-#: Flag threshold: SIGMAS robust sigmas of the rank's own step-to-step variation, floored so
-#: near-noiseless data does not flag microseconds.
-SIGMAS = robust.SIGMAS
-FLOOR_MS = 0.25
-FLOOR_FRAC = 0.02  # of the median step
 MIN_SEGMENT = 5  # flagged steps needed before a rank is called a straggler
 CHRONIC_COVER = 0.8  # a segment spanning this fraction of analysed steps is chronic
 CHRONIC_DENSITY = 0.5  # flagged share of a segment's span (or of the run) for it to count
@@ -74,155 +116,6 @@ SUSTAINED = 0.75
 WINDOW_SIGMAS = 2.5
 VICTIM_FRACTION = 0.5  # a victim's wait exceeds the culprit's by this share of the excess
 
-#: Bus-bandwidth factors (NCCL-tests convention), by op, for a group of n ranks.
-_BUS_FACTOR: dict[str, Any] = {
-    "all_reduce": lambda n: 2.0 * (n - 1) / n,
-    "allreduce": lambda n: 2.0 * (n - 1) / n,
-    "all_gather": lambda n: (n - 1) / n,
-    "allgather": lambda n: (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n,
-    "all_to_all": lambda n: (n - 1) / n,
-    "alltoall": lambda n: (n - 1) / n,
-    "broadcast": lambda n: 1.0,
-    "reduce": lambda n: 1.0,
-    "send": lambda n: 1.0,
-    "recv": lambda n: 1.0,
-}
-
-WAIT_RULE = ("wait = time in a matched collective minus the shortest time any rank of its group "
-             "spent in it (per step, phase, op, group); own work = phase time minus the waits "
-             "inside it")
-
-
-@dataclass
-class Alignment:
-    """How ranks were put on one timeline and where they synchronise."""
-
-    sync_phase: str | None
-    arrival: str | None  # phase whose start is the arrival at the collective
-    aligned: bool
-    method: str
-    offsets_ms: dict[str, float] = field(default_factory=dict)
-    end_spread_ms: float | None = None
-
-
-def _candidates(con: Any, n_ranks: int) -> list[str]:
-    rows = con.execute(
-        f"""SELECT name FROM phases WHERE parent IS NULL GROUP BY name
-            HAVING count(DISTINCT rank) = {n_ranks}"""
-    ).fetchall()
-    return [r[0] for r in rows]
-
-
-def align(con: Any, hosts: dict[str, list[int]], n_ranks: int, median_step: float) -> Alignment:
-    """Pick the synchronising phase, estimate per-host clock offsets, build table ``st``.
-
-    ``st`` (rank, step, host, t, step_ms) has ``t`` = step start on the aligned timeline.
-    """
-    cands = _candidates(con, n_ranks) if n_ranks > 1 else []
-    multi_host = len(hosts) > 1
-    shared = any(len(rs) > 1 for rs in hosts.values())
-    spreads: dict[str, float] = {}
-    if cands and shared:
-        # Clocks on one host are directly comparable: measure end alignment there only.
-        names = ", ".join("'" + c.replace("'", "''") + "'" for c in cands)
-        for name, spread in con.execute(
-            f"""SELECT name, median(spread) FROM (
-                    SELECT p.name, p.step, s.host, max(s.t0 + p.e) - min(s.t0 + p.e) AS spread
-                    FROM phases p JOIN steps s USING (rank, step)
-                    WHERE p.parent IS NULL AND p.name IN ({names})
-                    GROUP BY 1, 2, 3 HAVING count(*) > 1) GROUP BY 1"""
-        ).fetchall():
-            spreads[name] = float(spread)
-    sync: str | None = None
-    if spreads:
-        best = min(spreads, key=lambda n: spreads[n])
-        sync = best
-        if "backward" in spreads and spreads["backward"] <= 1.5 * spreads[best] + 0.2:
-            sync = "backward"
-        # Scheduling jitter spreads even a real collective's end by a few ms (a rank wakes
-        # late from the wait), so the bar is loose; ranks that never synchronise drift apart
-        # by far more than half a step.
-        tol = max(1.0, 0.5 * median_step)
-        if spreads[sync] > tol:
-            sync = None
-    elif "backward" in cands:
-        # One rank per host: alignment cannot be measured before offsets are known, so
-        # trust the DDP convention that the collective ends backward.
-        sync = "backward"
-
-    offsets: dict[str, float] = {h: 0.0 for h in hosts}
-    method = "single host: start_unix_ns compared directly" if not multi_host else ""
-    if multi_host and sync is not None:
-        rows = con.execute(
-            f"""WITH ends AS (
-                    SELECT s.host, p.step, s.t0 + p.e AS end_t FROM phases p
-                    JOIN steps s USING (rank, step)
-                    WHERE p.name = '{sync}' AND p.parent IS NULL),
-                med AS (SELECT step, median(end_t) AS m FROM ends GROUP BY 1)
-                SELECT host, median(end_t - m) FROM ends JOIN med USING (step) GROUP BY 1"""
-        ).fetchall()
-        offsets = {str(h): float(o) for h, o in rows}
-        method = (f"{len(hosts)} hosts: per-host clock offsets estimated from the common end "
-                  f"of '{sync}' (median over steps)")
-    elif multi_host:
-        method = (f"{len(hosts)} hosts and no synchronising phase: clocks compared as "
-                  "recorded (offsets unknown)")
-    con.execute("CREATE OR REPLACE TABLE hoff (host VARCHAR, off DOUBLE)")
-    if offsets:
-        # One statement: executemany runs one INSERT per host (seconds at 10^3 hosts).
-        con.execute("INSERT INTO hoff SELECT unnest(?::VARCHAR[]), unnest(?::DOUBLE[])",
-                    [list(offsets), list(offsets.values())])
-    con.execute(
-        """CREATE OR REPLACE TABLE st AS
-           SELECT s.rank, s.step, s.host, s.t0 - coalesce(h.off, 0.0) AS t, s.step_ms
-           FROM steps s LEFT JOIN hoff h USING (host)"""
-    )
-    arrival = sync
-    if sync is not None:
-        child = con.execute(
-            f"""SELECT name FROM phases WHERE parent = '{sync}' GROUP BY name
-                HAVING count(DISTINCT rank) = {n_ranks} ORDER BY count(*) DESC"""
-        ).fetchall()
-        for (name,) in child:
-            if _COMM_NAME.search(name):
-                arrival = name
-                break
-    spread = spreads.get(sync) if sync else None
-    return Alignment(sync, arrival, sync is not None, method, offsets, spread)
-
-
-def _timeline_wait(con: Any, al: Alignment) -> None:
-    """Table ``tw`` (rank, step, wait_ms): arrival gaps on the aligned timeline.
-
-    Only a fallback for records without any collective timing (no ``collectives`` section,
-    no ``grad_sync`` phase): it compares clocks across ranks, which the wait rule never does.
-    """
-    if al.sync_phase is None:
-        con.execute(
-            "CREATE OR REPLACE TABLE tw AS SELECT rank, step, CAST(0 AS DOUBLE) AS wait_ms FROM st"
-        )
-        return
-    parent = "p.parent IS NULL" if al.arrival == al.sync_phase else f"p.parent = '{al.sync_phase}'"
-    con.execute(
-        f"""CREATE OR REPLACE TABLE arr AS
-            SELECT st.rank, st.step, st.t + p.s AS a, p.e - p.s AS dur
-            FROM st JOIN phases p USING (rank, step)
-            WHERE p.name = '{al.arrival}' AND {parent}"""
-    )
-    con.execute(
-        """CREATE OR REPLACE TABLE tw AS
-           WITH last AS (SELECT step, max(a) AS l FROM arr GROUP BY 1)
-           SELECT st.rank, st.step,
-                  CAST(coalesce(least(greatest(last.l - arr.a, 0.0), greatest(arr.dur, 0.0)), 0.0) AS DOUBLE)
-                      AS wait_ms
-           FROM st LEFT JOIN arr USING (rank, step) LEFT JOIN last USING (step)"""
-    )
-    con.execute("DROP TABLE arr")
-
-
-
-
 @dataclass
 class Attribution:
     """Everything the wait/straggler analysis adds to the report."""
@@ -237,217 +130,6 @@ class Attribution:
     warmup: dict[str, Any] | None = None
     #: Would-be stragglers explained by the rank's extra run-queue wait (host contention).
     contention: list[dict[str, Any]] = field(default_factory=list)
-
-
-def _q(s: str) -> str:
-    return "'" + s.replace("'", "''") + "'"
-
-
-def build_waits(con: Any, n_ranks: int, al: Alignment,
-                info: list[str] | None = None) -> tuple[str, list[str]]:
-    """Tables ``cw`` (one row per rank, step, phase, op, pg with its ``wait``) and ``wait``.
-
-    ``wait`` (rank, step, wait_ms) is each rank's total wait per step. Returns the wait
-    source and notes on partitions that could not be matched.
-    """
-    con.execute(
-        f"""CREATE OR REPLACE TABLE call AS
-            SELECT rank, step, phase, op, pg, max(pg_size) AS pg_size, sum(count) AS count,
-                   sum(bytes) AS bytes, sum(ms) AS ms, min(seq_first) AS seq_first,
-                   max(seq_last) AS seq_last
-            FROM (SELECT rank, step, phase, op, pg, coalesce(pg_size, {n_ranks}) AS pg_size,
-                         count, bytes, ms, seq_first, seq_last FROM colls
-                  UNION ALL
-                  SELECT rank, step, parent, '{DDP_OP}', '{DDP_PG}', {n_ranks}, calls, NULL, ms,
-                         NULL, NULL FROM phases WHERE name = '{GRAD_SYNC}')
-            GROUP BY 1, 2, 3, 4, 5"""
-    )
-    notes: list[str] = []
-    n_calls, n_coll = con.execute(
-        f"SELECT count(*), count(*) FILTER (WHERE op <> '{DDP_OP}') FROM call").fetchone()
-    # A group is expected on as many ranks as its size, capped by the ranks that ever
-    # recorded it (a rank file or a rank's collective timing may be missing).
-    con.execute(
-        """CREATE OR REPLACE TABLE cexp AS
-           SELECT pg, least(max(pg_size), count(DISTINCT rank)) AS n, max(pg_size) AS size,
-                  count(DISTINCT rank) AS seen FROM call GROUP BY 1"""
-    )
-    for pg, size, seen in con.execute(
-        "SELECT pg, size, seen FROM cexp WHERE seen < size ORDER BY 1").fetchall():
-        if pg == DDP_PG and seen == n_ranks:
-            continue
-        notes.append(
-            f"collectives of group {pg!r} (size {size}) recorded on {seen} rank(s) only: waits "
-            "are computed among those (under-stated if a missing rank was the late one)")
-    part = "step, coalesce(phase, ''), op, pg"
-    con.execute(
-        f"""CREATE OR REPLACE TABLE cm AS
-            SELECT c.*, count(*) OVER w = e.n AND min(c.count) OVER w = max(c.count) OVER w
-                        AS matched,
-                   min(c.seq_first) OVER w IS DISTINCT FROM max(c.seq_first) OVER w AS seq_shift
-            FROM call c JOIN cexp e USING (pg) WHERE NOT c.{IS_P2P}
-            WINDOW w AS (PARTITION BY {part})"""
-    )
-    build_p2p_waits(con)  # point-to-point links: their two ends, not the group
-    con.execute(
-        f"""CREATE OR REPLACE TABLE cw AS
-            SELECT *, {sql_wait('ms', part)} AS wait FROM cm WHERE matched
-            UNION ALL SELECT *, CAST(0.0 AS DOUBLE) AS wait FROM cm WHERE NOT matched
-            UNION ALL BY NAME SELECT * FROM p2pw"""
-    )
-    con.execute("DROP TABLE p2pw")
-    con.execute("DROP TABLE cm")
-    bad = con.execute(
-        """SELECT count(*), count(DISTINCT step), string_agg(DISTINCT op || '@' || pg, ', ')
-            FROM (SELECT DISTINCT step, phase, op, pg FROM cw WHERE NOT matched)"""
-    ).fetchone()
-    if bad[0]:
-        notes.append(
-            f"{bad[0]} collective group(s) on {bad[1]} step(s) ({bad[2]}) were not recorded on "
-            "every rank of their group or with different call counts (a rank skipped or added "
-            "a call): their time is not counted as waiting")
-    shifted = con.execute("SELECT count(DISTINCT step) FROM cw WHERE matched AND seq_shift").fetchone()[0]
-    if shifted:
-        notes.append(
-            f"collective sequence numbers differ across ranks on {shifted} step(s) (a rank "
-            "issued extra or fewer calls earlier); calls were matched by step and phase")
-    source = "collectives" if n_coll else "grad_sync" if n_calls else "none"
-    if info is None:
-        info = []
-    n_gs, n_bw = con.execute(
-        f"""SELECT count(*) FILTER (WHERE op = '{DDP_OP}'),
-                   count(*) FILTER (WHERE phase = 'backward' OR starts_with(phase, 'backward/'))
-            FROM call"""
-    ).fetchone()
-    if n_calls and not n_gs and not n_bw and n_ranks > 1 and al.sync_phase == "backward":
-        # Collectives recorded elsewhere, but none in backward and no grad_sync phase
-        # (e.g. Lightning's callback): DDP's all-reduce still ends backward, unseen. Its
-        # wait comes from arrival gaps on the aligned timeline, as for records without
-        # collective timing.
-        _timeline_wait(con, al)
-        con.execute(
-            f"""INSERT INTO cw (rank, step, phase, op, pg, pg_size, count, ms, matched,
-                                seq_shift, wait)
-                SELECT rank, step, 'backward', 'arrival_gap', 'timeline', {n_ranks}, 1,
-                       wait_ms, TRUE, FALSE, wait_ms FROM tw"""
-        )
-        con.execute("DROP TABLE tw")
-        source = "collectives+timeline"
-        info.append("no grad_sync phase: DDP's all-reduce wait in backward is estimated from "
-                    "arrival gaps on the aligned timeline (clocks compared across ranks)")
-    if not n_calls and n_ranks > 1 and al.sync_phase is not None:
-        # No collective timing at all: fall back to arrival gaps on the aligned timeline.
-        _timeline_wait(con, al)
-        con.execute(
-            f"""INSERT INTO cw (rank, step, phase, op, pg, pg_size, count, ms, matched,
-                                seq_shift, wait)
-                SELECT rank, step, {_q(al.sync_phase)}, 'arrival_gap', 'timeline', {n_ranks}, 1,
-                       wait_ms, TRUE, FALSE, wait_ms FROM tw"""
-        )
-        con.execute("DROP TABLE tw")
-        source = "timeline"
-    con.execute(
-        """CREATE OR REPLACE TABLE wait AS
-           SELECT s.rank, s.step, CAST(coalesce(sum(c.wait), 0.0) AS DOUBLE) AS wait_ms
-           FROM steps s LEFT JOIN cw c USING (rank, step) GROUP BY 1, 2"""
-    )
-    return source, notes
-
-
-def build_own(con: Any) -> None:
-    """Tables ``pw`` (waits inside each phase path) and ``ex`` (own work vs the other ranks).
-
-    ``ex`` (rank, step, name, own, wait, others, excess): top-level phases and residual;
-    ``others`` is the median own work of the *other* ranks at that step, ``excess`` the gap.
-    """
-    con.execute(
-        """CREATE OR REPLACE TABLE pw AS
-           SELECT p.rank, p.step, p.path, any_value(p.parent) AS parent, any_value(p.ms) AS ms,
-                  CAST(coalesce(sum(c.wait), 0.0) AS DOUBLE) AS wait, count(c.rank) AS ncoll,
-                  CAST(coalesce(sum(c.ms), 0.0) AS DOUBLE) AS coll_ms
-           FROM phases p LEFT JOIN cw c
-             ON c.rank = p.rank AND c.step = p.step
-            AND (c.phase = p.path OR starts_with(c.phase, p.path || '/'))
-           GROUP BY 1, 2, 3"""
-    )
-    con.execute(
-        f"""CREATE OR REPLACE TABLE own AS
-            SELECT rank, step, name, own, wait FROM (
-                SELECT rank, step, path AS name, greatest(ms - wait, 0.0) AS own, wait, ncoll,
-                       max(ncoll) OVER (PARTITION BY step, path) AS any_coll
-                FROM pw WHERE parent IS NULL)
-            -- A rank with no collective timing in a phase where others have some: its
-            -- waits are unknown, so its own work there is not compared.
-            WHERE NOT (ncoll = 0 AND any_coll > 0)
-            UNION ALL
-            SELECT s.rank, s.step, '{RESIDUAL}', greatest(s.residual_ms - coalesce(r.w, 0.0), 0.0),
-                   coalesce(r.w, 0.0)
-            FROM steps s LEFT JOIN (SELECT rank, step, sum(wait) AS w FROM cw
-                                    WHERE phase IS NULL GROUP BY 1, 2) r USING (rank, step)"""
-    )
-
-    # Median of the other ranks without an n^2 self-join: drop this rank's position k from
-    # the step's sorted values and take the middle of what remains. Only the three values at
-    # sorted positions b..b+2 (b = max((n-1)//2, 1)) can be that middle, so v keeps just those
-    # (picked from the ranked rows, one sort per step and phase): a full list joined to every
-    # row would be n^2 memory.
-    def at(p: str) -> str:  # the value at sorted position p (b <= p <= b + 2); NULL past n
-        return f"(CASE {p} - v.b WHEN 0 THEN v.v0 WHEN 1 THEN v.v1 ELSE v.v2 END)"
-
-    def rem(j: str) -> str:
-        return f"(CASE WHEN {j} < o.k THEN {at(j)} ELSE {at(f'{j} + 1')} END)"
-
-    con.execute(
-        """CREATE OR REPLACE TEMP TABLE o AS
-           SELECT *, row_number() OVER (PARTITION BY step, name ORDER BY own, rank) AS k FROM own"""
-    )
-    con.execute("DROP TABLE own")
-    con.execute(
-        f"""CREATE OR REPLACE TABLE ex AS
-            WITH g AS (SELECT step, name, count(*) AS n,
-                              -- b >= 1: with n = 2 the positions are 1..3, not 0..2.
-                              greatest((count(*) - 1) // 2, 1) AS b FROM o GROUP BY 1, 2),
-                 v AS (SELECT o.step, o.name, any_value(g.n) AS n, any_value(g.b) AS b,
-                              max(o.own) FILTER (WHERE o.k = g.b) AS v0,
-                              max(o.own) FILTER (WHERE o.k = g.b + 1) AS v1,
-                              max(o.own) FILTER (WHERE o.k = g.b + 2) AS v2
-                       FROM o JOIN g USING (step, name)
-                       WHERE o.k BETWEEN g.b AND g.b + 2 GROUP BY 1, 2)
-            SELECT rank, step, name, own, wait, others, own - others AS excess FROM (
-                SELECT o.rank, o.step, o.name, o.own, o.wait,
-                       CASE WHEN v.n < 2 THEN NULL
-                            WHEN (v.n - 1) % 2 = 1 THEN {rem('v.n // 2')}
-                            ELSE 0.5 * ({rem('(v.n - 1) // 2')} + {rem('(v.n - 1) // 2 + 1')})
-                       END AS others
-                FROM o JOIN v USING (step, name))"""
-    )
-    con.execute("DROP TABLE o")
-
-
-def build_thresholds(con: Any, median_step: float) -> dict[tuple[int, str], float]:
-    """Flag threshold per (rank, phase): the rank's own noise in its gap to the others.
-
-    Noise is the robust sigma of successive differences of the gap (divided by sqrt 2), so
-    a level shift or a window of slow steps does not inflate it; floored.
-    """
-    floor = max(FLOOR_MS, FLOOR_FRAC * median_step)
-    # In SQL (DuckDB's mad() is robust.mad) so a run of many ranks and steps neither moves
-    # every gap list into Python nor inserts the thresholds row by row.
-    con.execute(
-        f"""CREATE OR REPLACE TABLE thr AS
-            SELECT CAST(rank AS INTEGER) AS rank, CAST(name AS VARCHAR) AS name,
-                   greatest(CASE WHEN count(d) >= 2
-                                 THEN {SIGMAS} * ({robust.MAD_SCALE} * mad(d) / sqrt(2.0))
-                                 ELSE 0.0 END, {floor!r}) AS thr
-            FROM (SELECT rank, name,
-                         excess - lag(excess) OVER (PARTITION BY rank, name ORDER BY step) AS d
-                  FROM ex WHERE excess IS NOT NULL)
-            GROUP BY 1, 2"""
-    )
-    thr: dict[tuple[int, str], float] = {
-        (int(r), str(n)): float(t) for r, n, t in con.execute("SELECT * FROM thr").fetchall()
-    }
-    return thr
 
 
 def _confidence(n: int, density: float, ratio: float) -> float:
@@ -495,6 +177,7 @@ def window_excess(gap: list[float], own: list[float], start: int, end: int, leve
 def find_stragglers(
     con: Any, steps: list[int], host_of: dict[int, str], thr: dict[tuple[int, str], float],
     median_step: float = 0.0, contention: list[dict[str, Any]] | None = None,
+    series: Series | None = None,
 ) -> list[dict[str, Any]]:
     """Ranks whose own work in a phase exceeds the other ranks' median over a run of steps.
 
@@ -506,7 +189,7 @@ def find_stragglers(
     steps) and be sustained. A chronic gap is present on every step, so a transient swing
     of the others is no measure of it: it keeps the per-step and impact bars.
     """
-    data = _series(con, steps)
+    data = _series(con, steps) if series is None else series
     runq = runq_by_step(con)
     if not runq:
         return _find(con, steps, host_of, thr, median_step, data)
@@ -525,152 +208,6 @@ def find_stragglers(
                 continue
             contention.append(_contention(con, s, extra))
     return found
-
-
-#: One (rank, phase) series: step positions, gap to the other ranks, own work (numpy arrays).
-Series = dict[tuple[int, str], tuple[Any, Any, Any]]
-
-
-def _series(con: Any, steps: list[int]) -> Series:
-    """Every (rank, phase) gap series of table ``ex``, in (rank, phase, step) order.
-
-    Fixed-dtype columns, not Python rows: each series is a slice (a view) of arrays sorted
-    once in numpy.
-    """
-    names = [str(n) for (n,) in con.execute(
-        "SELECT DISTINCT name FROM ex WHERE excess IS NOT NULL ORDER BY 1").fetchall()]
-    cols = con.execute(
-        "SELECT rank, list_position($names, name) AS nid, step, excess, own FROM ex "
-        "WHERE excess IS NOT NULL", {"names": names}).fetchnumpy()
-    rank_a = np.asarray(cols["rank"], dtype=np.int64)
-    nid_a = np.asarray(cols["nid"], dtype=np.int64)
-    order = np.lexsort((np.asarray(cols["step"], dtype=np.int64), nid_a, rank_a))
-    rank_a, nid_a = rank_a[order], nid_a[order]
-    pos_a = np.searchsorted(np.asarray(steps, dtype=np.int64),
-                            np.asarray(cols["step"], dtype=np.int64)[order])
-    ex_a = np.asarray(cols["excess"], dtype=np.float64)[order]
-    own_a = np.asarray(cols["own"], dtype=np.float64)[order]
-    del cols, order
-    key_a = rank_a * (len(names) + 1) + nid_a
-    starts = np.flatnonzero(np.r_[True, key_a[1:] != key_a[:-1]]) if len(key_a) else key_a
-    bounds = [*starts.tolist(), len(key_a)]
-    return {(int(rank_a[i]), names[int(nid_a[i]) - 1]): (pos_a[i:j], ex_a[i:j], own_a[i:j])
-            for i, j in itertools.pairwise(bounds)}
-
-
-def runq_by_step(con: Any) -> dict[int, dict[int, float]]:
-    """``{rank: {step: run-queue wait ms}}`` from ``res.runq_ms``; empty when not recorded."""
-    has = con.execute(
-        """SELECT count(*) FROM information_schema.columns
-           WHERE table_name = 'res' AND column_name = 'runq_ms'""").fetchone()[0]
-    out: dict[int, dict[int, float]] = {}
-    if not has:
-        return out
-    for rank, step, ms in con.execute(
-        "SELECT rank, step, runq_ms FROM res WHERE runq_ms IS NOT NULL AND isfinite(runq_ms) AND runq_ms >= 0"
-    ).fetchall():
-        out.setdefault(int(rank), {})[int(step)] = float(ms)
-    return out if len(out) > 1 else {}
-
-
-def _net_of_runq(data: Series, runq: dict[int, dict[int, float]], steps: list[int]) -> Series:
-    """Gap series and own-work series with each rank's run-queue wait taken out.
-
-    A step's wait is split over the rank's phases by weight own × max(1, own / the rank's
-    median own in that phase): preemption falls on the time the thread ran, and most on
-    a phase that ran long (one long preemption lands in one phase). Each phase keeps at
-    least nothing (never negative).
-    """
-    rows = [(r, name, steps[int(i)], o) for (r, name), (pos, _, own) in data.items()
-            for i, o in zip(pos.tolist(), own.tolist(), strict=True)]
-    base: dict[tuple[int, str], float] = {}
-    per_key: dict[tuple[int, str], list[float]] = {}
-    for rank, name, _, own in rows:
-        per_key.setdefault((rank, name), []).append(max(own, 0.0))
-    for key, xs in per_key.items():
-        base[key] = robust.median(xs)
-    weight: dict[tuple[int, int], float] = {}
-
-    def w_of(r: int, name: str, o: float) -> float:
-        b = base[(r, name)]
-        return o * max(1.0, o / b) if b > 1e-9 else o
-
-    for rank, name, step, own in rows:
-        weight[(rank, step)] = weight.get((rank, step), 0.0) + w_of(rank, name, max(own, 0.0))
-    net: dict[tuple[int, str], dict[int, float]] = {}
-    by_cell: dict[tuple[int, str], list[tuple[float, int]]] = {}
-    for rank, name, step, own in rows:
-        o = max(own, 0.0)
-        tw = weight[(rank, step)]
-        q = runq.get(rank, {}).get(step, 0.0)
-        v = max(0.0, o - q * w_of(rank, name, o) / tw) if tw > 0 else o
-        net.setdefault((rank, name), {})[step] = v
-        by_cell.setdefault((step, name), []).append((v, rank))
-    others: dict[tuple[int, int, str], float] = {}
-    for (st, name), vals in by_cell.items():
-        if len(vals) < 2:
-            continue
-        vals.sort()
-        xs = [v for v, _ in vals]
-        for k, (_, r) in enumerate(vals):
-            others[(r, st, name)] = _median_without(xs, k)
-    pos_of = {s: i for i, s in enumerate(steps)}
-    out: Series = {}
-    for (r, name), per in net.items():
-        pts = [(pos_of[st], per[st] - others[(r, st, name)], per[st])
-               for st in sorted(per, key=lambda x: pos_of[x]) if (r, st, name) in others]
-        if pts:
-            out[(r, name)] = (np.array([p for p, _, _ in pts], dtype=np.int64),
-                              np.array([g for _, g, _ in pts], dtype=np.float64),
-                              np.array([o for _, _, o in pts], dtype=np.float64))
-    return out
-
-
-def _thresholds(data: Series, median_step: float) -> dict[tuple[int, str], float]:
-    """:func:`build_thresholds`' rule on series built in Python."""
-    floor = max(FLOOR_MS, FLOOR_FRAC * median_step)
-    out: dict[tuple[int, str], float] = {}
-    for key, (_, gap, _) in data.items():
-        d = [b - a for a, b in itertools.pairwise(gap.tolist())]
-        sig = SIGMAS * robust.MAD_SCALE * robust.mad(d) / math.sqrt(2.0) if len(d) >= 2 else 0.0
-        out[key] = max(sig, floor)
-    return out
-
-
-def runq_extra(con: Any) -> dict[int, dict[int, float]]:
-    """Each rank's run-queue wait per step (``res.runq_ms``) minus the other ranks' median at
-    that step: ``{rank: {step: ms}}``; empty when the runs carry none (a GPU run, records
-    from before :mod:`stepscope.instrument.sched`)."""
-    has = con.execute(
-        """SELECT count(*) FROM information_schema.columns
-           WHERE table_name = 'res' AND column_name = 'runq_ms'""").fetchone()[0]
-    if not has:
-        return {}
-    by_step: dict[int, list[tuple[float, int]]] = {}
-    for step, rank, ms in con.execute(
-        "SELECT step, rank, runq_ms FROM res WHERE runq_ms IS NOT NULL AND isfinite(runq_ms)"
-    ).fetchall():
-        by_step.setdefault(int(step), []).append((float(ms), int(rank)))
-    out: dict[int, dict[int, float]] = {}
-    for step, vals in by_step.items():
-        n = len(vals)
-        if n < 2:
-            continue
-        vals.sort()
-        xs = [v for v, _ in vals]
-        for k, (ms, rank) in enumerate(vals):
-            out.setdefault(rank, {})[step] = ms - _median_without(xs, k)
-    return out
-
-
-def _median_without(xs: list[float], k: int) -> float:
-    """Median of sorted ``xs`` with position ``k`` left out (the other ranks'), in O(1)."""
-    m = len(xs) - 1
-
-    def at(j: int) -> float:
-        return xs[j if j < k else j + 1]
-
-    return at(m // 2) if m % 2 else 0.5 * (at(m // 2 - 1) + at(m // 2))
 
 
 def _contention(con: Any, s: dict[str, Any], extra: dict[int, dict[int, float]]) -> dict[str, Any]:
@@ -988,100 +525,6 @@ def _window_phase(con: Any, first: int, last: int) -> str:
     return str(row[0]) if row else "step"
 
 
-def _bus_factor(op: str, n: int) -> float | None:
-    if n < 1:
-        return None
-    for key, f in _BUS_FACTOR.items():
-        if op == key or op.startswith(key + "_"):
-            return float(f(n))
-    return 2.0 * (n - 1) / n if op == DDP_OP else None
-
-
-def collectives_section(con: Any, source: str, notes: list[str]) -> dict[str, Any]:
-    """The report's ``collectives`` view: per op and process group, per step and rank.
-
-    ``bus_gbps`` follows NCCL-tests (algorithm bandwidth = bytes / transfer time, times
-    2(n-1)/n for all-reduce, (n-1)/n for all-gather, reduce-scatter and all-to-all), with
-    ``bytes`` the full buffer of a call as recorded and the transfer time the part not spent
-    waiting (time in the collective minus wait). None where bytes are unknown (DDP's
-    all-reduce) or nothing was matched.
-    """
-    n_steps = con.execute("SELECT count(DISTINCT step) FROM steps").fetchone()[0] or 1
-    ops: list[dict[str, Any]] = []
-    for (op, pg, size, ranks, calls, nbytes, ms, wait, phases, m_bytes, m_xfer,
-         matched) in con.execute(
-        """SELECT op, pg, max(pg_size), count(DISTINCT rank), sum(count), sum(bytes), sum(ms),
-                  sum(wait), list(DISTINCT coalesce(phase, 'residual')),
-                  sum(bytes) FILTER (WHERE matched), sum(ms - wait) FILTER (WHERE matched),
-                  sum(count) FILTER (WHERE matched)
-           FROM cw WHERE pg <> 'timeline' GROUP BY 1, 2 ORDER BY sum(ms) DESC"""
-    ).fetchall():
-        per = float(ranks * n_steps)
-        bus = None
-        factor = _bus_factor(str(op), int(size or 0))
-        if factor is not None and m_bytes and m_xfer and m_xfer > 0:
-            bus = round(factor * float(m_bytes) / float(m_xfer) / 1e6, 3)
-        ops.append({
-            "op": op, "pg": pg, "pg_size": int(size or 0), "ranks": int(ranks),
-            "phases": phase_order(list(phases)),
-            "calls_per_step": round(float(calls) / per, 3),
-            "bytes_per_step": None if nbytes is None else round(float(nbytes) / per, 1),
-            "ms_per_step": round(float(ms) / per, 3),
-            "wait_ms_per_step": round(float(wait) / per, 3),
-            "wait_share": round(float(wait) / float(ms), 4) if ms else 0.0,
-            "matched_share": round(float(matched or 0) / float(calls), 4) if calls else 0.0,
-            "bus_gbps": bus,
-        })
-    return {"source": source, "wait_rule": WAIT_RULE, "ops": ops, "notes": list(notes)}
-
-
-def phase_waits(con: Any, phases: dict[str, Any]) -> None:
-    """Add ``wait_ms`` (median wait inside, per step), ``own_share`` and ``work_share``.
-
-    ``own_share`` is the phase's share of step time once its waits are taken out;
-    ``work_share`` takes out all collective time inside it (waits and transfers), so a
-    ``dataloader`` that gathers across ranks is judged on its own data time.
-    """
-    total = con.execute("SELECT sum(step_ms) FROM steps").fetchone()[0] or 0.0
-    # Residual work: untimed time minus every collective issued outside a phase (waits and
-    # transfers: a pipeline's send/recv is communication, not host overhead).
-    con.execute(
-        """CREATE OR REPLACE TEMP TABLE rx AS
-           SELECT ex.rank, ex.step, ex.wait, ex.own,
-                  greatest(ex.own + ex.wait - coalesce(c.ms, 0.0), 0.0) AS work
-           FROM ex LEFT JOIN (SELECT rank, step, sum(ms) AS ms FROM cw WHERE phase IS NULL
-                              GROUP BY 1, 2) c USING (rank, step)
-           WHERE ex.name = 'residual'"""
-    )
-    rank_step = dict(con.execute("SELECT rank, sum(step_ms) FROM steps GROUP BY 1").fetchall())
-    rows = con.execute(
-        f"""SELECT path, NULL AS rank, median(wait), sum(ms - wait), bool_and(parent IS NULL),
-                   sum(greatest(ms - coll_ms, 0.0))
-            FROM pw GROUP BY 1
-            UNION ALL SELECT '{RESIDUAL}', NULL, median(wait), sum(own), TRUE, sum(work) FROM rx
-            UNION ALL SELECT path, rank, median(wait), sum(ms - wait), bool_and(parent IS NULL),
-                             sum(greatest(ms - coll_ms, 0.0))
-            FROM pw GROUP BY 1, 2
-            UNION ALL SELECT '{RESIDUAL}', rank, median(wait), sum(own), TRUE, sum(work) FROM rx
-                      GROUP BY 2"""
-    ).fetchall()
-    # Index the per-rank entries once: searching per_rank for each row is ranks^2.
-    per_rank: dict[tuple[str, int], list[dict[str, Any]]] = {}
-    for pname, ph in phases.items():
-        for p in ph["per_rank"]:
-            per_rank.setdefault((pname, int(p["rank"])), []).append(p)
-    for path, rank, wmed, own_sum, top, work_sum in rows:
-        ph = phases.get(str(path))
-        if ph is None:
-            continue
-        targets = [ph] if rank is None else per_rank.get((str(path), int(rank)), [])
-        denom = total if rank is None else (rank_step.get(rank) or 0.0)
-        for t in targets:
-            t["wait_ms"] = round(float(wmed or 0.0), 3)
-            t["own_share"] = round(float(own_sum) / denom, 4) if top and denom else None
-            t["work_share"] = round(float(work_sum) / denom, 4) if top and denom else None
-
-
 def attribute(con: Any, hosts: dict[str, list[int]], ranks: list[int], median_step: float,
               steps: list[int]) -> Attribution:
     """Waits, own work, stragglers, windows and the collectives view for a loaded run."""
@@ -1099,11 +542,12 @@ def attribute(con: Any, hosts: dict[str, list[int]], ranks: list[int], median_st
             al.sync_phase = str(row[0]).split("/")[0]
             al.arrival = GRAD_SYNC if row[1] == DDP_OP else str(row[1])
             al.aligned = True
-    build_own(con)
-    thr = build_thresholds(con, median_step)
+    series = _series(con, steps, build_own(con))
+    thr = build_thresholds(con, median_step, series)
     host_of = {r: h for h, rs in hosts.items() for r in rs}
     contention: list[dict[str, Any]] = []
-    stragglers = find_stragglers(con, steps, host_of, thr, median_step, contention)
+    stragglers = find_stragglers(con, steps, host_of, thr, median_step, contention, series)
+    del series
     warmup: dict[str, Any] = {}
     windows = find_windows(con, steps, stragglers, ranks, warmup)
     by_phase: dict[str, list[float]] = {}

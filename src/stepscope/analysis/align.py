@@ -1,0 +1,144 @@
+"""Putting ranks on one timeline: the synchronising phase and per-host clock offsets.
+
+Table ``st`` (rank, step, host, t, step_ms) holds each step's start on the aligned timeline.
+Only the fallback for records without any collective timing (:func:`timeline_wait`) compares
+clocks across ranks; the wait rule (:mod:`stepscope.common.waits`) never does.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+#: A phase nested in the sync phase with one of these names times the collective itself;
+#: its start is then the rank's arrival (timeline fallback only).
+_COMM_NAME = re.compile(r"all_?reduce|allgather|reduce_scatter|collective|comm|grad_sync|sync|wait",
+                        re.IGNORECASE)
+
+
+@dataclass
+class Alignment:
+    """How ranks were put on one timeline and where they synchronise."""
+
+    sync_phase: str | None
+    arrival: str | None  # phase whose start is the arrival at the collective
+    aligned: bool
+    method: str
+    offsets_ms: dict[str, float] = field(default_factory=dict)
+    end_spread_ms: float | None = None
+
+
+def _candidates(con: Any, n_ranks: int) -> list[str]:
+    rows = con.execute(
+        f"""SELECT name FROM phases WHERE parent IS NULL GROUP BY name
+            HAVING count(DISTINCT rank) = {n_ranks}"""
+    ).fetchall()
+    return [r[0] for r in rows]
+
+
+def align(con: Any, hosts: dict[str, list[int]], n_ranks: int, median_step: float) -> Alignment:
+    """Pick the synchronising phase, estimate per-host clock offsets, build table ``st``.
+
+    ``st`` (rank, step, host, t, step_ms) has ``t`` = step start on the aligned timeline.
+    """
+    cands = _candidates(con, n_ranks) if n_ranks > 1 else []
+    multi_host = len(hosts) > 1
+    shared = any(len(rs) > 1 for rs in hosts.values())
+    spreads: dict[str, float] = {}
+    if cands and shared:
+        # Clocks on one host are directly comparable: measure end alignment there only.
+        names = ", ".join("'" + c.replace("'", "''") + "'" for c in cands)
+        for name, spread in con.execute(
+            f"""SELECT name, median(spread) FROM (
+                    SELECT p.name, p.step, s.host, max(s.t0 + p.e) - min(s.t0 + p.e) AS spread
+                    FROM phases p JOIN steps s USING (rank, step)
+                    WHERE p.parent IS NULL AND p.name IN ({names})
+                    GROUP BY 1, 2, 3 HAVING count(*) > 1) GROUP BY 1"""
+        ).fetchall():
+            spreads[name] = float(spread)
+    sync: str | None = None
+    if spreads:
+        best = min(spreads, key=lambda n: spreads[n])
+        sync = best
+        if "backward" in spreads and spreads["backward"] <= 1.5 * spreads[best] + 0.2:
+            sync = "backward"
+        # Scheduling jitter spreads even a real collective's end by a few ms (a rank wakes
+        # late from the wait), so the bar is loose; ranks that never synchronise drift apart
+        # by far more than half a step.
+        tol = max(1.0, 0.5 * median_step)
+        if spreads[sync] > tol:
+            sync = None
+    elif "backward" in cands:
+        # One rank per host: alignment cannot be measured before offsets are known, so
+        # trust the DDP convention that the collective ends backward.
+        sync = "backward"
+
+    offsets: dict[str, float] = {h: 0.0 for h in hosts}
+    method = "single host: start_unix_ns compared directly" if not multi_host else ""
+    if multi_host and sync is not None:
+        rows = con.execute(
+            f"""WITH ends AS (
+                    SELECT s.host, p.step, s.t0 + p.e AS end_t FROM phases p
+                    JOIN steps s USING (rank, step)
+                    WHERE p.name = '{sync}' AND p.parent IS NULL),
+                med AS (SELECT step, median(end_t) AS m FROM ends GROUP BY 1)
+                SELECT host, median(end_t - m) FROM ends JOIN med USING (step) GROUP BY 1"""
+        ).fetchall()
+        offsets = {str(h): float(o) for h, o in rows}
+        method = (f"{len(hosts)} hosts: per-host clock offsets estimated from the common end "
+                  f"of '{sync}' (median over steps)")
+    elif multi_host:
+        method = (f"{len(hosts)} hosts and no synchronising phase: clocks compared as "
+                  "recorded (offsets unknown)")
+    con.execute("CREATE OR REPLACE TABLE hoff (host VARCHAR, off DOUBLE)")
+    if offsets:
+        # One statement: executemany runs one INSERT per host (seconds at 10^3 hosts).
+        con.execute("INSERT INTO hoff SELECT unnest(?::VARCHAR[]), unnest(?::DOUBLE[])",
+                    [list(offsets), list(offsets.values())])
+    con.execute(
+        """CREATE OR REPLACE TABLE st AS
+           SELECT s.rank, s.step, s.host, s.t0 - coalesce(h.off, 0.0) AS t, s.step_ms
+           FROM steps s LEFT JOIN hoff h USING (host)"""
+    )
+    arrival = sync
+    if sync is not None:
+        child = con.execute(
+            f"""SELECT name FROM phases WHERE parent = '{sync}' GROUP BY name
+                HAVING count(DISTINCT rank) = {n_ranks} ORDER BY count(*) DESC"""
+        ).fetchall()
+        for (name,) in child:
+            if _COMM_NAME.search(name):
+                arrival = name
+                break
+    spread = spreads.get(sync) if sync else None
+    return Alignment(sync, arrival, sync is not None, method, offsets, spread)
+
+
+def _timeline_wait(con: Any, al: Alignment) -> None:
+    """Table ``tw`` (rank, step, wait_ms): arrival gaps on the aligned timeline.
+
+    Only a fallback for records without any collective timing (no ``collectives`` section,
+    no ``grad_sync`` phase): it compares clocks across ranks, which the wait rule never does.
+    """
+    if al.sync_phase is None:
+        con.execute(
+            "CREATE OR REPLACE TABLE tw AS SELECT rank, step, CAST(0 AS DOUBLE) AS wait_ms FROM st"
+        )
+        return
+    parent = "p.parent IS NULL" if al.arrival == al.sync_phase else f"p.parent = '{al.sync_phase}'"
+    con.execute(
+        f"""CREATE OR REPLACE TABLE arr AS
+            SELECT st.rank, st.step, st.t + p.s AS a, p.e - p.s AS dur
+            FROM st JOIN phases p USING (rank, step)
+            WHERE p.name = '{al.arrival}' AND {parent}"""
+    )
+    con.execute(
+        """CREATE OR REPLACE TABLE tw AS
+           WITH last AS (SELECT step, max(a) AS l FROM arr GROUP BY 1)
+           SELECT st.rank, st.step,
+                  CAST(coalesce(least(greatest(last.l - arr.a, 0.0), greatest(arr.dur, 0.0)), 0.0) AS DOUBLE)
+                      AS wait_ms
+           FROM st LEFT JOIN arr USING (rank, step) LEFT JOIN last USING (step)"""
+    )
+    con.execute("DROP TABLE arr")

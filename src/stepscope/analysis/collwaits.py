@@ -1,0 +1,200 @@
+"""Who waited in which collective: tables ``cw`` and ``wait``, and the report's collectives view.
+
+The one wait rule (:mod:`stepscope.common.waits`) applied per (step, phase path, op, group)
+to the records' ``collectives`` sections plus every ``grad_sync`` phase (DDP's bucketed
+all-reduce); point-to-point links by their two ends (:mod:`stepscope.analysis.pipeline`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from stepscope.analysis.align import Alignment, _timeline_wait
+from stepscope.analysis.pipeline import IS_P2P, build_p2p_waits
+from stepscope.analysis.stats import phase_order
+from stepscope.common.waits import sql_wait
+
+GRAD_SYNC = "grad_sync"
+DDP_OP = "ddp_allreduce"
+DDP_PG = "ddp"
+
+#: Bus-bandwidth factors (NCCL-tests convention), by op, for a group of n ranks.
+_BUS_FACTOR: dict[str, Any] = {
+    "all_reduce": lambda n: 2.0 * (n - 1) / n,
+    "allreduce": lambda n: 2.0 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "allgather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "alltoall": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "reduce": lambda n: 1.0,
+    "send": lambda n: 1.0,
+    "recv": lambda n: 1.0,
+}
+
+WAIT_RULE = ("wait = time in a matched collective minus the shortest time any rank of its group "
+             "spent in it (per step, phase, op, group); own work = phase time minus the waits "
+             "inside it")
+
+
+def _q(s: str) -> str:
+    return "'" + s.replace("'", "''") + "'"
+
+
+def build_waits(con: Any, n_ranks: int, al: Alignment,
+                info: list[str] | None = None) -> tuple[str, list[str]]:
+    """Tables ``cw`` (one row per rank, step, phase, op, pg with its ``wait``) and ``wait``.
+
+    ``wait`` (rank, step, wait_ms) is each rank's total wait per step. Returns the wait
+    source and notes on partitions that could not be matched.
+    """
+    con.execute(
+        f"""CREATE OR REPLACE TABLE call AS
+            SELECT rank, step, phase, op, pg, max(pg_size) AS pg_size, sum(count) AS count,
+                   sum(bytes) AS bytes, sum(ms) AS ms, min(seq_first) AS seq_first,
+                   max(seq_last) AS seq_last
+            FROM (SELECT rank, step, phase, op, pg, coalesce(pg_size, {n_ranks}) AS pg_size,
+                         count, bytes, ms, seq_first, seq_last FROM colls
+                  UNION ALL
+                  SELECT rank, step, parent, '{DDP_OP}', '{DDP_PG}', {n_ranks}, calls, NULL, ms,
+                         NULL, NULL FROM phases WHERE name = '{GRAD_SYNC}')
+            GROUP BY 1, 2, 3, 4, 5"""
+    )
+    notes: list[str] = []
+    n_calls, n_coll = con.execute(
+        f"SELECT count(*), count(*) FILTER (WHERE op <> '{DDP_OP}') FROM call").fetchone()
+    # A group is expected on as many ranks as its size, capped by the ranks that ever
+    # recorded it (a rank file or a rank's collective timing may be missing).
+    con.execute(
+        """CREATE OR REPLACE TABLE cexp AS
+           SELECT pg, least(max(pg_size), count(DISTINCT rank)) AS n, max(pg_size) AS size,
+                  count(DISTINCT rank) AS seen FROM call GROUP BY 1"""
+    )
+    for pg, size, seen in con.execute(
+        "SELECT pg, size, seen FROM cexp WHERE seen < size ORDER BY 1").fetchall():
+        if pg == DDP_PG and seen == n_ranks:
+            continue
+        notes.append(
+            f"collectives of group {pg!r} (size {size}) recorded on {seen} rank(s) only: waits "
+            "are computed among those (under-stated if a missing rank was the late one)")
+    part = "step, coalesce(phase, ''), op, pg"
+    con.execute(
+        f"""CREATE OR REPLACE TABLE cm AS
+            SELECT c.*, count(*) OVER w = e.n AND min(c.count) OVER w = max(c.count) OVER w
+                        AS matched,
+                   min(c.seq_first) OVER w IS DISTINCT FROM max(c.seq_first) OVER w AS seq_shift
+            FROM call c JOIN cexp e USING (pg) WHERE NOT c.{IS_P2P}
+            WINDOW w AS (PARTITION BY {part})"""
+    )
+    build_p2p_waits(con)  # point-to-point links: their two ends, not the group
+    con.execute(
+        f"""CREATE OR REPLACE TABLE cw AS
+            SELECT *, {sql_wait('ms', part)} AS wait FROM cm WHERE matched
+            UNION ALL SELECT *, CAST(0.0 AS DOUBLE) AS wait FROM cm WHERE NOT matched
+            UNION ALL BY NAME SELECT * FROM p2pw"""
+    )
+    con.execute("DROP TABLE p2pw")
+    con.execute("DROP TABLE cm")
+    bad = con.execute(
+        """SELECT count(*), count(DISTINCT step), string_agg(DISTINCT op || '@' || pg, ', ')
+            FROM (SELECT DISTINCT step, phase, op, pg FROM cw WHERE NOT matched)"""
+    ).fetchone()
+    if bad[0]:
+        notes.append(
+            f"{bad[0]} collective group(s) on {bad[1]} step(s) ({bad[2]}) were not recorded on "
+            "every rank of their group or with different call counts (a rank skipped or added "
+            "a call): their time is not counted as waiting")
+    shifted = con.execute("SELECT count(DISTINCT step) FROM cw WHERE matched AND seq_shift").fetchone()[0]
+    if shifted:
+        notes.append(
+            f"collective sequence numbers differ across ranks on {shifted} step(s) (a rank "
+            "issued extra or fewer calls earlier); calls were matched by step and phase")
+    source = "collectives" if n_coll else "grad_sync" if n_calls else "none"
+    if info is None:
+        info = []
+    n_gs, n_bw = con.execute(
+        f"""SELECT count(*) FILTER (WHERE op = '{DDP_OP}'),
+                   count(*) FILTER (WHERE phase = 'backward' OR starts_with(phase, 'backward/'))
+            FROM call"""
+    ).fetchone()
+    if n_calls and not n_gs and not n_bw and n_ranks > 1 and al.sync_phase == "backward":
+        # Collectives recorded elsewhere, but none in backward and no grad_sync phase
+        # (e.g. Lightning's callback): DDP's all-reduce still ends backward, unseen. Its
+        # wait comes from arrival gaps on the aligned timeline, as for records without
+        # collective timing.
+        _timeline_wait(con, al)
+        con.execute(
+            f"""INSERT INTO cw (rank, step, phase, op, pg, pg_size, count, ms, matched,
+                                seq_shift, wait)
+                SELECT rank, step, 'backward', 'arrival_gap', 'timeline', {n_ranks}, 1,
+                       wait_ms, TRUE, FALSE, wait_ms FROM tw"""
+        )
+        con.execute("DROP TABLE tw")
+        source = "collectives+timeline"
+        info.append("no grad_sync phase: DDP's all-reduce wait in backward is estimated from "
+                    "arrival gaps on the aligned timeline (clocks compared across ranks)")
+    if not n_calls and n_ranks > 1 and al.sync_phase is not None:
+        # No collective timing at all: fall back to arrival gaps on the aligned timeline.
+        _timeline_wait(con, al)
+        con.execute(
+            f"""INSERT INTO cw (rank, step, phase, op, pg, pg_size, count, ms, matched,
+                                seq_shift, wait)
+                SELECT rank, step, {_q(al.sync_phase)}, 'arrival_gap', 'timeline', {n_ranks}, 1,
+                       wait_ms, TRUE, FALSE, wait_ms FROM tw"""
+        )
+        con.execute("DROP TABLE tw")
+        source = "timeline"
+    con.execute(
+        """CREATE OR REPLACE TABLE wait AS
+           SELECT s.rank, s.step, CAST(coalesce(sum(c.wait), 0.0) AS DOUBLE) AS wait_ms
+           FROM steps s LEFT JOIN cw c USING (rank, step) GROUP BY 1, 2"""
+    )
+    return source, notes
+
+
+def _bus_factor(op: str, n: int) -> float | None:
+    if n < 1:
+        return None
+    for key, f in _BUS_FACTOR.items():
+        if op == key or op.startswith(key + "_"):
+            return float(f(n))
+    return 2.0 * (n - 1) / n if op == DDP_OP else None
+
+
+def collectives_section(con: Any, source: str, notes: list[str]) -> dict[str, Any]:
+    """The report's ``collectives`` view: per op and process group, per step and rank.
+
+    ``bus_gbps`` follows NCCL-tests (algorithm bandwidth = bytes / transfer time, times
+    2(n-1)/n for all-reduce, (n-1)/n for all-gather, reduce-scatter and all-to-all), with
+    ``bytes`` the full buffer of a call as recorded and the transfer time the part not spent
+    waiting (time in the collective minus wait). None where bytes are unknown (DDP's
+    all-reduce) or nothing was matched.
+    """
+    n_steps = con.execute("SELECT count(DISTINCT step) FROM steps").fetchone()[0] or 1
+    ops: list[dict[str, Any]] = []
+    for (op, pg, size, ranks, calls, nbytes, ms, wait, phases, m_bytes, m_xfer,
+         matched) in con.execute(
+        """SELECT op, pg, max(pg_size), count(DISTINCT rank), sum(count), sum(bytes), sum(ms),
+                  sum(wait), list(DISTINCT coalesce(phase, 'residual')),
+                  sum(bytes) FILTER (WHERE matched), sum(ms - wait) FILTER (WHERE matched),
+                  sum(count) FILTER (WHERE matched)
+           FROM cw WHERE pg <> 'timeline' GROUP BY 1, 2 ORDER BY sum(ms) DESC"""
+    ).fetchall():
+        per = float(ranks * n_steps)
+        bus = None
+        factor = _bus_factor(str(op), int(size or 0))
+        if factor is not None and m_bytes and m_xfer and m_xfer > 0:
+            bus = round(factor * float(m_bytes) / float(m_xfer) / 1e6, 3)
+        ops.append({
+            "op": op, "pg": pg, "pg_size": int(size or 0), "ranks": int(ranks),
+            "phases": phase_order(list(phases)),
+            "calls_per_step": round(float(calls) / per, 3),
+            "bytes_per_step": None if nbytes is None else round(float(nbytes) / per, 1),
+            "ms_per_step": round(float(ms) / per, 3),
+            "wait_ms_per_step": round(float(wait) / per, 3),
+            "wait_share": round(float(wait) / float(ms), 4) if ms else 0.0,
+            "matched_share": round(float(matched or 0) / float(calls), 4) if calls else 0.0,
+            "bus_gbps": bus,
+        })
+    return {"source": source, "wait_rule": WAIT_RULE, "ops": ops, "notes": list(notes)}

@@ -1,0 +1,216 @@
+"""Each rank's own work per phase and step, and the median of the *other* ranks' at that step.
+
+Tables built on the run's connection (after :func:`stepscope.analysis.stragglers.build_waits`
+made ``cw``):
+
+``pw`` (rank, step, path, parent, ms, wait, ncoll, coll_ms): every phase path with the
+       waits and the time of the collectives inside it at any depth.
+``ex`` (rank, step, name, own, wait, others, excess): top-level phases and ``residual``;
+       ``own`` is the phase time less its waits, ``others`` the median own work of the other
+       ranks at that step, ``excess`` the gap.
+
+:func:`phase_waits` adds each phase's wait and own/work shares to the report from them.
+
+Shape: hash joins and group-bys only, no window sorts. A collective is credited to its
+phase and each ancestor by expanding its path into its prefixes (one equi-join, instead of a
+prefix-match join). The median of the others per (step, phase) needs only the two or three
+middle order statistics of that cell (taken in numpy, one sort of the column): which one a
+rank gets depends only on whether its own value lies below, at or above them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from stepscope.analysis import grouped
+from stepscope.analysis.stats import RESIDUAL
+
+
+def build_pw(con: Any) -> None:
+    """Table ``pw``: each phase path with the waits, count and time of collectives inside it."""
+    # A collective in 'a/b/c' is inside phases 'a', 'a/b' and 'a/b/c': its path and every
+    # prefix ending before a '/' (exactly the paths p with phase = p or phase LIKE p || '/%').
+    con.execute(
+        """CREATE OR REPLACE TEMP TABLE cin AS
+           SELECT rank, step, anc, sum(wait) AS wait, count(*) AS n, sum(ms) AS ms FROM (
+               SELECT rank, step, wait, ms,
+                      unnest([phase] || list_transform(
+                          list_filter(range(2, length(phase) + 1),
+                                      lambda i: substr(phase, i, 1) = '/'),
+                          lambda i: substr(phase, 1, i - 1))) AS anc
+               FROM cw WHERE phase IS NOT NULL)
+           GROUP BY 1, 2, 3"""
+    )
+    con.execute(
+        """CREATE OR REPLACE TABLE pw AS
+           SELECT p.rank, p.step, p.path, any_value(p.parent) AS parent, any_value(p.ms) AS ms,
+                  CAST(coalesce(sum(c.wait), 0.0) AS DOUBLE) AS wait,
+                  CAST(coalesce(sum(c.n), 0) AS BIGINT) AS ncoll,
+                  CAST(coalesce(sum(c.ms), 0.0) AS DOUBLE) AS coll_ms
+           FROM phases p LEFT JOIN cin c
+             ON c.rank = p.rank AND c.step = p.step AND c.anc = p.path
+           GROUP BY 1, 2, 3"""
+    )
+    con.execute("DROP TABLE cin")
+
+
+@dataclass
+class OwnColumns:
+    """The rows of ``ex`` with an excess, as numpy columns (row order unspecified):
+    ``nid`` indexes ``names``."""
+
+    names: list[str]
+    rank: Any
+    nid: Any
+    step: Any
+    own: Any
+    excess: Any
+
+
+def build_own(con: Any) -> OwnColumns:
+    """Tables ``pw`` (waits inside each phase path) and ``ex`` (own work vs the other ranks).
+
+    ``ex`` (rank, step, name, own, wait, others, excess): top-level phases and residual;
+    ``others`` is the median own work of the *other* ranks at that step, ``excess`` the gap.
+    Returns ex's rows that have an excess as numpy columns (the gap series' source).
+    """
+    build_pw(con)
+    con.execute(
+        f"""CREATE OR REPLACE TEMP TABLE own AS
+            WITH top AS (SELECT rank, step, path AS name, greatest(ms - wait, 0.0) AS own, wait,
+                                ncoll FROM pw WHERE parent IS NULL),
+                 timed AS (SELECT step, name, TRUE AS any_coll FROM top GROUP BY 1, 2
+                           HAVING max(ncoll) > 0)
+            SELECT top.rank, top.step, top.name, top.own, top.wait
+            FROM top LEFT JOIN timed ON timed.step = top.step AND timed.name = top.name
+            -- A rank with no collective timing in a phase where others have some: its
+            -- waits are unknown, so its own work there is not compared.
+            WHERE top.ncoll > 0 OR timed.any_coll IS NULL
+            UNION ALL
+            SELECT s.rank, s.step, '{RESIDUAL}', greatest(s.residual_ms - coalesce(r.w, 0.0), 0.0),
+                   coalesce(r.w, 0.0)
+            FROM steps s LEFT JOIN (SELECT rank, step, sum(wait) AS w FROM cw
+                                    WHERE phase IS NULL GROUP BY 1, 2) r USING (rank, step)"""
+    )
+    cols = _middles(con)
+    # Removing a rank's value from its cell leaves a median that depends only on where that
+    # value lies against the cell's middle values (ties give the same multiset either way).
+    con.execute(
+        """CREATE OR REPLACE TABLE ex AS
+           SELECT rank, step, name, own, wait, others, own - others AS excess FROM (
+               SELECT o.rank, o.step, o.name, o.own, o.wait,
+                      CASE WHEN m.n < 2 THEN NULL
+                           WHEN m.n % 2 = 0 THEN CASE WHEN o.own > m.p THEN m.p ELSE m.q END
+                           WHEN o.own < m.m THEN 0.5 * (m.m + m.q)
+                           WHEN o.own > m.m THEN 0.5 * (m.p + m.m)
+                           ELSE 0.5 * (m.p + m.q)
+                      END AS others
+               FROM own o JOIN mid m USING (step, name))"""
+    )
+    con.execute("DROP TABLE own")
+    con.execute("DROP TABLE mid")
+    return cols
+
+
+def _middles(con: Any) -> OwnColumns:
+    """Table ``mid`` (step, name, n, p, m, q): per (step, name) cell of ``own`` with n values
+    sorted as S, for even n: p = S[n/2 - 1], q = S[n/2]; for odd n (c = (n - 1) / 2):
+    p = S[c - 1], m = S[c], q = S[c + 1] (NULL where the cell is too small)."""
+    names = [str(n) for (n,) in con.execute("SELECT DISTINCT name FROM own ORDER BY 1").fetchall()]
+    cols = con.execute(
+        "SELECT rank, step, list_position($names, name) - 1 AS nid, own FROM own",
+        {"names": names}).fetchnumpy()
+    n_names = max(len(names), 1)
+    ustep = np.asarray([s for (s,) in con.execute("SELECT DISTINCT step FROM own ORDER BY 1").fetchall()],
+                       dtype=np.int64)
+    step = np.asarray(cols["step"], dtype=np.int64)
+    nid = np.asarray(cols["nid"], dtype=np.int64)
+    own = np.asarray(cols["own"], dtype=np.float64)
+    rank = np.asarray(cols["rank"], dtype=np.int64)
+    del cols
+    gid = np.searchsorted(ustep, step) * n_names + nid
+    order, starts_all, counts_all = grouped.group_order(gid, len(ustep) * n_names)
+    has = np.flatnonzero(counts_all > 0)
+    starts, counts = starts_all[has], counts_all[has]
+
+    def positions(n: int) -> list[int]:  # p, m, q of the docstring (-1: none)
+        c = (n - 1) // 2  # odd n: the middle; even n: the lower middle
+        if n % 2 == 0:
+            return [c, -1, c + 1]
+        return [c - 1 if n >= 3 else -1, c, c + 1 if n >= 3 else -1]
+
+    pa, ma, qa = grouped.order_stats(own[order], starts, counts, positions)
+    del order
+    p, m, q = ([None if x != x else float(x) for x in a.tolist()]  # NaN (x != x): NULL
+               for a in (pa, ma, qa))
+    con.execute("CREATE OR REPLACE TEMP TABLE mid (step BIGINT, name VARCHAR, n BIGINT, "
+                "p DOUBLE, m DOUBLE, q DOUBLE)")
+    con.execute(
+        "INSERT INTO mid SELECT unnest(?::BIGINT[]), unnest(?::VARCHAR[]), unnest(?::BIGINT[]), "
+        "unnest(?::DOUBLE[]), unnest(?::DOUBLE[]), unnest(?::DOUBLE[])",
+        [ustep[has // n_names].tolist(), [names[int(i)] for i in (has % n_names).tolist()],
+         counts.tolist(), p, m, q])
+    # The same rule as ex's SQL, on the columns already here (the gap series need them).
+    cell = np.full(len(counts_all), -1, dtype=np.int64)
+    cell[has] = np.arange(len(has))
+    at = cell[gid]
+    del gid, cell
+    n, pv, mv, qv = counts[at], pa[at], ma[at], qa[at]
+    with np.errstate(invalid="ignore"):
+        others = np.where(
+            n % 2 == 0, np.where(own > pv, pv, qv),
+            np.where(own < mv, 0.5 * (mv + qv),
+                     np.where(own > mv, 0.5 * (pv + mv), 0.5 * (pv + qv))))
+    keep = n >= 2
+    return OwnColumns(names, rank[keep], nid[keep], step[keep], own[keep],
+                      own[keep] - others[keep])
+
+
+def phase_waits(con: Any, phases: dict[str, Any]) -> None:
+    """Add ``wait_ms`` (median wait inside, per step), ``own_share`` and ``work_share``.
+
+    ``own_share`` is the phase's share of step time once its waits are taken out;
+    ``work_share`` takes out all collective time inside it (waits and transfers), so a
+    ``dataloader`` that gathers across ranks is judged on its own data time.
+    """
+    total = con.execute("SELECT sum(step_ms) FROM steps").fetchone()[0] or 0.0
+    # Residual work: untimed time minus every collective issued outside a phase (waits and
+    # transfers: a pipeline's send/recv is communication, not host overhead).
+    con.execute(
+        """CREATE OR REPLACE TEMP TABLE rx AS
+           SELECT ex.rank, ex.step, ex.wait, ex.own,
+                  greatest(ex.own + ex.wait - coalesce(c.ms, 0.0), 0.0) AS work
+           FROM ex LEFT JOIN (SELECT rank, step, sum(ms) AS ms FROM cw WHERE phase IS NULL
+                              GROUP BY 1, 2) c USING (rank, step)
+           WHERE ex.name = 'residual'"""
+    )
+    rank_step = dict(con.execute("SELECT rank, sum(step_ms) FROM steps GROUP BY 1").fetchall())
+    rows = con.execute(
+        f"""SELECT path, NULL AS rank, median(wait), sum(ms - wait), bool_and(parent IS NULL),
+                   sum(greatest(ms - coll_ms, 0.0))
+            FROM pw GROUP BY 1
+            UNION ALL SELECT '{RESIDUAL}', NULL, median(wait), sum(own), TRUE, sum(work) FROM rx
+            UNION ALL SELECT path, rank, median(wait), sum(ms - wait), bool_and(parent IS NULL),
+                             sum(greatest(ms - coll_ms, 0.0))
+            FROM pw GROUP BY 1, 2
+            UNION ALL SELECT '{RESIDUAL}', rank, median(wait), sum(own), TRUE, sum(work) FROM rx
+                      GROUP BY 2"""
+    ).fetchall()
+    # Index the per-rank entries once: searching per_rank for each row is ranks^2.
+    per_rank: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for pname, ph in phases.items():
+        for p in ph["per_rank"]:
+            per_rank.setdefault((pname, int(p["rank"])), []).append(p)
+    for path, rank, wmed, own_sum, top, work_sum in rows:
+        ph = phases.get(str(path))
+        if ph is None:
+            continue
+        targets = [ph] if rank is None else per_rank.get((str(path), int(rank)), [])
+        denom = total if rank is None else (rank_step.get(rank) or 0.0)
+        for t in targets:
+            t["wait_ms"] = round(float(wmed or 0.0), 3)
+            t["own_share"] = round(float(own_sum) / denom, 4) if top and denom else None
+            t["work_share"] = round(float(work_sum) / denom, 4) if top and denom else None
