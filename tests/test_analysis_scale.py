@@ -61,7 +61,7 @@ def test_median_of_the_others_with_ties_and_ragged_steps() -> None:
 
     import duckdb
 
-    from stepscope.analysis.stragglers import build_own
+    from stepscope.analysis.own import build_own
 
     rng = random.Random(3)
     con = duckdb.connect()
@@ -241,7 +241,7 @@ def test_thresholds_vectorised_match_the_per_series_rule() -> None:
 
     import numpy as np
 
-    from stepscope.analysis.stragglers import FLOOR_MS, SIGMAS, _thresholds
+    from stepscope.analysis.series import FLOOR_MS, SIGMAS, _thresholds
     from stepscope.common import robust
 
     rng = random.Random(5)

@@ -1,4 +1,4 @@
-"""The SQL median of the *other* ranks (analysis/stragglers.build_own) against Python's.
+"""The SQL median of the *other* ranks (analysis/own.build_own) against Python's.
 
 It keeps three sorted values per step instead of every rank's list (memory linear in ranks);
 with two ranks an off-by-one there compared each rank with itself and hid every straggler.
@@ -12,7 +12,7 @@ import statistics
 import duckdb
 import pytest
 
-from stepscope.analysis.stragglers import build_own
+from stepscope.analysis.own import build_own
 
 
 @pytest.mark.parametrize("n", range(1, 10))

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from stepscope.analysis import stragglers
+from stepscope.analysis import series
 from stepscope.analysis.run import analyze_run
 from stepscope.instrument import sched
 
@@ -122,7 +122,7 @@ def test_runq_extra_is_over_the_other_ranks_median(tmp_path: Path) -> None:
     con.execute("CREATE TABLE res (rank INTEGER, step BIGINT, runq_ms DOUBLE)")
     con.execute("INSERT INTO res VALUES (0, 0, 1.0), (1, 0, 2.0), (2, 0, 10.0), (3, 0, 4.0),"
                 " (0, 1, 5.0), (1, 1, 1.0), (0, 2, 3.0), (1, 2, NULL)")
-    ex = stragglers.runq_extra(con)
+    ex = series.runq_extra(con)
     assert ex[2][0] == pytest.approx(8.0)  # others 1, 2, 4
     assert ex[0][0] == pytest.approx(-3.0)  # others 2, 4, 10
     assert ex[3][0] == pytest.approx(2.0)
@@ -130,7 +130,7 @@ def test_runq_extra_is_over_the_other_ranks_median(tmp_path: Path) -> None:
     assert 2 not in ex[0]  # a step with one rank's value compares nothing
     empty = duckdb.connect()
     empty.execute("CREATE TABLE res (rank INTEGER, step BIGINT)")
-    assert stragglers.runq_extra(empty) == {}
+    assert series.runq_extra(empty) == {}
 
 
 # ------------------------------------------------------------------ the instrument

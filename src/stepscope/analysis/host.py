@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from stepscope.analysis.stragglers import own_slowdown, runq_extra
+from stepscope.analysis.series import runq_extra
+from stepscope.analysis.stragglers import own_slowdown
 from stepscope.common import robust
 
 _COMPUTE = ("forward", "backward", "optimizer")
@@ -41,7 +42,7 @@ def is_host_busy(w: dict[str, Any], clock: str | None, stragglers: list[dict[str
     """Whether window ``w`` (all-rank) is the host being busy rather than the job.
 
     ``con`` (the loaded run) adds the compute-slowdown evidence, ``extra``
-    (:func:`stepscope.analysis.stragglers.runq_extra`) the run-queue evidence.
+    (:func:`stepscope.analysis.series.runq_extra`) the run-queue evidence.
     """
     if not str(clock or "").startswith("cpu") or len(w["ranks"]) < 2:
         return False

@@ -1,6 +1,6 @@
 """Each rank's own work per phase and step, and the median of the *other* ranks' at that step.
 
-Tables built on the run's connection (after :func:`stepscope.analysis.stragglers.build_waits`
+Tables built on the run's connection (after :func:`stepscope.analysis.collwaits.build_waits`
 made ``cw``):
 
 ``pw`` (rank, step, path, parent, ms, wait, ncoll, coll_ms): every phase path with the

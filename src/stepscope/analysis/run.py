@@ -14,10 +14,11 @@ from stepscope.analysis.diagnose import diagnose
 from stepscope.analysis.goodput import compute_goodput
 from stepscope.analysis.host import split_host_busy
 from stepscope.analysis.load import RunData, load_run
+from stepscope.analysis.own import phase_waits
 from stepscope.analysis.resources import analyze_resources
 from stepscope.analysis.stats import create_phase_samples, phase_stats, rank_stats
 from stepscope.analysis.status import crash_evidence
-from stepscope.analysis.stragglers import attribute, phase_waits
+from stepscope.analysis.stragglers import attribute
 from stepscope.analysis.triggers import link_triggers
 
 #: Version of the JSON document; bump when a key changes meaning.

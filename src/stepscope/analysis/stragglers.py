@@ -44,20 +44,16 @@ from stepscope.analysis import changepoint
 from stepscope.analysis.align import Alignment, align
 from stepscope.analysis.collwaits import (
     DDP_OP,
-    DDP_PG,
     GRAD_SYNC,
-    WAIT_RULE,
     _q,
     build_waits,
     collectives_section,
 )
-from stepscope.analysis.own import build_own, phase_waits
+from stepscope.analysis.own import build_own
 from stepscope.analysis.series import (
-    FLOOR_FRAC,
     FLOOR_MS,
     SIGMAS,
     Series,
-    _median_without,
     _net_of_runq,
     _series,
     _thresholds,
@@ -67,36 +63,6 @@ from stepscope.analysis.series import (
 )
 from stepscope.analysis.stats import RESIDUAL
 from stepscope.common import robust
-
-#: Names other modules import from here (the module was split; these stay importable).
-__all__ = [
-    "DDP_OP",
-    "DDP_PG",
-    "FLOOR_FRAC",
-    "FLOOR_MS",
-    "GRAD_SYNC",
-    "SIGMAS",
-    "WAIT_RULE",
-    "Alignment",
-    "Attribution",
-    "Series",
-    "_median_without",
-    "_thresholds",
-    "align",
-    "attribute",
-    "build_own",
-    "build_thresholds",
-    "build_waits",
-    "collectives_section",
-    "find_stragglers",
-    "find_windows",
-    "noise_floor",
-    "own_slowdown",
-    "phase_waits",
-    "runq_by_step",
-    "runq_extra",
-    "window_excess",
-]
 
 MIN_SEGMENT = 5  # flagged steps needed before a rank is called a straggler
 CHRONIC_COVER = 0.8  # a segment spanning this fraction of analysed steps is chronic

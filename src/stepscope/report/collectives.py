@@ -1,7 +1,7 @@
 """The collectives view: per op and process group, calls, bytes, time, wait share, bus bandwidth.
 
 Additive sections for the terminal and markdown reports (the JSON is ``doc["collectives"]``,
-built by :func:`stepscope.analysis.stragglers.collectives_section`).
+built by :func:`stepscope.analysis.collwaits.collectives_section`).
 """
 
 from __future__ import annotations
