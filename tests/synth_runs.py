@@ -128,12 +128,22 @@ def _phase(name: str, start: float, ms: float, parent: str | None = None) -> dic
             "end_ms": start + ms}
 
 
-def write_run(out_dir: str | Path, spec: SynthRun) -> Path:
-    """Write ``rank{R}.jsonl`` files for ``spec`` into ``out_dir`` and return it."""
+def write_run(out_dir: str | Path, spec: SynthRun,
+              runq: dict[tuple[int, int], float] | None = None,
+              runq_floor_ms: tuple[float, float] = (0.5, 3.0)) -> Path:
+    """Write ``rank{R}.jsonl`` files for ``spec`` into ``out_dir`` and return it.
+
+    With ``runq``, every record carries a run-queue wait (``counters.runq_ms``): uniform in
+    ``runq_floor_ms`` (seeded by ``spec.seed``) plus ``runq[(rank, step)]``.
+    """
     root = Path(out_dir)
     root.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(spec.seed)
     for rank, recs in make_records(spec).items():
         with open(root / f"rank{rank}.jsonl", "w") as fh:
             for rec in recs:
+                if runq is not None:
+                    rec["counters"] = {"runq_ms": rng.uniform(*runq_floor_ms)
+                                       + runq.get((rank, rec["step"]), 0.0)}
                 fh.write(json.dumps(rec) + "\n")
     return root

@@ -11,8 +11,6 @@ with a raw gap of 0.2 ms.
 
 from __future__ import annotations
 
-import json
-import random
 from pathlib import Path
 from typing import Any
 
@@ -30,14 +28,7 @@ BASE = {"dataloader": 1.0, "h2d": 0.05, "forward": 1.5, "backward": 3.0, "optimi
 def _write(tmp: Path, slow: tuple[Any, ...], runq: dict[tuple[int, int], float], seed: int) -> Path:
     spec = synth.SynthRun(ranks=2, steps=STEPS, base_ms=dict(BASE), noise_ms=0.05, seed=seed,
                           comm_child=True, slow=slow)
-    rng = random.Random(seed)
-    tmp.mkdir(parents=True, exist_ok=True)
-    for rank, recs in synth.make_records(spec).items():
-        with open(tmp / f"rank{rank}.jsonl", "w") as fh:
-            for rec in recs:
-                rec["counters"] = {"runq_ms": rng.uniform(0.0, 0.5) + runq.get((rank, rec["step"]), 0.0)}
-                fh.write(json.dumps(rec) + "\n")
-    return tmp
+    return synth.write_run(tmp, spec, runq, runq_floor_ms=(0.0, 0.5))
 
 
 def _loud(doc: dict[str, Any]) -> list[tuple[str, str, str]]:

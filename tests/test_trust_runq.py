@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import sys
 import threading
@@ -35,15 +34,7 @@ def _write(tmp: Path, ranks: int, slow: tuple[Any, ...], runq: dict[tuple[int, i
     """A run whose ``runq_ms`` is 0.5–3 ms on every step plus ``runq[(rank, step)]``."""
     spec = synth.SynthRun(ranks=ranks, steps=STEPS, base_ms=dict(BASE), noise_ms=0.2, seed=seed,
                           comm_child=True, slow=slow)
-    rng = random.Random(seed)
-    tmp.mkdir(parents=True, exist_ok=True)
-    for rank, recs in synth.make_records(spec).items():
-        with open(tmp / f"rank{rank}.jsonl", "w") as fh:
-            for rec in recs:
-                if with_runq:
-                    rec["counters"] = {"runq_ms": rng.uniform(0.5, 3.0) + runq.get((rank, rec["step"]), 0.0)}
-                fh.write(json.dumps(rec) + "\n")
-    return tmp
+    return synth.write_run(tmp, spec, runq if with_runq else None, runq_floor_ms=(0.5, 3.0))
 
 
 def _descheduled(rank: int, first: int, last: int,
