@@ -314,17 +314,10 @@ class Recorder:
         ``wall_ns``: ``time.time_ns()`` at entry, when the caller has read it already."""
         self._in_step = True
         tid = self._owner = self._train_thread = _get_ident()
-        index = self._index
-        step = self._next
-        if step is not None and step.index == index:
-            self._next = None  # made by a pre-step phase of this (so sampled) step
-        elif not self.config.samples(index):
-            self._drop_next()
+        step = self._next_step()  # made by a pre-step phase, or new; None if not sampled
+        if step is None:
             return None
-        else:
-            if step is not None:  # the step index moved on (step(index=...)): stale
-                self._drop_next()
-            step = Step(index)
+        self._next = None
         if step.start is None:
             step.start = self.clock.mark()
             step.start_unix_ns = time.time_ns() if wall_ns is None else wall_ns
