@@ -117,10 +117,20 @@ def _net_of_runq(data: Series, runq: dict[int, dict[int, float]], steps: list[in
         for k, (_, r) in enumerate(vals):
             others[(r, st, name)] = _median_without(xs, k)
     pos_of = {s: i for i, s in enumerate(steps)}
+    # Run-queue wait explains a gap away, never makes one, at each step too: the others' wait
+    # for a CPU taken out of them cannot put a rank behind by more than they really waited
+    # for it (its raw gap). Time inside a collective is shared: one rank held off the CPU
+    # there stretches both ranks' own work alike, and taking it out of that rank alone would
+    # make the other look slow (a 2-rank DDP run read a 2 ms gap on steps whose raw gap was
+    # 0.04 ms, and a window found whole came out three steps early).
+    raw_gap = {(r, name): dict(zip(pos.tolist(), gap.tolist(), strict=True))
+               for (r, name), (pos, gap, _) in data.items()}
     out: Series = {}
     for (r, name), per in net.items():
-        pts = [(pos_of[st], per[st] - others[(r, st, name)], per[st])
-               for st in sorted(per, key=lambda x: pos_of[x]) if (r, st, name) in others]
+        rg = raw_gap.get((r, name), {})
+        pts = [(p, min(per[st] - others[(r, st, name)], rg.get(p, math.inf)), per[st])
+               for st in sorted(per, key=lambda x: pos_of[x]) if (r, st, name) in others
+               for p in (pos_of[st],)]
         if pts:
             out[(r, name)] = (np.array([p for p, _, _ in pts], dtype=np.int64),
                               np.array([g for _, g, _ in pts], dtype=np.float64),
