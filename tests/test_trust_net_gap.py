@@ -58,3 +58,21 @@ def test_a_real_short_window_beside_the_same_wait_is_still_named(tmp_path: Path,
     assert (s["rank"], s["phase"], s["persistence"]) == (0, "dataloader", "window"), s
     assert abs(s["first_step"] - 46) <= 2 and abs(s["last_step"] - 55) <= 2, s
     assert 3.6 <= s["excess_ms"] <= 7.0 * 1.1, s
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_other_ranks_cpu_wait_does_not_stretch_a_window(tmp_path: Path, seed: int) -> None:
+    # The CI run of 2026-11-24 (2-rank DDP, rank 1's backward +30 ms on steps 30-59): on steps
+    # 27 and 29 rank 0 waited ~2.2 ms for a CPU inside the gradient all-reduce, which ran
+    # that much longer on both ranks (time inside a collective is shared). Taking the wait out
+    # of rank 0 alone put rank 1 2 ms behind there, and the window came out as 27-59.
+    slow = (synth.Slow(1, "backward", 30.0, 30, 59),
+            *(synth.Slow(r, "backward", 2.2, s, s) for r in range(2) for s in (27, 29)))
+    runq = {(0, 27): 2.2, (0, 29): 2.5}
+    spec = synth.SynthRun(ranks=2, steps=90, base_ms=dict(BASE), noise_ms=0.05, seed=seed,
+                          comm_child=True, slow=slow)
+    doc = analyze_run(synth.write_run(tmp_path / "run", spec, runq, runq_floor_ms=(0.0, 0.5)))
+    (s,) = doc["stragglers"]
+    assert (s["rank"], s["phase"], s["persistence"]) == (1, "backward", "window"), s
+    assert (s["first_step"], s["last_step"]) == (30, 59), s
+    assert 27.0 <= s["excess_ms"] <= 33.0, s
