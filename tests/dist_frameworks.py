@@ -15,6 +15,7 @@ machine's jitter). One process per rank, one intra-op thread each.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -167,8 +168,22 @@ class _StageBlock(nn.Module):
         return out
 
 
+class _SlowLoss(nn.MSELoss):
+    """The schedule's loss (called by ``schedule.step()`` outside the stage), ``ms`` slower."""
+
+    def __init__(self, ms: float) -> None:
+        super().__init__()
+        self.ms = ms
+
+    def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self.ms > 0:
+            time.sleep(self.ms / 1000.0)
+        return super().forward(input, target)
+
+
 def _pp_worker(rank: int, world: int, port: int, out_dir: str, steps: int,
-               slow: tuple[demo.SlowSpec, ...], schedule_name: str, n_micro: int, dim: int) -> None:
+               slow: tuple[demo.SlowSpec, ...], schedule_name: str, n_micro: int, dim: int,
+               loss_ms: float) -> None:
     from torch.distributed import pipelining
 
     become_local_rank(rank, world, port)
@@ -180,7 +195,7 @@ def _pp_worker(rank: int, world: int, port: int, out_dir: str, steps: int,
         stage = pipelining.PipelineStage(block, stage_index=rank, num_stages=world,
                                          device=torch.device("cpu"))
         schedule_cls = getattr(pipelining, schedule_name)
-        schedule = schedule_cls(stage, n_microbatches=n_micro, loss_fn=nn.MSELoss())
+        schedule = schedule_cls(stage, n_microbatches=n_micro, loss_fn=_SlowLoss(loss_ms))
         opt = torch.optim.SGD(block.parameters(), lr=0.01)
         stepscope.init(out_dir=out_dir, model=block, optimizer=opt, run_id="pp",
                        auto={"forward", "backward", "optimizer"})
@@ -204,14 +219,16 @@ def _pp_worker(rank: int, world: int, port: int, out_dir: str, steps: int,
 
 def launch_pipeline(out_dir: str | os.PathLike[str], ranks: int = 2, steps: int = 30,
                     slow: tuple[demo.SlowSpec, ...] = (), schedule: str = "ScheduleGPipe",
-                    n_micro: int = 2, dim: int = 64) -> Path:
+                    n_micro: int = 2, dim: int = 64, loss_ms: float = 0.0) -> Path:
     """``torch.distributed.pipelining``, one stage per rank, over gloo; the run directory.
 
     ``dim``: the stage's width. At 64 a stage computes ~0.15 ms per micro-batch, and the
     schedule's own work around it (chunking, the loss, scaling gradients, its bookkeeping) is
     a quarter of the step: real host overhead, which ``host_overhead`` rightly reports.
+    ``loss_ms``: the schedule's loss function sleeps this long per micro-batch.
     """
-    return spawn_local(_pp_worker, ranks, out_dir, steps, tuple(slow), schedule, n_micro, dim)
+    return spawn_local(_pp_worker, ranks, out_dir, steps, tuple(slow), schedule, n_micro, dim,
+                       loss_ms)
 
 
 # ------------------------------------------------------------------ expert parallel

@@ -208,3 +208,14 @@ def test_group_with_only_cpp_issued_collectives_is_reported_blind(tmp_path: Any)
     loud = [(v["kind"], v.get("phase")) for v in doc["verdicts"] if v["severity"] != "info"]
     assert ("host_overhead", None) not in loud and not [k for k in loud if k[1] == "residual"], loud
     assert doc["verdicts"][0]["kind"] in ("straggler", "blind_collectives"), doc["verdicts"]
+
+
+def test_pipeline_host_overhead_names_the_schedule(tmp_path: Any) -> None:
+    # The last stage's loss (the schedule calls it, outside the stage's forward) takes 6 ms
+    # a micro-batch: untimed work inside schedule.step(), real and priced; the report says
+    # what such work includes in a pipeline and the remedy is the schedule's.
+    doc = analyze_run(frameworks.launch_pipeline(tmp_path, ranks=2, steps=20, loss_ms=6.0))
+    (v,) = [v for v in doc["verdicts"] if v["kind"] == "host_overhead"]
+    assert "schedule's own work around each micro-batch" in v["evidence"], v
+    assert "fewer, larger micro-batches" in v["suggestion"], v
+    assert v["cost"]["ms_per_step"] > 0

@@ -11,7 +11,7 @@ from typing import Any
 
 from stepscope.analysis import cost
 from stepscope.analysis.experts import expert_verdicts, experts_section
-from stepscope.analysis.pipeline import pipeline_section, pipeline_verdicts
+from stepscope.analysis.pipeline import explain_host_overhead, pipeline_section, pipeline_verdicts
 from stepscope.common.unseen import UNSEEN
 
 
@@ -22,6 +22,7 @@ def add_coverage_sections(con: Any, doc: dict[str, Any]) -> None:
     if pipe is not None:
         doc["pipeline"] = pipe
         added += pipeline_verdicts(pipe, doc["verdicts"])
+        explain_host_overhead(doc["verdicts"])
     experts = experts_section(con, doc["run"]["step_ms"]["median"] or 0.0)
     if experts is not None:
         doc["experts"] = experts
