@@ -128,10 +128,14 @@ def build_whitespace_trace(out: Path, size_mb: float, seed: Path = SEED) -> int:
     return 1
 
 
+# The environment of every child; --pyc points it at a bytecode cache (see main).
+CHILD_ENV: dict[str, str] = dict(os.environ)
+
+
 def run_cli(python: str, trace_dir: Path, src: str | None = None) -> dict[str, Any]:
     """``stepscope trace --json`` end to end in a fresh process: interpreter start-up, imports,
     the analysis and the JSON it prints, measured from outside by the child's rusage."""
-    env = {**os.environ, "PYTHONPATH": src} if src else None
+    env = {**CHILD_ENV, "PYTHONPATH": src} if src else CHILD_ENV
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         t = time.perf_counter()
         p = subprocess.Popen([python, "-m", "stepscope", "trace", "--json", str(trace_dir)],
@@ -153,7 +157,7 @@ def run_cli(python: str, trace_dir: Path, src: str | None = None) -> dict[str, A
 def run(python: str, code: str, trace_dir: Path, src: str | None = None) -> dict[str, Any]:
     if code == "cli":
         return run_cli(python, trace_dir, src)
-    env = {**os.environ, "PYTHONPATH": src} if src else None
+    env = {**CHILD_ENV, "PYTHONPATH": src} if src else CHILD_ENV
     p = subprocess.run([python, "-c", code, str(trace_dir)], capture_output=True, text=True,
                        check=False, env=env)
     if p.returncode != 0:
@@ -178,6 +182,11 @@ def main() -> int:
                     help="also time `stepscope trace --json` end to end (start-up, analysis, "
                          "output; CPU from the child's rusage), and the baseline's with "
                          "--baseline-src")
+    ap.add_argument("--pyc", action="store_true",
+                    help="let the children use and write bytecode (in a temporary "
+                         "PYTHONPYCACHEPREFIX, one untimed run per tool first), as an "
+                         "installed package does; without it PYTHONDONTWRITEBYTECODE, where "
+                         "set, makes every run compile the sources again")
     ap.add_argument("--whitespace", action="store_true",
                     help="pad one copy of the seed with --size-mb of whitespace instead of repeating it")
     args = ap.parse_args()
@@ -217,6 +226,11 @@ def main() -> int:
             tools.append(("baseline", sys.executable, OURS, args.baseline_src))
         if not args.no_hta:
             tools.append(("hta", args.hta_python, HTA, None))
+        if args.pyc:
+            CHILD_ENV.pop("PYTHONDONTWRITEBYTECODE", None)
+            CHILD_ENV["PYTHONPYCACHEPREFIX"] = str(d / "pycache")
+            for _, py, code, tool_src in tools:  # untimed: writes the bytecode
+                run(py, code, variants[0][1], tool_src)
         results: dict[str, list[dict[str, Any]]] = {}
         for i in range(args.repeats):  # interleaved, so drift hits every tool alike
             for suffix, where in variants:
