@@ -47,7 +47,8 @@ wall = time.perf_counter() - t
 ru = resource.getrusage(resource.RUSAGE_SELF)
 print(json.dumps({"wall_s": wall, "cpu_s": cpu(), "import_cpu_s": c_import,
                   "peak_rss_mb": ru.ru_maxrss / 1024,
-                  "busy_us": r.total.busy_us, "idle_us": r.total.idle_us}))
+                  "busy_us": getattr(r.total, "busy_us", None),  # None: a CPU-only trace
+                  "idle_us": getattr(r.total, "idle_us", None)}))
 """
 # The same with the package's __init__ skipped: what `stepscope trace` would cost if
 # `import stepscope` did not import the recording side (torch, ~1.3 s CPU and ~190 MB).
