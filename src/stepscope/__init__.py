@@ -40,7 +40,7 @@ def _bind_lifecycle() -> Tracer | NullTracer:
 
     ``import stepscope`` stays light this way: ``stepscope trace`` and ``report`` import the
     package for its CLI and never need the config, sinks or records modules (`import
-    stepscope` 0.063 -> 0.026 s of CPU with sources compiled each run, less with bytecode).
+    stepscope` 0.063 -> 0.026 s of CPU, 10 fresh processes).
     After the first call the module-level functions call lifecycle's directly.
     """
     global _current_tracer, _set_current, _Null
