@@ -20,6 +20,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,8 @@ wall = time.perf_counter() - t
 ru = resource.getrusage(resource.RUSAGE_SELF)
 print(json.dumps({"wall_s": wall, "cpu_s": cpu(), "import_cpu_s": c_import,
                   "peak_rss_mb": ru.ru_maxrss / 1024,
-                  "busy_us": r.total.busy_us, "idle_us": r.total.idle_us}))
+                  "busy_us": getattr(r.total, "busy_us", None),  # None: a CPU-only trace
+                  "idle_us": getattr(r.total, "idle_us", None)}))
 """
 # The same with the package's __init__ skipped: what `stepscope trace` would cost if
 # `import stepscope` did not import the recording side (torch, ~1.3 s CPU and ~190 MB).
@@ -127,8 +129,36 @@ def build_whitespace_trace(out: Path, size_mb: float, seed: Path = SEED) -> int:
     return 1
 
 
+# The environment of every child; --pyc points it at a bytecode cache (see main).
+CHILD_ENV: dict[str, str] = dict(os.environ)
+
+
+def run_cli(python: str, trace_dir: Path, src: str | None = None) -> dict[str, Any]:
+    """``stepscope trace --json`` end to end in a fresh process: interpreter start-up, imports,
+    the analysis and the JSON it prints, measured from outside by the child's rusage."""
+    env = {**CHILD_ENV, "PYTHONPATH": src} if src else CHILD_ENV
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        t = time.perf_counter()
+        p = subprocess.Popen([python, "-m", "stepscope", "trace", "--json", str(trace_dir)],
+                             stdout=out, stderr=err, env=env)
+        _, status, ru = os.wait4(p.pid, 0)  # the child's own rusage, reaped here
+        wall = time.perf_counter() - t
+        p.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        if p.returncode != 0:
+            return {"error": err.read().decode(errors="replace")[-500:]}
+        doc = json.loads(out.read())
+    total = doc["ranks"][0]["total"] or {}
+    return {"wall_s": wall, "cpu_s": ru.ru_utime + ru.ru_stime, "import_cpu_s": 0.0,
+            "peak_rss_mb": ru.ru_maxrss / 1024,
+            "busy_us": total.get("busy_us"), "idle_us": total.get("idle_us")}
+
+
 def run(python: str, code: str, trace_dir: Path, src: str | None = None) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": src} if src else None
+    if code == "cli":
+        return run_cli(python, trace_dir, src)
+    env = {**CHILD_ENV, "PYTHONPATH": src} if src else CHILD_ENV
     p = subprocess.run([python, "-c", code, str(trace_dir)], capture_output=True, text=True,
                        check=False, env=env)
     if p.returncode != 0:
@@ -149,6 +179,15 @@ def main() -> int:
                     help="also time stepscope without running the package __init__ (no torch import)")
     ap.add_argument("--baseline-src", metavar="DIR",
                     help="also time another checkout's src/ (e.g. the previous version) side by side")
+    ap.add_argument("--cli", action="store_true",
+                    help="also time `stepscope trace --json` end to end (start-up, analysis, "
+                         "output; CPU from the child's rusage), and the baseline's with "
+                         "--baseline-src")
+    ap.add_argument("--pyc", action="store_true",
+                    help="let the children use and write bytecode (in a temporary "
+                         "PYTHONPYCACHEPREFIX, one untimed run per tool first), as an "
+                         "installed package does; without it PYTHONDONTWRITEBYTECODE, where "
+                         "set, makes every run compile the sources again")
     ap.add_argument("--whitespace", action="store_true",
                     help="pad one copy of the seed with --size-mb of whitespace instead of repeating it")
     args = ap.parse_args()
@@ -178,17 +217,26 @@ def main() -> int:
             if args.gzip == "yes":
                 variants = [("-gz", gz_dir)]
         tools: list[tuple[str, str, str, str | None]] = [("stepscope", sys.executable, OURS, None)]
+        if args.cli:
+            tools.append(("stepscope-cli", sys.executable, "cli", None))
+            if args.baseline_src:
+                tools.append(("baseline-cli", sys.executable, "cli", args.baseline_src))
         if args.bare:
             tools.append(("stepscope-bare", sys.executable, OURS_BARE, None))
         if args.baseline_src:
             tools.append(("baseline", sys.executable, OURS, args.baseline_src))
         if not args.no_hta:
             tools.append(("hta", args.hta_python, HTA, None))
+        if args.pyc:
+            CHILD_ENV.pop("PYTHONDONTWRITEBYTECODE", None)
+            CHILD_ENV["PYTHONPYCACHEPREFIX"] = str(d / "pycache")
+            for _, py, code, tool_src in tools:  # untimed: writes the bytecode
+                run(py, code, variants[0][1], tool_src)
         results: dict[str, list[dict[str, Any]]] = {}
         for i in range(args.repeats):  # interleaved, so drift hits every tool alike
             for suffix, where in variants:
-                for tool, py, code, src in tools:
-                    r = run(py, code, where, src)
+                for tool, py, code, tool_src in tools:
+                    r = run(py, code, where, tool_src)
                     r.update(tool=tool + suffix, run=i, size_mb=round(size / 1e6, 1))
                     if "wall_s" in r:
                         r["mb_per_s"] = round(size / 1e6 / r["wall_s"], 1)
@@ -206,6 +254,15 @@ def main() -> int:
                           "cpu_s": [round(r["cpu_s"], 2) for r in bare],
                           "cpu_mb_per_s": [round(size / 1e6 / r["cpu_s"], 1) for r in bare],
                           "peak_rss_mb": [round(r["peak_rss_mb"]) for r in bare]}))
+    for cli in ("stepscope-cli", "baseline-cli"):
+        if ok.get(cli):
+            rs = ok[cli]
+            print(json.dumps({"summary": cli, "size_mb": round(size / 1e6, 1),
+                              "cpu_s": [round(r["cpu_s"], 3) for r in rs],
+                              "median_cpu_s": round(statistics.median(r["cpu_s"] for r in rs), 3),
+                              "cpu_mb_per_s": round(size / 1e6 / statistics.median(
+                                  r["cpu_s"] for r in rs), 1),
+                              "peak_rss_mb": round(max(r["peak_rss_mb"] for r in rs))}))
     if ok.get("stepscope") and ok.get("stepscope-gz"):
         plain = statistics.median(r["wall_s"] for r in ok["stepscope"])
         gz = statistics.median(r["wall_s"] for r in ok["stepscope-gz"])

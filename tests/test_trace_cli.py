@@ -64,3 +64,38 @@ def test_bad_input_exits_2_without_traceback(tmp_path: Path, content: bytes | No
 def test_empty_directory_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["trace", str(tmp_path)]) == 2
     assert "no .json" in capsys.readouterr().err
+
+
+_STARTUP_PROBE = """
+import json, os, sys
+from stepscope.cli import main
+rc = main(["trace", "--json", sys.argv[1]])
+heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "duckdb", "rich", "pyarrow")
+               or m in ("stepscope.lifecycle", "stepscope.config", "stepscope.sinks",
+                        "stepscope.records", "stepscope.dist"))
+print(json.dumps({"rc": rc, "heavy": heavy, "blas": os.environ.get("OPENBLAS_NUM_THREADS")}),
+      file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("user_setting", [None, "2"])
+def test_trace_command_start_up_imports_only_what_it_reads_with(
+        tmp_path: Path, user_setting: str | None) -> None:
+    """`stepscope trace` pays for no recording-side module (config, lifecycle, sinks: ~0.04 s of
+    CPU when `import stepscope` imported them) and for one OpenBLAS thread instead of one per
+    core (numpy's import 0.13 -> 0.09 s); a user's OPENBLAS_NUM_THREADS is left as it is."""
+    import os
+    import subprocess
+    import sys
+
+    trace = tmp_path / "rank0.pt.trace.json"
+    trace.write_text(json.dumps({"traceEvents": [
+        {"ph": "X", "cat": "kernel", "name": "k", "ts": 10, "dur": 5, "pid": 0, "tid": 7,
+         "args": {"stream": 7, "correlation": 1}}]}))
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+    if user_setting is not None:
+        env["OPENBLAS_NUM_THREADS"] = user_setting
+    p = subprocess.run([sys.executable, "-c", _STARTUP_PROBE, str(trace)], capture_output=True,
+                       text=True, timeout=120, env=env, check=False)
+    got = json.loads(p.stderr.strip().splitlines()[-1])
+    assert got == {"rc": 0, "heavy": [], "blas": user_setting or "1"}, p.stderr[-2000:]

@@ -22,6 +22,7 @@ from stepscope.analysis import kernels as K
 from stepscope.analysis.trace.reader import (
     MAX_DEPTH,
     MAX_INFLATED_BYTES,
+    READ_CHUNK,
     _open,
     _rank_of,
     _read_head_meta,
@@ -167,7 +168,7 @@ def _items(reader: _TraceReader, scan: EventScan) -> Iterator[list[Any]]:
     """The items of the trace's ``traceEvents`` array in lists, decoded a block at a time."""
     # A small first block: the exact scan reads the document's head up to traceEvents,
     # and the fast path takes every block after the array has begun.
-    for block in read_blocks(reader, BLOCK_BYTES, first=64 << 10):
+    for block in read_blocks(reader, max(BLOCK_BYTES, READ_CHUNK), first=64 << 10):
         yield from scan.feed_batches(block)
         if scan.stopped is not None:
             return

@@ -27,6 +27,7 @@ MAX_DEPTH = 64
 MAX_INFLATED_BYTES = 4 << 30
 #: How much is read (and inflated) at a time: large reads keep per-call overhead negligible.
 _READ_CHUNK = 1 << 20
+READ_CHUNK = _READ_CHUNK
 
 # Non-integers as exact Decimal, as ijson gives them.
 _HEAD_DECODER = msgspec.json.Decoder(float_hook=Decimal)
@@ -212,21 +213,16 @@ def _open(path: Path, max_bytes: int = MAX_INFLATED_BYTES,
 
 
 def read_blocks(reader: _TraceReader, size: int, first: int | None = None) -> Iterator[bytes]:
-    """The reader's bytes in blocks of about ``size`` (fewer calls, larger native work); the
-    first block is ``first`` bytes when given."""
+    """The reader's bytes in blocks of at most ``size`` (the first at most ``first``), each
+    what one read gives: with ``size`` >= ``_READ_CHUNK`` a block is the chunk the reader
+    produced, handed on without a copy (topping blocks up to an exact size copied every
+    byte once more)."""
     want = first or size
     while True:
-        parts: list[bytes] = []
-        total = 0
-        while total < want:
-            data = reader.read(want - total)
-            if not data:
-                break
-            parts.append(data)
-            total += len(data)
-        if not parts:
+        data = reader.read(want)
+        if not data:
             return
-        yield parts[0] if len(parts) == 1 else b"".join(parts)
+        yield data
         want = size
 
 
