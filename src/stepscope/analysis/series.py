@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from stepscope.analysis import grouped
-from stepscope.analysis.own import OwnColumns
+from stepscope.analysis.own import DenseOwn, OwnColumns
 from stepscope.common import robust
 
 #: Flag threshold: SIGMAS robust sigmas of the rank's own step-to-step variation, floored so
@@ -44,6 +44,8 @@ def _series(con: Any, steps: list[int], cols: OwnColumns | None = None) -> Serie
                                                                  "excess")))
         del got
     names = cols.names
+    if cols.dense is not None:
+        return _dense_series(cols.dense, names, steps)
     rank_a = np.asarray(cols.rank, dtype=np.int64)
     nid_a = np.asarray(cols.nid, dtype=np.int64)
     pos_a = np.searchsorted(np.asarray(steps, dtype=np.int64), np.asarray(cols.step, dtype=np.int64))
@@ -58,6 +60,24 @@ def _series(con: Any, steps: list[int], cols: OwnColumns | None = None) -> Serie
     bounds = [*starts.tolist(), len(key_a)]
     return {(int(rank_a[i]), names[int(nid_a[i])]): (pos_a[i:j], ex_a[i:j], own_a[i:j])
             for i, j in itertools.pairwise(bounds)}
+
+
+def _dense_series(d: DenseOwn, names: list[str], steps: list[int]) -> Series:
+    """:func:`_series` from the per-phase matrices: each series is a row (a view) of its
+    phase's matrices, less the steps without a gap; same keys in the same order."""
+    pos = np.searchsorted(np.asarray(steps, dtype=np.int64), d.steps)
+    whole = [~np.isnan(g).any(axis=1) for g in d.excess]  # rows with a gap on every step
+    out: Series = {}
+    for i, rank in enumerate(d.ranks.tolist()):
+        for nid, name in enumerate(names):
+            gap, own = d.excess[nid][i], d.own[nid][i]
+            if whole[nid][i]:
+                out[(rank, name)] = (pos, gap, own)
+                continue
+            ok = ~np.isnan(gap)
+            if ok.any():
+                out[(rank, name)] = (pos[ok], gap[ok], own[ok])
+    return out
 
 
 def runq_by_step(con: Any) -> dict[int, dict[int, float]]:
