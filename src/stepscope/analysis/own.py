@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from stepscope.analysis import grouped
+from stepscope.analysis.blocks import in_block, step_blocks
 from stepscope.analysis.stats import RESIDUAL
 
 
@@ -44,16 +45,20 @@ def build_pw(con: Any) -> None:
                FROM cw WHERE phase IS NOT NULL)
            GROUP BY 1, 2, 3"""
     )
-    con.execute(
-        """CREATE OR REPLACE TABLE pw AS
-           SELECT p.rank, p.step, p.path, any_value(p.parent) AS parent, any_value(p.ms) AS ms,
-                  CAST(coalesce(sum(c.wait), 0.0) AS DOUBLE) AS wait,
-                  CAST(coalesce(sum(c.n), 0) AS BIGINT) AS ncoll,
-                  CAST(coalesce(sum(c.ms), 0.0) AS DOUBLE) AS coll_ms
-           FROM phases p LEFT JOIN cin c
-             ON c.rank = p.rank AND c.step = p.step AND c.anc = p.path
-           GROUP BY 1, 2, 3"""
-    )
+    # A block of steps at a time (analysis/blocks.py): the group-by holds one block's keys.
+    for i, b in enumerate(step_blocks(con)):
+        con.execute(
+            f"""{'CREATE OR REPLACE TABLE pw AS' if i == 0 else 'INSERT INTO pw'}
+                SELECT p.rank, p.step, p.path, any_value(p.parent) AS parent,
+                       any_value(p.ms) AS ms,
+                       CAST(coalesce(sum(c.wait), 0.0) AS DOUBLE) AS wait,
+                       CAST(coalesce(sum(c.n), 0) AS BIGINT) AS ncoll,
+                       CAST(coalesce(sum(c.ms), 0.0) AS DOUBLE) AS coll_ms
+                FROM (SELECT * FROM phases WHERE {in_block('step', b)}) p
+                LEFT JOIN (SELECT * FROM cin WHERE {in_block('step', b)}) c
+                  ON c.rank = p.rank AND c.step = p.step AND c.anc = p.path
+                GROUP BY 1, 2, 3"""
+        )
     con.execute("DROP TABLE cin")
 
 
