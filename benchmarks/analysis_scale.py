@@ -355,6 +355,7 @@ def _profile_stages() -> list[dict[str, Any]]:
                              "rss_before_mb": round(r0), "rss_after_mb": round(_rss_mb()),
                              "peak_so_far_mb": round(
                                  resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)})
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
 
         setattr(mod, fn_name, timed)
     return rows
@@ -363,12 +364,13 @@ def _profile_stages() -> list[dict[str, Any]]:
 def reread(run_dir: str, threads: int, memory_limit: str, profile: bool = False) -> None:
     """One ``analyze_run`` of ``run_dir`` in this process: wall, CPU, peak RSS, load.
 
-    ``profile``: also one line per stage (wall, CPU, RSS around it, peak so far) on stderr,
-    in call order (nested stages appear before the stage that called them)."""
+    ``profile``: also one line per stage (wall, CPU, RSS around it, peak so far) on stderr
+    as each ends (nested stages before the stage that called them)."""
     import stepscope
     from stepscope.analysis.run import analyze_run
 
-    stages = _profile_stages() if profile else []
+    if profile:
+        _profile_stages()
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
     doc = analyze_run(run_dir, threads=threads, memory_limit=memory_limit)
@@ -383,8 +385,6 @@ def reread(run_dir: str, threads: int, memory_limit: str, profile: bool = False)
         "phase_samples": doc["run"]["phase_samples"],
         "stragglers": [(s["rank"], s["phase"]) for s in doc["stragglers"][:3]],
     }), flush=True)
-    for row in stages:
-        print(json.dumps(row), file=sys.stderr)
 
 
 def main() -> int:
