@@ -317,6 +317,7 @@ def test_blocks_of_steps_give_the_whole_run_report(tmp_path: Path, monkeypatch: 
         assert len(blocks.step_blocks(data.con)) == 1
         monkeypatch.setattr(blocks, "BLOCK_RECORDS", 6)  # one step (6 ranks) per block
         assert len(blocks.step_blocks(data.con)) == 60
+        assert len(blocks.rank_blocks(data.con)) == 6  # one rank (60 records) per block
     finally:
         data.close()
     split = _doc(run)
@@ -328,7 +329,7 @@ def test_blocks_of_steps_give_the_whole_run_report(tmp_path: Path, monkeypatch: 
 def test_step_blocks_cover_every_step_once() -> None:
     import duckdb
 
-    from stepscope.analysis.blocks import step_blocks
+    from stepscope.analysis.blocks import rank_blocks, step_blocks
 
     con = duckdb.connect()
     try:
@@ -341,6 +342,9 @@ def test_step_blocks_cover_every_step_once() -> None:
             sizes = [con.execute(f"SELECT count(*) FROM steps WHERE step BETWEEN {a} AND {b}")
                      .fetchone()[0] for a, b in got]
             assert all(n <= max(cap, 5) for n in sizes), (cap, sizes)
+        for cap in (1, 10, 11, 22, 1000):
+            got = rank_blocks(con, cap)
+            assert [r for a, b in got for r in range(a, b + 1)] == list(range(5)), (cap, got)
         with pytest.raises(ValueError, match="records per block"):
             step_blocks(con, 0)
     finally:

@@ -21,13 +21,17 @@ WHOLE = (-(1 << 62), 1 << 62)
 def step_blocks(con: Any, records: int | None = None) -> list[tuple[int, int]]:
     """Consecutive (first, last) step ranges of table ``steps`` covering every step, each
     with at most ``records`` (default :data:`BLOCK_RECORDS`) records, but one step at least."""
+    return _blocks(con, "step", records)
+
+
+def _blocks(con: Any, col: str, records: int | None) -> list[tuple[int, int]]:
     cap = BLOCK_RECORDS if records is None else int(records)
     if cap < 1:
         raise ValueError(f"records per block must be >= 1, got {records!r}")
     if not con.execute("SELECT count(*) FROM information_schema.tables "
                        "WHERE table_name = 'steps'").fetchone()[0]:
         return [WHOLE]  # tables made by hand (tests): one block, every step
-    rows = con.execute("SELECT step, count(*) FROM steps GROUP BY 1 ORDER BY 1").fetchall()
+    rows = con.execute(f"SELECT {col}, count(*) FROM steps GROUP BY 1 ORDER BY 1").fetchall()
     out: list[tuple[int, int]] = []
     first = last = 0
     n = -1  # no block open
@@ -41,6 +45,13 @@ def step_blocks(con: Any, records: int | None = None) -> list[tuple[int, int]]:
     if n >= 0:
         out.append((first, last))
     return out or [WHOLE]
+
+
+def rank_blocks(con: Any, records: int | None = None) -> list[tuple[int, int]]:
+    """Consecutive (first, last) rank ranges of table ``steps``, each with at most
+    ``records`` records (one rank at least): for aggregates per rank over every step (an
+    exact median per (phase, rank) holds all of its values at once)."""
+    return _blocks(con, "rank", records)
 
 
 def in_block(col: str, block: tuple[int, int]) -> str:

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from stepscope.analysis import grouped
-from stepscope.analysis.blocks import in_block, step_blocks
+from stepscope.analysis.blocks import in_block, rank_blocks, step_blocks
 from stepscope.analysis.stats import RESIDUAL
 
 
@@ -290,13 +290,17 @@ def phase_waits(con: Any, phases: dict[str, Any]) -> None:
         f"""SELECT path, NULL AS rank, median(wait), sum(ms - wait), bool_and(parent IS NULL),
                    sum(greatest(ms - coll_ms, 0.0))
             FROM pw GROUP BY 1
-            UNION ALL SELECT '{RESIDUAL}', NULL, median(wait), sum(own), TRUE, sum(work) FROM rx
-            UNION ALL SELECT path, rank, median(wait), sum(ms - wait), bool_and(parent IS NULL),
-                             sum(greatest(ms - coll_ms, 0.0))
-            FROM pw GROUP BY 1, 2
-            UNION ALL SELECT '{RESIDUAL}', rank, median(wait), sum(own), TRUE, sum(work) FROM rx
-                      GROUP BY 2"""
+            UNION ALL SELECT '{RESIDUAL}', NULL, median(wait), sum(own), TRUE, sum(work) FROM rx"""
     ).fetchall()
+    # Per rank, a block of ranks at a time: an exact median holds every value of its group.
+    for b in rank_blocks(con):
+        rows += con.execute(
+            f"""SELECT path, rank, median(wait), sum(ms - wait), bool_and(parent IS NULL),
+                       sum(greatest(ms - coll_ms, 0.0))
+                FROM pw WHERE {in_block('rank', b)} GROUP BY 1, 2
+                UNION ALL SELECT '{RESIDUAL}', rank, median(wait), sum(own), TRUE, sum(work)
+                FROM rx WHERE {in_block('rank', b)} GROUP BY 2"""
+        ).fetchall()
     # Index the per-rank entries once: searching per_rank for each row is ranks^2.
     per_rank: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for pname, ph in phases.items():
