@@ -397,3 +397,16 @@ def test_thresholds_in_chunks_equal_all_at_once(monkeypatch: Any) -> None:
     monkeypatch.setattr(series, "_CHUNK", 50)
     assert series._thresholds(data, 10.0) == whole
     assert len(set(whole.values())) > 70  # 80 series long enough for a noise, and the floor
+
+
+def test_goodput_in_chunks_of_rows_equals_one_chunk(tmp_path: Path, monkeypatch: Any) -> None:
+    # The event accounting runs over chunks of records in row order: the running sums (and
+    # so every GPU-hour figure) are those of one chunk, even with a chunk of 7 records.
+    from stepscope.analysis import goodput
+
+    run = write_run(tmp_path / "run", SynthRun(ranks=5, steps=40, every=2, seed=6,
+                                               slow=(Slow(1, "dataloader", 7.0, 10, 20),)))
+    whole = _doc(run)["goodput"]
+    monkeypatch.setattr(goodput, "_CHUNK_ROWS", 7)
+    assert _doc(run)["goodput"] == whole
+    assert whole["gpu_hours"] > 0 and whole["lost_gpu_hours"]["stragglers"] > 0
