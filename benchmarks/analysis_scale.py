@@ -312,11 +312,65 @@ def equivalence(base_src: str, runs: list[str]) -> int:
     return 1 if bad else 0
 
 
-def reread(run_dir: str, threads: int, memory_limit: str) -> None:
-    """One ``analyze_run`` of ``run_dir`` in this process: wall, CPU, peak RSS, load."""
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+#: The stages ``--reread --profile`` times: (module, function), each wrapped where it is called.
+_STAGES = (
+    ("stepscope.analysis.run", "load_run"), ("stepscope.analysis.run", "create_phase_samples"),
+    ("stepscope.analysis.stragglers", "align"), ("stepscope.analysis.stragglers", "build_waits"),
+    ("stepscope.analysis.stragglers", "build_own"), ("stepscope.analysis.stragglers", "_series"),
+    ("stepscope.analysis.stragglers", "build_thresholds"),
+    ("stepscope.analysis.stragglers", "find_stragglers"),
+    ("stepscope.analysis.stragglers", "find_windows"),
+    ("stepscope.analysis.stragglers", "collectives_section"),
+    ("stepscope.analysis.run", "split_host_busy"), ("stepscope.analysis.run", "phase_stats"),
+    ("stepscope.analysis.run", "phase_waits"), ("stepscope.analysis.run", "rank_stats"),
+    ("stepscope.analysis.run", "analyze_resources"), ("stepscope.analysis.run", "diagnose"),
+    ("stepscope.analysis.run", "compute_goodput"),
+    ("stepscope.analysis.run", "add_coverage_sections"),
+)
+
+
+def _profile_stages() -> list[dict[str, Any]]:
+    """Wrap each stage of :data:`_STAGES`: wall, CPU, RSS before/after and the process' peak."""
+    import importlib
+
+    rows: list[dict[str, Any]] = []
+    for mod_name, fn_name in _STAGES:
+        mod = importlib.import_module(mod_name)
+        fn = getattr(mod, fn_name, None)
+        if fn is None:
+            continue
+
+        def timed(*a: Any, _fn: Any = fn, _name: str = fn_name, **k: Any) -> Any:
+            r0, t0, c0 = _rss_mb(), time.perf_counter(), time.process_time()
+            try:
+                return _fn(*a, **k)
+            finally:
+                rows.append({"stage": _name, "wall_s": round(time.perf_counter() - t0, 2),
+                             "cpu_s": round(time.process_time() - c0, 2),
+                             "rss_before_mb": round(r0), "rss_after_mb": round(_rss_mb()),
+                             "peak_so_far_mb": round(
+                                 resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)})
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+
+        setattr(mod, fn_name, timed)
+    return rows
+
+
+def reread(run_dir: str, threads: int, memory_limit: str, profile: bool = False) -> None:
+    """One ``analyze_run`` of ``run_dir`` in this process: wall, CPU, peak RSS, load.
+
+    ``profile``: also one line per stage (wall, CPU, RSS around it, peak so far) on stderr
+    as each ends (nested stages before the stage that called them)."""
     import stepscope
     from stepscope.analysis.run import analyze_run
 
+    if profile:
+        _profile_stages()
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
     doc = analyze_run(run_dir, threads=threads, memory_limit=memory_limit)
@@ -343,7 +397,8 @@ def main() -> int:
     p.add_argument("--no-store", action="store_true",
                    help="analyse the JSONL directly (the path before the Parquet store)")
     p.add_argument("--profile", action="store_true",
-                   help="print per-query timings (slowest first) and the compaction time")
+                   help="print per-query timings (slowest first) and the compaction time; "
+                        "with --reread, per-stage wall, CPU and RSS")
     p.add_argument("--keep", action="store_true",
                    help="keep (and reuse) the generated runs under --dir")
     p.add_argument("--median-of-others", metavar="BASE_SRC",
@@ -371,7 +426,7 @@ def main() -> int:
                           "seconds": round(secs, 1)}))
         return 0
     if args.reread:
-        reread(args.reread, args.threads, args.memory_limit)
+        reread(args.reread, args.threads, args.memory_limit, args.profile)
         return 0
     if args.median_of_others:
         median_of_others(args.median_of_others)

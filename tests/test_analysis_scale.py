@@ -295,3 +295,118 @@ def test_waits_credit_each_enclosing_phase_exactly() -> None:
             want = (sum(0.5 * j + rank for j in inside), len(inside), sum(1.0 + j for j in inside))
             assert got[(rank, p)] == pytest.approx(want), (rank, p)
     assert got[(0, "a")][1] == 5 and got[(0, "ab")][1] == 1 and got[(0, "a/bc")][1] == 1
+
+
+def _doc(run: Path) -> dict[str, Any]:
+    doc = analyze_run(run)
+    doc["run"].pop("dir", None)
+    return doc
+
+
+def test_blocks_of_steps_give_the_whole_run_report(tmp_path: Path, monkeypatch: Any) -> None:
+    # Alignment spreads, host offsets and pw are built a block of steps at a time; with
+    # one step per block the report must be the one-block report, key for key.
+    from stepscope.analysis import blocks
+
+    run = write_run(tmp_path / "run", SynthRun(
+        ranks=6, steps=60, hosts=2, host_offset_ms=3.0, comm_child=True, seed=4,
+        slow=(Slow(2, "forward", 12.0, 20, 34), Slow(4, "optimizer", 6.0))))
+    whole = _doc(run)
+    data = analyze_run(run, keep=True)["_data"]
+    try:
+        assert len(blocks.step_blocks(data.con)) == 1
+        monkeypatch.setattr(blocks, "BLOCK_RECORDS", 6)  # one step (6 ranks) per block
+        assert len(blocks.step_blocks(data.con)) == 60
+        assert len(blocks.rank_blocks(data.con)) == 6  # one rank (60 records) per block
+    finally:
+        data.close()
+    split = _doc(run)
+    assert split == whole
+    assert {(s["rank"], s["phase"]) for s in whole["stragglers"]} >= {(2, "forward")}
+    assert whole["run"]["alignment"]["offsets_ms"]
+
+
+def test_step_blocks_cover_every_step_once() -> None:
+    import duckdb
+
+    from stepscope.analysis.blocks import rank_blocks, step_blocks
+
+    con = duckdb.connect()
+    try:
+        con.execute("CREATE TABLE steps AS SELECT r.range AS rank, s.range * 3 AS step "
+                    "FROM range(5) r, range(11) s WHERE NOT (s.range = 4 AND r.range > 1)")
+        for cap in (1, 4, 5, 7, 10, 12, 1000):
+            got = step_blocks(con, cap)
+            steps = [s for a, b in got for s in range(a, b + 1, 3)]
+            assert steps == list(range(0, 33, 3)), (cap, got)
+            sizes = [con.execute(f"SELECT count(*) FROM steps WHERE step BETWEEN {a} AND {b}")
+                     .fetchone()[0] for a, b in got]
+            assert all(n <= max(cap, 5) for n in sizes), (cap, sizes)
+        for cap in (1, 10, 11, 22, 1000):
+            got = rank_blocks(con, cap)
+            assert [r for a, b in got for r in range(a, b + 1)] == list(range(5)), (cap, got)
+        with pytest.raises(ValueError, match="records per block"):
+            step_blocks(con, 0)
+    finally:
+        con.close()
+
+
+def test_dense_median_of_others_equals_the_grouped_path(tmp_path: Path, monkeypatch: Any) -> None:
+    # build_own's ranks x steps matrices against its grouped path on the same run: the same
+    # ex table, the same gap series (keys, order, positions, values), the same thresholds.
+    import numpy as np
+
+    from stepscope.analysis import own as own_mod
+    from stepscope.analysis.series import _series, _thresholds
+
+    run = write_run(tmp_path / "run", SynthRun(
+        ranks=7, steps=50, seed=9, comm_child=True, slow=(Slow(3, "backward", 9.0, 10, 25),)))
+    out = []
+    for dense in (True, False):
+        if not dense:
+            monkeypatch.setattr(own_mod, "_middles_dense", lambda con, names: None)
+        data = analyze_run(run, keep=True)["_data"]
+        try:
+            steps = [s for (s,) in data.con.execute("SELECT DISTINCT step FROM steps ORDER BY 1")
+                     .fetchall()]
+            cols = own_mod.build_own(data.con)
+            assert (cols.dense is not None) == dense
+            ser = _series(data.con, steps, cols)
+            ex = data.con.execute("SELECT * FROM ex ORDER BY rank, step, name").fetchall()
+        finally:
+            data.close()
+        out.append((ex, ser, _thresholds(ser, 20.0)))
+    (ex_d, ser_d, thr_d), (ex_g, ser_g, thr_g) = out
+    assert ex_d == ex_g and len(ex_d) > 7 * 50
+    assert list(ser_d) == list(ser_g)
+    for k in ser_g:
+        for a, b in zip(ser_d[k], ser_g[k], strict=True):
+            assert np.array_equal(a, b), k
+    assert thr_d == thr_g
+
+
+def test_thresholds_in_chunks_equal_all_at_once(monkeypatch: Any) -> None:
+    import numpy as np
+
+    from stepscope.analysis import series
+
+    rng = np.random.default_rng(2)
+    data = {(r, n): (np.arange(k), rng.normal(0, 1 + r, k), np.ones(k))
+            for r in range(40) for n, k in (("a", 1), ("b", 2), ("c", 37), ("d", 100))}
+    whole = series._thresholds(data, 10.0)
+    monkeypatch.setattr(series, "_CHUNK", 50)
+    assert series._thresholds(data, 10.0) == whole
+    assert len(set(whole.values())) > 70  # 80 series long enough for a noise, and the floor
+
+
+def test_goodput_in_chunks_of_rows_equals_one_chunk(tmp_path: Path, monkeypatch: Any) -> None:
+    # The event accounting runs over chunks of records in row order: the running sums (and
+    # so every GPU-hour figure) are those of one chunk, even with a chunk of 7 records.
+    from stepscope.analysis import goodput
+
+    run = write_run(tmp_path / "run", SynthRun(ranks=5, steps=40, every=2, seed=6,
+                                               slow=(Slow(1, "dataloader", 7.0, 10, 20),)))
+    whole = _doc(run)["goodput"]
+    monkeypatch.setattr(goodput, "_CHUNK_ROWS", 7)
+    assert _doc(run)["goodput"] == whole
+    assert whole["gpu_hours"] > 0 and whole["lost_gpu_hours"]["stragglers"] > 0

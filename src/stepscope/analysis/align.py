@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from stepscope.analysis.blocks import in_block, step_blocks
+
 #: A phase nested in the sync phase with one of these names times the collective itself;
 #: its start is then the rank's arrival (timeline fallback only).
 _COMM_NAME = re.compile(r"all_?reduce|allgather|reduce_scatter|collective|comm|grad_sync|sync|wait",
@@ -49,14 +51,21 @@ def align(con: Any, hosts: dict[str, list[int]], n_ranks: int, median_step: floa
     if cands and shared:
         # Clocks on one host are directly comparable: measure end alignment there only.
         names = ", ".join("'" + c.replace("'", "''") + "'" for c in cands)
-        for name, spread in con.execute(
-            f"""SELECT name, median(spread) FROM (
-                    SELECT p.name, p.step, s.host, max(s.t0 + p.e) - min(s.t0 + p.e) AS spread
+        # Per step and host, a block of steps at a time (analysis/blocks.py); the median
+        # over all of them at the end.
+        con.execute("CREATE OR REPLACE TEMP TABLE spr (name VARCHAR, spread DOUBLE)")
+        for b in step_blocks(con):
+            con.execute(
+                f"""INSERT INTO spr
+                    SELECT p.name, max(s.t0 + p.e) - min(s.t0 + p.e) AS spread
                     FROM phases p JOIN steps s USING (rank, step)
                     WHERE p.parent IS NULL AND p.name IN ({names})
-                    GROUP BY 1, 2, 3 HAVING count(*) > 1) GROUP BY 1"""
-        ).fetchall():
+                      AND {in_block('p.step', b)} AND {in_block('s.step', b)}
+                    GROUP BY p.name, p.step, s.host HAVING count(*) > 1"""
+            )
+        for name, spread in con.execute("SELECT name, median(spread) FROM spr GROUP BY 1").fetchall():
             spreads[name] = float(spread)
+        con.execute("DROP TABLE spr")
     sync: str | None = None
     if spreads:
         best = min(spreads, key=lambda n: spreads[n])
@@ -77,14 +86,19 @@ def align(con: Any, hosts: dict[str, list[int]], n_ranks: int, median_step: floa
     offsets: dict[str, float] = {h: 0.0 for h in hosts}
     method = "single host: start_unix_ns compared directly" if not multi_host else ""
     if multi_host and sync is not None:
-        rows = con.execute(
-            f"""WITH ends AS (
-                    SELECT s.host, p.step, s.t0 + p.e AS end_t FROM phases p
+        con.execute("CREATE OR REPLACE TEMP TABLE ends (host VARCHAR, step BIGINT, end_t DOUBLE)")
+        for b in step_blocks(con):
+            con.execute(
+                f"""INSERT INTO ends SELECT s.host, p.step, s.t0 + p.e AS end_t FROM phases p
                     JOIN steps s USING (rank, step)
-                    WHERE p.name = '{sync}' AND p.parent IS NULL),
-                med AS (SELECT step, median(end_t) AS m FROM ends GROUP BY 1)
-                SELECT host, median(end_t - m) FROM ends JOIN med USING (step) GROUP BY 1"""
+                    WHERE p.name = '{sync}' AND p.parent IS NULL
+                      AND {in_block('p.step', b)} AND {in_block('s.step', b)}"""
+            )
+        rows = con.execute(
+            """WITH med AS (SELECT step, median(end_t) AS m FROM ends GROUP BY 1)
+               SELECT host, median(end_t - m) FROM ends JOIN med USING (step) GROUP BY 1"""
         ).fetchall()
+        con.execute("DROP TABLE ends")
         offsets = {str(h): float(o) for h, o in rows}
         method = (f"{len(hosts)} hosts: per-host clock offsets estimated from the common end "
                   f"of '{sync}' (median over steps)")

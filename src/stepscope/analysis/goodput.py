@@ -187,6 +187,10 @@ _STEP_CATS = tuple(_C[c] for c in ("stragglers", "exposed_comm", "input_stalls",
                                    "warmup", "productive"))
 
 
+#: Records per chunk of the event accounting.
+_CHUNK_ROWS = 1 << 20
+
+
 def _seq_sum(acc: float, v: np.ndarray[Any, Any]) -> float:
     """``acc`` plus each value of ``v`` in turn (a running sum: the Python loop's rounding)."""
     if not len(v):
@@ -255,8 +259,6 @@ def compute_goodput(con: Any, run_dir: str | Path, warmup: dict[str, Any] | None
 
     # Events in the order the accounting adds them, per row: the relaunch gap, the estimate
     # of unrecorded steps (split like the previous row), the rest of the gap, then the step.
-    blocks: list[tuple[np.ndarray[Any, Any], ...]] = []
-
     def step_parts(at: np.ndarray[Any, Any], use: np.ndarray[Any, Any],
                    amount: np.ndarray[Any, Any]) -> list[np.ndarray[Any, Any]]:
         ref = ms[at]
@@ -274,33 +276,37 @@ def compute_goodput(con: Any, run_dir: str | Path, warmup: dict[str, Any] | None
         vals += [warm, np.maximum(0.0, ref - total)]
         return [np.where(ok, v * f, 0.0) for v in vals]
 
-    slots: list[tuple[np.ndarray[Any, Any], int, np.ndarray[Any, Any]]] = []
-    here = np.arange(n)
-    slots.append((np.where(new_seg, gap, 0.0), _C["restarts"], here))
-    for v, c in zip(step_parts(prev, sampled, est), _STEP_CATS, strict=True):
-        slots.append((v, c, prev))
-    slots.append((np.where(has_prev & ~new_seg, gap - est, 0.0), _C["outside_steps"], here))
-    slots.append((np.where(redone, ms, 0.0), _C["restarts"], here))
-    for v, c in zip(step_parts(here, ~redone, ms), _STEP_CATS, strict=True):
-        slots.append((v, c, here))
-    # A slot with no event on any row adds nothing (the restart and sampling slots, mostly).
-    slots = [sl for sl in slots if not (sl[0] <= 0.0).all()]
-    if slots:
+    totals = _empty()
+    run_ms = [_empty() for _ in keys]
+    day_ms = [_empty() for _ in day_list]
+    # Events a chunk of rows at a time, accumulated in row order: the running sums see the
+    # same values in the same order as for all rows at once, without the events of every
+    # row stacked together (13 slots x 10^7 records: gigabytes).
+    for a in range(0, n, _CHUNK_ROWS):
+        b = min(n, a + _CHUNK_ROWS)
+        here, pv = np.arange(a, b), prev[a:b]
+        slots: list[tuple[np.ndarray[Any, Any], int, np.ndarray[Any, Any]]] = []
+        slots.append((np.where(new_seg[a:b], gap[a:b], 0.0), _C["restarts"], here))
+        for v, c in zip(step_parts(pv, sampled[a:b], est[a:b]), _STEP_CATS, strict=True):
+            slots.append((v, c, pv))
+        slots.append((np.where(has_prev[a:b] & ~new_seg[a:b], gap[a:b] - est[a:b], 0.0),
+                      _C["outside_steps"], here))
+        slots.append((np.where(redone[a:b], ms[a:b], 0.0), _C["restarts"], here))
+        for v, c in zip(step_parts(here, ~redone[a:b], ms[a:b]), _STEP_CATS, strict=True):
+            slots.append((v, c, here))
+        # A slot with no event on any row adds nothing (the restart and sampling slots, mostly).
+        slots = [sl for sl in slots if not (sl[0] <= 0.0).all()]
+        if not slots:
+            continue
         val = np.stack([v for v, _, _ in slots], axis=1).reshape(-1)
-        cat = np.tile(np.asarray([c for _, c, _ in slots], dtype=np.int64), n)
+        cat = np.tile(np.asarray([c for _, c, _ in slots], dtype=np.int64), b - a)
         owner = np.stack([o for _, _, o in slots], axis=1).reshape(-1)
         del slots
         # add() skips what is not above zero.
         live = ~(val <= 0.0)
         val, cat, owner = val[live], cat[live], owner[live]
-        blocks.append((val, cat, run_idx[owner], day_idx[owner]))
-
-    totals = _empty()
-    run_ms = [_empty() for _ in keys]
-    day_ms = [_empty() for _ in day_list]
-    for val, cat, rix, dix in blocks:
         _accumulate(totals, val, cat)
-        for accs, ix in ((run_ms, rix), (day_ms, dix)):
+        for accs, ix in ((run_ms, run_idx[owner]), (day_ms, day_idx[owner])):
             present = np.flatnonzero(np.bincount(ix, minlength=len(accs))).tolist()
             for g in present:
                 if len(present) == 1:  # one run or one day: every event is its

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from stepscope.analysis import grouped
+from stepscope.analysis.blocks import in_block, rank_blocks, step_blocks
 from stepscope.analysis.stats import RESIDUAL
 
 
@@ -44,23 +45,39 @@ def build_pw(con: Any) -> None:
                FROM cw WHERE phase IS NOT NULL)
            GROUP BY 1, 2, 3"""
     )
-    con.execute(
-        """CREATE OR REPLACE TABLE pw AS
-           SELECT p.rank, p.step, p.path, any_value(p.parent) AS parent, any_value(p.ms) AS ms,
-                  CAST(coalesce(sum(c.wait), 0.0) AS DOUBLE) AS wait,
-                  CAST(coalesce(sum(c.n), 0) AS BIGINT) AS ncoll,
-                  CAST(coalesce(sum(c.ms), 0.0) AS DOUBLE) AS coll_ms
-           FROM phases p LEFT JOIN cin c
-             ON c.rank = p.rank AND c.step = p.step AND c.anc = p.path
-           GROUP BY 1, 2, 3"""
-    )
+    # A block of steps at a time (analysis/blocks.py): the group-by holds one block's keys.
+    for i, b in enumerate(step_blocks(con)):
+        con.execute(
+            f"""{'CREATE OR REPLACE TABLE pw AS' if i == 0 else 'INSERT INTO pw'}
+                SELECT p.rank, p.step, p.path, any_value(p.parent) AS parent,
+                       any_value(p.ms) AS ms,
+                       CAST(coalesce(sum(c.wait), 0.0) AS DOUBLE) AS wait,
+                       CAST(coalesce(sum(c.n), 0) AS BIGINT) AS ncoll,
+                       CAST(coalesce(sum(c.ms), 0.0) AS DOUBLE) AS coll_ms
+                FROM (SELECT * FROM phases WHERE {in_block('step', b)}) p
+                LEFT JOIN (SELECT * FROM cin WHERE {in_block('step', b)}) c
+                  ON c.rank = p.rank AND c.step = p.step AND c.anc = p.path
+                GROUP BY 1, 2, 3"""
+        )
     con.execute("DROP TABLE cin")
+
+
+@dataclass
+class DenseOwn:
+    """Own work and its gap to the other ranks as one ranks × steps matrix per phase (NaN:
+    no row, or no gap); row ``i`` is rank ``ranks[i]``, column ``j`` step ``steps[j]``."""
+
+    ranks: Any
+    steps: Any
+    own: list[Any]
+    excess: list[Any]
 
 
 @dataclass
 class OwnColumns:
     """The rows of ``ex`` with an excess, as numpy columns (row order unspecified):
-    ``nid`` indexes ``names``."""
+    ``nid`` indexes ``names``. With ``dense`` set the columns are empty and the same rows
+    are the matrices' non-NaN cells."""
 
     names: list[str]
     rank: Any
@@ -68,6 +85,7 @@ class OwnColumns:
     step: Any
     own: Any
     excess: Any
+    dense: DenseOwn | None = None
 
 
 def build_own(con: Any) -> OwnColumns:
@@ -120,6 +138,9 @@ def _middles(con: Any) -> OwnColumns:
     sorted as S, for even n: p = S[n/2 - 1], q = S[n/2]; for odd n (c = (n - 1) / 2):
     p = S[c - 1], m = S[c], q = S[c + 1] (NULL where the cell is too small)."""
     names = [str(n) for (n,) in con.execute("SELECT DISTINCT name FROM own ORDER BY 1").fetchall()]
+    dense = _middles_dense(con, names)
+    if dense is not None:
+        return dense
     cols = con.execute(
         "SELECT rank, step, list_position($names, name) - 1 AS nid, own FROM own",
         {"names": names}).fetchnumpy()
@@ -169,6 +190,83 @@ def _middles(con: Any) -> OwnColumns:
                       own[keep] - others[keep])
 
 
+def _positions_of(n: Any) -> tuple[Any, Any, Any, Any, Any, Any]:
+    """:func:`_middles`' p, m, q positions for cell sizes ``n`` (an array), each with where it
+    lies inside its cell."""
+    c = (n - 1) // 2
+    even = n % 2 == 0
+    big = n >= 3
+    return (np.where(even, c, c - 1), even | big, c, ~even, c + 1, even | big)
+
+
+def _middles_dense(con: Any, names: list[str]) -> OwnColumns | None:
+    """:func:`_middles` one phase at a time on a ranks × steps matrix (a sort down each step's
+    column gives its order statistics), when every (rank, step, phase) has at most one row
+    and the matrices are not much larger than the rows; None otherwise (the grouped path).
+
+    Memory is one phase's matrices at a time plus the own-work and gap matrices kept for
+    the series: 16 bytes per (rank, step, phase), not the rows' columns sorted twice."""
+    n_rows = int(con.execute("SELECT count(*) FROM own").fetchone()[0])
+    ranks = np.asarray([r for (r,) in con.execute("SELECT DISTINCT rank FROM own ORDER BY 1").fetchall()],
+                       dtype=np.int64)
+    ustep = np.asarray([s for (s,) in con.execute("SELECT DISTINCT step FROM own ORDER BY 1").fetchall()],
+                       dtype=np.int64)
+    n_r, n_s = len(ranks), len(ustep)
+    if not n_rows or n_r * n_s * len(names) > 2 * n_rows + 1_000_000:
+        return None  # sparse (ranks on different steps): the grouped path holds only rows
+    owns: list[Any] = []
+    gaps: list[Any] = []
+    mids: list[tuple[Any, ...]] = []
+    cols_at = np.arange(n_s)
+    for name in names:
+        got = con.execute("SELECT rank, step, own FROM own WHERE name = $n", {"n": name}).fetchnumpy()
+        own = np.asarray(got["own"], dtype=np.float64)
+        flat = (np.searchsorted(ranks, np.asarray(got["rank"], dtype=np.int64)) * n_s
+                + np.searchsorted(ustep, np.asarray(got["step"], dtype=np.int64)))
+        del got
+        if np.isnan(own).any():
+            return None
+        mat = np.full((n_r, n_s), np.nan)
+        mat.flat[flat] = own
+        present = ~np.isnan(mat)
+        n = np.count_nonzero(present, axis=0)
+        if int(n.sum()) != len(own):
+            return None  # a (rank, step) twice in one phase: the grouped path counts both
+        del own, flat
+        srt = np.sort(mat, axis=0)  # NaN (no row) last: each column's n values first
+        stats = []
+        pos = _positions_of(n)
+        for k in range(3):
+            at, ok = pos[2 * k], pos[2 * k + 1]
+            vals = srt[np.clip(at, 0, max(n_r - 1, 0)), cols_at]
+            stats.append(np.where(ok, vals, np.nan))
+        del srt
+        pv, mv, qv = stats
+        with np.errstate(invalid="ignore"):
+            others = np.where(
+                n % 2 == 0, np.where(mat > pv, pv, qv),
+                np.where(mat < mv, 0.5 * (mv + qv),
+                         np.where(mat > mv, 0.5 * (pv + mv), 0.5 * (pv + qv))))
+            gap = np.where(present & (n >= 2), mat - others, np.nan)
+        del others, present
+        has = np.flatnonzero(n > 0)
+        mids.append((ustep[has], [name] * len(has), n[has], pv[has], mv[has], qv[has]))
+        owns.append(mat)
+        gaps.append(gap)
+    con.execute("CREATE OR REPLACE TEMP TABLE mid (step BIGINT, name VARCHAR, n BIGINT, "
+                "p DOUBLE, m DOUBLE, q DOUBLE)")
+    for st, nm, n, pv, mv, qv in mids:
+        p, m, q = ([None if x != x else float(x) for x in a.tolist()]  # NaN (x != x): NULL
+                   for a in (pv, mv, qv))
+        con.execute(
+            "INSERT INTO mid SELECT unnest(?::BIGINT[]), unnest(?::VARCHAR[]), "
+            "unnest(?::BIGINT[]), unnest(?::DOUBLE[]), unnest(?::DOUBLE[]), unnest(?::DOUBLE[])",
+            [st.tolist(), nm, n.tolist(), p, m, q])
+    empty = np.zeros(0, dtype=np.int64)
+    return OwnColumns(names, empty, empty, empty, np.zeros(0), np.zeros(0),
+                      DenseOwn(ranks, ustep, owns, gaps))
+
+
 def phase_waits(con: Any, phases: dict[str, Any]) -> None:
     """Add ``wait_ms`` (median wait inside, per step), ``own_share`` and ``work_share``.
 
@@ -192,13 +290,17 @@ def phase_waits(con: Any, phases: dict[str, Any]) -> None:
         f"""SELECT path, NULL AS rank, median(wait), sum(ms - wait), bool_and(parent IS NULL),
                    sum(greatest(ms - coll_ms, 0.0))
             FROM pw GROUP BY 1
-            UNION ALL SELECT '{RESIDUAL}', NULL, median(wait), sum(own), TRUE, sum(work) FROM rx
-            UNION ALL SELECT path, rank, median(wait), sum(ms - wait), bool_and(parent IS NULL),
-                             sum(greatest(ms - coll_ms, 0.0))
-            FROM pw GROUP BY 1, 2
-            UNION ALL SELECT '{RESIDUAL}', rank, median(wait), sum(own), TRUE, sum(work) FROM rx
-                      GROUP BY 2"""
+            UNION ALL SELECT '{RESIDUAL}', NULL, median(wait), sum(own), TRUE, sum(work) FROM rx"""
     ).fetchall()
+    # Per rank, a block of ranks at a time: an exact median holds every value of its group.
+    for b in rank_blocks(con):
+        rows += con.execute(
+            f"""SELECT path, rank, median(wait), sum(ms - wait), bool_and(parent IS NULL),
+                       sum(greatest(ms - coll_ms, 0.0))
+                FROM pw WHERE {in_block('rank', b)} GROUP BY 1, 2
+                UNION ALL SELECT '{RESIDUAL}', rank, median(wait), sum(own), TRUE, sum(work)
+                FROM rx WHERE {in_block('rank', b)} GROUP BY 2"""
+        ).fetchall()
     # Index the per-rank entries once: searching per_rank for each row is ranks^2.
     per_rank: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for pname, ph in phases.items():

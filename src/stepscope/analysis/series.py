@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from stepscope.analysis import grouped
-from stepscope.analysis.own import OwnColumns
+from stepscope.analysis.own import DenseOwn, OwnColumns
 from stepscope.common import robust
 
 #: Flag threshold: SIGMAS robust sigmas of the rank's own step-to-step variation, floored so
@@ -40,10 +40,13 @@ def _series(con: Any, steps: list[int], cols: OwnColumns | None = None) -> Serie
         got = con.execute(
             "SELECT rank, list_position($names, name) - 1 AS nid, step, excess, own FROM ex "
             "WHERE excess IS NOT NULL", {"names": names}).fetchnumpy()
-        cols = OwnColumns(names, *(np.asarray(got[c]) for c in ("rank", "nid", "step", "own",
-                                                                 "excess")))
+        cols = OwnColumns(names, np.asarray(got["rank"]), np.asarray(got["nid"]),
+                          np.asarray(got["step"]), np.asarray(got["own"]),
+                          np.asarray(got["excess"]))
         del got
     names = cols.names
+    if cols.dense is not None:
+        return _dense_series(cols.dense, names, steps)
     rank_a = np.asarray(cols.rank, dtype=np.int64)
     nid_a = np.asarray(cols.nid, dtype=np.int64)
     pos_a = np.searchsorted(np.asarray(steps, dtype=np.int64), np.asarray(cols.step, dtype=np.int64))
@@ -58,6 +61,24 @@ def _series(con: Any, steps: list[int], cols: OwnColumns | None = None) -> Serie
     bounds = [*starts.tolist(), len(key_a)]
     return {(int(rank_a[i]), names[int(nid_a[i])]): (pos_a[i:j], ex_a[i:j], own_a[i:j])
             for i, j in itertools.pairwise(bounds)}
+
+
+def _dense_series(d: DenseOwn, names: list[str], steps: list[int]) -> Series:
+    """:func:`_series` from the per-phase matrices: each series is a row (a view) of its
+    phase's matrices, less the steps without a gap; same keys in the same order."""
+    pos = np.searchsorted(np.asarray(steps, dtype=np.int64), d.steps)
+    whole = [~np.isnan(g).any(axis=1) for g in d.excess]  # rows with a gap on every step
+    out: Series = {}
+    for i, rank in enumerate(d.ranks.tolist()):
+        for nid, name in enumerate(names):
+            gap, own = d.excess[nid][i], d.own[nid][i]
+            if whole[nid][i]:
+                out[(rank, name)] = (pos, gap, own)
+                continue
+            ok = ~np.isnan(gap)
+            if ok.any():
+                out[(rank, name)] = (pos[ok], gap[ok], own[ok])
+    return out
 
 
 def runq_by_step(con: Any) -> dict[int, dict[int, float]]:
@@ -142,6 +163,27 @@ def _thresholds(data: Series, median_step: float) -> dict[tuple[int, str], float
     """:func:`build_thresholds`' rule, over every series at once (numpy, no per-series loop)."""
     floor = max(FLOOR_MS, FLOOR_FRAC * median_step)
     keys = list(data)
+    out: dict[tuple[int, str], float] = {}
+    # Series by chunks of about CHUNK values: each series' noise is its own, so the result
+    # is the same as all at once, with the concatenated copies bounded (not 8 bytes × 3
+    # per sample of the whole run).
+    i = 0
+    while i < len(keys):
+        j, n = i, 0
+        while j < len(keys) and (j == i or n + len(data[keys[j]][1]) <= _CHUNK):
+            n += len(data[keys[j]][1])
+            j += 1
+        out.update(_thresholds_of(data, keys[i:j], floor))
+        i = j
+    return out
+
+
+#: Gap values per chunk of :func:`_thresholds`.
+_CHUNK = 1 << 22
+
+
+def _thresholds_of(data: Series, keys: list[tuple[int, str]],
+                   floor: float) -> dict[tuple[int, str], float]:
     if not keys:
         return {}
     lens = np.array([len(data[k][1]) for k in keys], dtype=np.int64)

@@ -1,0 +1,59 @@
+"""Blocks of steps: the per-step statements run over a few steps at a time.
+
+The alignment spreads, the waits inside each phase path (``pw``) and the own-work tables
+are per step: a step's values depend only on that step's rows of every rank. Grouping or
+joining the whole run at once makes DuckDB hold a hash table over every (rank, step, path)
+(10^8 rows: out of memory at a 3 GB limit); over a block of steps it holds that block's.
+Each block's rows are appended to the same table, so the tables (and every number taken
+from them) are the ones the whole-run statement builds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: Records (rank, step) per block: about ten times as many phase rows.
+BLOCK_RECORDS = 1_000_000
+#: Every step (a block for tables without ``steps``).
+WHOLE = (-(1 << 62), 1 << 62)
+
+
+def step_blocks(con: Any, records: int | None = None) -> list[tuple[int, int]]:
+    """Consecutive (first, last) step ranges of table ``steps`` covering every step, each
+    with at most ``records`` (default :data:`BLOCK_RECORDS`) records, but one step at least."""
+    return _blocks(con, "step", records)
+
+
+def _blocks(con: Any, col: str, records: int | None) -> list[tuple[int, int]]:
+    cap = BLOCK_RECORDS if records is None else int(records)
+    if cap < 1:
+        raise ValueError(f"records per block must be >= 1, got {records!r}")
+    if not con.execute("SELECT count(*) FROM information_schema.tables "
+                       "WHERE table_name = 'steps'").fetchone()[0]:
+        return [WHOLE]  # tables made by hand (tests): one block, every step
+    rows = con.execute(f"SELECT {col}, count(*) FROM steps GROUP BY 1 ORDER BY 1").fetchall()
+    out: list[tuple[int, int]] = []
+    first = last = 0
+    n = -1  # no block open
+    for step, k in rows:
+        if n >= 0 and n + int(k) > cap:
+            out.append((first, last))
+            n = -1
+        if n < 0:
+            first, n = int(step), 0
+        last, n = int(step), n + int(k)
+    if n >= 0:
+        out.append((first, last))
+    return out or [WHOLE]
+
+
+def rank_blocks(con: Any, records: int | None = None) -> list[tuple[int, int]]:
+    """Consecutive (first, last) rank ranges of table ``steps``, each with at most
+    ``records`` records (one rank at least): for aggregates per rank over every step (an
+    exact median per (phase, rank) holds all of its values at once)."""
+    return _blocks(con, "rank", records)
+
+
+def in_block(col: str, block: tuple[int, int]) -> str:
+    """SQL condition: ``col`` inside the block's steps."""
+    return f"{col} BETWEEN {int(block[0])} AND {int(block[1])}"
