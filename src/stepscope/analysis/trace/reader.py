@@ -26,8 +26,7 @@ MAX_DEPTH = 64
 #: Default cap on the bytes read from one trace file after gzip inflation (4 GiB).
 MAX_INFLATED_BYTES = 4 << 30
 #: How much is read (and inflated) at a time: large reads keep per-call overhead negligible.
-_READ_CHUNK = 1 << 20
-READ_CHUNK = _READ_CHUNK
+READ_CHUNK = 1 << 20
 
 # Non-integers as exact Decimal, as ijson gives them.
 _HEAD_DECODER = msgspec.json.Decoder(float_hook=Decimal)
@@ -114,7 +113,7 @@ class _TraceReader(io.RawIOBase):
     Gzip is sniffed by its magic rather than trusted from the suffix (people rename files)
     and inflated with zlib directly: a cut-off stream ends quietly (``truncated``) instead
     of raising and dropping the last decoded block, so the JSON parser yields every complete
-    event and reports the truncation itself. Output is produced ``_READ_CHUNK`` at a time
+    event and reports the truncation itself. Output is produced ``READ_CHUNK`` at a time
     (``max_length``), so a small file that inflates enormously never builds a huge buffer.
     When the input nests deeper than ``max_depth`` or passes ``max_bytes``, reading stops
     at that point and ``stopped`` says why: the parser then sees a truncated document.
@@ -162,23 +161,23 @@ class _TraceReader(io.RawIOBase):
         if z.eof:
             rest = z.unused_data
             if not rest:
-                rest = self._raw.read(_READ_CHUNK)
+                rest = self._raw.read(READ_CHUNK)
             if not rest:
                 self._done = True
                 return b""
             # Concatenated gzip members (rare, but legal): start a new decoder.
             z = self._z = zlib.decompressobj(16 + zlib.MAX_WBITS)
-            return z.decompress(rest, _READ_CHUNK)
-        src = z.unconsumed_tail or self._raw.read(_READ_CHUNK)
+            return z.decompress(rest, READ_CHUNK)
+        src = z.unconsumed_tail or self._raw.read(READ_CHUNK)
         if not src:
             self.truncated = not z.eof
             self._done = True
             return b""
-        return z.decompress(src, _READ_CHUNK)
+        return z.decompress(src, READ_CHUNK)
 
     def _fill(self) -> bytes:
         try:
-            data = self._inflate() if self._z is not None else self._raw.read(_READ_CHUNK)
+            data = self._inflate() if self._z is not None else self._raw.read(READ_CHUNK)
         except zlib.error:
             self.truncated = True
             self._done = True
@@ -214,7 +213,7 @@ def _open(path: Path, max_bytes: int = MAX_INFLATED_BYTES,
 
 def read_blocks(reader: _TraceReader, size: int, first: int | None = None) -> Iterator[bytes]:
     """The reader's bytes in blocks of at most ``size`` (the first at most ``first``), each
-    what one read gives: with ``size`` >= ``_READ_CHUNK`` a block is the chunk the reader
+    what one read gives: with ``size`` >= ``READ_CHUNK`` a block is the chunk the reader
     produced, handed on without a copy (topping blocks up to an exact size copied every
     byte once more)."""
     want = first or size
