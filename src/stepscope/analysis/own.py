@@ -158,33 +158,19 @@ def _middles(con: Any) -> OwnColumns:
     starts, counts = starts_all[has], counts_all[has]
 
     def positions(n: int) -> list[int]:  # p, m, q of the docstring (-1: none)
-        c = (n - 1) // 2  # odd n: the middle; even n: the lower middle
-        if n % 2 == 0:
-            return [c, -1, c + 1]
-        return [c - 1 if n >= 3 else -1, c, c + 1 if n >= 3 else -1]
+        at = _positions_of(np.int64(n))
+        return [int(at[2 * k]) if at[2 * k + 1] else -1 for k in range(3)]
 
     pa, ma, qa = grouped.order_stats(own[order], starts, counts, positions)
     del order
-    p, m, q = ([None if x != x else float(x) for x in a.tolist()]  # NaN (x != x): NULL
-               for a in (pa, ma, qa))
-    con.execute("CREATE OR REPLACE TEMP TABLE mid (step BIGINT, name VARCHAR, n BIGINT, "
-                "p DOUBLE, m DOUBLE, q DOUBLE)")
-    con.execute(
-        "INSERT INTO mid SELECT unnest(?::BIGINT[]), unnest(?::VARCHAR[]), unnest(?::BIGINT[]), "
-        "unnest(?::DOUBLE[]), unnest(?::DOUBLE[]), unnest(?::DOUBLE[])",
-        [ustep[has // n_names].tolist(), [names[int(i)] for i in (has % n_names).tolist()],
-         counts.tolist(), p, m, q])
-    # The same rule as ex's SQL, on the columns already here (the gap series need them).
+    _write_mid(con, ustep[has // n_names], [names[int(i)] for i in (has % n_names).tolist()],
+               counts, pa, ma, qa)
     cell = np.full(len(counts_all), -1, dtype=np.int64)
     cell[has] = np.arange(len(has))
     at = cell[gid]
     del gid, cell
-    n, pv, mv, qv = counts[at], pa[at], ma[at], qa[at]
-    with np.errstate(invalid="ignore"):
-        others = np.where(
-            n % 2 == 0, np.where(own > pv, pv, qv),
-            np.where(own < mv, 0.5 * (mv + qv),
-                     np.where(own > mv, 0.5 * (pv + mv), 0.5 * (pv + qv))))
+    n = counts[at]
+    others = _others(own, n, pa[at], ma[at], qa[at])
     keep = n >= 2
     return OwnColumns(names, rank[keep], nid[keep], step[keep], own[keep],
                       own[keep] - others[keep])
@@ -197,6 +183,27 @@ def _positions_of(n: Any) -> tuple[Any, Any, Any, Any, Any, Any]:
     even = n % 2 == 0
     big = n >= 3
     return (np.where(even, c, c - 1), even | big, c, ~even, c + 1, even | big)
+
+
+def _others(own: Any, n: Any, pv: Any, mv: Any, qv: Any) -> Any:
+    """The median of the other values of each value's cell, from the cell's size ``n`` and its
+    p, m, q (:func:`_middles`): the same rule as ex's SQL, on numpy columns or matrices."""
+    with np.errstate(invalid="ignore"):
+        return np.where(
+            n % 2 == 0, np.where(own > pv, pv, qv),
+            np.where(own < mv, 0.5 * (mv + qv),
+                     np.where(own > mv, 0.5 * (pv + mv), 0.5 * (pv + qv))))
+
+
+def _write_mid(con: Any, step: Any, name: list[str], n: Any, p: Any, m: Any, q: Any) -> None:
+    """Table ``mid`` (step, name, n, p, m, q) from columns; NaN order statistics are NULL."""
+    pq = ([None if x != x else float(x) for x in a.tolist()] for a in (p, m, q))  # x != x: NaN
+    con.execute("CREATE OR REPLACE TEMP TABLE mid (step BIGINT, name VARCHAR, n BIGINT, "
+                "p DOUBLE, m DOUBLE, q DOUBLE)")
+    con.execute(
+        "INSERT INTO mid SELECT unnest(?::BIGINT[]), unnest(?::VARCHAR[]), unnest(?::BIGINT[]), "
+        "unnest(?::DOUBLE[]), unnest(?::DOUBLE[]), unnest(?::DOUBLE[])",
+        [np.asarray(step).tolist(), name, np.asarray(n).tolist(), *pq])
 
 
 def _middles_dense(con: Any, names: list[str]) -> OwnColumns | None:
@@ -242,26 +249,18 @@ def _middles_dense(con: Any, names: list[str]) -> OwnColumns | None:
             stats.append(np.where(ok, vals, np.nan))
         del srt
         pv, mv, qv = stats
+        others = _others(mat, n, pv, mv, qv)
         with np.errstate(invalid="ignore"):
-            others = np.where(
-                n % 2 == 0, np.where(mat > pv, pv, qv),
-                np.where(mat < mv, 0.5 * (mv + qv),
-                         np.where(mat > mv, 0.5 * (pv + mv), 0.5 * (pv + qv))))
             gap = np.where(present & (n >= 2), mat - others, np.nan)
         del others, present
         has = np.flatnonzero(n > 0)
         mids.append((ustep[has], [name] * len(has), n[has], pv[has], mv[has], qv[has]))
         owns.append(mat)
         gaps.append(gap)
-    con.execute("CREATE OR REPLACE TEMP TABLE mid (step BIGINT, name VARCHAR, n BIGINT, "
-                "p DOUBLE, m DOUBLE, q DOUBLE)")
-    for st, nm, n, pv, mv, qv in mids:
-        p, m, q = ([None if x != x else float(x) for x in a.tolist()]  # NaN (x != x): NULL
-                   for a in (pv, mv, qv))
-        con.execute(
-            "INSERT INTO mid SELECT unnest(?::BIGINT[]), unnest(?::VARCHAR[]), "
-            "unnest(?::BIGINT[]), unnest(?::DOUBLE[]), unnest(?::DOUBLE[]), unnest(?::DOUBLE[])",
-            [st.tolist(), nm, n.tolist(), p, m, q])
+    # One phase per entry (rows in the table exist, so at least one phase).
+    st, nm, nn, pp, mm, qq = zip(*mids, strict=True)
+    _write_mid(con, np.concatenate(st), [x for per in nm for x in per], np.concatenate(nn),
+               np.concatenate(pp), np.concatenate(mm), np.concatenate(qq))
     empty = np.zeros(0, dtype=np.int64)
     return OwnColumns(names, empty, empty, empty, np.zeros(0), np.zeros(0),
                       DenseOwn(ranks, ustep, owns, gaps))
