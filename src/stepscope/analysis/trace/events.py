@@ -104,7 +104,12 @@ class ParsedTrace:
     rank_source: str
     device_events: list[DeviceEvent] = field(default_factory=list)
     steps: list[tuple[int, int, int]] = field(default_factory=list)  # (number, start, end) ns
-    launches: dict[int, int] = field(default_factory=dict)  # correlation -> host launch ns
+    # Launches as int64 columns in file order: correlation id and host launch ns (for an id
+    # launched twice the later one counts, as in :attr:`launches`). Ids past 64 bits
+    # (hostile input only) go to ``launch_odd`` instead.
+    launch_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    launch_ns: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    launch_odd: dict[int, int] = field(default_factory=dict)
     flops: list[tuple[int, float]] = field(default_factory=list)  # (cpu op start ns, flops)
     # CPU ops and annotations, for CPU summaries (compact: ~24 bytes per op).
     cpu_ops: CpuOps = field(default_factory=lambda: CpuOps())
@@ -117,6 +122,14 @@ class ParsedTrace:
     first_skip_reason: str = ""
     is_rocm: bool = False
     warnings: list[str] = field(default_factory=list)
+
+    @property
+    def launches(self) -> dict[int, int]:
+        """Correlation id -> host launch ns (built on each call; the breakdown reads the
+        columns)."""
+        out = dict(zip(self.launch_ids.tolist(), self.launch_ns.tolist(), strict=True))
+        out.update(self.launch_odd)
+        return out
 
 
 def parse_trace(path: str | os.PathLike[str], max_bytes: int = MAX_INFLATED_BYTES) -> ParsedTrace:
@@ -381,23 +394,30 @@ class _TimeColumn:
         self.n += len(raws)
         self.batch = []
 
-    def values(self, what: str) -> tuple[list[int], list[str | None]]:
-        """Each row's ns (0 where bad) and, per row, None or why it is bad."""
+    def array(self, what: str) -> tuple[np.ndarray, list[str | None] | None]:
+        """Each row's ns as int64 (0 where bad) and, where any row is bad, per row None or
+        why it is bad (None when every row converted)."""
         self.flush()
         buf = b"\n".join(self.parts)
         self.parts = []
         ns, ok = parse_ns(buf, self.n)
-        out = ns.tolist()
+        if not self.n or ok.all():
+            return ns, None
         errors: list[str | None] = [None] * self.n
-        if self.n and not ok.all():
-            texts = buf.split(b"\n")
-            for i in np.flatnonzero(~ok).tolist():
-                text = self.odd.get(i, texts[i] if i < len(texts) else b"")
-                try:
-                    out[i] = _time(text, what)
-                except _BadEvent as exc:
-                    errors[i] = str(exc)
-        return out, errors
+        texts = buf.split(b"\n")
+        for i in np.flatnonzero(~ok).tolist():
+            text = self.odd.get(i, texts[i] if i < len(texts) else b"")
+            try:
+                # |ns| < 4.6e18 (see _num): always fits int64.
+                ns[i] = _time(text, what)
+            except _BadEvent as exc:
+                errors[i] = str(exc)
+        return ns, (errors if any(errors) else None)
+
+    def values(self, what: str) -> tuple[list[int], list[str | None]]:
+        """Each row's ns (0 where bad) and, per row, None or why it is bad."""
+        ns, errors = self.array(what)
+        return ns.tolist(), errors if errors is not None else [None] * len(ns)
 
 
 def _skip(out: ParsedTrace, reason: str) -> None:
@@ -510,15 +530,24 @@ def _scan_events(batches: Iterable[list[Any]], out: ParsedTrace) -> None:
 
 
 def _finish_launches(out: ParsedTrace, corr: list[int], ts_col: _TimeColumn) -> None:
-    ts, errors = ts_col.values("ts")
-    if not any(errors):
-        out.launches.update(zip(corr, ts, strict=True))
-        return
-    for k, t, err in zip(corr, ts, errors, strict=True):
-        if err is None:
-            out.launches[k] = t
-        else:
-            _skip(out, err)
+    ts, errors = ts_col.array("ts")
+    if errors is not None:  # rare: skip the launches whose time is bad, in file order
+        keep = [e is None for e in errors]
+        for err in errors:
+            if err is not None:
+                _skip(out, err)
+        corr = [k for k, ok in zip(corr, keep, strict=True) if ok]
+        ts = ts[np.array(keep, dtype=bool)]
+    try:
+        ids = np.array(corr, dtype=np.int64)
+    except OverflowError:  # an id past 64 bits (hostile): those few as a dict
+        small = [abs(k) < 1 << 63 for k in corr]
+        ids = np.array([k for k, ok in zip(corr, small, strict=True) if ok], dtype=np.int64)
+        out.launch_odd.update((k, t) for k, t, ok in zip(corr, ts.tolist(), small, strict=True)
+                              if not ok)
+        ts = ts[np.array(small, dtype=bool)]
+    out.launch_ids = np.concatenate((out.launch_ids, ids)) if len(out.launch_ids) else ids
+    out.launch_ns = np.concatenate((out.launch_ns, ts)) if len(out.launch_ns) else ts
 
 
 def _finish_device(dev: list[DeviceEvent], out: ParsedTrace, ts_col: _TimeColumn,
