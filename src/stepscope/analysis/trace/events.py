@@ -441,6 +441,8 @@ def _scan_events(batches: Iterable[list[Any]], out: ParsedTrace) -> None:
     dev_ts, dev_dur = _TimeColumn(), _TimeColumn()
     dev_rows: list[DeviceEvent] = []
     lts, dts, ddur = launch_ts.batch, dev_ts.batch, dev_dur.batch
+    # Bound appends of the hot columns (rebound per batch with the columns' new lists).
+    corr_add, lts_add = launch_corr.append, lts.append
     try:
         for batch in batches:
             out.events_seen += len(batch)
@@ -463,11 +465,14 @@ def _scan_events(batches: Iterable[list[Any]], out: ParsedTrace) -> None:
                             _note_comm(out, e, _comm_key_of(a), _get(a.external_id, -1))
                     elif cat in _LAUNCH_CATS:
                         a = e.args
-                        corr = None if a is None else a.correlation
-                        if corr is not None and corr is not UNSET:
-                            key = corr if type(corr) is int else _int_arg(corr)
-                            launch_corr.append(key)
-                            lts.append(e.ts)
+                        if a is not None:
+                            corr = a.correlation
+                            if type(corr) is int:
+                                corr_add(corr)
+                                lts_add(e.ts)
+                            elif corr is not None and corr is not UNSET:
+                                corr_add(_int_arg(corr))
+                                lts_add(e.ts)
                         if cat[0] == "h" and cat[:3] == "hip":  # no slice for CUDA
                             out.is_rocm = True
                     elif cat in _DEVICE_CATS:
@@ -488,13 +493,17 @@ def _scan_events(batches: Iterable[list[Any]], out: ParsedTrace) -> None:
                         kind = ""
                         nbytes = 0
                         if category == K.MEMORY:
-                            ka = _get(a.kind, None)
+                            ka = a.kind
+                            if ka is UNSET:
+                                ka = None
                             if ka is None or type(ka) is str:  # hashable: once per pair
                                 kind = kinds.get((name, ka)) or kinds.setdefault(
                                     (name, ka), K.copy_kind(name, ka))
                             else:
                                 kind = K.copy_kind(name, ka)
-                            nbytes = max(0, _int_arg(_get(a.nbytes, None), 0))
+                            nb = a.nbytes
+                            nbytes = (max(0, nb) if type(nb) is int
+                                      else max(0, _int_arg(None if nb is UNSET else nb, 0)))
                         stream = a.stream
                         if stream is UNSET:
                             stream = -1 if e.tid is UNSET else e.tid
@@ -523,6 +532,7 @@ def _scan_events(batches: Iterable[list[Any]], out: ParsedTrace) -> None:
             dev_ts.flush()
             dev_dur.flush()
             lts, dts, ddur = launch_ts.batch, dev_ts.batch, dev_dur.batch
+            lts_add = lts.append
     finally:
         # Also when the scan stops at damage: what was read before it is kept.
         _finish_launches(out, launch_corr, launch_ts)
