@@ -64,7 +64,8 @@ def test_time_column_matches_and_reports_bad_rows() -> None:
     col.flush()  # a value with a line break must not shift the rows after it
     for t in texts[3:]:
         col.batch.append(t)
-    ns, errors = col.values("ts")
+    ns, errors = col.array("ts")
+    assert errors is not None
     assert ns[0] == 10_500 and ns[1] == -3_000 and ns[4] == 1712195495519689047
     assert ns[5] == 1_000_000
     assert errors[0] is None and errors[4] is None and errors[5] is None

@@ -111,11 +111,11 @@ def analyse_parsed(pt: ParsedTrace, top: int = 15) -> RankResult:
     # Device events by start (a stable sort, as sorted() by start), then int64 columns
     # (exact ns) for the unions per kernel class and the per-window sums.
     n = len(dev)
-    start = np.fromiter((d.start for d in dev), dtype=np.int64, count=n)
+    start, end = pt.device_times()
     by_start = np.argsort(start, kind="stable")
     ev = list(map(dev.__getitem__, by_start.tolist()))
     t0 = start[by_start]
-    t1 = np.fromiter((d.end for d in ev), dtype=np.int64, count=n)
+    t1 = end[by_start]
     dur = t1 - t0
     # Categories as small integer codes (in the order they first appear).
     cat_list, cat_code = _codes([d.category for d in ev])

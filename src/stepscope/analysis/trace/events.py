@@ -110,6 +110,9 @@ class ParsedTrace:
     launch_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     launch_ns: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     launch_odd: dict[int, int] = field(default_factory=dict)
+    # The device events' start and end ns as int64 columns (see device_times).
+    device_start: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    device_end: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     flops: list[tuple[int, float]] = field(default_factory=list)  # (cpu op start ns, flops)
     # CPU ops and annotations, for CPU summaries (compact: ~24 bytes per op).
     cpu_ops: CpuOps = field(default_factory=lambda: CpuOps())
@@ -122,6 +125,19 @@ class ParsedTrace:
     first_skip_reason: str = ""
     is_rocm: bool = False
     warnings: list[str] = field(default_factory=list)
+
+    def device_times(self) -> tuple[np.ndarray, np.ndarray]:
+        """Start and end ns of each device event (in ``device_events`` order), int64.
+
+        The columns the scan kept; taken from the events again if the list was changed since.
+        """
+        n = len(self.device_events)
+        if len(self.device_start) != n:
+            self.device_start = np.fromiter((d.start for d in self.device_events),
+                                            dtype=np.int64, count=n)
+            self.device_end = np.fromiter((d.end for d in self.device_events),
+                                          dtype=np.int64, count=n)
+        return self.device_start, self.device_end
 
     @property
     def launches(self) -> dict[int, int]:
@@ -414,11 +430,6 @@ class _TimeColumn:
                 errors[i] = str(exc)
         return ns, (errors if any(errors) else None)
 
-    def values(self, what: str) -> tuple[list[int], list[str | None]]:
-        """Each row's ns (0 where bad) and, per row, None or why it is bad."""
-        ns, errors = self.array(what)
-        return ns.tolist(), errors if errors is not None else [None] * len(ns)
-
 
 def _skip(out: ParsedTrace, reason: str) -> None:
     out.skipped_events += 1
@@ -562,20 +573,28 @@ def _finish_launches(out: ParsedTrace, corr: list[int], ts_col: _TimeColumn) -> 
 
 def _finish_device(dev: list[DeviceEvent], out: ParsedTrace, ts_col: _TimeColumn,
                    dur_col: _TimeColumn, rows: list[DeviceEvent]) -> None:
-    """Give the device events built during the pass their times (skipping bad ones)."""
-    ts, ts_err = ts_col.values("ts")
-    dur, dur_err = dur_col.values("dur")
-    clean = not any(ts_err) and not any(dur_err) and min(dur, default=0) >= 0
-    for s, d, r, se, de in zip(ts, dur, rows, ts_err, dur_err, strict=True):
-        if clean or not (se or de or d < 0):
-            r.start = s
-            r.end = s + d
-            if not clean:
-                dev.append(r)
-        else:
-            _skip(out, se or de or "dur is negative")
-    if clean:
-        dev.extend(rows)
+    """Give the device events built during the pass their times (skipping bad ones), and
+    keep the times as int64 columns beside them."""
+    ts, ts_err = ts_col.array("ts")
+    dur, dur_err = dur_col.array("dur")
+    bad = dur < 0
+    if ts_err is not None:
+        bad |= np.array([e is not None for e in ts_err], dtype=bool)
+    if dur_err is not None:
+        bad |= np.array([e is not None for e in dur_err], dtype=bool)
+    if bad.any():  # rare: skip them (counted, in file order), keep the rest
+        for i in np.flatnonzero(bad).tolist():
+            _skip(out, (ts_err[i] if ts_err is not None else None)
+                  or (dur_err[i] if dur_err is not None else None) or "dur is negative")
+        keep = ~bad
+        rows = [r for r, k in zip(rows, keep.tolist(), strict=True) if k]
+        ts, dur = ts[keep], dur[keep]
+    end = ts + dur  # |ts|, |dur| < 4.6e18 ns (see _num): the sum fits int64
+    for r, s, e in zip(rows, ts.tolist(), end.tolist(), strict=True):
+        r.start = s
+        r.end = e
+    dev.extend(rows)
+    out.device_start, out.device_end = ts, end
 
 
 def _lenient_event(e: TraceEvent, out: ParsedTrace, names: dict[str, str],
