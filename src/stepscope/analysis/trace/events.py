@@ -560,7 +560,7 @@ def _finish_launches(out: ParsedTrace, corr: list[int], ts_col: _TimeColumn) -> 
         corr = [k for k, ok in zip(corr, keep, strict=True) if ok]
         ts = ts[np.array(keep, dtype=bool)]
     try:
-        ids = np.array(corr, dtype=np.int64)
+        ids = np.fromiter(corr, dtype=np.int64, count=len(corr))
     except OverflowError:  # an id past 64 bits (hostile): those few as a dict
         small = [abs(k) < 1 << 63 for k in corr]
         ids = np.array([k for k, ok in zip(corr, small, strict=True) if ok], dtype=np.int64)
