@@ -253,6 +253,8 @@ _MAX_US_INT = int(_MAX_US)
 
 
 _US_DIGITS = 10**16  # a Decimal with adjusted() < 16, as _num accepts
+# Times are kept as int64 ns: a time that passes the bounds above but not these is skipped.
+_I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
 
 
 def _time(raw: Raw | bytes, what: str) -> int:
@@ -424,8 +426,10 @@ class _TimeColumn:
         for i in np.flatnonzero(~ok).tolist():
             text = self.odd.get(i, texts[i] if i < len(texts) else b"")
             try:
-                # |ns| < 4.6e18 (see _num): always fits int64.
-                ns[i] = _time(text, what)
+                v = _time(text, what)
+                if not _I64_MIN <= v <= _I64_MAX:  # up to 1e19 ns passes _time's bounds
+                    raise _BadEvent(f"{what} is out of range")
+                ns[i] = v
             except _BadEvent as exc:
                 errors[i] = str(exc)
         return ns, (errors if any(errors) else None)
@@ -577,7 +581,8 @@ def _finish_device(dev: list[DeviceEvent], out: ParsedTrace, ts_col: _TimeColumn
     keep the times as int64 columns beside them."""
     ts, ts_err = ts_col.array("ts")
     dur, dur_err = dur_col.array("dur")
-    bad = dur < 0
+    end = ts + dur  # wraps only past int64 (hostile input): then end < ts, skipped below
+    bad = (dur < 0) | (end < ts)
     if ts_err is not None:
         bad |= np.array([e is not None for e in ts_err], dtype=bool)
     if dur_err is not None:
@@ -585,11 +590,11 @@ def _finish_device(dev: list[DeviceEvent], out: ParsedTrace, ts_col: _TimeColumn
     if bad.any():  # rare: skip them (counted, in file order), keep the rest
         for i in np.flatnonzero(bad).tolist():
             _skip(out, (ts_err[i] if ts_err is not None else None)
-                  or (dur_err[i] if dur_err is not None else None) or "dur is negative")
+                  or (dur_err[i] if dur_err is not None else None)
+                  or ("dur is negative" if dur[i] < 0 else "ts + dur is out of range"))
         keep = ~bad
         rows = [r for r, k in zip(rows, keep.tolist(), strict=True) if k]
-        ts, dur = ts[keep], dur[keep]
-    end = ts + dur  # |ts|, |dur| < 4.6e18 ns (see _num): the sum fits int64
+        ts, end = ts[keep], end[keep]
     for r, s, e in zip(rows, ts.tolist(), end.tolist(), strict=True):
         r.start = s
         r.end = e
