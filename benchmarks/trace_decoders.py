@@ -13,6 +13,16 @@ start-up included) and peak RSS, interleaved::
   small structs), decode only.
 - ``stepscope-parse``: stepscope's whole pass (``events.parse_trace``), what ``trace`` pays
   before the breakdown.
+
+``--args`` instead times, in one process, the forms the fast path could decode ``args``
+into, on the slices it cuts (minimum over ``--repeats`` rounds, forms interleaved)::
+
+    python benchmarks/trace_decoders.py /tmp/trt/t54/rank0.pt.trace.json --args --repeats 7
+
+- ``struct``: this build, ``args`` into the 12-field ``Args``; ``narrow6``: a 6-field struct
+  (no collective fields); ``raw``: ``args`` kept as ``msgspec.Raw``; ``none``: not read at all
+  (the floor); ``raw+deferred``: ``raw``, then the args of the launches and device events (the
+  events whose args are read) joined per slice and decoded into ``Args`` in one call.
 """
 
 from __future__ import annotations
@@ -81,12 +91,81 @@ done(pt.events_seen)
 }
 
 
+def args_forms(path: str, repeats: int) -> None:
+    """Decode time of the fast path's slices with ``args`` in each form (see the docstring)."""
+    import time
+    from decimal import Decimal
+    from typing import Any, Union
+
+    import msgspec
+
+    from stepscope.analysis.trace import scan as S
+
+    data = open(path, "rb").read()  # noqa: SIM115 - read once, whole
+    lo = data.index(b"[", data.index(b'"traceEvents"')) + 1
+    hi = data.rindex(b"]")
+    docs, pos = [], lo
+    while pos < hi:  # the fast path's cuts: whole events, at most FAST_BYTES each
+        c = S._cut(data, pos, min(pos + S.FAST_BYTES, hi))
+        if c < 0 or pos + S.FAST_BYTES >= hi:
+            docs.append(b"[" + data[pos:hi] + b"]")
+            break
+        docs.append(b"[" + data[pos:c + 1] + b"]")
+        pos = c + 2
+    del data
+
+    unset = msgspec.UNSET
+    # Built with defstruct: annotations of classes local to a function cannot be resolved.
+    narrow = msgspec.defstruct("Narrow", [
+        ("correlation", Any, unset), ("stream", Any, unset),
+        ("external_id", Any, msgspec.field(default=unset, name="External id")),
+        ("nbytes", Any, msgspec.field(default=unset, name="bytes")),
+        ("kind", Any, unset), ("flops", Any, unset)], gc=False)
+
+    def span(name: str, fields: list[Any]) -> Any:
+        return msgspec.defstruct(name, fields, bases=(S._Fields,), tag_field="ph", tag="X")
+
+    span_narrow = span("SpanNarrow", [("args", Union[narrow, None], None)])  # noqa: UP007
+    span_raw = span("SpanRaw", [("args", msgspec.Raw, msgspec.Raw(b"null"))])
+    span_none = span("SpanNone", [])
+
+    def dec(one: Any) -> Any:
+        return msgspec.json.Decoder(list[Union[(one, *S._MARKS)]],
+                                    float_hook=Decimal)
+
+    raw = dec(span_raw)
+    joined = msgspec.json.Decoder(list[S.Args], float_hook=Decimal)
+    read = {"cuda_runtime", "kernel", "gpu_memcpy", "gpu_memset"}
+
+    def deferred(doc: bytes) -> None:
+        items = raw.decode(doc)
+        sel = [e.args for e in items if type(e) is span_raw and e.cat in read]
+        joined.decode(b"[" + b",".join(sel) + b"]")
+
+    forms: dict[str, Any] = {"struct": S._FAST.decode, "narrow6": dec(span_narrow).decode,
+                             "raw": raw.decode, "none": dec(span_none).decode,
+                             "raw+deferred": deferred}
+    best = {k: float("inf") for k in forms}
+    for _ in range(repeats):
+        for k, f in forms.items():
+            t = time.process_time()
+            for doc in docs:
+                f(doc)
+            best[k] = min(best[k], time.process_time() - t)
+    print(json.dumps({"slices": len(docs), "cpu_s_min": {k: round(v, 4) for k, v in best.items()}}))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("trace")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--only", nargs="*", choices=sorted(CODE))
+    ap.add_argument("--args", action="store_true",
+                    help="time the forms of the fast path's args instead (in-process)")
     args = ap.parse_args()
+    if args.args:
+        args_forms(args.trace, args.repeats)
+        return 0
     names = args.only or list(CODE)
     res: dict[str, list[dict[str, float]]] = {n: [] for n in names}
     for i in range(args.repeats):

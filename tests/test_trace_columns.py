@@ -86,3 +86,44 @@ def test_columns_equal_event_by_event(tmp_path: Path) -> None:
     assert got_cat["odd_name"] == K.classify("odd_name", "kernel") != K.MEMORY
     assert got_cat["ampere_sgemm_128x64_nn"] == K.GEMM
     assert r.copies["HtoD"]["count"] == 8 and r.copies["DtoH"]["bytes"] == 800
+
+
+def _launch(corr: Any, ts: float) -> dict[str, Any]:
+    return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 1,
+            "pid": 0, "tid": 1, "args": {"correlation": corr}}
+
+
+def _launch_trace(tmp_path: Path, big: int | None) -> Path:
+    ev: list[dict[str, Any]] = [
+        _launch(1, 100), _launch(2, 110), _launch(1, 150),  # id 1 twice: the later one counts
+        _launch("3", 160),  # an id written as text
+        _launch(4, 170),
+    ]
+    if big is not None:
+        ev.append(_launch(big, 180))
+    for i, corr in enumerate([1, 2, 3, 5] + ([big] if big is not None else [])):
+        ev.append(_ev(f"k{i}", "kernel", 1000 + 10 * i, 2, correlation=corr))
+    p = tmp_path / f"rank0.{big is not None}.pt.trace.json"
+    p.write_text(json.dumps({"traceEvents": ev}))
+    return p
+
+
+def test_launch_columns_match_the_launch_of_each_correlation(tmp_path: Path) -> None:
+    """Launch times found from the int64 columns are those of the id -> launch mapping (an id
+    launched twice: the later launch), also with an id past 64 bits beside them."""
+    from stepscope.analysis.trace.breakdown import _launch_times
+
+    for big in (None, (1 << 63) + 5):
+        pt = parse_trace(_launch_trace(tmp_path, big))
+        expect = {1: 150_000, 2: 110_000, 3: 160_000, 4: 170_000}
+        if big is not None:
+            expect[big] = 180_000
+            assert pt.launch_odd == {big: 180_000}
+        assert pt.launches == expect
+        ev = sorted(pt.device_events, key=lambda d: d.start)
+        launch, found = _launch_times(ev, pt)
+        got = {d.correlation: int(t) for d, t, f in zip(ev, launch, found, strict=True) if f}
+        want = {c: min(t, (1 << 63) - 1) for c, t in expect.items()
+                if c in {d.correlation for d in ev}}
+        assert got == want
+        assert [bool(f) for f in found] == [d.correlation != 5 for d in ev]

@@ -64,7 +64,8 @@ def test_time_column_matches_and_reports_bad_rows() -> None:
     col.flush()  # a value with a line break must not shift the rows after it
     for t in texts[3:]:
         col.batch.append(t)
-    ns, errors = col.values("ts")
+    ns, errors = col.array("ts")
+    assert errors is not None
     assert ns[0] == 10_500 and ns[1] == -3_000 and ns[4] == 1712195495519689047
     assert ns[5] == 1_000_000
     assert errors[0] is None and errors[4] is None and errors[5] is None
@@ -123,3 +124,35 @@ def test_head_meta_native_equals_partial(tmp_path: Path) -> None:
     broken = tmp_path / "broken.json"
     broken.write_text('{"distributedInfo": {"rank": 5}, "deviceProperties": [{"id": 0, "na')
     assert _read_head_meta(broken) == {"distributedInfo": {"rank": 5}}
+
+
+def test_times_past_int64_ns_are_skipped_not_raised(tmp_path: Path) -> None:
+    """A time inside the per-value bounds (< 1e16 µs) but past int64 ns, and a start plus
+    duration past int64 ns, skip their events (counted) instead of raising."""
+    ev = [
+        {"ph": "X", "cat": "kernel", "name": "k_big_ts", "ts": "T1", "dur": 2, "pid": 0,
+         "tid": 7, "args": {"stream": 7, "correlation": 1}},
+        {"ph": "X", "cat": "kernel", "name": "k_sum", "ts": "T2", "dur": "T2", "pid": 0,
+         "tid": 7, "args": {"stream": 7, "correlation": 3}},
+        {"ph": "X", "cat": "kernel", "name": "k_ok", "ts": 1000, "dur": 2, "pid": 0, "tid": 7,
+         "args": {"stream": 7, "correlation": 2}},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": "T1", "dur": 1,
+         "pid": 0, "tid": 1, "args": {"correlation": 1}},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 990, "dur": 1,
+         "pid": 0, "tid": 1, "args": {"correlation": 2}},
+    ]
+    text = json.dumps({"traceEvents": ev})
+    # 9.9e18 ns does not fit int64; 9e18 does, twice that does not.
+    text = text.replace('"T1"', "9999999999999999.5").replace('"T2"', "9000000000000000")
+    p = tmp_path / "rank0.pt.trace.json"
+    p.write_text(text)
+    from stepscope.analysis.trace.events import parse_trace
+
+    pt = parse_trace(p)
+    assert [d.name for d in pt.device_events] == ["k_ok"]
+    assert pt.launches == {2: 990_000}
+    assert pt.skipped_events == 3
+    assert pt.first_skip_reason == "ts is out of range"
+    with pytest.warns(Warning, match="skipped 3 malformed"):
+        r = analyse(p, workers=1).ranks[0]
+    assert r.device_events == 1 and r.total is not None and r.total.kernel_count == 1

@@ -111,11 +111,11 @@ def analyse_parsed(pt: ParsedTrace, top: int = 15) -> RankResult:
     # Device events by start (a stable sort, as sorted() by start), then int64 columns
     # (exact ns) for the unions per kernel class and the per-window sums.
     n = len(dev)
-    start = np.fromiter((d.start for d in dev), dtype=np.int64, count=n)
+    start, end = pt.device_times()
     by_start = np.argsort(start, kind="stable")
     ev = list(map(dev.__getitem__, by_start.tolist()))
     t0 = start[by_start]
-    t1 = np.fromiter((d.end for d in ev), dtype=np.int64, count=n)
+    t1 = end[by_start]
     dur = t1 - t0
     # Categories as small integer codes (in the order they first appear).
     cat_list, cat_code = _codes([d.category for d in ev])
@@ -132,7 +132,7 @@ def analyse_parsed(pt: ParsedTrace, top: int = 15) -> RankResult:
     m_busy, m_comp, m_comm, m_mem, m_ov = (
         _Measure(x) for x in ((b_s, b_e), compute, comm, memory, overlap)
     )
-    launch, found = _launch_times(ev, pt.launches)
+    launch, found = _launch_times(ev, pt)
     host_wait, kernel_wait = _idle_split(b_s, b_e, t0, np.where(found, launch, _EARLY))
     m_host, m_kwait = _Measure(host_wait), _Measure(kernel_wait)
     starts = t0.tolist()
@@ -336,31 +336,35 @@ _INT64 = (-(1 << 63), (1 << 63) - 1)
 _EARLY = -(1 << 62) - 1  # below every gap start (the first gap starts at -2**62)
 
 
-def _launch_times(ev: list[DeviceEvent], launches: dict[int, int]) -> tuple[np.ndarray, np.ndarray]:
+def _launch_times(ev: list[DeviceEvent], pt: ParsedTrace) -> tuple[np.ndarray, np.ndarray]:
     """Each event's host launch time (ns) found by its correlation id, and where one was.
 
-    A sorted search over the launches instead of a dict lookup per event. Ids or times past
-    64 bits (hostile input only) take one lookup each, times clamped to int64: every device
-    time is int64, so a clamped launch compares with them as the exact one does.
+    A sorted search over the launch columns; for an id launched twice the later launch
+    counts (a stable sort keeps file order among equal ids). Ids past 64 bits (hostile input
+    only) take one lookup each in :attr:`ParsedTrace.launches`, times clamped to int64:
+    every device time is int64, so a clamped launch compares with them as the exact one does.
     """
     n = len(ev)
     try:
-        keys = np.fromiter(launches.keys(), dtype=np.int64, count=len(launches))
-        vals = np.fromiter(launches.values(), dtype=np.int64, count=len(launches))
+        if pt.launch_odd:
+            raise OverflowError
         corr = np.fromiter((d.correlation for d in ev), dtype=np.int64, count=n)
     except OverflowError:
         lo, hi = _INT64
+        launches = pt.launches
         got = [launches.get(d.correlation) for d in ev]
         found = np.array([g is not None for g in got], dtype=bool)
         launch = np.fromiter((0 if g is None else max(lo, min(hi, g)) for g in got),
                              dtype=np.int64, count=n)
         return launch, found
-    order = np.argsort(keys)
+    keys, vals = pt.launch_ids, pt.launch_ns
+    if not len(keys):
+        return np.zeros(n, dtype=np.int64), np.zeros(n, dtype=bool)
+    order = np.argsort(keys, kind="stable")
     keys, vals = keys[order], vals[order]
-    at = np.minimum(np.searchsorted(keys, corr), max(len(keys) - 1, 0))
-    found = keys[at] == corr if len(keys) else np.zeros(n, dtype=bool)
-    launch = np.where(found, vals[at], 0) if len(keys) else np.zeros(n, dtype=np.int64)
-    return launch, found
+    at = np.maximum(np.searchsorted(keys, corr, side="right") - 1, 0)
+    found = keys[at] == corr
+    return np.where(found, vals[at], 0), found
 
 
 def _idle_split(b_s: np.ndarray, b_e: np.ndarray, starts: np.ndarray, launch_of: np.ndarray

@@ -104,7 +104,15 @@ class ParsedTrace:
     rank_source: str
     device_events: list[DeviceEvent] = field(default_factory=list)
     steps: list[tuple[int, int, int]] = field(default_factory=list)  # (number, start, end) ns
-    launches: dict[int, int] = field(default_factory=dict)  # correlation -> host launch ns
+    # Launches as int64 columns in file order: correlation id and host launch ns (for an id
+    # launched twice the later one counts, as in :attr:`launches`). Ids past 64 bits
+    # (hostile input only) go to ``launch_odd`` instead.
+    launch_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    launch_ns: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    launch_odd: dict[int, int] = field(default_factory=dict)
+    # The device events' start and end ns as int64 columns (see device_times).
+    device_start: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    device_end: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     flops: list[tuple[int, float]] = field(default_factory=list)  # (cpu op start ns, flops)
     # CPU ops and annotations, for CPU summaries (compact: ~24 bytes per op).
     cpu_ops: CpuOps = field(default_factory=lambda: CpuOps())
@@ -117,6 +125,27 @@ class ParsedTrace:
     first_skip_reason: str = ""
     is_rocm: bool = False
     warnings: list[str] = field(default_factory=list)
+
+    def device_times(self) -> tuple[np.ndarray, np.ndarray]:
+        """Start and end ns of each device event (in ``device_events`` order), int64.
+
+        The columns the scan kept; taken from the events again if the list was changed since.
+        """
+        n = len(self.device_events)
+        if len(self.device_start) != n:
+            self.device_start = np.fromiter((d.start for d in self.device_events),
+                                            dtype=np.int64, count=n)
+            self.device_end = np.fromiter((d.end for d in self.device_events),
+                                          dtype=np.int64, count=n)
+        return self.device_start, self.device_end
+
+    @property
+    def launches(self) -> dict[int, int]:
+        """Correlation id -> host launch ns (built on each call; the breakdown reads the
+        columns)."""
+        out = dict(zip(self.launch_ids.tolist(), self.launch_ns.tolist(), strict=True))
+        out.update(self.launch_odd)
+        return out
 
 
 def parse_trace(path: str | os.PathLike[str], max_bytes: int = MAX_INFLATED_BYTES) -> ParsedTrace:
@@ -224,6 +253,8 @@ _MAX_US_INT = int(_MAX_US)
 
 
 _US_DIGITS = 10**16  # a Decimal with adjusted() < 16, as _num accepts
+# Times are kept as int64 ns: a time that passes the bounds above but not these is skipped.
+_I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
 
 
 def _time(raw: Raw | bytes, what: str) -> int:
@@ -381,23 +412,27 @@ class _TimeColumn:
         self.n += len(raws)
         self.batch = []
 
-    def values(self, what: str) -> tuple[list[int], list[str | None]]:
-        """Each row's ns (0 where bad) and, per row, None or why it is bad."""
+    def array(self, what: str) -> tuple[np.ndarray, list[str | None] | None]:
+        """Each row's ns as int64 (0 where bad) and, where any row is bad, per row None or
+        why it is bad (None when every row converted)."""
         self.flush()
         buf = b"\n".join(self.parts)
         self.parts = []
         ns, ok = parse_ns(buf, self.n)
-        out = ns.tolist()
+        if not self.n or ok.all():
+            return ns, None
         errors: list[str | None] = [None] * self.n
-        if self.n and not ok.all():
-            texts = buf.split(b"\n")
-            for i in np.flatnonzero(~ok).tolist():
-                text = self.odd.get(i, texts[i] if i < len(texts) else b"")
-                try:
-                    out[i] = _time(text, what)
-                except _BadEvent as exc:
-                    errors[i] = str(exc)
-        return out, errors
+        texts = buf.split(b"\n")
+        for i in np.flatnonzero(~ok).tolist():
+            text = self.odd.get(i, texts[i] if i < len(texts) else b"")
+            try:
+                v = _time(text, what)
+                if not _I64_MIN <= v <= _I64_MAX:  # up to 1e19 ns passes _time's bounds
+                    raise _BadEvent(f"{what} is out of range")
+                ns[i] = v
+            except _BadEvent as exc:
+                errors[i] = str(exc)
+        return ns, (errors if any(errors) else None)
 
 
 def _skip(out: ParsedTrace, reason: str) -> None:
@@ -421,6 +456,8 @@ def _scan_events(batches: Iterable[list[Any]], out: ParsedTrace) -> None:
     dev_ts, dev_dur = _TimeColumn(), _TimeColumn()
     dev_rows: list[DeviceEvent] = []
     lts, dts, ddur = launch_ts.batch, dev_ts.batch, dev_dur.batch
+    # Bound appends of the hot columns (rebound per batch with the columns' new lists).
+    corr_add, lts_add = launch_corr.append, lts.append
     try:
         for batch in batches:
             out.events_seen += len(batch)
@@ -443,11 +480,14 @@ def _scan_events(batches: Iterable[list[Any]], out: ParsedTrace) -> None:
                             _note_comm(out, e, _comm_key_of(a), _get(a.external_id, -1))
                     elif cat in _LAUNCH_CATS:
                         a = e.args
-                        corr = None if a is None else a.correlation
-                        if corr is not None and corr is not UNSET:
-                            key = corr if type(corr) is int else _int_arg(corr)
-                            launch_corr.append(key)
-                            lts.append(e.ts)
+                        if a is not None:
+                            corr = a.correlation
+                            if type(corr) is int:
+                                corr_add(corr)
+                                lts_add(e.ts)
+                            elif corr is not None and corr is not UNSET:
+                                corr_add(_int_arg(corr))
+                                lts_add(e.ts)
                         if cat[0] == "h" and cat[:3] == "hip":  # no slice for CUDA
                             out.is_rocm = True
                     elif cat in _DEVICE_CATS:
@@ -468,13 +508,17 @@ def _scan_events(batches: Iterable[list[Any]], out: ParsedTrace) -> None:
                         kind = ""
                         nbytes = 0
                         if category == K.MEMORY:
-                            ka = _get(a.kind, None)
+                            ka = a.kind
+                            if ka is UNSET:
+                                ka = None
                             if ka is None or type(ka) is str:  # hashable: once per pair
                                 kind = kinds.get((name, ka)) or kinds.setdefault(
                                     (name, ka), K.copy_kind(name, ka))
                             else:
                                 kind = K.copy_kind(name, ka)
-                            nbytes = max(0, _int_arg(_get(a.nbytes, None), 0))
+                            nb = a.nbytes
+                            nbytes = (max(0, nb) if type(nb) is int
+                                      else max(0, _int_arg(None if nb is UNSET else nb, 0)))
                         stream = a.stream
                         if stream is UNSET:
                             stream = -1 if e.tid is UNSET else e.tid
@@ -503,6 +547,7 @@ def _scan_events(batches: Iterable[list[Any]], out: ParsedTrace) -> None:
             dev_ts.flush()
             dev_dur.flush()
             lts, dts, ddur = launch_ts.batch, dev_ts.batch, dev_dur.batch
+            lts_add = lts.append
     finally:
         # Also when the scan stops at damage: what was read before it is kept.
         _finish_launches(out, launch_corr, launch_ts)
@@ -510,33 +555,51 @@ def _scan_events(batches: Iterable[list[Any]], out: ParsedTrace) -> None:
 
 
 def _finish_launches(out: ParsedTrace, corr: list[int], ts_col: _TimeColumn) -> None:
-    ts, errors = ts_col.values("ts")
-    if not any(errors):
-        out.launches.update(zip(corr, ts, strict=True))
-        return
-    for k, t, err in zip(corr, ts, errors, strict=True):
-        if err is None:
-            out.launches[k] = t
-        else:
-            _skip(out, err)
+    ts, errors = ts_col.array("ts")
+    if errors is not None:  # rare: skip the launches whose time is bad, in file order
+        keep = [e is None for e in errors]
+        for err in errors:
+            if err is not None:
+                _skip(out, err)
+        corr = [k for k, ok in zip(corr, keep, strict=True) if ok]
+        ts = ts[np.array(keep, dtype=bool)]
+    try:
+        ids = np.fromiter(corr, dtype=np.int64, count=len(corr))
+    except OverflowError:  # an id past 64 bits (hostile): those few as a dict
+        small = [abs(k) < 1 << 63 for k in corr]
+        ids = np.array([k for k, ok in zip(corr, small, strict=True) if ok], dtype=np.int64)
+        out.launch_odd.update((k, t) for k, t, ok in zip(corr, ts.tolist(), small, strict=True)
+                              if not ok)
+        ts = ts[np.array(small, dtype=bool)]
+    out.launch_ids = np.concatenate((out.launch_ids, ids)) if len(out.launch_ids) else ids
+    out.launch_ns = np.concatenate((out.launch_ns, ts)) if len(out.launch_ns) else ts
 
 
 def _finish_device(dev: list[DeviceEvent], out: ParsedTrace, ts_col: _TimeColumn,
                    dur_col: _TimeColumn, rows: list[DeviceEvent]) -> None:
-    """Give the device events built during the pass their times (skipping bad ones)."""
-    ts, ts_err = ts_col.values("ts")
-    dur, dur_err = dur_col.values("dur")
-    clean = not any(ts_err) and not any(dur_err) and min(dur, default=0) >= 0
-    for s, d, r, se, de in zip(ts, dur, rows, ts_err, dur_err, strict=True):
-        if clean or not (se or de or d < 0):
-            r.start = s
-            r.end = s + d
-            if not clean:
-                dev.append(r)
-        else:
-            _skip(out, se or de or "dur is negative")
-    if clean:
-        dev.extend(rows)
+    """Give the device events built during the pass their times (skipping bad ones), and
+    keep the times as int64 columns beside them."""
+    ts, ts_err = ts_col.array("ts")
+    dur, dur_err = dur_col.array("dur")
+    end = ts + dur  # wraps only past int64 (hostile input): then end < ts, skipped below
+    bad = (dur < 0) | (end < ts)
+    if ts_err is not None:
+        bad |= np.array([e is not None for e in ts_err], dtype=bool)
+    if dur_err is not None:
+        bad |= np.array([e is not None for e in dur_err], dtype=bool)
+    if bad.any():  # rare: skip them (counted, in file order), keep the rest
+        for i in np.flatnonzero(bad).tolist():
+            _skip(out, (ts_err[i] if ts_err is not None else None)
+                  or (dur_err[i] if dur_err is not None else None)
+                  or ("dur is negative" if dur[i] < 0 else "ts + dur is out of range"))
+        keep = ~bad
+        rows = [r for r, k in zip(rows, keep.tolist(), strict=True) if k]
+        ts, end = ts[keep], end[keep]
+    for r, s, e in zip(rows, ts.tolist(), end.tolist(), strict=True):
+        r.start = s
+        r.end = e
+    dev.extend(rows)
+    out.device_start, out.device_end = ts, end
 
 
 def _lenient_event(e: TraceEvent, out: ParsedTrace, names: dict[str, str],

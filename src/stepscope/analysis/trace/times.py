@@ -24,6 +24,13 @@ _WEIGHTS = np.array([10**k for k in range(18, 2, -1)] + [0, 100, 10, 1], dtype=n
 _I64_MAX = (1 << 63) - 1
 _SEP = 10  # "\n": never part of a JSON number
 _ROWS = 1 << 14
+# Which places of the window hold a row's digits, by (whole digits 0..16, decimals 0..3):
+# the last `w` of the 16 whole places and the first `f` of the 3 after the point. One
+# gather per row instead of comparing every place of every row.
+_COL = np.arange(20)
+_W = np.arange(17)[:, None, None]
+_F = np.arange(4)[None, :, None]
+_INSIDE = ((_COL >= 16 - _W) & (_COL < 16)) | ((_COL > 16) & (_COL <= 16 + _F))
 
 
 def parse_ns(buf: bytes, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -93,9 +100,7 @@ def _rows(a: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarr
     # The window around each point: 16 whole-digit places, the point, 3 decimal places.
     padded = np.concatenate([np.full(16, _SEP, np.uint8), d, np.full(4, _SEP, np.uint8)])
     win = np.lib.stride_tricks.sliding_window_view(padded, 20)[dpos]
-    col = np.arange(20)
-    inside = ((col >= 16 - whole_digits[:, None]) & (col < 16)) | \
-        ((col > 16) & (col <= 16 + frac_digits[:, None]))
+    inside = _INSIDE[np.clip(whole_digits, 0, 16), np.clip(frac_digits, 0, 3)]
     digits = np.where(inside, win, np.uint8(0)).astype(np.int64)
     val = digits @ _WEIGHTS
     # As the per-value path: a plain positive integer must be at most MAX_US_INT µs;
