@@ -874,3 +874,35 @@ def test_step_context_binds_and_exits_through_the_tracers_own_methods(mem_tracer
     a.finish()
     b.finish()
     assert [r["step"] for r in a.sink.records] == [0] and [r["step"] for r in b.sink.records] == [0]
+
+
+def test_unsampled_steps_read_the_run_queue_clock_only_before_a_sampled_one(mem_tracer):
+    """The run-queue read (a system call) is taken at the end of a sampled step and of the
+    step before one (its baseline), never between two unsampled steps; a sampled step whose
+    previous step's end was not read (the index jumped) carries no ``runq_ms`` rather than a
+    wait summed over several steps."""
+    tr = mem_tracer(auto=False, every_n_steps=3)
+    rq = tr.sched
+    if rq is None or not rq.on:
+        pytest.skip(f"no run-queue reader here: {getattr(rq, 'reason', 'not a CPU clock')}")
+    reads: list[int] = []
+    real = rq.step_end
+
+    def spy() -> float | None:
+        reads.append(tr.step_index)
+        return real()
+
+    rq.step_end = spy  # type: ignore[method-assign]
+    for _ in range(8):  # indices 0..7; sampled: 0, 3, 6
+        with tr.step():
+            pass
+    # After each exit the index is the next step's: reads at the ends of 0, 2, 3, 5, 6.
+    assert reads == [1, 3, 4, 6, 7]
+    with tr.step(index=12):  # sampled, but the end of 7 (the step before it) was not read
+        pass
+    assert reads[-1] == 13
+    tr.finish()
+    recs = {r["step"]: r for r in tr.sink.records}
+    assert sorted(recs) == [0, 3, 6, 12]
+    assert all("runq_ms" in recs[i]["counters"] for i in (0, 3, 6))
+    assert "runq_ms" not in recs[12].get("counters", {})

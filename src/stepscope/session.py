@@ -82,6 +82,7 @@ class Session(Recorder):
         self._step_cm: Any = None
         self._resources: ResourceMonitor | None = None
         self.sched = reader_for(clock.kind)  # run-queue wait per step (CPU clock only)
+        self._rq_read = True  # whether the last step exit (or the start) read the run-queue clock
         #: False when records go to a sink passed in (tests): no files beside them (heartbeat).
         self.writes_files = sink is None
         self._recent = RecentRecords()
@@ -226,7 +227,17 @@ class Session(Recorder):
             done = self._index
             step = self._close_step()
             sched = self.sched
-            rq = sched.step_end() if sched is not None else None
+            rq = None
+            if sched is not None:
+                # Read at the end of a sampled step (its run-queue wait) and of the step before
+                # one (that wait's baseline); between unsampled steps, no system call at all.
+                if step is not None or self.config.samples(self._index):
+                    rq = sched.step_end()
+                    if not self._rq_read:
+                        rq = None  # the previous step's end was not read (the index jumped)
+                    self._rq_read = True
+                else:
+                    self._rq_read = False
             if step is not None:
                 if rq is not None:
                     step.counters["runq_ms"] = rq
