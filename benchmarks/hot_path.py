@@ -65,8 +65,13 @@ def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -
     opt.zero_grad()
 
 
+#: ``--every-n-steps``: record one step in N (the others are unsampled: what they cost).
+EVERY_N_STEPS = 1
+
+
 def _tracer(out: str, model: torch.nn.Module, opt: torch.optim.Optimizer, heartbeat: bool) -> Tracer:
-    cfg = Config(out_dir=out, heartbeat_s=5.0 if heartbeat else 0.0, max_pending_steps=1 << 20)
+    cfg = Config(out_dir=out, heartbeat_s=5.0 if heartbeat else 0.0, max_pending_steps=1 << 20,
+                 every_n_steps=EVERY_N_STEPS)
     return Tracer(cfg, model=model, optimizer=opt, clock=CpuClock())
 
 
@@ -389,7 +394,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--blocks", type=int, default=11)
     ap.add_argument("--heartbeat", action="store_true")
+    ap.add_argument("--every-n-steps", type=int, default=1,
+                    help="record one step in N (time, cprofile, floor modes): what unsampled steps cost")
     args = ap.parse_args()
+    global EVERY_N_STEPS
+    EVERY_N_STEPS = args.every_n_steps
     torch.set_num_threads(1)
     if args.mode == "cprofile":
         cprofile_mode(args.steps, args.heartbeat)
@@ -413,6 +422,7 @@ def main() -> None:
                           "loadavg_1m": round(os.getloadavg()[0], 2), **cycle_mode(args.steps, args.blocks)}))
     else:
         print(json.dumps({"benchmark": "hot_path", "steps": args.steps, "blocks": args.blocks,
+                          "every_n_steps": args.every_n_steps,
                           **time_mode(args.steps, args.blocks, args.heartbeat)}))
 
 
