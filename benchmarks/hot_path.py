@@ -18,6 +18,13 @@ JSONL writer (as ``init()`` builds them; no heartbeat unless ``--heartbeat``), a
   a woken writer takes the CPU from the training thread.
 - ``--mode handover``: the wall time of each hand-over call (``Outbox.submit``) on the
   training thread: median, p90, p99, mean (once per build, by ``PYTHONPATH``).
+- ``--mode floor``: what torch's own hook mechanisms cost with hooks that do nothing (no
+  stepscope): training-thread CPU µs/step added over the bare loop by each layer, cumulative
+  (module forward pre/post hooks, which put ``Module.__call__`` on its slow path; the
+  per-step gradient hook on the output; the end-of-backward callback queued two deep; the
+  optimizer's pre/post hooks; one ``pread`` of ``/proc/thread-self/schedstat``), next to
+  the tracer with every automatic instrument (JSONL), interleaved blocks in one process:
+  the part of the tracer's cost that no bookkeeping cut can remove.
 - ``--mode alloc``: tracemalloc's count of memory blocks still alive per step (records the
   writer and the recent-records buffer keep included), by allocation site.
 
@@ -58,8 +65,13 @@ def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -
     opt.zero_grad()
 
 
+#: ``--every-n-steps``: record one step in N (the others are unsampled: what they cost).
+EVERY_N_STEPS = 1
+
+
 def _tracer(out: str, model: torch.nn.Module, opt: torch.optim.Optimizer, heartbeat: bool) -> Tracer:
-    cfg = Config(out_dir=out, heartbeat_s=5.0 if heartbeat else 0.0, max_pending_steps=1 << 20)
+    cfg = Config(out_dir=out, heartbeat_s=5.0 if heartbeat else 0.0, max_pending_steps=1 << 20,
+                 every_n_steps=EVERY_N_STEPS)
     return Tracer(cfg, model=model, optimizer=opt, clock=CpuClock())
 
 
@@ -276,6 +288,70 @@ def build_mode(chunks: int = 8, size: int = 500) -> dict[str, float]:
     return {"build_us_per_record": round(min(build), 2), "encode_us_per_record": round(min(enc), 2)}
 
 
+def floor_mode(steps: int, blocks: int) -> dict[str, Any]:
+    """Training-thread CPU µs/step each no-op hook layer adds (cumulative), and the tracer."""
+    engine = torch.autograd.Variable._execution_engine
+
+    def noop(*_: Any) -> None:
+        return None
+
+    def job(layers: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tensor, Any]:
+        model, opt, x = _job()
+        end: Any = None
+        if layers >= 1:
+            model.register_forward_pre_hook(noop, prepend=True)
+            model.register_forward_hook(noop)
+            model.register_forward_hook(noop, prepend=True)
+        if layers >= 2:
+            on_grad: Any = noop
+            if layers >= 3:
+                def queue_close() -> None:
+                    engine.queue_callback(noop)
+
+                def on_grad(grad: Any) -> None:
+                    engine.queue_callback(queue_close)
+
+            def post_grad(module: Any, args: Any, output: torch.Tensor) -> None:
+                output.register_hook(on_grad)
+
+            model.register_forward_hook(post_grad, prepend=True)
+        if layers >= 4:
+            opt.register_step_pre_hook(noop)
+            opt.register_step_post_hook(noop)
+        if layers >= 5 and os.path.exists("/proc/thread-self/schedstat"):
+            fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+
+            def end() -> None:
+                int(os.pread(fd, 64, 0).split()[1])
+        return model, opt, x, end
+
+    names = ("forward_hooks", "+grad_hook", "+backward_callbacks", "+optimizer_hooks", "+runq_read")
+    jobs = {"bare": job(0), **{n: job(i + 1) for i, n in enumerate(names)}}
+    got: dict[str, list[float]] = {k: [] for k in (*jobs, "tracer_all")}
+    with tempfile.TemporaryDirectory() as out:
+        tmodel, topt, tx = _job()
+        tracer = _tracer(out, tmodel, topt, False)
+        for b in range(blocks):
+            order = list(got) if b % 2 else list(got)[::-1]
+            for k in order:
+                c0 = time.thread_time_ns()
+                if k == "tracer_all":
+                    for _ in range(steps):
+                        with tracer.step():
+                            _step(tmodel, topt, tx)
+                else:
+                    model, opt, x, end = jobs[k]
+                    for _ in range(steps):
+                        _step(model, opt, x)
+                        if end is not None:
+                            end()
+                got[k].append((time.thread_time_ns() - c0) / steps / 1e3)
+        tracer.finish()
+    bare = min(got["bare"])
+    return {"bare_step_thread_cpu_us": round(bare, 1),
+            **{f"{k}_added_us": round(min(v) - bare, 1) for k, v in got.items() if k != "bare"}}
+
+
 def alloc_mode(steps: int, heartbeat: bool) -> None:
     import tracemalloc
 
@@ -313,12 +389,16 @@ def alloc_mode(steps: int, heartbeat: bool) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=("time", "cprofile", "alloc", "wakes", "build", "cycle", "handover"),
-                    default="time")
+    modes = ("time", "cprofile", "alloc", "wakes", "build", "cycle", "handover", "floor")
+    ap.add_argument("--mode", choices=modes, default="time")
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--blocks", type=int, default=11)
     ap.add_argument("--heartbeat", action="store_true")
+    ap.add_argument("--every-n-steps", type=int, default=1,
+                    help="record one step in N (time, cprofile, floor modes): what unsampled steps cost")
     args = ap.parse_args()
+    global EVERY_N_STEPS
+    EVERY_N_STEPS = args.every_n_steps
     torch.set_num_threads(1)
     if args.mode == "cprofile":
         cprofile_mode(args.steps, args.heartbeat)
@@ -328,6 +408,9 @@ def main() -> None:
                           **wakes_mode(args.steps, args.blocks)}))
     elif args.mode == "build":
         print(json.dumps({"benchmark": "hot_path_build", **build_mode()}))
+    elif args.mode == "floor":
+        print(json.dumps({"benchmark": "hot_path_floor", "steps": args.steps, "blocks": args.blocks,
+                          "loadavg_1m": round(os.getloadavg()[0], 2), **floor_mode(args.steps, args.blocks)}))
     elif args.mode == "alloc":
         alloc_mode(args.steps, args.heartbeat)
     elif args.mode == "handover":
@@ -339,6 +422,7 @@ def main() -> None:
                           "loadavg_1m": round(os.getloadavg()[0], 2), **cycle_mode(args.steps, args.blocks)}))
     else:
         print(json.dumps({"benchmark": "hot_path", "steps": args.steps, "blocks": args.blocks,
+                          "every_n_steps": args.every_n_steps,
                           **time_mode(args.steps, args.blocks, args.heartbeat)}))
 
 

@@ -104,25 +104,49 @@ class Resolver:
             self.poll()
 
     def poll(self, max_steps: int = MAX_STEPS_PER_POLL) -> None:
-        """Time the oldest pending steps whose marks are complete; never blocks."""
+        """Time the oldest pending steps whose marks are complete; never blocks.
+
+        A step is complete when every one of its checkpoints is ready. Start marks count too:
+        a start on a lagging stream (autograd's, a copy stream) can complete after the step's
+        end is recorded on another stream. The check of a step resumes where the last poll
+        stopped. (One loop, no helper call per step: this runs at every step exit.)
+        """
         pending = self.pending
         if not pending:
             return
         if self._capturing is not None and self._capturing():
             return  # querying events during CUDA-graph capture would break the capture
-        done: list[Step] = []
+        clock = self.clock
+        ready = clock.ready
+        host = self._read_on_writer
+        out = self._ready
         n = 0
         while pending and n < max_steps:
             step = pending[0]
-            state = self._complete(step)
-            if state is False:
+            try:
+                checks = step.checks
+                if checks is None:
+                    # Host-clock marks are all ready at once: the step's start stands for
+                    # every one of them (no walk over its marks).
+                    marks = (step.start,) if host else step.marks()
+                    checks = step.checks = clock.checkpoints(marks)
+                i = step.checked
+                k = len(checks)
+                while i < k and ready(checks[i]):
+                    i += 1
+                step.checked = i
+            except Exception:  # protect the job: one unqueryable step is dropped, timing stays on
+                pending.popleft()
+                n += 1
+                self._count("unreadable")
+                self._release(step)
+                continue
+            if i < k:
                 break  # records leave in step order: a later step waits for this one
             pending.popleft()
             n += 1
-            if state is True and (self._read_on_writer or self._time(step)):
-                done.append(step)
-        if done:
-            self._ready.extend(done)
+            if host or self._time(step):
+                out.append(step)  # atomic: the writer may be taking from the other end
 
     def drain(self, deadline_poll: Callable[[], bool]) -> None:
         """At finish: poll until nothing is pending or ``deadline_poll()`` says stop."""
@@ -143,32 +167,6 @@ class Resolver:
         ready = self._ready
         pop = ready.popleft
         return [pop() for _ in range(len(ready))]  # only appended meanwhile: never short
-
-    def _complete(self, step: Step) -> bool | None:
-        """True when every mark of ``step`` is complete, False when not yet (the check
-        resumes there next time), None when the marks cannot be queried (step dropped).
-
-        Start marks count too: a start on a lagging stream (autograd's, a copy stream) can
-        complete after the step's end is recorded on another stream.
-        """
-        checks = step.checks
-        try:
-            if checks is None:
-                checks = step.checks = self.clock.checkpoints(step.marks())
-            ready = self.clock.ready
-            i = step.checked
-            n = len(checks)
-            while i < n:
-                if not ready(checks[i]):
-                    step.checked = i
-                    return False
-                i += 1
-            step.checked = i
-            return True
-        except Exception:  # protect the job: one unqueryable step is dropped, timing stays on
-            self._count("unreadable")
-            self._release(step)
-            return None
 
     def _time(self, step: Step) -> bool:
         """Fill the step's numeric times from its marks; False (and counted) if unreadable."""

@@ -78,8 +78,11 @@ class Session(Recorder):
         # Throughput, FLOPs, memory, device health (issue 13). Built once the clock knows its
         # device (init() often runs before set_device): see _start.
         self._step_counts: tuple[int | None, int | None] | None = None
+        #: What ``with tracer.step() as s`` binds (the tracer sets its context manager).
+        self._step_cm: Any = None
         self._resources: ResourceMonitor | None = None
         self.sched = reader_for(clock.kind)  # run-queue wait per step (CPU clock only)
+        self._rq_read = True  # whether the last step exit (or the start) read the run-queue clock
         #: False when records go to a sink passed in (tests): no files beside them (heartbeat).
         self.writes_files = sink is None
         self._recent = RecentRecords()
@@ -153,11 +156,13 @@ class Session(Recorder):
 
     # ------------------------------------------------------------ step boundary
 
-    def _enter_step(self) -> None:
+    def _enter_step(self) -> Any:
+        """Step entry (the ``with`` statement calls it directly); returns the step's context
+        manager, what ``with tracer.step() as s`` binds."""
         if self._handed is not None:
             self._take_handed()
         if not self.enabled:
-            return
+            return self._step_cm
         if self._in_step:
             tl = self._ignored
             tl.n = getattr(tl, "n", 0) + 1
@@ -168,14 +173,14 @@ class Session(Recorder):
             else:
                 self.warn("step() entered on a second thread while another thread's step is open; "
                           "steps are per thread, the second one is not timed", key="threads")
-            return
+            return self._step_cm
         try:
             wall_ns = time.time_ns()  # one wall-clock read: the heartbeat's and the record's
             self._step_wall = wall_ns / 1e9
             step = self._open_step(wall_ns)
             if step is None:
                 self._step_counts = None
-                return
+                return self._step_cm
             self._sampled_seen += 1
             counts = self._step_counts
             if counts is not None:
@@ -187,11 +192,14 @@ class Session(Recorder):
             res = self._resources
             if res is None:
                 res = self._resources = self._new_resources()
-            res.on_step_start(step.index)
+            if res.starts_pending:  # the FLOP-count step only: no call on every other step
+                res.on_step_start(step.index)
         except Exception as exc:  # protect the job
             self.fail(exc)
+        return self._step_cm
 
-    def _exit_step(self, exc: BaseException | None = None) -> None:
+    def _exit_step(self, exc_type: Any = None, exc: BaseException | None = None, tb: Any = None) -> None:
+        """Step exit (the ``with`` statement calls it directly: ``exc_type, exc, tb``)."""
         if self._refused:
             tl = self._ignored
             n = getattr(tl, "n", 0)
@@ -218,12 +226,24 @@ class Session(Recorder):
                         fn(self, type(exc), exc, raised_in)
             done = self._index
             step = self._close_step()
-            rq = self.sched.step_end() if self.sched is not None else None
+            sched = self.sched
+            rq = None
+            if sched is not None:
+                # Read at the end of a sampled step (its run-queue wait) and of the step before
+                # one (that wait's baseline); between unsampled steps, no system call at all.
+                if step is not None or self.config.samples(self._index):
+                    rq = sched.step_end()
+                    if not self._rq_read:
+                        rq = None  # the previous step's end was not read (the index jumped)
+                    self._rq_read = True
+                else:
+                    self._rq_read = False
             if step is not None:
                 if rq is not None:
                     step.counters["runq_ms"] = rq
-                if self._resources is not None:
-                    step.res = self._resources.on_step_end(step.index)
+                res = self._resources
+                if res is not None:
+                    step.res = res.on_step_end(step.index)
                 if not self._forward_seen and "forward" in self._auto_active:
                     self._check_forward(step)
                 self._since_flush += 1

@@ -28,6 +28,10 @@ from stepscope.sinks import Sink
 __all__ = ["FINISH_TIMEOUT_S", "RECENT_RECORDS", "PhaseContext", "Tracer", "check_phase_name"]
 
 class _StepContext:
+    """What ``step()`` returns. Each tracer gets its own subclass (:func:`_step_context`) whose
+    ``__enter__``/``__exit__`` are the tracer's bound step entry and exit themselves: the
+    ``with`` statement calls them directly, one Python frame fewer at each step boundary."""
+
     __slots__ = ("_tracer",)
 
     def __init__(self, tracer: Tracer) -> None:
@@ -38,7 +42,16 @@ class _StepContext:
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        self._tracer._exit_step(exc)
+        self._tracer._exit_step(exc_type, exc, tb)
+
+
+def _step_context(tracer: Tracer) -> _StepContext:
+    # A bound method is no descriptor: looked up on the class, it is called as it is, so the
+    # with statement's (exc_type, exc, tb) go straight to Session._exit_step.
+    cls = type("_StepContext", (_StepContext,), {
+        "__slots__": (), "__enter__": tracer._enter_step, "__exit__": tracer._exit_step,
+    })
+    return cls(tracer)  # type: ignore[no-any-return]
 
 
 class Tracer(Session):
@@ -80,7 +93,7 @@ class Tracer(Session):
             self.agreement.run_id,
             sink,
         )
-        self._step_cm = _StepContext(self)
+        self._step_cm: _StepContext = _step_context(self)
         self._start(model, optimizer)
 
     def step(

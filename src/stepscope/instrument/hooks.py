@@ -22,12 +22,15 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from stepscope.instrument import gate, unwrap
+
+_get_ident = threading.get_ident
 
 if TYPE_CHECKING:
     from stepscope.tracer import Tracer
@@ -137,16 +140,21 @@ class _ModelHooks:
     # so they cannot use the gate; they were registered only from the owning thread's forward.
     def on_grad(self, grad: Any) -> None:
         tracer = self.tracer
-        if not tracer.in_step:
+        # The recorder's fields read directly (what ``in_step``/``step_index`` return): this
+        # runs on every backward, and each property is a Python call.
+        if tracer._cur is None:
             return
-        if self._bwd is not None and self._bwd_step == tracer.step_index:
+        index = tracer._index
+        if self._bwd is not None and self._bwd_step == index:
             return
         # A backward of an earlier step that raised never closed: forget it.
         self._sync = None
         # On a device thread (CUDA), this backward is the owner's work: its gate and stack.
-        tracer.enter_autograd()
+        # (On the owner's own thread, a CPU backward, there is nothing to adopt: no call.)
+        if _get_ident() != tracer._owner:
+            tracer.enter_autograd()
         self._bwd = tracer.open_phase("backward")
-        self._bwd_step = tracer.step_index
+        self._bwd_step = index
         if self._bwd is None:
             return
         try:
@@ -164,8 +172,10 @@ class _ModelHooks:
             self.tracer.close_phase(self._sync)
             self._sync = None
         token, self._bwd = self._bwd, None
-        self.tracer.close_phase(token)
-        self.tracer.leave_autograd()
+        tracer = self.tracer
+        tracer.close_phase(token)
+        if tracer._adopted:  # an autograd thread adopted for this backward (CUDA): let it go
+            tracer.leave_autograd()
         if self._calibration:
             self._finish_calibration()
 

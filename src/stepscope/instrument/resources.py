@@ -417,7 +417,9 @@ class ResourceMonitor:
         known_device = device_key(device_name) is not None
         self._known_device = known_device
         # Counting also tells the dtype the peak depends on: needed for a table lookup.
-        self._count_pending = want_flops and (
+        #: True while :meth:`on_step_start` has work to do (the step chosen for the FLOP
+        #: count): the session calls it only then, not on every step.
+        self.starts_pending = want_flops and (
             model_flops == "auto" or (self.peak is None and known_device)
         )
         self._set_total = model_flops == "auto"
@@ -433,8 +435,8 @@ class ResourceMonitor:
 
     def on_step_start(self, index: int) -> None:
         """Training thread, at a sampled step's entry."""
-        if self._count_pending:
-            self._count_pending = False
+        if self.starts_pending:
+            self.starts_pending = False
             try:
                 counter = FlopCount()
                 counter.start()

@@ -11,10 +11,12 @@ cores does. The record's ``counters.runq_ms`` is its rise from the previous step
 this step's end (so the dataloader wait before ``step()`` opens is covered, as the step is).
 
 Cost: one ``os.pread`` of the already open file and one ``int`` parse at each step end,
-on the training thread: 1.3–1.4 µs of thread CPU time on the 2-core test machine
-(``PYTHONPATH=src python benchmarks/runq_cost.py``). GPU runs do not need it: CUDA events
-time the device's work, which the host's scheduling does not stretch, so the reader is only
-built for a CPU clock.
+on the training thread: 1.3–1.4 µs of thread CPU time on the 2-core test machine in a tight
+loop (``PYTHONPATH=src python benchmarks/runq_cost.py``), several times that between real
+torch steps on a loaded host. The session reads it only at the end of a sampled step and of
+the step before one (the baseline), so unsampled steps between them make no system call.
+GPU runs do not need it: CUDA events time the device's work, which the host's scheduling
+does not stretch, so the reader is only built for a CPU clock.
 """
 
 from __future__ import annotations
