@@ -314,16 +314,10 @@ class Recorder:
         ``wall_ns``: ``time.time_ns()`` at entry, when the caller has read it already."""
         self._in_step = True
         tid = self._owner = self._train_thread = _get_ident()
-        step: Step | None
-        if self._next is None:  # the usual case (no pre-step phase): _next_step's work, inlined
-            if not self.config.samples(self._index):
-                return None
-            step = Step(self._index)
-        else:
-            step = self._next_step()  # made by a pre-step phase, or new; None if not sampled
-            if step is None:
-                return None
-            self._next = None
+        step = self._next_step()  # made by a pre-step phase, or new; None if not sampled
+        if step is None:
+            return None
+        self._next = None
         if step.start is None:
             step.start = self.clock.mark()
             step.start_unix_ns = time.time_ns() if wall_ns is None else wall_ns
