@@ -809,7 +809,7 @@ def test_training_thread_makes_few_python_calls_into_stepscope_per_step(mem_trac
     """Deterministic (load-independent) proxy of the hot path's cost: Python calls into
     stepscope per step on a tiny model with every automatic instrument (the step boundary,
     forward, backward with its hook and end-of-backward callbacks, optimizer, h2d). 65 before
-    issue 22 §3's cuts, 49-50 after the first round, 39 after the second (the step context's
+    issue 22 §3's cuts, 49-50 after the first round, 40 after the second (the step context's
     bound entry/exit, the resolver's one-loop poll, no per-step call for an idle FLOP counter
     or an autograd adoption that cannot happen on CPU); the budget leaves a little room."""
     import cProfile
