@@ -369,13 +369,24 @@ def reread(run_dir: str, threads: int, memory_limit: str, profile: bool = False)
     import stepscope
     from stepscope.analysis.run import analyze_run
 
+    log: list[tuple[float, str]] = []
     if profile:
         _profile_stages()
+        from stepscope.analysis import load
+
+        connect = load._connect
+
+        def timed_connect(*a: Any) -> Any:
+            return _Timed(connect(*a), log)
+
+        load._connect = timed_connect  # type: ignore[assignment]
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
     doc = analyze_run(run_dir, threads=threads, memory_limit=memory_limit)
     wall = time.perf_counter() - t0
     ru = resource.getrusage(resource.RUSAGE_SELF)
+    for t, sql in sorted(log, reverse=True)[:15]:  # the slowest statements (--profile)
+        print(f"{t:8.2f}s  {sql}", file=sys.stderr)
     print(json.dumps({
         "stepscope": str(Path(stepscope.__file__).parents[1]),
         "wall_seconds": round(wall, 2),

@@ -114,6 +114,9 @@ def build_own(con: Any) -> OwnColumns:
                                     WHERE phase IS NULL GROUP BY 1, 2) r USING (rank, step)"""
     )
     cols = _middles(con)
+    if cols.dense is not None:  # ex written from the matrices (_middles_dense)
+        con.execute("DROP TABLE own")
+        return cols
     # Removing a rank's value from its cell leaves a median that depends only on where that
     # value lies against the cell's middle values (ties give the same multiset either way).
     con.execute(
@@ -212,7 +215,11 @@ def _middles_dense(con: Any, names: list[str]) -> OwnColumns | None:
     and the matrices are not much larger than the rows; None otherwise (the grouped path).
 
     Memory is one phase's matrices at a time plus the own-work and gap matrices kept for
-    the series: 16 bytes per (rank, step, phase), not the rows' columns sorted twice."""
+    the series: 16 bytes per (rank, step, phase), not the rows' columns sorted twice.
+
+    Writes table ``ex`` itself, a phase at a time from the same numbers (the median of the
+    others by :func:`_others`, the gap as ``own - others``): no join of every row of ``own``
+    to ``mid``. Table ``mid`` is not written (nothing reads it past build_own)."""
     n_rows = int(con.execute("SELECT count(*) FROM own").fetchone()[0])
     ranks = np.asarray([r for (r,) in con.execute("SELECT DISTINCT rank FROM own ORDER BY 1").fetchall()],
                        dtype=np.int64)
@@ -223,7 +230,6 @@ def _middles_dense(con: Any, names: list[str]) -> OwnColumns | None:
         return None  # sparse (ranks on different steps): the grouped path holds only rows
     owns: list[Any] = []
     gaps: list[Any] = []
-    mids: list[tuple[Any, ...]] = []
     cols_at = np.arange(n_s)
     for name in names:
         got = con.execute("SELECT rank, step, own FROM own WHERE name = $n", {"n": name}).fetchnumpy()
@@ -252,18 +258,53 @@ def _middles_dense(con: Any, names: list[str]) -> OwnColumns | None:
         others = _others(mat, n, pv, mv, qv)
         with np.errstate(invalid="ignore"):
             gap = np.where(present & (n >= 2), mat - others, np.nan)
-        del others, present
-        has = np.flatnonzero(n > 0)
-        mids.append((ustep[has], [name] * len(has), n[has], pv[has], mv[has], qv[has]))
+        del present
+        # ex's others: NULL where the cell has fewer than 2 values (the SQL's CASE). A
+        # later phase may still send the run to the grouped path, which replaces ex.
+        if not owns:
+            con.execute("CREATE OR REPLACE TABLE ex (rank INTEGER, step BIGINT, name VARCHAR, "
+                        "own DOUBLE, wait DOUBLE, others DOUBLE, excess DOUBLE)")
+        others[:, n < 2] = np.nan
+        _write_ex(con, name, ranks, ustep, mat, others, gap)
+        del others
         owns.append(mat)
         gaps.append(gap)
-    # One phase per entry (rows in the table exist, so at least one phase).
-    st, nm, nn, pp, mm, qq = zip(*mids, strict=True)
-    _write_mid(con, np.concatenate(st), [x for per in nm for x in per], np.concatenate(nn),
-               np.concatenate(pp), np.concatenate(mm), np.concatenate(qq))
     empty = np.zeros(0, dtype=np.int64)
     return OwnColumns(names, empty, empty, empty, np.zeros(0), np.zeros(0),
                       DenseOwn(ranks, ustep, owns, gaps))
+
+
+#: Rows of ``ex`` handed to DuckDB at once (:func:`_write_ex`).
+_EX_CHUNK = 2_000_000
+
+
+def _write_ex(con: Any, name: str, ranks: Any, ustep: Any, mat: Any, others: Any,
+              gap: Any) -> None:
+    """Append phase ``name``'s rows of ``ex`` (its ``own`` rows, with the wait read back from
+    ``own``) from its own-work, others and gap matrices; NaN others/gap are NULL."""
+    import pyarrow as pa
+
+    got = con.execute("SELECT rank, step, wait FROM own WHERE name = $n", {"n": name}).fetchnumpy()
+    ri = np.searchsorted(ranks, np.asarray(got["rank"], dtype=np.int64))
+    si = np.searchsorted(ustep, np.asarray(got["step"], dtype=np.int64))
+    wait = np.asarray(got["wait"], dtype=np.float64)
+    del got
+    for a in range(0, len(ri), _EX_CHUNK):
+        r, c = ri[a:a + _EX_CHUNK], si[a:a + _EX_CHUNK]
+        chunk = pa.table({
+            "rank": pa.array(ranks[r].astype(np.int32)),
+            "step": pa.array(ustep[c]),
+            "own": pa.array(mat[r, c]),
+            "wait": pa.array(wait[a:a + _EX_CHUNK]),
+            "others": pa.array(others[r, c], from_pandas=True),
+            "excess": pa.array(gap[r, c], from_pandas=True),
+        })
+        con.register("_ex_chunk", chunk)
+        try:
+            con.execute("INSERT INTO ex SELECT rank, step, $n, own, wait, others, excess "
+                        "FROM _ex_chunk", {"n": name})
+        finally:
+            con.unregister("_ex_chunk")
 
 
 def phase_waits(con: Any, phases: dict[str, Any]) -> None:
