@@ -442,3 +442,54 @@ def test_phase_stats_exact_quantiles_a_block_of_ranks_at_a_time(tmp_path: Path,
     per_rank = [s for s in sqls if "GROUP BY name, rank" in s]
     assert len(per_rank) == 5 and all("rank BETWEEN" in s for s in per_rank), per_rank
     assert [p["rank"] for p in whole["forward"]["per_rank"]] == [0, 1, 2, 3, 4]
+
+
+def _pw_rows(run: Path, unique: bool | None, monkeypatch: Any) -> list[Any]:
+    from stepscope.analysis import own as own_mod
+
+    if unique is not None:
+        monkeypatch.setattr(own_mod, "_phase_keys_unique", lambda con: unique)
+    data = analyze_run(run, keep=True)["_data"]
+    try:
+        return [tuple(r) for r in data.con.execute(
+            "SELECT * FROM pw ORDER BY rank, step, path").fetchall()]
+    finally:
+        data.close()
+        monkeypatch.undo()
+
+
+def test_pw_without_group_by_when_phase_paths_are_keys(tmp_path: Path, monkeypatch: Any) -> None:
+    # pw groups every phase row by (rank, step, path) only to fold a record that lists a
+    # path twice; with none (load's phase_dups), a plain join gives the same table.
+    from stepscope.analysis.own import _phase_keys_unique
+
+    run = write_run(tmp_path / "run", SynthRun(ranks=4, steps=20, seed=5, comm_child=True,
+                                               slow=(Slow(2, "backward", 6.0),)))
+    data = analyze_run(run, keep=True)["_data"]
+    try:
+        assert data.con.execute("SELECT n FROM phase_dups").fetchone()[0] == 0
+        assert _phase_keys_unique(data.con)
+    finally:
+        data.close()
+    plain, grouped = _pw_rows(run, True, monkeypatch), _pw_rows(run, False, monkeypatch)
+    assert plain == grouped and len(plain) == 4 * 20 * 6
+    assert any(r[5] > 0 for r in plain)  # waits credited to phases (backward, allreduce)
+
+    # One record listing "forward" twice: not a key any more, the grouped path folds it.
+    run = write_run(tmp_path / "dup", SynthRun(ranks=4, steps=20, seed=5, comm_child=True,
+                                               slow=(Slow(2, "backward", 6.0),)))
+    f = run / "rank1.jsonl"
+    lines = f.read_text().splitlines()
+    rec = json.loads(lines[3])
+    rec["phases"].append(next(p for p in rec["phases"] if p["name"] == "forward"))
+    lines[3] = json.dumps(rec)
+    f.write_text("\n".join(lines) + "\n")
+    data = analyze_run(run, keep=True)["_data"]
+    try:
+        assert data.con.execute("SELECT n FROM phase_dups").fetchone()[0] == 1
+        assert not _phase_keys_unique(data.con)
+        n, keys = data.con.execute(
+            "SELECT count(*), count(DISTINCT (rank, step, path)) FROM pw").fetchone()
+        assert n == keys == 4 * 20 * 6
+    finally:
+        data.close()

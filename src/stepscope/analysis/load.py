@@ -15,6 +15,8 @@ sqlite extension needs a network download. The result is two tables on one conne
            the records' ``collectives`` sections (schema 2), one row per (phase, op, pg).
 ``unseen`` (rank, step, path, n) — collectives issued where they could not be timed (the
            records' ``unseen_<path>`` counters).
+``phase_dups`` (n) — one row: how many records list one phase path more than once (0: each
+           (rank, step, path) is one row of ``phases``).
 """
 
 from __future__ import annotations
@@ -566,6 +568,15 @@ def _build_tables(con: Any, root: Path, skipped: list[str], torn: set[str] | Non
                                          ELSE p.parent || '/' || p.name END) AS path
             FROM (SELECT rank, step, clock, unnest(phases) AS p FROM rec WHERE {keep})
             WHERE p.name IS NOT NULL"""
+    )
+    # Records that list one phase path twice (hostile or corrupt): with none, (rank, step,
+    # path) is a key of ``phases`` and analysis/own.py's pw needs no group-by over every row.
+    con.execute(
+        f"""CREATE TABLE phase_dups AS SELECT count(*) AS n FROM (
+                SELECT [coalesce(p.path, CASE WHEN p.parent IS NULL THEN p.name
+                                              ELSE p.parent || '/' || p.name END)
+                        for p in phases if p.name IS NOT NULL] AS k FROM rec WHERE {keep})
+            WHERE len(list_distinct(k)) < len(k)"""
     )
     create_resource_table(con, keep)  # [metrics] table res
     con.execute(

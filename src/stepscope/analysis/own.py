@@ -46,6 +46,22 @@ def build_pw(con: Any) -> None:
            GROUP BY 1, 2, 3"""
     )
     # A block of steps at a time (analysis/blocks.py): the group-by holds one block's keys.
+    if _phase_keys_unique(con):
+        # (rank, step, path) is a key of phases and cin: the group-by below would group
+        # single rows, so a plain join gives the same rows and values.
+        for i, b in enumerate(step_blocks(con)):
+            con.execute(
+                f"""{'CREATE OR REPLACE TABLE pw AS' if i == 0 else 'INSERT INTO pw'}
+                    SELECT p.rank, p.step, p.path, p.parent, p.ms,
+                           CAST(coalesce(c.wait, 0.0) AS DOUBLE) AS wait,
+                           CAST(coalesce(c.n, 0) AS BIGINT) AS ncoll,
+                           CAST(coalesce(c.ms, 0.0) AS DOUBLE) AS coll_ms
+                    FROM (SELECT * FROM phases WHERE {in_block('step', b)}) p
+                    LEFT JOIN (SELECT * FROM cin WHERE {in_block('step', b)}) c
+                      ON c.rank = p.rank AND c.step = p.step AND c.anc = p.path"""
+            )
+        con.execute("DROP TABLE cin")
+        return
     for i, b in enumerate(step_blocks(con)):
         con.execute(
             f"""{'CREATE OR REPLACE TABLE pw AS' if i == 0 else 'INSERT INTO pw'}
@@ -60,6 +76,15 @@ def build_pw(con: Any) -> None:
                 GROUP BY 1, 2, 3"""
         )
     con.execute("DROP TABLE cin")
+
+
+def _phase_keys_unique(con: Any) -> bool:
+    """Whether no record lists a phase path twice (table ``phase_dups`` from analysis/load.py;
+    tables made by hand have none: not known, so no)."""
+    if not con.execute("SELECT count(*) FROM information_schema.tables "
+                       "WHERE table_name = 'phase_dups'").fetchone()[0]:
+        return False
+    return int(con.execute("SELECT n FROM phase_dups").fetchone()[0]) == 0
 
 
 @dataclass
