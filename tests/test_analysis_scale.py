@@ -493,3 +493,34 @@ def test_pw_without_group_by_when_phase_paths_are_keys(tmp_path: Path, monkeypat
         assert n == keys == 4 * 20 * 6
     finally:
         data.close()
+
+
+def test_phase_waits_whole_run_medians_one_path_at_a_time(tmp_path: Path) -> None:
+    # phase_waits' run-wide exact medians of the waits held every pw row at once (10^8
+    # values: out of memory at a 1 GB limit); one path per statement holds one path's.
+    from stepscope.analysis.own import phase_waits
+
+    run = write_run(tmp_path / "run", SynthRun(ranks=4, steps=20, seed=8, comm_child=True,
+                                               slow=(Slow(3, "backward", 5.0),)))
+    doc = analyze_run(run, keep=True)
+    data = doc["_data"]
+    try:
+        sqls: list[str] = []
+
+        class Spy:
+            def execute(self, sql: str, *a: Any) -> Any:
+                sqls.append(sql)
+                return data.con.execute(sql, *a)
+
+        phases = {k: {**v, "per_rank": [dict(p) for p in v["per_rank"]]}
+                  for k, v in doc["phases"].items()}
+        for ph in phases.values():
+            for t in (ph, *ph["per_rank"]):
+                t.pop("wait_ms", None)
+        phase_waits(Spy(), phases)
+    finally:
+        data.close()
+    medians = [s for s in sqls if "median(wait)" in s and "FROM pw" in s]
+    assert medians and all("path = $p" in s or "rank BETWEEN" in s for s in medians), medians
+    assert phases == doc["phases"]  # the report's numbers, recomputed the same
+    assert any(ph["wait_ms"] > 0 for ph in phases.values())

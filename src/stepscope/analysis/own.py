@@ -351,11 +351,17 @@ def phase_waits(con: Any, phases: dict[str, Any]) -> None:
            WHERE ex.name = 'residual'"""
     )
     rank_step = dict(con.execute("SELECT rank, sum(step_ms) FROM steps GROUP BY 1").fetchall())
-    rows = con.execute(
-        f"""SELECT path, NULL AS rank, median(wait), sum(ms - wait), bool_and(parent IS NULL),
-                   sum(greatest(ms - coll_ms, 0.0))
-            FROM pw GROUP BY 1
-            UNION ALL SELECT '{RESIDUAL}', NULL, median(wait), sum(own), TRUE, sum(work) FROM rx"""
+    # Over the whole run, one path at a time: an exact median holds every value of its
+    # group, and every path at once (10^8 values) ran out of memory at a 1 GB limit.
+    rows: list[Any] = []
+    for (path,) in con.execute("SELECT DISTINCT path FROM pw ORDER BY 1").fetchall():
+        rows += con.execute(
+            """SELECT path, NULL AS rank, median(wait), sum(ms - wait), bool_and(parent IS NULL),
+                      sum(greatest(ms - coll_ms, 0.0))
+               FROM pw WHERE path = $p GROUP BY 1""", {"p": path}
+        ).fetchall()
+    rows += con.execute(  # after pw's rows, as before: a user phase named residual loses
+        f"""SELECT '{RESIDUAL}', NULL, median(wait), sum(own), TRUE, sum(work) FROM rx"""
     ).fetchall()
     # Per rank, a block of ranks at a time: an exact median holds every value of its group.
     for b in rank_blocks(con):
