@@ -307,8 +307,6 @@ def _write_ex(con: Any, name: str, ranks: Any, ustep: Any, mat: Any, others: Any
               gap: Any) -> None:
     """Append phase ``name``'s rows of ``ex`` (its ``own`` rows, with the wait read back from
     ``own``) from its own-work, others and gap matrices; NaN others/gap are NULL."""
-    import pyarrow as pa
-
     got = con.execute("SELECT rank, step, wait FROM own WHERE name = $n", {"n": name}).fetchnumpy()
     ri = np.searchsorted(ranks, np.asarray(got["rank"], dtype=np.int64))
     si = np.searchsorted(ustep, np.asarray(got["step"], dtype=np.int64))
@@ -316,18 +314,15 @@ def _write_ex(con: Any, name: str, ranks: Any, ustep: Any, mat: Any, others: Any
     del got
     for a in range(0, len(ri), _EX_CHUNK):
         r, c = ri[a:a + _EX_CHUNK], si[a:a + _EX_CHUNK]
-        chunk = pa.table({
-            "rank": pa.array(ranks[r].astype(np.int32)),
-            "step": pa.array(ustep[c]),
-            "own": pa.array(mat[r, c]),
-            "wait": pa.array(wait[a:a + _EX_CHUNK]),
-            "others": pa.array(others[r, c], from_pandas=True),
-            "excess": pa.array(gap[r, c], from_pandas=True),
-        })
+        # DuckDB scans a dict of numpy columns in place (no pyarrow, no pandas).
+        chunk = {"rank": ranks[r].astype(np.int32), "step": ustep[c], "own": mat[r, c],
+                 "wait": wait[a:a + _EX_CHUNK], "others": others[r, c], "excess": gap[r, c]}
         con.register("_ex_chunk", chunk)
         try:
-            con.execute("INSERT INTO ex SELECT rank, step, $n, own, wait, others, excess "
-                        "FROM _ex_chunk", {"n": name})
+            con.execute(
+                "INSERT INTO ex SELECT rank, step, $n, own, wait, "
+                "CASE WHEN isnan(others) THEN NULL ELSE others END, "
+                "CASE WHEN isnan(excess) THEN NULL ELSE excess END FROM _ex_chunk", {"n": name})
         finally:
             con.unregister("_ex_chunk")
 
