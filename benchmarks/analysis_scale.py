@@ -268,8 +268,10 @@ print(json.dumps(doc, sort_keys=True, default=str))
 """
 
 
-def _differences(a: Any, b: Any, path: str, out: list[str]) -> None:
-    """Where two report documents differ beyond rounding (1e-6 relative, 1.5e-3 absolute)."""
+def _differences(a: Any, b: Any, path: str, out: list[str],
+                 small: list[str] | None = None) -> None:
+    """Where two report documents differ beyond rounding (1e-6 relative, 1.5e-3 absolute);
+    ``small`` collects the numbers that differ within it."""
     import math
 
     if isinstance(a, dict) and isinstance(b, dict):
@@ -277,16 +279,18 @@ def _differences(a: Any, b: Any, path: str, out: list[str]) -> None:
             if k not in a or k not in b:
                 out.append(f"{path}/{k}: only in one")
             else:
-                _differences(a[k], b[k], f"{path}/{k}", out)
+                _differences(a[k], b[k], f"{path}/{k}", out, small)
     elif isinstance(a, list) and isinstance(b, list):
         if len(a) != len(b):
             out.append(f"{path}: {len(a)} items vs {len(b)}")
         for i, (x, y) in enumerate(zip(a, b, strict=False)):
-            _differences(x, y, f"{path}[{i}]", out)
+            _differences(x, y, f"{path}[{i}]", out, small)
     elif (isinstance(a, float) or isinstance(b, float)) and all(
             isinstance(v, (int, float)) and not isinstance(v, bool) for v in (a, b)):
         if not math.isclose(float(a), float(b), rel_tol=1e-6, abs_tol=1.5e-3):
             out.append(f"{path}: {a} vs {b}")
+        elif a != b and small is not None:
+            small.append(f"{path}: {a} vs {b}")
     elif a != b:
         out.append(f"{path}: {a!r} vs {b!r}")
 
@@ -304,11 +308,12 @@ def equivalence(base_src: str, runs: list[str]) -> int:
                                  text=True, env=env, check=True)
             docs.append(json.loads(out.stdout.strip().splitlines()[-1]))
         diffs: list[str] = []
-        _differences(docs[0], docs[1], "", diffs)
+        small: list[str] = []
+        _differences(docs[0], docs[1], "", diffs, small)
         bad += bool(diffs)
         print(json.dumps({"run": run, "identical": docs[0] == docs[1], "within_rounding": not diffs,
                           "stragglers": len(docs[0]["stragglers"]), "windows": len(docs[0]["windows"]),
-                          "differences": diffs[:10]}), flush=True)
+                          "differences": diffs[:10], "rounding": small[:5]}), flush=True)
     return 1 if bad else 0
 
 
@@ -369,13 +374,24 @@ def reread(run_dir: str, threads: int, memory_limit: str, profile: bool = False)
     import stepscope
     from stepscope.analysis.run import analyze_run
 
+    log: list[tuple[float, str]] = []
     if profile:
         _profile_stages()
+        from stepscope.analysis import load
+
+        connect = load._connect
+
+        def timed_connect(*a: Any) -> Any:
+            return _Timed(connect(*a), log)
+
+        load._connect = timed_connect  # type: ignore[assignment]
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
     doc = analyze_run(run_dir, threads=threads, memory_limit=memory_limit)
     wall = time.perf_counter() - t0
     ru = resource.getrusage(resource.RUSAGE_SELF)
+    for t, sql in sorted(log, reverse=True)[:15]:  # the slowest statements (--profile)
+        print(f"{t:8.2f}s  {sql}", file=sys.stderr)
     print(json.dumps({
         "stepscope": str(Path(stepscope.__file__).parents[1]),
         "wall_seconds": round(wall, 2),

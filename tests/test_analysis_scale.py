@@ -410,3 +410,117 @@ def test_goodput_in_chunks_of_rows_equals_one_chunk(tmp_path: Path, monkeypatch:
     monkeypatch.setattr(goodput, "_CHUNK_ROWS", 7)
     assert _doc(run)["goodput"] == whole
     assert whole["gpu_hours"] > 0 and whole["lost_gpu_hours"]["stragglers"] > 0
+
+
+def test_phase_stats_exact_quantiles_a_block_of_ranks_at_a_time(tmp_path: Path,
+                                                                 monkeypatch: Any) -> None:
+    # The exact per-(phase, rank) quantiles hold every value of a group at once: over the
+    # whole run at 10^8 samples DuckDB spilled ~34 GB. Each statement must read one block of
+    # ranks, and the blocks together give the one-statement numbers.
+    from stepscope.analysis import blocks
+    from stepscope.analysis.stats import create_phase_samples, phase_stats
+
+    run = write_run(tmp_path / "run", SynthRun(ranks=5, steps=30, seed=3, comm_child=True,
+                                               slow=(Slow(1, "forward", 9.0),)))
+    data = analyze_run(run, keep=True)["_data"]
+    try:
+        create_phase_samples(data.con)
+        whole = phase_stats(data.con, 10**9)
+
+        sqls: list[str] = []
+
+        class Spy:
+            def execute(self, sql: str, *a: Any) -> Any:
+                sqls.append(sql)
+                return data.con.execute(sql, *a)
+
+        monkeypatch.setattr(blocks, "BLOCK_RECORDS", 30)  # one rank (30 records) per block
+        split = phase_stats(Spy(), 10**9)
+    finally:
+        data.close()
+    assert split == whole
+    per_rank = [s for s in sqls if "GROUP BY name, rank" in s]
+    assert len(per_rank) == 5 and all("rank BETWEEN" in s for s in per_rank), per_rank
+    assert [p["rank"] for p in whole["forward"]["per_rank"]] == [0, 1, 2, 3, 4]
+
+
+def _pw_rows(run: Path, unique: bool | None, monkeypatch: Any) -> list[Any]:
+    from stepscope.analysis import own as own_mod
+
+    if unique is not None:
+        monkeypatch.setattr(own_mod, "_phase_keys_unique", lambda con: unique)
+    data = analyze_run(run, keep=True)["_data"]
+    try:
+        return [tuple(r) for r in data.con.execute(
+            "SELECT * FROM pw ORDER BY rank, step, path").fetchall()]
+    finally:
+        data.close()
+        monkeypatch.undo()
+
+
+def test_pw_without_group_by_when_phase_paths_are_keys(tmp_path: Path, monkeypatch: Any) -> None:
+    # pw groups every phase row by (rank, step, path) only to fold a record that lists a
+    # path twice; with none (load's phase_dups), a plain join gives the same table.
+    from stepscope.analysis.own import _phase_keys_unique
+
+    run = write_run(tmp_path / "run", SynthRun(ranks=4, steps=20, seed=5, comm_child=True,
+                                               slow=(Slow(2, "backward", 6.0),)))
+    data = analyze_run(run, keep=True)["_data"]
+    try:
+        assert data.con.execute("SELECT n FROM phase_dups").fetchone()[0] == 0
+        assert _phase_keys_unique(data.con)
+    finally:
+        data.close()
+    plain, grouped = _pw_rows(run, True, monkeypatch), _pw_rows(run, False, monkeypatch)
+    assert plain == grouped and len(plain) == 4 * 20 * 6
+    assert any(r[5] > 0 for r in plain)  # waits credited to phases (backward, allreduce)
+
+    # One record listing "forward" twice: not a key any more, the grouped path folds it.
+    run = write_run(tmp_path / "dup", SynthRun(ranks=4, steps=20, seed=5, comm_child=True,
+                                               slow=(Slow(2, "backward", 6.0),)))
+    f = run / "rank1.jsonl"
+    lines = f.read_text().splitlines()
+    rec = json.loads(lines[3])
+    rec["phases"].append(next(p for p in rec["phases"] if p["name"] == "forward"))
+    lines[3] = json.dumps(rec)
+    f.write_text("\n".join(lines) + "\n")
+    data = analyze_run(run, keep=True)["_data"]
+    try:
+        assert data.con.execute("SELECT n FROM phase_dups").fetchone()[0] == 1
+        assert not _phase_keys_unique(data.con)
+        n, keys = data.con.execute(
+            "SELECT count(*), count(DISTINCT (rank, step, path)) FROM pw").fetchone()
+        assert n == keys == 4 * 20 * 6
+    finally:
+        data.close()
+
+
+def test_phase_waits_whole_run_medians_one_path_at_a_time(tmp_path: Path) -> None:
+    # phase_waits' run-wide exact medians of the waits held every pw row at once (10^8
+    # values: out of memory at a 1 GB limit); one path per statement holds one path's.
+    from stepscope.analysis.own import phase_waits
+
+    run = write_run(tmp_path / "run", SynthRun(ranks=4, steps=20, seed=8, comm_child=True,
+                                               slow=(Slow(3, "backward", 5.0),)))
+    doc = analyze_run(run, keep=True)
+    data = doc["_data"]
+    try:
+        sqls: list[str] = []
+
+        class Spy:
+            def execute(self, sql: str, *a: Any) -> Any:
+                sqls.append(sql)
+                return data.con.execute(sql, *a)
+
+        phases = {k: {**v, "per_rank": [dict(p) for p in v["per_rank"]]}
+                  for k, v in doc["phases"].items()}
+        for ph in phases.values():
+            for t in (ph, *ph["per_rank"]):
+                t.pop("wait_ms", None)
+        phase_waits(Spy(), phases)
+    finally:
+        data.close()
+    medians = [s for s in sqls if "median(wait)" in s and "FROM pw" in s]
+    assert medians and all("path = $p" in s or "rank BETWEEN" in s for s in medians), medians
+    assert phases == doc["phases"]  # the report's numbers, recomputed the same
+    assert any(ph["wait_ms"] > 0 for ph in phases.values())

@@ -15,6 +15,8 @@ sqlite extension needs a network download. The result is two tables on one conne
            the records' ``collectives`` sections (schema 2), one row per (phase, op, pg).
 ``unseen`` (rank, step, path, n) — collectives issued where they could not be timed (the
            records' ``unseen_<path>`` counters).
+``phase_dups`` (n) — one row: how many (rank, step, path) have more than one row in
+           ``phases`` (a record listing a path twice; 0: the three are a key).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stepscope.analysis.blocks import in_block, step_blocks
 from stepscope.analysis.resources import RESOURCE_COLUMNS, TIMED_FILTER, create_resource_table
 from stepscope.errors import AnalysisError
 from stepscope.records import READABLE_SCHEMAS, SQLITE_TABLE, row_to_record
@@ -567,6 +570,16 @@ def _build_tables(con: Any, root: Path, skipped: list[str], torn: set[str] | Non
             FROM (SELECT rank, step, clock, unnest(phases) AS p FROM rec WHERE {keep})
             WHERE p.name IS NOT NULL"""
     )
+    # Records that list one phase path twice (hostile or corrupt): with none, (rank, step,
+    # path) is a key of ``phases`` and analysis/own.py's pw needs no group-by over every row.
+    # Counted on the unnested rows a block of steps at a time (a per-record list expression
+    # cost 5x the CPU; one group-by over every row would hold every key).
+    n_dups = 0
+    for b in step_blocks(con):
+        n_dups += int(con.execute(
+            f"""SELECT count(*) FROM (SELECT rank, step, path FROM phases
+                WHERE {in_block('step', b)} GROUP BY ALL HAVING count(*) > 1)""").fetchone()[0])
+    con.execute(f"CREATE TABLE phase_dups AS SELECT {n_dups} AS n")
     create_resource_table(con, keep)  # [metrics] table res
     con.execute(
         f"""CREATE TABLE colls AS

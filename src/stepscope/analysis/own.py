@@ -46,6 +46,22 @@ def build_pw(con: Any) -> None:
            GROUP BY 1, 2, 3"""
     )
     # A block of steps at a time (analysis/blocks.py): the group-by holds one block's keys.
+    if _phase_keys_unique(con):
+        # (rank, step, path) is a key of phases and cin: the group-by below would group
+        # single rows, so a plain join gives the same rows and values.
+        for i, b in enumerate(step_blocks(con)):
+            con.execute(
+                f"""{'CREATE OR REPLACE TABLE pw AS' if i == 0 else 'INSERT INTO pw'}
+                    SELECT p.rank, p.step, p.path, p.parent, p.ms,
+                           CAST(coalesce(c.wait, 0.0) AS DOUBLE) AS wait,
+                           CAST(coalesce(c.n, 0) AS BIGINT) AS ncoll,
+                           CAST(coalesce(c.ms, 0.0) AS DOUBLE) AS coll_ms
+                    FROM (SELECT * FROM phases WHERE {in_block('step', b)}) p
+                    LEFT JOIN (SELECT * FROM cin WHERE {in_block('step', b)}) c
+                      ON c.rank = p.rank AND c.step = p.step AND c.anc = p.path"""
+            )
+        con.execute("DROP TABLE cin")
+        return
     for i, b in enumerate(step_blocks(con)):
         con.execute(
             f"""{'CREATE OR REPLACE TABLE pw AS' if i == 0 else 'INSERT INTO pw'}
@@ -60,6 +76,15 @@ def build_pw(con: Any) -> None:
                 GROUP BY 1, 2, 3"""
         )
     con.execute("DROP TABLE cin")
+
+
+def _phase_keys_unique(con: Any) -> bool:
+    """Whether no record lists a phase path twice (table ``phase_dups`` from analysis/load.py;
+    tables made by hand have none: not known, so no)."""
+    if not con.execute("SELECT count(*) FROM information_schema.tables "
+                       "WHERE table_name = 'phase_dups'").fetchone()[0]:
+        return False
+    return int(con.execute("SELECT n FROM phase_dups").fetchone()[0]) == 0
 
 
 @dataclass
@@ -114,6 +139,9 @@ def build_own(con: Any) -> OwnColumns:
                                     WHERE phase IS NULL GROUP BY 1, 2) r USING (rank, step)"""
     )
     cols = _middles(con)
+    if cols.dense is not None:  # ex written from the matrices (_middles_dense)
+        con.execute("DROP TABLE own")
+        return cols
     # Removing a rank's value from its cell leaves a median that depends only on where that
     # value lies against the cell's middle values (ties give the same multiset either way).
     con.execute(
@@ -212,7 +240,11 @@ def _middles_dense(con: Any, names: list[str]) -> OwnColumns | None:
     and the matrices are not much larger than the rows; None otherwise (the grouped path).
 
     Memory is one phase's matrices at a time plus the own-work and gap matrices kept for
-    the series: 16 bytes per (rank, step, phase), not the rows' columns sorted twice."""
+    the series: 16 bytes per (rank, step, phase), not the rows' columns sorted twice.
+
+    Writes table ``ex`` itself, a phase at a time from the same numbers (the median of the
+    others by :func:`_others`, the gap as ``own - others``): no join of every row of ``own``
+    to ``mid``. Table ``mid`` is not written (nothing reads it past build_own)."""
     n_rows = int(con.execute("SELECT count(*) FROM own").fetchone()[0])
     ranks = np.asarray([r for (r,) in con.execute("SELECT DISTINCT rank FROM own ORDER BY 1").fetchall()],
                        dtype=np.int64)
@@ -223,7 +255,6 @@ def _middles_dense(con: Any, names: list[str]) -> OwnColumns | None:
         return None  # sparse (ranks on different steps): the grouped path holds only rows
     owns: list[Any] = []
     gaps: list[Any] = []
-    mids: list[tuple[Any, ...]] = []
     cols_at = np.arange(n_s)
     for name in names:
         got = con.execute("SELECT rank, step, own FROM own WHERE name = $n", {"n": name}).fetchnumpy()
@@ -252,18 +283,48 @@ def _middles_dense(con: Any, names: list[str]) -> OwnColumns | None:
         others = _others(mat, n, pv, mv, qv)
         with np.errstate(invalid="ignore"):
             gap = np.where(present & (n >= 2), mat - others, np.nan)
-        del others, present
-        has = np.flatnonzero(n > 0)
-        mids.append((ustep[has], [name] * len(has), n[has], pv[has], mv[has], qv[has]))
+        del present
+        # ex's others: NULL where the cell has fewer than 2 values (the SQL's CASE). A
+        # later phase may still send the run to the grouped path, which replaces ex.
+        if not owns:
+            con.execute("CREATE OR REPLACE TABLE ex (rank INTEGER, step BIGINT, name VARCHAR, "
+                        "own DOUBLE, wait DOUBLE, others DOUBLE, excess DOUBLE)")
+        others[:, n < 2] = np.nan
+        _write_ex(con, name, ranks, ustep, mat, others, gap)
+        del others
         owns.append(mat)
         gaps.append(gap)
-    # One phase per entry (rows in the table exist, so at least one phase).
-    st, nm, nn, pp, mm, qq = zip(*mids, strict=True)
-    _write_mid(con, np.concatenate(st), [x for per in nm for x in per], np.concatenate(nn),
-               np.concatenate(pp), np.concatenate(mm), np.concatenate(qq))
     empty = np.zeros(0, dtype=np.int64)
     return OwnColumns(names, empty, empty, empty, np.zeros(0), np.zeros(0),
                       DenseOwn(ranks, ustep, owns, gaps))
+
+
+#: Rows of ``ex`` handed to DuckDB at once (:func:`_write_ex`).
+_EX_CHUNK = 2_000_000
+
+
+def _write_ex(con: Any, name: str, ranks: Any, ustep: Any, mat: Any, others: Any,
+              gap: Any) -> None:
+    """Append phase ``name``'s rows of ``ex`` (its ``own`` rows, with the wait read back from
+    ``own``) from its own-work, others and gap matrices; NaN others/gap are NULL."""
+    got = con.execute("SELECT rank, step, wait FROM own WHERE name = $n", {"n": name}).fetchnumpy()
+    ri = np.searchsorted(ranks, np.asarray(got["rank"], dtype=np.int64))
+    si = np.searchsorted(ustep, np.asarray(got["step"], dtype=np.int64))
+    wait = np.asarray(got["wait"], dtype=np.float64)
+    del got
+    for a in range(0, len(ri), _EX_CHUNK):
+        r, c = ri[a:a + _EX_CHUNK], si[a:a + _EX_CHUNK]
+        # DuckDB scans a dict of numpy columns in place (no pyarrow, no pandas).
+        chunk = {"rank": ranks[r].astype(np.int32), "step": ustep[c], "own": mat[r, c],
+                 "wait": wait[a:a + _EX_CHUNK], "others": others[r, c], "excess": gap[r, c]}
+        con.register("_ex_chunk", chunk)
+        try:
+            con.execute(
+                "INSERT INTO ex SELECT rank, step, $n, own, wait, "
+                "CASE WHEN isnan(others) THEN NULL ELSE others END, "
+                "CASE WHEN isnan(excess) THEN NULL ELSE excess END FROM _ex_chunk", {"n": name})
+        finally:
+            con.unregister("_ex_chunk")
 
 
 def phase_waits(con: Any, phases: dict[str, Any]) -> None:
@@ -285,11 +346,17 @@ def phase_waits(con: Any, phases: dict[str, Any]) -> None:
            WHERE ex.name = 'residual'"""
     )
     rank_step = dict(con.execute("SELECT rank, sum(step_ms) FROM steps GROUP BY 1").fetchall())
-    rows = con.execute(
-        f"""SELECT path, NULL AS rank, median(wait), sum(ms - wait), bool_and(parent IS NULL),
-                   sum(greatest(ms - coll_ms, 0.0))
-            FROM pw GROUP BY 1
-            UNION ALL SELECT '{RESIDUAL}', NULL, median(wait), sum(own), TRUE, sum(work) FROM rx"""
+    # Over the whole run, one path at a time: an exact median holds every value of its
+    # group, and every path at once (10^8 values) ran out of memory at a 1 GB limit.
+    rows: list[Any] = []
+    for (path,) in con.execute("SELECT DISTINCT path FROM pw ORDER BY 1").fetchall():
+        rows += con.execute(
+            """SELECT path, NULL AS rank, median(wait), sum(ms - wait), bool_and(parent IS NULL),
+                      sum(greatest(ms - coll_ms, 0.0))
+               FROM pw WHERE path = $p GROUP BY 1""", {"p": path}
+        ).fetchall()
+    rows += con.execute(  # after pw's rows, as before: a user phase named residual loses
+        f"""SELECT '{RESIDUAL}', NULL, median(wait), sum(own), TRUE, sum(work) FROM rx"""
     ).fetchall()
     # Per rank, a block of ranks at a time: an exact median holds every value of its group.
     for b in rank_blocks(con):
