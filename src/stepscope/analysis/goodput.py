@@ -187,6 +187,9 @@ _STEP_CATS = tuple(_C[c] for c in ("stragglers", "exposed_comm", "input_stalls",
                                    "warmup", "productive"))
 
 
+#: A step's remainder below this share of it is rounding, not productive time.
+_ROUNDING = 1e-9
+
 #: Records per chunk of the event accounting.
 _CHUNK_ROWS = 1 << 20
 
@@ -273,7 +276,10 @@ def compute_goodput(con: Any, run_dir: str | Path, warmup: dict[str, Any] | None
             f = amount / ref
         vals = [p * scale for p in parts]
         total = (((vals[0] + vals[1]) + vals[2]) + vals[3]) + warm
-        vals += [warm, np.maximum(0.0, ref - total)]
+        # What the parts leave of the step; below a billionth of it, that is the rounding of
+        # their sum (whose last bits vary with DuckDB's parallel summing order), not time.
+        rest = ref - total
+        vals += [warm, np.where(rest > _ROUNDING * ref, rest, 0.0)]
         return [np.where(ok, v * f, 0.0) for v in vals]
 
     totals = _empty()
