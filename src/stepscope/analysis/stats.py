@@ -125,12 +125,17 @@ def rank_stats(con: Any, hosts: dict[str, list[int]], n_rows: int = 0) -> list[d
     Needs the ``wait`` table (rank, step, wait_ms) built by the straggler analysis.
     """
     host_of = {r: h for h, rs in hosts.items() for r in rs}
-    rows = con.execute(
-        f"""SELECT s.rank, count(*), {_q('s.step_ms', True)},
-                   {_q('s.step_ms - w.wait_ms', True)}, {_q('w.wait_ms', True)},
-                   sum(w.wait_ms), sum(s.step_ms)
-            FROM steps s JOIN wait w USING (rank, step) GROUP BY 1 ORDER BY 1"""
-    ).fetchall()
+    # Exact quantiles per rank hold every step of the rank: a block of ranks at a time, as in
+    # phase_stats (10^7 steps at once ran out of memory at a 1 GB DuckDB limit).
+    rows: list[Any] = []
+    for b in rank_blocks(con):
+        rows += con.execute(
+            f"""SELECT s.rank, count(*), {_q('s.step_ms', True)},
+                       {_q('s.step_ms - w.wait_ms', True)}, {_q('w.wait_ms', True)},
+                       sum(w.wait_ms), sum(s.step_ms)
+                FROM steps s JOIN wait w USING (rank, step)
+                WHERE {in_block('s.rank', b)} GROUP BY 1 ORDER BY 1"""
+        ).fetchall()
     out = []
     for rank, n, sq, oq, wq, wsum, ssum in rows:
         out.append(
