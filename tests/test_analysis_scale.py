@@ -11,7 +11,7 @@ from statistics import median
 from typing import Any
 
 import pytest
-from tests.synth_runs import Slow, SynthRun, write_run
+from tests.synth_runs import Slow, SynthRun, make_records, write_run
 
 from stepscope.analysis.run import analyze_run
 
@@ -553,3 +553,38 @@ def test_phase_waits_whole_run_medians_one_path_at_a_time(tmp_path: Path) -> Non
     assert medians and all("path = $p" in s or "rank BETWEEN" in s for s in medians), medians
     assert phases == doc["phases"]  # the report's numbers, recomputed the same
     assert any(ph["wait_ms"] > 0 for ph in phases.values())
+
+
+def test_memory_creep_a_block_of_ranks_at_a_time(tmp_path: Path, monkeypatch: Any) -> None:
+    # memory_creep reads each rank's memory series: every record as Python tuples at once was
+    # the 10^8 report's peak (~0.85 GB). One rank per block must find the same leaks.
+    from stepscope.analysis import blocks
+    from stepscope.analysis.resources import analyze_resources
+
+    recs = make_records(SynthRun(ranks=5, steps=40, seed=5))
+    for rank, rows in recs.items():
+        for rec in rows:  # ranks 1 and 4 leak 4 and 6 MB a step; the others hold steady
+            rec["memory"] = {"rss_mb": 2000.0 + {1: 4.0, 4: 6.0}.get(rank, 0.0) * rec["step"]
+                             + (rec["step"] % 3) * 0.5}
+    root = tmp_path / "run"
+    root.mkdir()
+    for rank, rows in recs.items():
+        (root / f"rank{rank}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = analyze_run(root, keep=True)["_data"]
+    try:
+        whole = analyze_resources(data.con)["memory"]["creep"]
+        sqls: list[str] = []
+
+        class Spy:
+            def execute(self, sql: str, *a: Any) -> Any:
+                sqls.append(sql)
+                return data.con.execute(sql, *a)
+
+        monkeypatch.setattr(blocks, "BLOCK_RECORDS", 40)  # one rank (40 records) per block
+        split = analyze_resources(Spy())["memory"]["creep"]
+    finally:
+        data.close()
+    assert [c["rank"] for c in whole] == [1, 4]
+    assert split == whole
+    series = [s for s in sqls if "rss_mb FROM res" in s]
+    assert len(series) == 5 and all("rank BETWEEN" in s for s in series), series
