@@ -242,14 +242,17 @@ def compute_goodput(con: Any, run_dir: str | Path, warmup: dict[str, Any] | None
     new_seg = has_prev & ((rid != rid[prev]) | (step <= step[prev]))
     cum = np.cumsum(new_seg)
     seg = cum - np.repeat(cum[firsts], ends - firsts)
+    del cum  # per-record arrays go as soon as they are used: 10^7 records, 80 MB each
     # Steps re-done after resuming: at or under the highest step the rank reached before.
     BIG = np.int64(1) << np.int64(40)
     shifted = step + np.repeat(np.arange(len(firsts), dtype=np.int64), ends - firsts) * BIG
     seen = np.maximum.accumulate(shifted)
     redone = has_prev & (shifted <= seen[prev])
+    del shifted, seen
     # Runs are (segment ordinal, run id); days are UTC dates of the step starts.
     code = seg * len(ids) + rid
     codes, run_idx = np.unique(code, return_inverse=True)
+    del code, seg
     keys = [(int(c) // len(ids), int(c) % len(ids)) for c in codes.tolist()]
     day_list, day_idx = _days(start) if dated else (["undated"], np.zeros(n, dtype=np.int64))
 
@@ -259,6 +262,7 @@ def compute_goodput(con: Any, run_dir: str | Path, warmup: dict[str, Any] | None
     missing = step - step[prev] - 1
     sampled = has_prev & ~new_seg & (missing > 0) & (missing <= MAX_SAMPLING_GAP)
     est = np.where(sampled, np.minimum(gap, missing * ms[prev]), 0.0)
+    del prev_end, missing
 
     # Events in the order the accounting adds them, per row: the relaunch gap, the estimate
     # of unrecorded steps (split like the previous row), the rest of the gap, then the step.
