@@ -412,6 +412,18 @@ def test_goodput_in_chunks_of_rows_equals_one_chunk(tmp_path: Path, monkeypatch:
     assert whole["gpu_hours"] > 0 and whole["lost_gpu_hours"]["stragglers"] > 0
 
 
+class _Spy:
+    """A connection that lists the statements run on it."""
+
+    def __init__(self, con: Any) -> None:
+        self.con = con
+        self.sqls: list[str] = []
+
+    def execute(self, sql: str, *a: Any) -> Any:
+        self.sqls.append(sql)
+        return self.con.execute(sql, *a)
+
+
 def test_phase_stats_exact_quantiles_a_block_of_ranks_at_a_time(tmp_path: Path,
                                                                  monkeypatch: Any) -> None:
     # The exact per-(phase, rank) quantiles hold every value of a group at once: over the
@@ -427,15 +439,10 @@ def test_phase_stats_exact_quantiles_a_block_of_ranks_at_a_time(tmp_path: Path,
         create_phase_samples(data.con)
         whole = phase_stats(data.con, 10**9)
 
-        sqls: list[str] = []
-
-        class Spy:
-            def execute(self, sql: str, *a: Any) -> Any:
-                sqls.append(sql)
-                return data.con.execute(sql, *a)
-
+        spy = _Spy(data.con)
+        sqls = spy.sqls
         monkeypatch.setattr(blocks, "BLOCK_RECORDS", 30)  # one rank (30 records) per block
-        split = phase_stats(Spy(), 10**9)
+        split = phase_stats(spy, 10**9)
     finally:
         data.close()
     assert split == whole
@@ -456,15 +463,10 @@ def test_rank_stats_exact_quantiles_a_block_of_ranks_at_a_time(tmp_path: Path,
     data = analyze_run(run, keep=True)["_data"]
     try:
         whole = rank_stats(data.con, data.hosts)
-        sqls: list[str] = []
-
-        class Spy:
-            def execute(self, sql: str, *a: Any) -> Any:
-                sqls.append(sql)
-                return data.con.execute(sql, *a)
-
+        spy = _Spy(data.con)
+        sqls = spy.sqls
         monkeypatch.setattr(blocks, "BLOCK_RECORDS", 30)  # one rank (30 records) per block
-        split = rank_stats(Spy(), data.hosts)
+        split = rank_stats(spy, data.hosts)
     finally:
         data.close()
     assert split == whole
@@ -534,19 +536,14 @@ def test_phase_waits_whole_run_medians_one_path_at_a_time(tmp_path: Path) -> Non
     doc = analyze_run(run, keep=True)
     data = doc["_data"]
     try:
-        sqls: list[str] = []
-
-        class Spy:
-            def execute(self, sql: str, *a: Any) -> Any:
-                sqls.append(sql)
-                return data.con.execute(sql, *a)
-
+        spy = _Spy(data.con)
+        sqls = spy.sqls
         phases = {k: {**v, "per_rank": [dict(p) for p in v["per_rank"]]}
                   for k, v in doc["phases"].items()}
         for ph in phases.values():
             for t in (ph, *ph["per_rank"]):
                 t.pop("wait_ms", None)
-        phase_waits(Spy(), phases)
+        phase_waits(spy, phases)
     finally:
         data.close()
     medians = [s for s in sqls if "median(wait)" in s and "FROM pw" in s]
@@ -573,15 +570,10 @@ def test_memory_creep_a_block_of_ranks_at_a_time(tmp_path: Path, monkeypatch: An
     data = analyze_run(root, keep=True)["_data"]
     try:
         whole = analyze_resources(data.con)["memory"]["creep"]
-        sqls: list[str] = []
-
-        class Spy:
-            def execute(self, sql: str, *a: Any) -> Any:
-                sqls.append(sql)
-                return data.con.execute(sql, *a)
-
+        spy = _Spy(data.con)
+        sqls = spy.sqls
         monkeypatch.setattr(blocks, "BLOCK_RECORDS", 40)  # one rank (40 records) per block
-        split = analyze_resources(Spy())["memory"]["creep"]
+        split = analyze_resources(spy)["memory"]["creep"]
     finally:
         data.close()
     assert [c["rank"] for c in whole] == [1, 4]
