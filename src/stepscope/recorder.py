@@ -86,6 +86,11 @@ class Recorder:
         """Index of the current step inside ``step()``, else of the next one."""
         return self._index
 
+    def open_step_index(self) -> int | None:
+        """Index of the sampled step open now (on whichever thread asks), else ``None``: what
+        ``in_step`` and ``step_index`` say together, in one call (backward-start hooks)."""
+        return self._index if self._cur is not None else None
+
     def _stack_here(self) -> list[Span]:
         """This thread's phase stack (the owner's, for autograd work of the owner's step)."""
         tid = _get_ident()
@@ -199,15 +204,19 @@ class Recorder:
 
     # ------------------------------------------------------- autograd ownership
 
-    def enter_autograd(self) -> None:
+    def enter_autograd(self) -> bool:
         """Called by the backward-start hook, on the thread running the owner's backward: that
-        thread shares the owner's phase stack and its gate is raised for this graph task."""
+        thread shares the owner's phase stack and its gate is raised for this graph task.
+
+        True when this thread was adopted (an autograd device thread): only then has
+        :meth:`leave_autograd` anything to do (a CPU backward runs on the owner's thread)."""
         owner = self._owner
         tid = _get_ident()
         if owner is None or tid == owner or self._cur is None:
-            return
+            return False
         self._adopted[tid] = owner
         gate.set_current(self, autograd=True)
+        return True
 
     def leave_autograd(self) -> None:
         """Called when the owner's backward ends (its final callback), on the same thread."""
@@ -314,10 +323,16 @@ class Recorder:
         ``wall_ns``: ``time.time_ns()`` at entry, when the caller has read it already."""
         self._in_step = True
         tid = self._owner = self._train_thread = _get_ident()
-        step = self._next_step()  # made by a pre-step phase, or new; None if not sampled
-        if step is None:
-            return None
-        self._next = None
+        step: Step | None
+        if self._next is None:  # the usual case (no pre-step phase): _next_step's make path
+            if not self.config.samples(self._index):
+                return None
+            step = Step(self._index)
+        else:
+            step = self._next_step()  # made by a pre-step phase, or new; None if not sampled
+            if step is None:
+                return None
+            self._next = None
         if step.start is None:
             step.start = self.clock.mark()
             step.start_unix_ns = time.time_ns() if wall_ns is None else wall_ns

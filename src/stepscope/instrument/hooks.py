@@ -22,15 +22,13 @@
 
 from __future__ import annotations
 
-import threading
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from stepscope.instrument import gate, unwrap
-
-_get_ident = threading.get_ident
 
 if TYPE_CHECKING:
     from stepscope.tracer import Tracer
@@ -84,6 +82,7 @@ class _ModelHooks:
         self._fwd: list[Any] = []
         self._bwd: Any = None
         self._bwd_step = -1  # step index the open backward belongs to (stale after a raise)
+        self._bwd_adopted = False  # enter_autograd adopted the open backward's thread
         self._sync: Any = None
         # grad_sync state: None = not decided yet, False = off (not distributed).
         self._sync_param: torch.Tensor | bool | None = None
@@ -98,7 +97,7 @@ class _ModelHooks:
         engine = torch.autograd.Variable._execution_engine
         self._engine = engine
         close = self._close_backward
-        self._queue_close: Callable[[], None] = lambda: engine.queue_callback(close)
+        self._queue_close: Callable[[], None] = functools.partial(engine.queue_callback, close)
 
     # When dynamo traces a compiled module's hooks, is_compiling() is a constant True, so the
     # hooks trace to nothing: no graph break, and the compiled wrapper's own hooks (called
@@ -140,19 +139,15 @@ class _ModelHooks:
     # so they cannot use the gate; they were registered only from the owning thread's forward.
     def on_grad(self, grad: Any) -> None:
         tracer = self.tracer
-        # The recorder's fields read directly (what ``in_step``/``step_index`` return): this
-        # runs on every backward, and each property is a Python call.
-        if tracer._cur is None:
+        index = tracer.open_step_index()  # one call, not in_step and step_index
+        if index is None:
             return
-        index = tracer._index
         if self._bwd is not None and self._bwd_step == index:
             return
         # A backward of an earlier step that raised never closed: forget it.
         self._sync = None
         # On a device thread (CUDA), this backward is the owner's work: its gate and stack.
-        # (On the owner's own thread, a CPU backward, there is nothing to adopt: no call.)
-        if _get_ident() != tracer._owner:
-            tracer.enter_autograd()
+        self._bwd_adopted = tracer.enter_autograd()
         self._bwd = tracer.open_phase("backward")
         self._bwd_step = index
         if self._bwd is None:
@@ -172,10 +167,10 @@ class _ModelHooks:
             self.tracer.close_phase(self._sync)
             self._sync = None
         token, self._bwd = self._bwd, None
-        tracer = self.tracer
-        tracer.close_phase(token)
-        if tracer._adopted:  # an autograd thread adopted for this backward (CUDA): let it go
-            tracer.leave_autograd()
+        self.tracer.close_phase(token)
+        if self._bwd_adopted:  # the recorder adopted this thread at the backward's start
+            self._bwd_adopted = False
+            self.tracer.leave_autograd()
         if self._calibration:
             self._finish_calibration()
 
