@@ -25,6 +25,9 @@ JSONL writer (as ``init()`` builds them; no heartbeat unless ``--heartbeat``), a
   optimizer's pre/post hooks; one ``pread`` of ``/proc/thread-self/schedstat``), next to
   the tracer with every automatic instrument (JSONL), interleaved blocks in one process:
   the part of the tracer's cost that no bookkeeping cut can remove.
+- ``--mode callsite``: backward timed by today's gradient hook plus queued callbacks against a
+  wrapper on ``torch.autograd.backward``; forward by module hooks against an instance-level
+  ``forward`` wrapper (no-op work, training-thread CPU µs/step over the bare loop).
 - ``--mode alloc``: tracemalloc's count of memory blocks still alive per step (records the
   writer and the recent-records buffer keep included), by allocation site.
 
@@ -352,6 +355,91 @@ def floor_mode(steps: int, blocks: int) -> dict[str, Any]:
             **{f"{k}_added_us": round(min(v) - bare, 1) for k, v in got.items() if k != "bare"}}
 
 
+def callsite_mode(steps: int, blocks: int) -> dict[str, Any]:
+    """Training-thread CPU µs/step of two ways to time forward and backward, with hooks that do
+    nothing (no stepscope), interleaved blocks in one process, minimum over blocks:
+
+    - backward: (a) today's gradient hook on the output plus the end-of-backward callback queued
+      two deep, against (b) a wrapper installed on ``torch.autograd.backward`` (which
+      ``Tensor.backward`` calls through the module attribute) that does its work before and after
+      the call;
+    - forward: (a) module forward pre/post hooks (``Module.__call__``'s slow path), against (b)
+      an instance-level ``forward`` attribute that wraps the class's ``forward``.
+    """
+    import torch.autograd as autograd
+
+    engine = torch.autograd.Variable._execution_engine
+    real_backward = autograd.backward
+
+    def noop(*_: Any) -> None:
+        return None
+
+    def hooked_backward(model: torch.nn.Module) -> None:
+        def queue_close() -> None:
+            engine.queue_callback(noop)
+
+        def on_grad(grad: Any) -> None:
+            engine.queue_callback(queue_close)
+
+        def post_grad(module: Any, args: Any, output: torch.Tensor) -> None:
+            output.register_hook(on_grad)
+
+        model.register_forward_hook(post_grad, prepend=True)
+
+    def wrapped_backward(*args: Any, **kwargs: Any) -> Any:
+        noop()
+        try:
+            return real_backward(*args, **kwargs)
+        finally:
+            noop()
+
+    def job(fwd: str, bwd: str) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tensor]:
+        model, opt, x = _job()
+        if fwd == "hooks":
+            model.register_forward_pre_hook(noop, prepend=True)
+            model.register_forward_hook(noop)
+        elif fwd == "instance":
+            inner = type(model).forward.__get__(model)
+
+            def forward(*args: Any, **kwargs: Any) -> Any:
+                noop()
+                try:
+                    return inner(*args, **kwargs)
+                finally:
+                    noop()
+
+            model.forward = forward  # type: ignore[method-assign]
+        if bwd == "hooks":
+            if fwd != "hooks":  # the gradient hook needs a forward hook to register it
+                model.register_forward_pre_hook(noop, prepend=True)
+            hooked_backward(model)
+        return model, opt, x
+
+    kinds = {"bare": ("none", "none"), "fwd_hooks": ("hooks", "none"), "fwd_instance": ("instance", "none"),
+             "bwd_hooks": ("none", "hooks"), "bwd_callsite": ("none", "callsite"),
+             "today_hooks_hooks": ("hooks", "hooks"), "instance_callsite": ("instance", "callsite")}
+    jobs = {k: job(*v) for k, v in kinds.items()}
+    got: dict[str, list[float]] = {k: [] for k in kinds}
+    for b in range(blocks):
+        for k in (list(got) if b % 2 else list(got)[::-1]):
+            model, opt, x = jobs[k]
+            if kinds[k][1] == "callsite":
+                autograd.backward = wrapped_backward
+            try:
+                c0 = time.thread_time_ns()
+                for _ in range(steps):
+                    _step(model, opt, x)
+                got[k].append((time.thread_time_ns() - c0) / steps / 1e3)
+            finally:
+                autograd.backward = real_backward
+    bare = min(got["bare"])
+    added = {k: min(v) - bare for k, v in got.items() if k != "bare"}
+    return {"bare_step_thread_cpu_us": round(bare, 1), **{f"{k}_added_us": round(v, 1) for k, v in added.items()},
+            "backward_saved_us": round(added["bwd_hooks"] - added["bwd_callsite"], 1),
+            "forward_saved_us": round(added["fwd_hooks"] - added["fwd_instance"], 1),
+            "both_saved_us": round(added["today_hooks_hooks"] - added["instance_callsite"], 1)}
+
+
 def alloc_mode(steps: int, heartbeat: bool) -> None:
     import tracemalloc
 
@@ -389,7 +477,7 @@ def alloc_mode(steps: int, heartbeat: bool) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    modes = ("time", "cprofile", "alloc", "wakes", "build", "cycle", "handover", "floor")
+    modes = ("time", "cprofile", "alloc", "wakes", "build", "cycle", "handover", "floor", "callsite")
     ap.add_argument("--mode", choices=modes, default="time")
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--blocks", type=int, default=11)
@@ -411,6 +499,9 @@ def main() -> None:
     elif args.mode == "floor":
         print(json.dumps({"benchmark": "hot_path_floor", "steps": args.steps, "blocks": args.blocks,
                           "loadavg_1m": round(os.getloadavg()[0], 2), **floor_mode(args.steps, args.blocks)}))
+    elif args.mode == "callsite":
+        print(json.dumps({"benchmark": "hot_path_callsite", "steps": args.steps, "blocks": args.blocks,
+                          "loadavg_1m": round(os.getloadavg()[0], 2), **callsite_mode(args.steps, args.blocks)}))
     elif args.mode == "alloc":
         alloc_mode(args.steps, args.heartbeat)
     elif args.mode == "handover":
