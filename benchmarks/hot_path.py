@@ -434,7 +434,8 @@ def callsite_mode(steps: int, blocks: int) -> dict[str, Any]:
                 autograd.backward = real_backward
     bare = min(got["bare"])
     added = {k: min(v) - bare for k, v in got.items() if k != "bare"}
-    return {"bare_step_thread_cpu_us": round(bare, 1), **{f"{k}_added_us": round(v, 1) for k, v in added.items()},
+    return {"bare_step_thread_cpu_us": round(bare, 1),
+            **{f"{k}_added_us": round(v, 1) for k, v in added.items()},
             "backward_saved_us": round(added["bwd_hooks"] - added["bwd_callsite"], 1),
             "forward_saved_us": round(added["fwd_hooks"] - added["fwd_instance"], 1),
             "both_saved_us": round(added["today_hooks_hooks"] - added["instance_callsite"], 1)}
@@ -501,7 +502,8 @@ def main() -> None:
                           "loadavg_1m": round(os.getloadavg()[0], 2), **floor_mode(args.steps, args.blocks)}))
     elif args.mode == "callsite":
         print(json.dumps({"benchmark": "hot_path_callsite", "steps": args.steps, "blocks": args.blocks,
-                          "loadavg_1m": round(os.getloadavg()[0], 2), **callsite_mode(args.steps, args.blocks)}))
+                          "loadavg_1m": round(os.getloadavg()[0], 2),
+                          **callsite_mode(args.steps, args.blocks)}))
     elif args.mode == "alloc":
         alloc_mode(args.steps, args.heartbeat)
     elif args.mode == "handover":

@@ -385,7 +385,9 @@ class _AllReduceGrad(torch.autograd.Function):
         return g
 
 
-def test_backward_on_a_device_thread_times_its_collectives_and_nothing_else(world1, mem_tracer):
+def test_backward_on_a_device_thread_times_its_collectives_and_nothing_else(
+    world1: Any, mem_tracer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """On CUDA, backward runs on a device thread while the owner blocks; the thread-local
     gate was never raised there, so backward all-reduces/reduce-scatters were unseen."""
 
@@ -397,21 +399,36 @@ def test_backward_on_a_device_thread_times_its_collectives_and_nothing_else(worl
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return _AllReduceGrad.apply(self.lin(x))
 
+    import torch.autograd as autograd
+
     model = Net()
     tr = mem_tracer(model=model, auto={"forward", "backward"}, flush_every_n_steps=1)
     device_thread = ThreadPoolExecutor(1)  # stands in for autograd's device thread
+    run_engine = autograd._engine_run_backward
+    engine_threads: list[int] = []
+
+    def on_device_thread(*args: Any, **kwargs: Any) -> Any:
+        # As on CUDA: the owner calls loss.backward() and blocks; the engine runs the graph on
+        # the device's worker thread.
+        def run() -> Any:
+            engine_threads.append(threading.get_ident())
+            return run_engine(*args, **kwargs)
+
+        return device_thread.submit(run).result()
 
     def unrelated() -> None:
         dist.all_reduce(torch.ones(3))  # same thread, outside the owner's graph task
 
+    monkeypatch.setattr(autograd, "_engine_run_backward", on_device_thread)
     try:
         for _ in range(3):
             with tr.step():
                 loss = model(torch.randn(2, 4)).sum()
-                device_thread.submit(loss.backward).result()
+                loss.backward()
                 device_thread.submit(unrelated).result()
     finally:
         device_thread.shutdown()
+    assert len(engine_threads) == 3 and threading.get_ident() not in engine_threads
     tr.finish()
     recs = tr.sink.records
     assert len(recs) == 3
@@ -443,13 +460,22 @@ def _fsdp_worker(rank: int, world: int, port: int, out: str) -> None:
     fully_shard(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     stepscope.init(out_dir=out, model=model, optimizer=opt, flush_every_n_steps=1)
-    device_thread = ThreadPoolExecutor(1)  # backward off the owner thread, as on CUDA
+    import torch.autograd as autograd
+
+    device_thread = ThreadPoolExecutor(1)  # backward's engine off the owner thread, as on CUDA
+    run_engine = autograd._engine_run_backward
+
+    def on_device_thread(*args: Any, **kwargs: Any) -> Any:
+        return device_thread.submit(run_engine, *args, **kwargs).result()
+
+    autograd._engine_run_backward = on_device_thread
     for _ in range(FSDP_STEPS):
         with stepscope.step():
             loss = model(torch.randn(8, 16)).sum()
-            device_thread.submit(loss.backward).result()
+            loss.backward()  # the owner calls it and blocks, the engine runs on the device thread
             opt.step()
             opt.zero_grad()
+    autograd._engine_run_backward = run_engine
     device_thread.shutdown()
     stepscope.finish()
     dist.destroy_process_group()

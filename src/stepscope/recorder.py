@@ -3,8 +3,8 @@
 This is what instruments talk to (the recorder protocol): ``open_phase`` / ``close_phase`` /
 ``discard_phase`` / ``drop_unconsumed``, ``add_side_span``, ``add_counter``,
 ``add_collective``, ``current_path``, ``in_step``, ``recording``, ``set_step_fields``, and
-``enter_autograd`` / ``leave_autograd`` for the hooks. It imports no instrument and no
-observer; finished steps go to the :class:`~stepscope.resolver.Resolver`.
+``enter_autograd`` / ``leave_autograd_threads`` for the gate and the backward timing. It
+imports no instrument and no observer; finished steps go to the :class:`~stepscope.resolver.Resolver`.
 
 Ownership, each the fix for a defect seen on GPUs:
 
@@ -14,10 +14,11 @@ Ownership, each the fix for a defect seen on GPUs:
   checkpoint writer) is its own top-level span; it never becomes the parent of the owner's
   forward or backward.
 - **Autograd work follows its step.** On CUDA, backward runs on a device thread while the
-  owner blocks. The backward-start hook calls :meth:`Recorder.enter_autograd` on that
-  thread: it shares the owner's phase stack and the in-step gate is raised there for that
-  graph task only (collectives issued by FSDP2 / tensor-parallel backward are timed; other
-  work on the same thread is not).
+  owner blocks in its (timed) backward call. The first instrumented call on that thread
+  during it adopts the thread (the gate calls :meth:`Recorder.enter_autograd`): it shares the
+  owner's phase stack and the in-step gate is raised there for that graph task only
+  (collectives issued by FSDP2 / tensor-parallel backward are timed; other work on the same
+  thread is not).
 - **Before a step**, only the step's own input waits (:data:`PRE_STEP_PHASES`: the
   dataloader wait, the host-to-device hand-over) belong to it and move its start back to
   theirs. Any other phase opened outside a step is not timed (warned once): evaluation or
@@ -205,7 +206,7 @@ class Recorder:
     # ------------------------------------------------------- autograd ownership
 
     def enter_autograd(self) -> bool:
-        """Called by the backward-start hook, on the thread running the owner's backward: that
+        """Called (through the gate) on a thread running the owner's backward: that
         thread shares the owner's phase stack and its gate is raised for this graph task.
 
         True when this thread was adopted (an autograd device thread): only then has
@@ -222,6 +223,12 @@ class Recorder:
         """Called when the owner's backward ends (its final callback), on the same thread."""
         if self._adopted.pop(_get_ident(), None) is not None:
             gate.set_current(None)
+
+    def leave_autograd_threads(self) -> None:
+        """Called on the owner when its backward call returns: the threads adopted during it
+        stop sharing its phase stack (their gates, raised for that graph task, read closed)."""
+        if self._adopted:
+            self._adopted.clear()
 
     # ------------------------------------------------- what a step carries
 

@@ -11,6 +11,15 @@ gate there too, for the owner's autograd graph task only: the gate remembers the
 reads closed on that thread once another task (or none) runs, so a gate left raised by a
 backward whose end ran elsewhere never times unrelated work.
 
+The owner's backward is timed at its call (``torch.autograd.backward``, see
+:mod:`stepscope.instrument.hooks`), on the owner's thread, before the engine starts and
+while it runs, so no hook on the device thread announces it. Instead, while that call runs,
+``backward_owner`` names the recorder; a thread whose gate is down that asks
+:func:`current` from inside an autograd graph task (``_current_graph_task_id() >= 0``) is
+then adopted (:meth:`~stepscope.recorder.Recorder.enter_autograd`): its gate is raised for
+that graph task and it shares the owner's phase stack. Threads outside a graph task (a
+loader worker, a logger) are never adopted.
+
 A thread-local read costs ~0.1 µs, far less than swapping patched methods in and out at
 every step (which invalidates CPython's method caches).
 """
@@ -32,14 +41,31 @@ class _Gate(threading.local):
 
 _gate = _Gate()
 
+#: The recorder whose owner is inside a timed ``torch.autograd.backward`` call now: any thread
+#: may read it; only that call (:mod:`stepscope.instrument.hooks`) writes it, restoring what
+#: was there before when it returns (nested tracers).
+backward_owner: Any = None
+#: Set when :func:`current` adopted a thread for ``backward_owner``; the backward call clears
+#: it on return and then has the recorder forget its adopted threads.
+adopted = False
+
 
 def current() -> Any:
     """The recorder that owns the sampled span open on this thread, or ``None``."""
     g = _gate
     rec = g.recorder
-    if rec is not None and g.task is not None and _task_id() != g.task:
+    if rec is not None and (g.task is None or _task_id() == g.task):
+        return rec
+    bw = backward_owner
+    if bw is None or _task_id() < 0:
         return None
-    return rec
+    # A thread running an autograd graph task while the owner is blocked in its backward:
+    # the owner's backward, run here (CUDA's device threads). Adopted for this graph task.
+    if not bw.enter_autograd():
+        return None
+    global adopted
+    adopted = True
+    return bw
 
 
 def set_current(recorder: Any, *, autograd: bool = False) -> None:

@@ -1,10 +1,22 @@
-"""Forward, backward and optimizer timing through public PyTorch hooks (no global patching).
+"""Forward, backward and optimizer timing: public PyTorch hooks, and one call-site wrapper.
 
 - forward: forward pre/post hooks on the given (root) module.
-- backward: a gradient hook on the forward outputs opens the phase when backward reaches
-  them; it closes from an autograd *final callback* queued one level deep, so it runs after
-  every other end-of-backward callback, DDP's gradient all-reduce wait included. That is
-  what makes a rank that waits in the all-reduce show a long backward.
+- backward: timed at its call. While a tracer that times backward is running, the module
+  attribute ``torch.autograd.backward`` (which ``Tensor.backward`` calls, and so every
+  ``loss.backward()``, ``scaler.scale(loss).backward()``, Lightning's, Accelerate's and
+  ``torch.distributed.pipelining``'s full backward) is a wrapper: on the thread that owns an
+  open sampled step it opens ``backward`` before the call and closes it when the call returns
+  or raises. The engine has run every end-of-backward callback by then, DDP's gradient
+  all-reduce wait included: a rank that waits in the all-reduce shows a long backward. The
+  original is put back when the last such tracer finishes (unless someone wrapped it after
+  us: then ours stays, passing calls straight through). Not timed: ``torch.autograd.grad``
+  (a gradient penalty is not a training backward; zero-bubble pipeline schedules, which split
+  backward into ``autograd.grad`` calls, show no ``backward``), a backward a library calls
+  through a reference it took before the tracer started (``from torch.autograd import
+  backward``), a backward called inside another (reentrant checkpointing), and a backward
+  called from a thread that does not own the step. This replaced a gradient hook on each
+  forward's output plus a queued final callback, which cost ~17 µs more per step
+  (``benchmarks/hot_path.py --mode callsite``).
 - grad_sync (DDP-style data parallel only): nested in backward, from the moment this rank's last
   parameter gradient is accumulated (its arrival at the gradient all-reduce) to the end of
   backward. A rank slow in backward *compute* arrives late and has a short grad_sync; the
@@ -13,16 +25,17 @@
   Not under FSDP (FSDP2's ``fully_shard`` or FSDP1): FSDP calls post-accumulate hooks itself,
   on its reduce-scatter stream after the reduce-scatter, so the marker would be ~0 on every
   rank; its reduce-scatters are timed as collectives instead.
-- Autograd threads: on CUDA, backward runs on a device thread while the owner blocks. The
-  backward-start hook tells the recorder (``enter_autograd``), which raises the in-step gate
-  there for this graph task and shares the owner's phase stack, so collectives issued during
-  backward (FSDP2 reduce-scatters and all-gathers, tensor-parallel all-reduces) are timed.
+- Autograd threads: on CUDA, backward runs on a device thread while the owner blocks. While
+  the owner is inside the timed call, the gate names its recorder (``gate.backward_owner``):
+  the first instrumented call (a collective, the grad_sync marker) made on a thread running an
+  autograd graph task adopts that thread (``enter_autograd``: the in-step gate raised there for
+  this graph task, the owner's phase stack shared), so collectives issued during backward
+  (FSDP2 reduce-scatters and all-gathers, tensor-parallel all-reduces) are timed.
 - optimizer: ``Optimizer.register_step_pre_hook``/``register_step_post_hook``.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -34,24 +47,6 @@ if TYPE_CHECKING:
     from stepscope.tracer import Tracer
 
 _is_compiling = torch.compiler.is_compiling
-
-
-def _first_grad_tensors(output: Any, limit: int = 4) -> list[torch.Tensor]:
-    """Up to ``limit`` output tensors that will receive a gradient, in a nested output."""
-    found: list[torch.Tensor] = []
-    todo = [output]
-    while todo and len(found) < limit:
-        obj = todo.pop()
-        if isinstance(obj, torch.Tensor):
-            if obj.requires_grad and obj.grad_fn is not None:
-                found.append(obj)
-        elif isinstance(obj, dict):
-            todo.extend(obj.values())
-        elif isinstance(obj, list | tuple):
-            todo.extend(obj)
-        elif hasattr(obj, "__dataclass_fields__"):
-            todo.extend(getattr(obj, f) for f in obj.__dataclass_fields__)
-    return found
 
 
 def _distributed() -> bool:
@@ -80,9 +75,7 @@ class _ModelHooks:
         self.forward = forward
         self.backward = backward
         self._fwd: list[Any] = []
-        self._bwd: Any = None
-        self._bwd_step = -1  # step index the open backward belongs to (stale after a raise)
-        self._bwd_adopted = False  # enter_autograd adopted the open backward's thread
+        self._bwd: Any = None  # the open backward's token
         self._sync: Any = None
         # grad_sync state: None = not decided yet, False = off (not distributed).
         self._sync_param: torch.Tensor | bool | None = None
@@ -91,13 +84,6 @@ class _ModelHooks:
         self._sync_handle: Any = None
         # grad_sync times DDP's (or FSDP's) gradient sync: without one, no such phase.
         self._ddp = unwrap.uses_ddp(model)
-        # Built once, not per step: the gradient hook registered on each forward's output,
-        # and the end-of-backward callback that queues the closing one behind the others.
-        self._on_grad = self.on_grad
-        engine = torch.autograd.Variable._execution_engine
-        self._engine = engine
-        close = self._close_backward
-        self._queue_close: Callable[[], None] = functools.partial(engine.queue_callback, close)
 
     # When dynamo traces a compiled module's hooks, is_compiling() is a constant True, so the
     # hooks trace to nothing: no graph break, and the compiled wrapper's own hooks (called
@@ -119,60 +105,37 @@ class _ModelHooks:
         if self.forward and self._fwd and not _is_compiling() and gate.current() is self.tracer:
             self.tracer.close_phase(self._fwd.pop())
 
-    def post_grad(self, module: Any, args: Any, output: Any) -> None:
-        # Prepended: our gradient hook is registered on the outputs before FSDP2's
-        # pre-backward hook, so backward is open when its all-gathers start.
+    def run_backward(self, real: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+        """``torch.autograd.backward(*args, **kwargs)`` timed as this step's ``backward``
+        (the wrapper calls it on the owner's thread, the gate raised, none open)."""
         tracer = self.tracer
-        if _is_compiling() or gate.current() is not tracer or not torch.is_grad_enabled():
-            return
-        try:
-            if isinstance(output, torch.Tensor):  # the usual output: no search
-                if output.requires_grad and output.grad_fn is not None:
-                    output.register_hook(self._on_grad)
-                return
-            for t in _first_grad_tensors(output):
-                t.register_hook(self._on_grad)
-        except Exception as exc:  # protect the job: an odd output type must not break it
-            tracer.fail(exc)
-
-    # Gradient hooks and engine callbacks run on autograd's threads (one per device on GPU),
-    # so they cannot use the gate; they were registered only from the owning thread's forward.
-    def on_grad(self, grad: Any) -> None:
-        tracer = self.tracer
-        index = tracer.open_step_index()  # one call, not in_step and step_index
-        if index is None:
-            return
-        if self._bwd is not None and self._bwd_step == index:
-            return
-        # A backward of an earlier step that raised never closed: forget it.
+        token = self._bwd = tracer.open_phase("backward")
+        if token is None:
+            return real(*args, **kwargs)
         self._sync = None
-        # On a device thread (CUDA), this backward is the owner's work: its gate and stack.
-        self._bwd_adopted = tracer.enter_autograd()
-        self._bwd = tracer.open_phase("backward")
-        self._bwd_step = index
-        if self._bwd is None:
-            return
-        try:
-            # Public-in-practice engine API (DDP and FSDP use it): runs at the end of this
-            # backward pass. Queue the closing callback from inside the first one so it lands
-            # behind callbacks queued during backward (DDP's all-reduce finalisation).
-            self._engine.queue_callback(self._queue_close)
-            if self._sync_param is None:
+        if self._sync_param is None:
+            try:
                 self._start_calibration()
-        except Exception as exc:  # protect the job
-            tracer.fail(exc)
-
-    def _close_backward(self) -> None:
-        if self._sync is not None:
-            self.tracer.close_phase(self._sync)
-            self._sync = None
-        token, self._bwd = self._bwd, None
-        self.tracer.close_phase(token)
-        if self._bwd_adopted:  # the recorder adopted this thread at the backward's start
-            self._bwd_adopted = False
-            self.tracer.leave_autograd()
-        if self._calibration:
-            self._finish_calibration()
+            except Exception as exc:  # protect the job: calibration must not break the backward
+                tracer.fail(exc)
+        prev, gate.backward_owner = gate.backward_owner, tracer  # device threads: adopted
+        try:
+            return real(*args, **kwargs)
+        except BaseException as exc:
+            tracer.note_raise(exc)  # crash evidence names backward (and grad_sync) open
+            raise
+        finally:
+            gate.backward_owner = prev
+            if self._sync is not None:
+                tracer.close_phase(self._sync)
+                self._sync = None
+            self._bwd = None
+            tracer.close_phase(token)
+            if gate.adopted:
+                gate.adopted = False
+                tracer.leave_autograd_threads()
+            if self._calibration:
+                self._finish_calibration()
 
     # ----------------------------------------------------------- grad_sync marker
 
@@ -205,16 +168,57 @@ class _ModelHooks:
         self._sync_handle = last.register_post_accumulate_grad_hook(self._on_last_grad)
 
     def _on_last_grad(self, p: torch.Tensor) -> None:
-        if self._bwd is not None and self._sync is None and self.tracer.in_step:
+        # On a device thread (CUDA), gate.current() adopts it: grad_sync nests in backward.
+        if self._bwd is not None and self._sync is None and gate.current() is self.tracer:
             self._sync = self.tracer.open_phase("grad_sync")
 
     def remove(self) -> None:
+        if self.backward:
+            _unwrap_backward(self)
         for h in self._calibration:
             h.remove()
         self._calibration = []
         if self._sync_handle is not None:
             self._sync_handle.remove()
             self._sync_handle = None
+
+
+# ------------------------------------------------------- the torch.autograd.backward wrapper
+
+_autograd = torch.autograd
+_active: list[_ModelHooks] = []  # hooks of running tracers that time backward, oldest first
+_real_backward: Callable[..., Any] | None = None  # what the wrapper calls
+
+
+def _timed_backward(*args: Any, **kwargs: Any) -> Any:
+    real = _real_backward
+    assert real is not None
+    if not _is_compiling():
+        here = gate.current()
+        if here is not None:
+            for hooks in _active:
+                # The gate is raised here for this tracer: this thread owns its step (a device
+                # thread adopted during the owner's backward calls in only for a reentrant
+                # backward, while that backward is open: passed through).
+                if hooks.tracer is here and hooks._bwd is None:
+                    return hooks.run_backward(real, args, kwargs)
+    return real(*args, **kwargs)
+
+
+def _wrap_backward(hooks: _ModelHooks) -> None:
+    global _real_backward
+    if not _active and _autograd.backward is not _timed_backward:
+        _real_backward = _autograd.backward
+        _autograd.backward = _timed_backward
+    _active.append(hooks)
+
+
+def _unwrap_backward(hooks: _ModelHooks) -> None:
+    if hooks in _active:
+        _active.remove(hooks)
+    # Put the original back unless someone wrapped ours since (then ours stays, passing through).
+    if not _active and _autograd.backward is _timed_backward and _real_backward is not None:
+        _autograd.backward = _real_backward
 
 
 def attach_model(
@@ -229,7 +233,7 @@ def attach_model(
     if forward:
         handles.append(model.register_forward_hook(hooks.post))
     if backward:
-        handles.append(model.register_forward_hook(hooks.post_grad, prepend=True))
+        _wrap_backward(hooks)
 
     def remove() -> None:
         for h in handles:
