@@ -114,3 +114,114 @@ def test_wrong_model_type_is_a_type_error_at_construction():
 
     with pytest.raises(ValueError, match=r"model must be a torch\.nn\.Module"):
         Tracer(Config(out_dir="x"), model=object(), sink=MemorySink())
+
+
+# ------------------------------------ backward timed at its call (torch.autograd.backward)
+
+
+def test_backward_wrapper_is_installed_only_while_a_tracer_times_backward(mem_tracer):
+    """Installed by the first tracer that times backward, restored when the last one finishes
+    (two tracers at once, finished in either order); none installed without backward timing."""
+    import torch.autograd as autograd
+
+    real = autograd.backward
+    a = mem_tracer(model=Net(), auto={"forward"})
+    assert autograd.backward is real  # no backward timing: nothing patched
+    b = mem_tracer(model=Net())
+    c = mem_tracer(model=Net())
+    assert autograd.backward is not real
+    b.finish()
+    assert autograd.backward is not real  # c still times backward
+    c.finish()
+    a.finish()
+    assert autograd.backward is real
+
+
+def test_backward_wrapper_stays_when_someone_wrapped_it_after_us(mem_tracer, monkeypatch):
+    import torch.autograd as autograd
+
+    real = autograd.backward
+    tr = mem_tracer(model=Net())
+    ours = autograd.backward
+    calls = []
+
+    def theirs(*args, **kwargs):
+        calls.append(1)
+        return ours(*args, **kwargs)
+
+    monkeypatch.setattr(autograd, "backward", theirs)
+    tr.finish()
+    assert autograd.backward is theirs  # not pulled from under the later wrapper
+    x = torch.randn(2, 16, requires_grad=True)
+    (x * 2).sum().backward()  # ours passes through to the real one
+    assert calls == [1] and x.grad is not None and torch.equal(x.grad, torch.full((2, 16), 2.0))
+    monkeypatch.setattr(autograd, "backward", real)
+
+
+def test_an_exception_inside_backward_closes_it_and_names_it(mem_tracer):
+    model = Net()
+    tr = mem_tracer(model=model)
+    raised = []
+    with tr.step():
+        out = model(torch.randn(2, 16)).sum() * 1.0
+        out.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("CUDA out of memory")))
+        try:
+            out.backward()
+        except RuntimeError as exc:
+            raised.append(exc)
+        assert tr.current_path() is None  # backward closed when the call raised
+        model(torch.randn(2, 16)).sum().backward()  # the next backward in the step is timed
+    tr.finish()
+    assert raised and tr._raised is not None and "backward" in tr._raised[1]
+    assert _ph(tr.sink.records[0])["backward"]["calls"] == 2
+
+
+def test_a_gradient_penalty_pass_is_not_timed_as_a_backward(mem_tracer):
+    """torch.autograd.grad is not a training backward."""
+    model = Net()
+    tr = mem_tracer(model=model)
+    with tr.step():
+        x = torch.randn(2, 16, requires_grad=True)
+        torch.autograd.grad(model(x).sum(), x)
+    tr.finish()
+    assert [p["path"] for p in tr.sink.records[0]["phases"]] == ["forward"]
+
+
+def test_a_reentrant_backward_is_not_a_second_backward(mem_tracer):
+    """Reentrant checkpointing calls torch.autograd.backward inside the outer one: one
+    backward, no ``backward/backward``."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Ckpt(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(16, 16)
+            self.b = torch.nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.b(checkpoint(self.a, x, use_reentrant=True))
+
+    model = Ckpt()
+    tr = mem_tracer(model=model)
+    with tr.step():
+        model(torch.randn(2, 16, requires_grad=True)).sum().backward()
+    tr.finish()
+    rec = tr.sink.records[0]
+    assert sorted(p["path"] for p in rec["phases"]) == ["backward", "forward"], rec["phases"]
+    assert _ph(rec)["backward"]["calls"] == 1
+    assert model.a.weight.grad is not None  # the reentrant backward ran
+
+
+def test_backward_outside_a_step_or_on_another_thread_is_not_timed(mem_tracer):
+    from concurrent.futures import ThreadPoolExecutor
+
+    model = Net()
+    tr = mem_tracer(model=model)
+    model(torch.randn(2, 16)).sum().backward()  # between steps
+    with ThreadPoolExecutor(1) as pool, tr.step():
+        loss = model(torch.randn(2, 16)).sum()
+        pool.submit(lambda: model(torch.randn(2, 16)).sum().backward()).result()  # not the owner
+        loss.backward()
+    tr.finish()
+    assert len(tr.sink.records) == 1
+    assert _ph(tr.sink.records[0])["backward"]["calls"] == 1
