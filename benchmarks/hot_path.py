@@ -20,9 +20,9 @@ JSONL writer (as ``init()`` builds them; no heartbeat unless ``--heartbeat``), a
   training thread: median, p90, p99, mean (once per build, by ``PYTHONPATH``).
 - ``--mode floor``: what torch's own hook mechanisms cost with hooks that do nothing (no
   stepscope): training-thread CPU µs/step added over the bare loop by each layer, cumulative
-  (module forward pre/post hooks, which put ``Module.__call__`` on its slow path; the
-  per-step gradient hook on the output; the end-of-backward callback queued two deep; the
-  optimizer's pre/post hooks; one ``pread`` of ``/proc/thread-self/schedstat``), next to
+  (module forward pre/post hooks, which put ``Module.__call__`` on its slow path; a wrapper
+  on ``torch.autograd.backward``, the backward timing; the optimizer's pre/post hooks; one
+  ``pread`` of ``/proc/thread-self/schedstat``), next to
   the tracer with every automatic instrument (JSONL), interleaved blocks in one process:
   the part of the tracer's cost that no bookkeeping cut can remove.
 - ``--mode callsite``: backward timed by today's gradient hook plus queued callbacks against a
@@ -293,10 +293,20 @@ def build_mode(chunks: int = 8, size: int = 500) -> dict[str, float]:
 
 def floor_mode(steps: int, blocks: int) -> dict[str, Any]:
     """Training-thread CPU µs/step each no-op hook layer adds (cumulative), and the tracer."""
-    engine = torch.autograd.Variable._execution_engine
 
     def noop(*_: Any) -> None:
         return None
+
+    import torch.autograd as autograd
+
+    real_backward = autograd.backward
+
+    def wrapped_backward(*args: Any, **kwargs: Any) -> Any:
+        noop()
+        try:
+            return real_backward(*args, **kwargs)
+        finally:
+            noop()
 
     def job(layers: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tensor, Any]:
         model, opt, x = _job()
@@ -304,31 +314,17 @@ def floor_mode(steps: int, blocks: int) -> dict[str, Any]:
         if layers >= 1:
             model.register_forward_pre_hook(noop, prepend=True)
             model.register_forward_hook(noop)
-            model.register_forward_hook(noop, prepend=True)
-        if layers >= 2:
-            on_grad: Any = noop
-            if layers >= 3:
-                def queue_close() -> None:
-                    engine.queue_callback(noop)
-
-                def on_grad(grad: Any) -> None:
-                    engine.queue_callback(queue_close)
-
-            def post_grad(module: Any, args: Any, output: torch.Tensor) -> None:
-                output.register_hook(on_grad)
-
-            model.register_forward_hook(post_grad, prepend=True)
-        if layers >= 4:
+        if layers >= 3:
             opt.register_step_pre_hook(noop)
             opt.register_step_post_hook(noop)
-        if layers >= 5 and os.path.exists("/proc/thread-self/schedstat"):
+        if layers >= 4 and os.path.exists("/proc/thread-self/schedstat"):
             fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
 
             def end() -> None:
                 int(os.pread(fd, 64, 0).split()[1])
         return model, opt, x, end
 
-    names = ("forward_hooks", "+grad_hook", "+backward_callbacks", "+optimizer_hooks", "+runq_read")
+    names = ("forward_hooks", "+backward_wrapper", "+optimizer_hooks", "+runq_read")
     jobs = {"bare": job(0), **{n: job(i + 1) for i, n in enumerate(names)}}
     got: dict[str, list[float]] = {k: [] for k in (*jobs, "tracer_all")}
     with tempfile.TemporaryDirectory() as out:
@@ -344,10 +340,18 @@ def floor_mode(steps: int, blocks: int) -> dict[str, Any]:
                             _step(tmodel, topt, tx)
                 else:
                     model, opt, x, end = jobs[k]
-                    for _ in range(steps):
-                        _step(model, opt, x)
-                        if end is not None:
-                            end()
+                    # The no-op wrapper from layer 2 on; the tracer's own wrapper is out of the
+                    # way for these blocks and back for the tracer's.
+                    tracers = autograd.backward
+                    autograd.backward = (real_backward if k in ("bare", "forward_hooks")
+                                         else wrapped_backward)
+                    try:
+                        for _ in range(steps):
+                            _step(model, opt, x)
+                            if end is not None:
+                                end()
+                    finally:
+                        autograd.backward = tracers
                 got[k].append((time.thread_time_ns() - c0) / steps / 1e3)
         tracer.finish()
     bare = min(got["bare"])
