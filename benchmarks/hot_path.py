@@ -95,6 +95,9 @@ def time_mode(steps: int, blocks: int, heartbeat: bool) -> dict[str, float]:
     for _ in range(200):
         _step(model, opt, x)
     bare_w, bare_c, inst_w, inst_c, writer_c = [], [], [], [], []
+    import torch.autograd as autograd
+
+    real_backward = autograd.backward
     with tempfile.TemporaryDirectory() as out:
         tracer = _tracer(out, model, opt, heartbeat)
         for b in range(blocks):
@@ -107,8 +110,11 @@ def time_mode(steps: int, blocks: int, heartbeat: bool) -> dict[str, float]:
                             _step(model, opt, x)
                     tracer.flush()
                 else:
+                    # Bare: without the tracer's torch.autograd.backward wrapper too.
+                    tracers, autograd.backward = autograd.backward, real_backward
                     for _ in range(steps):
                         _step(model, opt, x)
+                    autograd.backward = tracers
                 dw = (time.perf_counter_ns() - w0) / steps / 1e3
                 dc = (time.thread_time_ns() - c0) / steps / 1e3
                 if on:
