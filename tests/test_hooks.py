@@ -137,7 +137,7 @@ def test_backward_wrapper_is_installed_only_while_a_tracer_times_backward(mem_tr
     assert autograd.backward is real
 
 
-def test_backward_wrapper_stays_when_someone_wrapped_it_after_us(mem_tracer, monkeypatch):
+def test_backward_wrapper_stays_when_someone_wrapped_it_after_us(mem_tracer):
     import torch.autograd as autograd
 
     real = autograd.backward
@@ -149,13 +149,26 @@ def test_backward_wrapper_stays_when_someone_wrapped_it_after_us(mem_tracer, mon
         calls.append(1)
         return ours(*args, **kwargs)
 
-    monkeypatch.setattr(autograd, "backward", theirs)
-    tr.finish()
-    assert autograd.backward is theirs  # not pulled from under the later wrapper
-    x = torch.randn(2, 16, requires_grad=True)
-    (x * 2).sum().backward()  # ours passes through to the real one
-    assert calls == [1] and x.grad is not None and torch.equal(x.grad, torch.full((2, 16), 2.0))
-    monkeypatch.setattr(autograd, "backward", real)
+    autograd.backward = theirs  # another library wraps it while we run
+    try:
+        tr.finish()
+        assert autograd.backward is theirs  # not pulled from under the later wrapper
+        x = torch.randn(2, 16, requires_grad=True)
+        (x * 2).sum().backward()  # ours passes through to the real one
+        assert calls == [1] and x.grad is not None
+        assert torch.equal(x.grad, torch.full((2, 16), 2.0))
+        # A tracer started now uses ours where it is (under theirs): no second layer, no loop.
+        model = Net()
+        again = mem_tracer(model=model)
+        assert autograd.backward is theirs
+        with again.step():
+            model(torch.randn(2, 16)).sum().backward()
+        again.finish()
+        assert calls == [1, 1] and _ph(again.sink.records[0])["backward"]["calls"] == 1
+    finally:
+        autograd.backward = ours  # they unwrap: what they wrapped goes back
+    mem_tracer(model=Net()).finish()  # the next finish finds ours on top: the original back
+    assert autograd.backward is real
 
 
 def test_an_exception_inside_backward_closes_it_and_names_it(mem_tracer):

@@ -205,20 +205,27 @@ def _timed_backward(*args: Any, **kwargs: Any) -> Any:
     return real(*args, **kwargs)
 
 
+_in_chain = False  # ours is installed (on top, or under a wrapper someone put over it)
+
+
 def _wrap_backward(hooks: _ModelHooks) -> None:
-    global _real_backward
-    if not _active and _autograd.backward is not _timed_backward:
+    global _real_backward, _in_chain
+    if not _in_chain:
         _real_backward = _autograd.backward
         _autograd.backward = _timed_backward
+        _in_chain = True
     _active.append(hooks)
 
 
 def _unwrap_backward(hooks: _ModelHooks) -> None:
+    global _in_chain
     if hooks in _active:
         _active.remove(hooks)
-    # Put the original back unless someone wrapped ours since (then ours stays, passing through).
+    # Put the original back unless someone wrapped ours since: then ours stays in their chain,
+    # passing calls through, and a later tracer uses it instead of wrapping theirs again.
     if not _active and _autograd.backward is _timed_backward and _real_backward is not None:
         _autograd.backward = _real_backward
+        _in_chain = False
 
 
 def attach_model(
