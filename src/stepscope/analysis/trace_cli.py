@@ -9,6 +9,28 @@ from stepscope.common.escape import term
 from stepscope.errors import AnalysisError
 
 
+def _keep_freed_memory() -> None:
+    """Have glibc keep freed memory for reuse instead of handing it back to the kernel.
+
+    The analysis frees its read buffers, slices and decoded events block after block; with
+    glibc's defaults each buffer of 128 KiB or more is a fresh ``mmap`` and the heap is
+    trimmed and grown again, so the same memory is faulted in over and over (15.8k page
+    faults on a 54 MB trace, 5.8k with this; 0.30 -> 0.26 s of CPU for the analysis). Only
+    this command's own short-lived process is tuned, never a process that imports the library.
+    """
+    import ctypes  # numpy imports it too: no extra start-up
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to tune, same results
+        return
+    mallopt(_M_MMAP_THRESHOLD, 32 << 20)  # glibc's largest; the dynamic threshold stops
+    mallopt(_M_TRIM_THRESHOLD, 1 << 30)
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's <malloc.h>
+
+
 def trace_command(path: str, as_json: bool = False, markdown: str | None = None,
                   max_inflated_mb: float | None = None) -> int:
     """Analyse `path` (a trace file or a directory of per-rank traces).
@@ -23,6 +45,7 @@ def trace_command(path: str, as_json: bool = False, markdown: str | None = None,
         print(f"stepscope trace: --max-inflated-mb must be positive, got {max_inflated_mb}",
               file=sys.stderr)
         return 2
+    _keep_freed_memory()
     try:
         with progress(input_bytes(path) or None, "stepscope trace: reading", unit="bytes",
                       track_reads=True, done_desc="stepscope trace: analysing"):
