@@ -551,6 +551,8 @@ def _scan_events(batches: Iterable[list[Any]], out: ParsedTrace) -> None:
             dev_dur.flush()
             lts, dts, ddur = launch_ts.batch, dev_ts.batch, dev_dur.batch
             lts_add = lts.append
+            # Freed before the next batch is decoded, which then reuses its memory.
+            del batch
     finally:
         # Also when the scan stops at damage: what was read before it is kept.
         _finish_launches(out, launch_corr, launch_ts)

@@ -316,6 +316,7 @@ class EventScan:
             self._fast_failures = 0
             self.fast_items += len(items)
             yield items
+            del items  # freed before the next slice is decoded (the caller dropped it too)
             pos = c + 2
         self.offset += pos - start
         return pos
