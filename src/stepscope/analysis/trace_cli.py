@@ -16,7 +16,9 @@ def _keep_freed_memory() -> None:
     glibc's defaults each buffer of 128 KiB or more is a fresh ``mmap`` and the heap is
     trimmed and grown again, so the same memory is faulted in over and over (15.8k page
     faults on a 54 MB trace, 5.8k with this; 0.30 -> 0.26 s of CPU for the analysis). Only
-    this command's own short-lived process is tuned, never a process that imports the library.
+    the command sets it, never the library's ``analyse``; a process that calls the command's
+    ``main`` in-process keeps the setting, which changes only when memory goes back to the
+    kernel, not what any allocation returns.
     """
     import ctypes  # numpy imports it too: no extra start-up
 
