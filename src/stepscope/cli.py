@@ -61,10 +61,12 @@ def _cmd_trace(args: argparse.Namespace) -> int:
     was_enabled = gc.isenabled()
     gc.disable()
     try:
-        from stepscope.analysis.trace_cli import trace_command
+        from stepscope.analysis.trace_cli import skip_exit_collection, trace_command
 
-        return trace_command(args.path, as_json=args.json, markdown=args.markdown,
-                             max_inflated_mb=args.max_inflated_mb)
+        rc = trace_command(args.path, as_json=args.json, markdown=args.markdown,
+                           max_inflated_mb=args.max_inflated_mb)
+        skip_exit_collection()
+        return rc
     finally:
         if was_enabled:
             gc.enable()

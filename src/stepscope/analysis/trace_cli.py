@@ -33,6 +33,28 @@ def _keep_freed_memory() -> None:
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's <malloc.h>
 
 
+def skip_exit_collection() -> None:
+    """When this process is the ``stepscope`` command, skip the interpreter's collections at exit.
+
+    Finalizing walks every object numpy, msgspec and the analysis left for reference cycles
+    (~0.016 s of CPU after a 54 MB trace, and as much after a 2.5 KB one: it is the imports'
+    objects) and frees nothing the kernel would not take back at exit anyway; the output is
+    already written by then. ``gc.freeze`` moves them out of the collector's reach (and of the
+    collections that shutting threads down could start). A process that calls ``main``
+    in-process (a test, a notebook) is left as it is.
+    """
+    import sys
+
+    main_mod = sys.modules.get("__main__")
+    spec = getattr(main_mod, "__spec__", None)
+    started_as_command = (getattr(spec, "name", None) == "stepscope.__main__"
+                          or Path(str(getattr(main_mod, "__file__", ""))).stem == "stepscope")
+    if started_as_command:
+        import gc
+
+        gc.freeze()
+
+
 def trace_command(path: str, as_json: bool = False, markdown: str | None = None,
                   max_inflated_mb: float | None = None) -> int:
     """Analyse `path` (a trace file or a directory of per-rank traces).
