@@ -9,6 +9,52 @@ from stepscope.common.escape import term
 from stepscope.errors import AnalysisError
 
 
+def _keep_freed_memory() -> None:
+    """Have glibc keep freed memory for reuse instead of handing it back to the kernel.
+
+    The analysis frees its read buffers, slices and decoded events block after block; with
+    glibc's defaults each buffer of 128 KiB or more is a fresh ``mmap`` and the heap is
+    trimmed and grown again, so the same memory is faulted in over and over (15.8k page
+    faults on a 54 MB trace, 5.8k with this; 0.30 -> 0.26 s of CPU for the analysis). Only
+    the command sets it, never the library's ``analyse``; a process that calls the command's
+    ``main`` in-process keeps the setting, which changes only when memory goes back to the
+    kernel, not what any allocation returns.
+    """
+    import ctypes  # numpy imports it too: no extra start-up
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to tune, same results
+        return
+    mallopt(_M_MMAP_THRESHOLD, 32 << 20)  # glibc's largest; the dynamic threshold stops
+    mallopt(_M_TRIM_THRESHOLD, 1 << 30)
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's <malloc.h>
+
+
+def skip_exit_collection() -> None:
+    """When this process is the ``stepscope`` command, skip the interpreter's collections at exit.
+
+    Finalizing walks every object numpy, msgspec and the analysis left for reference cycles
+    (~0.016 s of CPU after a 54 MB trace, and as much after a 2.5 KB one: it is the imports'
+    objects) and frees nothing the kernel would not take back at exit anyway; the output is
+    already written by then. ``gc.freeze`` moves them out of the collector's reach (and of the
+    collections that shutting threads down could start). A process that calls ``main``
+    in-process (a test, a notebook) is left as it is.
+    """
+    import sys
+
+    main_mod = sys.modules.get("__main__")
+    spec = getattr(main_mod, "__spec__", None)
+    started_as_command = (getattr(spec, "name", None) == "stepscope.__main__"
+                          or Path(str(getattr(main_mod, "__file__", ""))).stem == "stepscope")
+    if started_as_command:
+        import gc
+
+        gc.freeze()
+
+
 def trace_command(path: str, as_json: bool = False, markdown: str | None = None,
                   max_inflated_mb: float | None = None) -> int:
     """Analyse `path` (a trace file or a directory of per-rank traces).
@@ -23,6 +69,7 @@ def trace_command(path: str, as_json: bool = False, markdown: str | None = None,
         print(f"stepscope trace: --max-inflated-mb must be positive, got {max_inflated_mb}",
               file=sys.stderr)
         return 2
+    _keep_freed_memory()
     try:
         with progress(input_bytes(path) or None, "stepscope trace: reading", unit="bytes",
                       track_reads=True, done_desc="stepscope trace: analysing"):

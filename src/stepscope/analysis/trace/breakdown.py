@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from bisect import bisect_left
 from dataclasses import dataclass, field
+from itertools import compress
 from pathlib import Path
 from typing import Any
 
@@ -206,13 +207,18 @@ def analyse_parsed(pt: ParsedTrace, top: int = 15) -> RankResult:
     name_ix = {nm: i for i, nm in enumerate(name_list)}
     names = {nm: [counts[i], totals[i]] for nm, i in name_ix.items()}
     name_cat = {nm: cat_list[last_cat[i]] for nm, i in name_ix.items()}
+    # Per copy kind, in the order kinds first appear: count, bytes, and time as a float sum
+    # in event order (a cumulative sum adds in order, as a running total did).
     copies: dict[str, dict[str, float]] = {}
-    for i in mem_at:
-        d = ev[i]
-        c = copies.setdefault(d.copy_kind, {"count": 0, "bytes": 0, "time_us": 0.0})
-        c["count"] += 1
-        c["bytes"] += d.nbytes
-        c["time_us"] += (d.end - d.start) / 1000.0
+    if mem_at:
+        kind_list, kind_code = _codes([ev[i].copy_kind for i in mem_at])
+        mem_bytes = [ev[i].nbytes for i in mem_at]
+        mem_us = dur[mem_at] / 1000.0
+        for k, kind in enumerate(kind_list):
+            sel = kind_code == k
+            copies[kind] = {"count": int(sel.sum()),
+                            "bytes": sum(compress(mem_bytes, sel.tolist())),
+                            "time_us": float(np.cumsum(mem_us[sel])[-1])}
     for c in copies.values():
         c["time_us"] = round(c["time_us"], 3)
         # bytes per µs is MB/s; /1e3 gives GB/s. Memsets carry no bytes.
@@ -224,9 +230,10 @@ def analyse_parsed(pt: ParsedTrace, top: int = 15) -> RankResult:
         for n, v in sorted(names.items(), key=lambda x: -x[1][1])[:top]
     ]
     other = sum(v[1] for n, v in names.items() if name_cat[n] == K.OTHER)
+    comm_at = (np.flatnonzero(cat_code == cat_list.index(K.COMMUNICATION)).tolist()
+               if K.COMMUNICATION in cat_list else [])
     collectives = _match_keys(
-        [(d.start, d.end, _kernel_key(d, pt.comm_seq)) for d in ev if d.category == K.COMMUNICATION]
-    )
+        [(ev[i].start, ev[i].end, _kernel_key(ev[i], pt.comm_seq)) for i in comm_at])
     return RankResult(
         pt.rank, pt.path, pt.rank_source, platform, pt.events_seen, len(ev), steps, total,
         top_kernels, copies, round(100.0 * other / ksum, 2) if ksum else None, warnings,

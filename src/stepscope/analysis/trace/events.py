@@ -451,13 +451,13 @@ def _scan_events(batches: Iterable[list[Any]], out: ParsedTrace) -> None:
     kinds: dict[tuple[str, str | None], str] = {}  # (memcpy name, args.kind) -> copy kind
     # Columns filled per event, times converted together after the pass (see _TimeColumn):
     # launches (correlation, ts) and device events (ts, dur, the other fields).
-    launch_corr: list[int] = []
+    launch_corr = _LaunchIds()
     launch_ts = _TimeColumn()
     dev_ts, dev_dur = _TimeColumn(), _TimeColumn()
     dev_rows: list[DeviceEvent] = []
     lts, dts, ddur = launch_ts.batch, dev_ts.batch, dev_dur.batch
     # Bound appends of the hot columns (rebound per batch with the columns' new lists).
-    corr_add, lts_add = launch_corr.append, lts.append
+    corr_add, lts_add = launch_corr.ids.append, lts.append
     try:
         for batch in batches:
             out.events_seen += len(batch)
@@ -483,10 +483,13 @@ def _scan_events(batches: Iterable[list[Any]], out: ParsedTrace) -> None:
                         if a is not None:
                             corr = a.correlation
                             if type(corr) is int:
-                                corr_add(corr)
+                                try:
+                                    corr_add(corr)
+                                except OverflowError:  # past 64 bits (hostile): aside
+                                    launch_corr.add_big(corr)
                                 lts_add(e.ts)
                             elif corr is not None and corr is not UNSET:
-                                corr_add(_int_arg(corr))
+                                launch_corr.add(_int_arg(corr))
                                 lts_add(e.ts)
                         if cat[0] == "h" and cat[:3] == "hip":  # no slice for CUDA
                             out.is_rocm = True
@@ -548,29 +551,55 @@ def _scan_events(batches: Iterable[list[Any]], out: ParsedTrace) -> None:
             dev_dur.flush()
             lts, dts, ddur = launch_ts.batch, dev_ts.batch, dev_dur.batch
             lts_add = lts.append
+            # Freed before the next batch is decoded, which then reuses its memory.
+            del batch
     finally:
         # Also when the scan stops at damage: what was read before it is kept.
         _finish_launches(out, launch_corr, launch_ts)
         _finish_device(dev, out, dev_ts, dev_dur, dev_rows)
 
 
-def _finish_launches(out: ParsedTrace, corr: list[int], ts_col: _TimeColumn) -> None:
+class _LaunchIds:
+    """Launches' correlation ids in file order, as a C array of int64 (no Python int kept
+    per launch); an id past 64 bits (hostile input only) holds a 0 there and is kept in
+    ``big`` by its row."""
+
+    __slots__ = ("big", "ids")
+
+    def __init__(self) -> None:
+        self.ids = array("q")
+        self.big: dict[int, int] = {}
+
+    def add(self, v: int) -> None:
+        try:
+            self.ids.append(v)
+        except OverflowError:
+            self.add_big(v)
+
+    def add_big(self, v: int) -> None:
+        self.big[len(self.ids)] = v
+        self.ids.append(0)
+
+
+def _finish_launches(out: ParsedTrace, corr: _LaunchIds, ts_col: _TimeColumn) -> None:
     ts, errors = ts_col.array("ts")
+    ids = np.array(corr.ids, dtype=np.int64) if len(corr.ids) else np.zeros(0, np.int64)
+    big = corr.big
+    keep = None
     if errors is not None:  # rare: skip the launches whose time is bad, in file order
-        keep = [e is None for e in errors]
+        keep = np.array([e is None for e in errors], dtype=bool)
         for err in errors:
             if err is not None:
                 _skip(out, err)
-        corr = [k for k, ok in zip(corr, keep, strict=True) if ok]
-        ts = ts[np.array(keep, dtype=bool)]
-    try:
-        ids = np.fromiter(corr, dtype=np.int64, count=len(corr))
-    except OverflowError:  # an id past 64 bits (hostile): those few as a dict
-        small = [abs(k) < 1 << 63 for k in corr]
-        ids = np.array([k for k, ok in zip(corr, small, strict=True) if ok], dtype=np.int64)
-        out.launch_odd.update((k, t) for k, t, ok in zip(corr, ts.tolist(), small, strict=True)
-                              if not ok)
-        ts = ts[np.array(small, dtype=bool)]
+    if big:  # ids past 64 bits (hostile): those few as a dict, later launches winning
+        tl = ts.tolist()
+        out.launch_odd.update((k, tl[row]) for row, k in big.items()
+                              if keep is None or keep[row])
+        small = np.ones(len(ids), dtype=bool)
+        small[list(big)] = False
+        keep = small if keep is None else keep & small
+    if keep is not None:
+        ids, ts = ids[keep], ts[keep]
     out.launch_ids = np.concatenate((out.launch_ids, ids)) if len(out.launch_ids) else ids
     out.launch_ns = np.concatenate((out.launch_ns, ts)) if len(out.launch_ns) else ts
 
@@ -603,7 +632,7 @@ def _finish_device(dev: list[DeviceEvent], out: ParsedTrace, ts_col: _TimeColumn
 
 
 def _lenient_event(e: TraceEvent, out: ParsedTrace, names: dict[str, str],
-                   launch_corr: list[int], launch_ts: list[Any], dev_ts: list[Any],
+                   launch_corr: _LaunchIds, launch_ts: list[Any], dev_ts: list[Any],
                    dev_dur: list[Any], dev_rows: list[DeviceEvent]) -> None:
     """One event in the lenient form (args not an object, or a value msgspec could not
     convert): the general path, reading ``args`` as a dict. Launches and device events
@@ -639,7 +668,7 @@ def _lenient_event(e: TraceEvent, out: ParsedTrace, names: dict[str, str],
         elif cat in _LAUNCH_CATS:
             corr = _correlation(e)
             if corr is not None:
-                launch_corr.append(_int_arg(corr))
+                launch_corr.add(_int_arg(corr))
                 launch_ts.append(e.ts)
             if str(cat).startswith("hip"):
                 out.is_rocm = True

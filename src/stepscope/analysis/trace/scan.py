@@ -240,18 +240,46 @@ class EventScan:
             if self._carry:
                 rest += self._carry
                 self._carry = b""
-            data = rest + data if rest else data
             self._rest = b""
             self.depth, self.in_string = self.array_depth, False
-            done = yield from self._fast(data)
+            start = 0
+            if rest:
+                # The first slice joins what was carried with the head of this block, so
+                # the block itself is never copied whole behind it; when that slice does
+                # not decode, the block is scanned from the carried bytes as one piece.
+                start = yield from self._fast_across(rest, data)
+                if start < 0:
+                    data, start = rest + data, 0
+            done = yield from self._fast(data, start)
             if done >= len(data) - self._fast_bytes:
                 self._rest = data[done:]
                 return
             data = data[done:]  # something the fast path does not vouch for: scan exactly
         yield from self._feed_exact(data)
 
-    def _fast(self, data: bytes) -> Generator[list[Any], None, int]:
-        """Whole events from the start of ``data`` (a boundary between events), as long as
+    def _fast_across(self, head: bytes, data: bytes) -> Generator[list[Any], None, int]:
+        """The first slice of events from ``head`` (bytes from a boundary between events)
+        on into ``data``, decoded without joining the two whole; returns where it ended in
+        ``data`` (the next event's start), or -1 when it did not decode (nothing yielded)."""
+        room = self._fast_bytes - len(head)
+        c = _cut(data, 0, room) if room > 0 and len(data) > room else -1
+        if c < 0:
+            return -1
+        doc = b"".join((b"[", head, memoryview(data)[:c + 1], b"]"))
+        if not self._shallow(doc):
+            return -1
+        try:
+            items: list[Any] = _FAST.decode(doc)
+        except (msgspec.DecodeError, RecursionError):  # ValidationError included
+            return -1
+        self._fast_failures = 0
+        self.fast_items += len(items)
+        self.offset += len(head) + c + 2
+        yield items
+        return c + 2
+
+    def _fast(self, data: bytes, start: int = 0) -> Generator[list[Any], None, int]:
+        """Whole events from ``data[start:]`` (a boundary between events), as long as
         slices of them decode; returns where it stopped.
 
         A slice ends at a ``}`` followed by a comma. msgspec decoding ``[slice]`` without
@@ -262,7 +290,7 @@ class EventScan:
         item that is not an event object, a huge number, the end of the array) makes it stop
         and leaves the rest to the exact scan.
         """
-        pos, n, size = 0, len(data), self._fast_bytes
+        pos, n, size = start, len(data), self._fast_bytes
         view = memoryview(data)
         while n - pos > size:
             c = _cut(data, pos, pos + size)
@@ -288,8 +316,9 @@ class EventScan:
             self._fast_failures = 0
             self.fast_items += len(items)
             yield items
+            del items  # freed before the next slice is decoded (the caller dropped it too)
             pos = c + 2
-        self.offset += pos
+        self.offset += pos - start
         return pos
 
     def _shallow(self, doc: bytes) -> bool:
