@@ -167,3 +167,21 @@ def test_trace_command_skips_the_collections_at_exit_only_as_the_command(
     assert '"busy_us"' in p.stdout
     got = json.loads(p.stderr.strip().splitlines()[-1])
     assert got == {"frozen": how == "command"}, p.stderr[-2000:]
+
+
+def test_glibc_tuning_is_left_to_the_command_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A caller of the command's ``main`` in its own process (this test) keeps its allocator's
+    settings: the mallopt tuning is asked for only when the process is the command."""
+    import ctypes
+    import types
+
+    from stepscope.analysis import trace_cli
+
+    calls: list[tuple[int, int]] = []
+    libc = types.SimpleNamespace(mallopt=lambda what, value: calls.append((what, value)))
+    monkeypatch.setattr(ctypes, "CDLL", lambda *a, **k: libc)
+    trace_cli._keep_freed_memory()
+    assert calls == []
+    monkeypatch.setattr(trace_cli, "_started_as_command", lambda: True)
+    trace_cli._keep_freed_memory()
+    assert [what for what, _ in calls] == [-3, -1]  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD

@@ -16,10 +16,11 @@ def _keep_freed_memory() -> None:
     glibc's defaults each buffer of 128 KiB or more is a fresh ``mmap`` and the heap is
     trimmed and grown again, so the same memory is faulted in over and over (15.8k page
     faults on a 54 MB trace, 5.8k with this; 0.30 -> 0.26 s of CPU for the analysis). Only
-    the command sets it, never the library's ``analyse``; a process that calls the command's
-    ``main`` in-process keeps the setting, which changes only when memory goes back to the
-    kernel, not what any allocation returns.
+    a process started as the ``stepscope`` command is tuned: never the library's ``analyse``,
+    nor a process (a test, a notebook) that calls the command's ``main`` in-process.
     """
+    if not _started_as_command():
+        return
     import ctypes  # numpy imports it too: no extra start-up
 
     try:
@@ -43,16 +44,18 @@ def skip_exit_collection() -> None:
     collections that shutting threads down could start). A process that calls ``main``
     in-process (a test, a notebook) is left as it is.
     """
-    import sys
-
-    main_mod = sys.modules.get("__main__")
-    spec = getattr(main_mod, "__spec__", None)
-    started_as_command = (getattr(spec, "name", None) == "stepscope.__main__"
-                          or Path(str(getattr(main_mod, "__file__", ""))).stem == "stepscope")
-    if started_as_command:
+    if _started_as_command():
         import gc
 
         gc.freeze()
+
+
+def _started_as_command() -> bool:
+    """True when this process is the ``stepscope`` command (``stepscope`` or ``python -m``)."""
+    main_mod = sys.modules.get("__main__")
+    spec = getattr(main_mod, "__spec__", None)
+    return (getattr(spec, "name", None) == "stepscope.__main__"
+            or Path(str(getattr(main_mod, "__file__", ""))).stem == "stepscope")
 
 
 def trace_command(path: str, as_json: bool = False, markdown: str | None = None,
