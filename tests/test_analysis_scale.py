@@ -364,7 +364,7 @@ def test_dense_median_of_others_equals_the_grouped_path(tmp_path: Path, monkeypa
     out = []
     for dense in (True, False):
         if not dense:
-            monkeypatch.setattr(own_mod, "_middles_dense", lambda con, names: None)
+            monkeypatch.setattr(own_mod, "_own_dense", lambda con: None)
         data = analyze_run(run, keep=True)["_data"]
         try:
             steps = [s for (s,) in data.con.execute("SELECT DISTINCT step FROM steps ORDER BY 1")
