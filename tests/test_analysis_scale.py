@@ -423,6 +423,9 @@ class _Spy:
         self.sqls.append(sql)
         return self.con.execute(sql, *a)
 
+    def __getattr__(self, name: str) -> Any:  # register, unregister: not statements
+        return getattr(self.con, name)
+
 
 def test_phase_stats_exact_quantiles_a_block_of_ranks_at_a_time(tmp_path: Path,
                                                                  monkeypatch: Any) -> None:
@@ -580,3 +583,35 @@ def test_memory_creep_a_block_of_ranks_at_a_time(tmp_path: Path, monkeypatch: An
     assert split == whole
     series = [s for s in sqls if "rss_mb FROM res" in s]
     assert len(series) == 5 and all("rank BETWEEN" in s for s in series), series
+
+
+def test_own_work_one_read_of_pw_per_block_of_steps(tmp_path: Path, monkeypatch: Any) -> None:
+    # build_own's dense path reads each block of steps' top-level pw rows once (own work,
+    # wait and timing together): no own table over every row, no read per phase (at 10^8
+    # samples: 12 scans of 6 * 10^7 rows). One step per block gives the one-block ex.
+    import numpy as np
+
+    from stepscope.analysis import blocks
+    from stepscope.analysis import own as own_mod
+
+    run = write_run(tmp_path / "run", SynthRun(ranks=5, steps=24, seed=7, comm_child=True,
+                                               slow=(Slow(2, "forward", 8.0, 5, 12),)))
+    data = analyze_run(run, keep=True)["_data"]
+    try:
+        out = []
+        for per_block in (None, 5):  # every step at once; one step (5 ranks) per block
+            if per_block is not None:
+                monkeypatch.setattr(blocks, "BLOCK_RECORDS", per_block)
+            spy = _Spy(data.con)
+            cols = own_mod.build_own(spy)
+            assert cols.dense is not None
+            reads = [s for s in spy.sqls if "FROM pw WHERE parent IS NULL AND step BETWEEN" in s]
+            assert len(reads) == len(blocks.step_blocks(data.con)), reads
+            assert not any("TABLE own" in s or "FROM own" in s for s in spy.sqls), spy.sqls
+            out.append((data.con.execute("SELECT * FROM ex ORDER BY rank, step, name").fetchall(),
+                        [*cols.dense.own, *cols.dense.excess]))
+    finally:
+        data.close()
+    assert len(reads) == 24
+    assert out[0][0] == out[1][0] and len(out[0][0]) == 5 * 24 * 6
+    assert all(np.array_equal(a, b, equal_nan=True) for a, b in zip(out[0][1], out[1][1], strict=True))
