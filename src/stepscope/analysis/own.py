@@ -220,6 +220,23 @@ def _others(own: Any, n: Any, pv: Any, mv: Any, qv: Any) -> Any:
                      np.where(own > mv, 0.5 * (pv + mv), 0.5 * (pv + qv))))
 
 
+def median_of_others(cell: Any, values: Any, n_cells: int) -> Any:
+    """For each value, the median of the *other* values of its cell (cell ids
+    ``0..n_cells-1``; NaN where the cell holds it alone): the cell's middle order statistics
+    and :func:`_others`, the rule ``ex`` is built by, for any cells (ranks at a step)."""
+    v = np.asarray(values, dtype=np.float64)
+    cell = np.asarray(cell, dtype=np.int64)
+    order, starts, counts = grouped.group_order(cell, n_cells)
+
+    def positions(n: int) -> list[int]:  # p, m, q of _middles (-1: none)
+        at = _positions_of(np.int64(n))
+        return [int(at[2 * k]) if at[2 * k + 1] else -1 for k in range(3)]
+
+    pa, ma, qa = grouped.order_stats(v[order], starts, counts, positions)
+    n = counts[cell]
+    return np.where(n >= 2, _others(v, n, pa[cell], ma[cell], qa[cell]), np.nan)
+
+
 def _write_mid(con: Any, step: Any, name: list[str], n: Any, p: Any, m: Any, q: Any) -> None:
     """Table ``mid`` (step, name, n, p, m, q) from columns; NaN order statistics are NULL."""
     pq = ([None if x != x else float(x) for x in a.tolist()] for a in (p, m, q))  # x != x: NaN
