@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from stepscope.analysis import grouped
+from stepscope.analysis import blocks, grouped
 from stepscope.analysis.blocks import in_block, rank_blocks, step_blocks
 from stepscope.analysis.stats import RESIDUAL
 
@@ -282,7 +282,7 @@ def _own_dense(con: Any) -> OwnColumns | None:
     res_id = names.index(RESIDUAL) if RESIDUAL in names else -1
     con.execute("CREATE OR REPLACE TABLE ex (rank INTEGER, step BIGINT, name VARCHAR, "
                 "own DOUBLE, wait DOUBLE, others DOUBLE, excess DOUBLE)")
-    for b in step_blocks(con):
+    for b in step_blocks(con, max(1, blocks.BLOCK_RECORDS // _READ_SHARE)):
         blk = in_block("step", b)
         top = con.execute(
             f"""SELECT rank, step, list_position($names, path) - 1 AS nid,
@@ -383,6 +383,9 @@ def _dense_block(con: Any, name: str, ranks: Any, bsteps: Any, ri: Any, ci: Any,
     return True
 
 
+#: :func:`_own_dense` reads blocks of this share of blocks.BLOCK_RECORDS: a block's rows of
+#: every top-level phase, their copies and indices (~80 bytes a row) stay ~100 MB at 10^8.
+_READ_SHARE = 4
 #: Rows of ``ex`` handed to DuckDB at once (:func:`_dense_block`).
 _EX_CHUNK = 2_000_000
 
