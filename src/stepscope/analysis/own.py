@@ -277,8 +277,8 @@ def _own_dense(con: Any) -> OwnColumns | None:
     n_rows = n_top + n_steps_rows  # own's rows at most (the timing rule keeps some fewer)
     if not n_rows or not n_r or n_r * n_s * n_n > 2 * n_rows + 1_000_000:
         return None  # sparse (ranks on different steps): the grouped path holds only rows
-    owns = [np.full((n_r, n_s), np.nan) for _ in names]
-    gaps = [np.full((n_r, n_s), np.nan) for _ in names]
+    owns = [np.full((n_r, n_s), np.nan, dtype=KEEP_DTYPE) for _ in names]
+    gaps = [np.full((n_r, n_s), np.nan, dtype=KEEP_DTYPE) for _ in names]
     res_id = names.index(RESIDUAL) if RESIDUAL in names else -1
     con.execute("CREATE OR REPLACE TABLE ex (rank INTEGER, step BIGINT, name VARCHAR, "
                 "own DOUBLE, wait DOUBLE, others DOUBLE, excess DOUBLE)")
@@ -342,10 +342,12 @@ def _own_dense(con: Any) -> OwnColumns | None:
 
 
 def _dense_block(con: Any, name: str, ranks: Any, bsteps: Any, ri: Any, ci: Any, own: Any,
-                 wait: Any, mat: Any, gap: Any) -> bool:
-    """One phase's block of steps: fill its own-work and gap matrices (views into the
-    run's) and append its rows of ``ex``; False when a (rank, step) has two rows."""
-    n_r = mat.shape[0]
+                 wait: Any, keep_own: Any, keep_gap: Any) -> bool:
+    """One phase's block of steps: append its rows of ``ex`` (float64) and store its own
+    work and gap in the run's matrices (views, :data:`KEEP_DTYPE`); False when a (rank,
+    step) has two rows."""
+    n_r = keep_own.shape[0]
+    mat = np.full(keep_own.shape, np.nan)
     mat[ri, ci] = own
     present = ~np.isnan(mat)
     n = np.count_nonzero(present, axis=0)
@@ -363,8 +365,11 @@ def _dense_block(con: Any, name: str, ranks: Any, bsteps: Any, ri: Any, ci: Any,
     pv, mv, qv = stats
     others = _others(mat, n, pv, mv, qv)
     with np.errstate(invalid="ignore"):
-        gap[...] = np.where(present & (n >= 2), mat - others, np.nan)
+        gap = np.where(present & (n >= 2), mat - others, np.nan)
     del present
+    keep_own[...] = mat
+    keep_gap[...] = gap
+    del mat
     # ex's others: NULL where the cell has fewer than 2 values (the SQL's CASE).
     others[:, n < 2] = np.nan
     for a in range(0, len(ri), _EX_CHUNK):
@@ -383,6 +388,8 @@ def _dense_block(con: Any, name: str, ranks: Any, bsteps: Any, ri: Any, ci: Any,
     return True
 
 
+#: The own-work and gap matrices kept for the series (ex itself is computed in float64).
+KEEP_DTYPE = np.float32
 #: :func:`_own_dense` reads blocks of this share of blocks.BLOCK_RECORDS: a block's rows of
 #: every top-level phase, their copies and indices (~80 bytes a row) stay ~100 MB at 10^8.
 _READ_SHARE = 4
