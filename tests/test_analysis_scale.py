@@ -610,6 +610,7 @@ def test_own_work_one_read_of_pw_per_block_of_steps(tmp_path: Path, monkeypatch:
             spy = _Spy(data.con)
             cols = own_mod.build_own(spy)
             assert cols.dense is not None
+            assert all(m.dtype == own_mod.KEEP_DTYPE for m in (*cols.dense.own, *cols.dense.excess))
             reads = [s for s in spy.sqls if "FROM pw WHERE parent IS NULL AND step BETWEEN" in s]
             want = blocks.step_blocks(data.con, max(1, blocks.BLOCK_RECORDS // own_mod._READ_SHARE))
             assert len(reads) == len(want), reads
