@@ -364,7 +364,7 @@ def test_dense_median_of_others_equals_the_grouped_path(tmp_path: Path, monkeypa
     out = []
     for dense in (True, False):
         if not dense:
-            monkeypatch.setattr(own_mod, "_middles_dense", lambda con, names: None)
+            monkeypatch.setattr(own_mod, "_own_dense", lambda con: None)
         data = analyze_run(run, keep=True)["_data"]
         try:
             steps = [s for (s,) in data.con.execute("SELECT DISTINCT step FROM steps ORDER BY 1")
@@ -379,10 +379,15 @@ def test_dense_median_of_others_equals_the_grouped_path(tmp_path: Path, monkeypa
     (ex_d, ser_d, thr_d), (ex_g, ser_g, thr_g) = out
     assert ex_d == ex_g and len(ex_d) > 7 * 50
     assert list(ser_d) == list(ser_g)
+    # The matrices keep own work and gaps as own_mod.KEEP_DTYPE: the grouped path's values
+    # rounded to it (ex, above, is float64 on both paths).
+    keep = own_mod.KEEP_DTYPE
     for k in ser_g:
-        for a, b in zip(ser_d[k], ser_g[k], strict=True):
-            assert np.array_equal(a, b), k
-    assert thr_d == thr_g
+        (pd, gd, od), (pg, gg, og) = ser_d[k], ser_g[k]
+        assert np.array_equal(pd, pg), k
+        assert np.array_equal(gd, gg.astype(keep)) and np.array_equal(od, og.astype(keep)), k
+    assert thr_d.keys() == thr_g.keys()
+    assert all(thr_d[k] == pytest.approx(thr_g[k], rel=1e-5, abs=1e-6) for k in thr_g)
 
 
 def test_thresholds_in_chunks_equal_all_at_once(monkeypatch: Any) -> None:
@@ -422,6 +427,9 @@ class _Spy:
     def execute(self, sql: str, *a: Any) -> Any:
         self.sqls.append(sql)
         return self.con.execute(sql, *a)
+
+    def __getattr__(self, name: str) -> Any:  # register, unregister: not statements
+        return getattr(self.con, name)
 
 
 def test_phase_stats_exact_quantiles_a_block_of_ranks_at_a_time(tmp_path: Path,
@@ -580,3 +588,37 @@ def test_memory_creep_a_block_of_ranks_at_a_time(tmp_path: Path, monkeypatch: An
     assert split == whole
     series = [s for s in sqls if "rss_mb FROM res" in s]
     assert len(series) == 5 and all("rank BETWEEN" in s for s in series), series
+
+
+def test_own_work_one_read_of_pw_per_block_of_steps(tmp_path: Path, monkeypatch: Any) -> None:
+    # build_own's dense path reads each block of steps' top-level pw rows once (own work,
+    # wait and timing together): no own table over every row, no read per phase (at 10^8
+    # samples: 12 scans of 6 * 10^7 rows). One step per block gives the one-block ex.
+    import numpy as np
+
+    from stepscope.analysis import blocks
+    from stepscope.analysis import own as own_mod
+
+    run = write_run(tmp_path / "run", SynthRun(ranks=5, steps=24, seed=7, comm_child=True,
+                                               slow=(Slow(2, "forward", 8.0, 5, 12),)))
+    data = analyze_run(run, keep=True)["_data"]
+    try:
+        out = []
+        for per_block in (None, 5):  # every step at once; one step (5 ranks) per block
+            if per_block is not None:
+                monkeypatch.setattr(blocks, "BLOCK_RECORDS", per_block)
+            spy = _Spy(data.con)
+            cols = own_mod.build_own(spy)
+            assert cols.dense is not None
+            assert all(m.dtype == own_mod.KEEP_DTYPE for m in (*cols.dense.own, *cols.dense.excess))
+            reads = [s for s in spy.sqls if "FROM pw WHERE parent IS NULL AND step BETWEEN" in s]
+            want = blocks.step_blocks(data.con, max(1, blocks.BLOCK_RECORDS // own_mod._READ_SHARE))
+            assert len(reads) == len(want), reads
+            assert not any("TABLE own" in s or "FROM own" in s for s in spy.sqls), spy.sqls
+            out.append((data.con.execute("SELECT * FROM ex ORDER BY rank, step, name").fetchall(),
+                        [*cols.dense.own, *cols.dense.excess]))
+    finally:
+        data.close()
+    assert len(reads) == 24
+    assert out[0][0] == out[1][0] and len(out[0][0]) == 5 * 24 * 6
+    assert all(np.array_equal(a, b, equal_nan=True) for a, b in zip(out[0][1], out[1][1], strict=True))

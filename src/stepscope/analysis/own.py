@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from stepscope.analysis import grouped
+from stepscope.analysis import blocks, grouped
 from stepscope.analysis.blocks import in_block, rank_blocks, step_blocks
 from stepscope.analysis.stats import RESIDUAL
 
@@ -121,6 +121,9 @@ def build_own(con: Any) -> OwnColumns:
     Returns ex's rows that have an excess as numpy columns (the gap series' source).
     """
     build_pw(con)
+    dense = _own_dense(con)
+    if dense is not None:  # ex written from the matrices, no own table
+        return dense
     con.execute(
         f"""CREATE OR REPLACE TEMP TABLE own AS
             WITH top AS (SELECT rank, step, path AS name, greatest(ms - wait, 0.0) AS own, wait,
@@ -139,9 +142,6 @@ def build_own(con: Any) -> OwnColumns:
                                     WHERE phase IS NULL GROUP BY 1, 2) r USING (rank, step)"""
     )
     cols = _middles(con)
-    if cols.dense is not None:  # ex written from the matrices (_middles_dense)
-        con.execute("DROP TABLE own")
-        return cols
     # Removing a rank's value from its cell leaves a median that depends only on where that
     # value lies against the cell's middle values (ties give the same multiset either way).
     con.execute(
@@ -166,9 +166,6 @@ def _middles(con: Any) -> OwnColumns:
     sorted as S, for even n: p = S[n/2 - 1], q = S[n/2]; for odd n (c = (n - 1) / 2):
     p = S[c - 1], m = S[c], q = S[c + 1] (NULL where the cell is too small)."""
     names = [str(n) for (n,) in con.execute("SELECT DISTINCT name FROM own ORDER BY 1").fetchall()]
-    dense = _middles_dense(con, names)
-    if dense is not None:
-        return dense
     cols = con.execute(
         "SELECT rank, step, list_position($names, name) - 1 AS nid, own FROM own",
         {"names": names}).fetchnumpy()
@@ -223,6 +220,23 @@ def _others(own: Any, n: Any, pv: Any, mv: Any, qv: Any) -> Any:
                      np.where(own > mv, 0.5 * (pv + mv), 0.5 * (pv + qv))))
 
 
+def median_of_others(cell: Any, values: Any, n_cells: int) -> Any:
+    """For each value, the median of the *other* values of its cell (cell ids
+    ``0..n_cells-1``; NaN where the cell holds it alone): the cell's middle order statistics
+    and :func:`_others`, the rule ``ex`` is built by, for any cells (ranks at a step)."""
+    v = np.asarray(values, dtype=np.float64)
+    cell = np.asarray(cell, dtype=np.int64)
+    order, starts, counts = grouped.group_order(cell, n_cells)
+
+    def positions(n: int) -> list[int]:  # p, m, q of _middles (-1: none)
+        at = _positions_of(np.int64(n))
+        return [int(at[2 * k]) if at[2 * k + 1] else -1 for k in range(3)]
+
+    pa, ma, qa = grouped.order_stats(v[order], starts, counts, positions)
+    n = counts[cell]
+    return np.where(n >= 2, _others(v, n, pa[cell], ma[cell], qa[cell]), np.nan)
+
+
 def _write_mid(con: Any, step: Any, name: list[str], n: Any, p: Any, m: Any, q: Any) -> None:
     """Table ``mid`` (step, name, n, p, m, q) from columns; NaN order statistics are NULL."""
     pq = ([None if x != x else float(x) for x in a.tolist()] for a in (p, m, q))  # x != x: NaN
@@ -234,88 +248,134 @@ def _write_mid(con: Any, step: Any, name: list[str], n: Any, p: Any, m: Any, q: 
         [np.asarray(step).tolist(), name, np.asarray(n).tolist(), *pq])
 
 
-def _middles_dense(con: Any, names: list[str]) -> OwnColumns | None:
-    """:func:`_middles` one phase at a time on a ranks × steps matrix (a sort down each step's
-    column gives its order statistics), when every (rank, step, phase) has at most one row
-    and the matrices are not much larger than the rows; None otherwise (the grouped path).
+def _own_dense(con: Any) -> OwnColumns | None:
+    """Table ``ex`` and the own-work and gap matrices (one ranks × steps matrix per phase),
+    a block of steps at a time, when every (rank, step, phase) has at most one row and the
+    matrices are not much larger than the rows; None otherwise (the grouped path, which
+    replaces whatever ``ex`` this began).
 
-    Memory is one phase's matrices at a time plus the own-work and gap matrices kept for
-    the series: 16 bytes per (rank, step, phase), not the rows' columns sorted twice.
-
-    Writes table ``ex`` itself, a phase at a time from the same numbers (the median of the
-    others by :func:`_others`, the gap as ``own - others``): no join of every row of ``own``
-    to ``mid``. Table ``mid`` is not written (nothing reads it past build_own)."""
-    n_rows = int(con.execute("SELECT count(*) FROM own").fetchone()[0])
-    ranks = np.asarray([r for (r,) in con.execute("SELECT DISTINCT rank FROM own ORDER BY 1").fetchall()],
-                       dtype=np.int64)
-    ustep = np.asarray([s for (s,) in con.execute("SELECT DISTINCT step FROM own ORDER BY 1").fetchall()],
-                       dtype=np.int64)
-    n_r, n_s = len(ranks), len(ustep)
-    if not n_rows or n_r * n_s * len(names) > 2 * n_rows + 1_000_000:
+    Each block's top-level rows of ``pw`` and residual rows are read once (rank, step,
+    phase id, own, wait); the rows :func:`build_own`'s ``own`` table keeps are those with a
+    collective timing, or in a (step, phase) cell where no rank has one. A sort down each
+    step's column of a phase's block gives the cell's middle values, :func:`_others` the
+    median of the other ranks, and ``ex``'s rows are appended from the same numbers. Memory:
+    the own-work and gap matrices kept for the series (16 bytes per (rank, step, phase))
+    plus one block's rows."""
+    names = sorted({str(n) for (n,) in con.execute(
+        "SELECT DISTINCT path FROM pw WHERE parent IS NULL").fetchall()})
+    n_steps_rows = int(con.execute("SELECT count(*) FROM steps").fetchone()[0])
+    if n_steps_rows:
+        if RESIDUAL in names:
+            return None  # a user phase named residual shares the residual's cells
+        names = sorted([*names, RESIDUAL])
+    n_top = int(con.execute("SELECT count(*) FROM pw WHERE parent IS NULL").fetchone()[0])
+    ranks = np.asarray([r for (r,) in con.execute(
+        "SELECT DISTINCT rank FROM steps ORDER BY 1").fetchall()], dtype=np.int64)
+    ustep = np.asarray([s for (s,) in con.execute(
+        "SELECT DISTINCT step FROM steps ORDER BY 1").fetchall()], dtype=np.int64)
+    n_r, n_s, n_n = len(ranks), len(ustep), len(names)
+    n_rows = n_top + n_steps_rows  # own's rows at most (the timing rule keeps some fewer)
+    if not n_rows or not n_r or n_r * n_s * n_n > 2 * n_rows + 1_000_000:
         return None  # sparse (ranks on different steps): the grouped path holds only rows
-    owns: list[Any] = []
-    gaps: list[Any] = []
-    cols_at = np.arange(n_s)
-    for name in names:
-        got = con.execute("SELECT rank, step, own FROM own WHERE name = $n", {"n": name}).fetchnumpy()
-        own = np.asarray(got["own"], dtype=np.float64)
-        flat = (np.searchsorted(ranks, np.asarray(got["rank"], dtype=np.int64)) * n_s
-                + np.searchsorted(ustep, np.asarray(got["step"], dtype=np.int64)))
-        del got
+    owns = [np.full((n_r, n_s), np.nan, dtype=KEEP_DTYPE) for _ in names]
+    gaps = [np.full((n_r, n_s), np.nan, dtype=KEEP_DTYPE) for _ in names]
+    res_id = names.index(RESIDUAL) if RESIDUAL in names else -1
+    con.execute("CREATE OR REPLACE TABLE ex (rank INTEGER, step BIGINT, name VARCHAR, "
+                "own DOUBLE, wait DOUBLE, others DOUBLE, excess DOUBLE)")
+    for b in step_blocks(con, max(1, blocks.BLOCK_RECORDS // _READ_SHARE)):
+        blk = in_block("step", b)
+        top = con.execute(
+            f"""SELECT rank, step, list_position($names, path) - 1 AS nid,
+                       greatest(ms - wait, 0.0) AS own, wait, ncoll > 0 AS timed
+                FROM pw WHERE parent IS NULL AND {blk}""", {"names": names}).fetchnumpy()
+        res = con.execute(
+            f"""SELECT s.rank, s.step, greatest(s.residual_ms - coalesce(r.w, 0.0), 0.0) AS own,
+                       coalesce(r.w, 0.0) AS wait
+                FROM (SELECT rank, step, residual_ms FROM steps WHERE {blk}) s
+                LEFT JOIN (SELECT rank, step, sum(wait) AS w FROM cw
+                           WHERE phase IS NULL AND {blk} GROUP BY 1, 2) r USING (rank, step)"""
+        ).fetchnumpy()
+        rank = np.concatenate([np.asarray(top["rank"], dtype=np.int64),
+                               np.asarray(res["rank"], dtype=np.int64)])
+        step = np.concatenate([np.asarray(top["step"], dtype=np.int64),
+                               np.asarray(res["step"], dtype=np.int64)])
+        nid = np.concatenate([np.asarray(top["nid"], dtype=np.int64),
+                              np.full(len(res["rank"]), res_id, dtype=np.int64)])
+        own = np.concatenate([np.asarray(top["own"], dtype=np.float64),
+                              np.asarray(res["own"], dtype=np.float64)])
+        wait = np.concatenate([np.asarray(top["wait"], dtype=np.float64),
+                               np.asarray(res["wait"], dtype=np.float64)])
+        timed = np.concatenate([np.asarray(top["timed"], dtype=bool),
+                                np.ones(len(res["rank"]), dtype=bool)])
+        del top, res
         if np.isnan(own).any():
             return None
-        mat = np.full((n_r, n_s), np.nan)
-        mat.flat[flat] = own
-        present = ~np.isnan(mat)
-        n = np.count_nonzero(present, axis=0)
-        if int(n.sum()) != len(own):
-            return None  # a (rank, step) twice in one phase: the grouped path counts both
-        del own, flat
-        srt = np.sort(mat, axis=0)  # NaN (no row) last: each column's n values first
-        stats = []
-        pos = _positions_of(n)
-        for k in range(3):
-            at, ok = pos[2 * k], pos[2 * k + 1]
-            vals = srt[np.clip(at, 0, max(n_r - 1, 0)), cols_at]
-            stats.append(np.where(ok, vals, np.nan))
-        del srt
-        pv, mv, qv = stats
-        others = _others(mat, n, pv, mv, qv)
-        with np.errstate(invalid="ignore"):
-            gap = np.where(present & (n >= 2), mat - others, np.nan)
-        del present
-        # ex's others: NULL where the cell has fewer than 2 values (the SQL's CASE). A
-        # later phase may still send the run to the grouped path, which replaces ex.
-        if not owns:
-            con.execute("CREATE OR REPLACE TABLE ex (rank INTEGER, step BIGINT, name VARCHAR, "
-                        "own DOUBLE, wait DOUBLE, others DOUBLE, excess DOUBLE)")
-        others[:, n < 2] = np.nan
-        _write_ex(con, name, ranks, ustep, mat, others, gap)
-        del others
-        owns.append(mat)
-        gaps.append(gap)
+        ri = np.searchsorted(ranks, rank)
+        c0 = int(np.searchsorted(ustep, b[0], side="left"))
+        c1 = int(np.searchsorted(ustep, b[1], side="right"))
+        ci = np.searchsorted(ustep, step)
+        if len(rank) and (int(ri.max()) >= n_r or int(ci.max()) >= n_s
+                          or not np.array_equal(ranks[ri], rank)
+                          or not np.array_equal(ustep[ci], step)):
+            return None  # a phase row of a (rank, step) steps does not hold
+        del rank, step
+        w = c1 - c0
+        ci -= c0
+        # A rank with no collective timing in a phase where others have some at that step:
+        # its waits are unknown, so its own work there is not compared (not in ex).
+        cell = nid * w + ci
+        any_timed = np.zeros(n_n * w, dtype=bool)
+        any_timed[cell[timed]] = True
+        keep = timed | ~any_timed[cell]
+        del cell, any_timed, timed
+        if not keep.all():
+            ri, ci, nid, own, wait = ri[keep], ci[keep], nid[keep], own[keep], wait[keep]
+        del keep
+        for k, name in enumerate(names):
+            at = np.flatnonzero(nid == k)
+            if not _dense_block(con, name, ranks, ustep[c0:c1], ri[at], ci[at], own[at],
+                                wait[at], owns[k][:, c0:c1], gaps[k][:, c0:c1]):
+                return None
     empty = np.zeros(0, dtype=np.int64)
     return OwnColumns(names, empty, empty, empty, np.zeros(0), np.zeros(0),
                       DenseOwn(ranks, ustep, owns, gaps))
 
 
-#: Rows of ``ex`` handed to DuckDB at once (:func:`_write_ex`).
-_EX_CHUNK = 2_000_000
-
-
-def _write_ex(con: Any, name: str, ranks: Any, ustep: Any, mat: Any, others: Any,
-              gap: Any) -> None:
-    """Append phase ``name``'s rows of ``ex`` (its ``own`` rows, with the wait read back from
-    ``own``) from its own-work, others and gap matrices; NaN others/gap are NULL."""
-    got = con.execute("SELECT rank, step, wait FROM own WHERE name = $n", {"n": name}).fetchnumpy()
-    ri = np.searchsorted(ranks, np.asarray(got["rank"], dtype=np.int64))
-    si = np.searchsorted(ustep, np.asarray(got["step"], dtype=np.int64))
-    wait = np.asarray(got["wait"], dtype=np.float64)
-    del got
+def _dense_block(con: Any, name: str, ranks: Any, bsteps: Any, ri: Any, ci: Any, own: Any,
+                 wait: Any, keep_own: Any, keep_gap: Any) -> bool:
+    """One phase's block of steps: append its rows of ``ex`` (float64) and store its own
+    work and gap in the run's matrices (views, :data:`KEEP_DTYPE`); False when a (rank,
+    step) has two rows."""
+    n_r = keep_own.shape[0]
+    mat = np.full(keep_own.shape, np.nan)
+    mat[ri, ci] = own
+    present = ~np.isnan(mat)
+    n = np.count_nonzero(present, axis=0)
+    if int(n.sum()) != len(own):
+        return False  # a (rank, step) twice in one phase: the grouped path counts both
+    srt = np.sort(mat, axis=0)  # NaN (no row) last: each column's n values first
+    cols_at = np.arange(mat.shape[1])
+    stats = []
+    pos = _positions_of(n)
+    for k in range(3):
+        at, ok = pos[2 * k], pos[2 * k + 1]
+        vals = srt[np.clip(at, 0, max(n_r - 1, 0)), cols_at]
+        stats.append(np.where(ok, vals, np.nan))
+    del srt
+    pv, mv, qv = stats
+    others = _others(mat, n, pv, mv, qv)
+    with np.errstate(invalid="ignore"):
+        gap = np.where(present & (n >= 2), mat - others, np.nan)
+    del present
+    keep_own[...] = mat
+    keep_gap[...] = gap
+    del mat
+    # ex's others: NULL where the cell has fewer than 2 values (the SQL's CASE).
+    others[:, n < 2] = np.nan
     for a in range(0, len(ri), _EX_CHUNK):
-        r, c = ri[a:a + _EX_CHUNK], si[a:a + _EX_CHUNK]
+        r, c = ri[a:a + _EX_CHUNK], ci[a:a + _EX_CHUNK]
         # DuckDB scans a dict of numpy columns in place (no pyarrow, no pandas).
-        chunk = {"rank": ranks[r].astype(np.int32), "step": ustep[c], "own": mat[r, c],
+        chunk = {"rank": ranks[r].astype(np.int32), "step": bsteps[c], "own": own[a:a + _EX_CHUNK],
                  "wait": wait[a:a + _EX_CHUNK], "others": others[r, c], "excess": gap[r, c]}
         con.register("_ex_chunk", chunk)
         try:
@@ -325,6 +385,16 @@ def _write_ex(con: Any, name: str, ranks: Any, ustep: Any, mat: Any, others: Any
                 "CASE WHEN isnan(excess) THEN NULL ELSE excess END FROM _ex_chunk", {"n": name})
         finally:
             con.unregister("_ex_chunk")
+    return True
+
+
+#: The own-work and gap matrices kept for the series (ex itself is computed in float64).
+KEEP_DTYPE = np.float32
+#: :func:`_own_dense` reads blocks of this share of blocks.BLOCK_RECORDS: a block's rows of
+#: every top-level phase, their copies and indices (~80 bytes a row) stay ~100 MB at 10^8.
+_READ_SHARE = 4
+#: Rows of ``ex`` handed to DuckDB at once (:func:`_dense_block`).
+_EX_CHUNK = 2_000_000
 
 
 def phase_waits(con: Any, phases: dict[str, Any]) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from stepscope.analysis import grouped
-from stepscope.analysis.own import DenseOwn, OwnColumns
+from stepscope.analysis.own import DenseOwn, OwnColumns, median_of_others
 from stepscope.common import robust
 
 #: Flag threshold: SIGMAS robust sigmas of the rank's own step-to-step variation, floored so
@@ -104,58 +104,58 @@ def _net_of_runq(data: Series, runq: dict[int, dict[int, float]], steps: list[in
     a phase that ran long (one long preemption lands in one phase). Each phase keeps at
     least nothing (never negative).
     """
-    rows = [(r, name, steps[int(i)], o) for (r, name), (pos, _, own) in data.items()
-            for i, o in zip(pos.tolist(), own.tolist(), strict=True)]
-    base: dict[tuple[int, str], float] = {}
-    per_key: dict[tuple[int, str], list[float]] = {}
-    for rank, name, _, own in rows:
-        per_key.setdefault((rank, name), []).append(max(own, 0.0))
-    for key, xs in per_key.items():
-        base[key] = robust.median(xs)
-    weight: dict[tuple[int, int], float] = {}
-
-    def w_of(r: int, name: str, o: float) -> float:
-        b = base[(r, name)]
-        return o * max(1.0, o / b) if b > 1e-9 else o
-
-    for rank, name, step, own in rows:
-        weight[(rank, step)] = weight.get((rank, step), 0.0) + w_of(rank, name, max(own, 0.0))
-    net: dict[tuple[int, str], dict[int, float]] = {}
-    by_cell: dict[tuple[int, str], list[tuple[float, int]]] = {}
-    for rank, name, step, own in rows:
-        o = max(own, 0.0)
-        tw = weight[(rank, step)]
-        q = runq.get(rank, {}).get(step, 0.0)
-        v = max(0.0, o - q * w_of(rank, name, o) / tw) if tw > 0 else o
-        net.setdefault((rank, name), {})[step] = v
-        by_cell.setdefault((step, name), []).append((v, rank))
-    others: dict[tuple[int, int, str], float] = {}
-    for (st, name), vals in by_cell.items():
-        if len(vals) < 2:
+    keys = list(data)
+    if not keys:
+        return {}
+    lens = np.array([len(data[k][0]) for k in keys], dtype=np.int64)
+    key = np.repeat(np.arange(len(keys)), lens)
+    pos = np.concatenate([np.asarray(data[k][0], dtype=np.int64) for k in keys])
+    gap = np.concatenate([np.asarray(data[k][1], dtype=np.float64) for k in keys])
+    own = np.maximum(np.concatenate([np.asarray(data[k][2], dtype=np.float64) for k in keys]), 0.0)
+    names = sorted({n for _, n in keys})
+    rank_ids = sorted({r for r, _ in keys})
+    rank = np.searchsorted(rank_ids, np.repeat([r for r, _ in keys], lens))
+    nid = np.repeat([names.index(n) for _, n in keys], lens)
+    n_s = len(steps)
+    # The rank's median own work per phase, and each value's weight (summed per (rank, step)
+    # in series order: the same additions, in the same order, as one value at a time).
+    base = grouped.medians(key, own, len(keys))[key]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        w = np.where(base > 1e-9, own * np.maximum(1.0, own / base), own)
+    rs = rank * n_s + pos
+    tw = np.bincount(rs, weights=w, minlength=len(rank_ids) * n_s)[rs]
+    steps_a = np.asarray(steps, dtype=np.int64)
+    q = np.zeros(len(own))
+    for i, r in enumerate(rank_ids):
+        per = runq.get(r)
+        if not per:
             continue
-        vals.sort()
-        xs = [v for v, _ in vals]
-        for k, (_, r) in enumerate(vals):
-            others[(r, st, name)] = _median_without(xs, k)
-    pos_of = {s: i for i, s in enumerate(steps)}
+        at = np.flatnonzero(rank == i)
+        q[at] = [per.get(s, 0.0) for s in steps_a[pos[at]].tolist()]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        net = np.where(tw > 0, np.maximum(0.0, own - q * w / tw), own)
+    # The median of the other ranks' net own work per (step, phase): own.median_of_others.
+    others = median_of_others(pos * len(names) + nid, net, n_s * len(names))
+    ok = ~np.isnan(others)
     # Run-queue wait explains a gap away, never makes one, at each step too: the others' wait
     # for a CPU taken out of them cannot put a rank behind by more than they really waited
     # for it (its raw gap). Time inside a collective is shared: one rank held off the CPU
     # there stretches both ranks' own work alike, and taking it out of that rank alone would
     # make the other look slow (a 2-rank DDP run read a 2 ms gap on steps whose raw gap was
     # 0.04 ms, and a window found whole came out three steps early).
-    raw_gap = {(r, name): dict(zip(pos.tolist(), gap.tolist(), strict=True))
-               for (r, name), (pos, gap, _) in data.items()}
+    with np.errstate(invalid="ignore"):
+        net_gap = np.minimum(net - others, gap)
     out: Series = {}
-    for (r, name), per in net.items():
-        rg = raw_gap.get((r, name), {})
-        pts = [(p, min(per[st] - others[(r, st, name)], rg.get(p, math.inf)), per[st])
-               for st in sorted(per, key=lambda x: pos_of[x]) if (r, st, name) in others
-               for p in (pos_of[st],)]
-        if pts:
-            out[(r, name)] = (np.array([p for p, _, _ in pts], dtype=np.int64),
-                              np.array([g for _, g, _ in pts], dtype=np.float64),
-                              np.array([o for _, _, o in pts], dtype=np.float64))
+    bounds = [0, *np.cumsum(lens).tolist()]
+    for k, (i, j) in zip(keys, itertools.pairwise(bounds), strict=True):
+        sel = ok[i:j]
+        if not sel.any():
+            continue
+        p, g, o = pos[i:j], net_gap[i:j], net[i:j]
+        if not sel.all():
+            p, g, o = p[sel], g[sel], o[sel]
+        order = np.argsort(p, kind="stable")
+        out[k] = (p[order], g[order], o[order])
     return out
 
 
@@ -208,31 +208,19 @@ def runq_extra(con: Any) -> dict[int, dict[int, float]]:
            WHERE table_name = 'res' AND column_name = 'runq_ms'""").fetchone()[0]
     if not has:
         return {}
-    by_step: dict[int, list[tuple[float, int]]] = {}
-    for step, rank, ms in con.execute(
+    got = con.execute(
         "SELECT step, rank, runq_ms FROM res WHERE runq_ms IS NOT NULL AND isfinite(runq_ms)"
-    ).fetchall():
-        by_step.setdefault(int(step), []).append((float(ms), int(rank)))
+    ).fetchnumpy()
+    step = np.asarray(got["step"], dtype=np.int64)
+    rank = np.asarray(got["rank"], dtype=np.int64)
+    ms = np.asarray(got["runq_ms"], dtype=np.float64)
+    ustep, cell = np.unique(step, return_inverse=True)
+    others = median_of_others(cell, ms, len(ustep))
     out: dict[int, dict[int, float]] = {}
-    for step, vals in by_step.items():
-        n = len(vals)
-        if n < 2:
-            continue
-        vals.sort()
-        xs = [v for v, _ in vals]
-        for k, (ms, rank) in enumerate(vals):
-            out.setdefault(rank, {})[step] = ms - _median_without(xs, k)
+    for r, s, v in zip(rank.tolist(), step.tolist(), (ms - others).tolist(), strict=True):
+        if v == v:  # NaN: the rank alone at that step
+            out.setdefault(r, {})[s] = v
     return out
-
-
-def _median_without(xs: list[float], k: int) -> float:
-    """Median of sorted ``xs`` with position ``k`` left out (the other ranks'), in O(1)."""
-    m = len(xs) - 1
-
-    def at(j: int) -> float:
-        return xs[j if j < k else j + 1]
-
-    return at(m // 2) if m % 2 else 0.5 * (at(m // 2 - 1) + at(m // 2))
 
 
 def build_thresholds(con: Any, median_step: float,
