@@ -362,9 +362,9 @@ def _load_parquet(location: str, threads: int | None, memory_limit: str | None,
             raise AnalysisError(f"{root}: no records in any rank file")
         src = " UNION ALL BY NAME ".join(parts)
         try:
-            # A view, not a copy: Parquet is typed and columnar, so the checks below read
-            # only the columns they name, and the one full copy is ``rec`` (a table here
-            # would hold every record twice at the peak).
+            # A view, not a copy: Parquet is typed and columnar, so each statement below
+            # reads only the columns it names (``rec`` every column but the phase lists,
+            # ``phases`` those lists; a table here would hold every record twice).
             con.execute(f"CREATE VIEW raw AS {src}")
             con.execute("SELECT 1 FROM raw LIMIT 1").fetchall()
         except Exception as exc:  # duckdb.IOException: no files match the glob
