@@ -94,3 +94,29 @@ def test_implausible_and_duplicate_records_keep_the_same_rows(tmp_path: Path) ->
         assert got == want, store
         assert any("1 record(s) with implausible values" in s for s in skipped), skipped
         assert any("1 duplicate (rank, step)" in s for s in skipped), skipped
+
+
+def test_duplicate_paths_counted_a_block_of_ranks_at_a_time(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # phase_dups groups every (rank, step, path): a block of steps at a time scanned every
+    # row of ``phases`` per block (its rows lie rank by rank); a block of ranks reads its own.
+    from stepscope.analysis import blocks
+
+    spec = SynthRun(ranks=4, steps=6, comm_child=True)
+    recs = make_records(spec)
+    twice = json.loads(json.dumps(recs[2][3]))
+    twice["phases"].append(dict(twice["phases"][0]))  # one path listed twice
+    recs[2][3] = twice
+    run = tmp_path / "run"
+    run.mkdir()
+    for r, rows in recs.items():
+        (run / f"rank{r}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
+    monkeypatch.setattr(blocks, "BLOCK_RECORDS", 6)  # one rank (6 records) per block
+    data, sqls = _load(run, monkeypatch)
+    try:
+        n = data.con.execute("SELECT n FROM phase_dups").fetchone()[0]
+    finally:
+        data.close()
+    assert n == 1
+    per_block = [s for s in sqls if "HAVING count(*) > 1" in s]
+    assert len(per_block) == 4 and all("rank BETWEEN" in s for s in per_block), per_block

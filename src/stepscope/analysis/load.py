@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stepscope.analysis.blocks import in_block, step_blocks
+from stepscope.analysis.blocks import in_block, rank_blocks
 from stepscope.analysis.resources import RESOURCE_COLUMNS, TIMED_FILTER, create_resource_table
 from stepscope.errors import AnalysisError
 from stepscope.records import READABLE_SCHEMAS, SQLITE_TABLE, row_to_record
@@ -588,13 +588,15 @@ def _build_tables(con: Any, root: Path, skipped: list[str], torn: set[str] | Non
     con.execute("DROP VIEW raw" if kind == "VIEW" else "DROP TABLE raw")
     # Records that list one phase path twice (hostile or corrupt): with none, (rank, step,
     # path) is a key of ``phases`` and analysis/own.py's pw needs no group-by over every row.
-    # Counted on the unnested rows a block of steps at a time (a per-record list expression
-    # cost 5x the CPU; one group-by over every row would hold every key).
+    # Counted on the unnested rows a block of ranks at a time (a per-record list expression
+    # cost 5x the CPU; one group-by over every row would hold every key). Ranks, not steps:
+    # the rows are stored in the records' order (rank by rank), so a block's rows lie in few
+    # row groups and the others are skipped by their rank range.
     n_dups = 0
-    for b in step_blocks(con):
+    for b in rank_blocks(con):
         n_dups += int(con.execute(
             f"""SELECT count(*) FROM (SELECT rank, step, path FROM phases
-                WHERE {in_block('step', b)} GROUP BY ALL HAVING count(*) > 1)""").fetchone()[0])
+                WHERE {in_block('rank', b)} GROUP BY ALL HAVING count(*) > 1)""").fetchone()[0])
     con.execute(f"CREATE TABLE phase_dups AS SELECT {n_dups} AS n")
     create_resource_table(con, keep)  # [metrics] table res
     con.execute(
