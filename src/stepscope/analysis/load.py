@@ -419,7 +419,7 @@ def _build_tables(con: Any, root: Path, skipped: list[str], torn: set[str] | Non
     # file (and how many are good), records per schema version, and implausible records
     # per file. It is the only statement that evaluates the plausibility rule over every
     # record's phase list: when it finds none implausible, the rule is TRUE for every
-    # kept record and the statements below leave it out (no second pass over the lists).
+    # kept record and the statements below leave it out (no second evaluation per phase).
     lines_col = "count(*)" if lines is None else "count(*) FILTER (WHERE NOT coalesce(tagged, FALSE))"
     groups = con.execute(
         f"""SELECT filename, schema, {lines_col}, count(*) FILTER (WHERE {valid}),
