@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stepscope.analysis.blocks import in_block, step_blocks
+from stepscope.analysis.blocks import in_block, rank_blocks
 from stepscope.analysis.resources import RESOURCE_COLUMNS, TIMED_FILTER, create_resource_table
 from stepscope.errors import AnalysisError
 from stepscope.records import READABLE_SCHEMAS, SQLITE_TABLE, row_to_record
@@ -65,6 +65,8 @@ _COLUMNS = {
 _COLUMNS.update(RESOURCE_COLUMNS)  # [metrics] throughput/flops/memory/device/untimed
 #: The typed schema of one record line (also the Parquet store's columns, with ``filename``).
 COLUMNS = _COLUMNS
+#: The columns of table ``rec`` (each record's but ``phases``, which go to table ``phases``).
+_REC_COLUMNS = ", ".join(c for c in _COLUMNS if c != "phases")
 _REQUIRED = ("schema", "rank", "step", "start_unix_ns", "step_ms", "phases")
 
 #: Bounds on values taken from the data; a record outside them is implausible (hostile or
@@ -360,9 +362,9 @@ def _load_parquet(location: str, threads: int | None, memory_limit: str | None,
             raise AnalysisError(f"{root}: no records in any rank file")
         src = " UNION ALL BY NAME ".join(parts)
         try:
-            # A view, not a copy: Parquet is typed and columnar, so the checks below read
-            # only the columns they name, and the one full copy is ``rec`` (a table here
-            # would hold every record twice at the peak).
+            # A view, not a copy: Parquet is typed and columnar, so each statement below
+            # reads only the columns it names (``rec`` every column but the phase lists,
+            # ``phases`` those lists; a table here would hold every record twice).
             con.execute(f"CREATE VIEW raw AS {src}")
             con.execute("SELECT 1 FROM raw LIMIT 1").fetchall()
         except Exception as exc:  # duckdb.IOException: no files match the glob
@@ -412,19 +414,35 @@ def _build_tables(con: Any, root: Path, skipped: list[str], torn: set[str] | Non
     ``light``: also keep table ``light`` (goodput's rows), when ``raw`` came from rank files.
     """
     valid = " AND ".join(f"{c} IS NOT NULL" for c in _REQUIRED)
+    readable_in = f"schema IN {tuple(READABLE_SCHEMAS)}"
+    # One pass over the records answers the three questions the checks ask: lines per
+    # file (and how many are good), records per schema version, and implausible records
+    # per file. It is the only statement that evaluates the plausibility rule over every
+    # record's phase list: when it finds none implausible, the rule is TRUE for every
+    # kept record and the statements below leave it out (no second evaluation per phase).
+    lines_col = "count(*)" if lines is None else "count(*) FILTER (WHERE NOT coalesce(tagged, FALSE))"
+    groups = con.execute(
+        f"""SELECT filename, schema, {lines_col}, count(*) FILTER (WHERE {valid}),
+                   count(*) FILTER (WHERE {valid} AND {readable_in}
+                                    AND NOT coalesce({_PLAUSIBLE}, FALSE))
+            FROM raw GROUP BY 1, 2"""
+    ).fetchall()
+    per_file: dict[str, tuple[int, int]] = {}
+    schemas: dict[int, int] = {}
+    implausible: dict[str, int] = {}
+    for fname, ver, n_lines, n_good, n_bad in groups:
+        if fname is not None:
+            u, g = per_file.get(str(fname), (0, 0))
+            per_file[str(fname)] = (u + int(n_lines), g + int(n_good))
+        if n_good:
+            schemas[int(ver)] = schemas.get(int(ver), 0) + int(n_good)
+        if n_bad:
+            implausible[str(fname)] = implausible.get(str(fname), 0) + int(n_bad)
     if lines is None:
-        counts = con.execute(
-            f"""SELECT filename, count(*), count(*) FILTER (WHERE {valid}) FROM raw
-                WHERE filename IS NOT NULL GROUP BY 1 ORDER BY 1"""
-        ).fetchall()
+        counts = [(f, u, g) for f, (u, g) in sorted(per_file.items())]
     else:
-        got = {str(f): (int(u), int(g)) for f, u, g in con.execute(
-            f"""SELECT filename, count(*) FILTER (WHERE NOT coalesce(tagged, FALSE)),
-                       count(*) FILTER (WHERE {valid}) FROM raw
-                WHERE filename IS NOT NULL GROUP BY 1"""
-        ).fetchall()}
-        counts = [(f, got.get(f, (0, 0))[0] + lines.get(f, 0), got.get(f, (0, 0))[1])
-                  for f in sorted(set(got) | {f for f, n in lines.items() if n})]
+        counts = [(f, per_file.get(f, (0, 0))[0] + lines.get(f, 0), per_file.get(f, (0, 0))[1])
+                  for f in sorted(set(per_file) | {f for f, n in lines.items() if n})]
     for fname, total, good in counts:
         bad = total - good
         if not bad:
@@ -436,9 +454,6 @@ def _build_tables(con: Any, root: Path, skipped: list[str], torn: set[str] | Non
         if bad:
             skipped.append(f"{name}: {bad} corrupt or incomplete line(s) of {total} skipped")
 
-    schemas = dict(
-        con.execute(f"SELECT schema, count(*) FROM raw WHERE {valid} GROUP BY 1").fetchall()
-    )
     if not schemas:
         raise AnalysisError(f"{root}: no valid step records (every line was corrupt)")
     readable = " and ".join(str(v) for v in READABLE_SCHEMAS)
@@ -455,20 +470,17 @@ def _build_tables(con: Any, root: Path, skipped: list[str], torn: set[str] | Non
                 f"schema {readable}; mixed versions in one run directory)"
             )
 
-    for fname, n in con.execute(
-        f"""SELECT filename, count(*) FROM raw WHERE {valid} AND schema IN {tuple(READABLE_SCHEMAS)}
-            AND NOT coalesce({_PLAUSIBLE}, FALSE) GROUP BY 1 ORDER BY 1"""
-    ).fetchall():
+    for fname, n in sorted(implausible.items()):
         skipped.append(
             f"{_display_name(fname)}: {n} record(s) with implausible values skipped (rank outside "
             f"0..{MAX_RANKS - 1} or not below world_size, a time that is negative, not finite or "
             f"over {MAX_MS:.0e} ms, or start_unix_ns outside 0..2^62)"
         )
-    con.execute(
-        f"""CREATE TABLE rec AS SELECT * FROM raw
-            WHERE {valid} AND schema IN {tuple(READABLE_SCHEMAS)} AND coalesce({_PLAUSIBLE}, FALSE)
-                  AND {TIMED_FILTER}"""
-    )
+    plausible = f"coalesce({_PLAUSIBLE}, FALSE)" if implausible else "TRUE"
+    kept = f"{valid} AND {readable_in} AND {plausible} AND {TIMED_FILTER}"
+    # ``rec`` holds the records' columns but their phase lists: those are read once more,
+    # straight into ``phases`` below (a copy of every list here was the largest table).
+    con.execute(f"CREATE TABLE rec AS SELECT {_REC_COLUMNS} FROM raw WHERE {kept}")
     if light:
         # Goodput's rows (analysis/goodput.py): every timed record of the rank JSONL files,
         # re-done duplicates included, kept here so it never re-reads the files. Converted
@@ -483,18 +495,19 @@ def _build_tables(con: Any, root: Path, skipped: list[str], torn: set[str] | Non
                   AND step_ms <= {MAX_MS} AND filename IS NOT NULL
                   AND NOT ends_with(filename, '.from-sqlite.jsonl')"""
         )
-    kind = con.execute("SELECT table_type FROM information_schema.tables "
-                       "WHERE table_name = 'raw'").fetchone()[0]
-    con.execute("DROP VIEW raw" if kind == "VIEW" else "DROP TABLE raw")
     n_rec, n_pairs = con.execute(
         "SELECT count(*), (SELECT count(*) FROM (SELECT DISTINCT rank, step FROM rec)) FROM rec"
     ).fetchone()
+    # Where the phase lists come from: the records themselves, or (duplicate records, which
+    # keep one of each (rank, step)) the copy in ``rec`` of the one kept.
+    lists = f"raw WHERE {kept}"
     if n_pairs < n_rec:
         skipped.append(f"{n_rec - n_pairs} duplicate (rank, step) record(s) skipped")
         con.execute(
-            """CREATE OR REPLACE TABLE rec AS SELECT * FROM rec
+            f"""CREATE OR REPLACE TABLE rec AS SELECT {_REC_COLUMNS}, phases FROM raw WHERE {kept}
                QUALIFY row_number() OVER (PARTITION BY rank, step ORDER BY start_unix_ns) = 1"""
         )
+        lists = "rec WHERE TRUE"
 
     ranks = [int(r) for (r,) in con.execute("SELECT DISTINCT rank FROM rec ORDER BY 1").fetchall()]
     if not ranks:
@@ -567,18 +580,23 @@ def _build_tables(con: Any, root: Path, skipped: list[str], torn: set[str] | Non
                    coalesce(p.end_ms, p.start_ms + p.ms, 0.0) AS e,
                    coalesce(p.path, CASE WHEN p.parent IS NULL THEN p.name
                                          ELSE p.parent || '/' || p.name END) AS path
-            FROM (SELECT rank, step, clock, unnest(phases) AS p FROM rec WHERE {keep})
+            FROM (SELECT rank, step, clock, unnest(phases) AS p FROM {lists} AND {keep})
             WHERE p.name IS NOT NULL"""
     )
+    kind = con.execute("SELECT table_type FROM information_schema.tables "
+                       "WHERE table_name = 'raw'").fetchone()[0]
+    con.execute("DROP VIEW raw" if kind == "VIEW" else "DROP TABLE raw")
     # Records that list one phase path twice (hostile or corrupt): with none, (rank, step,
     # path) is a key of ``phases`` and analysis/own.py's pw needs no group-by over every row.
-    # Counted on the unnested rows a block of steps at a time (a per-record list expression
-    # cost 5x the CPU; one group-by over every row would hold every key).
+    # Counted on the unnested rows a block of ranks at a time (a per-record list expression
+    # cost 5x the CPU; one group-by over every row would hold every key). Ranks, not steps:
+    # the rows are stored in the records' order (rank by rank), so a block's rows lie in few
+    # row groups and the others are skipped by their rank range.
     n_dups = 0
-    for b in step_blocks(con):
+    for b in rank_blocks(con):
         n_dups += int(con.execute(
             f"""SELECT count(*) FROM (SELECT rank, step, path FROM phases
-                WHERE {in_block('step', b)} GROUP BY ALL HAVING count(*) > 1)""").fetchone()[0])
+                WHERE {in_block('rank', b)} GROUP BY ALL HAVING count(*) > 1)""").fetchone()[0])
     con.execute(f"CREATE TABLE phase_dups AS SELECT {n_dups} AS n")
     create_resource_table(con, keep)  # [metrics] table res
     con.execute(

@@ -1,0 +1,122 @@
+"""Loading reads the records as few times as it can, and what it keeps stays the same."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tests.synth_runs import Slow, SynthRun, make_records, write_run
+
+from stepscope.analysis import load
+
+
+class _Spy:
+    """A connection that lists the statements run on it."""
+
+    def __init__(self, con: Any, sqls: list[str]) -> None:
+        self._con, self.sqls = con, sqls
+
+    def execute(self, sql: str, *a: Any) -> Any:
+        self.sqls.append(" ".join(sql.split()))
+        return self._con.execute(sql, *a)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._con, name)
+
+
+def _load(run: Path, monkeypatch: pytest.MonkeyPatch, **kw: Any) -> tuple[Any, list[str]]:
+    sqls: list[str] = []
+    connect = load._connect
+    monkeypatch.setattr(load, "_connect", lambda *a: _Spy(connect(*a), sqls))
+    return load.load_run(run, **kw), sqls
+
+
+@pytest.mark.parametrize("store", [True, False])
+def test_one_validation_pass_and_no_copy_of_the_phase_lists(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, store: bool) -> None:
+    # The lines per file, the schema versions and the implausible records were three scans
+    # of every record (the last one evaluating the plausibility rule over each phase list,
+    # and the copy into ``rec`` a second time); ``rec`` held every phase list, copied again
+    # into ``phases``. Now: one grouped pass, one evaluation of the rule, no list copy.
+    run = write_run(tmp_path / "run", SynthRun(ranks=3, steps=12, comm_child=True,
+                                               slow=(Slow(1, "forward", 5.0),)))
+    data, sqls = _load(run, monkeypatch, store=store)
+    try:
+        n_phases = data.con.execute("SELECT count(*) FROM phases").fetchone()[0]
+    finally:
+        data.close()
+    assert n_phases > 3 * 12
+    grouped = [s for s in sqls if "FROM raw" in s and "GROUP BY" in s]
+    assert len(grouped) == 1, grouped
+    assert sum("list_bool_and" in s for s in sqls) == 1, [s for s in sqls if "list_bool_and" in s]
+    rec = [s for s in sqls if s.startswith("CREATE TABLE rec ")]
+    assert len(rec) == 1 and "SELECT *" not in rec[0] and ", phases" not in rec[0], rec
+
+
+def _tables(data: Any) -> dict[str, list[tuple[Any, ...]]]:
+    con = data.con
+    return {t: con.execute(f"SELECT * FROM {t} ORDER BY ALL").fetchall()
+            for t in ("steps", "phases", "colls", "unseen", "res", "lost")}
+
+
+def test_implausible_and_duplicate_records_keep_the_same_rows(tmp_path: Path) -> None:
+    # A record with an implausible phase time is dropped whole (its phases too), and of two
+    # records of one (rank, step) the earlier one is kept with its own phase list.
+    spec = SynthRun(ranks=3, steps=10, comm_child=True)
+    recs = make_records(spec)
+    bad = json.loads(json.dumps(recs[1][4]))
+    bad["phases"][0]["ms"] = 1e12  # over MAX_MS: implausible
+    bad["step"] = 99  # a step of its own: the rest of the run keeps 10 common steps
+    later = json.loads(json.dumps(recs[2][6]))
+    later["start_unix_ns"] += 1_000_000
+    for p in later["phases"]:
+        p["ms"] += 100.0
+    run = write_run(tmp_path / "run", spec)
+    with open(run / "rank1.jsonl", "a") as fh:
+        fh.write(json.dumps(bad) + "\n")
+    with open(run / "rank2.jsonl", "a") as fh:
+        fh.write(json.dumps(later) + "\n")
+    clean = write_run(tmp_path / "clean", spec)
+    for store in (True, False):
+        data = load.load_run(run, store=store)
+        try:
+            got = _tables(data)
+            skipped = list(data.skipped)
+        finally:
+            data.close()
+        ref = load.load_run(clean, store=store)
+        try:
+            want = _tables(ref)
+        finally:
+            ref.close()
+        assert got == want, store
+        assert any("1 record(s) with implausible values" in s for s in skipped), skipped
+        assert any("1 duplicate (rank, step)" in s for s in skipped), skipped
+
+
+def test_duplicate_paths_counted_a_block_of_ranks_at_a_time(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # phase_dups groups every (rank, step, path): a block of steps at a time scanned every
+    # row of ``phases`` per block (its rows lie rank by rank); a block of ranks reads its own.
+    from stepscope.analysis import blocks
+
+    spec = SynthRun(ranks=4, steps=6, comm_child=True)
+    recs = make_records(spec)
+    twice = json.loads(json.dumps(recs[2][3]))
+    twice["phases"].append(dict(twice["phases"][0]))  # one path listed twice
+    recs[2][3] = twice
+    run = tmp_path / "run"
+    run.mkdir()
+    for r, rows in recs.items():
+        (run / f"rank{r}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
+    monkeypatch.setattr(blocks, "BLOCK_RECORDS", 6)  # one rank (6 records) per block
+    data, sqls = _load(run, monkeypatch)
+    try:
+        n = data.con.execute("SELECT n FROM phase_dups").fetchone()[0]
+    finally:
+        data.close()
+    assert n == 1
+    per_block = [s for s in sqls if "HAVING count(*) > 1" in s]
+    assert len(per_block) == 4 and all("rank BETWEEN" in s for s in per_block), per_block
