@@ -297,22 +297,32 @@ def build_mode(chunks: int = 8, size: int = 500) -> dict[str, float]:
     return {"build_us_per_record": round(min(build), 2), "encode_us_per_record": round(min(enc), 2)}
 
 
+def _noop(*_: Any) -> None:
+    return None
+
+
+def _noop_wrapper(real: Any) -> Any:
+    """``real`` behind a wrapper that makes a no-op call before and after it (what a call-site
+    timer costs before it records anything)."""
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        _noop()
+        try:
+            return real(*args, **kwargs)
+        finally:
+            _noop()
+
+    return wrapped
+
+
 def floor_mode(steps: int, blocks: int) -> dict[str, Any]:
     """Training-thread CPU µs/step each no-op hook layer adds (cumulative), and the tracer."""
 
-    def noop(*_: Any) -> None:
-        return None
-
+    noop = _noop
     import torch.autograd as autograd
 
     real_backward = autograd.backward
-
-    def wrapped_backward(*args: Any, **kwargs: Any) -> Any:
-        noop()
-        try:
-            return real_backward(*args, **kwargs)
-        finally:
-            noop()
+    wrapped_backward = _noop_wrapper(real_backward)
 
     def job(layers: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tensor, Any]:
         model, opt, x = _job()
@@ -380,9 +390,7 @@ def callsite_mode(steps: int, blocks: int) -> dict[str, Any]:
 
     engine = torch.autograd.Variable._execution_engine
     real_backward = autograd.backward
-
-    def noop(*_: Any) -> None:
-        return None
+    noop = _noop
 
     def hooked_backward(model: torch.nn.Module) -> None:
         def queue_close() -> None:
@@ -396,12 +404,7 @@ def callsite_mode(steps: int, blocks: int) -> dict[str, Any]:
 
         model.register_forward_hook(post_grad, prepend=True)
 
-    def wrapped_backward(*args: Any, **kwargs: Any) -> Any:
-        noop()
-        try:
-            return real_backward(*args, **kwargs)
-        finally:
-            noop()
+    wrapped_backward = _noop_wrapper(real_backward)
 
     def job(fwd: str, bwd: str) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tensor]:
         model, opt, x = _job()
