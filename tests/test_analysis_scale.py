@@ -417,6 +417,30 @@ def test_goodput_in_chunks_of_rows_equals_one_chunk(tmp_path: Path, monkeypatch:
     assert whole["gpu_hours"] > 0 and whole["lost_gpu_hours"]["stragglers"] > 0
 
 
+def test_goodput_a_block_of_ranks_at_a_time_equals_every_rank_at_once(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    # Goodput's rows wait in DuckDB and are accounted whole ranks a block at a time, blocks in
+    # rank order: every figure (runs, days, sums in row order) is that of one block, here
+    # with one rank per block (a relaunch and a resume: tests/test_store.py).
+    from stepscope.analysis import goodput
+
+    run = write_run(tmp_path / "run", SynthRun(ranks=5, steps=40, every=2, seed=8,
+                                               slow=(Slow(3, "h2d", 6.0, 5, 30),)))
+    whole = _doc(run)["goodput"]
+    blocks_read: list[tuple[int, int]] = []
+    real = goodput._block_rows
+
+    def spy(con: Any, block: tuple[int, int]) -> Any:
+        blocks_read.append(block)
+        return real(con, block)
+
+    monkeypatch.setattr(goodput, "BLOCK_ROWS", 1)
+    monkeypatch.setattr(goodput, "_block_rows", spy)
+    assert _doc(run)["goodput"] == whole
+    assert blocks_read == [(r, r) for r in range(5)]
+    assert whole["gpu_hours"] > 0 and whole["lost_gpu_hours"]["stragglers"] > 0
+
+
 class _Spy:
     """A connection that lists the statements run on it."""
 

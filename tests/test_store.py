@@ -168,6 +168,10 @@ def test_goodput_reads_no_rank_file_twice(tmp_path: Path, store: bool,
         monkeypatch.setattr(goodput, "_read_light", reread)
         data.con.execute("DROP TABLE light")
         assert goodput.compute_goodput(data.con, run, doc["run"]["warmup"]) == gp
+        # Whole ranks a block at a time (one each): the relaunch's segments, the re-done
+        # steps and every sum are the same.
+        monkeypatch.setattr(goodput, "BLOCK_ROWS", 1)
+        assert goodput.compute_goodput(data.con, run, doc["run"]["warmup"]) == gp
     finally:
         data.close()
 

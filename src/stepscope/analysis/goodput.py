@@ -52,11 +52,13 @@ MAX_SAMPLING_GAP = 1000
 #: Row columns of the accounting, in order: rank, run id code, step, start ns, step ms, and
 #: the (rank, step)'s split (stragglers, exposed_comm, input, host) ms.
 Rows = dict[str, np.ndarray[Any, Any]]
-#: Rank-ordered rows accounted at once: the per-event arrays of a block stay small.
-BLOCK_ROWS = 200_000
+#: Rows accounted at once (whole ranks, one rank at least): the run's rows wait in DuckDB
+#: (table ``gp_rows``, inside its memory limit) and numpy holds one block's columns and
+#: per-row arrays (~250 bytes a row), not 10^7 records' (~1.3 GB at 10^8 phase samples).
+BLOCK_ROWS = 1 << 20
 
 
-def _light_rows(con: Any, run_dir: Path) -> tuple[Rows, list[str]] | None:
+def _light_rows(con: Any, run_dir: Path) -> tuple[str, list[str]] | None:
     """Every timed record (duplicates included) with its split, and the run ids by code."""
     import tempfile
 
@@ -86,7 +88,7 @@ def _light_rows(con: Any, run_dir: Path) -> tuple[Rows, list[str]] | None:
         return _read_light(con, kept, MAX_LINE_BYTES)
 
 
-def _read_light(con: Any, files: list[Path], max_line: int) -> tuple[Rows, list[str]] | None:
+def _read_light(con: Any, files: list[Path], max_line: int) -> tuple[str, list[str]] | None:
     lst = "[" + ", ".join("'" + str(p).replace("'", "''") + "'" for p in files) + "]"
     cols = ("{rank: 'BIGINT', run_id: 'VARCHAR', step: 'BIGINT', start_unix_ns: 'BIGINT', "
             "step_ms: 'DOUBLE', untimed: 'BOOLEAN'}")
@@ -103,19 +105,52 @@ def _read_light(con: Any, files: list[Path], max_line: int) -> tuple[Rows, list[
         con.execute("DROP TABLE light_read")
 
 
-def _rows(con: Any, source: str) -> tuple[Rows, list[str]] | None:
-    """Fixed-dtype columns in accounting order (rank, start, step), each with its split."""
+def _rows(con: Any, source: str) -> tuple[str, list[str]] | None:
+    """Stage the accounting's rows of ``source`` in table ``gp_rows`` (accounting order:
+    rank, start, step; each with its split); the run ids by code."""
     ids = [str(i) for (i,) in con.execute(f"SELECT DISTINCT run_id FROM {source} ORDER BY 1").fetchall()]
-    cols = con.execute(
-        f"""SELECT l.rank, list_position($ids, l.run_id) - 1 AS rid, l.step, l.start_unix_ns,
-                   l.step_ms, sp.w, sp.c, sp.i, sp.h
+    return _stage(con, f"""SELECT l.rank, list_position($ids, l.run_id) - 1 AS rid, l.step,
+                   l.start_unix_ns, l.step_ms, sp.w, sp.c, sp.i, sp.h,
+                   row_number() OVER (ORDER BY l.rank, l.start_unix_ns, l.step) AS ord
             FROM {source} l
             -- only what the analysis kept (plausible, timed), re-done duplicates included
-            JOIN ({_split_sql(con)}) sp USING (rank, step)
-            ORDER BY l.rank, l.start_unix_ns, l.step""", {"ids": ids}).fetchnumpy()
-    if not len(cols["rank"]):
+            JOIN ({_split_sql(con)}) sp USING (rank, step)""", {"ids": ids}, ids)
+
+
+def _stage(con: Any, select: str, params: dict[str, Any], ids: list[str]) -> tuple[str, list[str]] | None:
+    """Table ``gp_rows`` from ``select``, whose ``ord`` column numbers the rows in accounting
+    order (None, and no table, when it has no row). DuckDB holds it inside its memory limit
+    (spilling past it); numpy holds one block of ranks at a time."""
+    con.execute(f"CREATE OR REPLACE TEMP TABLE gp_rows AS {select} ORDER BY ord", params)
+    if not con.execute("SELECT count(*) FROM gp_rows").fetchone()[0]:
+        con.execute("DROP TABLE gp_rows")
         return None
-    return _typed(cols), ids
+    return "gp_rows", ids
+
+
+def _rank_blocks(con: Any) -> list[tuple[int, int]]:
+    """Consecutive (first, last) rank ranges of ``gp_rows``, each of at most
+    :data:`BLOCK_ROWS` rows (one rank at least): a rank's rows are accounted together."""
+    out: list[tuple[int, int]] = []
+    n = -1  # no block open
+    first = last = 0
+    for r, k in con.execute("SELECT rank, count(*) FROM gp_rows GROUP BY 1 ORDER BY 1").fetchall():
+        if n >= 0 and n + int(k) > BLOCK_ROWS:
+            out.append((first, last))
+            n = -1
+        if n < 0:
+            first, n = int(r), 0
+        last, n = int(r), n + int(k)
+    if n >= 0:
+        out.append((first, last))
+    return out
+
+
+def _block_rows(con: Any, block: tuple[int, int]) -> Rows:
+    """A block of ranks' rows of ``gp_rows``, in accounting order, as fixed-dtype columns."""
+    return _typed(con.execute(
+        f"""SELECT rank, rid, step, start_unix_ns, step_ms, w, c, i, h FROM gp_rows
+            WHERE rank BETWEEN {int(block[0])} AND {int(block[1])} ORDER BY ord""").fetchnumpy())
 
 
 def _typed(cols: dict[str, Any]) -> Rows:
@@ -213,17 +248,71 @@ def compute_goodput(con: Any, run_dir: str | Path, warmup: dict[str, Any] | None
     got = _light_rows(con, root)
     dated = got is not None
     if got is None:  # SQLite-only run: the analysed steps, without restarts or days
-        cols = con.execute(
-            f"""SELECT s.rank, 0 AS rid, s.step, CAST(trunc(s.t0 * 1e6) AS BIGINT) AS start_unix_ns,
-                       s.step_ms, sp.w, sp.c, sp.i, sp.h
-                FROM steps s JOIN ({_split_sql(con)}) sp USING (rank, step)
-                ORDER BY s.rank, s.t0, s.step""").fetchnumpy()
-        if not len(cols["rank"]):
+        got = _stage(con, f"""SELECT s.rank, 0 AS rid, s.step,
+                       CAST(trunc(s.t0 * 1e6) AS BIGINT) AS start_unix_ns,
+                       s.step_ms, sp.w, sp.c, sp.i, sp.h,
+                       row_number() OVER (ORDER BY s.rank, s.t0, s.step) AS ord
+                FROM steps s JOIN ({_split_sql(con)}) sp USING (rank, step)""", {}, [""])
+        if got is None:
             return None
-        got = (_typed(cols), [""])
-    rows, ids = got
+    _, ids = got
     w_first, w_last = ((int(warmup["start_step"]), int(warmup["end_step"]))
                        if warmup and "start_step" in warmup else (1, 0))
+    acc = _Accounts()
+    try:
+        # Whole ranks a block at a time, blocks in rank order: each bucket's running sums
+        # see the same values in the same order as with every row at once.
+        for block in _rank_blocks(con):
+            _account(_block_rows(con, block), len(ids), dated, w_first, w_last, acc)
+    finally:
+        con.execute("DROP TABLE IF EXISTS gp_rows")
+
+    def finish(a: dict[str, float]) -> dict[str, Any]:
+        total = a["total"]
+        return {
+            "gpu_hours": _h(total),
+            "productive_gpu_hours": _h(a["productive"]),
+            "goodput": round(a["productive"] / total, 4) if total > 0 else None,
+            "lost_gpu_hours": {k: _h(a[k]) for k in CATEGORIES},
+        }
+
+    n_ids = len(ids)
+    run_list = []
+    for code in sorted(acc.runs, key=lambda c: (acc.run_start[c], c // n_ids, ids[c % n_ids])):
+        run_list.append({
+            "run_id": ids[code % n_ids] or None,
+            "segment": code // n_ids,
+            "ranks": acc.run_ranks[code],
+            "start_unix": round(acc.run_start[code] / 1e9, 3) if dated else None,
+            "end_unix": round(acc.run_end[code] / 1e9, 3) if dated else None,
+            **finish(acc.runs[code]),
+        })
+    return {
+        "unit": "GPU-hours (one device per rank)",
+        **finish(acc.totals),
+        "categories": list(CATEGORIES),
+        "runs": run_list,
+        "days": [{"day": d, **finish(acc.days[d])} for d in sorted(acc.days)],
+        "warmup_steps": [w_first, w_last] if w_first <= w_last else None,
+    }
+
+
+class _Accounts:
+    """The running sums of every bucket (the whole directory, each run, each day) and each
+    run's first start, last end and rank count, filled a block of ranks at a time."""
+
+    def __init__(self) -> None:
+        self.totals = _empty()
+        self.runs: dict[int, dict[str, float]] = {}  # by run code: segment * len(ids) + rid
+        self.run_start: dict[int, int] = {}
+        self.run_end: dict[int, int] = {}
+        self.run_ranks: dict[int, int] = {}
+        self.days: dict[str, dict[str, float]] = {}
+
+
+def _account(rows: Rows, n_ids: int, dated: bool, w_first: int, w_last: int,
+             acc: _Accounts) -> None:
+    """Add whole ranks' rows (accounting order) to the running sums."""
     rank, rid, step = rows["rank"], rows["rid"], rows["step"]
     start, ms = rows["start_unix_ns"], rows["step_ms"]
     n = len(rank)
@@ -253,10 +342,9 @@ def compute_goodput(con: Any, run_dir: str | Path, warmup: dict[str, Any] | None
     redone = has_prev & (shifted <= seen[prev])
     del shifted, seen
     # Runs are (segment ordinal, run id); days are UTC dates of the step starts.
-    code = seg * len(ids) + rid
+    code = seg * n_ids + rid
     codes, run_idx = np.unique(code, return_inverse=True)
     del code, seg
-    keys = [(int(c) // len(ids), int(c) % len(ids)) for c in codes.tolist()]
     day_list, day_idx = _days(start) if dated else (["undated"], np.zeros(n, dtype=np.int64))
 
     # The time between steps, on rows with a previous one on the same rank.
@@ -289,9 +377,9 @@ def compute_goodput(con: Any, run_dir: str | Path, warmup: dict[str, Any] | None
         vals += [warm, np.where(rest > _ROUNDING * ref, rest, 0.0)]
         return [np.where(ok, v * f, 0.0) for v in vals]
 
-    totals = _empty()
-    run_ms = [_empty() for _ in keys]
-    day_ms = [_empty() for _ in day_list]
+    totals = acc.totals
+    run_ms = [acc.runs.setdefault(c, _empty()) for c in codes.tolist()]
+    day_ms = [acc.days.setdefault(d, _empty()) for d in day_list]
     # Events a chunk of rows at a time, accumulated in row order: the running sums see the
     # same values in the same order as for all rows at once, without the events of every
     # row stacked together (13 slots x 10^7 records: gigabytes).
@@ -328,39 +416,16 @@ def compute_goodput(con: Any, run_dir: str | Path, warmup: dict[str, Any] | None
                     m = ix == g
                     _accumulate(accs[g], val[m], cat[m])
 
-    def finish(acc: dict[str, float]) -> dict[str, Any]:
-        total = acc["total"]
-        return {
-            "gpu_hours": _h(total),
-            "productive_gpu_hours": _h(acc["productive"]),
-            "goodput": round(acc["productive"] / total, 4) if total > 0 else None,
-            "lost_gpu_hours": {k: _h(acc[k]) for k in CATEGORIES},
-        }
-
-    # Per run: its first start, last end, ranks.
-    run_start = np.full(len(keys), np.iinfo(np.int64).max, dtype=np.int64)
-    run_end = np.full(len(keys), np.iinfo(np.int64).min, dtype=np.int64)
+    # Per run: its first start, last end, ranks (the block's ranks are none of another's).
+    run_start = np.full(len(codes), np.iinfo(np.int64).max, dtype=np.int64)
+    run_end = np.full(len(codes), np.iinfo(np.int64).min, dtype=np.int64)
     np.minimum.at(run_start, run_idx, start)
     np.maximum.at(run_end, run_idx, start + (ms * 1e6).astype(np.int64))
-    run_ranks = [len(np.unique(rank[run_idx == g])) for g in range(len(keys))]
-    run_list = []
-    for g in sorted(range(len(keys)), key=lambda g: (int(run_start[g]), keys[g][0], ids[keys[g][1]])):
-        run_list.append({
-            "run_id": ids[keys[g][1]] or None,
-            "segment": keys[g][0],
-            "ranks": run_ranks[g],
-            "start_unix": round(int(run_start[g]) / 1e9, 3) if dated else None,
-            "end_unix": round(int(run_end[g]) / 1e9, 3) if dated else None,
-            **finish(run_ms[g]),
-        })
-    return {
-        "unit": "GPU-hours (one device per rank)",
-        **finish(totals),
-        "categories": list(CATEGORIES),
-        "runs": run_list,
-        "days": [{"day": d, **finish(day_ms[i])} for i, d in enumerate(day_list)],
-        "warmup_steps": [w_first, w_last] if w_first <= w_last else None,
-    }
+    for g, c in enumerate(codes.tolist()):
+        lo, hi = int(run_start[g]), int(run_end[g])
+        acc.run_start[c] = min(acc.run_start.get(c, lo), lo)
+        acc.run_end[c] = max(acc.run_end.get(c, hi), hi)
+        acc.run_ranks[c] = acc.run_ranks.get(c, 0) + len(np.unique(rank[run_idx == g]))
 
 
 def _accumulate(acc: dict[str, float], val: np.ndarray[Any, Any], cat: np.ndarray[Any, Any]) -> None:
