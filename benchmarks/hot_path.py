@@ -412,16 +412,8 @@ def callsite_mode(steps: int, blocks: int) -> dict[str, Any]:
             model.register_forward_pre_hook(noop, prepend=True)
             model.register_forward_hook(noop)
         elif fwd == "instance":
-            inner = type(model).forward.__get__(model)
-
-            def forward(*args: Any, **kwargs: Any) -> Any:
-                noop()
-                try:
-                    return inner(*args, **kwargs)
-                finally:
-                    noop()
-
-            model.forward = forward  # type: ignore[method-assign]
+            model.forward = _noop_wrapper(  # type: ignore[method-assign]
+                type(model).forward.__get__(model))
         if bwd == "hooks":
             if fwd != "hooks":  # the gradient hook needs a forward hook to register it
                 model.register_forward_pre_hook(noop, prepend=True)

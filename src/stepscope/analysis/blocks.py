@@ -10,6 +10,7 @@ from them) are the ones the whole-run statement builds.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 #: Records (rank, step) per block: about ten times as many phase rows.
@@ -32,19 +33,25 @@ def _blocks(con: Any, col: str, records: int | None) -> list[tuple[int, int]]:
                        "WHERE table_name = 'steps'").fetchone()[0]:
         return [WHOLE]  # tables made by hand (tests): one block, every step
     rows = con.execute(f"SELECT {col}, count(*) FROM steps GROUP BY 1 ORDER BY 1").fetchall()
+    return pack(rows, cap) or [WHOLE]
+
+
+def pack(counts: Iterable[tuple[int, int]], cap: int) -> list[tuple[int, int]]:
+    """Consecutive (first, last) key ranges over ``counts`` ((key, rows), keys ascending),
+    each with at most ``cap`` rows but one key at least."""
     out: list[tuple[int, int]] = []
     first = last = 0
     n = -1  # no block open
-    for step, k in rows:
+    for key, k in counts:
         if n >= 0 and n + int(k) > cap:
             out.append((first, last))
             n = -1
         if n < 0:
-            first, n = int(step), 0
-        last, n = int(step), n + int(k)
+            first, n = int(key), 0
+        last, n = int(key), n + int(k)
     if n >= 0:
         out.append((first, last))
-    return out or [WHOLE]
+    return out
 
 
 def rank_blocks(con: Any, records: int | None = None) -> list[tuple[int, int]]:

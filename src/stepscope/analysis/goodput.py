@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from stepscope.analysis import blocks
 from stepscope.analysis.load import MAX_MS, MAX_START_NS
 from stepscope.analysis.resources import TIMED_FILTER
 
@@ -131,19 +132,8 @@ def _stage(con: Any, select: str, params: dict[str, Any], ids: list[str]) -> tup
 def _rank_blocks(con: Any) -> list[tuple[int, int]]:
     """Consecutive (first, last) rank ranges of ``gp_rows``, each of at most
     :data:`BLOCK_ROWS` rows (one rank at least): a rank's rows are accounted together."""
-    out: list[tuple[int, int]] = []
-    n = -1  # no block open
-    first = last = 0
-    for r, k in con.execute("SELECT rank, count(*) FROM gp_rows GROUP BY 1 ORDER BY 1").fetchall():
-        if n >= 0 and n + int(k) > BLOCK_ROWS:
-            out.append((first, last))
-            n = -1
-        if n < 0:
-            first, n = int(r), 0
-        last, n = int(r), n + int(k)
-    if n >= 0:
-        out.append((first, last))
-    return out
+    return blocks.pack(con.execute(
+        "SELECT rank, count(*) FROM gp_rows GROUP BY 1 ORDER BY 1").fetchall(), BLOCK_ROWS)
 
 
 def _block_rows(con: Any, block: tuple[int, int]) -> Rows:
