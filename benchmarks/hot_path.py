@@ -28,6 +28,12 @@ JSONL writer (as ``init()`` builds them; no heartbeat unless ``--heartbeat``), a
 - ``--mode callsite``: backward timed by today's gradient hook plus queued callbacks against a
   wrapper on ``torch.autograd.backward``; forward by module hooks against an instance-level
   ``forward`` wrapper (no-op work, training-thread CPU µs/step over the bare loop).
+- ``--mode parts``: the tracer's own bookkeeping without torch work or hooks, training-thread
+  CPU µs/step, minimum over ``--blocks`` blocks: an empty ``step()`` (the step boundary: open,
+  close, run-queue read, resolver poll, resource snapshot, hand-over), the same step with
+  three phases opened and closed through the recorder protocol (what the hooks call), and
+  four ``gate.current()`` reads (what the hooks ask): how much of the tracer's cost a
+  bookkeeping cut can reach at most.
 - ``--mode alloc``: tracemalloc's count of memory blocks still alive per step (records the
   writer and the recent-records buffer keep included), by allocation site.
 
@@ -446,6 +452,53 @@ def callsite_mode(steps: int, blocks: int) -> dict[str, Any]:
             "both_saved_us": round(added["today_hooks_hooks"] - added["instance_callsite"], 1)}
 
 
+def parts_mode(steps: int, blocks: int) -> dict[str, Any]:
+    from stepscope.instrument import gate
+
+    with tempfile.TemporaryDirectory() as out:
+        cfg = Config(out_dir=out, heartbeat_s=0.0, max_pending_steps=1 << 20, every_n_steps=EVERY_N_STEPS)
+        tracer = Tracer(cfg, clock=CpuClock())
+
+        def bare() -> None:
+            for _ in range(steps):
+                pass
+
+        def step() -> None:
+            for _ in range(steps):
+                with tracer.step():
+                    pass
+
+        def phases() -> None:
+            op, cl = tracer.open_phase, tracer.close_phase
+            for _ in range(steps):
+                with tracer.step():
+                    cl(op("forward"))
+                    cl(op("backward"))
+                    cl(op("optimizer"))
+
+        def gate_reads() -> None:
+            cur = gate.current
+            with tracer.step():
+                for _ in range(steps):
+                    cur()
+                    cur()
+                    cur()
+                    cur()
+
+        parts = {"bare": bare, "step": step, "step_3_phases": phases, "gate_reads_4": gate_reads}
+        best = {k: float("inf") for k in parts}
+        for _ in range(blocks):
+            for name, fn in parts.items():
+                c0 = time.thread_time_ns()
+                fn()
+                best[name] = min(best[name], (time.thread_time_ns() - c0) / steps / 1e3)
+                tracer.settle()  # the writer catches up between parts: no record dropped
+        dropped = sum(tracer.resolver.dropped.values())
+        tracer.finish()
+    floor = best.pop("bare")
+    return {**{f"{k}_us": round(v - floor, 2) for k, v in best.items()}, "resolver_dropped": dropped}
+
+
 def alloc_mode(steps: int, heartbeat: bool) -> None:
     import tracemalloc
 
@@ -483,7 +536,8 @@ def alloc_mode(steps: int, heartbeat: bool) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    modes = ("time", "cprofile", "alloc", "wakes", "build", "cycle", "handover", "floor", "callsite")
+    modes = ("time", "cprofile", "alloc", "wakes", "build", "cycle", "handover", "floor", "callsite",
+             "parts")
     ap.add_argument("--mode", choices=modes, default="time")
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--blocks", type=int, default=11)
@@ -509,6 +563,9 @@ def main() -> None:
         print(json.dumps({"benchmark": "hot_path_callsite", "steps": args.steps, "blocks": args.blocks,
                           "loadavg_1m": round(os.getloadavg()[0], 2),
                           **callsite_mode(args.steps, args.blocks)}))
+    elif args.mode == "parts":
+        print(json.dumps({"benchmark": "hot_path_parts", "steps": args.steps, "blocks": args.blocks,
+                          "loadavg_1m": round(os.getloadavg()[0], 2), **parts_mode(args.steps, args.blocks)}))
     elif args.mode == "alloc":
         alloc_mode(args.steps, args.heartbeat)
     elif args.mode == "handover":
