@@ -578,8 +578,9 @@ def test_phase_waits_whole_run_medians_one_path_at_a_time(tmp_path: Path) -> Non
         phase_waits(spy, phases)
     finally:
         data.close()
-    medians = [s for s in sqls if "median(wait)" in s and "FROM pw" in s]
-    assert medians and all("path = $p" in s or "rank BETWEEN" in s for s in medians), medians
+    medians = [s for s in sqls if "median(wait)" in s and "FROM phases" in s]
+    assert medians and all("list_contains([$p], anc)" in s or "rank BETWEEN" in s
+                           for s in medians), medians
     assert phases == doc["phases"]  # the report's numbers, recomputed the same
     assert any(ph["wait_ms"] > 0 for ph in phases.values())
 
@@ -635,7 +636,8 @@ def test_own_work_one_read_of_pw_per_block_of_steps(tmp_path: Path, monkeypatch:
             cols = own_mod.build_own(spy)
             assert cols.dense is not None
             assert all(m.dtype == own_mod.KEEP_DTYPE for m in (*cols.dense.own, *cols.dense.excess))
-            reads = [s for s in spy.sqls if "FROM pw WHERE parent IS NULL AND step BETWEEN" in s]
+            reads = [s for s in spy.sqls if "FROM phases" in s and "parent IS NULL" in s
+                     and "step BETWEEN" in s and "FROM cin WHERE step BETWEEN" in s]
             want = blocks.step_blocks(data.con, max(1, blocks.BLOCK_RECORDS // own_mod._READ_SHARE))
             assert len(reads) == len(want), reads
             assert not any("TABLE own" in s or "FROM own" in s for s in spy.sqls), spy.sqls
@@ -646,3 +648,33 @@ def test_own_work_one_read_of_pw_per_block_of_steps(tmp_path: Path, monkeypatch:
     assert len(reads) == 24
     assert out[0][0] == out[1][0] and len(out[0][0]) == 5 * 24 * 6
     assert all(np.array_equal(a, b, equal_nan=True) for a, b in zip(out[0][1], out[1][1], strict=True))
+
+
+def test_pw_is_a_view_not_a_table_of_every_phase_row(tmp_path: Path) -> None:
+    # pw (every phase row with the collectives inside it) was written as a table: 10^8 rows
+    # to the run's database file at scale, read back whole by phase_waits once per path.
+    # Its readers select their block or path from both sides of the join instead.
+    from stepscope.analysis.own import build_own, phase_waits
+
+    run = write_run(tmp_path / "run", SynthRun(ranks=4, steps=20, seed=9, comm_child=True,
+                                               slow=(Slow(1, "backward", 6.0),)))
+    doc = analyze_run(run, keep=True)
+    data = doc["_data"]
+    try:
+        kind = data.con.execute("SELECT table_type FROM information_schema.tables "
+                                "WHERE table_name = 'pw'").fetchone()[0]
+        spy = _Spy(data.con)
+        build_own(spy)
+        phases = {k: {**v, "per_rank": [dict(p) for p in v["per_rank"]]}
+                  for k, v in doc["phases"].items()}
+        phase_waits(spy, phases)
+    finally:
+        data.close()
+    assert kind == "VIEW"
+    assert not any("FROM pw" in s or "JOIN pw" in s for s in spy.sqls), spy.sqls
+    # Run-wide medians of the waits only for the paths a collective lies inside; the other
+    # paths' rows (wait 0 throughout) come from one statement over phases.
+    per_path = [s for s in spy.sqls if "list_contains([$p], anc)" in s]
+    assert 0 < len(per_path) < len(doc["phases"]) - 1, per_path
+    assert phases == doc["phases"]
+    assert any(ph["wait_ms"] > 0 for ph in phases.values())

@@ -45,37 +45,37 @@ def build_pw(con: Any) -> None:
                FROM cw WHERE phase IS NOT NULL)
            GROUP BY 1, 2, 3"""
     )
-    # A block of steps at a time (analysis/blocks.py): the group-by holds one block's keys.
+    # A view, not a table: every phase row with its collectives is 10^8 rows at scale,
+    # written to disk and read back whole by each reader. The readers select a block of
+    # steps or ranks, or one path (:func:`pw_select`), from both sides of the join.
+    con.execute(f"CREATE OR REPLACE TEMP VIEW pw AS {pw_select(con)}")
+
+
+def pw_select(con: Any, keys: str = "TRUE", paths: str | None = None, top: bool = False) -> str:
+    """SQL for ``pw``'s rows: ``keys`` a condition on ``rank``/``step`` (both tables have
+    them), ``paths`` an SQL list of VARCHAR the path is one of, ``top`` top-level phases only."""
+    cp = f"list_contains({paths}, path)" if paths is not None else "TRUE"
+    cc = f"list_contains({paths}, anc)" if paths is not None else "TRUE"
+    top_p = "parent IS NULL" if top else "TRUE"
+    src = f"""FROM (SELECT rank, step, path, parent, ms FROM phases
+                  WHERE {keys} AND {cp} AND {top_p}) p
+              LEFT JOIN (SELECT rank, step, anc, wait, n, ms FROM cin WHERE {keys} AND {cc}) c
+                ON c.rank = p.rank AND c.step = p.step AND c.anc = p.path"""
     if _phase_keys_unique(con):
-        # (rank, step, path) is a key of phases and cin: the group-by below would group
-        # single rows, so a plain join gives the same rows and values.
-        for i, b in enumerate(step_blocks(con)):
-            con.execute(
-                f"""{'CREATE OR REPLACE TABLE pw AS' if i == 0 else 'INSERT INTO pw'}
-                    SELECT p.rank, p.step, p.path, p.parent, p.ms,
-                           CAST(coalesce(c.wait, 0.0) AS DOUBLE) AS wait,
-                           CAST(coalesce(c.n, 0) AS BIGINT) AS ncoll,
-                           CAST(coalesce(c.ms, 0.0) AS DOUBLE) AS coll_ms
-                    FROM (SELECT * FROM phases WHERE {in_block('step', b)}) p
-                    LEFT JOIN (SELECT * FROM cin WHERE {in_block('step', b)}) c
-                      ON c.rank = p.rank AND c.step = p.step AND c.anc = p.path"""
-            )
-        con.execute("DROP TABLE cin")
-        return
-    for i, b in enumerate(step_blocks(con)):
-        con.execute(
-            f"""{'CREATE OR REPLACE TABLE pw AS' if i == 0 else 'INSERT INTO pw'}
-                SELECT p.rank, p.step, p.path, any_value(p.parent) AS parent,
-                       any_value(p.ms) AS ms,
-                       CAST(coalesce(sum(c.wait), 0.0) AS DOUBLE) AS wait,
-                       CAST(coalesce(sum(c.n), 0) AS BIGINT) AS ncoll,
-                       CAST(coalesce(sum(c.ms), 0.0) AS DOUBLE) AS coll_ms
-                FROM (SELECT * FROM phases WHERE {in_block('step', b)}) p
-                LEFT JOIN (SELECT * FROM cin WHERE {in_block('step', b)}) c
-                  ON c.rank = p.rank AND c.step = p.step AND c.anc = p.path
-                GROUP BY 1, 2, 3"""
-        )
-    con.execute("DROP TABLE cin")
+        # (rank, step, path) is a key of phases and cin: a group-by would group single
+        # rows, so a plain join gives the same rows and values.
+        return f"""SELECT p.rank, p.step, p.path, p.parent, p.ms,
+                          CAST(coalesce(c.wait, 0.0) AS DOUBLE) AS wait,
+                          CAST(coalesce(c.n, 0) AS BIGINT) AS ncoll,
+                          CAST(coalesce(c.ms, 0.0) AS DOUBLE) AS coll_ms
+                   {src}"""
+    return f"""SELECT p.rank, p.step, p.path, any_value(p.parent) AS parent,
+                      any_value(p.ms) AS ms,
+                      CAST(coalesce(sum(c.wait), 0.0) AS DOUBLE) AS wait,
+                      CAST(coalesce(sum(c.n), 0) AS BIGINT) AS ncoll,
+                      CAST(coalesce(sum(c.ms), 0.0) AS DOUBLE) AS coll_ms
+               {src}
+               GROUP BY 1, 2, 3"""
 
 
 def _phase_keys_unique(con: Any) -> bool:
@@ -127,7 +127,7 @@ def build_own(con: Any) -> OwnColumns:
     con.execute(
         f"""CREATE OR REPLACE TEMP TABLE own AS
             WITH top AS (SELECT rank, step, path AS name, greatest(ms - wait, 0.0) AS own, wait,
-                                ncoll FROM pw WHERE parent IS NULL),
+                                ncoll FROM ({pw_select(con, top=True)})),
                  timed AS (SELECT step, name, TRUE AS any_coll FROM top GROUP BY 1, 2
                            HAVING max(ncoll) > 0)
             SELECT top.rank, top.step, top.name, top.own, top.wait
@@ -261,14 +261,16 @@ def _own_dense(con: Any) -> OwnColumns | None:
     median of the other ranks, and ``ex``'s rows are appended from the same numbers. Memory:
     the own-work and gap matrices kept for the series (16 bytes per (rank, step, phase))
     plus one block's rows."""
-    names = sorted({str(n) for (n,) in con.execute(
-        "SELECT DISTINCT path FROM pw WHERE parent IS NULL").fetchall()})
+    names = sorted({str(n) for (n,) in con.execute(  # pw's paths are phases'
+        "SELECT DISTINCT path FROM phases WHERE parent IS NULL").fetchall()})
     n_steps_rows = int(con.execute("SELECT count(*) FROM steps").fetchone()[0])
     if n_steps_rows:
         if RESIDUAL in names:
             return None  # a user phase named residual shares the residual's cells
         names = sorted([*names, RESIDUAL])
-    n_top = int(con.execute("SELECT count(*) FROM pw WHERE parent IS NULL").fetchone()[0])
+    n_top = int(con.execute(  # pw has phases' rows when (rank, step, path) is their key
+        "SELECT count(*) FROM phases WHERE parent IS NULL" if _phase_keys_unique(con)
+        else f"SELECT count(*) FROM ({pw_select(con, top=True)})").fetchone()[0])
     ranks = np.asarray([r for (r,) in con.execute(
         "SELECT DISTINCT rank FROM steps ORDER BY 1").fetchall()], dtype=np.int64)
     ustep = np.asarray([s for (s,) in con.execute(
@@ -287,7 +289,7 @@ def _own_dense(con: Any) -> OwnColumns | None:
         top = con.execute(
             f"""SELECT rank, step, list_position($names, path) - 1 AS nid,
                        greatest(ms - wait, 0.0) AS own, wait, ncoll > 0 AS timed
-                FROM pw WHERE parent IS NULL AND {blk}""", {"names": names}).fetchnumpy()
+                FROM ({pw_select(con, blk, top=True)})""", {"names": names}).fetchnumpy()
         res = con.execute(
             f"""SELECT s.rank, s.step, greatest(s.residual_ms - coalesce(r.w, 0.0), 0.0) AS own,
                        coalesce(r.w, 0.0) AS wait
@@ -416,26 +418,45 @@ def phase_waits(con: Any, phases: dict[str, Any]) -> None:
            WHERE ex.name = 'residual'"""
     )
     rank_step = dict(con.execute("SELECT rank, sum(step_ms) FROM steps GROUP BY 1").fetchall())
+    # A path that no collective lies inside has wait and coll_ms 0 on every row: its row is
+    # phases' own sums, all such paths in one statement, with no join and no median. Only
+    # where (rank, step, path) is phases' key: else pw folds repeated paths (any_value).
+    unique = _phase_keys_unique(con)
+    inside = [str(a) for (a,) in con.execute("SELECT DISTINCT anc FROM cin ORDER BY 1").fetchall()]
+    plain = ("""SELECT path, {rank}, CAST(0.0 AS DOUBLE), sum(ms), bool_and(parent IS NULL),
+                       sum(greatest(ms, 0.0))
+                FROM phases WHERE {keys} AND NOT list_contains($inside::VARCHAR[], path)
+                GROUP BY {by}""")
     # Over the whole run, one path at a time: an exact median holds every value of its
     # group, and every path at once (10^8 values) ran out of memory at a 1 GB limit.
     rows: list[Any] = []
-    for (path,) in con.execute("SELECT DISTINCT path FROM pw ORDER BY 1").fetchall():
+    for (path,) in con.execute("SELECT DISTINCT path FROM phases ORDER BY 1").fetchall():
+        if unique and path not in inside:
+            continue
         rows += con.execute(
-            """SELECT path, NULL AS rank, median(wait), sum(ms - wait), bool_and(parent IS NULL),
-                      sum(greatest(ms - coll_ms, 0.0))
-               FROM pw WHERE path = $p GROUP BY 1""", {"p": path}
+            f"""SELECT path, NULL AS rank, median(wait), sum(ms - wait), bool_and(parent IS NULL),
+                       sum(greatest(ms - coll_ms, 0.0))
+                FROM ({pw_select(con, paths='[$p]')}) GROUP BY 1""", {"p": path}
         ).fetchall()
+    if unique:
+        rows += con.execute(plain.format(rank="NULL", keys="TRUE", by="1"),
+                            {"inside": inside}).fetchall()
     rows += con.execute(  # after pw's rows, as before: a user phase named residual loses
         f"""SELECT '{RESIDUAL}', NULL, median(wait), sum(own), TRUE, sum(work) FROM rx"""
     ).fetchall()
     # Per rank, a block of ranks at a time: an exact median holds every value of its group.
     for b in rank_blocks(con):
+        blk = in_block("rank", b)
+        pw_rows = (f"""SELECT path, rank, median(wait), sum(ms - wait), bool_and(parent IS NULL),
+                              sum(greatest(ms - coll_ms, 0.0))
+                       FROM ({pw_select(con, blk, '$inside::VARCHAR[]' if unique else None)})
+                       GROUP BY 1, 2""")
+        if unique:
+            pw_rows += f" UNION ALL {plain.format(rank='rank', keys=blk, by='1, 2')}"
         rows += con.execute(
-            f"""SELECT path, rank, median(wait), sum(ms - wait), bool_and(parent IS NULL),
-                       sum(greatest(ms - coll_ms, 0.0))
-                FROM pw WHERE {in_block('rank', b)} GROUP BY 1, 2
+            f"""{pw_rows}
                 UNION ALL SELECT '{RESIDUAL}', rank, median(wait), sum(own), TRUE, sum(work)
-                FROM rx WHERE {in_block('rank', b)} GROUP BY 2"""
+                FROM rx WHERE {blk} GROUP BY 2""", {"inside": inside} if unique else {}
         ).fetchall()
     # Index the per-rank entries once: searching per_rank for each row is ranks^2.
     per_rank: dict[tuple[str, int], list[dict[str, Any]]] = {}
