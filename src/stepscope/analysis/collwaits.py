@@ -79,23 +79,24 @@ def build_waits(con: Any, n_ranks: int, al: Alignment,
             f"collectives of group {pg!r} (size {size}) recorded on {seen} rank(s) only: waits "
             "are computed among those (under-stated if a missing rank was the late one)")
     part = "step, coalesce(phase, ''), op, pg"
-    con.execute(
-        f"""CREATE OR REPLACE TABLE cm AS
-            SELECT c.*, count(*) OVER w = e.n AND min(c.count) OVER w = max(c.count) OVER w
-                        AS matched,
-                   min(c.seq_first) OVER w IS DISTINCT FROM max(c.seq_first) OVER w AS seq_shift
-            FROM call c JOIN cexp e USING (pg) WHERE NOT c.{IS_P2P}
-            WINDOW w AS (PARTITION BY {part})"""
-    )
     build_p2p_waits(con)  # point-to-point links: their two ends, not the group
+    # One pass of the window: whether a partition matched is the same on all its rows, so
+    # its rows' waits are those of the matched rows alone (a table of the matched flags and
+    # a second window over it were two passes over every collective).
     con.execute(
         f"""CREATE OR REPLACE TABLE cw AS
-            SELECT *, {sql_wait('ms', part)} AS wait FROM cm WHERE matched
-            UNION ALL SELECT *, CAST(0.0 AS DOUBLE) AS wait FROM cm WHERE NOT matched
+            SELECT * EXCLUDE (w_if), CASE WHEN matched THEN w_if ELSE CAST(0.0 AS DOUBLE) END
+                                         AS wait
+            FROM (SELECT c.*, count(*) OVER w = e.n AND min(c.count) OVER w = max(c.count) OVER w
+                                  AS matched,
+                         min(c.seq_first) OVER w IS DISTINCT FROM max(c.seq_first) OVER w
+                             AS seq_shift,
+                         {sql_wait('c.ms', part)} AS w_if
+                  FROM call c JOIN cexp e USING (pg) WHERE NOT c.{IS_P2P}
+                  WINDOW w AS (PARTITION BY {part}))
             UNION ALL BY NAME SELECT * FROM p2pw"""
     )
     con.execute("DROP TABLE p2pw")
-    con.execute("DROP TABLE cm")
     bad = con.execute(
         """SELECT count(*), count(DISTINCT step), string_agg(DISTINCT op || '@' || pg, ', ')
             FROM (SELECT DISTINCT step, phase, op, pg FROM cw WHERE NOT matched)"""
