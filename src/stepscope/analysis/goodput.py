@@ -152,9 +152,9 @@ def _typed(cols: dict[str, Any]) -> Rows:
     return {k: np.asarray(v, dtype=np.int64 if k in ints else np.float64) for k, v in cols.items()}
 
 
-def _split_sql(con: Any) -> str:
+def _split_sql(con: Any, extra: str = "") -> str:
     """Per (rank, step) of the analysed records: w (stragglers), c (exposed_comm), i (input),
-    h (host) ms."""
+    h (host) ms; ``extra``: more columns of ``steps s`` to select (a leading comma)."""
     has_cw = bool(con.execute(
         "SELECT count(*) FROM information_schema.tables WHERE table_name = 'cw'").fetchone()[0])
     comm = ("SELECT rank, step, sum(greatest(ms - wait, 0.0)) AS comm FROM cw GROUP BY 1, 2"
@@ -168,7 +168,7 @@ def _split_sql(con: Any) -> str:
             SELECT s.rank, s.step, CAST(coalesce(w.wait_ms, 0.0) AS DOUBLE) AS w,
                    CAST(coalesce(c.comm, 0.0) AS DOUBLE) AS c,
                    CAST(coalesce(i.input, 0.0) AS DOUBLE) AS i,
-                   CAST(greatest(s.residual_ms, 0.0) AS DOUBLE) AS h
+                   CAST(greatest(s.residual_ms, 0.0) AS DOUBLE) AS h{extra}
             FROM steps s LEFT JOIN ({wait}) w USING (rank, step)
                  LEFT JOIN ({comm}) c USING (rank, step) LEFT JOIN i USING (rank, step)"""
 
@@ -242,11 +242,10 @@ def compute_goodput(con: Any, run_dir: str | Path, warmup: dict[str, Any] | None
     got = _light_rows(con, root)
     dated = got is not None
     if got is None:  # SQLite-only run: the analysed steps, without restarts or days
-        got = _stage(con, f"""SELECT s.rank, 0 AS rid, s.step,
-                       CAST(trunc(s.t0 * 1e6) AS BIGINT) AS start_unix_ns,
-                       s.step_ms, sp.w, sp.c, sp.i, sp.h, s.t0
-                FROM steps s JOIN ({_split_sql(con)}) sp USING (rank, step)""", {}, [""],
-                     "rank, t0, step")
+        # The split has one row per steps row: its own columns, not a second join to steps.
+        got = _stage(con, f"""SELECT rank, 0 AS rid, step,
+                       CAST(trunc(t0 * 1e6) AS BIGINT) AS start_unix_ns, step_ms, w, c, i, h, t0
+                FROM ({_split_sql(con, ', s.t0, s.step_ms')})""", {}, [""], "rank, t0, step")
         if got is None:
             return None
     order, ids = got
