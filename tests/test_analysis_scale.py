@@ -430,9 +430,9 @@ def test_goodput_a_block_of_ranks_at_a_time_equals_every_rank_at_once(
     blocks_read: list[tuple[int, int]] = []
     real = goodput._block_rows
 
-    def spy(con: Any, block: tuple[int, int]) -> Any:
+    def spy(con: Any, block: tuple[int, int], *rest: Any) -> Any:
         blocks_read.append(block)
-        return real(con, block)
+        return real(con, block, *rest)
 
     monkeypatch.setattr(goodput, "BLOCK_ROWS", 1)
     monkeypatch.setattr(goodput, "_block_rows", spy)
@@ -678,3 +678,85 @@ def test_pw_is_a_view_not_a_table_of_every_phase_row(tmp_path: Path) -> None:
     assert 0 < len(per_path) < len(doc["phases"]) - 1, per_path
     assert phases == doc["phases"]
     assert any(ph["wait_ms"] > 0 for ph in phases.values())
+
+
+def test_phase_waits_takes_plain_paths_sums_from_phase_stats(tmp_path: Path) -> None:
+    # A path with no collective inside has no wait: its shares are phase sums that
+    # phase_stats' scans already took (table phase_sums); phase_waits scanned every phase
+    # row again for them. Without that table it scans them itself: the same numbers.
+    from stepscope.analysis.own import phase_waits
+
+    run = write_run(tmp_path / "run", SynthRun(ranks=5, steps=20, seed=11, comm_child=True,
+                                               slow=(Slow(2, "forward", 5.0),)))
+    doc = analyze_run(run, keep=True)
+    data = doc["_data"]
+    out = []
+    try:
+        for drop in (False, True):
+            if drop:
+                data.con.execute("DROP TABLE phase_sums")
+            spy = _Spy(data.con)
+            phases = {k: {**v, "per_rank": [dict(p) for p in v["per_rank"]]}
+                      for k, v in doc["phases"].items()}
+            for ph in phases.values():
+                for t in (ph, *ph["per_rank"]):
+                    for k in ("wait_ms", "own_share", "work_share"):
+                        t.pop(k, None)
+            phase_waits(spy, phases)
+            out.append((phases, spy.sqls))
+    finally:
+        data.close()
+    (shared, sqls), (scanned, sqls2) = out
+    assert shared == doc["phases"] and scanned == doc["phases"]
+    assert any("FROM phase_sums" in s for s in sqls)
+    assert not any("FROM phases WHERE" in s and "NOT list_contains($inside" in s for s in sqls)
+    assert any("FROM phases WHERE" in s and "NOT list_contains($inside" in s for s in sqls2)
+    assert any(ph.get("own_share") for ph in shared.values())
+
+
+def test_goodput_rows_staged_without_a_row_number(tmp_path: Path, monkeypatch: Any) -> None:
+    # gp_rows numbered every record with a window (one sort of the run) and was written in
+    # that order (a second); each block of ranks is now sorted as it is read, ties broken by
+    # every column. Same figures as the row-numbered accounting (compared run-wide by
+    # benchmarks/analysis_scale.py --equivalence; here the one-block and per-rank reads).
+    from stepscope.analysis import goodput
+
+    run = write_run(tmp_path / "run", SynthRun(ranks=4, steps=30, every=2, seed=6,
+                                               slow=(Slow(1, "h2d", 5.0, 4, 20),)))
+    staged: list[str] = []
+    real = goodput._stage
+
+    def spy(con: Any, select: str, *rest: Any) -> Any:
+        staged.append(select)
+        return real(con, select, *rest)
+
+    monkeypatch.setattr(goodput, "_stage", spy)
+    whole = _doc(run)["goodput"]
+    monkeypatch.setattr(goodput, "BLOCK_ROWS", 1)
+    assert _doc(run)["goodput"] == whole and whole["gpu_hours"] > 0
+    assert staged and not any("OVER" in s or "row_number" in s for s in staged), staged
+
+
+def test_waits_one_window_pass_over_the_collectives(tmp_path: Path) -> None:
+    # cw was built from a table of every collective with its matched flag (one window pass)
+    # and a second window over the matched rows for the wait: one pass gives both.
+    from stepscope.analysis.align import Alignment
+    from stepscope.analysis.collwaits import build_waits
+
+    run = write_run(tmp_path / "run", SynthRun(ranks=4, steps=20, seed=12, comm_child=True,
+                                               slow=(Slow(1, "backward", 6.0),)))
+    doc = analyze_run(run, keep=True)
+    data = doc["_data"]
+    a = doc["run"]["alignment"]
+    try:
+        before = data.con.execute("SELECT * FROM cw ORDER BY ALL").fetchall()
+        spy = _Spy(data.con)
+        build_waits(spy, len(data.ranks),
+                    Alignment(a["sync_phase"], a["arrival"], a["aligned"], a["method"]))
+        after = data.con.execute("SELECT * FROM cw ORDER BY ALL").fetchall()
+    finally:
+        data.close()
+    assert after == before and any(r[-1] > 0 for r in before)
+    windows = [s for s in spy.sqls if "OVER" in s and "p2p" not in s.split("AS")[0]]
+    assert len(windows) == 1 and "CREATE OR REPLACE TABLE cw" in windows[0], windows
+    assert not any("TABLE cm" in s for s in spy.sqls)

@@ -27,7 +27,7 @@ import numpy as np
 
 from stepscope.analysis import blocks, grouped
 from stepscope.analysis.blocks import in_block, rank_blocks, step_blocks
-from stepscope.analysis.stats import RESIDUAL
+from stepscope.analysis.stats import H2D_HIDDEN, PHASE_SUMS, RESIDUAL
 
 
 def build_pw(con: Any) -> None:
@@ -80,6 +80,11 @@ def pw_select(con: Any, keys: str = "TRUE", paths: str | None = None, top: bool 
                       CAST(coalesce(sum(c.ms), 0.0) AS DOUBLE) AS coll_ms
                {src}
                GROUP BY 1, 2, 3"""
+
+
+def _has_table(con: Any, name: str) -> bool:
+    return bool(con.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = ?",
+                            [name]).fetchone()[0])
 
 
 def _phase_keys_unique(con: Any) -> bool:
@@ -438,14 +443,21 @@ def phase_waits(con: Any, phases: dict[str, Any]) -> None:
     # where (rank, step, path) is phases' key: else pw folds repeated paths (any_value).
     unique = _phase_keys_unique(con)
     inside = [str(a) for (a,) in con.execute("SELECT DISTINCT anc FROM cin ORDER BY 1").fetchall()]
+    paths = [str(p) for (p,) in con.execute("SELECT DISTINCT path FROM phases ORDER BY 1").fetchall()]
     plain = ("""SELECT path, {rank}, CAST(0.0 AS DOUBLE), sum(ms), bool_and(parent IS NULL),
                        sum(greatest(ms, 0.0))
                 FROM phases WHERE {keys} AND NOT list_contains($inside::VARCHAR[], path)
                 GROUP BY {by}""")
+    if _has_table(con, PHASE_SUMS) and not {RESIDUAL, H2D_HIDDEN} & set(paths):
+        # The same sums, from phase_stats' scans of the same rows (stats.PHASE_SUMS).
+        plain = (f"""SELECT name, {{rank}}, CAST(0.0 AS DOUBLE), ms, top, pos FROM {PHASE_SUMS}
+                     WHERE {{keys}} AND rank IS {{null}} NULL
+                       AND NOT list_contains($inside::VARCHAR[], name)
+                       AND NOT list_contains(['{RESIDUAL}', '{H2D_HIDDEN}'], name)""")
     # Over the whole run, one path at a time: an exact median holds every value of its
     # group, and every path at once (10^8 values) ran out of memory at a 1 GB limit.
     rows: list[Any] = []
-    for (path,) in con.execute("SELECT DISTINCT path FROM phases ORDER BY 1").fetchall():
+    for path in paths:
         if unique and path not in inside:
             continue
         rows += con.execute(
@@ -454,7 +466,7 @@ def phase_waits(con: Any, phases: dict[str, Any]) -> None:
                 FROM ({pw_select(con, paths='[$p]')}) GROUP BY 1""", {"p": path}
         ).fetchall()
     if unique:
-        rows += con.execute(plain.format(rank="NULL", keys="TRUE", by="1"),
+        rows += con.execute(plain.format(rank="NULL", keys="TRUE", by="1", null=""),
                             {"inside": inside}).fetchall()
     rows += con.execute(  # after pw's rows, as before: a user phase named residual loses
         f"""SELECT '{RESIDUAL}', NULL, median(wait), sum(own), TRUE, sum(work) FROM rx"""
@@ -467,7 +479,7 @@ def phase_waits(con: Any, phases: dict[str, Any]) -> None:
                        FROM ({pw_select(con, blk, '$inside::VARCHAR[]' if unique else None)})
                        GROUP BY 1, 2""")
         if unique:
-            pw_rows += f" UNION ALL {plain.format(rank='rank', keys=blk, by='1, 2')}"
+            pw_rows += f" UNION ALL {plain.format(rank='rank', keys=blk, by='1, 2', null='NOT')}"
         rows += con.execute(
             f"""{pw_rows}
                 UNION ALL SELECT '{RESIDUAL}', rank, median(wait), sum(own), TRUE, sum(work)
