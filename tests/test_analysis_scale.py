@@ -760,3 +760,28 @@ def test_waits_one_window_pass_over_the_collectives(tmp_path: Path) -> None:
     windows = [s for s in spy.sqls if "OVER" in s and "p2p" not in s.split("AS")[0]]
     assert len(windows) == 1 and "CREATE OR REPLACE TABLE cw" in windows[0], windows
     assert not any("TABLE cm" in s for s in spy.sqls)
+
+
+def test_goodput_takes_exposed_comm_from_the_waits_table(tmp_path: Path) -> None:
+    # exposed_comm per (rank, step) was a second group-by over every collective (cw), beside
+    # the one that builds the waits' table: wait.comm_ms is that sum, taken once. Without
+    # the column goodput groups cw itself: the same figures.
+    from stepscope.analysis import goodput
+
+    run = write_run(tmp_path / "run", SynthRun(ranks=4, steps=24, seed=13, comm_child=True,
+                                               slow=(Slow(2, "backward", 5.0),)))
+    doc = analyze_run(run, keep=True)
+    data = doc["_data"]
+    try:
+        con = data.con
+        shared_sql = goodput._split_sql(con)
+        shared = con.execute(f"SELECT * FROM ({shared_sql}) ORDER BY ALL").fetchall()
+        con.execute("ALTER TABLE wait DROP COLUMN comm_ms")
+        own_sql = goodput._split_sql(con)
+        grouped = con.execute(f"SELECT * FROM ({own_sql}) ORDER BY ALL").fetchall()
+        again = goodput.compute_goodput(con, run, None)
+    finally:
+        data.close()
+    assert "FROM cw" not in shared_sql and "FROM cw" in own_sql
+    assert shared == grouped and any(r[2] > 0 for r in shared)
+    assert again == doc["goodput"]

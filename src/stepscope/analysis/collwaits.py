@@ -46,7 +46,8 @@ def build_waits(con: Any, n_ranks: int, al: Alignment,
                 info: list[str] | None = None) -> tuple[str, list[str]]:
     """Tables ``cw`` (one row per rank, step, phase, op, pg with its ``wait``) and ``wait``.
 
-    ``wait`` (rank, step, wait_ms) is each rank's total wait per step. Returns the wait
+    ``wait`` (rank, step, wait_ms, comm_ms) is each rank's total wait per step and the rest
+    of its time in collectives. Returns the wait
     source and notes on partitions that could not be matched.
     """
     con.execute(
@@ -146,9 +147,12 @@ def build_waits(con: Any, n_ranks: int, al: Alignment,
         )
         con.execute("DROP TABLE tw")
         source = "timeline"
+    # comm_ms (time in collectives beyond the waits) for goodput's exposed_comm: the same
+    # group-by over cw, taken once.
     con.execute(
         """CREATE OR REPLACE TABLE wait AS
-           SELECT s.rank, s.step, CAST(coalesce(sum(c.wait), 0.0) AS DOUBLE) AS wait_ms
+           SELECT s.rank, s.step, CAST(coalesce(sum(c.wait), 0.0) AS DOUBLE) AS wait_ms,
+                  CAST(coalesce(sum(greatest(c.ms - c.wait, 0.0)), 0.0) AS DOUBLE) AS comm_ms
            FROM steps s LEFT JOIN cw c USING (rank, step) GROUP BY 1, 2"""
     )
     return source, notes

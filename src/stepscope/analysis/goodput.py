@@ -163,14 +163,22 @@ def _split_sql(con: Any, extra: str = "") -> str:
         "SELECT count(*) FROM information_schema.tables WHERE table_name = 'wait'").fetchone()[0])
     wait = ("SELECT rank, step, wait_ms FROM wait" if has_wait
             else "SELECT rank, step, 0.0 AS wait_ms FROM steps WHERE false")
+    if has_wait and bool(con.execute(
+            "SELECT count(*) FROM information_schema.columns WHERE table_name = 'wait' "
+            "AND column_name = 'comm_ms'").fetchone()[0]):
+        # The waits' table took the same per-(rank, step) sum over cw (collwaits.build_waits).
+        wait, comm_col, comm_join = ("SELECT rank, step, wait_ms, comm_ms FROM wait",
+                                     "w.comm_ms", "")
+    else:
+        comm_col, comm_join = "c.comm", f"LEFT JOIN ({comm}) c USING (rank, step)"
     return f"""WITH i AS (SELECT rank, step, sum(ms) AS input FROM phases
                       WHERE (parent IS NULL AND name = 'dataloader') OR name = 'h2d' GROUP BY 1, 2)
             SELECT s.rank, s.step, CAST(coalesce(w.wait_ms, 0.0) AS DOUBLE) AS w,
-                   CAST(coalesce(c.comm, 0.0) AS DOUBLE) AS c,
+                   CAST(coalesce({comm_col}, 0.0) AS DOUBLE) AS c,
                    CAST(coalesce(i.input, 0.0) AS DOUBLE) AS i,
                    CAST(greatest(s.residual_ms, 0.0) AS DOUBLE) AS h{extra}
             FROM steps s LEFT JOIN ({wait}) w USING (rank, step)
-                 LEFT JOIN ({comm}) c USING (rank, step) LEFT JOIN i USING (rank, step)"""
+                 {comm_join} LEFT JOIN i USING (rank, step)"""
 
 
 def _empty() -> dict[str, float]:
