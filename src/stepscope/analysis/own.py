@@ -1,13 +1,15 @@
 """Each rank's own work per phase and step, and the median of the *other* ranks' at that step.
 
-Tables built on the run's connection (after :func:`stepscope.analysis.collwaits.build_waits`
+Relations built on the run's connection (after :func:`stepscope.analysis.collwaits.build_waits`
 made ``cw``):
 
 ``pw`` (rank, step, path, parent, ms, wait, ncoll, coll_ms): every phase path with the
-       waits and the time of the collectives inside it at any depth.
+       waits and the time of the collectives inside it at any depth (a view over ``phases``
+       and table ``cin``; readers select their block or path with :func:`pw_select`).
 ``ex`` (rank, step, name, own, wait, others, excess): top-level phases and ``residual``;
        ``own`` is the phase time less its waits, ``others`` the median own work of the other
-       ranks at that step, ``excess`` the gap.
+       ranks at that step, ``excess`` the gap (a view over the own-work rows and each
+       (step, name) cell's middle values on the dense path; a table on the row-wise path).
 
 :func:`phase_waits` adds each phase's wait and own/work shares to the report from them.
 
@@ -31,7 +33,8 @@ from stepscope.analysis.stats import H2D_HIDDEN, PHASE_SUMS, RESIDUAL
 
 
 def build_pw(con: Any) -> None:
-    """Table ``pw``: each phase path with the waits, count and time of collectives inside it."""
+    """View ``pw``: each phase path with the waits, count and time of collectives inside it
+    (table ``cin``: the collectives' sums per rank, step and enclosing path)."""
     # A collective in 'a/b/c' is inside phases 'a', 'a/b' and 'a/b/c': its path and every
     # prefix ending before a '/' (exactly the paths p with phase = p or phase LIKE p || '/%').
     # The list expression only for paths with a '/' (a lambda per row of cw was a quarter of
@@ -123,7 +126,7 @@ class OwnColumns:
 
 
 def build_own(con: Any) -> OwnColumns:
-    """Tables ``pw`` (waits inside each phase path) and ``ex`` (own work vs the other ranks).
+    """``pw`` (waits inside each phase path) and ``ex`` (own work vs the other ranks).
 
     ``ex`` (rank, step, name, own, wait, others, excess): top-level phases and residual;
     ``others`` is the median own work of the *other* ranks at that step, ``excess`` the gap.
