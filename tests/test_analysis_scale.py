@@ -430,9 +430,9 @@ def test_goodput_a_block_of_ranks_at_a_time_equals_every_rank_at_once(
     blocks_read: list[tuple[int, int]] = []
     real = goodput._block_rows
 
-    def spy(con: Any, block: tuple[int, int]) -> Any:
+    def spy(con: Any, block: tuple[int, int], *rest: Any) -> Any:
         blocks_read.append(block)
-        return real(con, block)
+        return real(con, block, *rest)
 
     monkeypatch.setattr(goodput, "BLOCK_ROWS", 1)
     monkeypatch.setattr(goodput, "_block_rows", spy)
@@ -578,8 +578,9 @@ def test_phase_waits_whole_run_medians_one_path_at_a_time(tmp_path: Path) -> Non
         phase_waits(spy, phases)
     finally:
         data.close()
-    medians = [s for s in sqls if "median(wait)" in s and "FROM pw" in s]
-    assert medians and all("path = $p" in s or "rank BETWEEN" in s for s in medians), medians
+    medians = [s for s in sqls if "median(wait)" in s and "FROM phases" in s]
+    assert medians and all("list_contains([$p], anc)" in s or "rank BETWEEN" in s
+                           for s in medians), medians
     assert phases == doc["phases"]  # the report's numbers, recomputed the same
     assert any(ph["wait_ms"] > 0 for ph in phases.values())
 
@@ -635,7 +636,8 @@ def test_own_work_one_read_of_pw_per_block_of_steps(tmp_path: Path, monkeypatch:
             cols = own_mod.build_own(spy)
             assert cols.dense is not None
             assert all(m.dtype == own_mod.KEEP_DTYPE for m in (*cols.dense.own, *cols.dense.excess))
-            reads = [s for s in spy.sqls if "FROM pw WHERE parent IS NULL AND step BETWEEN" in s]
+            reads = [s for s in spy.sqls if "FROM phases" in s and "parent IS NULL" in s
+                     and "step BETWEEN" in s and "FROM cin WHERE step BETWEEN" in s]
             want = blocks.step_blocks(data.con, max(1, blocks.BLOCK_RECORDS // own_mod._READ_SHARE))
             assert len(reads) == len(want), reads
             assert not any("TABLE own" in s or "FROM own" in s for s in spy.sqls), spy.sqls
@@ -646,3 +648,140 @@ def test_own_work_one_read_of_pw_per_block_of_steps(tmp_path: Path, monkeypatch:
     assert len(reads) == 24
     assert out[0][0] == out[1][0] and len(out[0][0]) == 5 * 24 * 6
     assert all(np.array_equal(a, b, equal_nan=True) for a, b in zip(out[0][1], out[1][1], strict=True))
+
+
+def test_pw_is_a_view_not_a_table_of_every_phase_row(tmp_path: Path) -> None:
+    # pw (every phase row with the collectives inside it) was written as a table: 10^8 rows
+    # to the run's database file at scale, read back whole by phase_waits once per path.
+    # Its readers select their block or path from both sides of the join instead.
+    from stepscope.analysis.own import build_own, phase_waits
+
+    run = write_run(tmp_path / "run", SynthRun(ranks=4, steps=20, seed=9, comm_child=True,
+                                               slow=(Slow(1, "backward", 6.0),)))
+    doc = analyze_run(run, keep=True)
+    data = doc["_data"]
+    try:
+        kind = data.con.execute("SELECT table_type FROM information_schema.tables "
+                                "WHERE table_name = 'pw'").fetchone()[0]
+        spy = _Spy(data.con)
+        build_own(spy)
+        phases = {k: {**v, "per_rank": [dict(p) for p in v["per_rank"]]}
+                  for k, v in doc["phases"].items()}
+        phase_waits(spy, phases)
+    finally:
+        data.close()
+    assert kind == "VIEW"
+    assert not any("FROM pw" in s or "JOIN pw" in s for s in spy.sqls), spy.sqls
+    # Run-wide medians of the waits only for the paths a collective lies inside; the other
+    # paths' rows (wait 0 throughout) come from one statement over phases.
+    per_path = [s for s in spy.sqls if "list_contains([$p], anc)" in s]
+    assert 0 < len(per_path) < len(doc["phases"]) - 1, per_path
+    assert phases == doc["phases"]
+    assert any(ph["wait_ms"] > 0 for ph in phases.values())
+
+
+def test_phase_waits_takes_plain_paths_sums_from_phase_stats(tmp_path: Path) -> None:
+    # A path with no collective inside has no wait: its shares are phase sums that
+    # phase_stats' scans already took (table phase_sums); phase_waits scanned every phase
+    # row again for them. Without that table it scans them itself: the same numbers.
+    from stepscope.analysis.own import phase_waits
+
+    run = write_run(tmp_path / "run", SynthRun(ranks=5, steps=20, seed=11, comm_child=True,
+                                               slow=(Slow(2, "forward", 5.0),)))
+    doc = analyze_run(run, keep=True)
+    data = doc["_data"]
+    out = []
+    try:
+        for drop in (False, True):
+            if drop:
+                data.con.execute("DROP TABLE phase_sums")
+            spy = _Spy(data.con)
+            phases = {k: {**v, "per_rank": [dict(p) for p in v["per_rank"]]}
+                      for k, v in doc["phases"].items()}
+            for ph in phases.values():
+                for t in (ph, *ph["per_rank"]):
+                    for k in ("wait_ms", "own_share", "work_share"):
+                        t.pop(k, None)
+            phase_waits(spy, phases)
+            out.append((phases, spy.sqls))
+    finally:
+        data.close()
+    (shared, sqls), (scanned, sqls2) = out
+    assert shared == doc["phases"] and scanned == doc["phases"]
+    assert any("FROM phase_sums" in s for s in sqls)
+    assert not any("FROM phases WHERE" in s and "NOT list_contains($inside" in s for s in sqls)
+    assert any("FROM phases WHERE" in s and "NOT list_contains($inside" in s for s in sqls2)
+    assert any(ph.get("own_share") for ph in shared.values())
+
+
+def test_goodput_rows_staged_without_a_row_number(tmp_path: Path, monkeypatch: Any) -> None:
+    # gp_rows numbered every record with a window (one sort of the run) and was written in
+    # that order (a second); each block of ranks is now sorted as it is read, ties broken by
+    # every column. Same figures as the row-numbered accounting (compared run-wide by
+    # benchmarks/analysis_scale.py --equivalence; here the one-block and per-rank reads).
+    from stepscope.analysis import goodput
+
+    run = write_run(tmp_path / "run", SynthRun(ranks=4, steps=30, every=2, seed=6,
+                                               slow=(Slow(1, "h2d", 5.0, 4, 20),)))
+    staged: list[str] = []
+    real = goodput._stage
+
+    def spy(con: Any, select: str, *rest: Any) -> Any:
+        staged.append(select)
+        return real(con, select, *rest)
+
+    monkeypatch.setattr(goodput, "_stage", spy)
+    whole = _doc(run)["goodput"]
+    monkeypatch.setattr(goodput, "BLOCK_ROWS", 1)
+    assert _doc(run)["goodput"] == whole and whole["gpu_hours"] > 0
+    assert staged and not any("OVER" in s or "row_number" in s for s in staged), staged
+
+
+def test_waits_one_window_pass_over_the_collectives(tmp_path: Path) -> None:
+    # cw was built from a table of every collective with its matched flag (one window pass)
+    # and a second window over the matched rows for the wait: one pass gives both.
+    from stepscope.analysis.align import Alignment
+    from stepscope.analysis.collwaits import build_waits
+
+    run = write_run(tmp_path / "run", SynthRun(ranks=4, steps=20, seed=12, comm_child=True,
+                                               slow=(Slow(1, "backward", 6.0),)))
+    doc = analyze_run(run, keep=True)
+    data = doc["_data"]
+    a = doc["run"]["alignment"]
+    try:
+        before = data.con.execute("SELECT * FROM cw ORDER BY ALL").fetchall()
+        spy = _Spy(data.con)
+        build_waits(spy, len(data.ranks),
+                    Alignment(a["sync_phase"], a["arrival"], a["aligned"], a["method"]))
+        after = data.con.execute("SELECT * FROM cw ORDER BY ALL").fetchall()
+    finally:
+        data.close()
+    assert after == before and any(r[-1] > 0 for r in before)
+    windows = [s for s in spy.sqls if "OVER" in s and "p2p" not in s.split("AS")[0]]
+    assert len(windows) == 1 and "CREATE OR REPLACE TABLE cw" in windows[0], windows
+    assert not any("TABLE cm" in s for s in spy.sqls)
+
+
+def test_goodput_takes_exposed_comm_from_the_waits_table(tmp_path: Path) -> None:
+    # exposed_comm per (rank, step) was a second group-by over every collective (cw), beside
+    # the one that builds the waits' table: wait.comm_ms is that sum, taken once. Without
+    # the column goodput groups cw itself: the same figures.
+    from stepscope.analysis import goodput
+
+    run = write_run(tmp_path / "run", SynthRun(ranks=4, steps=24, seed=13, comm_child=True,
+                                               slow=(Slow(2, "backward", 5.0),)))
+    doc = analyze_run(run, keep=True)
+    data = doc["_data"]
+    try:
+        con = data.con
+        shared_sql = goodput._split_sql(con)
+        shared = con.execute(f"SELECT * FROM ({shared_sql}) ORDER BY ALL").fetchall()
+        con.execute("ALTER TABLE wait DROP COLUMN comm_ms")
+        own_sql = goodput._split_sql(con)
+        grouped = con.execute(f"SELECT * FROM ({own_sql}) ORDER BY ALL").fetchall()
+        again = goodput.compute_goodput(con, run, None)
+    finally:
+        data.close()
+    assert "FROM cw" not in shared_sql and "FROM cw" in own_sql
+    assert shared == grouped and any(r[2] > 0 for r in shared)
+    assert again == doc["goodput"]

@@ -46,7 +46,8 @@ def build_waits(con: Any, n_ranks: int, al: Alignment,
                 info: list[str] | None = None) -> tuple[str, list[str]]:
     """Tables ``cw`` (one row per rank, step, phase, op, pg with its ``wait``) and ``wait``.
 
-    ``wait`` (rank, step, wait_ms) is each rank's total wait per step. Returns the wait
+    ``wait`` (rank, step, wait_ms, comm_ms) is each rank's total wait per step and the rest
+    of its time in collectives. Returns the wait
     source and notes on partitions that could not be matched.
     """
     con.execute(
@@ -79,23 +80,24 @@ def build_waits(con: Any, n_ranks: int, al: Alignment,
             f"collectives of group {pg!r} (size {size}) recorded on {seen} rank(s) only: waits "
             "are computed among those (under-stated if a missing rank was the late one)")
     part = "step, coalesce(phase, ''), op, pg"
-    con.execute(
-        f"""CREATE OR REPLACE TABLE cm AS
-            SELECT c.*, count(*) OVER w = e.n AND min(c.count) OVER w = max(c.count) OVER w
-                        AS matched,
-                   min(c.seq_first) OVER w IS DISTINCT FROM max(c.seq_first) OVER w AS seq_shift
-            FROM call c JOIN cexp e USING (pg) WHERE NOT c.{IS_P2P}
-            WINDOW w AS (PARTITION BY {part})"""
-    )
     build_p2p_waits(con)  # point-to-point links: their two ends, not the group
+    # One pass of the window: whether a partition matched is the same on all its rows, so
+    # its rows' waits are those of the matched rows alone (a table of the matched flags and
+    # a second window over it were two passes over every collective).
     con.execute(
         f"""CREATE OR REPLACE TABLE cw AS
-            SELECT *, {sql_wait('ms', part)} AS wait FROM cm WHERE matched
-            UNION ALL SELECT *, CAST(0.0 AS DOUBLE) AS wait FROM cm WHERE NOT matched
+            SELECT * EXCLUDE (w_if), CASE WHEN matched THEN w_if ELSE CAST(0.0 AS DOUBLE) END
+                                         AS wait
+            FROM (SELECT c.*, count(*) OVER w = e.n AND min(c.count) OVER w = max(c.count) OVER w
+                                  AS matched,
+                         min(c.seq_first) OVER w IS DISTINCT FROM max(c.seq_first) OVER w
+                             AS seq_shift,
+                         {sql_wait('c.ms', part)} AS w_if
+                  FROM call c JOIN cexp e USING (pg) WHERE NOT c.{IS_P2P}
+                  WINDOW w AS (PARTITION BY {part}))
             UNION ALL BY NAME SELECT * FROM p2pw"""
     )
     con.execute("DROP TABLE p2pw")
-    con.execute("DROP TABLE cm")
     bad = con.execute(
         """SELECT count(*), count(DISTINCT step), string_agg(DISTINCT op || '@' || pg, ', ')
             FROM (SELECT DISTINCT step, phase, op, pg FROM cw WHERE NOT matched)"""
@@ -145,9 +147,12 @@ def build_waits(con: Any, n_ranks: int, al: Alignment,
         )
         con.execute("DROP TABLE tw")
         source = "timeline"
+    # comm_ms (time in collectives beyond the waits) for goodput's exposed_comm: the same
+    # group-by over cw, taken once.
     con.execute(
         """CREATE OR REPLACE TABLE wait AS
-           SELECT s.rank, s.step, CAST(coalesce(sum(c.wait), 0.0) AS DOUBLE) AS wait_ms
+           SELECT s.rank, s.step, CAST(coalesce(sum(c.wait), 0.0) AS DOUBLE) AS wait_ms,
+                  CAST(coalesce(sum(greatest(c.ms - c.wait, 0.0)), 0.0) AS DOUBLE) AS comm_ms
            FROM steps s LEFT JOIN cw c USING (rank, step) GROUP BY 1, 2"""
     )
     return source, notes

@@ -60,7 +60,8 @@ BLOCK_ROWS = 1 << 20
 
 
 def _light_rows(con: Any, run_dir: Path) -> tuple[str, list[str]] | None:
-    """Every timed record (duplicates included) with its split, and the run ids by code."""
+    """Every timed record (duplicates included) with its split in table ``gp_rows``: its
+    accounting order (SQL ``ORDER BY`` columns) and the run ids by code."""
     import tempfile
 
     from stepscope.analysis.load import MAX_LINE_BYTES, drop_long_lines, rank_files
@@ -111,22 +112,25 @@ def _rows(con: Any, source: str) -> tuple[str, list[str]] | None:
     rank, start, step; each with its split); the run ids by code."""
     ids = [str(i) for (i,) in con.execute(f"SELECT DISTINCT run_id FROM {source} ORDER BY 1").fetchall()]
     return _stage(con, f"""SELECT l.rank, list_position($ids, l.run_id) - 1 AS rid, l.step,
-                   l.start_unix_ns, l.step_ms, sp.w, sp.c, sp.i, sp.h,
-                   row_number() OVER (ORDER BY l.rank, l.start_unix_ns, l.step) AS ord
+                   l.start_unix_ns, l.step_ms, sp.w, sp.c, sp.i, sp.h
             FROM {source} l
             -- only what the analysis kept (plausible, timed), re-done duplicates included
-            JOIN ({_split_sql(con)}) sp USING (rank, step)""", {"ids": ids}, ids)
+            JOIN ({_split_sql(con)}) sp USING (rank, step)""", {"ids": ids}, ids,
+                  "rank, start_unix_ns, step")
 
 
-def _stage(con: Any, select: str, params: dict[str, Any], ids: list[str]) -> tuple[str, list[str]] | None:
-    """Table ``gp_rows`` from ``select``, whose ``ord`` column numbers the rows in accounting
-    order (None, and no table, when it has no row). DuckDB holds it inside its memory limit
-    (spilling past it); numpy holds one block of ranks at a time."""
-    con.execute(f"CREATE OR REPLACE TEMP TABLE gp_rows AS {select} ORDER BY ord", params)
+def _stage(con: Any, select: str, params: dict[str, Any], ids: list[str],
+           order: str) -> tuple[str, list[str]] | None:
+    """Table ``gp_rows`` from ``select``, accounted in the order of its columns ``order``
+    (None, and no table, when it has no row), returned with the run ids. DuckDB holds it
+    inside its memory limit (spilling past it); numpy holds one block of ranks at a time,
+    sorted as it is read (a row number over the whole run was two sorts of every record).
+    Rows equal in ``order`` are ordered by the rest of their columns."""
+    con.execute(f"CREATE OR REPLACE TEMP TABLE gp_rows AS {select}", params)
     if not con.execute("SELECT count(*) FROM gp_rows").fetchone()[0]:
         con.execute("DROP TABLE gp_rows")
         return None
-    return "gp_rows", ids
+    return f"{order}, rid, step_ms, w, c, i, h", ids
 
 
 def _rank_blocks(con: Any) -> list[tuple[int, int]]:
@@ -136,11 +140,11 @@ def _rank_blocks(con: Any) -> list[tuple[int, int]]:
         "SELECT rank, count(*) FROM gp_rows GROUP BY 1 ORDER BY 1").fetchall(), BLOCK_ROWS)
 
 
-def _block_rows(con: Any, block: tuple[int, int]) -> Rows:
+def _block_rows(con: Any, block: tuple[int, int], order: str) -> Rows:
     """A block of ranks' rows of ``gp_rows``, in accounting order, as fixed-dtype columns."""
     return _typed(con.execute(
         f"""SELECT rank, rid, step, start_unix_ns, step_ms, w, c, i, h FROM gp_rows
-            WHERE rank BETWEEN {int(block[0])} AND {int(block[1])} ORDER BY ord""").fetchnumpy())
+            WHERE rank BETWEEN {int(block[0])} AND {int(block[1])} ORDER BY {order}""").fetchnumpy())
 
 
 def _typed(cols: dict[str, Any]) -> Rows:
@@ -148,9 +152,9 @@ def _typed(cols: dict[str, Any]) -> Rows:
     return {k: np.asarray(v, dtype=np.int64 if k in ints else np.float64) for k, v in cols.items()}
 
 
-def _split_sql(con: Any) -> str:
+def _split_sql(con: Any, extra: str = "") -> str:
     """Per (rank, step) of the analysed records: w (stragglers), c (exposed_comm), i (input),
-    h (host) ms."""
+    h (host) ms; ``extra``: more columns of ``steps s`` to select (a leading comma)."""
     has_cw = bool(con.execute(
         "SELECT count(*) FROM information_schema.tables WHERE table_name = 'cw'").fetchone()[0])
     comm = ("SELECT rank, step, sum(greatest(ms - wait, 0.0)) AS comm FROM cw GROUP BY 1, 2"
@@ -159,14 +163,22 @@ def _split_sql(con: Any) -> str:
         "SELECT count(*) FROM information_schema.tables WHERE table_name = 'wait'").fetchone()[0])
     wait = ("SELECT rank, step, wait_ms FROM wait" if has_wait
             else "SELECT rank, step, 0.0 AS wait_ms FROM steps WHERE false")
+    if has_wait and bool(con.execute(
+            "SELECT count(*) FROM information_schema.columns WHERE table_name = 'wait' "
+            "AND column_name = 'comm_ms'").fetchone()[0]):
+        # The waits' table took the same per-(rank, step) sum over cw (collwaits.build_waits).
+        wait, comm_col, comm_join = ("SELECT rank, step, wait_ms, comm_ms FROM wait",
+                                     "w.comm_ms", "")
+    else:
+        comm_col, comm_join = "c.comm", f"LEFT JOIN ({comm}) c USING (rank, step)"
     return f"""WITH i AS (SELECT rank, step, sum(ms) AS input FROM phases
                       WHERE (parent IS NULL AND name = 'dataloader') OR name = 'h2d' GROUP BY 1, 2)
             SELECT s.rank, s.step, CAST(coalesce(w.wait_ms, 0.0) AS DOUBLE) AS w,
-                   CAST(coalesce(c.comm, 0.0) AS DOUBLE) AS c,
+                   CAST(coalesce({comm_col}, 0.0) AS DOUBLE) AS c,
                    CAST(coalesce(i.input, 0.0) AS DOUBLE) AS i,
-                   CAST(greatest(s.residual_ms, 0.0) AS DOUBLE) AS h
+                   CAST(greatest(s.residual_ms, 0.0) AS DOUBLE) AS h{extra}
             FROM steps s LEFT JOIN ({wait}) w USING (rank, step)
-                 LEFT JOIN ({comm}) c USING (rank, step) LEFT JOIN i USING (rank, step)"""
+                 {comm_join} LEFT JOIN i USING (rank, step)"""
 
 
 def _empty() -> dict[str, float]:
@@ -238,14 +250,13 @@ def compute_goodput(con: Any, run_dir: str | Path, warmup: dict[str, Any] | None
     got = _light_rows(con, root)
     dated = got is not None
     if got is None:  # SQLite-only run: the analysed steps, without restarts or days
-        got = _stage(con, f"""SELECT s.rank, 0 AS rid, s.step,
-                       CAST(trunc(s.t0 * 1e6) AS BIGINT) AS start_unix_ns,
-                       s.step_ms, sp.w, sp.c, sp.i, sp.h,
-                       row_number() OVER (ORDER BY s.rank, s.t0, s.step) AS ord
-                FROM steps s JOIN ({_split_sql(con)}) sp USING (rank, step)""", {}, [""])
+        # The split has one row per steps row: its own columns, not a second join to steps.
+        got = _stage(con, f"""SELECT rank, 0 AS rid, step,
+                       CAST(trunc(t0 * 1e6) AS BIGINT) AS start_unix_ns, step_ms, w, c, i, h, t0
+                FROM ({_split_sql(con, ', s.t0, s.step_ms')})""", {}, [""], "rank, t0, step")
         if got is None:
             return None
-    _, ids = got
+    order, ids = got
     w_first, w_last = ((int(warmup["start_step"]), int(warmup["end_step"]))
                        if warmup and "start_step" in warmup else (1, 0))
     acc = _Accounts()
@@ -253,7 +264,7 @@ def compute_goodput(con: Any, run_dir: str | Path, warmup: dict[str, Any] | None
         # Whole ranks a block at a time, blocks in rank order: each bucket's running sums
         # see the same values in the same order as with every row at once.
         for block in _rank_blocks(con):
-            _account(_block_rows(con, block), len(ids), dated, w_first, w_last, acc)
+            _account(_block_rows(con, block, order), len(ids), dated, w_first, w_last, acc)
     finally:
         con.execute("DROP TABLE IF EXISTS gp_rows")
 

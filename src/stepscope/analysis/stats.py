@@ -73,7 +73,7 @@ def phase_stats(con: Any, n_rows: int) -> dict[str, dict[str, Any]]:
     rank_step = dict(con.execute("SELECT rank, sum(step_ms) FROM steps GROUP BY 1").fetchall())
     overall = con.execute(
         f"""SELECT name, any_value(parent), {_q('ms', exact)}, max(ms), sum(ms), count(*),
-                   bool_and(parent IS NULL)
+                   bool_and(parent IS NULL), sum(greatest(ms, 0.0))
             FROM samples GROUP BY name"""
     ).fetchall()
     # Exact per rank: a t-digest state per (phase, rank) group costs more memory than the
@@ -83,13 +83,16 @@ def phase_stats(con: Any, n_rows: int) -> dict[str, dict[str, Any]]:
     per_rank: list[Any] = []
     for b in rank_blocks(con):
         per_rank += con.execute(
-            f"""SELECT name, rank, {_q('ms', True)}, max(ms), sum(ms), count(*)
+            f"""SELECT name, rank, {_q('ms', True)}, max(ms), sum(ms), count(*),
+                       bool_and(parent IS NULL), sum(greatest(ms, 0.0))
                 FROM samples WHERE {in_block('rank', b)} GROUP BY name, rank"""
         ).fetchall()
     per_rank.sort(key=lambda row: (row[0], row[1]))
+    _write_sums(con, [(r[0], None, r[4], r[6], r[7]) for r in overall]
+                + [(r[0], r[1], r[4], r[6], r[7]) for r in per_rank])
     out: dict[str, dict[str, Any]] = {}
     top: dict[str, bool] = {}
-    for name, parent, qs, mx, total, n, is_top in overall:
+    for name, parent, qs, mx, total, n, is_top, _ in overall:
         top[name] = bool(is_top) and name != H2D_HIDDEN
         out[name] = {
             "parent": None if is_top else parent,
@@ -101,7 +104,7 @@ def phase_stats(con: Any, n_rows: int) -> dict[str, dict[str, Any]]:
             "samples": int(n),
             "per_rank": [],
         }
-    for name, rank, qs, mx, total, n in per_rank:
+    for name, rank, qs, mx, total, n, _, _ in per_rank:
         denom = rank_step.get(rank) or 0.0
         out[name]["per_rank"].append(
             {
@@ -117,6 +120,24 @@ def phase_stats(con: Any, n_rows: int) -> dict[str, dict[str, Any]]:
             }
         )
     return {name: out[name] for name in phase_order(list(out))}
+
+
+#: Table of each sample name's sums (rank NULL: the whole run), written by
+#: :func:`phase_stats` from its own scans: ``name, rank, ms`` (sum), ``top`` (every row top
+#: level), ``pos`` (sum of the positive values). analysis/own.py's ``phase_waits`` takes a
+#: path's share from it where no collective lies inside (a second scan of every phase row).
+PHASE_SUMS = "phase_sums"
+
+
+def _write_sums(con: Any, rows: list[tuple[Any, ...]]) -> None:
+    con.execute(f"CREATE OR REPLACE TEMP TABLE {PHASE_SUMS} (name VARCHAR, rank INTEGER, "
+                "ms DOUBLE, top BOOLEAN, pos DOUBLE)")
+    if rows:
+        cols = list(zip(*rows, strict=True))
+        con.execute(
+            f"INSERT INTO {PHASE_SUMS} SELECT unnest(?::VARCHAR[]), unnest(?::INTEGER[]), "
+            "unnest(?::DOUBLE[]), unnest(?::BOOLEAN[]), unnest(?::DOUBLE[])",
+            [list(c) for c in cols])
 
 
 def rank_stats(con: Any, hosts: dict[str, list[int]], n_rows: int = 0) -> list[dict[str, Any]]:
