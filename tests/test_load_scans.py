@@ -120,3 +120,44 @@ def test_duplicate_paths_counted_a_block_of_ranks_at_a_time(
     assert n == 1
     per_block = [s for s in sqls if "HAVING count(*) > 1" in s]
     assert len(per_block) == 4 and all("rank BETWEEN" in s for s in per_block), per_block
+
+
+def test_records_copied_without_decoding_the_phase_lists(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # ``rec`` tested "phases IS NOT NULL": at 10^8 samples that decoded every phase list
+    # once more (~8 s CPU). The grouped pass counts the records whose only missing field
+    # is the list; with none, nothing but the phases table reads the lists.
+    run = write_run(tmp_path / "run", SynthRun(ranks=3, steps=8, comm_child=True))
+    data, sqls = _load(run, monkeypatch)
+    data.close()
+    rec = [s for s in sqls if s.startswith("CREATE TABLE rec ")]
+    assert len(rec) == 1 and "phases" not in rec[0], rec
+    reading = [s for s in sqls if "phases" in s and "FROM raw" in s]
+    assert len(reading) == 2, reading  # the grouped pass and the phases table
+
+
+@pytest.mark.parametrize("store", [True, False])
+def test_a_record_without_its_phase_list_is_still_skipped(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, store: bool) -> None:
+    spec = SynthRun(ranks=3, steps=10, comm_child=True)
+    recs = make_records(spec)
+    bare = json.loads(json.dumps(recs[0][2]))
+    bare["phases"] = None
+    bare["step"] = 77  # its own step: the other steps stay common to every rank
+    run = write_run(tmp_path / "run", spec)
+    with open(run / "rank0.jsonl", "a") as fh:
+        fh.write(json.dumps(bare) + "\n")
+    clean = write_run(tmp_path / "clean", spec)
+    data, sqls = _load(run, monkeypatch, store=store)
+    try:
+        got, skipped = _tables(data), list(data.skipped)
+    finally:
+        data.close()
+    rec = [s for s in sqls if s.startswith("CREATE TABLE rec ")]
+    assert len(rec) == 1 and "phases IS NOT NULL" in rec[0], rec
+    ref = load.load_run(clean, store=store)
+    try:
+        assert got == _tables(ref)
+    finally:
+        ref.close()
+    assert any("rank0.jsonl: 1 corrupt or incomplete line(s)" in s for s in skipped), skipped
