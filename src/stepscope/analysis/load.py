@@ -485,9 +485,12 @@ def _build_tables(con: Any, root: Path, skipped: list[str], torn: set[str] | Non
         )
     plausible = f"coalesce({_PLAUSIBLE}, FALSE)" if implausible else "TRUE"
     kept = f"{valid} AND {readable_in} AND {plausible} AND {TIMED_FILTER}"
-    # ``rec`` holds the records' columns but their phase lists: those are read once more,
-    # straight into ``phases`` below (a copy of every list here was the largest table).
-    con.execute(f"CREATE TABLE rec AS SELECT {_REC_COLUMNS} FROM raw WHERE {kept}")
+    # ``rec``: the records' columns but their phase lists (those are read once more,
+    # straight into ``phases`` below). A view: each statement reading it reads only the
+    # columns it names (a table was a copy of every column of every record: ~8 s CPU at
+    # 10^7 records); a table only when duplicates must be dropped.
+    con.execute(f"CREATE VIEW rec AS SELECT {_REC_COLUMNS} FROM raw WHERE {kept}")
+    rec_kind = "VIEW"
     if light:
         # Goodput's rows (analysis/goodput.py): every timed record of the rank JSONL files,
         # re-done duplicates included, kept here so it never re-reads the files. Converted
@@ -510,8 +513,10 @@ def _build_tables(con: Any, root: Path, skipped: list[str], torn: set[str] | Non
     lists = f"raw WHERE {kept}"
     if n_pairs < n_rec:
         skipped.append(f"{n_rec - n_pairs} duplicate (rank, step) record(s) skipped")
+        con.execute("DROP VIEW rec")
+        rec_kind = "TABLE"
         con.execute(
-            f"""CREATE OR REPLACE TABLE rec AS SELECT {_REC_COLUMNS}, phases FROM raw WHERE {kept}
+            f"""CREATE TABLE rec AS SELECT {_REC_COLUMNS}, phases FROM raw WHERE {kept}
                QUALIFY row_number() OVER (PARTITION BY rank, step ORDER BY start_unix_ns) = 1"""
         )
         lists = "rec WHERE TRUE"
@@ -590,9 +595,6 @@ def _build_tables(con: Any, root: Path, skipped: list[str], torn: set[str] | Non
             FROM (SELECT rank, step, clock, unnest(phases) AS p FROM {lists} AND {keep})
             WHERE p.name IS NOT NULL"""
     )
-    kind = con.execute("SELECT table_type FROM information_schema.tables "
-                       "WHERE table_name = 'raw'").fetchone()[0]
-    con.execute("DROP VIEW raw" if kind == "VIEW" else "DROP TABLE raw")
     # Records that list one phase path twice (hostile or corrupt): with none, (rank, step,
     # path) is a key of ``phases`` and analysis/own.py's pw needs no group-by over every row.
     # Counted on the unnested rows a block of ranks at a time (a per-record list expression
@@ -638,7 +640,10 @@ def _build_tables(con: Any, root: Path, skipped: list[str], torn: set[str] | Non
                   WHERE {keep} AND counters IS NOT NULL)
             WHERE starts_with(k, 'unseen_')"""
     )
-    con.execute("DROP TABLE rec")
+    con.execute(f"DROP {rec_kind} rec")
+    kind = con.execute("SELECT table_type FROM information_schema.tables "
+                       "WHERE table_name = 'raw'").fetchone()[0]
+    con.execute("DROP VIEW raw" if kind == "VIEW" else "DROP TABLE raw")
     hosts: dict[str, list[int]] = {}
     for host, rank in con.execute(
         "SELECT DISTINCT host, rank FROM steps ORDER BY host, rank"
