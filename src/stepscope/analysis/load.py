@@ -79,17 +79,30 @@ MAX_START_NS = 1 << 62
 MAX_LINE_BYTES = 32 << 20
 #: The duplicate-path count runs over blocks of ``BLOCK_RECORDS / DUP_BLOCK_SHARE`` records.
 DUP_BLOCK_SHARE = 32
-_PLAUSIBLE = f"""rank >= 0 AND rank < {MAX_RANKS}
+_PLAUSIBLE_SCALARS = f"""rank >= 0 AND rank < {MAX_RANKS}
     AND (world_size IS NULL OR (world_size >= 1 AND world_size <= {MAX_RANKS} AND rank < world_size))
     AND isfinite(step_ms) AND step_ms >= 0 AND step_ms <= {MAX_MS}
     AND start_unix_ns >= 0 AND start_unix_ns < {MAX_START_NS}
     AND (residual_ms IS NULL OR (isfinite(residual_ms) AND abs(residual_ms) <= {MAX_MS}))
-    AND (h2d_hidden_ms IS NULL OR (isfinite(h2d_hidden_ms) AND abs(h2d_hidden_ms) <= {MAX_MS}))
-    AND coalesce(list_bool_and([
-        (p.ms IS NULL OR (isfinite(p.ms) AND abs(p.ms) <= {MAX_MS}))
+    AND (h2d_hidden_ms IS NULL OR (isfinite(h2d_hidden_ms) AND abs(h2d_hidden_ms) <= {MAX_MS}))"""
+#: The rule for one element ``p`` of a record's phase list (never NULL, also for a NULL ``p``).
+_PHASE_PLAUSIBLE = f"""(p.ms IS NULL OR (isfinite(p.ms) AND abs(p.ms) <= {MAX_MS}))
         AND (p.start_ms IS NULL OR (isfinite(p.start_ms) AND abs(p.start_ms) <= {MAX_MS}))
-        AND (p.end_ms IS NULL OR (isfinite(p.end_ms) AND abs(p.end_ms) <= {MAX_MS}))
-        for p in phases]), TRUE)"""
+        AND (p.end_ms IS NULL OR (isfinite(p.end_ms) AND abs(p.end_ms) <= {MAX_MS}))"""
+_PLAUSIBLE = f"""{_PLAUSIBLE_SCALARS}
+    AND coalesce(list_bool_and([{_PHASE_PLAUSIBLE} for p in phases]), TRUE)"""
+#: Whether loading first assumes every phase list present and plausible and checks that
+#: while it builds ``phases`` (one decoding of the lists fewer), loading again with the
+#: checks up front where the assumption fails. False: the checks up front always (tests).
+CHECK_LISTS_IN_PHASES = True
+#: The message of the error the ``phases`` statement raises where the assumption fails.
+_RECHECK = "stepscope: a phase list is missing or implausible; load again, checking first"
+#: Tables (and the view ``rec``) that loading builds before ``phases``.
+_EARLY = ("rec", "light", "common", "steps", "phases")
+
+
+class _Recheck(Exception):
+    """The records are not all as the faster loading assumes: load with the checks first."""
 #: A step's start on the run's timeline: when the GPU ran it (CUDA clock, plausible), else when
 #: the host entered it. Ranks whose GPUs lag their hosts by different amounts line up by the
 #: former; the host time would shift each rank by its own lag.
@@ -415,7 +428,29 @@ def _build_tables(con: Any, root: Path, skipped: list[str], torn: set[str] | Non
     ``lines``: for the store, lines per file stored through its combined file, whose corrupt
     lines are rows without a file name (``tagged`` rows are those lines' good ones).
     ``light``: also keep table ``light`` (goodput's rows), when ``raw`` came from rank files.
+
+    First with the phase lists assumed present and plausible (checked while ``phases`` is
+    built), and where that fails (or the records are not all kept: duplicates, steps not on
+    every rank, untimed, implausible or unreadable records) again with every check up front:
+    the same tables and notes either way.
     """
+    if CHECK_LISTS_IN_PHASES:
+        n_notes = len(skipped)
+        try:
+            return _build(con, root, skipped, torn, lines, light, lists_checked_later=True)
+        except _Recheck:
+            del skipped[n_notes:]
+            for name, kind in con.execute(
+                    "SELECT table_name, table_type FROM information_schema.tables "
+                    f"WHERE table_name IN {_EARLY}").fetchall():
+                con.execute(f"DROP {'VIEW' if kind == 'VIEW' else 'TABLE'} {name}")
+    return _build(con, root, skipped, torn, lines, light, lists_checked_later=False)
+
+
+def _build(con: Any, root: Path, skipped: list[str], torn: set[str] | None,
+           lines: dict[str, int] | None, light: bool, lists_checked_later: bool) -> RunData:
+    """:func:`_build_tables`; ``lists_checked_later``: raise :class:`_Recheck` where the
+    records are not all kept, and check the phase lists in the ``phases`` statement."""
     valid = " AND ".join(f"{c} IS NOT NULL" for c in _REQUIRED)
     readable_in = f"schema IN {tuple(READABLE_SCHEMAS)}"
     # One pass over the records answers the three questions the checks ask: lines per
@@ -426,19 +461,34 @@ def _build_tables(con: Any, root: Path, skipped: list[str], torn: set[str] | Non
     # It also counts the records whose only missing field is the phase list: with none, the
     # statements below test the scalar fields only, and reading ``rec`` (or anything but
     # ``phases``) never decodes the lists (at 10^8 samples each decoding costs ~8 s CPU).
+    # With ``lists_checked_later`` the pass reads no phase list (decoding them is most of its
+    # cost): it assumes every list present and plausible, which the ``phases`` statement
+    # checks on every element it unnests; its last column then counts untimed records.
     valid_scalars = " AND ".join(f"{c} IS NOT NULL" for c in _REQUIRED if c != "phases")
     lines_col = "count(*)" if lines is None else "count(*) FILTER (WHERE NOT coalesce(tagged, FALSE))"
-    groups = con.execute(
-        f"""SELECT filename, schema, {lines_col}, count(*) FILTER (WHERE {valid}),
-                   count(*) FILTER (WHERE {valid} AND {readable_in}
-                                    AND NOT coalesce({_PLAUSIBLE}, FALSE)),
-                   count(*) FILTER (WHERE {valid_scalars} AND phases IS NULL)
-            FROM raw GROUP BY 1, 2"""
-    ).fetchall()
+    if lists_checked_later:
+        groups = con.execute(
+            f"""SELECT filename, schema, {lines_col}, count(*) FILTER (WHERE {valid_scalars}),
+                       count(*) FILTER (WHERE {valid_scalars} AND {readable_in}
+                                        AND NOT coalesce({_PLAUSIBLE_SCALARS}, FALSE)),
+                       count(*) FILTER (WHERE {valid_scalars} AND NOT ({TIMED_FILTER}))
+                FROM raw GROUP BY 1, 2"""
+        ).fetchall()
+        # Only when every record is kept does ``phases`` unnest (and so check) every list.
+        if any(g[4] or g[5] or (g[3] and g[1] not in READABLE_SCHEMAS) for g in groups):
+            raise _Recheck
+    else:
+        groups = con.execute(
+            f"""SELECT filename, schema, {lines_col}, count(*) FILTER (WHERE {valid}),
+                       count(*) FILTER (WHERE {valid} AND {readable_in}
+                                        AND NOT coalesce({_PLAUSIBLE}, FALSE)),
+                       count(*) FILTER (WHERE {valid_scalars} AND phases IS NULL)
+                FROM raw GROUP BY 1, 2"""
+        ).fetchall()
     per_file: dict[str, tuple[int, int]] = {}
     schemas: dict[int, int] = {}
     implausible: dict[str, int] = {}
-    if not any(g[5] for g in groups):
+    if lists_checked_later or not any(g[5] for g in groups):
         valid = valid_scalars  # the same records: every one with those fields has its list
     for fname, ver, n_lines, n_good, n_bad, _ in groups:
         if fname is not None:
@@ -514,6 +564,8 @@ def _build_tables(con: Any, root: Path, skipped: list[str], torn: set[str] | Non
     # Where the phase lists come from: the records themselves, or (duplicate records, which
     # keep one of each (rank, step)) the copy in ``rec`` of the one kept.
     lists = f"raw WHERE {kept}"
+    if lists_checked_later and n_pairs < n_rec:
+        raise _Recheck
     if n_pairs < n_rec:
         skipped.append(f"{n_rec - n_pairs} duplicate (rank, step) record(s) skipped")
         con.execute("DROP VIEW rec")
@@ -555,6 +607,8 @@ def _build_tables(con: Any, root: Path, skipped: list[str], torn: set[str] | Non
         "SELECT (SELECT count(*) FROM common), (SELECT count(DISTINCT step) FROM rec)"
     ).fetchone()
     keep = "TRUE"
+    if lists_checked_later and n_common < n_all:
+        raise _Recheck
     if n_common < n_all:
         if n_common >= 3:
             keep = "step IN (SELECT step FROM common)"
@@ -582,8 +636,16 @@ def _build_tables(con: Any, root: Path, skipped: list[str], torn: set[str] | Non
                step_ms, coalesce(residual_ms, 0.0) AS residual_ms, h2d_hidden_ms
             FROM rec WHERE {keep}"""
     )
-    con.execute(
-        f"""CREATE TABLE phases AS
+    # The check the grouped pass left out: a record without its list, or an element outside
+    # the plausibility rule (named or not, so it comes before the name filter), stops the
+    # statement; every record is kept here, so every list is checked.
+    unnested, named = "phases", "p.name IS NOT NULL"
+    if lists_checked_later:
+        unnested = f"CASE WHEN phases IS NULL THEN error('{_RECHECK}') ELSE phases END"
+        named = f"CASE WHEN NOT ({_PHASE_PLAUSIBLE}) THEN error('{_RECHECK}') ELSE {named} END"
+    try:
+        con.execute(
+            f"""CREATE TABLE phases AS
             SELECT CAST(rank AS INTEGER) AS rank, step, p.name AS name, p.parent AS parent,
                    -- On a CUDA clock the dataloader's events measure GPU idle; the input
                    -- wait is the host's (host_ms), recorded beside it.
@@ -595,9 +657,13 @@ def _build_tables(con: Any, root: Path, skipped: list[str], torn: set[str] | Non
                    coalesce(p.end_ms, p.start_ms + p.ms, 0.0) AS e,
                    coalesce(p.path, CASE WHEN p.parent IS NULL THEN p.name
                                          ELSE p.parent || '/' || p.name END) AS path
-            FROM (SELECT rank, step, clock, unnest(phases) AS p FROM {lists} AND {keep})
-            WHERE p.name IS NOT NULL"""
-    )
+            FROM (SELECT rank, step, clock, unnest({unnested}) AS p FROM {lists} AND {keep})
+            WHERE {named}"""
+        )
+    except Exception as exc:  # duckdb.InvalidInputException from error(): load again
+        if _RECHECK not in str(exc):
+            raise
+        raise _Recheck from exc
     # Records that list one phase path twice (hostile or corrupt): with none, (rank, step,
     # path) is a key of ``phases`` and analysis/own.py's pw needs no group-by over every row.
     # Counted on the unnested rows a block of ranks at a time (a per-record list expression
