@@ -187,13 +187,16 @@ def _hostile(kind: str, spec: SynthRun) -> dict[int, list[dict[str, Any]]]:
     elif kind == "untimed_bad":  # left out anyway, but still counted as implausible
         rec["untimed"] = True
         rec["phases"][0]["start_ms"] = -1e10
-    elif kind == "partial_step":  # a step not on every rank: checked up front
+    elif kind == "partial_step":  # a step not on every rank (a live job's last one)
         del recs[2][-1]
+    elif kind == "partial_bad":  # ... whose phase list is implausible
+        del recs[2][-1]
+        recs[1][-1]["phases"][1]["end_ms"] = float("nan")
     return recs
 
 
 @pytest.mark.parametrize("kind", ["clean", "phase_ms", "unnamed", "no_list", "untimed_bad",
-                                  "partial_step"])
+                                  "partial_step", "partial_bad"])
 @pytest.mark.parametrize("store", [True, False])
 def test_lists_checked_in_phases_gives_what_checking_first_gives(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str, store: bool) -> None:
@@ -217,10 +220,12 @@ def test_lists_checked_in_phases_gives_what_checking_first_gives(
         if fast:
             first = [s for s in sqls if "FROM raw" in s and "GROUP BY" in s]
             # The grouped pass again, with the lists, only where the assumption failed.
-            assert len(first) == (1 if kind == "clean" else 2), first
+            assert len(first) == (1 if kind in ("clean", "partial_step") else 2), first
     assert got[True] == got[False]
     notes = " | ".join(got[True][1])
-    if kind in ("phase_ms", "unnamed", "untimed_bad"):
+    if kind.startswith("partial"):
+        assert "not present on every rank skipped" in notes, notes
+    if kind in ("phase_ms", "unnamed", "untimed_bad", "partial_bad"):
         assert "rank1.jsonl: 1 record(s) with implausible values" in notes, notes
     if kind == "no_list":
         assert "rank1.jsonl: 1 corrupt or incomplete line(s)" in notes, notes

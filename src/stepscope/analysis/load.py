@@ -607,8 +607,6 @@ def _build(con: Any, root: Path, skipped: list[str], torn: set[str] | None,
         "SELECT (SELECT count(*) FROM common), (SELECT count(DISTINCT step) FROM rec)"
     ).fetchone()
     keep = "TRUE"
-    if lists_checked_later and n_common < n_all:
-        raise _Recheck
     if n_common < n_all:
         if n_common >= 3:
             keep = "step IN (SELECT step FROM common)"
@@ -639,8 +637,11 @@ def _build(con: Any, root: Path, skipped: list[str], torn: set[str] | None,
     # The check the grouped pass left out: a record without its list, or an element outside
     # the plausibility rule (named or not, so it comes before the name filter), stops the
     # statement; every record is kept here, so every list is checked.
-    unnested, named = "phases", "p.name IS NOT NULL"
+    # Steps not on every rank (a live job's last step) are unnested too, so that every list
+    # is checked, and their rows deleted after.
+    unnested, named, kept_steps = "phases", "p.name IS NOT NULL", keep
     if lists_checked_later:
+        keep = "TRUE"
         unnested = f"CASE WHEN phases IS NULL THEN error('{_RECHECK}') ELSE phases END"
         named = f"CASE WHEN NOT ({_PHASE_PLAUSIBLE}) THEN error('{_RECHECK}') ELSE {named} END"
     try:
@@ -664,6 +665,9 @@ def _build(con: Any, root: Path, skipped: list[str], torn: set[str] | None,
         if _RECHECK not in str(exc):
             raise
         raise _Recheck from exc
+    keep = kept_steps
+    if lists_checked_later and keep != "TRUE":
+        con.execute(f"DELETE FROM phases WHERE NOT ({keep})")
     # Records that list one phase path twice (hostile or corrupt): with none, (rank, step,
     # path) is a key of ``phases`` and analysis/own.py's pw needs no group-by over every row.
     # Counted on the unnested rows a block of ranks at a time (a per-record list expression
