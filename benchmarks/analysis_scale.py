@@ -148,16 +148,27 @@ def write_store(root: Path, ranks: int, steps: int, slow_rank: int, threads: int
     return time.perf_counter() - t0
 
 
-class _Timed:
-    """A DuckDB connection that times each statement (``--profile``)."""
+#: The stages being timed (``--reread --profile``), innermost last: each statement is
+#: logged with the one it ran in.
+_STAGE: list[str] = []
 
-    def __init__(self, con: Any, log: list[tuple[float, str]]) -> None:
-        self._con, self._log = con, log
+
+class _Timed:
+    """A DuckDB connection that times each statement (``--profile``); ``stmts`` (when given)
+    gets (stage, wall s, CPU s, statement) of each in order."""
+
+    def __init__(self, con: Any, log: list[tuple[float, str]],
+                 stmts: list[tuple[str, float, float, str]] | None = None) -> None:
+        self._con, self._log, self._stmts = con, log, stmts
 
     def execute(self, sql: str, *args: Any) -> Any:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = self._con.execute(sql, *args)
-        self._log.append((time.perf_counter() - t0, " ".join(sql.split())[:160]))
+        wall, text = time.perf_counter() - t0, " ".join(sql.split())[:160]
+        self._log.append((wall, text))
+        if self._stmts is not None:
+            self._stmts.append((_STAGE[-1] if _STAGE else "-", wall,
+                                time.process_time() - c0, text))
         return out
 
     def __getattr__(self, name: str) -> Any:
@@ -352,9 +363,11 @@ def _profile_stages() -> list[dict[str, Any]]:
 
         def timed(*a: Any, _fn: Any = fn, _name: str = fn_name, **k: Any) -> Any:
             r0, t0, c0 = _rss_mb(), time.perf_counter(), time.process_time()
+            _STAGE.append(_name)
             try:
                 return _fn(*a, **k)
             finally:
+                _STAGE.pop()
                 rows.append({"stage": _name, "wall_s": round(time.perf_counter() - t0, 2),
                              "cpu_s": round(time.process_time() - c0, 2),
                              "rss_before_mb": round(r0), "rss_after_mb": round(_rss_mb()),
@@ -370,11 +383,13 @@ def reread(run_dir: str, threads: int, memory_limit: str, profile: bool = False)
     """One ``analyze_run`` of ``run_dir`` in this process: wall, CPU, peak RSS, load.
 
     ``profile``: also one line per stage (wall, CPU, RSS around it, peak so far) on stderr
-    as each ends (nested stages before the stage that called them)."""
+    as each ends (nested stages before the stage that called them), the slowest statements,
+    and every statement of the loading stage in order (wall, CPU)."""
     import stepscope
     from stepscope.analysis.run import analyze_run
 
     log: list[tuple[float, str]] = []
+    stmts: list[tuple[str, float, float, str]] = []
     if profile:
         _profile_stages()
         from stepscope.analysis import load
@@ -382,7 +397,7 @@ def reread(run_dir: str, threads: int, memory_limit: str, profile: bool = False)
         connect = load._connect
 
         def timed_connect(*a: Any) -> Any:
-            return _Timed(connect(*a), log)
+            return _Timed(connect(*a), log, stmts)
 
         load._connect = timed_connect  # type: ignore[assignment]
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
@@ -392,6 +407,12 @@ def reread(run_dir: str, threads: int, memory_limit: str, profile: bool = False)
     ru = resource.getrusage(resource.RUSAGE_SELF)
     for t, sql in sorted(log, reverse=True)[:15]:  # the slowest statements (--profile)
         print(f"{t:8.2f}s  {sql}", file=sys.stderr)
+    loading = [s for s in stmts if s[0] == "load_run"]
+    if loading:
+        print(f"loading: {len(loading)} statements, {sum(s[1] for s in loading):.2f} s wall, "
+              f"{sum(s[2] for s in loading):.2f} s CPU (wall / CPU each, in order)", file=sys.stderr)
+        for _, w, c, sql in loading:
+            print(f"{w:8.2f}s {c:8.2f}s  {sql[:120]}", file=sys.stderr)
     print(json.dumps({
         "stepscope": str(Path(stepscope.__file__).parents[1]),
         "wall_seconds": round(wall, 2),

@@ -50,8 +50,13 @@ def test_one_validation_pass_and_no_copy_of_the_phase_lists(
     assert n_phases > 3 * 12
     grouped = [s for s in sqls if "FROM raw" in s and "GROUP BY" in s]
     assert len(grouped) == 1, grouped
-    assert sum("list_bool_and" in s for s in sqls) == 1, [s for s in sqls if "list_bool_and" in s]
-    rec = [s for s in sqls if s.startswith("CREATE TABLE rec ")]
+    # The rule over the phase lists is evaluated once: on a clean run, on each element as
+    # ``phases`` unnests it (the grouped pass then reads no list at all).
+    assert not any("list_bool_and" in s for s in sqls), [s for s in sqls if "list_bool_and" in s]
+    assert "phases" not in grouped[0], grouped
+    built = [s for s in sqls if s.startswith("CREATE TABLE phases ")]
+    assert len(built) == 1 and "error(" in built[0] and "isfinite(p.ms)" in built[0], built
+    rec = [s for s in sqls if s.startswith(("CREATE TABLE rec ", "CREATE VIEW rec "))]
     assert len(rec) == 1 and "SELECT *" not in rec[0] and ", phases" not in rec[0], rec
 
 
@@ -118,5 +123,109 @@ def test_duplicate_paths_counted_a_block_of_ranks_at_a_time(
     finally:
         data.close()
     assert n == 1
-    per_block = [s for s in sqls if "HAVING count(*) > 1" in s]
+    per_block = [s for s in sqls if "HAVING count(*) > 1" in s and "hash(rank, step, path)" in s]
     assert len(per_block) == 4 and all("rank BETWEEN" in s for s in per_block), per_block
+    # Only the block holding the twice-listed path is grouped by the keys themselves.
+    by_key = [s for s in sqls if "HAVING count(*) > 1" in s and "hash(" not in s]
+    assert len(by_key) == 1 and "rank BETWEEN 2 AND 2" in by_key[0], by_key
+
+
+def test_records_copied_without_decoding_the_phase_lists(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # ``rec`` tested "phases IS NOT NULL": at 10^8 samples that decoded every phase list
+    # once more (~8 s CPU). The grouped pass counts the records whose only missing field
+    # is the list; with none, nothing but the phases table reads the lists.
+    run = write_run(tmp_path / "run", SynthRun(ranks=3, steps=8, comm_child=True))
+    data, sqls = _load(run, monkeypatch)
+    data.close()
+    # Nor is every record's every column copied: ``rec`` is a view of the rows kept.
+    rec = [s for s in sqls if s.startswith(("CREATE TABLE rec ", "CREATE VIEW rec "))]
+    assert rec == [s for s in rec if s.startswith("CREATE VIEW rec ")], rec
+    assert len(rec) == 1 and "phases" not in rec[0], rec
+    reading = [s for s in sqls if "phases" in s and "FROM raw" in s]
+    assert len(reading) == 1 and reading[0].startswith("CREATE TABLE phases "), reading
+
+
+@pytest.mark.parametrize("store", [True, False])
+def test_a_record_without_its_phase_list_is_still_skipped(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, store: bool) -> None:
+    spec = SynthRun(ranks=3, steps=10, comm_child=True)
+    recs = make_records(spec)
+    bare = json.loads(json.dumps(recs[0][2]))
+    bare["phases"] = None
+    bare["step"] = 77  # its own step: the other steps stay common to every rank
+    run = write_run(tmp_path / "run", spec)
+    with open(run / "rank0.jsonl", "a") as fh:
+        fh.write(json.dumps(bare) + "\n")
+    clean = write_run(tmp_path / "clean", spec)
+    data, sqls = _load(run, monkeypatch, store=store)
+    try:
+        got, skipped = _tables(data), list(data.skipped)
+    finally:
+        data.close()
+    # The records checked up front (the record's own step is on one rank only): the kept
+    # ones are those with a list.
+    rec = [s for s in sqls if s.startswith(("CREATE TABLE rec ", "CREATE VIEW rec "))]
+    assert rec and "phases IS NOT NULL" in rec[-1], rec
+    ref = load.load_run(clean, store=store)
+    try:
+        assert got == _tables(ref)
+    finally:
+        ref.close()
+    assert any("rank0.jsonl: 1 corrupt or incomplete line(s)" in s for s in skipped), skipped
+
+
+def _hostile(kind: str, spec: SynthRun) -> dict[int, list[dict[str, Any]]]:
+    recs = make_records(spec)
+    rec = recs[1][4]
+    if kind == "phase_ms":
+        rec["phases"][0]["ms"] = 1e12  # over MAX_MS
+    elif kind == "unnamed":  # an element the phases table leaves out is still checked
+        rec["phases"].append({"name": None, "parent": None, "ms": float("inf")})
+    elif kind == "no_list":
+        rec["phases"] = None
+    elif kind == "untimed_bad":  # left out anyway, but still counted as implausible
+        rec["untimed"] = True
+        rec["phases"][0]["start_ms"] = -1e10
+    elif kind == "partial_step":  # a step not on every rank (a live job's last one)
+        del recs[2][-1]
+    elif kind == "partial_bad":  # ... whose phase list is implausible
+        del recs[2][-1]
+        recs[1][-1]["phases"][1]["end_ms"] = float("nan")
+    return recs
+
+
+@pytest.mark.parametrize("kind", ["clean", "phase_ms", "unnamed", "no_list", "untimed_bad",
+                                  "partial_step", "partial_bad"])
+@pytest.mark.parametrize("store", [True, False])
+def test_lists_checked_in_phases_gives_what_checking_first_gives(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str, store: bool) -> None:
+    # Loading assumes every phase list present and plausible and checks it while building
+    # ``phases``; where the assumption fails it loads again with the checks up front. Both
+    # must give the same tables and the same notes.
+    recs = _hostile(kind, SynthRun(ranks=3, steps=8, comm_child=True))
+    got: dict[bool, Any] = {}
+    for fast in (True, False):
+        run = tmp_path / f"run-{fast}"
+        run.mkdir()
+        for r, rows in recs.items():
+            (run / f"rank{r}.jsonl").write_text(
+                "".join(json.dumps(x, allow_nan=True) + "\n" for x in rows))
+        monkeypatch.setattr(load, "CHECK_LISTS_IN_PHASES", fast)
+        data, sqls = _load(run, monkeypatch, store=store)
+        try:
+            got[fast] = (_tables(data), [s.replace(f"run-{fast}", "run") for s in data.skipped])
+        finally:
+            data.close()
+        if fast:
+            first = [s for s in sqls if "FROM raw" in s and "GROUP BY" in s]
+            # The grouped pass again, with the lists, only where the assumption failed.
+            assert len(first) == (1 if kind in ("clean", "partial_step") else 2), first
+    assert got[True] == got[False]
+    notes = " | ".join(got[True][1])
+    if kind.startswith("partial"):
+        assert "not present on every rank skipped" in notes, notes
+    if kind in ("phase_ms", "unnamed", "untimed_bad", "partial_bad"):
+        assert "rank1.jsonl: 1 record(s) with implausible values" in notes, notes
+    if kind == "no_list":
+        assert "rank1.jsonl: 1 corrupt or incomplete line(s)" in notes, notes

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stepscope.analysis import blocks
 from stepscope.analysis.blocks import in_block, rank_blocks
 from stepscope.analysis.resources import RESOURCE_COLUMNS, TIMED_FILTER, create_resource_table
 from stepscope.errors import AnalysisError
@@ -76,17 +77,32 @@ MAX_RANKS = 1_000_000
 MAX_MS = 1e9
 MAX_START_NS = 1 << 62
 MAX_LINE_BYTES = 32 << 20
-_PLAUSIBLE = f"""rank >= 0 AND rank < {MAX_RANKS}
+#: The duplicate-path count runs over blocks of ``BLOCK_RECORDS / DUP_BLOCK_SHARE`` records.
+DUP_BLOCK_SHARE = 32
+_PLAUSIBLE_SCALARS = f"""rank >= 0 AND rank < {MAX_RANKS}
     AND (world_size IS NULL OR (world_size >= 1 AND world_size <= {MAX_RANKS} AND rank < world_size))
     AND isfinite(step_ms) AND step_ms >= 0 AND step_ms <= {MAX_MS}
     AND start_unix_ns >= 0 AND start_unix_ns < {MAX_START_NS}
     AND (residual_ms IS NULL OR (isfinite(residual_ms) AND abs(residual_ms) <= {MAX_MS}))
-    AND (h2d_hidden_ms IS NULL OR (isfinite(h2d_hidden_ms) AND abs(h2d_hidden_ms) <= {MAX_MS}))
-    AND coalesce(list_bool_and([
-        (p.ms IS NULL OR (isfinite(p.ms) AND abs(p.ms) <= {MAX_MS}))
+    AND (h2d_hidden_ms IS NULL OR (isfinite(h2d_hidden_ms) AND abs(h2d_hidden_ms) <= {MAX_MS}))"""
+#: The rule for one element ``p`` of a record's phase list (never NULL, also for a NULL ``p``).
+_PHASE_PLAUSIBLE = f"""(p.ms IS NULL OR (isfinite(p.ms) AND abs(p.ms) <= {MAX_MS}))
         AND (p.start_ms IS NULL OR (isfinite(p.start_ms) AND abs(p.start_ms) <= {MAX_MS}))
-        AND (p.end_ms IS NULL OR (isfinite(p.end_ms) AND abs(p.end_ms) <= {MAX_MS}))
-        for p in phases]), TRUE)"""
+        AND (p.end_ms IS NULL OR (isfinite(p.end_ms) AND abs(p.end_ms) <= {MAX_MS}))"""
+_PLAUSIBLE = f"""{_PLAUSIBLE_SCALARS}
+    AND coalesce(list_bool_and([{_PHASE_PLAUSIBLE} for p in phases]), TRUE)"""
+#: Whether loading first assumes every phase list present and plausible and checks that
+#: while it builds ``phases`` (one decoding of the lists fewer), loading again with the
+#: checks up front where the assumption fails. False: the checks up front always (tests).
+CHECK_LISTS_IN_PHASES = True
+#: The message of the error the ``phases`` statement raises where the assumption fails.
+_RECHECK = "stepscope: a phase list is missing or implausible; load again, checking first"
+#: Tables (and the view ``rec``) that loading builds before ``phases``.
+_EARLY = ("rec", "light", "common", "steps", "phases")
+
+
+class _Recheck(Exception):
+    """The records are not all as the faster loading assumes: load with the checks first."""
 #: A step's start on the run's timeline: when the GPU ran it (CUDA clock, plausible), else when
 #: the host entered it. Ranks whose GPUs lag their hosts by different amounts line up by the
 #: former; the host time would shift each rank by its own lag.
@@ -412,7 +428,29 @@ def _build_tables(con: Any, root: Path, skipped: list[str], torn: set[str] | Non
     ``lines``: for the store, lines per file stored through its combined file, whose corrupt
     lines are rows without a file name (``tagged`` rows are those lines' good ones).
     ``light``: also keep table ``light`` (goodput's rows), when ``raw`` came from rank files.
+
+    First with the phase lists assumed present and plausible (checked while ``phases`` is
+    built), and where that fails (or the records are not all kept: duplicates, steps not on
+    every rank, untimed, implausible or unreadable records) again with every check up front:
+    the same tables and notes either way.
     """
+    if CHECK_LISTS_IN_PHASES:
+        n_notes = len(skipped)
+        try:
+            return _build(con, root, skipped, torn, lines, light, lists_checked_later=True)
+        except _Recheck:
+            del skipped[n_notes:]
+            for name, kind in con.execute(
+                    "SELECT table_name, table_type FROM information_schema.tables "
+                    f"WHERE table_name IN {_EARLY}").fetchall():
+                con.execute(f"DROP {'VIEW' if kind == 'VIEW' else 'TABLE'} {name}")
+    return _build(con, root, skipped, torn, lines, light, lists_checked_later=False)
+
+
+def _build(con: Any, root: Path, skipped: list[str], torn: set[str] | None,
+           lines: dict[str, int] | None, light: bool, lists_checked_later: bool) -> RunData:
+    """:func:`_build_tables`; ``lists_checked_later``: raise :class:`_Recheck` where the
+    records are not all kept, and check the phase lists in the ``phases`` statement."""
     valid = " AND ".join(f"{c} IS NOT NULL" for c in _REQUIRED)
     readable_in = f"schema IN {tuple(READABLE_SCHEMAS)}"
     # One pass over the records answers the three questions the checks ask: lines per
@@ -420,17 +458,39 @@ def _build_tables(con: Any, root: Path, skipped: list[str], torn: set[str] | Non
     # per file. It is the only statement that evaluates the plausibility rule over every
     # record's phase list: when it finds none implausible, the rule is TRUE for every
     # kept record and the statements below leave it out (no second evaluation per phase).
+    # It also counts the records whose only missing field is the phase list: with none, the
+    # statements below test the scalar fields only, and reading ``rec`` (or anything but
+    # ``phases``) never decodes the lists (at 10^8 samples each decoding costs ~8 s CPU).
+    # With ``lists_checked_later`` the pass reads no phase list (decoding them is most of its
+    # cost): it assumes every list present and plausible, which the ``phases`` statement
+    # checks on every element it unnests; its last column then counts untimed records.
+    valid_scalars = " AND ".join(f"{c} IS NOT NULL" for c in _REQUIRED if c != "phases")
     lines_col = "count(*)" if lines is None else "count(*) FILTER (WHERE NOT coalesce(tagged, FALSE))"
-    groups = con.execute(
-        f"""SELECT filename, schema, {lines_col}, count(*) FILTER (WHERE {valid}),
-                   count(*) FILTER (WHERE {valid} AND {readable_in}
-                                    AND NOT coalesce({_PLAUSIBLE}, FALSE))
-            FROM raw GROUP BY 1, 2"""
-    ).fetchall()
+    if lists_checked_later:
+        groups = con.execute(
+            f"""SELECT filename, schema, {lines_col}, count(*) FILTER (WHERE {valid_scalars}),
+                       count(*) FILTER (WHERE {valid_scalars} AND {readable_in}
+                                        AND NOT coalesce({_PLAUSIBLE_SCALARS}, FALSE)),
+                       count(*) FILTER (WHERE {valid_scalars} AND NOT ({TIMED_FILTER}))
+                FROM raw GROUP BY 1, 2"""
+        ).fetchall()
+        # Only when every record is kept does ``phases`` unnest (and so check) every list.
+        if any(g[4] or g[5] or (g[3] and g[1] not in READABLE_SCHEMAS) for g in groups):
+            raise _Recheck
+    else:
+        groups = con.execute(
+            f"""SELECT filename, schema, {lines_col}, count(*) FILTER (WHERE {valid}),
+                       count(*) FILTER (WHERE {valid} AND {readable_in}
+                                        AND NOT coalesce({_PLAUSIBLE}, FALSE)),
+                       count(*) FILTER (WHERE {valid_scalars} AND phases IS NULL)
+                FROM raw GROUP BY 1, 2"""
+        ).fetchall()
     per_file: dict[str, tuple[int, int]] = {}
     schemas: dict[int, int] = {}
     implausible: dict[str, int] = {}
-    for fname, ver, n_lines, n_good, n_bad in groups:
+    if lists_checked_later or not any(g[5] for g in groups):
+        valid = valid_scalars  # the same records: every one with those fields has its list
+    for fname, ver, n_lines, n_good, n_bad, _ in groups:
         if fname is not None:
             u, g = per_file.get(str(fname), (0, 0))
             per_file[str(fname)] = (u + int(n_lines), g + int(n_good))
@@ -478,9 +538,12 @@ def _build_tables(con: Any, root: Path, skipped: list[str], torn: set[str] | Non
         )
     plausible = f"coalesce({_PLAUSIBLE}, FALSE)" if implausible else "TRUE"
     kept = f"{valid} AND {readable_in} AND {plausible} AND {TIMED_FILTER}"
-    # ``rec`` holds the records' columns but their phase lists: those are read once more,
-    # straight into ``phases`` below (a copy of every list here was the largest table).
-    con.execute(f"CREATE TABLE rec AS SELECT {_REC_COLUMNS} FROM raw WHERE {kept}")
+    # ``rec``: the records' columns but their phase lists (those are read once more,
+    # straight into ``phases`` below). A view: each statement reading it reads only the
+    # columns it names (a table was a copy of every column of every record: ~8 s CPU at
+    # 10^7 records); a table only when duplicates must be dropped.
+    con.execute(f"CREATE VIEW rec AS SELECT {_REC_COLUMNS} FROM raw WHERE {kept}")
+    rec_kind = "VIEW"
     if light:
         # Goodput's rows (analysis/goodput.py): every timed record of the rank JSONL files,
         # re-done duplicates included, kept here so it never re-reads the files. Converted
@@ -501,10 +564,14 @@ def _build_tables(con: Any, root: Path, skipped: list[str], torn: set[str] | Non
     # Where the phase lists come from: the records themselves, or (duplicate records, which
     # keep one of each (rank, step)) the copy in ``rec`` of the one kept.
     lists = f"raw WHERE {kept}"
+    if lists_checked_later and n_pairs < n_rec:
+        raise _Recheck
     if n_pairs < n_rec:
         skipped.append(f"{n_rec - n_pairs} duplicate (rank, step) record(s) skipped")
+        con.execute("DROP VIEW rec")
+        rec_kind = "TABLE"
         con.execute(
-            f"""CREATE OR REPLACE TABLE rec AS SELECT {_REC_COLUMNS}, phases FROM raw WHERE {kept}
+            f"""CREATE TABLE rec AS SELECT {_REC_COLUMNS}, phases FROM raw WHERE {kept}
                QUALIFY row_number() OVER (PARTITION BY rank, step ORDER BY start_unix_ns) = 1"""
         )
         lists = "rec WHERE TRUE"
@@ -567,8 +634,19 @@ def _build_tables(con: Any, root: Path, skipped: list[str], torn: set[str] | Non
                step_ms, coalesce(residual_ms, 0.0) AS residual_ms, h2d_hidden_ms
             FROM rec WHERE {keep}"""
     )
-    con.execute(
-        f"""CREATE TABLE phases AS
+    # The check the grouped pass left out: a record without its list, or an element outside
+    # the plausibility rule (named or not, so it comes before the name filter), stops the
+    # statement; every record is kept here, so every list is checked.
+    # Steps not on every rank (a live job's last step) are unnested too, so that every list
+    # is checked, and their rows deleted after.
+    unnested, named, kept_steps = "phases", "p.name IS NOT NULL", keep
+    if lists_checked_later:
+        keep = "TRUE"
+        unnested = f"CASE WHEN phases IS NULL THEN error('{_RECHECK}') ELSE phases END"
+        named = f"CASE WHEN NOT ({_PHASE_PLAUSIBLE}) THEN error('{_RECHECK}') ELSE {named} END"
+    try:
+        con.execute(
+            f"""CREATE TABLE phases AS
             SELECT CAST(rank AS INTEGER) AS rank, step, p.name AS name, p.parent AS parent,
                    -- On a CUDA clock the dataloader's events measure GPU idle; the input
                    -- wait is the host's (host_ms), recorded beside it.
@@ -580,23 +658,36 @@ def _build_tables(con: Any, root: Path, skipped: list[str], torn: set[str] | Non
                    coalesce(p.end_ms, p.start_ms + p.ms, 0.0) AS e,
                    coalesce(p.path, CASE WHEN p.parent IS NULL THEN p.name
                                          ELSE p.parent || '/' || p.name END) AS path
-            FROM (SELECT rank, step, clock, unnest(phases) AS p FROM {lists} AND {keep})
-            WHERE p.name IS NOT NULL"""
-    )
-    kind = con.execute("SELECT table_type FROM information_schema.tables "
-                       "WHERE table_name = 'raw'").fetchone()[0]
-    con.execute("DROP VIEW raw" if kind == "VIEW" else "DROP TABLE raw")
+            FROM (SELECT rank, step, clock, unnest({unnested}) AS p FROM {lists} AND {keep})
+            WHERE {named}"""
+        )
+    except Exception as exc:  # duckdb.InvalidInputException from error(): load again
+        if _RECHECK not in str(exc):
+            raise
+        raise _Recheck from exc
+    keep = kept_steps
+    if lists_checked_later and keep != "TRUE":
+        con.execute(f"DELETE FROM phases WHERE NOT ({keep})")
     # Records that list one phase path twice (hostile or corrupt): with none, (rank, step,
     # path) is a key of ``phases`` and analysis/own.py's pw needs no group-by over every row.
     # Counted on the unnested rows a block of ranks at a time (a per-record list expression
     # cost 5x the CPU; one group-by over every row would hold every key). Ranks, not steps:
     # the rows are stored in the records' order (rank by rank), so a block's rows lie in few
     # row groups and the others are skipped by their rank range.
+    # Grouped by one hash of the three, not the three (a third of the CPU at 10^7 rows per
+    # block): no hash twice means no key twice. A block with a repeated hash (a listed-twice
+    # path, or two keys whose hashes collide) is counted again by the keys themselves.
+    # Small blocks (:data:`DUP_BLOCK_SHARE`): a hash table of ~3*10^5 keys stays in cache;
+    # one of 10^7 took twice the CPU.
     n_dups = 0
-    for b in rank_blocks(con):
-        n_dups += int(con.execute(
-            f"""SELECT count(*) FROM (SELECT rank, step, path FROM phases
-                WHERE {in_block('rank', b)} GROUP BY ALL HAVING count(*) > 1)""").fetchone()[0])
+    for b in rank_blocks(con, max(1, blocks.BLOCK_RECORDS // DUP_BLOCK_SHARE)):
+        blk = in_block('rank', b)
+        if int(con.execute(
+                f"""SELECT count(*) FROM (SELECT hash(rank, step, path) AS h FROM phases
+                    WHERE {blk} GROUP BY h HAVING count(*) > 1)""").fetchone()[0]):
+            n_dups += int(con.execute(
+                f"""SELECT count(*) FROM (SELECT rank, step, path FROM phases
+                    WHERE {blk} GROUP BY ALL HAVING count(*) > 1)""").fetchone()[0])
     con.execute(f"CREATE TABLE phase_dups AS SELECT {n_dups} AS n")
     create_resource_table(con, keep)  # [metrics] table res
     con.execute(
@@ -624,7 +715,10 @@ def _build_tables(con: Any, root: Path, skipped: list[str], torn: set[str] | Non
                   WHERE {keep} AND counters IS NOT NULL)
             WHERE starts_with(k, 'unseen_')"""
     )
-    con.execute("DROP TABLE rec")
+    con.execute(f"DROP {rec_kind} rec")
+    kind = con.execute("SELECT table_type FROM information_schema.tables "
+                       "WHERE table_name = 'raw'").fetchone()[0]
+    con.execute("DROP VIEW raw" if kind == "VIEW" else "DROP TABLE raw")
     hosts: dict[str, list[int]] = {}
     for host, rank in con.execute(
         "SELECT DISTINCT host, rank FROM steps ORDER BY host, rank"
