@@ -615,6 +615,49 @@ def test_memory_creep_a_block_of_ranks_at_a_time(tmp_path: Path, monkeypatch: An
     assert len(series) == 5 and all("rank BETWEEN" in s for s in series), series
 
 
+def test_resources_read_only_the_sections_present(tmp_path: Path) -> None:
+    # res has twenty columns, at 10^8 samples all NULL (no throughput, memory or device
+    # sections): the memory series of every rank were still read into Python, and the
+    # medians taken, for nothing (~6 s on one core). Only the columns that hold a value.
+    from stepscope.analysis.resources import analyze_resources
+
+    bare = write_run(tmp_path / "bare", SynthRun(ranks=3, steps=20, seed=6))
+    data = analyze_run(bare, keep=True)["_data"]
+    try:
+        spy = _Spy(data.con)
+        got = analyze_resources(spy)
+    finally:
+        data.close()
+    assert got["throughput"] == {"tokens_per_s": None, "samples_per_s": None, "tflops": None,
+                                 "mfu": None}
+    assert got["device"] is None and got["memory"]["creep"] == []
+    assert [r["rank"] for r in got["memory"]["per_rank"]] == [0, 1, 2]
+    assert all(v is None for r in got["memory"]["per_rank"] for k, v in r.items() if k != "rank")
+    reads = [s for s in spy.sqls if "FROM res" in s]
+    assert len(reads) == 2, reads  # which columns hold values; the ranks
+    assert not [s for s in reads if "median(" in s or "max(" in s or "rank BETWEEN" in s], reads
+
+    recs = make_records(SynthRun(ranks=3, steps=20, seed=6))
+    for rows in recs.values():
+        for rec in rows:  # memory only: RSS, no allocator or device samples
+            rec["memory"] = {"rss_mb": 1000.0 + rec["step"] % 2}
+    root = tmp_path / "mem"
+    root.mkdir()
+    for rank, rows in recs.items():
+        (root / f"rank{rank}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = analyze_run(root, keep=True)["_data"]
+    try:
+        spy = _Spy(data.con)
+        got = analyze_resources(spy)
+    finally:
+        data.close()
+    assert got["memory"]["rss_mb"] == 1001.0 and got["memory"]["allocated_mb"] is None
+    assert [r["rss_mb"] for r in got["memory"]["per_rank"]] == [1001.0] * 3
+    assert got["device"] is None and got["throughput"]["tokens_per_s"] is None
+    series = [s for s in spy.sqls if "rank BETWEEN" in s and "FROM res" in s]
+    assert series and all(s.startswith("SELECT rank, step, rss_mb FROM res") for s in series), series
+
+
 def test_own_work_one_read_of_pw_per_block_of_steps(tmp_path: Path, monkeypatch: Any) -> None:
     # build_own's dense path reads each block of steps' top-level pw rows once (own work,
     # wait and timing together): no own table over every row, no read per phase (at 10^8

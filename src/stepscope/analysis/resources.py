@@ -101,7 +101,20 @@ def analyze_resources(con: Any) -> dict[str, Any]:
         "SELECT count(*) FROM information_schema.tables WHERE table_name = 'res'"
     ).fetchone()[0]:
         return {"throughput": _empty_throughput(), "memory": _empty_memory(), "device": None}
-    # Job totals per step: sum over ranks; MFU of the job = achieved over summed peaks.
+    # One scan for which columns hold any value: a run without a section (the common case,
+    # and 10^7 records at 10^8 samples) reads none of its columns again.
+    names = [name for _, name in _FIELDS]
+    counts = con.execute(
+        f"SELECT {', '.join(f'count({n})' for n in names)} FROM res").fetchone()
+    present = {n for n, k in zip(names, counts, strict=True) if k}
+    return {"throughput": _throughput(con, present), "memory": _memory(con, present),
+            "device": _device_table(con, present)}
+
+
+def _throughput(con: Any, present: set[str]) -> dict[str, Any]:
+    """Job totals per step: sum over ranks; MFU of the job = achieved over summed peaks."""
+    if not present & {"tokens_per_s", "samples_per_s", "tflops", "mfu"}:
+        return _empty_throughput()
     t = con.execute(
         """WITH per_step AS (
                SELECT step, sum(tokens_per_s) AS tps, sum(samples_per_s) AS sps,
@@ -112,28 +125,34 @@ def analyze_resources(con: Any) -> dict[str, Any]:
                   median(tf / peak) FILTER (WHERE n_mfu = n AND peak > 0)
            FROM per_step"""
     ).fetchone()
-    throughput = {
+    return {
         "tokens_per_s": _r(t[0], 1),
         "samples_per_s": _r(t[1], 3),
         "tflops": _sig(t[2]),
         "mfu": _sig(t[3]),
     }
-    m = con.execute(
-        """SELECT max(peak_allocated_mb), max(peak_reserved_mb), max(allocated_mb), max(rss_mb),
-                  max(workers_rss_mb), max(alloc_retries), max(ooms) FROM res"""
-    ).fetchone()
-    memory: dict[str, Any] = {
-        "peak_allocated_mb": _r(m[0], 1),
-        "peak_reserved_mb": _r(m[1], 1),
-        "allocated_mb": _r(m[2], 1),
-        "rss_mb": _r(m[3], 1),
-        "workers_rss_mb": _r(m[4], 1),
-        "alloc_retries": None if m[5] is None else int(m[5]),
-        "ooms": None if m[6] is None else int(m[6]),
-        "per_rank": _memory_per_rank(con),
-        "creep": _creep(con),
-    }
-    return {"throughput": throughput, "memory": memory, "device": _device_table(con)}
+
+
+def _memory(con: Any, present: set[str]) -> dict[str, Any]:
+    memory = _empty_memory()
+    if present & {"peak_allocated_mb", "peak_reserved_mb", "allocated_mb", "rss_mb",
+                  "workers_rss_mb", "alloc_retries", "ooms"}:
+        m = con.execute(
+            """SELECT max(peak_allocated_mb), max(peak_reserved_mb), max(allocated_mb), max(rss_mb),
+                      max(workers_rss_mb), max(alloc_retries), max(ooms) FROM res"""
+        ).fetchone()
+        memory.update({
+            "peak_allocated_mb": _r(m[0], 1),
+            "peak_reserved_mb": _r(m[1], 1),
+            "allocated_mb": _r(m[2], 1),
+            "rss_mb": _r(m[3], 1),
+            "workers_rss_mb": _r(m[4], 1),
+            "alloc_retries": None if m[5] is None else int(m[5]),
+            "ooms": None if m[6] is None else int(m[6]),
+        })
+    memory["per_rank"] = _memory_per_rank(con, present)
+    memory["creep"] = _creep(con, [n for n in CREEP_METRICS if n in present])
+    return memory
 
 
 def _empty_throughput() -> dict[str, Any]:
@@ -146,7 +165,12 @@ def _empty_memory() -> dict[str, Any]:
             "per_rank": [], "creep": []}
 
 
-def _memory_per_rank(con: Any) -> list[dict[str, Any]]:
+def _memory_per_rank(con: Any, present: set[str]) -> list[dict[str, Any]]:
+    """Every rank of ``res``, its values ``None`` where no record measured them."""
+    if not present & {"peak_allocated_mb", "rss_mb", "alloc_retries", "ooms", "tokens_per_s", "mfu"}:
+        return [{"rank": int(r), "peak_allocated_mb": None, "rss_mb": None, "alloc_retries": None,
+                 "ooms": None, "tokens_per_s": None, "mfu": None}
+                for (r,) in con.execute("SELECT DISTINCT rank FROM res ORDER BY rank").fetchall()]
     rows = con.execute(
         """SELECT rank, max(peak_allocated_mb), max(rss_mb), max(alloc_retries), max(ooms),
                   median(tokens_per_s), median(mfu)
@@ -161,8 +185,10 @@ def _memory_per_rank(con: Any) -> list[dict[str, Any]]:
     ]
 
 
-def _device_table(con: Any) -> dict[str, Any] | None:
+def _device_table(con: Any, present: set[str]) -> dict[str, Any] | None:
     """Per-rank min/median/max of SM clock, power, temperature, utilisation; ``None`` if unsampled."""
+    if not present & set(DEVICE_METRICS):
+        return None
     aggs = ", ".join(f"min({m}), median({m}), max({m}), count({m})" for m in DEVICE_METRICS)
     rows = con.execute(f"SELECT rank, {aggs} FROM res GROUP BY rank ORDER BY rank").fetchall()
     per_rank = []
@@ -240,13 +266,15 @@ def creep_test(steps: list[int], values: list[float], metric: str) -> dict[str, 
     }
 
 
-def _creep(con: Any) -> list[dict[str, Any]]:
+def _creep(con: Any, names: list[str]) -> list[dict[str, Any]]:
     """memory_creep findings, one per rank: every metric that grew (allocated, reserved, RSS).
 
-    ``metric`` is the first that grew in :data:`CREEP_METRICS` order; ``grew`` lists them all.
+    ``names``: the metrics of :data:`CREEP_METRICS` that some record measured (none: no
+    series read). ``metric`` is the first that grew in their order; ``grew`` lists them all.
     """
-    out = []
-    names = list(CREEP_METRICS)
+    out: list[dict[str, Any]] = []
+    if not names:
+        return out
     # A block of ranks at a time: every record's row as Python tuples at once was ~0.85 GB
     # at 10^7 records (4,096 ranks x 2,500 steps), the report's peak.
     # The blocks cover every rank, also one with resource rows but no analysed step.
