@@ -119,3 +119,62 @@ def test_wait_table_grouped_before_the_join_to_steps() -> None:
         assert abs(g[2] - w[2]) < 1e-9 and abs(g[3] - w[3]) < 1e-9
     wait_sql = [s for s in spy.sqls if "TABLE wait AS" in s]
     assert len(wait_sql) == 1 and "FROM cw GROUP BY" in " ".join(wait_sql[0].split()), wait_sql
+
+
+def _old_call(con: Any, n_ranks: int) -> tuple[list[Any], list[Any]]:
+    """``call`` as the one group-by over the collectives and every grad_sync row gave it."""
+    con.execute(
+        f"""CREATE OR REPLACE TABLE call_old AS
+            SELECT rank, step, phase, op, pg, max(pg_size) AS pg_size, sum(count) AS count,
+                   sum(bytes) AS bytes, sum(ms) AS ms, min(seq_first) AS seq_first,
+                   max(seq_last) AS seq_last
+            FROM (SELECT rank, step, phase, op, pg, coalesce(pg_size, {n_ranks}) AS pg_size,
+                         count, bytes, ms, seq_first, seq_last FROM colls
+                  UNION ALL
+                  SELECT rank, step, parent, 'ddp_allreduce', 'ddp', {n_ranks}, calls, NULL, ms,
+                         NULL, NULL FROM phases WHERE name = 'grad_sync')
+            GROUP BY 1, 2, 3, 4, 5""")
+    return (con.execute("SELECT * FROM call_old ORDER BY ALL").fetchall(),
+            con.execute("DESCRIBE call_old").fetchall())
+
+
+def _call_sql(con: Any) -> str:
+    spy = _Spy(con)
+    build_waits(spy, 4, Alignment(None, None, False, "single host"))
+    (sql,) = [" ".join(s.split()) for s in spy.sqls if "TABLE call AS" in s]
+    return sql
+
+
+def test_call_groups_the_collectives_not_every_grad_sync_row() -> None:
+    # At 10^8 phase samples ``call`` grouped the 10^7 grad_sync rows with the collectives,
+    # each row its own group. Where (rank, step, path) is a key of ``phases`` (phase_dups 0)
+    # and each grad_sync path is its parent's + "/grad_sync", only the collectives are
+    # grouped: the same rows and column types.
+    con = _tables(seed=3)
+    con.execute("CREATE TABLE phase_dups AS SELECT 0 AS n")
+    sql = _call_sql(con)
+    assert sql.index("GROUP BY") < sql.index("UNION ALL"), sql
+    got = con.execute("SELECT * FROM call ORDER BY ALL").fetchall()
+    rows, types = _old_call(con, 4)
+    assert got == rows and con.execute("DESCRIBE call").fetchall() == types
+    assert sum(1 for r in got if r[3] == "ddp_allreduce") == 48
+
+    # A path that is not its parent's + the name can share a parent with another: grouped.
+    con.execute("""INSERT INTO phases VALUES (1, 4, 'grad_sync', 'head/backward/grad_sync',
+                   'backward', 1, 2.5, 0.0, 2.5)""")
+    sql = _call_sql(con)
+    assert sql.index("UNION ALL") < sql.index("GROUP BY"), sql
+    got = con.execute("SELECT * FROM call ORDER BY ALL").fetchall()
+    rows, types = _old_call(con, 4)
+    assert got == rows and con.execute("DESCRIBE call").fetchall() == types
+    assert sum(1 for r in got if r[3] == "ddp_allreduce") == 48  # the two summed in one row
+
+    # A recorded collective with DDP's op and group, or duplicate paths: grouped together.
+    for fix in ("INSERT INTO colls VALUES (0, 2, 'backward', 'ddp_allreduce', 'ddp', 4, 1, "
+                "NULL, 1.0, 1.0, NULL, NULL)", "UPDATE phase_dups SET n = 1"):
+        con = _tables(seed=3)
+        con.execute("CREATE TABLE phase_dups AS SELECT 0 AS n")
+        con.execute(fix)
+        sql = _call_sql(con)
+        assert sql.index("UNION ALL") < sql.index("GROUP BY"), (fix, sql)
+        assert con.execute("SELECT * FROM call ORDER BY ALL").fetchall() == _old_call(con, 4)[0]

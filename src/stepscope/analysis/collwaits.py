@@ -42,6 +42,26 @@ def _q(s: str) -> str:
     return "'" + s.replace("'", "''") + "'"
 
 
+def _grad_sync_keyed(con: Any) -> bool:
+    """Whether every ``grad_sync`` row of ``phases`` is the only one of its (rank, step,
+    parent) (no record lists a path twice: table ``phase_dups`` from analysis/load.py, and
+    each such path is its parent's + ``/grad_sync``) and no recorded collective has DDP's op
+    and group, so ``call`` need not group those rows."""
+    if not con.execute("SELECT count(*) FROM information_schema.tables "
+                       "WHERE table_name = 'phase_dups'").fetchone()[0]:
+        return False  # tables made by hand: not known
+    if int(con.execute("SELECT n FROM phase_dups").fetchone()[0]) != 0:
+        return False
+    # A path is a key; it names its parent only where it is the parent's path + the name (a
+    # record's own path may be another: two such paths could share a parent).
+    return not con.execute(
+        f"""SELECT (SELECT count(*) FROM colls WHERE op = '{DDP_OP}' AND pg = '{DDP_PG}')
+                   + (SELECT count(*) FROM phases WHERE name = '{GRAD_SYNC}'
+                      AND path IS DISTINCT FROM (CASE WHEN parent IS NULL THEN name
+                                                      ELSE parent || '/' || name END))"""
+    ).fetchone()[0]
+
+
 def build_waits(con: Any, n_ranks: int, al: Alignment,
                 info: list[str] | None = None) -> tuple[str, list[str]]:
     """Tables ``cw`` (one row per rank, step, phase, op, pg with its ``wait``) and ``wait``.
@@ -50,18 +70,34 @@ def build_waits(con: Any, n_ranks: int, al: Alignment,
     of its time in collectives. Returns the wait
     source and notes on partitions that could not be matched.
     """
-    con.execute(
-        f"""CREATE OR REPLACE TABLE call AS
-            SELECT rank, step, phase, op, pg, max(pg_size) AS pg_size, sum(count) AS count,
-                   sum(bytes) AS bytes, sum(ms) AS ms, min(seq_first) AS seq_first,
-                   max(seq_last) AS seq_last
-            FROM (SELECT rank, step, phase, op, pg, coalesce(pg_size, {n_ranks}) AS pg_size,
-                         count, bytes, ms, seq_first, seq_last FROM colls
-                  UNION ALL
-                  SELECT rank, step, parent, '{DDP_OP}', '{DDP_PG}', {n_ranks}, calls, NULL, ms,
-                         NULL, NULL FROM phases WHERE name = '{GRAD_SYNC}')
-            GROUP BY 1, 2, 3, 4, 5"""
-    )
+    gs = f"""SELECT rank, step, parent, '{DDP_OP}', '{DDP_PG}', {n_ranks}, calls, NULL, ms,
+                    NULL, NULL FROM phases WHERE name = '{GRAD_SYNC}'"""
+    if _grad_sync_keyed(con):
+        # Each grad_sync phase is its own (rank, step, parent) and no recorded collective
+        # shares its op and group: those rows are their own groups, so only the collectives
+        # are grouped (a group-by over the 10^7 grad_sync rows at 10^8 phase samples gave
+        # back the rows it was given). The union takes the grouped columns' types.
+        con.execute(
+            f"""CREATE OR REPLACE TABLE call AS
+                SELECT rank, step, phase, op, pg, max(pg_size) AS pg_size, sum(count) AS count,
+                       sum(bytes) AS bytes, sum(ms) AS ms, min(seq_first) AS seq_first,
+                       max(seq_last) AS seq_last
+                FROM (SELECT rank, step, phase, op, pg, coalesce(pg_size, {n_ranks}) AS pg_size,
+                             count, bytes, ms, seq_first, seq_last FROM colls)
+                GROUP BY 1, 2, 3, 4, 5
+                UNION ALL {gs}"""
+        )
+    else:
+        con.execute(
+            f"""CREATE OR REPLACE TABLE call AS
+                SELECT rank, step, phase, op, pg, max(pg_size) AS pg_size, sum(count) AS count,
+                       sum(bytes) AS bytes, sum(ms) AS ms, min(seq_first) AS seq_first,
+                       max(seq_last) AS seq_last
+                FROM (SELECT rank, step, phase, op, pg, coalesce(pg_size, {n_ranks}) AS pg_size,
+                             count, bytes, ms, seq_first, seq_last FROM colls
+                      UNION ALL {gs})
+                GROUP BY 1, 2, 3, 4, 5"""
+        )
     notes: list[str] = []
     n_calls, n_coll = con.execute(
         f"SELECT count(*), count(*) FILTER (WHERE op <> '{DDP_OP}') FROM call").fetchone()
