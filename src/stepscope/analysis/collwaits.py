@@ -12,7 +12,7 @@ from typing import Any
 from stepscope.analysis.align import Alignment, _timeline_wait
 from stepscope.analysis.pipeline import IS_P2P, build_p2p_waits
 from stepscope.analysis.stats import phase_order
-from stepscope.common.waits import sql_wait
+from stepscope.common.waits import sql_wait_grouped
 
 GRAD_SYNC = "grad_sync"
 DDP_OP = "ddp_allreduce"
@@ -42,6 +42,26 @@ def _q(s: str) -> str:
     return "'" + s.replace("'", "''") + "'"
 
 
+def _grad_sync_keyed(con: Any) -> bool:
+    """Whether every ``grad_sync`` row of ``phases`` is the only one of its (rank, step,
+    parent) (no record lists a path twice: table ``phase_dups`` from analysis/load.py, and
+    each such path is its parent's + ``/grad_sync``) and no recorded collective has DDP's op
+    and group, so ``call`` need not group those rows."""
+    if not con.execute("SELECT count(*) FROM information_schema.tables "
+                       "WHERE table_name = 'phase_dups'").fetchone()[0]:
+        return False  # tables made by hand: not known
+    if int(con.execute("SELECT n FROM phase_dups").fetchone()[0]) != 0:
+        return False
+    # A path is a key; it names its parent only where it is the parent's path + the name (a
+    # record's own path may be another: two such paths could share a parent).
+    return not con.execute(
+        f"""SELECT (SELECT count(*) FROM colls WHERE op = '{DDP_OP}' AND pg = '{DDP_PG}')
+                   + (SELECT count(*) FROM phases WHERE name = '{GRAD_SYNC}'
+                      AND path IS DISTINCT FROM (CASE WHEN parent IS NULL THEN name
+                                                      ELSE parent || '/' || name END))"""
+    ).fetchone()[0]
+
+
 def build_waits(con: Any, n_ranks: int, al: Alignment,
                 info: list[str] | None = None) -> tuple[str, list[str]]:
     """Tables ``cw`` (one row per rank, step, phase, op, pg with its ``wait``) and ``wait``.
@@ -50,18 +70,34 @@ def build_waits(con: Any, n_ranks: int, al: Alignment,
     of its time in collectives. Returns the wait
     source and notes on partitions that could not be matched.
     """
-    con.execute(
-        f"""CREATE OR REPLACE TABLE call AS
-            SELECT rank, step, phase, op, pg, max(pg_size) AS pg_size, sum(count) AS count,
-                   sum(bytes) AS bytes, sum(ms) AS ms, min(seq_first) AS seq_first,
-                   max(seq_last) AS seq_last
-            FROM (SELECT rank, step, phase, op, pg, coalesce(pg_size, {n_ranks}) AS pg_size,
-                         count, bytes, ms, seq_first, seq_last FROM colls
-                  UNION ALL
-                  SELECT rank, step, parent, '{DDP_OP}', '{DDP_PG}', {n_ranks}, calls, NULL, ms,
-                         NULL, NULL FROM phases WHERE name = '{GRAD_SYNC}')
-            GROUP BY 1, 2, 3, 4, 5"""
-    )
+    gs = f"""SELECT rank, step, parent, '{DDP_OP}', '{DDP_PG}', {n_ranks}, calls, NULL, ms,
+                    NULL, NULL FROM phases WHERE name = '{GRAD_SYNC}'"""
+    if _grad_sync_keyed(con):
+        # Each grad_sync phase is its own (rank, step, parent) and no recorded collective
+        # shares its op and group: those rows are their own groups, so only the collectives
+        # are grouped (a group-by over the 10^7 grad_sync rows at 10^8 phase samples gave
+        # back the rows it was given). The union takes the grouped columns' types.
+        con.execute(
+            f"""CREATE OR REPLACE TABLE call AS
+                SELECT rank, step, phase, op, pg, max(pg_size) AS pg_size, sum(count) AS count,
+                       sum(bytes) AS bytes, sum(ms) AS ms, min(seq_first) AS seq_first,
+                       max(seq_last) AS seq_last
+                FROM (SELECT rank, step, phase, op, pg, coalesce(pg_size, {n_ranks}) AS pg_size,
+                             count, bytes, ms, seq_first, seq_last FROM colls)
+                GROUP BY 1, 2, 3, 4, 5
+                UNION ALL {gs}"""
+        )
+    else:
+        con.execute(
+            f"""CREATE OR REPLACE TABLE call AS
+                SELECT rank, step, phase, op, pg, max(pg_size) AS pg_size, sum(count) AS count,
+                       sum(bytes) AS bytes, sum(ms) AS ms, min(seq_first) AS seq_first,
+                       max(seq_last) AS seq_last
+                FROM (SELECT rank, step, phase, op, pg, coalesce(pg_size, {n_ranks}) AS pg_size,
+                             count, bytes, ms, seq_first, seq_last FROM colls
+                      UNION ALL {gs})
+                GROUP BY 1, 2, 3, 4, 5"""
+        )
     notes: list[str] = []
     n_calls, n_coll = con.execute(
         f"SELECT count(*), count(*) FILTER (WHERE op <> '{DDP_OP}') FROM call").fetchone()
@@ -79,22 +115,24 @@ def build_waits(con: Any, n_ranks: int, al: Alignment,
         notes.append(
             f"collectives of group {pg!r} (size {size}) recorded on {seen} rank(s) only: waits "
             "are computed among those (under-stated if a missing rank was the late one)")
-    part = "step, coalesce(phase, ''), op, pg"
     build_p2p_waits(con)  # point-to-point links: their two ends, not the group
-    # One pass of the window: whether a partition matched is the same on all its rows, so
-    # its rows' waits are those of the matched rows alone (a table of the matched flags and
-    # a second window over it were two passes over every collective).
+    # Each instance (step, phase, op, pg) grouped once and joined back to its ranks' rows:
+    # whether it matched, whether its sequence numbers differ, and its shortest time, the
+    # same values as a window partitioned by it, without sorting every collective.
     con.execute(
         f"""CREATE OR REPLACE TABLE cw AS
-            SELECT * EXCLUDE (w_if), CASE WHEN matched THEN w_if ELSE CAST(0.0 AS DOUBLE) END
-                                         AS wait
-            FROM (SELECT c.*, count(*) OVER w = e.n AND min(c.count) OVER w = max(c.count) OVER w
-                                  AS matched,
-                         min(c.seq_first) OVER w IS DISTINCT FROM max(c.seq_first) OVER w
-                             AS seq_shift,
-                         {sql_wait('c.ms', part)} AS w_if
-                  FROM call c JOIN cexp e USING (pg) WHERE NOT c.{IS_P2P}
-                  WINDOW w AS (PARTITION BY {part}))
+            WITH g AS (SELECT step, coalesce(phase, '') AS ph, op, pg, count(*) AS n,
+                              min(count) = max(count) AS same_count,
+                              min(seq_first) IS DISTINCT FROM max(seq_first) AS seq_shift,
+                              min(ms) AS lo
+                       FROM call WHERE NOT {IS_P2P} GROUP BY 1, 2, 3, 4)
+            SELECT c.*, g.n = e.n AND g.same_count AS matched, g.seq_shift,
+                   CASE WHEN g.n = e.n AND g.same_count THEN {sql_wait_grouped('c.ms', 'g.lo')}
+                        ELSE CAST(0.0 AS DOUBLE) END AS wait
+            FROM call c JOIN cexp e USING (pg)
+                 JOIN g ON c.step = g.step AND coalesce(c.phase, '') = g.ph AND c.op = g.op
+                           AND c.pg = g.pg
+            WHERE NOT c.{IS_P2P}
             UNION ALL BY NAME SELECT * FROM p2pw"""
     )
     con.execute("DROP TABLE p2pw")
@@ -148,12 +186,15 @@ def build_waits(con: Any, n_ranks: int, al: Alignment,
         con.execute("DROP TABLE tw")
         source = "timeline"
     # comm_ms (time in collectives beyond the waits) for goodput's exposed_comm: the same
-    # group-by over cw, taken once.
+    # group-by over cw, taken once, then joined to the steps (one row per (rank, step), so
+    # grouping before the join gives the same sums and joins far fewer rows).
     con.execute(
         """CREATE OR REPLACE TABLE wait AS
-           SELECT s.rank, s.step, CAST(coalesce(sum(c.wait), 0.0) AS DOUBLE) AS wait_ms,
-                  CAST(coalesce(sum(greatest(c.ms - c.wait, 0.0)), 0.0) AS DOUBLE) AS comm_ms
-           FROM steps s LEFT JOIN cw c USING (rank, step) GROUP BY 1, 2"""
+           SELECT s.rank, s.step, CAST(coalesce(c.w, 0.0) AS DOUBLE) AS wait_ms,
+                  CAST(coalesce(c.x, 0.0) AS DOUBLE) AS comm_ms
+           FROM steps s LEFT JOIN (SELECT rank, step, sum(wait) AS w,
+                                          sum(greatest(ms - wait, 0.0)) AS x
+                                   FROM cw GROUP BY 1, 2) c USING (rank, step)"""
     )
     return source, notes
 

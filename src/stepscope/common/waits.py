@@ -61,3 +61,13 @@ def sql_wait(ms: str, partition: str) -> str:
     (e.g. ``"step, phase, op, pg"``).
     """
     return f"greatest({ms} - min({ms}) OVER (PARTITION BY {partition}), 0.0)"
+
+
+def sql_wait_grouped(ms: str, lo: str) -> str:
+    """The same rule in SQL over one matched collective's rows joined to its group-by.
+
+    ``lo`` is the instance's ``min(ms)`` taken by a ``GROUP BY`` of the columns that identify
+    it and joined back to each rank's row: the same value as :func:`sql_wait`'s window,
+    without sorting every row by its instance.
+    """
+    return f"greatest({ms} - {lo}, 0.0)"
