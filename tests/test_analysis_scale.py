@@ -11,6 +11,7 @@ from statistics import median
 from typing import Any
 
 import pytest
+from tests.sqlspy import SqlSpy
 from tests.synth_runs import Slow, SynthRun, make_records, write_run
 
 from stepscope.analysis.run import analyze_run
@@ -441,21 +442,6 @@ def test_goodput_a_block_of_ranks_at_a_time_equals_every_rank_at_once(
     assert whole["gpu_hours"] > 0 and whole["lost_gpu_hours"]["stragglers"] > 0
 
 
-class _Spy:
-    """A connection that lists the statements run on it."""
-
-    def __init__(self, con: Any) -> None:
-        self.con = con
-        self.sqls: list[str] = []
-
-    def execute(self, sql: str, *a: Any) -> Any:
-        self.sqls.append(sql)
-        return self.con.execute(sql, *a)
-
-    def __getattr__(self, name: str) -> Any:  # register, unregister: not statements
-        return getattr(self.con, name)
-
-
 def test_phase_stats_exact_quantiles_a_block_of_ranks_at_a_time(tmp_path: Path,
                                                                  monkeypatch: Any) -> None:
     # The exact per-(phase, rank) quantiles hold every value of a group at once: over the
@@ -471,7 +457,7 @@ def test_phase_stats_exact_quantiles_a_block_of_ranks_at_a_time(tmp_path: Path,
         create_phase_samples(data.con)
         whole = phase_stats(data.con, 10**9)
 
-        spy = _Spy(data.con)
+        spy = SqlSpy(data.con)
         sqls = spy.sqls
         monkeypatch.setattr(blocks, "BLOCK_RECORDS", 30)  # one rank (30 records) per block
         split = phase_stats(spy, 10**9)
@@ -495,7 +481,7 @@ def test_rank_stats_exact_quantiles_a_block_of_ranks_at_a_time(tmp_path: Path,
     data = analyze_run(run, keep=True)["_data"]
     try:
         whole = rank_stats(data.con, data.hosts)
-        spy = _Spy(data.con)
+        spy = SqlSpy(data.con)
         sqls = spy.sqls
         monkeypatch.setattr(blocks, "BLOCK_RECORDS", 30)  # one rank (30 records) per block
         split = rank_stats(spy, data.hosts)
@@ -568,7 +554,7 @@ def test_phase_waits_whole_run_medians_one_path_at_a_time(tmp_path: Path) -> Non
     doc = analyze_run(run, keep=True)
     data = doc["_data"]
     try:
-        spy = _Spy(data.con)
+        spy = SqlSpy(data.con)
         sqls = spy.sqls
         phases = {k: {**v, "per_rank": [dict(p) for p in v["per_rank"]]}
                   for k, v in doc["phases"].items()}
@@ -603,7 +589,7 @@ def test_memory_creep_a_block_of_ranks_at_a_time(tmp_path: Path, monkeypatch: An
     data = analyze_run(root, keep=True)["_data"]
     try:
         whole = analyze_resources(data.con)["memory"]["creep"]
-        spy = _Spy(data.con)
+        spy = SqlSpy(data.con)
         sqls = spy.sqls
         monkeypatch.setattr(blocks, "BLOCK_RECORDS", 40)  # one rank (40 records) per block
         split = analyze_resources(spy)["memory"]["creep"]
@@ -624,7 +610,7 @@ def test_resources_read_only_the_sections_present(tmp_path: Path) -> None:
     bare = write_run(tmp_path / "bare", SynthRun(ranks=3, steps=20, seed=6))
     data = analyze_run(bare, keep=True)["_data"]
     try:
-        spy = _Spy(data.con)
+        spy = SqlSpy(data.con)
         got = analyze_resources(spy)
     finally:
         data.close()
@@ -647,7 +633,7 @@ def test_resources_read_only_the_sections_present(tmp_path: Path) -> None:
         (root / f"rank{rank}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     data = analyze_run(root, keep=True)["_data"]
     try:
-        spy = _Spy(data.con)
+        spy = SqlSpy(data.con)
         got = analyze_resources(spy)
     finally:
         data.close()
@@ -675,7 +661,7 @@ def test_own_work_one_read_of_pw_per_block_of_steps(tmp_path: Path, monkeypatch:
         for per_block in (None, 5):  # every step at once; one step (5 ranks) per block
             if per_block is not None:
                 monkeypatch.setattr(blocks, "BLOCK_RECORDS", per_block)
-            spy = _Spy(data.con)
+            spy = SqlSpy(data.con)
             cols = own_mod.build_own(spy)
             assert cols.dense is not None
             assert all(m.dtype == own_mod.KEEP_DTYPE for m in (*cols.dense.own, *cols.dense.excess))
@@ -706,7 +692,7 @@ def test_pw_is_a_view_not_a_table_of_every_phase_row(tmp_path: Path) -> None:
     try:
         kind = data.con.execute("SELECT table_type FROM information_schema.tables "
                                 "WHERE table_name = 'pw'").fetchone()[0]
-        spy = _Spy(data.con)
+        spy = SqlSpy(data.con)
         build_own(spy)
         phases = {k: {**v, "per_rank": [dict(p) for p in v["per_rank"]]}
                   for k, v in doc["phases"].items()}
@@ -738,7 +724,7 @@ def test_phase_waits_takes_plain_paths_sums_from_phase_stats(tmp_path: Path) -> 
         for drop in (False, True):
             if drop:
                 data.con.execute("DROP TABLE phase_sums")
-            spy = _Spy(data.con)
+            spy = SqlSpy(data.con)
             phases = {k: {**v, "per_rank": [dict(p) for p in v["per_rank"]]}
                       for k, v in doc["phases"].items()}
             for ph in phases.values():
@@ -795,7 +781,7 @@ def test_waits_one_pass_over_the_collectives(tmp_path: Path) -> None:
     a = doc["run"]["alignment"]
     try:
         before = data.con.execute("SELECT * FROM cw ORDER BY ALL").fetchall()
-        spy = _Spy(data.con)
+        spy = SqlSpy(data.con)
         build_waits(spy, len(data.ranks),
                     Alignment(a["sync_phase"], a["arrival"], a["aligned"], a["method"]))
         after = data.con.execute("SELECT * FROM cw ORDER BY ALL").fetchall()

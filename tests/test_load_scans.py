@@ -7,29 +7,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tests.sqlspy import SqlSpy
 from tests.synth_runs import Slow, SynthRun, make_records, write_run
 
 from stepscope.analysis import load
 
 
-class _Spy:
-    """A connection that lists the statements run on it."""
-
-    def __init__(self, con: Any, sqls: list[str]) -> None:
-        self._con, self.sqls = con, sqls
-
-    def execute(self, sql: str, *a: Any) -> Any:
-        self.sqls.append(" ".join(sql.split()))
-        return self._con.execute(sql, *a)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._con, name)
-
-
 def _load(run: Path, monkeypatch: pytest.MonkeyPatch, **kw: Any) -> tuple[Any, list[str]]:
     sqls: list[str] = []
     connect = load._connect
-    monkeypatch.setattr(load, "_connect", lambda *a: _Spy(connect(*a), sqls))
+    monkeypatch.setattr(load, "_connect", lambda *a: SqlSpy(connect(*a), sqls, squash=True))
     return load.load_run(run, **kw), sqls
 
 

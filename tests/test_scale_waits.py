@@ -6,26 +6,12 @@ import random
 from typing import Any
 
 import duckdb
+from tests.sqlspy import SqlSpy
 
 from stepscope.analysis.align import Alignment
 from stepscope.analysis.collwaits import build_waits
 from stepscope.analysis.pipeline import IS_P2P
 from stepscope.common.waits import sql_wait
-
-
-class _Spy:
-    """A connection that lists the statements run on it."""
-
-    def __init__(self, con: Any) -> None:
-        self.con = con
-        self.sqls: list[str] = []
-
-    def execute(self, sql: str, *a: Any) -> Any:
-        self.sqls.append(sql)
-        return self.con.execute(sql, *a)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.con, name)
 
 
 def _tables(seed: int) -> Any:
@@ -83,7 +69,7 @@ def test_cw_matched_by_a_group_by_joined_back_not_a_window() -> None:
     # collective (17 s wall). Each instance is now grouped once and joined back to its
     # ranks' rows: the same matched flags, sequence shifts and waits, row for row.
     con = _tables(seed=1)
-    spy = _Spy(con)
+    spy = SqlSpy(con)
     al = Alignment(None, None, False, "single host")
     source, notes = build_waits(spy, 4, al)
     assert source == "collectives"
@@ -105,7 +91,7 @@ def test_wait_table_grouped_before_the_join_to_steps() -> None:
     # ``wait`` joined every collective row to ``steps`` and then grouped the joined rows;
     # grouping cw by (rank, step) first joins one row per record: the same sums.
     con = _tables(seed=2)
-    spy = _Spy(con)
+    spy = SqlSpy(con)
     build_waits(spy, 4, Alignment(None, None, False, "single host"))
     got = con.execute("SELECT * FROM wait ORDER BY ALL").fetchall()
     want = con.execute(
@@ -139,7 +125,7 @@ def _old_call(con: Any, n_ranks: int) -> tuple[list[Any], list[Any]]:
 
 
 def _call_sql(con: Any) -> str:
-    spy = _Spy(con)
+    spy = SqlSpy(con)
     build_waits(spy, 4, Alignment(None, None, False, "single host"))
     (sql,) = [" ".join(s.split()) for s in spy.sqls if "TABLE call AS" in s]
     return sql

@@ -72,32 +72,23 @@ def build_waits(con: Any, n_ranks: int, al: Alignment,
     """
     gs = f"""SELECT rank, step, parent, '{DDP_OP}', '{DDP_PG}', {n_ranks}, calls, NULL, ms,
                     NULL, NULL FROM phases WHERE name = '{GRAD_SYNC}'"""
+    colls = f"""SELECT rank, step, phase, op, pg, coalesce(pg_size, {n_ranks}) AS pg_size, count,
+                       bytes, ms, seq_first, seq_last FROM colls"""
+
+    def grouped(rows: str) -> str:
+        return f"""SELECT rank, step, phase, op, pg, max(pg_size) AS pg_size, sum(count) AS count,
+                          sum(bytes) AS bytes, sum(ms) AS ms, min(seq_first) AS seq_first,
+                          max(seq_last) AS seq_last
+                   FROM ({rows}) GROUP BY 1, 2, 3, 4, 5"""
+
     if _grad_sync_keyed(con):
         # Each grad_sync phase is its own (rank, step, parent) and no recorded collective
         # shares its op and group: those rows are their own groups, so only the collectives
         # are grouped (a group-by over the 10^7 grad_sync rows at 10^8 phase samples gave
         # back the rows it was given). The union takes the grouped columns' types.
-        con.execute(
-            f"""CREATE OR REPLACE TABLE call AS
-                SELECT rank, step, phase, op, pg, max(pg_size) AS pg_size, sum(count) AS count,
-                       sum(bytes) AS bytes, sum(ms) AS ms, min(seq_first) AS seq_first,
-                       max(seq_last) AS seq_last
-                FROM (SELECT rank, step, phase, op, pg, coalesce(pg_size, {n_ranks}) AS pg_size,
-                             count, bytes, ms, seq_first, seq_last FROM colls)
-                GROUP BY 1, 2, 3, 4, 5
-                UNION ALL {gs}"""
-        )
+        con.execute(f"CREATE OR REPLACE TABLE call AS {grouped(colls)} UNION ALL {gs}")
     else:
-        con.execute(
-            f"""CREATE OR REPLACE TABLE call AS
-                SELECT rank, step, phase, op, pg, max(pg_size) AS pg_size, sum(count) AS count,
-                       sum(bytes) AS bytes, sum(ms) AS ms, min(seq_first) AS seq_first,
-                       max(seq_last) AS seq_last
-                FROM (SELECT rank, step, phase, op, pg, coalesce(pg_size, {n_ranks}) AS pg_size,
-                             count, bytes, ms, seq_first, seq_last FROM colls
-                      UNION ALL {gs})
-                GROUP BY 1, 2, 3, 4, 5"""
-        )
+        con.execute(f"CREATE OR REPLACE TABLE call AS {grouped(f'{colls} UNION ALL {gs}')}")
     notes: list[str] = []
     n_calls, n_coll = con.execute(
         f"SELECT count(*), count(*) FILTER (WHERE op <> '{DDP_OP}') FROM call").fetchone()
