@@ -49,8 +49,8 @@ def test_chronic_culprit_rank_and_phase(docs: dict[str, dict[str, Any]], name: s
     s = doc["stragglers"][0]
     assert s["persistence"] == "chronic" and s["steps"] >= 0.8 * STEPS
     assert MS * 0.6 < s["excess_ms"] < MS * 1.6
-    # Confidence falls with the noise (the excess over a threshold that rises with it): 0.8+
-    # on a quiet machine, 0.52-0.68 in CI runs beside two other suites and a busy loop.
+    # Confidence falls with the noise (the excess over a threshold that rises with it): 0.7 or
+    # more in every earlier CI run, 0.52-0.68 in runs beside two other suites and a busy loop.
     assert s["confidence"] >= 0.5
     # The others wait for it inside backward (the all-reduce); it does not.
     # Scheduling noise on an oversubscribed CPU can hide one victim, never add the culprit.
