@@ -444,6 +444,11 @@ def find_windows(
                 warmup.update(start_step=first, end_step=last, phase=phase,
                               slowdown=round(slowdown, 3))
                 continue
+            if phase != "step" and slowdown <= 1.0:
+                # No phase's own time grew: the extra step time was spent inside collectives
+                # every rank shared (a busy host slows gloo for all), so no phase is slower
+                # there. The rule windowed stragglers follow below.
+                continue
         excess = max(0.0, w.excess)
         out.append({"start_step": first, "end_step": last, "ranks": ranks, "phase": phase,
                     "slowdown": round(slowdown, 3), "excess_ms": round(excess, 3),
