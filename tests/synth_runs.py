@@ -56,6 +56,10 @@ class SynthRun:
     h2d_hidden_ms: float | None = None
     seed: int = 0
     every: int = 1  # sample every n-th step
+    # Extra milliseconds in the collective on every rank over (first, last, ms) step ranges:
+    # a fabric slower for a while (the collective ends later everywhere).
+    comm_slow: tuple[tuple[int, int, float], ...] = ()
+    clock: str = "cpu"  # "cuda": records carry the CUDA clock and device cuda:<local rank>
 
 
 def make_records(spec: SynthRun) -> dict[int, list[dict[str, Any]]]:
@@ -79,7 +83,7 @@ def make_records(spec: SynthRun) -> dict[int, list[dict[str, Any]]]:
             for r in range(spec.ranks)
         ]
         ready = [arrive[r] + work[r]["backward"] for r in range(spec.ranks)]
-        done = max(ready) + COMM_MS
+        done = max(ready) + COMM_MS + sum(ms for a, b, ms in spec.comm_slow if a <= step <= b)
         for r in range(spec.ranks):
             w = work[r]
             phases: list[dict[str, Any]] = []
@@ -106,10 +110,10 @@ def make_records(spec: SynthRun) -> dict[int, list[dict[str, Any]]]:
                 "local_rank": r % max(1, spec.ranks // spec.hosts),
                 "world_size": spec.ranks,
                 "hostname": f"node-{host}",
-                "device": "cpu",
+                "device": "cpu" if spec.clock == "cpu" else f"cuda:{r % max(1, spec.ranks // spec.hosts)}",
                 "step": step,
                 "start_unix_ns": t0_ns + int((starts[r] + host * spec.host_offset_ms) * 1e6),
-                "clock": "cpu",
+                "clock": spec.clock,
                 "step_ms": step_ms,
                 "phases": phases,
                 "residual_ms": spec.residual_ms,

@@ -94,6 +94,19 @@ def test_global_window_without_straggler(tmp_path: Path) -> None:
     assert w["ranks"] == [0, 1, 2, 3]
 
 
+def test_every_rank_slower_in_the_collective_is_still_a_window_on_a_cuda_clock(tmp_path: Path) -> None:
+    # The collective ends 10 ms later on every rank on steps 30-39 (a slower fabric): each
+    # rank's backward, which holds it, is slower on every step there, so the rule that an
+    # all-rank window's phase must be slower inside it keeps this one.
+    doc = _analyze(tmp_path, SynthRun(ranks=4, steps=80, comm_child=True, seed=1, clock="cuda",
+                                      comm_slow=((30, 39, 10.0),)))
+    assert doc["stragglers"] == []
+    (w,) = doc["windows"]
+    assert (w["start_step"], w["end_step"], w["phase"]) == (30, 39, "backward"), w
+    assert w["ranks"] == [0, 1, 2, 3] and w["slowdown"] > 1.5
+    assert w["excess_ms"] == pytest.approx(10.0, abs=1.0)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_balanced_no_false_alarm(tmp_path: Path, seed: int) -> None:
     doc = _analyze(tmp_path, SynthRun(noise_ms=0.4, seed=seed, steps=100, ranks=8))
