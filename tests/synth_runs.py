@@ -103,14 +103,15 @@ def make_records(spec: SynthRun) -> dict[int, list[dict[str, Any]]]:
             if step % spec.every:
                 continue
             host = r * spec.hosts // spec.ranks
+            local = r % max(1, spec.ranks // spec.hosts)
             rec: dict[str, Any] = {
                 "schema": 1,
                 "run_id": "synth",
                 "rank": r,
-                "local_rank": r % max(1, spec.ranks // spec.hosts),
+                "local_rank": local,
                 "world_size": spec.ranks,
                 "hostname": f"node-{host}",
-                "device": "cpu" if spec.clock == "cpu" else f"cuda:{r % max(1, spec.ranks // spec.hosts)}",
+                "device": "cpu" if spec.clock == "cpu" else f"cuda:{local}",
                 "step": step,
                 "start_unix_ns": t0_ns + int((starts[r] + host * spec.host_offset_ms) * 1e6),
                 "clock": spec.clock,

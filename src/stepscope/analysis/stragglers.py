@@ -436,8 +436,8 @@ def find_windows(
                 first, last = top["first_step"], top["last_step"]
                 span = top["steps"]
         else:
-            ranks, phase = list(all_ranks), _window_phase(con, first, last)
-            slowdown = own_slowdown(con, phase, first, last) if phase != "step" else 1.0
+            ranks = list(all_ranks)
+            phase, slowdown = _shared_phase(con, first, last)
             if seg[0] == 0:
                 # Every rank slow from the first analysed step: warm-up (lazy init, caches,
                 # allocator), not something that happened to the run. Noted, not flagged.
@@ -445,9 +445,9 @@ def find_windows(
                               slowdown=round(slowdown, 3))
                 continue
             if phase != "step" and slowdown <= 1.0:
-                # No phase's own time grew: the extra step time was spent inside collectives
-                # every rank shared (a busy host slows gloo for all), so no phase is slower
-                # there. The rule windowed stragglers follow below.
+                # The step time rose but no phase's own time did (on a busy host: collectives
+                # every rank waited in, each rank slow on other steps): no phase to name. The
+                # rule windowed stragglers follow below.
                 continue
         excess = max(0.0, w.excess)
         out.append({"start_step": first, "end_step": last, "ranks": ranks, "phase": phase,
@@ -480,10 +480,16 @@ def _find_warmup(con: Any, wall: list[float], bar: float, at: list[int], steps: 
         first, last = steps[seg[0]], steps[seg[-1]]
         if any(s["first_step"] <= last and s["last_step"] >= first for s in stragglers):
             break
-        phase = _window_phase(con, first, last)
-        slowdown = own_slowdown(con, phase, first, last) if phase != "step" else 1.0
+        phase, slowdown = _shared_phase(con, first, last)
         warmup.update(start_step=first, end_step=last, phase=phase, slowdown=round(slowdown, 3))
         break
+
+
+def _shared_phase(con: Any, first: int, last: int) -> tuple[str, float]:
+    """The phase that grew most on every rank in steps [first, last], and its own slowdown
+    there (``("step", 1.0)`` for a run with no phases)."""
+    phase = _window_phase(con, first, last)
+    return phase, own_slowdown(con, phase, first, last) if phase != "step" else 1.0
 
 
 def _window_phase(con: Any, first: int, last: int) -> str:
