@@ -407,6 +407,16 @@ def reread(run_dir: str, threads: int, memory_limit: str, profile: bool = False)
     ru = resource.getrusage(resource.RUSAGE_SELF)
     for t, sql in sorted(log, reverse=True)[:15]:  # the slowest statements (--profile)
         print(f"{t:8.2f}s  {sql}", file=sys.stderr)
+    by_stage: dict[str, list[tuple[float, float, str]]] = {}
+    for stage, w, c, sql in stmts:
+        by_stage.setdefault(stage, []).append((w, c, sql))
+    for stage, rows in by_stage.items():  # per stage: its statements' total, its slowest
+        if stage == "load_run" or sum(r[0] for r in rows) < 1.0:
+            continue
+        print(f"{stage}: {len(rows)} statements, {sum(r[0] for r in rows):.2f} s wall, "
+              f"{sum(r[1] for r in rows):.2f} s CPU; slowest:", file=sys.stderr)
+        for w, c, sql in sorted(rows, reverse=True)[:6]:
+            print(f"{w:8.2f}s {c:8.2f}s  {sql[:120]}", file=sys.stderr)
     loading = [s for s in stmts if s[0] == "load_run"]
     if loading:
         print(f"loading: {len(loading)} statements, {sum(s[1] for s in loading):.2f} s wall, "
