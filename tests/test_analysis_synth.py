@@ -107,6 +107,36 @@ def test_every_rank_slower_in_the_collective_is_still_a_window_on_a_cuda_clock(t
     assert w["excess_ms"] == pytest.approx(10.0, abs=1.0)
 
 
+# Slow stretches over more than half the run (but under the 80% that makes a straggler
+# chronic): each lifts the median it used to be measured from into itself. All were missed
+# (no straggler, no window, verdict "balanced") before the baseline was taken from the rest.
+@pytest.mark.parametrize("ranks", [4, 16])
+@pytest.mark.parametrize("first,last", [(45, 154), (30, 169), (80, 199), (0, 150)])
+def test_one_rank_slow_over_most_of_the_run_is_a_window(tmp_path: Path, ranks: int,
+                                                        first: int, last: int) -> None:
+    doc = _analyze(tmp_path, SynthRun(ranks=ranks, steps=200, comm_child=True, seed=first,
+                                      slow=(Slow(1, "forward", 6.0, first, last),)))
+    (s,) = doc["stragglers"]
+    assert (s["rank"], s["phase"], s["persistence"]) == (1, "forward", "window"), s
+    assert abs(s["first_step"] - first) <= 1 and abs(s["last_step"] - last) <= 1, s
+    assert s["excess_ms"] == pytest.approx(6.0, abs=0.5)
+    assert "balanced" not in [v["kind"] for v in doc["verdicts"]]
+
+
+@pytest.mark.parametrize("first,last", [(40, 159), (50, 150), (80, 199)])
+def test_every_rank_slow_over_most_of_the_run_is_a_window(tmp_path: Path, first: int,
+                                                          last: int) -> None:
+    # A CUDA clock: on a CPU clock every rank's compute slowing together is the host.
+    doc = _analyze(tmp_path, SynthRun(ranks=8, steps=200, seed=first, clock="cuda",
+                                      slow=tuple(Slow(r, "forward", 6.0, first, last)
+                                                 for r in range(8))))
+    assert doc["stragglers"] == []
+    (w,) = doc["windows"]
+    assert (w["start_step"], w["end_step"], w["phase"]) == (first, last, "forward"), w
+    assert w["slowdown"] == pytest.approx(2.0, abs=0.1)
+    assert w["excess_ms"] == pytest.approx(6.0, abs=0.5)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_balanced_no_false_alarm(tmp_path: Path, seed: int) -> None:
     doc = _analyze(tmp_path, SynthRun(noise_ms=0.4, seed=seed, steps=100, ranks=8))

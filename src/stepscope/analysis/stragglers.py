@@ -249,13 +249,21 @@ def _find(
             # Flagged on most steps, but the run's median gap is too small to name or far
             # under the flagged steps' (a busy host favouring the other rank by half a
             # millisecond, with a real window on top): not chronic; windows are looked for.
-        if len(xa) < min_n or not changepoint.may_hold_window(xa, bar, whole):
+        # Windows are measured from the series' median; a window over more than half the
+        # steps (yet too short to be chronic) lifts that median into itself, and nothing
+        # stands out from it (a rank slow on steps 50-150 of 200 was missed). A gap's level
+        # at par is what it is on the steps not flagged: windows are measured from there.
+        base = None
+        if whole > bar and len(idx) >= CHRONIC_DENSITY * n_steps and len(idx) < len(xa):
+            base = float(np.median(xa[~high]))
+        if len(xa) < min_n or not changepoint.may_hold_window(
+                xa, bar, whole if base is None else base):
             continue  # a bound, not a guess: elevated() would find no window here
         xs = xa.tolist()
         own = own_a.tolist()
         pts = list(zip(at.tolist(), xs, strict=True))
         chronic_done = any(o["rank"] == rank and o["phase"] == name for o in out)
-        for w in changepoint.elevated(xs, bar, min_len=min_n):
+        for w in changepoint.elevated(xs, bar, baseline=base, min_len=min_n):
             seg = [i for i, _ in pts[w.start:w.end + 1]]
             chronic = seg[-1] - seg[0] + 1 >= CHRONIC_COVER * n_steps
             if chronic and chronic_done:
@@ -417,7 +425,7 @@ def find_windows(
     # Every rank slow together for a few steps is the host (another process, a GC pause, a
     # page-cache flush), not the job: an all-rank window must last a tenth of the run.
     min_len = max(MIN_SEGMENT, math.ceil(ALL_RANK_MIN_SHARE * len(steps)))
-    for w in changepoint.elevated(wall, bar, min_len=min_len):
+    for w in changepoint.elevated_any_length(wall, bar, min_len=min_len):
         seg = at[w.start:w.end + 1]
         span = seg[-1] - seg[0] + 1
         if span >= CHRONIC_COVER * len(steps):
