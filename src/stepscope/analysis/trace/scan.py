@@ -210,7 +210,9 @@ class EventScan:
         self.went_negative = False
         self._carry = b""
         self._prev_tail = b""
-        self._rest = b""  # bytes from a boundary between events, not decoded yet (fast path)
+        # Bytes from a boundary between events, not decoded yet (fast path): a view of the
+        # end of the last block, which the next block's first slice copies once.
+        self._rest: bytes | memoryview = b""
         self.fast_items = 0  # items the fast path decoded (the rest went through the exact scan)
         # Decodes wasted in a row: a trace whose slices keep failing (odd items everywhere)
         # stops trying, so it costs the exact scan alone, not both.
@@ -232,13 +234,13 @@ class EventScan:
             return
         if self.in_array and not self.skipping and self._fast_failures < _FAST_GIVE_UP:
             # At (or just past) a boundary between events: try the fast path from there.
-            rest = self._rest
+            rest: bytes | memoryview = self._rest
             if self.pending:
                 rest = b"".join(self.pending)
                 self.offset -= self.pending_len
                 self.pending, self.pending_len = [], 0
             if self._carry:
-                rest += self._carry
+                rest = b"".join((rest, self._carry))
                 self._carry = b""
             self._rest = b""
             self.depth, self.in_string = self.array_depth, False
@@ -249,15 +251,17 @@ class EventScan:
                 # not decode, the block is scanned from the carried bytes as one piece.
                 start = yield from self._fast_across(rest, data)
                 if start < 0:
-                    data, start = rest + data, 0
+                    data, start = b"".join((rest, data)), 0
             done = yield from self._fast(data, start)
             if done >= len(data) - self._fast_bytes:
-                self._rest = data[done:]
+                # A view, not a copy: the next block's first slice copies these bytes anyway
+                # (copying them here too cost a copy of ~half of every block).
+                self._rest = memoryview(data)[done:]
                 return
             data = data[done:]  # something the fast path does not vouch for: scan exactly
         yield from self._feed_exact(data)
 
-    def _fast_across(self, head: bytes, data: bytes) -> Generator[list[Any], None, int]:
+    def _fast_across(self, head: bytes | memoryview, data: bytes) -> Generator[list[Any], None, int]:
         """The first slice of events from ``head`` (bytes from a boundary between events)
         on into ``data``, decoded without joining the two whole; returns where it ended in
         ``data`` (the next event's start), or -1 when it did not decode (nothing yielded)."""
@@ -516,7 +520,7 @@ class EventScan:
         """The last items if the stream ended right after them; raise if the JSON is broken."""
         if self._rest:  # what the fast path left: the array's end, or a last partial event
             rest, self._rest = self._rest, b""
-            yield from self._feed_exact(rest)
+            yield from self._feed_exact(bytes(rest))
         if self.stopped is not None:
             return
         if self.went_negative:
