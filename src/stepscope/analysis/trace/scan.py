@@ -60,11 +60,16 @@ _SKELETON_CAP = 16 << 20
 
 class Args(msgspec.Struct, gc=False):
     """The ``args`` keys the analysis reads; msgspec skips every other key without building it.
-    A key that is absent stays ``UNSET`` (``None`` is a JSON null)."""
+    A key that is absent stays ``UNSET`` (``None`` is a JSON null).
 
-    correlation: Any = msgspec.UNSET
-    stream: Any = msgspec.UNSET
+    The fields are in the order Kineto writes its keys ("External id" first, then "stream"
+    and "correlation"): msgspec looks a key up from the field after the last one matched,
+    so each key it knows is found at the first compare (decoding the 54 MB trace's slices:
+    0.0897 -> 0.0882 s, min of 9, three alternating rounds)."""
+
     external_id: Any = msgspec.field(default=msgspec.UNSET, name="External id")
+    stream: Any = msgspec.UNSET
+    correlation: Any = msgspec.UNSET
     nbytes: Any = msgspec.field(default=msgspec.UNSET, name="bytes")
     kind: Any = msgspec.UNSET
     flops: Any = msgspec.UNSET
