@@ -1,7 +1,7 @@
 """The ``traceEvents`` array cut into large slices of whole events, parsed natively.
 
 Two paths over the same bytes. The fast path, used inside the array from any boundary
-between events: the last ``}`` followed by ``,`` and ``{`` in the next 512 KiB is a
+between events: the last ``}`` followed by ``,`` and ``{`` in the next 256 KiB is a
 candidate cut, and msgspec decoding ``[`` slice ``]`` without error proves it (parsing from
 a known boundary is deterministic, so a cut inside a string or a nested value leaves
 something unterminated). Each event is decoded straight into a small struct: ``args`` into
@@ -38,8 +38,10 @@ MAX_EVENT_BYTES = 1 << 20
 BLOCK_BYTES = 512 << 10
 #: Bytes of events decoded per msgspec call (bounds the dicts alive at once).
 BATCH_BYTES = 128 << 10
-#: Bytes of whole events the fast path decodes per msgspec call.
-FAST_BYTES = 512 << 10
+#: Bytes of whole events the fast path decodes per msgspec call: a slice and the objects
+#: decoded from it stay within a core's L2 cache (2 MiB here). Cutting, checking and
+#: decoding the 54 MB trace's slices: 512 KiB 0.1285 s, 256 KiB 0.1265 s (medians of 7).
+FAST_BYTES = 256 << 10
 
 _QUOTE, _BACKSLASH, _OPEN, _CLOSE, _COMMA = 1, 2, 3, 4, 5
 _CLASS = bytearray(256)
