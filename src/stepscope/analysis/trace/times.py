@@ -41,7 +41,8 @@ def _eight(x: np.ndarray) -> np.ndarray:
     eight, each step one multiply, shift and mask over the whole column."""
     x = (x * _U(10) + (x >> _U(8))) & _U(0x00FF00FF00FF00FF)
     x = (x * _U(100) + (x >> _U(16))) & _U(0x0000FFFF0000FFFF)
-    return (x * _U(10000) + (x >> _U(32))) & _U(0xFFFFFFFF)
+    out: np.ndarray = (x * _U(10000) + (x >> _U(32))) & _U(0xFFFFFFFF)
+    return out
 
 
 def parse_ns(buf: bytes, n: int) -> tuple[np.ndarray, np.ndarray]:
