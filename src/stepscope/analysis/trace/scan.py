@@ -1,7 +1,7 @@
 """The ``traceEvents`` array cut into large slices of whole events, parsed natively.
 
 Two paths over the same bytes. The fast path, used inside the array from any boundary
-between events: the last ``}`` followed by ``,`` and ``{`` in the next 512 KiB is a
+between events: the last ``}`` followed by ``,`` and ``{`` in the next 256 KiB is a
 candidate cut, and msgspec decoding ``[`` slice ``]`` without error proves it (parsing from
 a known boundary is deterministic, so a cut inside a string or a nested value leaves
 something unterminated). Each event is decoded straight into a small struct: ``args`` into
@@ -38,8 +38,10 @@ MAX_EVENT_BYTES = 1 << 20
 BLOCK_BYTES = 512 << 10
 #: Bytes of events decoded per msgspec call (bounds the dicts alive at once).
 BATCH_BYTES = 128 << 10
-#: Bytes of whole events the fast path decodes per msgspec call.
-FAST_BYTES = 512 << 10
+#: Bytes of whole events the fast path decodes per msgspec call: a slice and the objects
+#: decoded from it stay within a core's L2 cache (2 MiB here). Cutting, checking and
+#: decoding the 54 MB trace's slices: 512 KiB 0.1285 s, 256 KiB 0.1265 s (medians of 7).
+FAST_BYTES = 256 << 10
 
 _QUOTE, _BACKSLASH, _OPEN, _CLOSE, _COMMA = 1, 2, 3, 4, 5
 _CLASS = bytearray(256)
@@ -60,11 +62,16 @@ _SKELETON_CAP = 16 << 20
 
 class Args(msgspec.Struct, gc=False):
     """The ``args`` keys the analysis reads; msgspec skips every other key without building it.
-    A key that is absent stays ``UNSET`` (``None`` is a JSON null)."""
+    A key that is absent stays ``UNSET`` (``None`` is a JSON null).
 
-    correlation: Any = msgspec.UNSET
-    stream: Any = msgspec.UNSET
+    The fields are in the order Kineto writes its keys ("External id" first, then "stream"
+    and "correlation"): msgspec looks a key up from the field after the last one matched,
+    so each key it knows is found at the first compare (decoding the 54 MB trace's slices:
+    0.0897 -> 0.0882 s, min of 9, three alternating rounds)."""
+
     external_id: Any = msgspec.field(default=msgspec.UNSET, name="External id")
+    stream: Any = msgspec.UNSET
+    correlation: Any = msgspec.UNSET
     nbytes: Any = msgspec.field(default=msgspec.UNSET, name="bytes")
     kind: Any = msgspec.UNSET
     flops: Any = msgspec.UNSET
@@ -210,7 +217,9 @@ class EventScan:
         self.went_negative = False
         self._carry = b""
         self._prev_tail = b""
-        self._rest = b""  # bytes from a boundary between events, not decoded yet (fast path)
+        # Bytes from a boundary between events, not decoded yet (fast path): a view of the
+        # end of the last block, which the next block's first slice copies once.
+        self._rest: bytes | memoryview = b""
         self.fast_items = 0  # items the fast path decoded (the rest went through the exact scan)
         # Decodes wasted in a row: a trace whose slices keep failing (odd items everywhere)
         # stops trying, so it costs the exact scan alone, not both.
@@ -232,13 +241,13 @@ class EventScan:
             return
         if self.in_array and not self.skipping and self._fast_failures < _FAST_GIVE_UP:
             # At (or just past) a boundary between events: try the fast path from there.
-            rest = self._rest
+            rest: bytes | memoryview = self._rest
             if self.pending:
                 rest = b"".join(self.pending)
                 self.offset -= self.pending_len
                 self.pending, self.pending_len = [], 0
             if self._carry:
-                rest += self._carry
+                rest = b"".join((rest, self._carry))
                 self._carry = b""
             self._rest = b""
             self.depth, self.in_string = self.array_depth, False
@@ -249,15 +258,17 @@ class EventScan:
                 # not decode, the block is scanned from the carried bytes as one piece.
                 start = yield from self._fast_across(rest, data)
                 if start < 0:
-                    data, start = rest + data, 0
+                    data, start = b"".join((rest, data)), 0
             done = yield from self._fast(data, start)
             if done >= len(data) - self._fast_bytes:
-                self._rest = data[done:]
+                # A view, not a copy: the next block's first slice copies these bytes anyway
+                # (copying them here too cost a copy of ~half of every block).
+                self._rest = memoryview(data)[done:]
                 return
             data = data[done:]  # something the fast path does not vouch for: scan exactly
         yield from self._feed_exact(data)
 
-    def _fast_across(self, head: bytes, data: bytes) -> Generator[list[Any], None, int]:
+    def _fast_across(self, head: bytes | memoryview, data: bytes) -> Generator[list[Any], None, int]:
         """The first slice of events from ``head`` (bytes from a boundary between events)
         on into ``data``, decoded without joining the two whole; returns where it ended in
         ``data`` (the next event's start), or -1 when it did not decode (nothing yielded)."""
@@ -516,7 +527,7 @@ class EventScan:
         """The last items if the stream ended right after them; raise if the JSON is broken."""
         if self._rest:  # what the fast path left: the array's end, or a last partial event
             rest, self._rest = self._rest, b""
-            yield from self._feed_exact(rest)
+            yield from self._feed_exact(bytes(rest))
         if self.stopped is not None:
             return
         if self.went_negative:
