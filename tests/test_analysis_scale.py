@@ -743,27 +743,29 @@ def test_phase_waits_takes_plain_paths_sums_from_phase_stats(tmp_path: Path) -> 
     assert any(ph.get("own_share") for ph in shared.values())
 
 
-def test_goodput_rows_staged_without_a_row_number(tmp_path: Path, monkeypatch: Any) -> None:
-    # gp_rows numbered every record with a window (one sort of the run) and was written in
-    # that order (a second); each block of ranks is now sorted as it is read, ties broken by
-    # every column. Same figures as the row-numbered accounting (compared run-wide by
-    # benchmarks/analysis_scale.py --equivalence; here the one-block and per-rank reads).
+def test_goodput_rows_read_a_block_of_ranks_at_a_time_without_a_row_number(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    # gp_rows numbered every record with a window (one sort of the run), then was staged
+    # as a table of every record; each block of ranks is now joined with its split and
+    # sorted as it is read, with no table of the run's rows. Same figures as one block
+    # (compared run-wide by benchmarks/analysis_scale.py --equivalence).
     from stepscope.analysis import goodput
 
     run = write_run(tmp_path / "run", SynthRun(ranks=4, steps=30, every=2, seed=6,
                                                slow=(Slow(1, "h2d", 5.0, 4, 20),)))
-    staged: list[str] = []
-    real = goodput._stage
+    sqls: list[str] = []
+    real = goodput._block_rows
 
-    def spy(con: Any, select: str, *rest: Any) -> Any:
-        staged.append(select)
-        return real(con, select, *rest)
+    def spy(con: Any, block: tuple[int, int], plan: Any) -> Any:
+        sqls.append(plan.select(block))
+        return real(con, block, plan)
 
-    monkeypatch.setattr(goodput, "_stage", spy)
+    monkeypatch.setattr(goodput, "_block_rows", spy)
     whole = _doc(run)["goodput"]
     monkeypatch.setattr(goodput, "BLOCK_ROWS", 1)
     assert _doc(run)["goodput"] == whole and whole["gpu_hours"] > 0
-    assert staged and not any("OVER" in s or "row_number" in s for s in staged), staged
+    assert sqls and not any("OVER" in s or "row_number" in s for s in sqls), sqls
+    assert all("rank BETWEEN" in s for s in sqls)
 
 
 def test_waits_one_pass_over_the_collectives(tmp_path: Path) -> None:
