@@ -818,3 +818,34 @@ def test_goodput_takes_exposed_comm_from_the_waits_table(tmp_path: Path) -> None
     assert "FROM cw" not in shared_sql and "FROM cw" in own_sql
     assert shared == grouped and any(r[2] > 0 for r in shared)
     assert again == doc["goodput"]
+
+
+def test_host_blocks_hold_whole_hosts_and_cover_every_record_once() -> None:
+    # align's spreads are per (step, host): each block must hold every rank of its hosts
+    # (hosts whose ranks interleave share a range) and the blocks every record once; a
+    # range over the cap is cut by steps.
+    import duckdb
+
+    from stepscope.analysis.blocks import WHOLE, host_blocks
+
+    con = duckdb.connect()
+    con.execute("CREATE TABLE steps AS SELECT r AS rank, s AS step FROM range(10) a(r), "
+                "range(5) b(s)")
+    hosts = {"a": [0, 1, 2], "b": [3, 5], "c": [4], "d": [6, 7, 8, 9]}
+
+    def check(cap: int) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+        out = host_blocks(con, hosts, cap)
+        seen = [(r, s) for (r0, r1), (s0, s1) in out for r in range(10) for s in range(5)
+                if r0 <= r <= r1 and s0 <= s <= s1]
+        assert sorted(seen) == [(r, s) for r in range(10) for s in range(5)]
+        for (r0, r1), _ in out:
+            for rs in hosts.values():
+                inside = [r0 <= r <= r1 for r in rs]
+                assert all(inside) or not any(inside), (out, rs)
+        return out
+
+    assert check(100) == [((0, 9), WHOLE)]
+    assert [r for r, _ in check(30)] == [(0, 5), (6, 9)]
+    cut = check(10)  # every span over the cap: one step a block
+    assert [r for r, _ in cut] == [(0, 2)] * 5 + [(3, 5)] * 5 + [(6, 9)] * 5
+    assert {s for _, s in cut} == {(s, s) for s in range(5)}
