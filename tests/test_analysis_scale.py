@@ -743,27 +743,29 @@ def test_phase_waits_takes_plain_paths_sums_from_phase_stats(tmp_path: Path) -> 
     assert any(ph.get("own_share") for ph in shared.values())
 
 
-def test_goodput_rows_staged_without_a_row_number(tmp_path: Path, monkeypatch: Any) -> None:
-    # gp_rows numbered every record with a window (one sort of the run) and was written in
-    # that order (a second); each block of ranks is now sorted as it is read, ties broken by
-    # every column. Same figures as the row-numbered accounting (compared run-wide by
-    # benchmarks/analysis_scale.py --equivalence; here the one-block and per-rank reads).
+def test_goodput_rows_read_a_block_of_ranks_at_a_time_without_a_row_number(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    # gp_rows numbered every record with a window (one sort of the run), then was staged
+    # as a table of every record; each block of ranks is now joined with its split and
+    # sorted as it is read, with no table of the run's rows. Same figures as one block
+    # (compared run-wide by benchmarks/analysis_scale.py --equivalence).
     from stepscope.analysis import goodput
 
     run = write_run(tmp_path / "run", SynthRun(ranks=4, steps=30, every=2, seed=6,
                                                slow=(Slow(1, "h2d", 5.0, 4, 20),)))
-    staged: list[str] = []
-    real = goodput._stage
+    sqls: list[str] = []
+    real = goodput._block_rows
 
-    def spy(con: Any, select: str, *rest: Any) -> Any:
-        staged.append(select)
-        return real(con, select, *rest)
+    def spy(con: Any, block: tuple[int, int], plan: Any) -> Any:
+        sqls.append(plan.select(block))
+        return real(con, block, plan)
 
-    monkeypatch.setattr(goodput, "_stage", spy)
+    monkeypatch.setattr(goodput, "_block_rows", spy)
     whole = _doc(run)["goodput"]
     monkeypatch.setattr(goodput, "BLOCK_ROWS", 1)
     assert _doc(run)["goodput"] == whole and whole["gpu_hours"] > 0
-    assert staged and not any("OVER" in s or "row_number" in s for s in staged), staged
+    assert sqls and not any("OVER" in s or "row_number" in s for s in sqls), sqls
+    assert all("rank BETWEEN" in s for s in sqls)
 
 
 def test_waits_one_pass_over_the_collectives(tmp_path: Path) -> None:
@@ -816,3 +818,34 @@ def test_goodput_takes_exposed_comm_from_the_waits_table(tmp_path: Path) -> None
     assert "FROM cw" not in shared_sql and "FROM cw" in own_sql
     assert shared == grouped and any(r[2] > 0 for r in shared)
     assert again == doc["goodput"]
+
+
+def test_host_blocks_hold_whole_hosts_and_cover_every_record_once() -> None:
+    # align's spreads are per (step, host): each block must hold every rank of its hosts
+    # (hosts whose ranks interleave share a range) and the blocks every record once; a
+    # range over the cap is cut by steps.
+    import duckdb
+
+    from stepscope.analysis.blocks import WHOLE, host_blocks
+
+    con = duckdb.connect()
+    con.execute("CREATE TABLE steps AS SELECT r AS rank, s AS step FROM range(10) a(r), "
+                "range(5) b(s)")
+    hosts = {"a": [0, 1, 2], "b": [3, 5], "c": [4], "d": [6, 7, 8, 9]}
+
+    def check(cap: int) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+        out = host_blocks(con, hosts, cap)
+        seen = [(r, s) for (r0, r1), (s0, s1) in out for r in range(10) for s in range(5)
+                if r0 <= r <= r1 and s0 <= s <= s1]
+        assert sorted(seen) == [(r, s) for r in range(10) for s in range(5)]
+        for (r0, r1), _ in out:
+            for rs in hosts.values():
+                inside = [r0 <= r <= r1 for r in rs]
+                assert all(inside) or not any(inside), (out, rs)
+        return out
+
+    assert check(100) == [((0, 9), WHOLE)]
+    assert [r for r, _ in check(30)] == [(0, 5), (6, 9)]
+    cut = check(10)  # every span over the cap: one step a block
+    assert [r for r, _ in cut] == [(0, 2)] * 5 + [(3, 5)] * 5 + [(6, 9)] * 5
+    assert {s for _, s in cut} == {(s, s) for s in range(5)}

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from stepscope.analysis.blocks import in_block, step_blocks
+from stepscope.analysis.blocks import host_blocks, in_block
 
 #: A phase nested in the sync phase with one of these names times the collective itself;
 #: its start is then the rank's arrival (timeline fallback only).
@@ -39,6 +39,14 @@ def _candidates(con: Any, n_ranks: int) -> list[str]:
     return [r[0] for r in rows]
 
 
+def _in(block: tuple[tuple[int, int], tuple[int, int]]) -> str:
+    """SQL condition: ``p`` and ``s`` rows inside the (ranks, steps) block, on both sides of
+    the join so that each side's scan skips the row groups outside it."""
+    (ranks, steps) = block
+    return " AND ".join(in_block(f"{t}.{c}", b) for t in ("p", "s")
+                        for c, b in (("rank", ranks), ("step", steps)))
+
+
 def align(con: Any, hosts: dict[str, list[int]], n_ranks: int, median_step: float) -> Alignment:
     """Pick the synchronising phase, estimate per-host clock offsets, build table ``st``.
 
@@ -51,16 +59,16 @@ def align(con: Any, hosts: dict[str, list[int]], n_ranks: int, median_step: floa
     if cands and shared:
         # Clocks on one host are directly comparable: measure end alignment there only.
         names = ", ".join("'" + c.replace("'", "''") + "'" for c in cands)
-        # Per step and host, a block of steps at a time (analysis/blocks.py); the median
-        # over all of them at the end.
+        # Per step and host, a block of whole hosts at a time (analysis/blocks.py); the
+        # median over all of them at the end.
+        blocks = host_blocks(con, hosts)
         con.execute("CREATE OR REPLACE TEMP TABLE spr (name VARCHAR, spread DOUBLE)")
-        for b in step_blocks(con):
+        for b in blocks:
             con.execute(
                 f"""INSERT INTO spr
                     SELECT p.name, max(s.t0 + p.e) - min(s.t0 + p.e) AS spread
                     FROM phases p JOIN steps s USING (rank, step)
-                    WHERE p.parent IS NULL AND p.name IN ({names})
-                      AND {in_block('p.step', b)} AND {in_block('s.step', b)}
+                    WHERE p.parent IS NULL AND p.name IN ({names}) AND {_in(b)}
                     GROUP BY p.name, p.step, s.host HAVING count(*) > 1"""
             )
         for name, spread in con.execute("SELECT name, median(spread) FROM spr GROUP BY 1").fetchall():
@@ -87,12 +95,11 @@ def align(con: Any, hosts: dict[str, list[int]], n_ranks: int, median_step: floa
     method = "single host: start_unix_ns compared directly" if not multi_host else ""
     if multi_host and sync is not None:
         con.execute("CREATE OR REPLACE TEMP TABLE ends (host VARCHAR, step BIGINT, end_t DOUBLE)")
-        for b in step_blocks(con):
+        for b in host_blocks(con, hosts):
             con.execute(
                 f"""INSERT INTO ends SELECT s.host, p.step, s.t0 + p.e AS end_t FROM phases p
                     JOIN steps s USING (rank, step)
-                    WHERE p.name = '{sync}' AND p.parent IS NULL
-                      AND {in_block('p.step', b)} AND {in_block('s.step', b)}"""
+                    WHERE p.name = '{sync}' AND p.parent IS NULL AND {_in(b)}"""
             )
         rows = con.execute(
             """WITH med AS (SELECT step, median(end_t) AS m FROM ends GROUP BY 1)

@@ -31,12 +31,15 @@ directory. A category measures time, not cause: the straggler's own slow work is
 from __future__ import annotations
 
 import datetime as _dt
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from stepscope.analysis import blocks
+from stepscope.analysis.blocks import in_block
 from stepscope.analysis.load import MAX_MS, MAX_START_NS
 from stepscope.analysis.resources import TIMED_FILTER
 
@@ -53,15 +56,31 @@ MAX_SAMPLING_GAP = 1000
 #: Row columns of the accounting, in order: rank, run id code, step, start ns, step ms, and
 #: the (rank, step)'s split (stragglers, exposed_comm, input, host) ms.
 Rows = dict[str, np.ndarray[Any, Any]]
-#: Rows accounted at once (whole ranks, one rank at least): the run's rows wait in DuckDB
-#: (table ``gp_rows``, inside its memory limit) and numpy holds one block's columns and
+#: Rows accounted at once (whole ranks, one rank at least): each block's rows are joined
+#: with their split and sorted by DuckDB as numpy reads them (its hash tables and sort hold
+#: one block's keys, inside its memory limit), and numpy holds one block's columns and
 #: per-row arrays (~250 bytes a row), not 10^7 records' (~1.3 GB at 10^8 phase samples).
 BLOCK_ROWS = 1 << 20
 
 
-def _light_rows(con: Any, run_dir: Path) -> tuple[str, list[str]] | None:
-    """Every timed record (duplicates included) with its split in table ``gp_rows``: its
-    accounting order (SQL ``ORDER BY`` columns) and the run ids by code."""
+@dataclass
+class _Plan:
+    """What the accounting reads: ``select`` gives a block of ranks' rows (columns of
+    :data:`Rows`, plus those ``order`` names), accounted in ``order``; ``per_rank`` counts
+    rows per rank (for the blocks); ``ids``: the run ids by code; ``drop``: a table to drop
+    after."""
+
+    select: Callable[[tuple[int, int]], str]
+    params: dict[str, Any]
+    order: str
+    per_rank: str
+    ids: list[str]
+    drop: str | None = None
+
+
+def _light_rows(con: Any, run_dir: Path) -> _Plan | None:
+    """Every timed record (duplicates included) with its split: the plan reading them, or
+    None without rank files."""
     import tempfile
 
     from stepscope.analysis.load import MAX_LINE_BYTES, drop_long_lines, rank_files
@@ -90,7 +109,7 @@ def _light_rows(con: Any, run_dir: Path) -> tuple[str, list[str]] | None:
         return _read_light(con, kept, MAX_LINE_BYTES)
 
 
-def _read_light(con: Any, files: list[Path], max_line: int) -> tuple[str, list[str]] | None:
+def _read_light(con: Any, files: list[Path], max_line: int) -> _Plan | None:
     lst = "[" + ", ".join("'" + str(p).replace("'", "''") + "'" for p in files) + "]"
     cols = ("{rank: 'BIGINT', run_id: 'VARCHAR', step: 'BIGINT', start_unix_ns: 'BIGINT', "
             "step_ms: 'DOUBLE', untimed: 'BOOLEAN'}")
@@ -101,50 +120,45 @@ def _read_light(con: Any, files: list[Path], max_line: int) -> tuple[str, list[s
         WHERE rank IS NOT NULL AND step IS NOT NULL AND start_unix_ns IS NOT NULL
           AND step_ms IS NOT NULL AND isfinite(step_ms) AND step_ms >= 0 AND {TIMED_FILTER}
           AND start_unix_ns >= 0 AND start_unix_ns < {MAX_START_NS} AND step_ms <= {MAX_MS}""")
-    try:
-        return _rows(con, "light_read")
-    finally:
-        con.execute("DROP TABLE light_read")
+    plan = _rows(con, "light_read")
+    plan.drop = "light_read"
+    return plan
 
 
-def _rows(con: Any, source: str) -> tuple[str, list[str]] | None:
-    """Stage the accounting's rows of ``source`` in table ``gp_rows`` (accounting order:
-    rank, start, step; each with its split); the run ids by code."""
+def _rows(con: Any, source: str) -> _Plan:
+    """The accounting's rows of ``source`` (accounting order: rank, start, step; each with
+    its split) and the run ids by code."""
     ids = [str(i) for (i,) in con.execute(f"SELECT DISTINCT run_id FROM {source} ORDER BY 1").fetchall()]
-    return _stage(con, f"""SELECT l.rank, list_position($ids, l.run_id) - 1 AS rid, l.step,
-                   l.start_unix_ns, l.step_ms, sp.w, sp.c, sp.i, sp.h
-            FROM {source} l
-            -- only what the analysis kept (plausible, timed), re-done duplicates included
-            JOIN ({_split_sql(con)}) sp USING (rank, step)""", {"ids": ids}, ids,
-                  "rank, start_unix_ns, step")
+    split = _splitter(con)
+    return _Plan(lambda b: f"""SELECT l.rank, list_position($ids, l.run_id) - 1 AS rid, l.step,
+                       l.start_unix_ns, l.step_ms, sp.w, sp.c, sp.i, sp.h
+                FROM {source} l
+                -- only what the analysis kept (plausible, timed), re-done duplicates included
+                JOIN ({split('', b)}) sp USING (rank, step)
+                WHERE {in_block('l.rank', b)}""", {"ids": ids},
+                 _order("rank, start_unix_ns, step"),
+                 f"SELECT rank, count(*) FROM {source} GROUP BY 1 ORDER BY 1", ids)
 
 
-def _stage(con: Any, select: str, params: dict[str, Any], ids: list[str],
-           order: str) -> tuple[str, list[str]] | None:
-    """Table ``gp_rows`` from ``select``, accounted in the order of its columns ``order``
-    (None, and no table, when it has no row), returned with the run ids. DuckDB holds it
-    inside its memory limit (spilling past it); numpy holds one block of ranks at a time,
-    sorted as it is read (a row number over the whole run was two sorts of every record).
-    Rows equal in ``order`` are ordered by the rest of their columns."""
-    con.execute(f"CREATE OR REPLACE TEMP TABLE gp_rows AS {select}", params)
-    if not con.execute("SELECT count(*) FROM gp_rows").fetchone()[0]:
-        con.execute("DROP TABLE gp_rows")
-        return None
-    return f"{order}, rid, step_ms, w, c, i, h", ids
+def _order(order: str) -> str:
+    """The accounting order: the columns ``order``, then (rows equal in them) the run id
+    and step time. The split is one per (rank, step): rows equal in those are equal in
+    every column (sorting by the split too took ~0.1 s more CPU per 10^6 rows)."""
+    return f"{order}, rid, step_ms"
 
 
-def _rank_blocks(con: Any) -> list[tuple[int, int]]:
-    """Consecutive (first, last) rank ranges of ``gp_rows``, each of at most
+def _rank_blocks(con: Any, plan: _Plan) -> list[tuple[int, int]]:
+    """Consecutive (first, last) rank ranges of the plan's rows, each of at most
     :data:`BLOCK_ROWS` rows (one rank at least): a rank's rows are accounted together."""
-    return blocks.pack(con.execute(
-        "SELECT rank, count(*) FROM gp_rows GROUP BY 1 ORDER BY 1").fetchall(), BLOCK_ROWS)
+    return blocks.pack(con.execute(plan.per_rank).fetchall(), BLOCK_ROWS)
 
 
-def _block_rows(con: Any, block: tuple[int, int], order: str) -> Rows:
-    """A block of ranks' rows of ``gp_rows``, in accounting order, as fixed-dtype columns."""
+def _block_rows(con: Any, block: tuple[int, int], plan: _Plan) -> Rows:
+    """A block of ranks' rows, in accounting order, as fixed-dtype columns (sorted as they
+    are read: a row number over the whole run was two sorts of every record)."""
     return _typed(con.execute(
-        f"""SELECT rank, rid, step, start_unix_ns, step_ms, w, c, i, h FROM gp_rows
-            WHERE rank BETWEEN {int(block[0])} AND {int(block[1])} ORDER BY {order}""").fetchnumpy())
+        f"""SELECT rank, rid, step, start_unix_ns, step_ms, w, c, i, h
+            FROM ({plan.select(block)}) ORDER BY {plan.order}""", plan.params).fetchnumpy())
 
 
 def _typed(cols: dict[str, Any]) -> Rows:
@@ -152,33 +166,48 @@ def _typed(cols: dict[str, Any]) -> Rows:
     return {k: np.asarray(v, dtype=np.int64 if k in ints else np.float64) for k, v in cols.items()}
 
 
-def _split_sql(con: Any, extra: str = "") -> str:
-    """Per (rank, step) of the analysed records: w (stragglers), c (exposed_comm), i (input),
-    h (host) ms; ``extra``: more columns of ``steps s`` to select (a leading comma)."""
+def _split_sql(con: Any, extra: str = "", ranks: tuple[int, int] = blocks.WHOLE) -> str:
+    """Per (rank, step) of the analysed records of the ranks ``ranks``: w (stragglers), c
+    (exposed_comm), i (input), h (host) ms; ``extra``: more columns of ``steps s`` to select
+    (a leading comma)."""
+    return _splitter(con)(extra, ranks)
+
+
+def _splitter(con: Any) -> Callable[[str, tuple[int, int]], str]:
+    """:func:`_split_sql` for the tables there are now (looked up once, not per block)."""
     has_cw = bool(con.execute(
         "SELECT count(*) FROM information_schema.tables WHERE table_name = 'cw'").fetchone()[0])
-    comm = ("SELECT rank, step, sum(greatest(ms - wait, 0.0)) AS comm FROM cw GROUP BY 1, 2"
-            if has_cw else "SELECT rank, step, 0.0 AS comm FROM steps WHERE false")
     has_wait = bool(con.execute(
         "SELECT count(*) FROM information_schema.tables WHERE table_name = 'wait'").fetchone()[0])
-    wait = ("SELECT rank, step, wait_ms FROM wait" if has_wait
-            else "SELECT rank, step, 0.0 AS wait_ms FROM steps WHERE false")
-    if has_wait and bool(con.execute(
-            "SELECT count(*) FROM information_schema.columns WHERE table_name = 'wait' "
-            "AND column_name = 'comm_ms'").fetchone()[0]):
-        # The waits' table took the same per-(rank, step) sum over cw (collwaits.build_waits).
-        wait, comm_col, comm_join = ("SELECT rank, step, wait_ms, comm_ms FROM wait",
-                                     "w.comm_ms", "")
-    else:
-        comm_col, comm_join = "c.comm", f"LEFT JOIN ({comm}) c USING (rank, step)"
-    return f"""WITH i AS (SELECT rank, step, sum(ms) AS input FROM phases
-                      WHERE (parent IS NULL AND name = 'dataloader') OR name = 'h2d' GROUP BY 1, 2)
-            SELECT s.rank, s.step, CAST(coalesce(w.wait_ms, 0.0) AS DOUBLE) AS w,
-                   CAST(coalesce({comm_col}, 0.0) AS DOUBLE) AS c,
-                   CAST(coalesce(i.input, 0.0) AS DOUBLE) AS i,
-                   CAST(greatest(s.residual_ms, 0.0) AS DOUBLE) AS h{extra}
-            FROM steps s LEFT JOIN ({wait}) w USING (rank, step)
-                 {comm_join} LEFT JOIN i USING (rank, step)"""
+    # The waits' table took the same per-(rank, step) sum over cw (collwaits.build_waits).
+    wait_comm = has_wait and bool(con.execute(
+        "SELECT count(*) FROM information_schema.columns WHERE table_name = 'wait' "
+        "AND column_name = 'comm_ms'").fetchone()[0])
+
+    def split(extra: str, ranks: tuple[int, int]) -> str:
+        # Each part filtered to the block's ranks: its scan skips other ranks' row groups
+        # and its group-by and joins hold the block's keys.
+        blk = in_block("rank", ranks)
+        comm = (f"SELECT rank, step, sum(greatest(ms - wait, 0.0)) AS comm FROM cw WHERE {blk} "
+                "GROUP BY 1, 2" if has_cw else "SELECT rank, step, 0.0 AS comm FROM steps WHERE false")
+        wait = (f"SELECT rank, step, wait_ms FROM wait WHERE {blk}" if has_wait
+                else "SELECT rank, step, 0.0 AS wait_ms FROM steps WHERE false")
+        if wait_comm:
+            wait, comm_col, comm_join = (
+                f"SELECT rank, step, wait_ms, comm_ms FROM wait WHERE {blk}", "w.comm_ms", "")
+        else:
+            comm_col, comm_join = "c.comm", f"LEFT JOIN ({comm}) c USING (rank, step)"
+        return f"""WITH i AS (SELECT rank, step, sum(ms) AS input FROM phases
+                          WHERE ((parent IS NULL AND name = 'dataloader') OR name = 'h2d')
+                            AND {blk} GROUP BY 1, 2)
+                SELECT s.rank, s.step, CAST(coalesce(w.wait_ms, 0.0) AS DOUBLE) AS w,
+                       CAST(coalesce({comm_col}, 0.0) AS DOUBLE) AS c,
+                       CAST(coalesce(i.input, 0.0) AS DOUBLE) AS i,
+                       CAST(greatest(s.residual_ms, 0.0) AS DOUBLE) AS h{extra}
+                FROM steps s LEFT JOIN ({wait}) w USING (rank, step)
+                     {comm_join} LEFT JOIN i USING (rank, step)
+                WHERE {in_block('s.rank', ranks)}"""
+    return split
 
 
 def _empty() -> dict[str, float]:
@@ -247,26 +276,22 @@ def compute_goodput(con: Any, run_dir: str | Path, warmup: dict[str, Any] | None
     ``None`` when there is no record to account for.
     """
     root = Path(run_dir)
-    got = _light_rows(con, root)
-    dated = got is not None
-    if got is None:  # SQLite-only run: the analysed steps, without restarts or days
-        # The split has one row per steps row: its own columns, not a second join to steps.
-        got = _stage(con, f"""SELECT rank, 0 AS rid, step,
-                       CAST(trunc(t0 * 1e6) AS BIGINT) AS start_unix_ns, step_ms, w, c, i, h, t0
-                FROM ({_split_sql(con, ', s.t0, s.step_ms')})""", {}, [""], "rank, t0, step")
-        if got is None:
-            return None
-    order, ids = got
+    plan = _light_rows(con, root)
     w_first, w_last = ((int(warmup["start_step"]), int(warmup["end_step"]))
                        if warmup and "start_step" in warmup else (1, 0))
     acc = _Accounts()
-    try:
-        # Whole ranks a block at a time, blocks in rank order: each bucket's running sums
-        # see the same values in the same order as with every row at once.
-        for block in _rank_blocks(con):
-            _account(_block_rows(con, block, order), len(ids), dated, w_first, w_last, acc)
-    finally:
-        con.execute("DROP TABLE IF EXISTS gp_rows")
+    dated = plan is not None and _account_all(con, plan, True, w_first, w_last, acc)
+    if not dated:  # SQLite-only run: the analysed steps, without restarts or days
+        # The split has one row per steps row: its own columns, not a second join to steps.
+        split = _splitter(con)
+        plan = _Plan(lambda b: f"""SELECT rank, 0 AS rid, step,
+                         CAST(trunc(t0 * 1e6) AS BIGINT) AS start_unix_ns, step_ms, w, c, i, h, t0
+                     FROM ({split(', s.t0, s.step_ms', b)})""", {}, _order("rank, t0, step"),
+                     "SELECT rank, count(*) FROM steps GROUP BY 1 ORDER BY 1", [""])
+        if not _account_all(con, plan, False, w_first, w_last, acc):
+            return None
+    assert plan is not None
+    ids = plan.ids
 
     def finish(a: dict[str, float]) -> dict[str, Any]:
         total = a["total"]
@@ -296,6 +321,24 @@ def compute_goodput(con: Any, run_dir: str | Path, warmup: dict[str, Any] | None
         "days": [{"day": d, **finish(acc.days[d])} for d in sorted(acc.days)],
         "warmup_steps": [w_first, w_last] if w_first <= w_last else None,
     }
+
+
+def _account_all(con: Any, plan: _Plan, dated: bool, w_first: int, w_last: int,
+                 acc: _Accounts) -> bool:
+    """Account the plan's rows into ``acc``; whether there was any (``acc`` untouched if not)."""
+    n = 0
+    try:
+        # Whole ranks a block at a time, blocks in rank order: each bucket's running sums
+        # see the same values in the same order as with every row at once.
+        for block in _rank_blocks(con, plan):
+            rows = _block_rows(con, block, plan)
+            if len(rows["rank"]):
+                n += len(rows["rank"])
+                _account(rows, len(plan.ids), dated, w_first, w_last, acc)
+    finally:
+        if plan.drop:
+            con.execute(f"DROP TABLE IF EXISTS {plan.drop}")
+    return n > 0
 
 
 class _Accounts:
@@ -400,22 +443,22 @@ def _account(rows: Rows, n_ids: int, dated: bool, w_first: int, w_last: int,
         slots = [sl for sl in slots if not (sl[0] <= 0.0).all()]
         if not slots:
             continue
-        val = np.stack([v for v, _, _ in slots], axis=1).reshape(-1)
-        cat = np.tile(np.asarray([c for _, c, _ in slots], dtype=np.int64), b - a)
-        owner = np.stack([o for _, _, o in slots], axis=1).reshape(-1)
-        del slots
-        # add() skips what is not above zero.
-        live = ~(val <= 0.0)
-        val, cat, owner = val[live], cat[live], owner[live]
-        _accumulate(totals, val, cat)
-        for accs, ix in ((run_ms, run_idx[owner]), (day_ms, day_idx[owner])):
-            present = np.flatnonzero(np.bincount(ix, minlength=len(accs))).tolist()
+        # The chunk's events, a row per record and a column per slot: row-major order is
+        # the order they are added in. add() skips what is not above zero: those are
+        # zeros here, which leave every running sum as it is (no sum is -0.0).
+        val = np.stack([v for v, _, _ in slots], axis=1)
+        val[val <= 0.0] = 0.0
+        cats = [c for _, c, _ in slots]
+        memo: dict[tuple[float, ...], tuple[float, ...]] = {}
+        _accumulate(totals, val, cats, memo)
+        for accs, idx in ((run_ms, run_idx), (day_ms, day_idx)):
+            ix = np.stack([idx[o] for _, _, o in slots], axis=1)
+            present = np.flatnonzero(np.bincount(ix[val != 0.0], minlength=len(accs))).tolist()
             for g in present:
                 if len(present) == 1:  # one run or one day: every event is its
-                    _accumulate(accs[g], val, cat)
+                    _accumulate(accs[g], val, cats, memo)
                 else:
-                    m = ix == g
-                    _accumulate(accs[g], val[m], cat[m])
+                    _accumulate(accs[g], np.where(ix == g, val, 0.0), cats)
 
     # Per run: its first start, last end, ranks (the block's ranks are none of another's).
     run_start = np.full(len(codes), np.iinfo(np.int64).max, dtype=np.int64)
@@ -429,11 +472,25 @@ def _account(rows: Rows, n_ids: int, dated: bool, w_first: int, w_last: int,
         acc.run_ranks[c] = acc.run_ranks.get(c, 0) + len(np.unique(rank[run_idx == g]))
 
 
-def _accumulate(acc: dict[str, float], val: np.ndarray[Any, Any], cat: np.ndarray[Any, Any]) -> None:
-    """Add events to one bucket: per category and to its total, each a running sum."""
-    acc["total"] = _seq_sum(acc["total"], val)
-    for c in np.flatnonzero(np.bincount(cat, minlength=len(_CATS))).tolist():
-        acc[_CATS[c]] = _seq_sum(acc[_CATS[c]], val[cat == c])
+def _accumulate(acc: dict[str, float], val: np.ndarray[Any, Any], cats: list[int],
+                memo: dict[tuple[float, ...], tuple[float, ...]] | None = None) -> None:
+    """Add a chunk's events (``val``: rows x slots, ``cats``: each slot's category) to one
+    bucket: per category and to its total, each a running sum in row-major order. ``memo``
+    (for one ``val`` only): the sums from each starting state already added up; the whole
+    run, its run and its day start equal and take the same events on a one-run job."""
+    keys = ["total", *(_CATS[c] for c in sorted(set(cats)))]
+    start = tuple(acc[k] for k in keys)
+    done = memo.get(start) if memo is not None else None
+    if done is None:
+        sums = [_seq_sum(start[0], val.reshape(-1))]
+        for k in keys[1:]:
+            cols = [j for j, c in enumerate(cats) if _CATS[c] == k]
+            sums.append(_seq_sum(acc[k], val[:, cols].reshape(-1)))
+        done = tuple(sums)
+        if memo is not None:
+            memo[start] = done
+    for k, v in zip(keys, done, strict=True):
+        acc[k] = v
 
 
 def _h(ms: float) -> float:
