@@ -749,14 +749,18 @@ def test_pw_is_a_view_not_a_table_of_every_phase_row(tmp_path: Path) -> None:
         phases = {k: {**v, "per_rank": [dict(p) for p in v["per_rank"]]}
                   for k, v in doc["phases"].items()}
         phase_waits(spy, phases)
+        inside = {a for (a,) in data.con.execute("SELECT DISTINCT anc FROM cin").fetchall()}
+        known = {p for (p,) in data.con.execute("SELECT path FROM wait_medians").fetchall()}
     finally:
         data.close()
     assert kind == "VIEW"
     assert not any("FROM pw" in s or "JOIN pw" in s for s in spy.sqls), spy.sqls
-    # Run-wide medians of the waits only for the paths a collective lies inside; the other
-    # paths' rows (wait 0 throughout) come from one statement over phases.
+    # Run-wide medians of the waits only for the paths a collective lies inside (less the
+    # top-level ones build_own took); the other paths' rows (wait 0 throughout) come from
+    # one statement over phases.
     per_path = [s for s in spy.sqls if "list_contains([$p], anc)" in s]
-    assert 0 < len(per_path) < len(doc["phases"]) - 1, per_path
+    assert known and known <= inside and len(per_path) == len(inside - known), per_path
+    assert len(inside) < len(doc["phases"]) - 1
     assert phases == doc["phases"]
     assert any(ph["wait_ms"] > 0 for ph in phases.values())
 
@@ -793,6 +797,41 @@ def test_phase_waits_takes_plain_paths_sums_from_phase_stats(tmp_path: Path) -> 
     assert not any("FROM phases WHERE" in s and "NOT list_contains($inside" in s for s in sqls)
     assert any("FROM phases WHERE" in s and "NOT list_contains($inside" in s for s in sqls2)
     assert any(ph.get("own_share") for ph in shared.values())
+
+
+def test_phase_waits_takes_top_level_medians_from_build_own(tmp_path: Path) -> None:
+    # A top-level phase with collectives inside: build_own's dense path joined its rows
+    # already and took the run-wide median wait (table wait_medians); phase_waits' own
+    # statement joined every row again (at 10^8 samples it spilled to disk, 4.6 s CPU).
+    # Its sums come from the per-rank rows. Without the table: the SQL, the same numbers.
+    from stepscope.analysis.own import WAIT_MEDIANS, phase_waits
+
+    run = write_run(tmp_path / "run", SynthRun(ranks=5, steps=20, seed=12, comm_child=True,
+                                               slow=(Slow(2, "backward", 5.0),)))
+    doc = analyze_run(run, keep=True)
+    data = doc["_data"]
+    out = []
+    try:
+        known = dict(data.con.execute(f"SELECT path, median FROM {WAIT_MEDIANS}").fetchall())
+        for empty in (False, True):
+            if empty:
+                data.con.execute(f"DELETE FROM {WAIT_MEDIANS}")
+            spy = SqlSpy(data.con)
+            phases = {k: {**v, "per_rank": [dict(p) for p in v["per_rank"]]}
+                      for k, v in doc["phases"].items()}
+            for ph in phases.values():
+                for t in (ph, *ph["per_rank"]):
+                    for k in ("wait_ms", "own_share", "work_share"):
+                        t.pop(k, None)
+            phase_waits(spy, phases)
+            out.append((phases, [s for s in spy.sqls if "list_contains([$p], anc)" in s]))
+    finally:
+        data.close()
+    (shared, wide), (scanned, wide2) = out
+    assert "backward" in known and known["backward"] > 0
+    assert shared == doc["phases"] and scanned == doc["phases"]
+    assert len(wide2) == len(wide) + len(known)
+    assert shared["backward"]["own_share"] and shared["backward"]["wait_ms"] > 0
 
 
 def test_goodput_rows_staged_without_a_row_number(tmp_path: Path, monkeypatch: Any) -> None:

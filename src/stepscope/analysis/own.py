@@ -133,6 +133,7 @@ def build_own(con: Any) -> OwnColumns:
     Returns ex's rows that have an excess as numpy columns (the gap series' source).
     """
     build_pw(con)
+    con.execute(f"CREATE OR REPLACE TEMP TABLE {WAIT_MEDIANS} (path VARCHAR, median DOUBLE)")
     dense = _own_dense(con)
     if dense is not None:  # ex a view over the matrices' middle values, no own table
         return dense
@@ -318,12 +319,15 @@ def _own_dense(con: Any) -> OwnColumns | None:
     gaps = [np.full((n_r, n_s), np.nan, dtype=KEEP_DTYPE) for _ in names]
     mids: list[tuple[Any, ...]] = []  # (step, name id, n, p, m, q) of each phase
     timed_cells: list[tuple[Any, Any]] = []  # (step, name id) with a collective timing
+    medians: dict[str, float] = {}  # run-wide median wait of the phases with collectives
     for k, name in enumerate(names):
         got = (_residual_matrix(con, ranks, ustep) if name == RESIDUAL
                else _phase_matrix(con, name, unique, ranks, ustep))
         if got is None:
             return None  # a row of no (rank, step) of steps, twice in a cell, or NaN
-        mat, timed = got
+        mat, timed, median = got
+        if median is not None:
+            medians[name] = median
         if timed is not None:
             # A rank with no collective timing in a phase where others have some at that
             # step: its waits are unknown, so its own work there is not compared (not in ex).
@@ -349,6 +353,8 @@ def _own_dense(con: Any) -> OwnColumns | None:
                 [t_step.tolist(), [names[int(i)] for i in t_nid.tolist()]])
     _drop_ex(con)
     con.execute(f"CREATE TEMP VIEW ex AS {_ex_sql(_own_sql(con, 'ex_timed'), 'ex_mid')}")
+    con.execute(f"INSERT INTO {WAIT_MEDIANS} SELECT unnest(?::VARCHAR[]), unnest(?::DOUBLE[])",
+                [list(medians), list(medians.values())])
     empty = np.zeros(0, dtype=np.int64)
     return OwnColumns(names, empty, empty, empty, np.zeros(0), np.zeros(0),
                       DenseOwn(ranks, ustep, owns, gaps))
@@ -405,9 +411,10 @@ def _scatter(cell: Any, values: Any, shape: tuple[int, int]) -> Any | None:
 
 
 def _phase_matrix(con: Any, name: str, unique: bool, ranks: Any,
-                  steps: Any) -> tuple[Any, Any] | None:
+                  steps: Any) -> tuple[Any, Any, float | None] | None:
     """A top-level phase's rows of ``pw`` as ranks × steps matrices: own work
-    (``greatest(ms - wait, 0.0)``, NaN: no row) and timed (``ncoll > 0``; None: none is).
+    (``greatest(ms - wait, 0.0)``, NaN: no row) and timed (``ncoll > 0``; None: none is),
+    and the median of its rows' waits where a collective lies inside (else None).
 
     Where (rank, step, path) is the key of ``phases`` and ``cin``, ``pw``'s join is done on
     the matrix: the phase's collectives' waits are placed in a ranks × steps matrix and
@@ -425,7 +432,7 @@ def _phase_matrix(con: Any, name: str, unique: bool, ranks: Any,
             return None
         row_timed = np.zeros(shape, dtype=bool)
         row_timed.ravel()[cell[np.asarray(cols["timed"], dtype=bool)]] = True
-        return mat, row_timed
+        return mat, row_timed, None
     cell, ok, cols = _fetch_cells(con, "ms", "phases WHERE path = $p AND parent IS NULL",
                                   {"p": name}, ranks, steps)
     if not ok.all():
@@ -433,6 +440,7 @@ def _phase_matrix(con: Any, name: str, unique: bool, ranks: Any,
     null = np.ma.getmaskarray(cols["ms"])
     mat = _scatter(cell, cols["ms"], shape)
     null_at = cell[null] if null.any() else None
+    n_rows = len(cell)
     del cell, ok, cols, null
     if mat is None:
         return None
@@ -445,7 +453,16 @@ def _phase_matrix(con: Any, name: str, unique: bool, ranks: Any,
     if np.isnan(w).any():
         return None  # own work NaN: the grouped path's
     timed: Any = None  # no collective inside: wait 0.0, never timed
+    median = None
     if len(w):
+        # pw's waits of this phase: the joined ones, 0.0 on every other row (phase_waits'
+        # run-wide median; its SQL join of every row spilled to disk, ~4 s at 10^8 samples).
+        waits = np.zeros(n_rows)
+        joined = w[~np.isnan(mat.ravel()[cell])]
+        waits[:len(joined)] = joined
+        del joined
+        median = sql_median(waits)
+        del waits
         mat.ravel()[cell] -= w  # each cell once: (rank, step, anc) is cin's key
         timed = np.zeros(shape, dtype=bool)  # count(*) > 0: a row of cin
         timed.ravel()[cell] = True
@@ -453,10 +470,23 @@ def _phase_matrix(con: Any, name: str, unique: bool, ranks: Any,
     np.maximum(mat, 0.0, out=mat)  # NaN (no row) stays NaN
     if null_at is not None:
         mat.ravel()[null_at] = 0.0  # greatest(NULL - wait, 0.0) is 0.0
-    return mat, timed
+    return mat, timed, median
 
 
-def _residual_matrix(con: Any, ranks: Any, steps: Any) -> tuple[Any, None] | None:
+def sql_median(values: Any) -> float | None:
+    """DuckDB's ``median`` of float64 values (none NULL): the middle value, or for an even
+    count ``lo * 0.5 + hi * 0.5`` of the two middle ones (its interpolation, bit for bit:
+    not ``lo + (hi - lo) * 0.5``, nor ``(lo + hi) / 2``, which overflows)."""
+    n = len(values)
+    if not n:
+        return None
+    lo, hi = (n - 1) // 2, n // 2
+    part = np.partition(np.asarray(values, dtype=np.float64), [lo, hi])
+    a, b = float(part[lo]), float(part[hi])
+    return a if lo == hi else a * 0.5 + b * 0.5
+
+
+def _residual_matrix(con: Any, ranks: Any, steps: Any) -> tuple[Any, None, None] | None:
     """The residual's own work as a ranks × steps matrix (NaN: no row; None: no timing rule,
     every row counts): untimed step time less the waits outside any phase."""
     cell, ok, cols = _fetch_cells(
@@ -468,7 +498,7 @@ def _residual_matrix(con: Any, ranks: Any, steps: Any) -> tuple[Any, None] | Non
     if not ok.all():
         return None
     mat = _scatter(cell, cols["own"], (len(ranks), len(steps)))
-    return None if mat is None else (mat, None)
+    return None if mat is None else (mat, None, None)
 
 
 def _dense_block(mat: Any, keep_own: Any, keep_gap: Any) -> tuple[Any, ...]:
@@ -497,6 +527,9 @@ def _dense_block(mat: Any, keep_own: Any, keep_gap: Any) -> tuple[Any, ...]:
     return has, n[has], pv[has], mv[has], qv[has]
 
 
+#: Table (path, median): the run-wide median wait of each top-level phase with collectives
+#: inside, taken by :func:`_own_dense` from the rows it joins (empty on the grouped path).
+WAIT_MEDIANS = "wait_medians"
 #: The own-work and gap matrices kept for the series (ex's view computes in float64).
 KEEP_DTYPE = np.float32
 #: :func:`_own_dense` takes a phase's middle values this many matrix cells at a time (a few
@@ -540,10 +573,16 @@ def phase_waits(con: Any, phases: dict[str, Any]) -> None:
                        AND NOT list_contains($inside::VARCHAR[], name)
                        AND NOT list_contains(['{RESIDUAL}', '{H2D_HIDDEN}'], name)""")
     # Over the whole run, one path at a time: an exact median holds every value of its
-    # group, and every path at once (10^8 values) ran out of memory at a 1 GB limit.
+    # group, and every path at once (10^8 values) ran out of memory at a 1 GB limit. A path
+    # whose median build_own took (WAIT_MEDIANS) has its sums from its per-rank rows below.
+    known = (dict(con.execute(f"SELECT path, median FROM {WAIT_MEDIANS}").fetchall())
+             if unique and _has_table(con, WAIT_MEDIANS) else {})
     rows: list[Any] = []
     for path in paths:
         if unique and path not in inside:
+            continue
+        if path in known:
+            rows.append(path)  # filled in from its per-rank rows
             continue
         rows += con.execute(
             f"""SELECT path, NULL AS rank, median(wait), sum(ms - wait), bool_and(parent IS NULL),
@@ -570,6 +609,7 @@ def phase_waits(con: Any, phases: dict[str, Any]) -> None:
                 UNION ALL SELECT '{RESIDUAL}', rank, median(wait), sum(own), TRUE, sum(work)
                 FROM rx WHERE {blk} GROUP BY 2""", {"inside": inside} if unique else {}
         ).fetchall()
+    rows = [_from_ranks(r, known[r], rows) if isinstance(r, str) else r for r in rows]
     # Index the per-rank entries once: searching per_rank for each row is ranks^2.
     per_rank: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for pname, ph in phases.items():
@@ -585,3 +625,15 @@ def phase_waits(con: Any, phases: dict[str, Any]) -> None:
             t["wait_ms"] = round(float(wmed or 0.0), 3)
             t["own_share"] = round(float(own_sum) / denom, 4) if top and denom else None
             t["work_share"] = round(float(work_sum) / denom, 4) if top and denom else None
+
+
+def _from_ranks(path: str, median: float, rows: list[Any]) -> tuple[Any, ...]:
+    """A path's run-wide row of :func:`phase_waits` from its per-rank rows (sums of their
+    sums; NULL where every one is) and its run-wide median wait."""
+    mine = [r for r in rows if not isinstance(r, str) and r[0] == path and r[1] is not None]
+
+    def total(i: int) -> float | None:
+        got = [r[i] for r in mine if r[i] is not None]
+        return sum(got) if got else None
+
+    return (path, None, median, total(3), all(bool(r[4]) for r in mine), total(5))
