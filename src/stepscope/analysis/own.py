@@ -315,12 +315,15 @@ def _own_dense(con: Any) -> OwnColumns | None:
     n_rows = n_top + n_steps_rows  # own's rows at most (the timing rule keeps some fewer)
     if not n_rows or not n_r or n_r * n_s * n_n > 2 * n_rows + 1_000_000:
         return None  # sparse (ranks on different steps): the grouped path holds only rows
-    owns = [np.full((n_r, n_s), np.nan, dtype=KEEP_DTYPE) for _ in names]
-    gaps = [np.full((n_r, n_s), np.nan, dtype=KEEP_DTYPE) for _ in names]
+    owns: list[Any] = [None] * n_n
+    gaps: list[Any] = [None] * n_n
     mids: list[tuple[Any, ...]] = []  # (step, name id, n, p, m, q) of each phase
     timed_cells: list[tuple[Any, Any]] = []  # (step, name id) with a collective timing
     medians: dict[str, float] = {}  # run-wide median wait of the phases with collectives
-    for k, name in enumerate(names):
+    # The residual first: its read (a join of steps) peaks higher than a phase's; the last
+    # read meets every earlier phase's kept matrices.
+    for k in sorted(range(n_n), key=lambda i: names[i] != RESIDUAL):
+        name = names[k]
         got = (_residual_matrix(con, ranks, ustep) if name == RESIDUAL
                else _phase_matrix(con, name, unique, ranks, ustep))
         if got is None:
@@ -337,6 +340,10 @@ def _own_dense(con: Any) -> OwnColumns | None:
             timed_cells.append((ustep[any_timed], np.full(int(any_timed.sum()), k, np.int64)))
             mat[present & ~timed & any_timed[None, :]] = np.nan
             del present, timed, any_timed
+        # Made after the phase's rows are read and gone (the stage's peak is the last
+        # phase's read): every cell is written below, a few columns at a time.
+        owns[k] = np.empty((n_r, n_s), dtype=KEEP_DTYPE)
+        gaps[k] = np.empty((n_r, n_s), dtype=KEEP_DTYPE)
         width = max(1, _CHUNK_CELLS // n_r)  # a few columns at a time: bounded temporaries
         for c0 in range(0, n_s, width):
             c1 = min(c0 + width, n_s)
