@@ -644,39 +644,91 @@ def test_resources_read_only_the_sections_present(tmp_path: Path) -> None:
     assert series and all(s.startswith("SELECT rank, step, rss_mb FROM res") for s in series), series
 
 
-def test_own_work_one_read_of_pw_per_block_of_steps(tmp_path: Path, monkeypatch: Any) -> None:
-    # build_own's dense path reads each block of steps' top-level pw rows once (own work,
-    # wait and timing together): no own table over every row, no read per phase (at 10^8
-    # samples: 12 scans of 6 * 10^7 rows). One step per block gives the one-block ex.
+def test_own_work_one_read_of_phases_per_top_level_phase(tmp_path: Path) -> None:
+    # build_own's dense path reads each top-level phase's rows of phases once, the whole run
+    # at once, and its collectives' waits from cin once: no own table, no read per block of
+    # steps (a block's rows are not contiguous in phases: at 10^8 samples each of the 41
+    # blocks' reads scanned 703 of 834 row groups, 22 s CPU).
     import numpy as np
 
-    from stepscope.analysis import blocks
     from stepscope.analysis import own as own_mod
 
     run = write_run(tmp_path / "run", SynthRun(ranks=5, steps=24, seed=7, comm_child=True,
                                                slow=(Slow(2, "forward", 8.0, 5, 12),)))
     data = analyze_run(run, keep=True)["_data"]
     try:
-        out = []
-        for per_block in (None, 5):  # every step at once; one step (5 ranks) per block
-            if per_block is not None:
-                monkeypatch.setattr(blocks, "BLOCK_RECORDS", per_block)
-            spy = SqlSpy(data.con)
-            cols = own_mod.build_own(spy)
-            assert cols.dense is not None
-            assert all(m.dtype == own_mod.KEEP_DTYPE for m in (*cols.dense.own, *cols.dense.excess))
-            reads = [s for s in spy.sqls if "FROM phases" in s and "parent IS NULL" in s
-                     and "step BETWEEN" in s and "FROM cin WHERE step BETWEEN" in s]
-            want = blocks.step_blocks(data.con, max(1, blocks.BLOCK_RECORDS // own_mod._READ_SHARE))
-            assert len(reads) == len(want), reads
-            assert not any("TABLE own" in s or "FROM own" in s for s in spy.sqls), spy.sqls
-            out.append((data.con.execute("SELECT * FROM ex ORDER BY rank, step, name").fetchall(),
-                        [*cols.dense.own, *cols.dense.excess]))
+        tops = [t for (t,) in data.con.execute(
+            "SELECT DISTINCT path FROM phases WHERE parent IS NULL").fetchall()]
+        spy = SqlSpy(data.con)
+        cols = own_mod.build_own(spy)
+        assert cols.dense is not None
+        assert all(m.dtype == own_mod.KEEP_DTYPE for m in (*cols.dense.own, *cols.dense.excess))
+        reads = [s for s in spy.sqls if "FROM phases WHERE path = $p AND parent IS NULL" in s]
+        waits = [s for s in spy.sqls if "FROM cin WHERE anc = $p" in s]
+        assert len(reads) == len(waits) == len(tops) >= 4, spy.sqls
+        assert not any("WHERE step BETWEEN" in s for s in spy.sqls), spy.sqls
+        assert not any("TABLE own" in s or "FROM own" in s for s in spy.sqls), spy.sqls
+        ex = data.con.execute("SELECT count(*), count(excess) FROM ex").fetchone()
+        assert ex[0] == 5 * 24 * (len(tops) + 1) and ex[1] == ex[0]
+        assert all(int(np.count_nonzero(~np.isnan(m))) == 5 * 24 for m in cols.dense.own)
     finally:
         data.close()
-    assert len(reads) == 24
-    assert out[0][0] == out[1][0] and len(out[0][0]) == 5 * 24 * 6
-    assert all(np.array_equal(a, b, equal_nan=True) for a, b in zip(out[0][1], out[1][1], strict=True))
+
+
+@pytest.mark.parametrize(("rank_ids", "steps"), [((3, 4, 5, 6), (10, 11, 12, 13)),
+                                                  ((0, 2, 5, 9), (10, 11, 12, 14))])
+@pytest.mark.parametrize("unique", [True, False])
+def test_dense_own_on_hand_made_tables_equals_the_grouped_path(
+        rank_ids: tuple[int, ...], steps: tuple[int, ...], unique: bool, monkeypatch: Any) -> None:
+    # The dense path's join of phases and cin on the matrices (rank and step ids made
+    # cells in SQL when consecutive, by search when not), against the grouped path's SQL:
+    # collectives on some ranks only (the timing rule), one of a (rank, step) with no row
+    # of its phase, one on a step of no record, a NULL ms (its waits more than none), a
+    # NULL sum of waits.
+    import duckdb
+    import numpy as np
+
+    from stepscope.analysis import own as own_mod
+
+    rng = np.random.default_rng(len(rank_ids) + rank_ids[1] + unique)
+    vals = rng.uniform(0, 10, size=(len(rank_ids), len(steps), 5)).round(3)
+    step_rows, phase_rows, cw_rows = [], [], []
+    for i, r in enumerate(rank_ids):
+        for j, st in enumerate(steps):
+            step_rows.append((r, st, vals[i, j, 3]))
+            for k, (path, parent) in enumerate([("fwd", None), ("bwd", None), ("bwd/sync", "bwd")]):
+                if (path, r, st) == ("fwd", rank_ids[1], 11):
+                    continue  # no fwd row: its collective below joins nothing
+                ms = None if (path, i, j) == ("bwd", 2, 2) else float(vals[i, j, k])
+                phase_rows.append((r, st, path, parent, ms))
+            if (i != 1 or j == 3) and (i, j) != (3, 3):  # some ranks untimed in bwd
+                wait = (None if (i, j) == (0, 3) else -1.0 if (i, j) == (2, 2)
+                        else float(vals[i, j, 4] / 4))
+                cw_rows.append((r, st, "bwd/sync", wait, 0.5))
+            if i == 0:
+                cw_rows.append((r, st, None, 0.25, 0.3))
+    cw_rows += [(rank_ids[1], 11, "fwd", 1.5, 1.0), (rank_ids[3], 99 if 13 in steps else 13, "bwd", 1.5, 1.0)]
+    out = []
+    for dense in (True, False):
+        con = duckdb.connect()
+        con.execute("CREATE TABLE phases (rank INT, step BIGINT, path VARCHAR, parent VARCHAR, "
+                    "ms DOUBLE)")
+        con.execute("CREATE TABLE cw (rank INT, step BIGINT, phase VARCHAR, wait DOUBLE, "
+                    "ms DOUBLE)")
+        con.execute("CREATE TABLE steps (rank INT, step BIGINT, residual_ms DOUBLE)")
+        if unique:
+            con.execute("CREATE TABLE phase_dups AS SELECT 0 AS n")
+        con.executemany("INSERT INTO steps VALUES (?, ?, ?)", step_rows)
+        con.executemany("INSERT INTO phases VALUES (?, ?, ?, ?, ?)", phase_rows)
+        con.executemany("INSERT INTO cw VALUES (?, ?, ?, ?, ?)", cw_rows)
+        if not dense:
+            monkeypatch.setattr(own_mod, "_own_dense", lambda con: None)
+        cols = own_mod.build_own(con)
+        assert (cols.dense is not None) == dense
+        out.append(con.execute("SELECT * FROM ex ORDER BY rank, step, name").fetchall())
+        con.close()
+    assert out[0] == out[1] and len(out[0]) > 40
+    assert any(row[2] == "bwd" and row[3] == 0.0 for row in out[0])  # greatest(NULL, 0.0)
 
 
 def test_pw_is_a_view_not_a_table_of_every_phase_row(tmp_path: Path) -> None:
@@ -697,14 +749,18 @@ def test_pw_is_a_view_not_a_table_of_every_phase_row(tmp_path: Path) -> None:
         phases = {k: {**v, "per_rank": [dict(p) for p in v["per_rank"]]}
                   for k, v in doc["phases"].items()}
         phase_waits(spy, phases)
+        inside = {a for (a,) in data.con.execute("SELECT DISTINCT anc FROM cin").fetchall()}
+        known = {p for (p,) in data.con.execute("SELECT path FROM wait_medians").fetchall()}
     finally:
         data.close()
     assert kind == "VIEW"
     assert not any("FROM pw" in s or "JOIN pw" in s for s in spy.sqls), spy.sqls
-    # Run-wide medians of the waits only for the paths a collective lies inside; the other
-    # paths' rows (wait 0 throughout) come from one statement over phases.
+    # Run-wide medians of the waits only for the paths a collective lies inside (less the
+    # top-level ones build_own took); the other paths' rows (wait 0 throughout) come from
+    # one statement over phases.
     per_path = [s for s in spy.sqls if "list_contains([$p], anc)" in s]
-    assert 0 < len(per_path) < len(doc["phases"]) - 1, per_path
+    assert known and known <= inside and len(per_path) == len(inside - known), per_path
+    assert len(inside) < len(doc["phases"]) - 1
     assert phases == doc["phases"]
     assert any(ph["wait_ms"] > 0 for ph in phases.values())
 
@@ -741,6 +797,41 @@ def test_phase_waits_takes_plain_paths_sums_from_phase_stats(tmp_path: Path) -> 
     assert not any("FROM phases WHERE" in s and "NOT list_contains($inside" in s for s in sqls)
     assert any("FROM phases WHERE" in s and "NOT list_contains($inside" in s for s in sqls2)
     assert any(ph.get("own_share") for ph in shared.values())
+
+
+def test_phase_waits_takes_top_level_medians_from_build_own(tmp_path: Path) -> None:
+    # A top-level phase with collectives inside: build_own's dense path joined its rows
+    # already and took the run-wide median wait (table wait_medians); phase_waits' own
+    # statement joined every row again (at 10^8 samples it spilled to disk, 4.6 s CPU).
+    # Its sums come from the per-rank rows. Without the table: the SQL, the same numbers.
+    from stepscope.analysis.own import WAIT_MEDIANS, phase_waits
+
+    run = write_run(tmp_path / "run", SynthRun(ranks=5, steps=20, seed=12, comm_child=True,
+                                               slow=(Slow(2, "backward", 5.0),)))
+    doc = analyze_run(run, keep=True)
+    data = doc["_data"]
+    out = []
+    try:
+        known = dict(data.con.execute(f"SELECT path, median FROM {WAIT_MEDIANS}").fetchall())
+        for empty in (False, True):
+            if empty:
+                data.con.execute(f"DELETE FROM {WAIT_MEDIANS}")
+            spy = SqlSpy(data.con)
+            phases = {k: {**v, "per_rank": [dict(p) for p in v["per_rank"]]}
+                      for k, v in doc["phases"].items()}
+            for ph in phases.values():
+                for t in (ph, *ph["per_rank"]):
+                    for k in ("wait_ms", "own_share", "work_share"):
+                        t.pop(k, None)
+            phase_waits(spy, phases)
+            out.append((phases, [s for s in spy.sqls if "list_contains([$p], anc)" in s]))
+    finally:
+        data.close()
+    (shared, wide), (scanned, wide2) = out
+    assert "backward" in known and known["backward"] > 0
+    assert shared == doc["phases"] and scanned == doc["phases"]
+    assert len(wide2) == len(wide) + len(known)
+    assert shared["backward"]["own_share"] and shared["backward"]["wait_ms"] > 0
 
 
 def test_goodput_rows_read_a_block_of_ranks_at_a_time_without_a_row_number(

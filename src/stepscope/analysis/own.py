@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from stepscope.analysis import blocks, grouped
-from stepscope.analysis.blocks import in_block, rank_blocks, step_blocks
+from stepscope.analysis import grouped
+from stepscope.analysis.blocks import in_block, rank_blocks
 from stepscope.analysis.stats import H2D_HIDDEN, PHASE_SUMS, RESIDUAL
 
 
@@ -133,6 +133,7 @@ def build_own(con: Any) -> OwnColumns:
     Returns ex's rows that have an excess as numpy columns (the gap series' source).
     """
     build_pw(con)
+    con.execute(f"CREATE OR REPLACE TEMP TABLE {WAIT_MEDIANS} (path VARCHAR, median DOUBLE)")
     dense = _own_dense(con)
     if dense is not None:  # ex a view over the matrices' middle values, no own table
         return dense
@@ -278,20 +279,23 @@ def _write_mid(con: Any, step: Any, name: list[str], n: Any, p: Any, m: Any, q: 
 
 
 def _own_dense(con: Any) -> OwnColumns | None:
-    """The own-work and gap matrices (one ranks × steps matrix per phase), a block of steps
-    at a time, and ``ex`` as a view, when every (rank, step, phase) has at most one row and
-    the matrices are not much larger than the rows; None otherwise (the grouped path).
+    """The own-work and gap matrices (one ranks × steps matrix per phase), one phase at a
+    time, and ``ex`` as a view, when every (rank, step, phase) has at most one row and the
+    matrices are not much larger than the rows; None otherwise (the grouped path).
 
-    Each block's top-level rows of ``pw`` and residual rows are read once (rank, step,
-    phase id, own, timing); the rows :func:`build_own`'s ``own`` table keeps are those with
-    a collective timing, or in a (step, phase) cell where no rank has one. A sort down each
-    step's column of a phase's block gives the cell's middle values, :func:`_others` the
-    median of the other ranks. ``ex`` is not written: it is the view :func:`_ex_sql` over
-    the own-work rows and the cells' middle values (table ``ex_mid``) and timed cells
-    (``ex_timed``), the grouped path's statement (10^8 rows written to the database file
-    cost more than the rest of this stage; its readers filter a phase, a rank or residual).
+    Each top-level phase's rows of ``pw`` (:func:`_phase_rows`) and the residual rows are
+    read once (rank, step, own, timing), the whole run at once: a block of steps is not
+    contiguous in ``phases`` (its rows lie in rank order), so each block's read scanned
+    nearly the whole table (41 blocks at 10^8 samples: 22 s CPU, against ~1 s a phase).
+    The rows :func:`build_own`'s ``own`` table keeps are those with a collective timing, or
+    in a (step, phase) cell where no rank has one. A sort down each step's column of a
+    phase's matrix gives the cell's middle values, :func:`_others` the median of the other
+    ranks. ``ex`` is not written: it is the view :func:`_ex_sql` over the own-work rows and
+    the cells' middle values (table ``ex_mid``) and timed cells (``ex_timed``), the grouped
+    path's statement (10^8 rows written to the database file cost more than the rest of
+    this stage; its readers filter a phase, a rank or residual).
     Memory: the own-work and gap matrices kept for the series (8 bytes per (rank, step,
-    phase)) plus one block's rows."""
+    phase)) plus one phase's rows and its float64 matrix."""
     names = sorted({str(n) for (n,) in con.execute(  # pw's paths are phases'
         "SELECT DISTINCT path FROM phases WHERE parent IS NULL").fetchall()})
     n_steps_rows = int(con.execute("SELECT count(*) FROM steps").fetchone()[0])
@@ -299,8 +303,9 @@ def _own_dense(con: Any) -> OwnColumns | None:
         if RESIDUAL in names:
             return None  # a user phase named residual shares the residual's cells
         names = sorted([*names, RESIDUAL])
+    unique = _phase_keys_unique(con)
     n_top = int(con.execute(  # pw has phases' rows when (rank, step, path) is their key
-        "SELECT count(*) FROM phases WHERE parent IS NULL" if _phase_keys_unique(con)
+        "SELECT count(*) FROM phases WHERE parent IS NULL" if unique
         else f"SELECT count(*) FROM ({pw_select(con, top=True)})").fetchone()[0])
     ranks = np.asarray([r for (r,) in con.execute(
         "SELECT DISTINCT rank FROM steps ORDER BY 1").fetchall()], dtype=np.int64)
@@ -310,66 +315,41 @@ def _own_dense(con: Any) -> OwnColumns | None:
     n_rows = n_top + n_steps_rows  # own's rows at most (the timing rule keeps some fewer)
     if not n_rows or not n_r or n_r * n_s * n_n > 2 * n_rows + 1_000_000:
         return None  # sparse (ranks on different steps): the grouped path holds only rows
-    owns = [np.full((n_r, n_s), np.nan, dtype=KEEP_DTYPE) for _ in names]
-    gaps = [np.full((n_r, n_s), np.nan, dtype=KEEP_DTYPE) for _ in names]
-    res_id = names.index(RESIDUAL) if RESIDUAL in names else -1
-    mids: list[tuple[Any, ...]] = []  # (step, name id, n, p, m, q) of each block and phase
+    owns: list[Any] = [None] * n_n
+    gaps: list[Any] = [None] * n_n
+    mids: list[tuple[Any, ...]] = []  # (step, name id, n, p, m, q) of each phase
     timed_cells: list[tuple[Any, Any]] = []  # (step, name id) with a collective timing
-    for b in step_blocks(con, max(1, blocks.BLOCK_RECORDS // _READ_SHARE)):
-        blk = in_block("step", b)
-        top = con.execute(
-            f"""SELECT rank, step, list_position($names, path) - 1 AS nid,
-                       greatest(ms - wait, 0.0) AS own, ncoll > 0 AS timed
-                FROM ({pw_select(con, blk, top=True)})""", {"names": names}).fetchnumpy()
-        res = con.execute(
-            f"""SELECT s.rank, s.step, greatest(s.residual_ms - coalesce(r.w, 0.0), 0.0) AS own
-                FROM (SELECT rank, step, residual_ms FROM steps WHERE {blk}) s
-                LEFT JOIN (SELECT rank, step, sum(wait) AS w FROM cw
-                           WHERE phase IS NULL AND {blk} GROUP BY 1, 2) r USING (rank, step)"""
-        ).fetchnumpy()
-        rank = np.concatenate([np.asarray(top["rank"], dtype=np.int64),
-                               np.asarray(res["rank"], dtype=np.int64)])
-        step = np.concatenate([np.asarray(top["step"], dtype=np.int64),
-                               np.asarray(res["step"], dtype=np.int64)])
-        nid = np.concatenate([np.asarray(top["nid"], dtype=np.int64),
-                              np.full(len(res["rank"]), res_id, dtype=np.int64)])
-        own = np.concatenate([np.asarray(top["own"], dtype=np.float64),
-                              np.asarray(res["own"], dtype=np.float64)])
-        timed = np.concatenate([np.asarray(top["timed"], dtype=bool),
-                                np.ones(len(res["rank"]), dtype=bool)])
-        del top, res
-        if np.isnan(own).any():
-            return None
-        ri = np.searchsorted(ranks, rank)
-        c0 = int(np.searchsorted(ustep, b[0], side="left"))
-        c1 = int(np.searchsorted(ustep, b[1], side="right"))
-        ci = np.searchsorted(ustep, step)
-        if len(rank) and (int(ri.max()) >= n_r or int(ci.max()) >= n_s
-                          or not np.array_equal(ranks[ri], rank)
-                          or not np.array_equal(ustep[ci], step)):
-            return None  # a phase row of a (rank, step) steps does not hold
-        del rank, step
-        w = c1 - c0
-        ci -= c0
-        # A rank with no collective timing in a phase where others have some at that step:
-        # its waits are unknown, so its own work there is not compared (not in ex).
-        cell = nid * w + ci
-        any_timed = np.zeros(n_n * w, dtype=bool)
-        any_timed[cell[np.flatnonzero(timed & (nid != res_id))]] = True
-        keep = timed | ~any_timed[cell]
-        at_timed = np.flatnonzero(any_timed)
-        timed_cells.append((ustep[c0:c1][at_timed % w], at_timed // w))
-        del cell, any_timed, timed
-        if not keep.all():
-            ri, ci, nid, own = ri[keep], ci[keep], nid[keep], own[keep]
-        del keep
-        for k in range(n_n):
-            at = np.flatnonzero(nid == k)
-            got = _dense_block(ri[at], ci[at], own[at], owns[k][:, c0:c1], gaps[k][:, c0:c1])
-            if got is None:
-                return None
-            has, *stats = got
+    medians: dict[str, float] = {}  # run-wide median wait of the phases with collectives
+    # The residual first: its read (a join of steps) peaks higher than a phase's; the last
+    # read meets every earlier phase's kept matrices.
+    for k in sorted(range(n_n), key=lambda i: names[i] != RESIDUAL):
+        name = names[k]
+        got = (_residual_matrix(con, ranks, ustep) if name == RESIDUAL
+               else _phase_matrix(con, name, unique, ranks, ustep))
+        if got is None:
+            return None  # a row of no (rank, step) of steps, twice in a cell, or NaN
+        mat, timed, median = got
+        if median is not None:
+            medians[name] = median
+        if timed is not None:
+            # A rank with no collective timing in a phase where others have some at that
+            # step: its waits are unknown, so its own work there is not compared (not in ex).
+            present = ~np.isnan(mat)
+            timed &= present
+            any_timed = timed.any(axis=0)
+            timed_cells.append((ustep[any_timed], np.full(int(any_timed.sum()), k, np.int64)))
+            mat[present & ~timed & any_timed[None, :]] = np.nan
+            del present, timed, any_timed
+        # Made after the phase's rows are read and gone (the stage's peak is the last
+        # phase's read): every cell is written below, a few columns at a time.
+        owns[k] = np.empty((n_r, n_s), dtype=KEEP_DTYPE)
+        gaps[k] = np.empty((n_r, n_s), dtype=KEEP_DTYPE)
+        width = max(1, _CHUNK_CELLS // n_r)  # a few columns at a time: bounded temporaries
+        for c0 in range(0, n_s, width):
+            c1 = min(c0 + width, n_s)
+            has, *stats = _dense_block(mat[:, c0:c1], owns[k][:, c0:c1], gaps[k][:, c0:c1])
             mids.append((ustep[c0:c1][has], np.full(len(has), k, dtype=np.int64), *stats))
+        del mat
     cat = [np.concatenate([m[i] for m in mids]) if mids else np.zeros(0) for i in range(6)]
     _write_mid(con, cat[0], [names[int(i)] for i in cat[1].tolist()], cat[2], cat[3], cat[4],
                cat[5], table="ex_mid")
@@ -380,22 +360,161 @@ def _own_dense(con: Any) -> OwnColumns | None:
                 [t_step.tolist(), [names[int(i)] for i in t_nid.tolist()]])
     _drop_ex(con)
     con.execute(f"CREATE TEMP VIEW ex AS {_ex_sql(_own_sql(con, 'ex_timed'), 'ex_mid')}")
+    con.execute(f"INSERT INTO {WAIT_MEDIANS} SELECT unnest(?::VARCHAR[]), unnest(?::DOUBLE[])",
+                [list(medians), list(medians.values())])
     empty = np.zeros(0, dtype=np.int64)
     return OwnColumns(names, empty, empty, empty, np.zeros(0), np.zeros(0),
                       DenseOwn(ranks, ustep, owns, gaps))
 
 
-def _dense_block(ri: Any, ci: Any, own: Any, keep_own: Any, keep_gap: Any) -> tuple[Any, ...] | None:
-    """One phase's block of steps: store its own work and gap in the run's matrices (views,
-    :data:`KEEP_DTYPE`); return the columns that hold a value and their cells' n, p, m, q
-    (:func:`_middles`); None when a (rank, step) has two rows."""
-    n_r = keep_own.shape[0]
-    mat = np.full(keep_own.shape, np.nan)
-    mat[ri, ci] = own
+def _positions_in(values: Any, keys: Any) -> tuple[Any, Any]:
+    """Each value's index in the sorted distinct ``keys`` and whether it is one of them."""
+    v = np.asarray(values)
+    if not len(keys):
+        return np.zeros(len(v), dtype=np.int64), np.zeros(len(v), dtype=bool)
+    at = np.searchsorted(keys, v)
+    ok = at < len(keys)
+    ok[ok] = keys[at[ok]] == v[ok]
+    return at, ok
+
+
+def _fetch_cells(con: Any, cols: str, src: str, params: dict[str, Any], ranks: Any,
+                 steps: Any) -> tuple[Any, Any, dict[str, Any]]:
+    """``SELECT cols FROM src`` with each row's cell of the flattened ranks × steps matrix
+    (table ``steps``' sorted ranks and steps): (cell, whether the row has one, columns).
+    Consecutive ranks and steps (the usual run) have it computed in the query: the rows'
+    rank and step columns never reach numpy (at 10^8 samples, 200 MB a phase)."""
+    n_s = len(steps)
+    if (len(ranks) and n_s and int(ranks[-1]) - int(ranks[0]) == len(ranks) - 1
+            and int(steps[-1]) - int(steps[0]) == n_s - 1):
+        r0, r1, s0, s1 = int(ranks[0]), int(ranks[-1]), int(steps[0]), int(steps[-1])
+        cell_type = "INTEGER" if len(ranks) * n_s < 1 << 31 else "BIGINT"  # half the bytes
+        got = con.execute(
+            f"""SELECT CASE WHEN rank BETWEEN {r0} AND {r1} AND step BETWEEN {s0} AND {s1}
+                            THEN CAST((CAST(rank AS BIGINT) - {r0}) * {n_s} + (step - {s0})
+                                      AS {cell_type})
+                            ELSE -1 END AS cell, {cols} FROM {src}""", params).fetchnumpy()
+        cell = got.pop("cell")
+        ok = np.ma.filled(cell, -1) >= 0  # NULL rank or step: no cell
+        return np.ma.getdata(cell), ok, got
+    got = con.execute(f"SELECT rank, step, {cols} FROM {src}", params).fetchnumpy()
+    ri, ok_r = _positions_in(np.ma.getdata(got.pop("rank")), ranks)
+    ci, ok_s = _positions_in(np.ma.getdata(got.pop("step")), steps)
+    ok = ok_r & ok_s
+    return np.where(ok, ri * n_s + ci, 0), ok, got
+
+
+def _scatter(cell: Any, values: Any, shape: tuple[int, int]) -> Any | None:
+    """A float64 matrix of ``shape`` with each value at its cell (NaN: no row); None when a
+    value is NaN or two share a cell (a NULL counts as 0.0: ``greatest(NULL, 0.0)``)."""
+    v = np.ma.filled(values, 0.0).astype(np.float64, copy=False)
+    if np.isnan(v).any():
+        return None
+    mat = np.full(shape, np.nan)
+    mat.ravel()[cell] = v
+    if int(np.count_nonzero(~np.isnan(mat))) != len(v):
+        return None  # a (rank, step) twice in one phase: the grouped path counts both
+    return mat
+
+
+def _phase_matrix(con: Any, name: str, unique: bool, ranks: Any,
+                  steps: Any) -> tuple[Any, Any, float | None] | None:
+    """A top-level phase's rows of ``pw`` as ranks × steps matrices: own work
+    (``greatest(ms - wait, 0.0)``, NaN: no row) and timed (``ncoll > 0``; None: none is),
+    and the median of its rows' waits where a collective lies inside (else None).
+
+    Where (rank, step, path) is the key of ``phases`` and ``cin``, ``pw``'s join is done on
+    the matrix: the phase's collectives' waits are placed in a ranks × steps matrix and
+    taken off the phase's. The whole run's join in SQL holds a hash table of every
+    (rank, step) of the phase: at 10^8 samples it spilled to disk (~4 s)."""
+    shape = (len(ranks), len(steps))
+    if not unique:
+        cell, ok, cols = _fetch_cells(
+            con, "greatest(ms - wait, 0.0) AS own, ncoll > 0 AS timed",
+            f"({pw_select(con, paths='[$p]', top=True)})", {"p": name}, ranks, steps)
+        if not ok.all():
+            return None
+        mat = _scatter(cell, cols["own"], shape)
+        if mat is None:
+            return None
+        row_timed = np.zeros(shape, dtype=bool)
+        row_timed.ravel()[cell[np.asarray(cols["timed"], dtype=bool)]] = True
+        return mat, row_timed, None
+    cell, ok, cols = _fetch_cells(con, "ms", "phases WHERE path = $p AND parent IS NULL",
+                                  {"p": name}, ranks, steps)
+    if not ok.all():
+        return None
+    null = np.ma.getmaskarray(cols["ms"])
+    mat = _scatter(cell, cols["ms"], shape)
+    null_at = cell[null] if null.any() else None
+    n_rows = len(cell)
+    del cell, ok, cols, null
+    if mat is None:
+        return None
+    cell, ok, cols = _fetch_cells(con, "wait", "cin WHERE anc = $p", {"p": name}, ranks, steps)
+    # A collective of a (rank, step) with no row of this phase joins nothing (NaN stays
+    # NaN); a NULL sum of waits is coalesced to 0.0.
+    cell = cell[ok]
+    w = np.ma.filled(cols["wait"], 0.0)[ok]
+    del ok, cols
+    if np.isnan(w).any():
+        return None  # own work NaN: the grouped path's
+    timed: Any = None  # no collective inside: wait 0.0, never timed
+    median = None
+    if len(w):
+        # pw's waits of this phase: the joined ones, 0.0 on every other row (phase_waits'
+        # run-wide median; its SQL join of every row spilled to disk, ~4 s at 10^8 samples).
+        waits = np.zeros(n_rows)
+        joined = w[~np.isnan(mat.ravel()[cell])]
+        waits[:len(joined)] = joined
+        del joined
+        median = sql_median(waits)
+        del waits
+        mat.ravel()[cell] -= w  # each cell once: (rank, step, anc) is cin's key
+        timed = np.zeros(shape, dtype=bool)  # count(*) > 0: a row of cin
+        timed.ravel()[cell] = True
+    del cell, w
+    np.maximum(mat, 0.0, out=mat)  # NaN (no row) stays NaN
+    if null_at is not None:
+        mat.ravel()[null_at] = 0.0  # greatest(NULL - wait, 0.0) is 0.0
+    return mat, timed, median
+
+
+def sql_median(values: Any) -> float | None:
+    """DuckDB's ``median`` of float64 values (none NULL): the middle value, or for an even
+    count ``lo * 0.5 + hi * 0.5`` of the two middle ones (its interpolation, bit for bit:
+    not ``lo + (hi - lo) * 0.5``, nor ``(lo + hi) / 2``, which overflows)."""
+    n = len(values)
+    if not n:
+        return None
+    lo, hi = (n - 1) // 2, n // 2
+    part = np.partition(np.asarray(values, dtype=np.float64), [lo, hi])
+    a, b = float(part[lo]), float(part[hi])
+    return a if lo == hi else a * 0.5 + b * 0.5
+
+
+def _residual_matrix(con: Any, ranks: Any, steps: Any) -> tuple[Any, None, None] | None:
+    """The residual's own work as a ranks × steps matrix (NaN: no row; None: no timing rule,
+    every row counts): untimed step time less the waits outside any phase."""
+    cell, ok, cols = _fetch_cells(
+        con, "greatest(s.residual_ms - coalesce(r.w, 0.0), 0.0) AS own",
+        """(SELECT rank, step, residual_ms FROM steps) s
+           LEFT JOIN (SELECT rank, step, sum(wait) AS w FROM cw
+                      WHERE phase IS NULL GROUP BY 1, 2) r USING (rank, step)""",
+        {}, ranks, steps)
+    if not ok.all():
+        return None
+    mat = _scatter(cell, cols["own"], (len(ranks), len(steps)))
+    return None if mat is None else (mat, None, None)
+
+
+def _dense_block(mat: Any, keep_own: Any, keep_gap: Any) -> tuple[Any, ...]:
+    """Some columns of one phase's matrix (float64, NaN: no row): store its own work and gap
+    in the run's matrices (views, :data:`KEEP_DTYPE`); return the columns that hold a value
+    and their cells' n, p, m, q (:func:`_middles`)."""
+    n_r = mat.shape[0]
     present = ~np.isnan(mat)
     n = np.count_nonzero(present, axis=0)
-    if int(n.sum()) != len(own):
-        return None  # a (rank, step) twice in one phase: the grouped path counts both
     srt = np.sort(mat, axis=0)  # NaN (no row) last: each column's n values first
     cols_at = np.arange(mat.shape[1])
     stats = []
@@ -415,11 +534,14 @@ def _dense_block(ri: Any, ci: Any, own: Any, keep_own: Any, keep_gap: Any) -> tu
     return has, n[has], pv[has], mv[has], qv[has]
 
 
+#: Table (path, median): the run-wide median wait of each top-level phase with collectives
+#: inside, taken by :func:`_own_dense` from the rows it joins (empty on the grouped path).
+WAIT_MEDIANS = "wait_medians"
 #: The own-work and gap matrices kept for the series (ex's view computes in float64).
 KEEP_DTYPE = np.float32
-#: :func:`_own_dense` reads blocks of this share of blocks.BLOCK_RECORDS: a block's rows of
-#: every top-level phase, their copies and indices (~80 bytes a row) stay ~100 MB at 10^8.
-_READ_SHARE = 4
+#: :func:`_own_dense` takes a phase's middle values this many matrix cells at a time (a few
+#: float64 temporaries of this size: ~16 MB each).
+_CHUNK_CELLS = 2_000_000
 
 
 def phase_waits(con: Any, phases: dict[str, Any]) -> None:
@@ -458,10 +580,16 @@ def phase_waits(con: Any, phases: dict[str, Any]) -> None:
                        AND NOT list_contains($inside::VARCHAR[], name)
                        AND NOT list_contains(['{RESIDUAL}', '{H2D_HIDDEN}'], name)""")
     # Over the whole run, one path at a time: an exact median holds every value of its
-    # group, and every path at once (10^8 values) ran out of memory at a 1 GB limit.
+    # group, and every path at once (10^8 values) ran out of memory at a 1 GB limit. A path
+    # whose median build_own took (WAIT_MEDIANS) has its sums from its per-rank rows below.
+    known = (dict(con.execute(f"SELECT path, median FROM {WAIT_MEDIANS}").fetchall())
+             if unique and _has_table(con, WAIT_MEDIANS) else {})
     rows: list[Any] = []
     for path in paths:
         if unique and path not in inside:
+            continue
+        if path in known:
+            rows.append(path)  # filled in from its per-rank rows
             continue
         rows += con.execute(
             f"""SELECT path, NULL AS rank, median(wait), sum(ms - wait), bool_and(parent IS NULL),
@@ -488,6 +616,7 @@ def phase_waits(con: Any, phases: dict[str, Any]) -> None:
                 UNION ALL SELECT '{RESIDUAL}', rank, median(wait), sum(own), TRUE, sum(work)
                 FROM rx WHERE {blk} GROUP BY 2""", {"inside": inside} if unique else {}
         ).fetchall()
+    rows = [_from_ranks(r, known[r], rows) if isinstance(r, str) else r for r in rows]
     # Index the per-rank entries once: searching per_rank for each row is ranks^2.
     per_rank: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for pname, ph in phases.items():
@@ -503,3 +632,15 @@ def phase_waits(con: Any, phases: dict[str, Any]) -> None:
             t["wait_ms"] = round(float(wmed or 0.0), 3)
             t["own_share"] = round(float(own_sum) / denom, 4) if top and denom else None
             t["work_share"] = round(float(work_sum) / denom, 4) if top and denom else None
+
+
+def _from_ranks(path: str, median: float, rows: list[Any]) -> tuple[Any, ...]:
+    """A path's run-wide row of :func:`phase_waits` from its per-rank rows (sums of their
+    sums; NULL where every one is) and its run-wide median wait."""
+    mine = [r for r in rows if not isinstance(r, str) and r[0] == path and r[1] is not None]
+
+    def total(i: int) -> float | None:
+        got = [r[i] for r in mine if r[i] is not None]
+        return sum(got) if got else None
+
+    return (path, None, median, total(3), all(bool(r[4]) for r in mine), total(5))
