@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from stepscope.analysis import blocks
-from stepscope.analysis.blocks import in_block, rank_blocks
+from stepscope.analysis.blocks import in_block, rank_blocks, step_blocks
 from stepscope.analysis.resources import RESOURCE_COLUMNS, TIMED_FILTER, create_resource_table
 from stepscope.errors import AnalysisError
 from stepscope.records import READABLE_SCHEMAS, SQLITE_TABLE, row_to_record
@@ -91,12 +91,6 @@ _PHASE_PLAUSIBLE = f"""(p.ms IS NULL OR (isfinite(p.ms) AND abs(p.ms) <= {MAX_MS
         AND (p.end_ms IS NULL OR (isfinite(p.end_ms) AND abs(p.end_ms) <= {MAX_MS}))"""
 _PLAUSIBLE = f"""{_PLAUSIBLE_SCALARS}
     AND coalesce(list_bool_and([{_PHASE_PLAUSIBLE} for p in phases]), TRUE)"""
-def _path(p: str) -> str:
-    """SQL: the path of phase element ``p`` (derived from name and parent for schema 1)."""
-    return (f"coalesce({p}.path, CASE WHEN {p}.parent IS NULL THEN {p}.name "
-            f"ELSE {p}.parent || '/' || {p}.name END)")
-
-
 #: The columns of ``phases`` from one element ``p`` of a record's list (and the record's
 #: ``clock``): the ``phases`` statement's and the store's flat copy's (:func:`flat_phases_sql`).
 _PHASE_ROW = f"""p.name AS name, p.parent AS parent,
@@ -108,7 +102,8 @@ _PHASE_ROW = f"""p.name AS name, p.parent AS parent,
                    coalesce(p.start_ms, 0.0) AS s,
                    coalesce(p.calls, 1) AS calls,
                    coalesce(p.end_ms, p.start_ms + p.ms, 0.0) AS e,
-                   {_path('p')} AS path"""
+                   coalesce(p.path, CASE WHEN p.parent IS NULL THEN p.name
+                                         ELSE p.parent || '/' || p.name END) AS path"""
 #: Records with every required field but the phase list: the only ones loading may keep.
 _VALID_SCALARS = " AND ".join(f"{c} IS NOT NULL" for c in _REQUIRED if c != "phases")
 #: Whether loading first assumes every phase list present and plausible and checks that
@@ -436,15 +431,11 @@ def flat_phases_sql(records: str) -> str:
     the required fields, ``ok`` where its list is present and it is plausible (a record
     without a list gets one row, not ``ok``). Loading takes them as ``phases`` where every
     such record is kept and every row is ``ok``; the rules are :data:`_PHASE_ROW`'s and
-    :data:`_PHASE_PLAUSIBLE`'s, as when ``phases`` is built from the lists. ``repeats``: the
-    record may list a path twice (its list has fewer distinct paths than elements), so that
-    loading counts repeated paths over those records' rows only."""
+    :data:`_PHASE_PLAUSIBLE`'s, as when ``phases`` is built from the lists."""
     # rank as ``phases`` has it (a rank past 2^31 is implausible: its record is not kept).
     return f"""SELECT TRY_CAST(rank AS INTEGER) AS rank, step, {_PHASE_ROW},
-                      listed AND {_PHASE_PLAUSIBLE} AS ok,
-                      coalesce(len(list_distinct(paths)) < len(paths), FALSE) AS repeats
+                      listed AND {_PHASE_PLAUSIBLE} AS ok
                FROM (SELECT rank, step, clock, phases IS NOT NULL AS listed,
-                            [{_path('q')} for q in phases] AS paths,
                             unnest(coalesce(phases, [NULL])) AS p
                      FROM {records} WHERE {_VALID_SCALARS})"""
 
@@ -688,17 +679,13 @@ def _build(con: Any, root: Path, skipped: list[str], torn: set[str] | None,
     # Steps not on every rank (a live job's last step) are unnested too, so that every list
     # is checked, and their rows deleted after.
     unnested, named, kept_steps = "phases", "p.name IS NOT NULL", keep
-    repeats = 0
     if flat is not None and lists_checked_later:
         # Every record with the required fields is kept (else _Recheck above): the flat
         # copy's rows are the table's, once no list is missing or implausible. A view: the
         # table cost more than any stage reading it (10^8 rows decoded from the lists and
         # written, ~45 s CPU); the copy is ordered by step within each rank block, so the
         # readers' blocks of steps (or ranks) read only their row groups (or files).
-        bad, repeats = con.execute(
-            f"""SELECT count(*) FILTER (WHERE NOT coalesce(ok, FALSE)),
-                       count(*) FILTER (WHERE repeats) FROM {flat}""").fetchone()
-        if bad:
+        if con.execute(f"SELECT count(*) FROM {flat} WHERE NOT coalesce(ok, FALSE)").fetchone()[0]:
             raise _Recheck
         con.execute(f"""CREATE VIEW phases AS
                         SELECT rank, step, name, parent, ms, s, calls, e, path FROM {flat}
@@ -734,17 +721,12 @@ def _build(con: Any, root: Path, skipped: list[str], torn: set[str] | None,
     # path, or two keys whose hashes collide) is counted again by the keys themselves.
     # Small blocks (:data:`DUP_BLOCK_SHARE`): a hash table of ~3*10^5 keys stays in cache;
     # one of 10^7 took twice the CPU.
-    # From the flat copy: over the rows of the records that may repeat a path (none: no
-    # statement; one scan of the copy's rows cost ~20 s CPU at 10^8 rows).
+    # The flat copy is ordered by step within each rank block: blocks of steps there.
     n_dups = 0
-    if flat_view and repeats:
-        n_dups = int(con.execute(
-            f"""SELECT count(*) FROM (SELECT rank, step, path FROM phases SEMI JOIN
-                                        (SELECT DISTINCT rank, step FROM {flat} WHERE repeats)
-                                        USING (rank, step)
-                                      GROUP BY ALL HAVING count(*) > 1)""").fetchone()[0])
-    for b in [] if flat_view else rank_blocks(con, max(1, blocks.BLOCK_RECORDS // DUP_BLOCK_SHARE)):
-        blk = in_block('rank', b)
+    by = "step" if flat_view else "rank"
+    for b in (step_blocks if flat_view else rank_blocks)(
+            con, max(1, blocks.BLOCK_RECORDS // DUP_BLOCK_SHARE)):
+        blk = in_block(by, b)
         if int(con.execute(
                 f"""SELECT count(*) FROM (SELECT hash(rank, step, path) AS h FROM phases
                     WHERE {blk} GROUP BY h HAVING count(*) > 1)""").fetchone()[0]):
