@@ -88,6 +88,7 @@ def write_store(root: Path, ranks: int, steps: int, slow_rank: int, threads: int
     t0 = time.perf_counter()
     out = root / st.STORE_DIR / st.RECORDS
     shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(root / st.STORE_DIR / st.PHASES, ignore_errors=True)
     con = duckdb.connect()
     con.execute(f"SET threads = {int(threads)}")
     con.execute("SET preserve_insertion_order = false")
@@ -144,6 +145,7 @@ def write_store(root: Path, ranks: int, steps: int, slow_rank: int, threads: int
                        'rank' || rank || '.jsonl' AS filename, TRUE AS tagged
                 FROM p) TO '{dest}/part_gen.parquet' (FORMAT parquet)"""
         )
+    st.write_phases(con, root / st.STORE_DIR, sorted(str(f) for f in out.glob("*/*.parquet")))
     con.close()
     return time.perf_counter() - t0
 

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from stepscope.analysis import blocks
-from stepscope.analysis.blocks import in_block, rank_blocks
+from stepscope.analysis.blocks import in_block, rank_blocks, step_blocks
 from stepscope.analysis.resources import RESOURCE_COLUMNS, TIMED_FILTER, create_resource_table
 from stepscope.errors import AnalysisError
 from stepscope.records import READABLE_SCHEMAS, SQLITE_TABLE, row_to_record
@@ -79,6 +79,8 @@ MAX_START_NS = 1 << 62
 MAX_LINE_BYTES = 32 << 20
 #: The duplicate-path count runs over blocks of ``BLOCK_RECORDS / DUP_BLOCK_SHARE`` records.
 DUP_BLOCK_SHARE = 32
+#: The same, over the store's flat copy of the phase lists (blocks of steps).
+FLAT_DUP_BLOCK_SHARE = 4
 _PLAUSIBLE_SCALARS = f"""rank >= 0 AND rank < {MAX_RANKS}
     AND (world_size IS NULL OR (world_size >= 1 AND world_size <= {MAX_RANKS} AND rank < world_size))
     AND isfinite(step_ms) AND step_ms >= 0 AND step_ms <= {MAX_MS}
@@ -91,6 +93,21 @@ _PHASE_PLAUSIBLE = f"""(p.ms IS NULL OR (isfinite(p.ms) AND abs(p.ms) <= {MAX_MS
         AND (p.end_ms IS NULL OR (isfinite(p.end_ms) AND abs(p.end_ms) <= {MAX_MS}))"""
 _PLAUSIBLE = f"""{_PLAUSIBLE_SCALARS}
     AND coalesce(list_bool_and([{_PHASE_PLAUSIBLE} for p in phases]), TRUE)"""
+#: The columns of ``phases`` from one element ``p`` of a record's list (and the record's
+#: ``clock``): the ``phases`` statement's and the store's flat copy's (:func:`flat_phases_sql`).
+_PHASE_ROW = f"""p.name AS name, p.parent AS parent,
+                   -- On a CUDA clock the dataloader's events measure GPU idle; the input
+                   -- wait is the host's (host_ms), recorded beside it.
+                   CASE WHEN clock = 'cuda' AND p.name = 'dataloader' AND p.parent IS NULL
+                             AND p.host_ms >= 0 AND p.host_ms <= {MAX_MS}
+                        THEN p.host_ms ELSE coalesce(p.ms, 0.0) END AS ms,
+                   coalesce(p.start_ms, 0.0) AS s,
+                   coalesce(p.calls, 1) AS calls,
+                   coalesce(p.end_ms, p.start_ms + p.ms, 0.0) AS e,
+                   coalesce(p.path, CASE WHEN p.parent IS NULL THEN p.name
+                                         ELSE p.parent || '/' || p.name END) AS path"""
+#: Records with every required field but the phase list: the only ones loading may keep.
+_VALID_SCALARS = " AND ".join(f"{c} IS NOT NULL" for c in _REQUIRED if c != "phases")
 #: Whether loading first assumes every phase list present and plausible and checks that
 #: while it builds ``phases`` (one decoding of the lists fewer), loading again with the
 #: checks up front where the assumption fails. False: the checks up front always (tests).
@@ -377,6 +394,9 @@ def _load_parquet(location: str, threads: int | None, memory_limit: str | None,
         if not parts:
             raise AnalysisError(f"{root}: no records in any rank file")
         src = " UNION ALL BY NAME ".join(parts)
+        # The store's flat copy of the phase lists, where it has one and holds every record
+        # read (no JSON tails): ``phases`` is then a view over it, not a table built here.
+        flat = st.flat_phases_source(con, source) if parts and not tails else None
         try:
             # A view, not a copy: Parquet is typed and columnar, so each statement below
             # reads only the columns it names (``rec`` every column but the phase lists,
@@ -389,7 +409,7 @@ def _load_parquet(location: str, threads: int | None, memory_limit: str | None,
                                     ) from exc
             raise
         data = _build_tables(con, root or Path(location), skipped, set(torn or ()), lines,
-                             light=root is not None)
+                             light=root is not None, flat=flat)
         data._tmp = tmpdir
         return data
     except BaseException:
@@ -407,6 +427,21 @@ def json_reader(sources: list[Path], extra: dict[str, str] | None = None) -> str
                ignore_errors=true, filename=true, maximum_object_size={MAX_LINE_BYTES + 2})"""
 
 
+def flat_phases_sql(records: str) -> str:
+    """The rows of ``phases`` from the records of table expression ``records`` (the Parquet
+    store's flat copy, written at compaction): every element of each list of a record with
+    the required fields, ``ok`` where its list is present and it is plausible (a record
+    without a list gets one row, not ``ok``). Loading takes them as ``phases`` where every
+    such record is kept and every row is ``ok``; the rules are :data:`_PHASE_ROW`'s and
+    :data:`_PHASE_PLAUSIBLE`'s, as when ``phases`` is built from the lists."""
+    # rank as ``phases`` has it (a rank past 2^31 is implausible: its record is not kept).
+    return f"""SELECT TRY_CAST(rank AS INTEGER) AS rank, step, {_PHASE_ROW},
+                      listed AND {_PHASE_PLAUSIBLE} AS ok
+               FROM (SELECT rank, step, clock, phases IS NOT NULL AS listed,
+                            unnest(coalesce(phases, [NULL])) AS p
+                     FROM {records} WHERE {_VALID_SCALARS})"""
+
+
 def _inside(root: Path, p: Path) -> bool:
     try:
         base = root.resolve(strict=True)
@@ -420,7 +455,8 @@ def _display_name(fname: str) -> str:
 
 
 def _build_tables(con: Any, root: Path, skipped: list[str], torn: set[str] | None = None,
-                  lines: dict[str, int] | None = None, light: bool = True) -> RunData:
+                  lines: dict[str, int] | None = None, light: bool = True,
+                  flat: str | None = None) -> RunData:
     """Validate table ``raw`` (one row per line, corrupt lines all NULL) into the tables.
 
     ``torn``: names of the files that do not end in a newline, when ``raw.filename`` holds
@@ -428,6 +464,8 @@ def _build_tables(con: Any, root: Path, skipped: list[str], torn: set[str] | Non
     ``lines``: for the store, lines per file stored through its combined file, whose corrupt
     lines are rows without a file name (``tagged`` rows are those lines' good ones).
     ``light``: also keep table ``light`` (goodput's rows), when ``raw`` came from rank files.
+    ``flat``: the table expression of the store's flat copy of ``raw``'s phase lists
+    (:func:`flat_phases_sql`), if it has one.
 
     First with the phase lists assumed present and plausible (checked while ``phases`` is
     built), and where that fails (or the records are not all kept: duplicates, steps not on
@@ -437,7 +475,8 @@ def _build_tables(con: Any, root: Path, skipped: list[str], torn: set[str] | Non
     if CHECK_LISTS_IN_PHASES:
         n_notes = len(skipped)
         try:
-            return _build(con, root, skipped, torn, lines, light, lists_checked_later=True)
+            return _build(con, root, skipped, torn, lines, light, lists_checked_later=True,
+                          flat=flat)
         except _Recheck:
             del skipped[n_notes:]
             for name, kind in con.execute(
@@ -448,9 +487,11 @@ def _build_tables(con: Any, root: Path, skipped: list[str], torn: set[str] | Non
 
 
 def _build(con: Any, root: Path, skipped: list[str], torn: set[str] | None,
-           lines: dict[str, int] | None, light: bool, lists_checked_later: bool) -> RunData:
+           lines: dict[str, int] | None, light: bool, lists_checked_later: bool,
+           flat: str | None = None) -> RunData:
     """:func:`_build_tables`; ``lists_checked_later``: raise :class:`_Recheck` where the
-    records are not all kept, and check the phase lists in the ``phases`` statement."""
+    records are not all kept, and check the phase lists in the ``phases`` statement (or,
+    with ``flat``, on the flat copy's rows, which ``phases`` is then a view of)."""
     valid = " AND ".join(f"{c} IS NOT NULL" for c in _REQUIRED)
     readable_in = f"schema IN {tuple(READABLE_SCHEMAS)}"
     # One pass over the records answers the three questions the checks ask: lines per
@@ -464,7 +505,7 @@ def _build(con: Any, root: Path, skipped: list[str], torn: set[str] | None,
     # With ``lists_checked_later`` the pass reads no phase list (decoding them is most of its
     # cost): it assumes every list present and plausible, which the ``phases`` statement
     # checks on every element it unnests; its last column then counts untimed records.
-    valid_scalars = " AND ".join(f"{c} IS NOT NULL" for c in _REQUIRED if c != "phases")
+    valid_scalars = _VALID_SCALARS
     lines_col = "count(*)" if lines is None else "count(*) FILTER (WHERE NOT coalesce(tagged, FALSE))"
     if lists_checked_later:
         groups = con.execute(
@@ -640,33 +681,36 @@ def _build(con: Any, root: Path, skipped: list[str], torn: set[str] | None,
     # Steps not on every rank (a live job's last step) are unnested too, so that every list
     # is checked, and their rows deleted after.
     unnested, named, kept_steps = "phases", "p.name IS NOT NULL", keep
-    if lists_checked_later:
+    if flat is not None and lists_checked_later:
+        # Every record with the required fields is kept (else _Recheck above): the flat
+        # copy's rows are the table's, once no list is missing or implausible. A view: the
+        # table cost more than any stage reading it (10^8 rows decoded from the lists and
+        # written, ~45 s CPU); the copy is ordered by step within each rank block, so the
+        # readers' blocks of steps (or ranks) read only their row groups (or files).
+        if con.execute(f"SELECT count(*) FROM {flat} WHERE NOT coalesce(ok, FALSE)").fetchone()[0]:
+            raise _Recheck
+        con.execute(f"""CREATE VIEW phases AS
+                        SELECT rank, step, name, parent, ms, s, calls, e, path FROM {flat}
+                        WHERE name IS NOT NULL AND {keep}""")
+    elif lists_checked_later:
         keep = "TRUE"
         unnested = f"CASE WHEN phases IS NULL THEN error('{_RECHECK}') ELSE phases END"
         named = f"CASE WHEN NOT ({_PHASE_PLAUSIBLE}) THEN error('{_RECHECK}') ELSE {named} END"
     try:
-        con.execute(
-            f"""CREATE TABLE phases AS
-            SELECT CAST(rank AS INTEGER) AS rank, step, p.name AS name, p.parent AS parent,
-                   -- On a CUDA clock the dataloader's events measure GPU idle; the input
-                   -- wait is the host's (host_ms), recorded beside it.
-                   CASE WHEN clock = 'cuda' AND p.name = 'dataloader' AND p.parent IS NULL
-                             AND p.host_ms >= 0 AND p.host_ms <= {MAX_MS}
-                        THEN p.host_ms ELSE coalesce(p.ms, 0.0) END AS ms,
-                   coalesce(p.start_ms, 0.0) AS s,
-                   coalesce(p.calls, 1) AS calls,
-                   coalesce(p.end_ms, p.start_ms + p.ms, 0.0) AS e,
-                   coalesce(p.path, CASE WHEN p.parent IS NULL THEN p.name
-                                         ELSE p.parent || '/' || p.name END) AS path
-            FROM (SELECT rank, step, clock, unnest({unnested}) AS p FROM {lists} AND {keep})
-            WHERE {named}"""
-        )
+        if flat is None or not lists_checked_later:
+            con.execute(
+                f"""CREATE TABLE phases AS
+                SELECT CAST(rank AS INTEGER) AS rank, step, {_PHASE_ROW}
+                FROM (SELECT rank, step, clock, unnest({unnested}) AS p FROM {lists} AND {keep})
+                WHERE {named}"""
+            )
     except Exception as exc:  # duckdb.InvalidInputException from error(): load again
         if _RECHECK not in str(exc):
             raise
         raise _Recheck from exc
     keep = kept_steps
-    if lists_checked_later and keep != "TRUE":
+    flat_view = flat is not None and lists_checked_later
+    if lists_checked_later and keep != "TRUE" and not flat_view:
         con.execute(f"DELETE FROM phases WHERE NOT ({keep})")
     # Records that list one phase path twice (hostile or corrupt): with none, (rank, step,
     # path) is a key of ``phases`` and analysis/own.py's pw needs no group-by over every row.
@@ -679,9 +723,15 @@ def _build(con: Any, root: Path, skipped: list[str], torn: set[str] | None,
     # path, or two keys whose hashes collide) is counted again by the keys themselves.
     # Small blocks (:data:`DUP_BLOCK_SHARE`): a hash table of ~3*10^5 keys stays in cache;
     # one of 10^7 took twice the CPU.
+    # The flat copy is ordered by step within each rank block: blocks of steps there, of
+    # about two of its row groups (blocks of 1/32 read each row group ~7 times: 20 s CPU
+    # at 10^8 rows).
     n_dups = 0
-    for b in rank_blocks(con, max(1, blocks.BLOCK_RECORDS // DUP_BLOCK_SHARE)):
-        blk = in_block('rank', b)
+    by = "step" if flat_view else "rank"
+    for b in (step_blocks if flat_view else rank_blocks)(
+            con, max(1, blocks.BLOCK_RECORDS // (FLAT_DUP_BLOCK_SHARE if flat_view
+                                                 else DUP_BLOCK_SHARE))):
+        blk = in_block(by, b)
         if int(con.execute(
                 f"""SELECT count(*) FROM (SELECT hash(rank, step, path) AS h FROM phases
                     WHERE {blk} GROUP BY h HAVING count(*) > 1)""").fetchone()[0]):

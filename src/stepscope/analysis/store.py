@@ -8,6 +8,7 @@ parse only what is new.
 Layout (a hive-partitioned Parquet dataset any engine reads)::
 
     RUN/parquet/records/rank_block=K/part_<uuid>.parquet   K = rank // 256
+    RUN/parquet/phases/rank_block=K/part_<uuid>.parquet    the records' phase lists, flat
     RUN/parquet/_state.json                                 byte offset consumed per file
 
 One row per JSON line, with the fixed typed schema of :data:`stepscope.analysis.load.COLUMNS`
@@ -16,6 +17,11 @@ report can still say how many were skipped). Only whole lines are consumed: a to
 line stays in the JSONL until its newline arrives. A file that shrank, vanished or begins
 with other bytes than the ones stored (a run directory rewritten by a new run, even one
 that wrote more) triggers a full rebuild.
+
+``phases`` holds one row per element of the records' phase lists, as the analysis'
+``phases`` table has them (:func:`stepscope.analysis.load.flat_phases_sql`), ordered by
+step within each file and written with the records of the same compaction: the analysis
+reads them in place instead of decoding the lists into a table.
 
 The analysis reads the dataset through :func:`parquet_source`, a ``read_parquet`` over a
 glob, so the same SQL runs on a copy in object storage (``s3://``, ``gs://``, ``hf://``).
@@ -40,7 +46,10 @@ from stepscope.errors import AnalysisError
 STORE_DIR = "parquet"
 RECORDS = "records"
 STATE = "_state.json"
-STATE_VERSION = 4  # 3: gpu_start_unix_ns and phases[].host_ms columns; 4: each file's head
+STATE_VERSION = 5  # 3: gpu_start_unix_ns and phases[].host_ms columns; 4: each file's head;
+#                    5: the flat phases dataset
+#: The flat copy of the records' phase lists (beside :data:`RECORDS`).
+PHASES = "phases"
 #: The key a regular line is tagged with (its rank file) in the combined file.
 TAG = "_stepscope_file"
 COMBINED = "_combined.jsonl"
@@ -110,6 +119,58 @@ def parquet_source(location: str) -> str:
     glob = parquet_glob(location).replace("'", "''")
     return (f"(SELECT * EXCLUDE (rank_block) FROM read_parquet('{glob}', "
             "hive_partitioning=true, union_by_name=true))")
+
+
+def flat_phases_source(con: Any, location: str) -> str | None:
+    """The ``read_parquet`` of the flat phases files of a run (a run directory, its store or
+    a URL; None for a glob or a file, or a store without them), as listed now: files that
+    a later compaction adds are not read (they have no rows in the tables built before)."""
+    if is_glob(location) or location.endswith(".parquet"):
+        return None
+    for state in (Path(location) / STATE, Path(location) / STORE_DIR / STATE):
+        # A local store another stepscope version compacted last: its flat copy (if any) may
+        # lack that compaction's records.
+        with contextlib.suppress(OSError, ValueError):
+            doc = json.loads(state.read_text())
+            if not isinstance(doc, dict) or doc.get("version") != STATE_VERSION:
+                return None
+    pattern = f"{location.rstrip('/')}/**/{PHASES}/*/*.parquet".replace("'", "''")
+    try:
+        files = [str(f) for (f,) in con.execute(
+            f"SELECT file FROM glob('{pattern}') ORDER BY 1").fetchall()]
+    except Exception:  # duckdb.IOException (a URL that cannot be listed): no flat copy
+        return None
+    if not files:
+        return None
+    listed = ", ".join("'" + f.replace("'", "''") + "'" for f in files)
+    return f"read_parquet([{listed}], hive_partitioning=false)"
+
+
+def write_phases(con: Any, store: Path, records: list[str]) -> None:
+    """Append the flat phases of the records in Parquet files ``records`` (files of the
+    store's rank-block directories) to ``store``."""
+    import uuid
+
+    from stepscope.analysis.load import flat_phases_sql
+
+    by_block: dict[str, list[str]] = {}
+    for f in records:
+        by_block.setdefault(Path(f).parent.name, []).append(f)
+    # One file per rank block, ordered by step: the analysis reads blocks of steps (a step
+    # range per row group) and blocks of ranks (a rank block's files). One sort per block
+    # (its rows fit in memory): one sort of every block's rows at once spilled to disk and
+    # took 2.4x the CPU at 10^8 rows.
+    for block, files in sorted(by_block.items()):
+        listed = ", ".join("'" + f.replace("'", "''") + "'" for f in files)
+        dest = store / PHASES / block
+        dest.mkdir(parents=True, exist_ok=True)
+        out = str(dest / f"part_{uuid.uuid4()}.parquet").replace("'", "''")
+        con.execute(
+            f"""COPY (SELECT * FROM ({flat_phases_sql(
+                    f"read_parquet([{listed}], hive_partitioning=false)")})
+                      ORDER BY step, rank)
+                TO '{out}' (FORMAT parquet)"""
+        )
 
 
 def read_state(store: Path) -> dict[str, FileState]:
@@ -226,6 +287,7 @@ def _compact_locked(root: Path, store: Path, files: list[Path], threads: int | N
             n not in names or sizes[n] < s.offset or _head(names[n], s.offset) != s.head
             for n, s in state.items()):
         shutil.rmtree(store / RECORDS, ignore_errors=True)
+        shutil.rmtree(store / PHASES, ignore_errors=True)
         state, rebuilt = {}, True
     before = {n: dataclasses.replace(fs) for n, fs in state.items()}
     new_bytes = 0
@@ -306,6 +368,7 @@ def _write_parquet(store: Path, chunks: list[Path], threads: int | None,
         if memory_limit:
             con.execute(f"SET memory_limit = '{memory_limit}'")
         dest = str(store / RECORDS).replace("'", "''")
+        before = set((store / RECORDS).glob("*/*.parquet"))
         con.execute(
             f"""COPY (SELECT * EXCLUDE ({TAG}) REPLACE (
                                  CASE WHEN filename LIKE '%/{COMBINED}' THEN {TAG}
@@ -317,5 +380,7 @@ def _write_parquet(store: Path, chunks: list[Path], threads: int | None,
                 TO '{dest}' (FORMAT parquet, PARTITION_BY (rank_block),
                              FILENAME_PATTERN 'part_{{uuid}}', APPEND)"""
         )
+        write_phases(con, store, sorted(str(f) for f in
+                                        set((store / RECORDS).glob("*/*.parquet")) - before))
     finally:
         con.close()
