@@ -765,12 +765,26 @@ def test_pw_is_a_view_not_a_table_of_every_phase_row(tmp_path: Path) -> None:
     assert any(ph["wait_ms"] > 0 for ph in phases.values())
 
 
+def _phase_waits_again(con: Any, doc: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """``phase_waits`` run again on a copy of the report's phases without the fields it
+    adds, through a statement spy: (the phases it gives, its statements)."""
+    from stepscope.analysis.own import phase_waits
+
+    spy = SqlSpy(con)
+    phases = {k: {**v, "per_rank": [dict(p) for p in v["per_rank"]]}
+              for k, v in doc["phases"].items()}
+    for ph in phases.values():
+        for t in (ph, *ph["per_rank"]):
+            for k in ("wait_ms", "own_share", "work_share"):
+                t.pop(k, None)
+    phase_waits(spy, phases)
+    return phases, spy.sqls
+
+
 def test_phase_waits_takes_plain_paths_sums_from_phase_stats(tmp_path: Path) -> None:
     # A path with no collective inside has no wait: its shares are phase sums that
     # phase_stats' scans already took (table phase_sums); phase_waits scanned every phase
     # row again for them. Without that table it scans them itself: the same numbers.
-    from stepscope.analysis.own import phase_waits
-
     run = write_run(tmp_path / "run", SynthRun(ranks=5, steps=20, seed=11, comm_child=True,
                                                slow=(Slow(2, "forward", 5.0),)))
     doc = analyze_run(run, keep=True)
@@ -780,15 +794,7 @@ def test_phase_waits_takes_plain_paths_sums_from_phase_stats(tmp_path: Path) -> 
         for drop in (False, True):
             if drop:
                 data.con.execute("DROP TABLE phase_sums")
-            spy = SqlSpy(data.con)
-            phases = {k: {**v, "per_rank": [dict(p) for p in v["per_rank"]]}
-                      for k, v in doc["phases"].items()}
-            for ph in phases.values():
-                for t in (ph, *ph["per_rank"]):
-                    for k in ("wait_ms", "own_share", "work_share"):
-                        t.pop(k, None)
-            phase_waits(spy, phases)
-            out.append((phases, spy.sqls))
+            out.append(_phase_waits_again(data.con, doc))
     finally:
         data.close()
     (shared, sqls), (scanned, sqls2) = out
@@ -804,7 +810,7 @@ def test_phase_waits_takes_top_level_medians_from_build_own(tmp_path: Path) -> N
     # already and took the run-wide median wait (table wait_medians); phase_waits' own
     # statement joined every row again (at 10^8 samples it spilled to disk, 4.6 s CPU).
     # Its sums come from the per-rank rows. Without the table: the SQL, the same numbers.
-    from stepscope.analysis.own import WAIT_MEDIANS, phase_waits
+    from stepscope.analysis.own import WAIT_MEDIANS
 
     run = write_run(tmp_path / "run", SynthRun(ranks=5, steps=20, seed=12, comm_child=True,
                                                slow=(Slow(2, "backward", 5.0),)))
@@ -816,15 +822,8 @@ def test_phase_waits_takes_top_level_medians_from_build_own(tmp_path: Path) -> N
         for empty in (False, True):
             if empty:
                 data.con.execute(f"DELETE FROM {WAIT_MEDIANS}")
-            spy = SqlSpy(data.con)
-            phases = {k: {**v, "per_rank": [dict(p) for p in v["per_rank"]]}
-                      for k, v in doc["phases"].items()}
-            for ph in phases.values():
-                for t in (ph, *ph["per_rank"]):
-                    for k in ("wait_ms", "own_share", "work_share"):
-                        t.pop(k, None)
-            phase_waits(spy, phases)
-            out.append((phases, [s for s in spy.sqls if "list_contains([$p], anc)" in s]))
+            phases, sqls = _phase_waits_again(data.con, doc)
+            out.append((phases, [s for s in sqls if "list_contains([$p], anc)" in s]))
     finally:
         data.close()
     (shared, wide), (scanned, wide2) = out
