@@ -681,7 +681,8 @@ def _build(con: Any, root: Path, skipped: list[str], torn: set[str] | None,
     # Steps not on every rank (a live job's last step) are unnested too, so that every list
     # is checked, and their rows deleted after.
     unnested, named, kept_steps = "phases", "p.name IS NOT NULL", keep
-    if flat is not None and lists_checked_later:
+    flat_view = flat is not None and lists_checked_later
+    if flat_view:
         # Every record with the required fields is kept (else _Recheck above): the flat
         # copy's rows are the table's, once no list is missing or implausible. A view: the
         # table cost more than any stage reading it (10^8 rows decoded from the lists and
@@ -696,20 +697,19 @@ def _build(con: Any, root: Path, skipped: list[str], torn: set[str] | None,
         keep = "TRUE"
         unnested = f"CASE WHEN phases IS NULL THEN error('{_RECHECK}') ELSE phases END"
         named = f"CASE WHEN NOT ({_PHASE_PLAUSIBLE}) THEN error('{_RECHECK}') ELSE {named} END"
-    try:
-        if flat is None or not lists_checked_later:
+    if not flat_view:
+        try:
             con.execute(
                 f"""CREATE TABLE phases AS
                 SELECT CAST(rank AS INTEGER) AS rank, step, {_PHASE_ROW}
                 FROM (SELECT rank, step, clock, unnest({unnested}) AS p FROM {lists} AND {keep})
                 WHERE {named}"""
             )
-    except Exception as exc:  # duckdb.InvalidInputException from error(): load again
-        if _RECHECK not in str(exc):
-            raise
-        raise _Recheck from exc
+        except Exception as exc:  # duckdb.InvalidInputException from error(): load again
+            if _RECHECK not in str(exc):
+                raise
+            raise _Recheck from exc
     keep = kept_steps
-    flat_view = flat is not None and lists_checked_later
     if lists_checked_later and keep != "TRUE" and not flat_view:
         con.execute(f"DELETE FROM phases WHERE NOT ({keep})")
     # Records that list one phase path twice (hostile or corrupt): with none, (rank, step,
@@ -727,10 +727,9 @@ def _build(con: Any, root: Path, skipped: list[str], torn: set[str] | None,
     # about two of its row groups (blocks of 1/32 read each row group ~7 times: 20 s CPU
     # at 10^8 rows).
     n_dups = 0
-    by = "step" if flat_view else "rank"
-    for b in (step_blocks if flat_view else rank_blocks)(
-            con, max(1, blocks.BLOCK_RECORDS // (FLAT_DUP_BLOCK_SHARE if flat_view
-                                                 else DUP_BLOCK_SHARE))):
+    by, blocks_of, share = (("step", step_blocks, FLAT_DUP_BLOCK_SHARE) if flat_view
+                            else ("rank", rank_blocks, DUP_BLOCK_SHARE))
+    for b in blocks_of(con, max(1, blocks.BLOCK_RECORDS // share)):
         blk = in_block(by, b)
         if int(con.execute(
                 f"""SELECT count(*) FROM (SELECT hash(rank, step, path) AS h FROM phases
