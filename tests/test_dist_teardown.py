@@ -85,3 +85,36 @@ def test_keep_groups_is_idempotent() -> None:
 
         dist.destroy_process_group = before  # type: ignore[attr-defined]
         c10d.destroy_process_group = before  # type: ignore[assignment]
+
+
+def test_free_port_is_outside_the_ephemeral_range_and_free_for_its_span() -> None:
+    """A rendezvous port from ``bind(0)`` is ephemeral: gloo's own rank-to-rank sockets (or any
+    client) may be given it before the listener binds it. free_port() picks below the range."""
+    import socket
+
+    from stepscope import dist
+
+    low = dist._ephemeral_low()
+    for span in (1, 2, 3):
+        base = free_port(span=span)
+        if low > dist._LISTEN_PORTS[0] + span:  # a range below the ephemeral one exists here
+            assert dist._LISTEN_PORTS[0] <= base and base + span <= low
+        for p in range(base, base + span):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", p))  # raises if any port of the span is taken
+
+
+def test_free_port_skips_a_taken_neighbour(monkeypatch: pytest.MonkeyPatch) -> None:
+    from stepscope import dist
+
+    taken = {20001}
+    monkeypatch.setattr(dist, "_bindable", lambda port: port not in taken)
+    monkeypatch.setattr(dist, "_ephemeral_low", lambda: 32768)
+    picks = iter([20000, 20002])  # the first one's neighbour is taken; the second pair is free
+
+    class _Pick:
+        def randrange(self, a: int, b: int) -> int:
+            return next(picks)
+
+    monkeypatch.setattr("random.SystemRandom", _Pick)
+    assert free_port(span=2) == 20002

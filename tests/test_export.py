@@ -342,16 +342,7 @@ def test_two_gloo_ranks_one_port_each_and_the_slow_rank_finding(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from stepscope.demo import SlowSpec, launch
 
-    base = free_port()
-    while True:  # base and base + 1 both free
-        try:
-            import socket
-
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", base + 1))
-            break
-        except OSError:
-            base = free_port()
+    base = free_port(span=2)  # base and base + 1, one per rank
     monkeypatch.setenv("STEPSCOPE_PROMETHEUS_PORT", str(base))
     last: dict[int, dict[str, Any]] = {}
     stop = threading.Event()

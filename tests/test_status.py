@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -16,6 +15,7 @@ import pytest
 
 from stepscope.analysis.status import analyze_status, is_collective
 from stepscope.cli import main
+from stepscope.dist import free_port
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -190,9 +190,7 @@ def _launch(tmp_path: Path, mode: str, world: int = 4) -> tuple[Path, list[subpr
     script = tmp_path / "hang.py"
     script.write_text(HANG_JOB)
     run = tmp_path / "run"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = []
     for r in range(world):
         env = dict(_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r),

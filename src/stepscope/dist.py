@@ -76,11 +76,54 @@ def rank_info() -> RankInfo:
     return info
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now (for a local rendezvous: demo, tests)."""
+#: Where :func:`free_port` looks first: below the ephemeral range, whose ports the kernel
+#: hands to any socket that connects or binds port 0.
+_LISTEN_PORTS = (20000, 32768)
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel assigns implicitly (Linux: ``ip_local_port_range``)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+            return int(fh.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return _LISTEN_PORTS[1]
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(span: int = 1) -> int:
+    """A TCP port on 127.0.0.1 that is free now, with the ``span - 1`` ports after it (for a
+    local rendezvous and exporters: demo, tests).
+
+    Taken below the kernel's ephemeral range where it can: a port from ``bind(port 0)`` is
+    ephemeral, and between this call and the listener's ``bind`` any outgoing connection on
+    the host (gloo's own rank-to-rank sockets, an HTTP client) may be given that very port,
+    so the rendezvous fails with "address already in use". Ports outside the range are only
+    ever taken on purpose. Falls back to an ephemeral port when none is free there."""
+    import random
+
+    pick = random.SystemRandom().randrange  # not the module's state: forked callers differ
+    low, high = _LISTEN_PORTS[0], min(_LISTEN_PORTS[1], _ephemeral_low())
+    for _ in range(64):
+        if high - low <= span:
+            break
+        base = pick(low, high - span)
+        if all(_bindable(base + i) for i in range(span)):
+            return base
+    while True:  # the ephemeral fallback: the kernel's pick, checked for its neighbours
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = int(s.getsockname()[1])
+        if all(_bindable(base + i) for i in range(1, span)):
+            return base
 
 
 def become_local_rank(rank: int, world: int, port: int) -> None:
