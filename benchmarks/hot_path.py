@@ -34,6 +34,13 @@ JSONL writer (as ``init()`` builds them; no heartbeat unless ``--heartbeat``), a
   three phases opened and closed through the recorder protocol (what the hooks call), and
   four ``gate.current()`` reads (what the hooks ask): how much of the tracer's cost a
   bookkeeping cut can reach at most.
+- ``--mode neighbour``: what CPU work on *another* thread costs the training thread's CPU time
+  on this host: a helper thread woken every 10 steps burns a fixed slice of CPU (``--burn-us``
+  per step on average), once with the GIL released (hashing a buffer) and once holding it (a
+  Python loop), beside the tracer (whose writer thread does its work the same way: woken every
+  10 steps). Reports µs/step added to the training thread per µs/step burned: on a host whose
+  cores are shared (2 vCPUs here), the writer's CPU shows up on the training thread even
+  though it runs on the other core.
 - ``--mode alloc``: tracemalloc's count of memory blocks still alive per step (records the
   writer and the recent-records buffer keep included), by allocation site.
 
@@ -381,6 +388,76 @@ def floor_mode(steps: int, blocks: int) -> dict[str, Any]:
             **{f"{k}_added_us": round(min(v) - bare, 1) for k, v in got.items() if k != "bare"}}
 
 
+def neighbour_mode(steps: int, blocks: int, burn_us: float) -> dict[str, Any]:
+    """Training-thread CPU µs/step added by CPU work on another thread (see the module doc)."""
+    import hashlib
+
+    buf = b"\0" * (1 << 16)  # hashlib releases the GIL for buffers over 2 KiB
+    slice_ns = int(burn_us * 10 * 1e3)  # one wake per 10 steps, like the writer's hand-over
+
+    def gil_free() -> None:
+        t0 = time.thread_time_ns()
+        while time.thread_time_ns() - t0 < slice_ns:
+            hashlib.sha256(buf)
+
+    def gil_holding() -> None:
+        t0 = time.thread_time_ns()
+        while time.thread_time_ns() - t0 < slice_ns:
+            pass
+
+    bell = threading.Semaphore(0)
+    work: list[Any] = [None]
+
+    def helper() -> None:
+        while True:
+            bell.acquire()
+            fn = work[0]
+            if fn is None:
+                return
+            fn()
+
+    th = threading.Thread(target=helper, name="neighbour", daemon=True)
+    th.start()
+    model, opt, x = _job()
+    for _ in range(200):
+        _step(model, opt, x)
+    got: dict[str, list[float]] = {k: [] for k in ("bare", "gil_free", "gil_holding", "tracer_all")}
+    writer: list[float] = []
+    with tempfile.TemporaryDirectory() as out:
+        tmodel, topt, tx = _job()
+        tracer = _tracer(out, tmodel, topt, False)
+        for b in range(blocks):
+            for k in (list(got) if b % 2 else list(got)[::-1]):
+                c0 = time.thread_time_ns()
+                if k == "tracer_all":
+                    wr0 = _writer_cpu_ns()
+                    for _ in range(steps):
+                        with tracer.step():
+                            _step(tmodel, topt, tx)
+                    tracer.flush()
+                else:
+                    work[0] = {"bare": None, "gil_free": gil_free, "gil_holding": gil_holding}[k]
+                    for i in range(steps):
+                        _step(model, opt, x)
+                        if work[0] is not None and i % 10 == 9:
+                            bell.release()
+                got[k].append((time.thread_time_ns() - c0) / steps / 1e3)
+                time.sleep(0.05)  # the helper (or the writer) finishes this block's work
+                if k == "tracer_all":
+                    writer.append((_writer_cpu_ns() - wr0) / steps / 1e3)
+        tracer.finish()
+    work[0] = None
+    bell.release()
+    med = statistics.median
+    bare = med(got["bare"])
+    added = {k: med(v) - bare for k, v in got.items() if k != "bare"}
+    return {"bare_step_thread_cpu_us": round(bare, 1), "burn_us_per_step": burn_us,
+            **{f"{k}_added_us": round(v, 1) for k, v in added.items()},
+            "gil_free_us_per_burned_us": round(added["gil_free"] / burn_us, 2),
+            "gil_holding_us_per_burned_us": round(added["gil_holding"] / burn_us, 2),
+            "tracer_writer_cpu_us_per_step": round(med(writer), 1)}
+
+
 def callsite_mode(steps: int, blocks: int) -> dict[str, Any]:
     """Training-thread CPU µs/step of two ways to time forward and backward, with hooks that do
     nothing (no stepscope), interleaved blocks in one process, minimum over blocks:
@@ -537,11 +614,13 @@ def alloc_mode(steps: int, heartbeat: bool) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     modes = ("time", "cprofile", "alloc", "wakes", "build", "cycle", "handover", "floor", "callsite",
-             "parts")
+             "parts", "neighbour")
     ap.add_argument("--mode", choices=modes, default="time")
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--blocks", type=int, default=11)
     ap.add_argument("--heartbeat", action="store_true")
+    ap.add_argument("--burn-us", type=float, default=20.0,
+                    help="neighbour mode: µs of CPU per step the helper thread burns")
     ap.add_argument("--every-n-steps", type=int, default=1,
                     help="record one step in N (time, cprofile, floor modes): what unsampled steps cost")
     args = ap.parse_args()
@@ -563,6 +642,10 @@ def main() -> None:
         print(json.dumps({"benchmark": "hot_path_callsite", "steps": args.steps, "blocks": args.blocks,
                           "loadavg_1m": round(os.getloadavg()[0], 2),
                           **callsite_mode(args.steps, args.blocks)}))
+    elif args.mode == "neighbour":
+        print(json.dumps({"benchmark": "hot_path_neighbour", "steps": args.steps, "blocks": args.blocks,
+                          "loadavg_1m": round(os.getloadavg()[0], 2),
+                          **neighbour_mode(args.steps, args.blocks, args.burn_us)}))
     elif args.mode == "parts":
         print(json.dumps({"benchmark": "hot_path_parts", "steps": args.steps, "blocks": args.blocks,
                           "loadavg_1m": round(os.getloadavg()[0], 2), **parts_mode(args.steps, args.blocks)}))
