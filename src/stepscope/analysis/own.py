@@ -39,23 +39,45 @@ def build_pw(con: Any) -> None:
     # prefix ending before a '/' (exactly the paths p with phase = p or phase LIKE p || '/%').
     # The list expression only for paths with a '/' (a lambda per row of cw was a quarter of
     # this stage at 10^8 samples, where every collective sits in a top-level phase).
-    con.execute(
-        """CREATE OR REPLACE TEMP TABLE cin AS
-           SELECT rank, step, anc, sum(wait) AS wait, count(*) AS n, sum(ms) AS ms FROM (
-               SELECT rank, step, wait, ms, phase AS anc FROM cw WHERE phase IS NOT NULL
-               UNION ALL
-               SELECT rank, step, wait, ms,
-                      unnest(list_transform(
-                          list_filter(range(2, length(phase) + 1),
-                                      lambda i: substr(phase, i, 1) = '/'),
-                          lambda i: substr(phase, 1, i - 1))) AS anc
-               FROM cw WHERE contains(phase, '/'))
-           GROUP BY 1, 2, 3"""
-    )
+    rows = """SELECT rank, step, anc, sum(wait) AS wait, count(*) AS n, sum(ms) AS ms FROM (
+                  SELECT rank, step, wait, ms, phase AS anc FROM cw WHERE phase IS NOT NULL
+                  UNION ALL
+                  SELECT rank, step, wait, ms,
+                         unnest(list_transform(
+                             list_filter(range(2, length(phase) + 1),
+                                         lambda i: substr(phase, i, 1) = '/'),
+                             lambda i: substr(phase, 1, i - 1))) AS anc
+                  FROM cw WHERE contains(phase, '/'))
+              GROUP BY 1, 2, 3"""
+    if _cw_rows_are_cin_keys(con):  # the same rows: each its own group
+        rows = """SELECT rank, step, phase AS anc, CAST(wait AS DOUBLE) AS wait,
+                         CAST(1 AS BIGINT) AS n, CAST(ms AS DOUBLE) AS ms
+                  FROM cw WHERE phase IS NOT NULL"""
+    con.execute(f"CREATE OR REPLACE TEMP TABLE cin AS {rows}")
     # A view, not a table: every phase row with its collectives is 10^8 rows at scale,
     # written to disk and read back whole by each reader. The readers select a block of
     # steps or ranks, or one path (:func:`pw_select`), from both sides of the join.
     con.execute(f"CREATE OR REPLACE TEMP VIEW pw AS {pw_select(con)}")
+
+
+def _cw_rows_are_cin_keys(con: Any) -> bool:
+    """Whether each row of ``cw`` with a phase is the only one of its (rank, step, phase)
+    and no phase is nested, so ``cin`` is cw's rows as they are.
+
+    cw's rows are one per (rank, step, phase, op, pg) where collwaits built it (``call``
+    is grouped by them, the waits join it one to one), but the timeline fallback's. With
+    one (op, pg) in all of cw and no nested phase, each row is its own (rank, step, anc)
+    group (a group-by of 10^7 single rows at 10^8 phase samples, ~2.7 s CPU, where DDP's
+    grad_sync phases are the only collectives). A table made by hand (tests) without op
+    and pg: not known, so no."""
+    built = {c for (c,) in con.execute(
+        "SELECT column_name FROM information_schema.columns WHERE table_name = 'cw'").fetchall()}
+    if not {"op", "pg"} <= built:
+        return False
+    pairs, nested, timeline = con.execute(
+        "SELECT count(DISTINCT (op, pg)), bool_or(contains(phase, '/')), "
+        "bool_or(pg = 'timeline') FROM cw").fetchone()
+    return int(pairs) <= 1 and not nested and not timeline
 
 
 def pw_select(con: Any, keys: str = "TRUE", paths: str | None = None, top: bool = False) -> str:
