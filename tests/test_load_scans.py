@@ -125,6 +125,32 @@ def test_duplicate_paths_counted_a_block_of_ranks_at_a_time(
 
 
 @pytest.mark.parametrize("store", [True, False])
+def test_duplicate_paths_counted_by_keys_where_the_run_has_over_64_paths(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, store: bool) -> None:
+    # The per-record check sets one bit per distinct path of the run: with more than 64
+    # there are not enough bits, and every block is counted by the keys themselves.
+    spec = SynthRun(ranks=2, steps=4)
+    recs = make_records(spec)
+    many = recs[0][1]
+    top = many["phases"][0]
+    many["phases"] += [{**top, "name": f"user{k}", "parent": None} for k in range(70)]
+    twice = recs[1][2]
+    twice["phases"].append(dict(twice["phases"][0]))  # one path listed twice
+    run = tmp_path / "run"
+    run.mkdir()
+    for r, rows in recs.items():
+        (run / f"rank{r}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
+    data, sqls = _load(run, monkeypatch, store=store)
+    try:
+        n = data.con.execute("SELECT n FROM phase_dups").fetchone()[0]
+    finally:
+        data.close()
+    assert n == 1
+    assert not any("bit_count(bit_or(" in s for s in sqls)
+    assert len([s for s in sqls if "HAVING count(*) > 1" in s]) >= 1
+
+
+@pytest.mark.parametrize("store", [True, False])
 def test_records_copied_without_decoding_the_phase_lists(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, store: bool) -> None:
     # ``rec`` tested "phases IS NOT NULL": at 10^8 samples that decoded every phase list
