@@ -939,3 +939,45 @@ def test_host_blocks_hold_whole_hosts_and_cover_every_record_once() -> None:
     cut = check(10)  # every span over the cap: one step a block
     assert [r for r, _ in cut] == [(0, 2)] * 5 + [(3, 5)] * 5 + [(6, 9)] * 5
     assert {s for _, s in cut} == {(s, s) for s in range(5)}
+
+
+def test_cin_takes_cw_rows_as_they_are_when_they_are_its_keys(tmp_path: Path,
+                                                               monkeypatch: Any) -> None:
+    # DDP's grad_sync phases the only collectives: each row of cw is its own (rank, step,
+    # anc) group, so cin is cw's rows without a group-by; the same table and report.
+    from stepscope.analysis import own as own_mod
+
+    recs = make_records(SynthRun(ranks=4, steps=20, seed=7, slow=(Slow(2, "backward", 6.0),)))
+    for r, rows in recs.items():
+        for i, rec in enumerate(rows):
+            bw = next(p for p in rec["phases"] if p["name"] == "backward")
+            rec["phases"].append({**bw, "name": "grad_sync", "parent": "backward",
+                                  "ms": 1.0 + ((r + i) % 3) * 0.5})
+            rec["phases"][-1].pop("path", None)
+    run = tmp_path / "run"
+    run.mkdir()
+    for r, rows in recs.items():
+        (run / f"rank{r}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
+    real = own_mod._cw_rows_are_cin_keys
+
+    def analyse(keyed: bool) -> tuple[Any, ...]:
+        seen: list[bool] = []
+        with monkeypatch.context() as m:
+            m.setattr(own_mod, "_cw_rows_are_cin_keys",
+                      lambda con: seen.append(real(con) if keyed else False) or seen[-1])
+            doc = analyze_run(run, keep=True)
+        data = doc.pop("_data")
+        try:
+            cin = data.con.execute("SELECT * FROM cin ORDER BY ALL").fetchall()
+            types = data.con.execute("DESCRIBE cin").fetchall()
+        finally:
+            data.close()
+        return seen, doc, cin, types
+
+    seen, doc, cin, types = analyse(True)
+    seen_g, doc_g, cin_g, types_g = analyse(False)
+    assert seen == [True] and seen_g == [False]
+    assert len(cin) == 4 * 20 and any(row[3] > 0 for row in cin)  # waits in backward
+    assert (cin, types) == (cin_g, types_g)
+    assert json.dumps(doc, sort_keys=True, default=str) == json.dumps(doc_g, sort_keys=True,
+                                                                        default=str)

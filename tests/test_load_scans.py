@@ -95,7 +95,7 @@ def test_implausible_and_duplicate_records_keep_the_same_rows(tmp_path: Path) ->
 @pytest.mark.parametrize("store", [True, False])
 def test_duplicate_paths_counted_a_block_of_ranks_at_a_time(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, store: bool) -> None:
-    # phase_dups groups every (rank, step, path): a block of steps at a time scanned every
+    # phase_dups checks every record (rank, step): a block of steps at a time scanned every
     # row of ``phases`` per block (its rows lie rank by rank); a block of ranks reads its own.
     # The store's flat copy lies step by step within each rank block: blocks of steps there.
     from stepscope.analysis import blocks
@@ -116,12 +116,38 @@ def test_duplicate_paths_counted_a_block_of_ranks_at_a_time(
     finally:
         data.close()
     assert n == 1
-    per_block = [s for s in sqls if "HAVING count(*) > 1" in s and "hash(rank, step, path)" in s]
+    per_block = [s for s in sqls if "bit_count(bit_or(" in s]
     by, n_blocks, twice_in = ("step", 6, 3) if store else ("rank", 4, 2)
     assert len(per_block) == n_blocks and all(f"{by} BETWEEN" in s for s in per_block), per_block
     # Only the block holding the twice-listed path is grouped by the keys themselves.
-    by_key = [s for s in sqls if "HAVING count(*) > 1" in s and "hash(" not in s]
+    by_key = [s for s in sqls if "HAVING count(*) > 1" in s]
     assert len(by_key) == 1 and f"{by} BETWEEN {twice_in} AND {twice_in}" in by_key[0], by_key
+
+
+@pytest.mark.parametrize("store", [True, False])
+def test_duplicate_paths_counted_by_keys_where_the_run_has_over_64_paths(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, store: bool) -> None:
+    # The per-record check sets one bit per distinct path of the run: with more than 64
+    # there are not enough bits, and every block is counted by the keys themselves.
+    spec = SynthRun(ranks=2, steps=4)
+    recs = make_records(spec)
+    many = recs[0][1]
+    top = many["phases"][0]
+    many["phases"] += [{**top, "name": f"user{k}", "parent": None} for k in range(70)]
+    twice = recs[1][2]
+    twice["phases"].append(dict(twice["phases"][0]))  # one path listed twice
+    run = tmp_path / "run"
+    run.mkdir()
+    for r, rows in recs.items():
+        (run / f"rank{r}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
+    data, sqls = _load(run, monkeypatch, store=store)
+    try:
+        n = data.con.execute("SELECT n FROM phase_dups").fetchone()[0]
+    finally:
+        data.close()
+    assert n == 1
+    assert not any("bit_count(bit_or(" in s for s in sqls)
+    assert len([s for s in sqls if "HAVING count(*) > 1" in s]) >= 1
 
 
 @pytest.mark.parametrize("store", [True, False])

@@ -75,7 +75,19 @@ CREEP_MAX_POINTS = 300
 
 
 def create_resource_table(con: Any, keep: str = "TRUE") -> None:
-    """Flatten the JSON sections of table ``rec`` into ``res`` (called by the loader)."""
+    """Flatten the JSON sections of table ``rec`` into ``res`` (called by the loader, after
+    it built ``steps`` from the same records: ``rec`` where ``keep``)."""
+    sections = sorted({sec for sec, _ in _FIELDS} | {"counters"})
+    if not con.execute(
+            f"""SELECT count(*) FROM (SELECT 1 FROM rec WHERE {keep}
+                AND ({' OR '.join(f'{s} IS NOT NULL' for s in sections)}) LIMIT 1)""").fetchone()[0]:
+        # No record has a section (the common case): every value is NULL, and a view over
+        # ``steps`` (the same records, rank and step) has the rows. The table was 10^7 rows
+        # of NULLs at 10^8 phase samples, written for ~4 s CPU.
+        nulls = ", ".join(f"CAST(NULL AS DOUBLE) AS {name}"
+                          for name in [n for _, n in _FIELDS] + ["runq_ms"])
+        con.execute(f"CREATE VIEW res AS SELECT rank, step, {nulls} FROM steps")
+        return
     cols = ",\n".join(
         f"TRY_CAST(json_extract_string({sec}, '$.{name}') AS DOUBLE) AS {name}" for sec, name in _FIELDS
     )
