@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -90,6 +91,28 @@ def test_faster_run_verdict_names_the_phase_and_change_is_on_medians(tmp_path):
     assert "dataloader fell from" in doc["verdict"] and "within noise" in doc["verdict"]
     # Warm-up: the first 10% of 120 steps left out by default.
     assert doc["step"]["a_samples"] == 108 and doc["method"]["warmup"]
+
+
+def test_verdict_names_collective_waits_that_moved_instead_of_calling_them_noise():
+    from stepscope.analysis.compare import verdict
+
+    def ph(name: str, a: float, b: float, sig: bool) -> dict[str, Any]:
+        return {"name": name, "a_ms": a, "b_ms": b, "significant": sig}
+
+    step = {"change_pct": -57.4, "significant": True, "ci_low_pct": -60.9, "ci_high_pct": -52.0,
+            "a_ms": 23.3, "b_ms": 9.9}
+    # The demo's shape: the data fix removes 15 ms of dataloader on one rank; the others'
+    # all-reduce wait inside backward falls with it.
+    phases = [ph("dataloader", 15.3, 0.2, True), ph("forward", 0.48, 0.47, False),
+              ph("backward", 21.6, 9.2, True), ph("backward/grad_sync", 20.9, 8.8, True),
+              ph("optimizer", 0.14, 0.14, False)]
+    text = verdict(step, phases)
+    assert text.startswith("B is 57% faster per step (CI 52–61%): dataloader fell from 15.3 to 0.2 ms")
+    assert "within noise" not in text, text
+    assert "waits on other ranks: backward/grad_sync fell from 20.9 to 8.8 ms" in text, text
+    # Without a collective that moved, the rest is noise, as before.
+    quiet = [ph("dataloader", 15.3, 0.2, True), ph("backward/grad_sync", 20.9, 20.8, False)]
+    assert verdict(step, quiet).endswith("; the rest is within noise")
 
 
 def test_steps_range_and_nothing_in_range(tmp_path, capsys):
