@@ -105,16 +105,8 @@ def test_duplicate_paths_counted_a_block_of_ranks_at_a_time(
     twice = json.loads(json.dumps(recs[2][3]))
     twice["phases"].append(dict(twice["phases"][0]))  # one path listed twice
     recs[2][3] = twice
-    run = tmp_path / "run"
-    run.mkdir()
-    for r, rows in recs.items():
-        (run / f"rank{r}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
     monkeypatch.setattr(blocks, "BLOCK_RECORDS", 6)  # one rank (6 records) per block
-    data, sqls = _load(run, monkeypatch, store=store)
-    try:
-        n = data.con.execute("SELECT n FROM phase_dups").fetchone()[0]
-    finally:
-        data.close()
+    n, sqls = _phase_dups(tmp_path, recs, monkeypatch, store)
     assert n == 1
     per_block = [s for s in sqls if "bit_count(bit_or(" in s]
     by, n_blocks, twice_in = ("step", 6, 3) if store else ("rank", 4, 2)
@@ -122,6 +114,20 @@ def test_duplicate_paths_counted_a_block_of_ranks_at_a_time(
     # Only the block holding the twice-listed path is grouped by the keys themselves.
     by_key = [s for s in sqls if "HAVING count(*) > 1" in s]
     assert len(by_key) == 1 and f"{by} BETWEEN {twice_in} AND {twice_in}" in by_key[0], by_key
+
+
+def _phase_dups(tmp_path: Path, recs: dict[int, list[dict[str, Any]]],
+                monkeypatch: pytest.MonkeyPatch, store: bool) -> tuple[int, list[str]]:
+    """Write ``recs`` as a run, load it; the duplicate-path count and the statements run."""
+    run = tmp_path / "run"
+    run.mkdir()
+    for r, rows in recs.items():
+        (run / f"rank{r}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
+    data, sqls = _load(run, monkeypatch, store=store)
+    try:
+        return int(data.con.execute("SELECT n FROM phase_dups").fetchone()[0]), sqls
+    finally:
+        data.close()
 
 
 @pytest.mark.parametrize("store", [True, False])
@@ -136,15 +142,7 @@ def test_duplicate_paths_counted_by_keys_where_the_run_has_over_64_paths(
     many["phases"] += [{**top, "name": f"user{k}", "parent": None} for k in range(70)]
     twice = recs[1][2]
     twice["phases"].append(dict(twice["phases"][0]))  # one path listed twice
-    run = tmp_path / "run"
-    run.mkdir()
-    for r, rows in recs.items():
-        (run / f"rank{r}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
-    data, sqls = _load(run, monkeypatch, store=store)
-    try:
-        n = data.con.execute("SELECT n FROM phase_dups").fetchone()[0]
-    finally:
-        data.close()
+    n, sqls = _phase_dups(tmp_path, recs, monkeypatch, store)
     assert n == 1
     assert not any("bit_count(bit_or(" in s for s in sqls)
     assert len([s for s in sqls if "HAVING count(*) > 1" in s]) >= 1
