@@ -454,29 +454,30 @@ def _phase_key(phases: dict[str, dict[int, float]]) -> Any:
 def _driver(phases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Significant phase changes that are the phase's own: not a wait, not explained by a child."""
     sig = [p for p in phases if p["significant"] and p["name"] != "residual"]
-
-    def delta(p: dict[str, Any]) -> float:
-        return float(p["b_ms"] or 0.0) - float(p["a_ms"] or 0.0)
-
     own = []
     for p in sig:
         if is_collective(p["name"]):
             continue  # waiting on other ranks moves with whoever is slow
         comm = [c for c in phases if c["name"].startswith(p["name"] + "/") and is_collective(c["name"])]
-        if comm and abs(delta(p) - sum(delta(c) for c in comm)) < 0.5 * abs(delta(p)):
+        if comm and abs(_delta(p) - sum(_delta(c) for c in comm)) < 0.5 * abs(_delta(p)):
             continue  # most of its change is a collective inside it: waiting, not its own work
         kids = [c for c in sig if c["name"].startswith(p["name"] + "/")]
-        explained = sum(delta(c) for c in kids if delta(c) * delta(p) > 0)
-        if kids and abs(explained) >= 0.5 * abs(delta(p)):
+        explained = sum(_delta(c) for c in kids if _delta(c) * _delta(p) > 0)
+        if kids and abs(explained) >= 0.5 * abs(_delta(p)):
             continue
         own.append(p)
     if not own:
         own = [p for p in sig if not is_collective(p["name"])] or sig
-    return sorted(own, key=lambda p: -abs(delta(p)))
+    return sorted(own, key=lambda p: -abs(_delta(p)))
+
+
+def _delta(row: dict[str, Any]) -> float:
+    """B's median less A's, ms (a phase or the step; a missing side counts as 0)."""
+    return float(row["b_ms"] or 0.0) - float(row["a_ms"] or 0.0)
 
 
 def _moved(p: dict[str, Any]) -> str:
-    verb = "fell" if (p["b_ms"] or 0) < (p["a_ms"] or 0) else "rose"
+    verb = "fell" if _delta(p) < 0 else "rose"
     return f"{p['name']} {verb} from {p['a_ms']:.1f} to {p['b_ms']:.1f} ms"
 
 
@@ -524,8 +525,8 @@ def verdict(step: dict[str, Any], phases: list[dict[str, Any]],
     if tail:
         return out + tail
     # Others are named only when they matter next to the step's change (ms, not percent).
-    floor = max(0.1, 0.1 * abs(float(step["b_ms"] or 0.0) - float(step["a_ms"] or 0.0)))
-    more = [p for p in drivers[1:] if abs(float(p["b_ms"] or 0) - float(p["a_ms"] or 0)) >= floor]
+    floor = max(0.1, 0.1 * abs(_delta(step)))
+    more = [p for p in drivers[1:] if abs(_delta(p)) >= floor]
     # Collectives are never drivers (their time is waiting on whoever is slow), but one that
     # moved beyond noise is said so, not left out: the DDP demo's grad_sync fell by 12 ms
     # with its data fix, and "the rest is within noise" read as if nothing else had moved.
@@ -546,5 +547,5 @@ def _waits_moved(phases: list[dict[str, Any]], drivers: list[dict[str, Any]]) ->
     """Significant changes of collectives (waits on other ranks) that are not drivers, largest first."""
     got = [p for p in phases if p["significant"] and is_collective(p["name"])
            and not any(p is d for d in drivers)]
-    return sorted(got, key=lambda p: -abs(float(p["b_ms"] or 0.0) - float(p["a_ms"] or 0.0)))
+    return sorted(got, key=lambda p: -abs(_delta(p)))
 
