@@ -765,6 +765,23 @@ def test_pw_is_a_view_not_a_table_of_every_phase_row(tmp_path: Path) -> None:
     assert any(ph["wait_ms"] > 0 for ph in phases.values())
 
 
+def _phase_waits_with_and_without(run: Path, remove: str, peek: str | None = None) -> tuple[
+        dict[str, Any], list[Any], list[tuple[dict[str, Any], list[str]]]]:
+    """The report of ``run``; the rows ``peek`` selects from its tables first; ``phase_waits``
+    run again (:func:`_phase_waits_again`) with its tables as they are, then after the
+    statement ``remove`` (a table it may take its figures from dropped or emptied)."""
+    doc = analyze_run(run, keep=True)
+    data = doc["_data"]
+    try:
+        rows = data.con.execute(peek).fetchall() if peek else []
+        out = [_phase_waits_again(data.con, doc)]
+        data.con.execute(remove)
+        out.append(_phase_waits_again(data.con, doc))
+    finally:
+        data.close()
+    return doc, rows, out
+
+
 def _phase_waits_again(con: Any, doc: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """``phase_waits`` run again on a copy of the report's phases without the fields it
     adds, through a statement spy: (the phases it gives, its statements)."""
@@ -787,17 +804,8 @@ def test_phase_waits_takes_plain_paths_sums_from_phase_stats(tmp_path: Path) -> 
     # row again for them. Without that table it scans them itself: the same numbers.
     run = write_run(tmp_path / "run", SynthRun(ranks=5, steps=20, seed=11, comm_child=True,
                                                slow=(Slow(2, "forward", 5.0),)))
-    doc = analyze_run(run, keep=True)
-    data = doc["_data"]
-    out = []
-    try:
-        for drop in (False, True):
-            if drop:
-                data.con.execute("DROP TABLE phase_sums")
-            out.append(_phase_waits_again(data.con, doc))
-    finally:
-        data.close()
-    (shared, sqls), (scanned, sqls2) = out
+    doc, _, ((shared, sqls), (scanned, sqls2)) = _phase_waits_with_and_without(
+        run, "DROP TABLE phase_sums")
     assert shared == doc["phases"] and scanned == doc["phases"]
     assert any("FROM phase_sums" in s for s in sqls)
     assert not any("FROM phases WHERE" in s and "NOT list_contains($inside" in s for s in sqls)
@@ -814,19 +822,10 @@ def test_phase_waits_takes_top_level_medians_from_build_own(tmp_path: Path) -> N
 
     run = write_run(tmp_path / "run", SynthRun(ranks=5, steps=20, seed=12, comm_child=True,
                                                slow=(Slow(2, "backward", 5.0),)))
-    doc = analyze_run(run, keep=True)
-    data = doc["_data"]
-    out = []
-    try:
-        known = dict(data.con.execute(f"SELECT path, median FROM {WAIT_MEDIANS}").fetchall())
-        for empty in (False, True):
-            if empty:
-                data.con.execute(f"DELETE FROM {WAIT_MEDIANS}")
-            phases, sqls = _phase_waits_again(data.con, doc)
-            out.append((phases, [s for s in sqls if "list_contains([$p], anc)" in s]))
-    finally:
-        data.close()
-    (shared, wide), (scanned, wide2) = out
+    doc, rows, ((shared, sqls), (scanned, sqls2)) = _phase_waits_with_and_without(
+        run, f"DELETE FROM {WAIT_MEDIANS}", peek=f"SELECT path, median FROM {WAIT_MEDIANS}")
+    known = dict(rows)
+    wide, wide2 = ([s for s in q if "list_contains([$p], anc)" in s] for q in (sqls, sqls2))
     assert "backward" in known and known["backward"] > 0
     assert shared == doc["phases"] and scanned == doc["phases"]
     assert len(wide2) == len(wide) + len(known)
