@@ -5,7 +5,8 @@ forward, backward, optimizer and h2d hooks, collective timing, the resource moni
 JSONL writer (as ``init()`` builds them; no heartbeat unless ``--heartbeat``), and reports:
 
 - ``--mode time`` (default): µs/step of the training thread (wall and thread CPU) and the
-  writer thread's CPU per step, against the same loop without a tracer (interleaved blocks).
+  writer thread's CPU per step, against the same loop without a tracer (interleaved blocks;
+  the bare blocks run a second copy of the model and optimizer that carries no hook).
 - ``--mode cprofile``: a cProfile of the training thread over ``--steps`` steps (top 30 by
   own time).
 - ``--mode wakes``: µs/step (wall, training-thread CPU) with ``flush_every_n_steps`` 1, 10
@@ -104,9 +105,15 @@ def _writer_cpu_ns() -> int:
 
 
 def time_mode(steps: int, blocks: int, heartbeat: bool) -> dict[str, float]:
+    # Two copies of the job: the tracer hooks one (module and optimizer hooks stay on it for
+    # the whole run); the bare blocks run the other, which carries none. Bare blocks also put
+    # torch.autograd.backward back; the one patch left over them is Tensor.to's (a dtype-only
+    # cast takes its first branch).
     model, opt, x = _job()
+    bmodel, bopt, bx = _job()
     for _ in range(200):
         _step(model, opt, x)
+        _step(bmodel, bopt, bx)
     bare_w, bare_c, inst_w, inst_c, writer_c = [], [], [], [], []
     import torch.autograd as autograd
 
@@ -126,7 +133,7 @@ def time_mode(steps: int, blocks: int, heartbeat: bool) -> dict[str, float]:
                     # Bare: without the tracer's torch.autograd.backward wrapper too.
                     tracers, autograd.backward = autograd.backward, real_backward
                     for _ in range(steps):
-                        _step(model, opt, x)
+                        _step(bmodel, bopt, bx)
                     autograd.backward = tracers
                 dw = (time.perf_counter_ns() - w0) / steps / 1e3
                 dc = (time.thread_time_ns() - c0) / steps / 1e3

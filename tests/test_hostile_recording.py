@@ -99,6 +99,7 @@ def test_slow_file_system_loses_nothing_while_the_hold_lasts(tmp_path: Path) -> 
     run = tmp_path / "run"
     cfg = Config(out_dir=str(run), auto=False, flush_every_n_steps=1, heartbeat_s=0)
     tr = Tracer(cfg, sink=_SlowSink(run, 0))
+    tr._outbox.every_s = 0.0  # a hand-over at every step end: the writer's queue fills up
     with warnings.catch_warnings(record=True) as got:
         warnings.simplefilter("always")
         _steps(tr, 400)
@@ -116,6 +117,7 @@ def test_slow_file_system_drops_are_counted_warned_once_and_reported(
     run = tmp_path / "run"
     cfg = Config(out_dir=str(run), auto=False, flush_every_n_steps=1, heartbeat_s=0)
     tr = Tracer(cfg, sink=_SlowSink(run, 0))
+    tr._outbox.every_s = 0.0  # a hand-over at every step end: the writer's queue overruns
     n = 400
     with warnings.catch_warnings(record=True) as got:
         warnings.simplefilter("always")

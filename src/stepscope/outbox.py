@@ -1,16 +1,17 @@
 """Outbox: how resolved steps leave the training thread for the writer thread.
 
 The training thread hands the steps the resolver has timed to the
-:class:`~stepscope.sinks.BackgroundWriter` every ``flush_every_n_steps`` steps, as one
-deferred batch: the records are built (and listeners' ``on_record`` called) on the writer
-thread, never on the training thread. The hand-over never waits: the training thread only
-*tries* the outbox lock, and a batch the writer cannot take now (its queue full: a slow file
-system) stays with the resolver until the writer catches up, up to ``MAX_HELD_STEPS``.
-Between two hand-overs the writer also takes resolved steps on its own every
-``sinks.IDLE_TICK_S`` (0.5 s): a loop that stops stepping (a hang, an evaluation) still gets
-its last steps' records on disk within that time, without a wake from the training thread.
-The writer never preempts the training thread when woken (``SCHED_BATCH``), so what it
-promises is a time (``sinks.DELIVERY_BOUND_S``), not that a record is on disk N steps later.
+:class:`~stepscope.sinks.BackgroundWriter` every ``flush_every_n_steps`` steps, but no more
+often than once per ``HANDOVER_EVERY_S``, as one deferred batch: the records are built (and
+listeners' ``on_record`` called) on the writer thread, never on the training thread. The
+hand-over never waits: the training thread only *tries* the outbox lock, and a batch the
+writer cannot take now (its queue full: a slow file system) stays with the resolver until
+the writer catches up, up to ``MAX_HELD_STEPS``. Between two hand-overs the writer also
+takes resolved steps on its own every ``sinks.IDLE_TICK_S`` (0.5 s): a loop that stops
+stepping (a hang, an evaluation) still gets its last steps' records on disk within that
+time, without a wake from the training thread. The writer never preempts the training thread
+when woken (``SCHED_BATCH``), so what it promises is a time (``sinks.DELIVERY_BOUND_S``),
+not that a record is on disk N steps later.
 
 Building records holds the GIL. Once a batch has held it for ``GIL_SLICE_S``, the writer
 gives it back between two records (``time.sleep(0)``): a training thread returning from a C
@@ -18,6 +19,16 @@ call that released the GIL then waits about that long at most, not for a whole l
 (steps held back while the file system was slow). A usual batch (``flush_every_n_steps``
 records, ~10 µs each) never pauses: each pause can cost the writer up to the interpreter's
 switch interval (5 ms) to get the GIL back, which would slow it behind a busy training loop.
+
+**Why a hand-over is rate-limited.** Each wake of the writer costs the training thread far
+more than the wake itself: the woken writer takes the GIL the next time the training thread
+releases it (every torch op does), and the training thread then blocks on the GIL and is
+woken again. On the 2-vCPU test host that round trip cost ~80-100 µs of training-thread CPU
+per wake, a step's own Python work beside a helper thread that only wakes and sleeps again
+(``benchmarks/hot_path.py --mode wakes``): every 10 steps of a ~80 µs step, 22 µs a step.
+Bounding the wakes by time bounds that cost as a share of the run (one wake per 0.1 s is
+≤ 0.1%), whatever the step length: a 1 s GPU step still hands over every
+``flush_every_n_steps`` steps, a 100 µs CPU step every ~1,000.
 """
 
 from __future__ import annotations
@@ -37,6 +48,9 @@ MAX_HELD_STEPS = 4096
 RECENT_RECORDS = 256
 #: Seconds of record building after which the writer gives the GIL back (between records).
 GIL_SLICE_S = 0.001
+#: Least seconds between two hand-overs at step ends (the module docstring says why). Far
+#: under the delivery bound (``sinks.DELIVERY_BOUND_S``), which the writer's own idle tick keeps.
+HANDOVER_EVERY_S = 0.1
 
 
 class RecentRecords:
@@ -76,9 +90,15 @@ class Outbox:
         #: this lock (it never waits); the writer holds it while it takes held-back steps.
         self._lock = threading.Lock()
         self.writer = BackgroundWriter(sink, on_error=on_error, on_idle=self._held_job)
+        #: Least seconds between two hand-overs at step ends (``HANDOVER_EVERY_S``).
+        self.every_s = HANDOVER_EVERY_S
+        #: ``time.monotonic()`` from which a step end may hand over again (``every_s`` after
+        #: the last hand-over). Read at step ends as an attribute: no call on that path.
+        self.due_at = 0.0
 
     def submit(self) -> bool:
         """Queue the steps resolved so far (training thread); False when none went."""
+        self.due_at = time.monotonic() + self.every_s
         if not self._lock.acquire(blocking=False):
             return False  # the writer is taking held steps this instant; these go next time
         try:

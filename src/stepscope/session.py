@@ -252,10 +252,15 @@ class Session(Recorder):
             if step is not None:
                 self.resolver.add(step, poll=True)
                 # An exception may end the job: what is resolved goes to the file now.
+                # Otherwise every flush_every_n_steps steps, and no sooner than the outbox's
+                # every_s after the last hand-over (each wake costs the training thread).
                 # One try per cadence: what is not handed over now (the writer behind, or
                 # nothing resolved yet on a lagging GPU) leaves with the next hand-over or the
                 # writer's own take (held steps, its idle tick): no retry on every step.
-                if self._since_flush >= self.config.flush_every_n_steps or exc is not None:
+                if exc is not None or (
+                    self._since_flush >= self.config.flush_every_n_steps
+                    and time.monotonic() >= self._outbox.due_at
+                ):
                     self._since_flush = 0
                     self._outbox.submit()
             for fn in self._step_end:
