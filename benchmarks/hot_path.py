@@ -10,8 +10,9 @@ JSONL writer (as ``init()`` builds them; no heartbeat unless ``--heartbeat``), a
 - ``--mode cprofile``: a cProfile of the training thread over ``--steps`` steps (top 30 by
   own time).
 - ``--mode wakes``: µs/step (wall, training-thread CPU) with ``flush_every_n_steps`` 1, 10
-  and 100 against the bare loop, interleaved: each flush wakes the writer thread, so the
-  difference between 1 and 10 is ~0.9 wakes per step.
+  and 100, hand-overs not rate-limited by time, and the default (10, at most one per
+  ``outbox.HANDOVER_EVERY_S``), against the bare loop, interleaved: each flush wakes the
+  writer thread, so the difference between 1 and 10 is ~0.9 wakes per step.
 - ``--mode build``: the writer thread's µs per record, building (``Resolver.build``) and
   encoding (orjson), from 4,000 resolved steps (minimum over chunks of 500).
 - ``--mode cycle``: wall minus training-thread CPU per step by its place in the flush cycle,
@@ -68,16 +69,28 @@ from stepscope.clock import CpuClock
 from stepscope.config import Config
 from stepscope.tracer import Tracer
 
+#: ``--hidden``: 0 = the tiny model (``Linear(8, 8)``, batch 2); N = a three-layer MLP of width
+#: N on a batch of 64 (``overhead.py``'s job: ~4 ms a step at 640 on one thread here).
+HIDDEN = 0
+
 
 def _job() -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tensor]:
     torch.manual_seed(0)
+    if HIDDEN:
+        h = HIDDEN
+        model: torch.nn.Module = torch.nn.Sequential(
+            torch.nn.Linear(h, h), torch.nn.ReLU(), torch.nn.Linear(h, h), torch.nn.ReLU(),
+            torch.nn.Linear(h, 1),
+        )
+        return model, torch.optim.SGD(model.parameters(), lr=1e-4), torch.randn(64, h)
     model = torch.nn.Linear(8, 8)
     return model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(2, 8)
 
 
 def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
     y = x.to(torch.float32)
-    model(y).sum().backward()
+    out = model(y)
+    (out.square().mean() if HIDDEN else out.sum()).backward()
     opt.step()
     opt.zero_grad()
 
@@ -152,6 +165,8 @@ def time_mode(steps: int, blocks: int, heartbeat: bool) -> dict[str, float]:
         "added_wall_us": round(med(inst_w) - med(bare_w), 2),
         "added_thread_cpu_us": round(med(inst_c) - med(bare_c), 2),
         "added_thread_cpu_us_min": round(min(inst_c) - min(bare_c), 2),
+        "ratio_wall": round(med(inst_w) / med(bare_w), 4),
+        "ratio_thread_cpu": round(med(inst_c) / med(bare_c), 4),
         "writer_cpu_us_per_step": round(med(writer_c), 2),
     }
 
@@ -183,15 +198,23 @@ def wakes_mode(steps: int, blocks: int) -> dict[str, Any]:
     model, opt, x = _job()
     for _ in range(200):
         _step(model, opt, x)
-    got: dict[str, list[tuple[float, float]]] = {k: [] for k in ("bare", "1", "10", "100")}
+    from stepscope import outbox
+
+    default_every_s = outbox.HANDOVER_EVERY_S
+    # "1", "10", "100": a hand-over every N steps, not rate-limited by time (what a wake costs);
+    # "10_limited": the default, every 10 steps and at most once per HANDOVER_EVERY_S.
+    got: dict[str, list[tuple[float, float]]] = {
+        k: [] for k in ("bare", "1", "10", "100", "10_limited")}
     with tempfile.TemporaryDirectory() as out:
         for b in range(blocks):
             for k in (list(got) if b % 2 else list(got)[::-1]):
                 tracer = None
                 if k != "bare":
-                    cfg = Config(out_dir=f"{out}/{k}", heartbeat_s=0.0, flush_every_n_steps=int(k),
-                                 max_pending_steps=1 << 20)
+                    cfg = Config(out_dir=f"{out}/{k}", heartbeat_s=0.0,
+                                 flush_every_n_steps=int(k.split("_")[0]), max_pending_steps=1 << 20)
+                    outbox.HANDOVER_EVERY_S = default_every_s if k.endswith("_limited") else 0.0
                     tracer = Tracer(cfg, model=model, optimizer=opt, clock=CpuClock())
+                    outbox.HANDOVER_EVERY_S = default_every_s
                 w0, c0 = time.perf_counter_ns(), time.thread_time_ns()
                 for _ in range(steps):
                     if tracer is None:
@@ -630,9 +653,13 @@ def main() -> None:
                     help="neighbour mode: µs of CPU per step the helper thread burns")
     ap.add_argument("--every-n-steps", type=int, default=1,
                     help="record one step in N (time, cprofile, floor modes): what unsampled steps cost")
+    ap.add_argument("--hidden", type=int, default=0,
+                    help="time mode: an MLP of this width, batch 64, instead of the tiny model "
+                         "(640: the issue's ~4 ms CPU step; use fewer --steps)")
     args = ap.parse_args()
-    global EVERY_N_STEPS
+    global EVERY_N_STEPS, HIDDEN
     EVERY_N_STEPS = args.every_n_steps
+    HIDDEN = args.hidden
     torch.set_num_threads(1)
     if args.mode == "cprofile":
         cprofile_mode(args.steps, args.heartbeat)
@@ -667,7 +694,8 @@ def main() -> None:
                           "loadavg_1m": round(os.getloadavg()[0], 2), **cycle_mode(args.steps, args.blocks)}))
     else:
         print(json.dumps({"benchmark": "hot_path", "steps": args.steps, "blocks": args.blocks,
-                          "every_n_steps": args.every_n_steps,
+                          "every_n_steps": args.every_n_steps, "hidden": args.hidden,
+                          "loadavg_1m": round(os.getloadavg()[0], 2),
                           **time_mode(args.steps, args.blocks, args.heartbeat)}))
 
 

@@ -234,9 +234,10 @@ IDLE_TICK_S = 0.5
 
 #: The delivery bound during a run: the record of a step resolved on the training thread
 #: reaches the sink within this time (two idle ticks), on a host that gives the writer thread
-#: CPU at all. Hand-overs (every ``flush_every_n_steps`` sampled steps) only wake the writer
-#: sooner; its wake never preempts the training thread (SCHED_BATCH, Linux), so a record is
-#: bound by time, not by a number of steps. At ``finish()``/exit every record is written.
+#: CPU at all. Hand-overs (every ``flush_every_n_steps`` sampled steps, at most once per
+#: ``outbox.HANDOVER_EVERY_S``) only wake the writer sooner; its wake never preempts the
+#: training thread (SCHED_BATCH, Linux), so a record is bound by time, not by a number of
+#: steps. At ``finish()``/exit every record is written.
 DELIVERY_BOUND_S = 2 * IDLE_TICK_S
 
 #: Keys this module adds to a record's ``dropped`` section (counts since the previous record).
