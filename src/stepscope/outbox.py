@@ -20,15 +20,15 @@ call that released the GIL then waits about that long at most, not for a whole l
 records, ~10 µs each) never pauses: each pause can cost the writer up to the interpreter's
 switch interval (5 ms) to get the GIL back, which would slow it behind a busy training loop.
 
-**Why a hand-over is rate-limited.** Each wake of the writer costs the training thread far
-more than the wake itself: the woken writer takes the GIL the next time the training thread
-releases it (every torch op does), and the training thread then blocks on the GIL and is
-woken again. On the 2-vCPU test host that round trip cost ~80-100 µs of training-thread CPU
-per wake, a step's own Python work beside a helper thread that only wakes and sleeps again
-(``benchmarks/hot_path.py --mode wakes``): every 10 steps of a ~80 µs step, 22 µs a step.
-Bounding the wakes by time bounds that cost as a share of the run (one wake per 0.1 s is
-≤ 0.1%), whatever the step length: a 1 s GPU step still hands over every
-``flush_every_n_steps`` steps, a 100 µs CPU step every ~1,000.
+**Why a hand-over is rate-limited.** A wake of the writer costs the training thread far
+more CPU than the call that rings it. On the 2-vCPU test host (a Firecracker guest), a helper
+thread that only wakes and sleeps again, woken every 10 steps of a bare ~80 µs step, cost the
+training thread ~100 µs of CPU per wake, and a separate process woken through a pipe ~80; a
+woken writer thread also takes the GIL at the training thread's next torch op, which then
+blocks to get it back. At every 10 steps of the tiny model that was 22 µs a step
+(``benchmarks/hot_path.py --mode wakes``). Bounding the wakes by time bounds that cost as a
+share of the run (one wake per 0.1 s is ≤ 0.1%), whatever the step length: a 1 s GPU step
+still hands over every ``flush_every_n_steps`` steps, a 100 µs CPU step every ~1,000.
 """
 
 from __future__ import annotations
