@@ -795,8 +795,8 @@ def test_records_reach_the_file_within_the_idle_tick_when_the_loop_stops(tmp_pat
 
 
 def test_step_ends_hand_over_no_sooner_than_every_s_but_an_exception_at_once(mem_tracer, monkeypatch):
-    """A hand-over wakes the writer, and each wake costs the training thread a GIL round trip
-    (~80-100 µs of its CPU on the 2-vCPU test host: ``hot_path.py --mode wakes``). So a step
+    """A hand-over wakes the writer, and each wake costs the training thread ~80-100 µs of its
+    CPU on the 2-vCPU test host (the wake, then the GIL hand-back: see ``stepscope.outbox``). So a step
     end hands over every ``flush_every_n_steps`` steps *and* no sooner than the outbox's
     ``every_s`` after the last hand-over. A step that raises hands over at once (the
     exception may end the job), and ``flush()`` always does. Nothing is lost meanwhile."""
