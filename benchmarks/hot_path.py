@@ -75,14 +75,12 @@ HIDDEN = 0
 
 
 def _job() -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tensor]:
-    torch.manual_seed(0)
     if HIDDEN:
-        h = HIDDEN
-        model: torch.nn.Module = torch.nn.Sequential(
-            torch.nn.Linear(h, h), torch.nn.ReLU(), torch.nn.Linear(h, h), torch.nn.ReLU(),
-            torch.nn.Linear(h, 1),
-        )
-        return model, torch.optim.SGD(model.parameters(), lr=1e-4), torch.randn(64, h)
+        from overhead import make_job  # benchmarks/ is on sys.path when this file runs
+
+        mlp, mlp_opt, data = make_job(HIDDEN, 64)
+        return mlp, mlp_opt, data[0]
+    torch.manual_seed(0)
     model = torch.nn.Linear(8, 8)
     return model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(2, 8)
 
