@@ -31,6 +31,7 @@ from typing import Any
 
 from stepscope.analysis import blocks
 from stepscope.analysis.blocks import in_block, rank_blocks, step_blocks
+from stepscope.analysis.relations import drop
 from stepscope.analysis.resources import RESOURCE_COLUMNS, TIMED_FILTER, create_resource_table
 from stepscope.errors import AnalysisError
 from stepscope.records import READABLE_SCHEMAS, SQLITE_TABLE, row_to_record
@@ -479,10 +480,8 @@ def _build_tables(con: Any, root: Path, skipped: list[str], torn: set[str] | Non
                           flat=flat)
         except _Recheck:
             del skipped[n_notes:]
-            for name, kind in con.execute(
-                    "SELECT table_name, table_type FROM information_schema.tables "
-                    f"WHERE table_name IN {_EARLY}").fetchall():
-                con.execute(f"DROP {'VIEW' if kind == 'VIEW' else 'TABLE'} {name}")
+            for name in _EARLY:
+                drop(con, name)
     return _build(con, root, skipped, torn, lines, light, lists_checked_later=False)
 
 
@@ -772,9 +771,7 @@ def _build(con: Any, root: Path, skipped: list[str], torn: set[str] | None,
             WHERE starts_with(k, 'unseen_')"""
     )
     con.execute(f"DROP {rec_kind} rec")
-    kind = con.execute("SELECT table_type FROM information_schema.tables "
-                       "WHERE table_name = 'raw'").fetchone()[0]
-    con.execute("DROP VIEW raw" if kind == "VIEW" else "DROP TABLE raw")
+    drop(con, "raw")
     hosts: dict[str, list[int]] = {}
     for host, rank in con.execute(
         "SELECT DISTINCT host, rank FROM steps ORDER BY host, rank"

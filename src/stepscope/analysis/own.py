@@ -29,6 +29,7 @@ import numpy as np
 
 from stepscope.analysis import grouped
 from stepscope.analysis.blocks import in_block, rank_blocks
+from stepscope.analysis.relations import drop
 from stepscope.analysis.stats import H2D_HIDDEN, PHASE_SUMS, RESIDUAL
 
 
@@ -57,7 +58,7 @@ def build_pw(con: Any) -> None:
         rows, kind = """SELECT rank, step, phase AS anc, CAST(wait AS DOUBLE) AS wait,
                                CAST(1 AS BIGINT) AS n, CAST(ms AS DOUBLE) AS ms
                         FROM cw WHERE phase IS NOT NULL""", "VIEW"
-    _drop(con, "cin")
+    drop(con, "cin")
     con.execute(f"CREATE TEMP {kind} cin AS {rows}")
     # A view, not a table: every phase row with its collectives is 10^8 rows at scale,
     # written to disk and read back whole by each reader. The readers select a block of
@@ -166,7 +167,7 @@ def build_own(con: Any) -> OwnColumns:
         return dense
     con.execute(f"CREATE OR REPLACE TEMP TABLE own AS {_own_sql(con, None)}")
     cols = _middles(con)
-    _drop(con, "ex")
+    drop(con, "ex")
     con.execute(f"CREATE TABLE ex AS {_ex_sql('SELECT * FROM own', 'mid')}")
     con.execute("DROP TABLE own")
     con.execute("DROP TABLE mid")
@@ -207,14 +208,6 @@ def _ex_sql(own: str, mid: str) -> str:
                            ELSE 0.5 * (m.p + m.q)
                       END AS others
                FROM ({own}) o JOIN {mid} m USING (step, name))"""
-
-
-def _drop(con: Any, name: str) -> None:
-    """Drop ``name``, a table or a view (``ex``: grouped or dense path; ``cin``), wherever it is."""
-    for cat, schema, kind in con.execute(
-            "SELECT table_catalog, table_schema, table_type FROM information_schema.tables "
-            "WHERE table_name = ?", [name]).fetchall():
-        con.execute(f"DROP {'VIEW' if kind == 'VIEW' else 'TABLE'} \"{cat}\".\"{schema}\".{name}")
 
 
 def _middles(con: Any) -> OwnColumns:
@@ -385,7 +378,7 @@ def _own_dense(con: Any) -> OwnColumns | None:
     con.execute("CREATE OR REPLACE TEMP TABLE ex_timed AS SELECT unnest(?::BIGINT[]) AS step, "
                 "unnest(?::VARCHAR[]) AS name",
                 [t_step.tolist(), [names[int(i)] for i in t_nid.tolist()]])
-    _drop(con, "ex")
+    drop(con, "ex")
     con.execute(f"CREATE TEMP VIEW ex AS {_ex_sql(_own_sql(con, 'ex_timed'), 'ex_mid')}")
     con.execute(f"INSERT INTO {WAIT_MEDIANS} SELECT unnest(?::VARCHAR[]), unnest(?::DOUBLE[])",
                 [list(medians), list(medians.values())])
