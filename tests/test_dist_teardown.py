@@ -118,3 +118,11 @@ def test_free_port_skips_a_taken_neighbour(monkeypatch: pytest.MonkeyPatch) -> N
 
     monkeypatch.setattr("random.SystemRandom", _Pick)
     assert free_port(span=2) == 20002
+
+
+def test_free_port_neighbours_past_the_last_port_are_not_bindable() -> None:
+    """The ephemeral fallback checks the ports after the kernel's pick; one past 65535 makes
+    socket.bind raise OverflowError (not OSError), which must read as "not free"."""
+    from stepscope import dist
+
+    assert dist._bindable(65536) is False

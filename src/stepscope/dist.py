@@ -91,6 +91,8 @@ def _ephemeral_low() -> int:
 
 
 def _bindable(port: int) -> bool:
+    if port > 65535:  # past the last port: socket.bind raises OverflowError, not OSError
+        return False
     with socket.socket() as s:
         try:
             s.bind(("127.0.0.1", port))
@@ -112,9 +114,7 @@ def free_port(span: int = 1) -> int:
 
     pick = random.SystemRandom().randrange  # not the module's state: forked callers differ
     low, high = _LISTEN_PORTS[0], min(_LISTEN_PORTS[1], _ephemeral_low())
-    for _ in range(64):
-        if high - low <= span:
-            break
+    for _ in range(64 if high - low > span else 0):
         base = pick(low, high - span)
         if all(_bindable(base + i) for i in range(span)):
             return base
