@@ -43,11 +43,20 @@ JSONL writer (as ``init()`` builds them; no heartbeat unless ``--heartbeat``), a
   10 steps). Reports µs/step added to the training thread per µs/step burned: on a host whose
   cores are shared (2 vCPUs here), the writer's CPU shows up on the training thread even
   though it runs on the other core.
+- ``--mode cold``: where the tracer's cost goes on a step long enough to evict its caches
+  (``--hidden``, default 640 here): the step boundary's entry and exit timed directly around
+  the ``with`` statement's calls, and the whole step, in blocks with a tracer (a new one per
+  block, built and finished outside the timing) alternating with bare blocks on the *same*
+  model and optimizer (two copies of a model differ by their memory placement, ~1% of a step
+  here). Reports medians in µs: the step's added cost, entry, exit, the instruments (the rest:
+  hooks, wrapper, phases) and the same entry plus exit timed warm (an empty step in a tight
+  loop), whose ratio to the cold figure is what the torch step's eviction multiplies.
 - ``--mode alloc``: tracemalloc's count of memory blocks still alive per step (records the
   writer and the recent-records buffer keep included), by allocation site.
 
     python benchmarks/hot_path.py --steps 100000 --mode cprofile
     python benchmarks/hot_path.py --mode alloc
+    python benchmarks/hot_path.py --mode cold --steps 40 --blocks 30   # the ~3 ms step, per part
     python benchmarks/hot_path.py --mode wakes       # what waking the writer costs the training thread
     /work/main/.venv/bin/py-spy record --native -r 1000 -o hot.svg -- python benchmarks/hot_path.py
 """
@@ -166,6 +175,71 @@ def time_mode(steps: int, blocks: int, heartbeat: bool) -> dict[str, float]:
         "ratio_wall": round(med(inst_w) / med(bare_w), 4),
         "ratio_thread_cpu": round(med(inst_c) / med(bare_c), 4),
         "writer_cpu_us_per_step": round(med(writer_c), 2),
+    }
+
+
+def cold_mode(steps: int, blocks: int) -> dict[str, Any]:
+    from stepscope.sinks import MemorySink
+
+    model, opt, x = _job()
+    for _ in range(30):
+        _step(model, opt, x)
+    pc = time.perf_counter_ns
+    bare: list[float] = []
+    whole: list[float] = []
+    enter: list[float] = []
+    leave: list[float] = []
+    warm: list[float] = []
+    med = statistics.median
+    for b in range(blocks):
+        for on in ((True, False) if b % 2 else (False, True)):
+            if not on:
+                for _ in range(3):
+                    _step(model, opt, x)
+                got = []
+                for _ in range(steps):
+                    t0 = pc()
+                    _step(model, opt, x)
+                    got.append(pc() - t0)
+                bare.append(med(got))
+                continue
+            tracer = Tracer(Config(out_dir="unused", max_pending_steps=1 << 20), model=model,
+                            optimizer=opt, clock=CpuClock(), sink=MemorySink())
+            for _ in range(3):
+                with tracer.step():
+                    _step(model, opt, x)
+            w, e, lv = [], [], []
+            for _ in range(steps):
+                cm = tracer.step()
+                t0 = pc()
+                cm.__enter__()
+                t1 = pc()
+                _step(model, opt, x)
+                t2 = pc()
+                cm.__exit__(None, None, None)
+                t3 = pc()
+                w.append(t3 - t0)
+                e.append(t1 - t0)
+                lv.append(t3 - t2)
+            ws = []
+            for _ in range(500):
+                t0 = pc()
+                with tracer.step():
+                    pass
+                ws.append(pc() - t0)
+            tracer.finish()
+            whole.append(med(w))
+            enter.append(med(e))
+            leave.append(med(lv))
+            warm.append(med(ws))
+    added = med(whole) - med(bare)
+    return {
+        "bare_step_us": round(med(bare) / 1e3, 1),
+        "added_us": round(added / 1e3, 1),
+        "enter_us": round(med(enter) / 1e3, 2),
+        "exit_us": round(med(leave) / 1e3, 2),
+        "instruments_us": round((added - med(enter) - med(leave)) / 1e3, 1),
+        "warm_enter_exit_us": round(med(warm) / 1e3, 2),
     }
 
 
@@ -642,7 +716,7 @@ def alloc_mode(steps: int, heartbeat: bool) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     modes = ("time", "cprofile", "alloc", "wakes", "build", "cycle", "handover", "floor", "callsite",
-             "parts", "neighbour")
+             "parts", "neighbour", "cold")
     ap.add_argument("--mode", choices=modes, default="time")
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--blocks", type=int, default=11)
@@ -681,6 +755,11 @@ def main() -> None:
     elif args.mode == "parts":
         print(json.dumps({"benchmark": "hot_path_parts", "steps": args.steps, "blocks": args.blocks,
                           "loadavg_1m": round(os.getloadavg()[0], 2), **parts_mode(args.steps, args.blocks)}))
+    elif args.mode == "cold":
+        HIDDEN = args.hidden or 640
+        print(json.dumps({"benchmark": "hot_path_cold", "hidden": HIDDEN, "steps": args.steps,
+                          "blocks": args.blocks, "loadavg_1m": round(os.getloadavg()[0], 2),
+                          **cold_mode(args.steps, args.blocks)}))
     elif args.mode == "alloc":
         alloc_mode(args.steps, args.heartbeat)
     elif args.mode == "handover":
