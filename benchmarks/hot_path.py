@@ -48,9 +48,12 @@ JSONL writer (as ``init()`` builds them; no heartbeat unless ``--heartbeat``), a
   the ``with`` statement's calls, and the whole step, in blocks with a tracer (a new one per
   block, built and finished outside the timing) alternating with bare blocks on the *same*
   model and optimizer (two copies of a model differ by their memory placement, ~1% of a step
-  here). Reports medians in µs: the step's added cost, entry, exit, the instruments (the rest:
-  hooks, wrapper, phases) and the same entry plus exit timed warm (an empty step in a tight
-  loop), whose ratio to the cold figure is what the torch step's eviction multiplies.
+  here). Reports medians in µs: the step's added cost (the tracer's marginal cost), entry,
+  exit, the rest (hooks, the backward wrapper, phases) and the same entry plus exit timed warm
+  (an empty step in a tight loop): the ratio of cold to warm is what the torch step's eviction
+  multiplies. Entry and exit timed in place also refill what the torch step evicted (the
+  interpreter's own code and data), which the bare loop pays at its next Python line instead:
+  they are upper bounds of the step boundary's share, and ``rest_us`` a lower bound.
 - ``--mode alloc``: tracemalloc's count of memory blocks still alive per step (records the
   writer and the recent-records buffer keep included), by allocation site.
 
@@ -238,7 +241,7 @@ def cold_mode(steps: int, blocks: int) -> dict[str, Any]:
         "added_us": round(added / 1e3, 1),
         "enter_us": round(med(enter) / 1e3, 2),
         "exit_us": round(med(leave) / 1e3, 2),
-        "instruments_us": round((added - med(enter) - med(leave)) / 1e3, 1),
+        "rest_us": round((added - med(enter) - med(leave)) / 1e3, 1),
         "warm_enter_exit_us": round(med(warm) / 1e3, 2),
     }
 
