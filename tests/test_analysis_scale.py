@@ -497,7 +497,7 @@ def _pw_rows(run: Path, unique: bool | None, monkeypatch: Any) -> list[Any]:
     from stepscope.analysis import own as own_mod
 
     if unique is not None:
-        monkeypatch.setattr(own_mod, "_phase_keys_unique", lambda con: unique)
+        monkeypatch.setattr(own_mod, "phase_keys_unique", lambda con: unique)
     data = analyze_run(run, keep=True)["_data"]
     try:
         return [tuple(r) for r in data.con.execute(
@@ -510,14 +510,14 @@ def _pw_rows(run: Path, unique: bool | None, monkeypatch: Any) -> list[Any]:
 def test_pw_without_group_by_when_phase_paths_are_keys(tmp_path: Path, monkeypatch: Any) -> None:
     # pw groups every phase row by (rank, step, path) only to fold a record that lists a
     # path twice; with none (load's phase_dups), a plain join gives the same table.
-    from stepscope.analysis.own import _phase_keys_unique
+    from stepscope.analysis.load import phase_keys_unique
 
     run = write_run(tmp_path / "run", SynthRun(ranks=4, steps=20, seed=5, comm_child=True,
                                                slow=(Slow(2, "backward", 6.0),)))
     data = analyze_run(run, keep=True)["_data"]
     try:
         assert data.con.execute("SELECT n FROM phase_dups").fetchone()[0] == 0
-        assert _phase_keys_unique(data.con)
+        assert phase_keys_unique(data.con)
     finally:
         data.close()
     plain, grouped = _pw_rows(run, True, monkeypatch), _pw_rows(run, False, monkeypatch)
@@ -536,7 +536,7 @@ def test_pw_without_group_by_when_phase_paths_are_keys(tmp_path: Path, monkeypat
     data = analyze_run(run, keep=True)["_data"]
     try:
         assert data.con.execute("SELECT n FROM phase_dups").fetchone()[0] == 1
-        assert not _phase_keys_unique(data.con)
+        assert not phase_keys_unique(data.con)
         n, keys = data.con.execute(
             "SELECT count(*), count(DISTINCT (rank, step, path)) FROM pw").fetchone()
         assert n == keys == 4 * 20 * 6

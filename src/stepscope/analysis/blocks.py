@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from stepscope.analysis.relations import exists
+
 #: Records (rank, step) per block: about ten times as many phase rows.
 BLOCK_RECORDS = 1_000_000
 #: Every step (a block for tables without ``steps``).
@@ -29,8 +31,7 @@ def _blocks(con: Any, col: str, records: int | None) -> list[tuple[int, int]]:
     cap = BLOCK_RECORDS if records is None else int(records)
     if cap < 1:
         raise ValueError(f"records per block must be >= 1, got {records!r}")
-    if not con.execute("SELECT count(*) FROM information_schema.tables "
-                       "WHERE table_name = 'steps'").fetchone()[0]:
+    if not exists(con, "steps"):
         return [WHOLE]  # tables made by hand (tests): one block, every step
     rows = con.execute(f"SELECT {col}, count(*) FROM steps GROUP BY 1 ORDER BY 1").fetchall()
     return pack(rows, cap) or [WHOLE]
@@ -80,8 +81,7 @@ def host_blocks(con: Any, hosts: dict[str, list[int]],
     cap = BLOCK_RECORDS if records is None else int(records)
     if cap < 1:
         raise ValueError(f"records per block must be >= 1, got {records!r}")
-    if not con.execute("SELECT count(*) FROM information_schema.tables "
-                       "WHERE table_name = 'steps'").fetchone()[0]:
+    if not exists(con, "steps"):
         return [(WHOLE, WHOLE)]
     per_rank = con.execute("SELECT rank, count(*) FROM steps GROUP BY 1 ORDER BY 1").fetchall()
     # Each host's rank interval; overlapping intervals merged (sorted by first rank).

@@ -11,6 +11,7 @@ from typing import Any
 
 from stepscope.analysis.align import Alignment, _timeline_wait
 from stepscope.analysis.blocks import BLOCK_RECORDS, in_block, rank_blocks
+from stepscope.analysis.load import phase_keys_unique
 from stepscope.analysis.pipeline import IS_P2P, build_p2p_waits
 from stepscope.analysis.stats import phase_order
 from stepscope.common.waits import sql_wait_grouped
@@ -52,10 +53,7 @@ def _grad_sync_keyed(con: Any) -> bool:
     parent) (no record lists a path twice: table ``phase_dups`` from analysis/load.py, and
     each such path is its parent's + ``/grad_sync``) and no recorded collective has DDP's op
     and group, so ``call`` need not group those rows."""
-    if not con.execute("SELECT count(*) FROM information_schema.tables "
-                       "WHERE table_name = 'phase_dups'").fetchone()[0]:
-        return False  # tables made by hand: not known
-    if int(con.execute("SELECT n FROM phase_dups").fetchone()[0]) != 0:
+    if not phase_keys_unique(con):
         return False
     # A path is a key; it names its parent only where it is the parent's path + the name (a
     # record's own path may be another: two such paths could share a parent).

@@ -41,6 +41,7 @@ import numpy as np
 from stepscope.analysis import blocks
 from stepscope.analysis.blocks import in_block
 from stepscope.analysis.load import MAX_MS, MAX_START_NS
+from stepscope.analysis.relations import exists, has_column
 from stepscope.analysis.resources import TIMED_FILTER
 
 #: Loss categories, in report order.
@@ -85,8 +86,7 @@ def _light_rows(con: Any, run_dir: Path) -> _Plan | None:
 
     from stepscope.analysis.load import MAX_LINE_BYTES, drop_long_lines, rank_files
 
-    if con.execute("SELECT count(*) FROM information_schema.tables "
-                   "WHERE table_name = 'light'").fetchone()[0]:
+    if exists(con, "light"):
         return _rows(con, "light")  # kept by load_run from the lines it read
     if not run_dir.is_dir():
         return None  # a Parquet store elsewhere (a glob, a URL): no rank files to re-read
@@ -175,14 +175,10 @@ def _split_sql(con: Any, extra: str = "", ranks: tuple[int, int] = blocks.WHOLE)
 
 def _splitter(con: Any) -> Callable[[str, tuple[int, int]], str]:
     """:func:`_split_sql` for the tables there are now (looked up once, not per block)."""
-    has_cw = bool(con.execute(
-        "SELECT count(*) FROM information_schema.tables WHERE table_name = 'cw'").fetchone()[0])
-    has_wait = bool(con.execute(
-        "SELECT count(*) FROM information_schema.tables WHERE table_name = 'wait'").fetchone()[0])
+    has_cw = exists(con, "cw")
+    has_wait = exists(con, "wait")
     # The waits' table took the same per-(rank, step) sum over cw (collwaits.build_waits).
-    wait_comm = has_wait and bool(con.execute(
-        "SELECT count(*) FROM information_schema.columns WHERE table_name = 'wait' "
-        "AND column_name = 'comm_ms'").fetchone()[0])
+    wait_comm = has_wait and has_column(con, "wait", "comm_ms")
 
     def split(extra: str, ranks: tuple[int, int]) -> str:
         # Each part filtered to the block's ranks: its scan skips other ranks' row groups

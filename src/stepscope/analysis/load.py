@@ -31,7 +31,7 @@ from typing import Any
 
 from stepscope.analysis import blocks
 from stepscope.analysis.blocks import in_block, rank_blocks, step_blocks
-from stepscope.analysis.relations import drop
+from stepscope.analysis.relations import drop, exists
 from stepscope.analysis.resources import RESOURCE_COLUMNS, TIMED_FILTER, create_resource_table
 from stepscope.errors import AnalysisError
 from stepscope.records import READABLE_SCHEMAS, SQLITE_TABLE, row_to_record
@@ -791,6 +791,14 @@ def _build(con: Any, root: Path, skipped: list[str], torn: set[str] | None,
         records=int(n_steps),
         skipped=skipped,
     )
+
+
+def phase_keys_unique(con: Any) -> bool:
+    """Whether no record lists a phase path twice (table ``phase_dups``, made by the load);
+    tables made by hand have none: not known, so no."""
+    if not exists(con, "phase_dups"):
+        return False
+    return int(con.execute("SELECT n FROM phase_dups").fetchone()[0]) == 0
 
 
 def _fmt_ranks(ranks: list[int], total: int | None = None) -> str:

@@ -29,7 +29,8 @@ import numpy as np
 
 from stepscope.analysis import grouped
 from stepscope.analysis.blocks import in_block, rank_blocks
-from stepscope.analysis.relations import drop
+from stepscope.analysis.load import phase_keys_unique
+from stepscope.analysis.relations import drop, exists
 from stepscope.analysis.stats import H2D_HIDDEN, PHASE_SUMS, RESIDUAL
 
 
@@ -96,7 +97,7 @@ def pw_select(con: Any, keys: str = "TRUE", paths: str | None = None, top: bool 
                   WHERE {keys} AND {cp} AND {top_p}) p
               LEFT JOIN (SELECT rank, step, anc, wait, n, ms FROM cin WHERE {keys} AND {cc}) c
                 ON c.rank = p.rank AND c.step = p.step AND c.anc = p.path"""
-    if _phase_keys_unique(con):
+    if phase_keys_unique(con):
         # (rank, step, path) is a key of phases and cin: a group-by would group single
         # rows, so a plain join gives the same rows and values.
         return f"""SELECT p.rank, p.step, p.path, p.parent, p.ms,
@@ -111,20 +112,6 @@ def pw_select(con: Any, keys: str = "TRUE", paths: str | None = None, top: bool 
                       CAST(coalesce(sum(c.ms), 0.0) AS DOUBLE) AS coll_ms
                {src}
                GROUP BY 1, 2, 3"""
-
-
-def _has_table(con: Any, name: str) -> bool:
-    return bool(con.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = ?",
-                            [name]).fetchone()[0])
-
-
-def _phase_keys_unique(con: Any) -> bool:
-    """Whether no record lists a phase path twice (table ``phase_dups`` from analysis/load.py;
-    tables made by hand have none: not known, so no)."""
-    if not con.execute("SELECT count(*) FROM information_schema.tables "
-                       "WHERE table_name = 'phase_dups'").fetchone()[0]:
-        return False
-    return int(con.execute("SELECT n FROM phase_dups").fetchone()[0]) == 0
 
 
 @dataclass
@@ -323,7 +310,7 @@ def _own_dense(con: Any) -> OwnColumns | None:
         if RESIDUAL in names:
             return None  # a user phase named residual shares the residual's cells
         names = sorted([*names, RESIDUAL])
-    unique = _phase_keys_unique(con)
+    unique = phase_keys_unique(con)
     n_top = int(con.execute(  # pw has phases' rows when (rank, step, path) is their key
         "SELECT count(*) FROM phases WHERE parent IS NULL" if unique
         else f"SELECT count(*) FROM ({pw_select(con, top=True)})").fetchone()[0])
@@ -586,14 +573,14 @@ def phase_waits(con: Any, phases: dict[str, Any]) -> None:
     # A path that no collective lies inside has wait and coll_ms 0 on every row: its row is
     # phases' own sums, all such paths in one statement, with no join and no median. Only
     # where (rank, step, path) is phases' key: else pw folds repeated paths (any_value).
-    unique = _phase_keys_unique(con)
+    unique = phase_keys_unique(con)
     inside = [str(a) for (a,) in con.execute("SELECT DISTINCT anc FROM cin ORDER BY 1").fetchall()]
     paths = [str(p) for (p,) in con.execute("SELECT DISTINCT path FROM phases ORDER BY 1").fetchall()]
     plain = ("""SELECT path, {rank}, CAST(0.0 AS DOUBLE), sum(ms), bool_and(parent IS NULL),
                        sum(greatest(ms, 0.0))
                 FROM phases WHERE {keys} AND NOT list_contains($inside::VARCHAR[], path)
                 GROUP BY {by}""")
-    if _has_table(con, PHASE_SUMS) and not {RESIDUAL, H2D_HIDDEN} & set(paths):
+    if exists(con, PHASE_SUMS) and not {RESIDUAL, H2D_HIDDEN} & set(paths):
         # The same sums, from phase_stats' scans of the same rows (stats.PHASE_SUMS).
         plain = (f"""SELECT name, {{rank}}, CAST(0.0 AS DOUBLE), ms, top, pos FROM {PHASE_SUMS}
                      WHERE {{keys}} AND rank IS {{null}} NULL
@@ -603,7 +590,7 @@ def phase_waits(con: Any, phases: dict[str, Any]) -> None:
     # group, and every path at once (10^8 values) ran out of memory at a 1 GB limit. A path
     # whose median build_own took (WAIT_MEDIANS) has its sums from its per-rank rows below.
     known = (dict(con.execute(f"SELECT path, median FROM {WAIT_MEDIANS}").fetchall())
-             if unique and _has_table(con, WAIT_MEDIANS) else {})
+             if unique and exists(con, WAIT_MEDIANS) else {})
     rows: list[Any] = []
     for path in paths:
         if unique and path not in inside:

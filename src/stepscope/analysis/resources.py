@@ -25,6 +25,7 @@ from typing import Any
 
 from stepscope.analysis import cost
 from stepscope.analysis.blocks import WHOLE, in_block, rank_blocks
+from stepscope.analysis.relations import exists
 from stepscope.common.robust import median, robust_sigma
 
 #: Extra columns for the loader's ``read_json`` (JSON: a bad value nulls one field, not the row;
@@ -109,9 +110,7 @@ def _sig(x: Any, digits: int = 4) -> float | None:
 
 def analyze_resources(con: Any) -> dict[str, Any]:
     """``{"throughput": ..., "memory": ..., "device": ...}`` for the report's ``run`` section."""
-    if not con.execute(
-        "SELECT count(*) FROM information_schema.tables WHERE table_name = 'res'"
-    ).fetchone()[0]:
+    if not exists(con, "res"):
         return {"throughput": _empty_throughput(), "memory": _empty_memory(), "device": None}
     # One scan for which columns hold any value: a run without a section (the common case,
     # and 10^7 records at 10^8 samples) reads none of its columns again.

@@ -15,6 +15,7 @@ import numpy as np
 
 from stepscope.analysis import grouped
 from stepscope.analysis.own import DenseOwn, OwnColumns, median_of_others
+from stepscope.analysis.relations import has_column
 from stepscope.common import robust
 
 #: Flag threshold: SIGMAS robust sigmas of the rank's own step-to-step variation, floored so
@@ -83,9 +84,7 @@ def _dense_series(d: DenseOwn, names: list[str], steps: list[int]) -> Series:
 
 def runq_by_step(con: Any) -> dict[int, dict[int, float]]:
     """``{rank: {step: run-queue wait ms}}`` from ``res.runq_ms``; empty when not recorded."""
-    has = con.execute(
-        """SELECT count(*) FROM information_schema.columns
-           WHERE table_name = 'res' AND column_name = 'runq_ms'""").fetchone()[0]
+    has = has_column(con, "res", "runq_ms")
     out: dict[int, dict[int, float]] = {}
     if not has:
         return out
@@ -203,9 +202,7 @@ def runq_extra(con: Any) -> dict[int, dict[int, float]]:
     """Each rank's run-queue wait per step (``res.runq_ms``) minus the other ranks' median at
     that step: ``{rank: {step: ms}}``; empty when the runs carry none (a GPU run, records
     from before :mod:`stepscope.instrument.sched`)."""
-    has = con.execute(
-        """SELECT count(*) FROM information_schema.columns
-           WHERE table_name = 'res' AND column_name = 'runq_ms'""").fetchone()[0]
+    has = has_column(con, "res", "runq_ms")
     if not has:
         return {}
     got = con.execute(
