@@ -129,6 +129,11 @@ def primitive_costs(n: int = 20000) -> dict[str, float]:
     return {"phase_open_close_us": phase_ns / 1e3, "step_enter_exit_us": step_ns / 1e3}
 
 
+#: Untimed bare steps before each repetition's timed pair (see ``_serve``); ten times as many
+#: for the tiny model of ``--per-instrument``.
+WARM_STEPS = 5
+
+
 def per_instrument(reps: int = 7, steps: int = 1500) -> dict[str, float]:
     """µs per step each automatic instrument adds on a tiny model (minimum over reps).
 
@@ -166,6 +171,10 @@ def per_instrument_rep(steps: int) -> Any:
         return (t1 - t0) / steps / 1e3, (c1 - c0) / steps / 1e3, (p1 - p0) / steps / 1e3
 
     def one_rep() -> dict[str, tuple[float, float, float]]:
+        for _ in range(WARM_STEPS * 10):  # untimed: see _serve
+            model(x.to(torch.float32)).sum().backward()
+            opt.step()
+            opt.zero_grad()
         got = {"bare": loop(None)}
         for name, auto in PER_INSTRUMENT_VARIANTS.items():
             tracer = Tracer(Config(out_dir="unused", auto=auto), model=model, optimizer=opt,
@@ -195,10 +204,6 @@ def per_instrument_summary(reps: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ --baseline-src
-
-
-#: Untimed bare steps before each repetition's timed pair (see ``_serve``).
-WARM_STEPS = 5
 
 
 def _serve(args: argparse.Namespace) -> None:
