@@ -46,14 +46,17 @@ JSONL writer (as ``init()`` builds them; no heartbeat unless ``--heartbeat``), a
 - ``--mode cold``: where the tracer's cost goes on a step long enough to evict its caches
   (``--hidden``, default 640 here): the step boundary's entry and exit timed directly around
   the ``with`` statement's calls, and the whole step, in blocks with a tracer (a new one per
-  block, built and finished outside the timing) alternating with bare blocks on the *same*
+  block, built and finished outside the timing) in turn with bare blocks on the *same*
   model and optimizer (two copies of a model differ by their memory placement, ~1% of a step
   here). Reports medians in µs: the step's added cost (the tracer's marginal cost), entry,
   exit, the rest (hooks, the backward wrapper, phases) and the same entry plus exit timed warm
   (an empty step in a tight loop): the ratio of cold to warm is what the torch step's eviction
   multiplies. Entry and exit timed in place also refill what the torch step evicted (the
   interpreter's own code and data), which the bare loop pays at its next Python line instead:
-  they are upper bounds of the step boundary's share, and ``rest_us`` a lower bound.
+  they are upper bounds of the step boundary's share, and ``rest_us`` a lower bound. A third
+  kind of block, ``minimal_added_us``, runs a tracer that only appends a tag and a clock
+  read at the same hook points (and reads the run queue at the step end): the floor of any
+  design that times these phases through these hooks.
 - ``--mode alloc``: tracemalloc's count of memory blocks still alive per step (records the
   writer and the recent-records buffer keep included), by allocation site.
 
@@ -181,6 +184,64 @@ def time_mode(steps: int, blocks: int, heartbeat: bool) -> dict[str, float]:
     }
 
 
+class _MinimalTracer:
+    """The floor of a hook-based tracer, for ``--mode cold``: the same hook points as
+    stepscope's (module forward pre/post, a ``torch.autograd.backward`` wrapper, optimizer
+    pre/post) and the run-queue ``pread`` at the step end, each appending a tag and a
+    ``perf_counter_ns`` to one list. No phase stack, no thread check, no record: what any
+    design that times these phases through these hooks pays at least."""
+
+    def __init__(self, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+        import torch.autograd as autograd
+
+        log: list[Any] = []
+        self.log = log
+        self.on = False
+        self.fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+        pc = time.perf_counter_ns
+        real = self.real = autograd.backward
+        me = self
+
+        def mark(tag: int) -> Any:
+            def hook(*args: Any) -> None:
+                if me.on:
+                    log.append((tag, pc()))
+            return hook
+
+        def backward(*args: Any, **kwargs: Any) -> Any:
+            if not me.on:
+                return real(*args, **kwargs)
+            log.append((3, pc()))
+            try:
+                return real(*args, **kwargs)
+            finally:
+                log.append((4, pc()))
+
+        self.handles = [model.register_forward_pre_hook(mark(1), prepend=True),
+                        model.register_forward_hook(mark(2)),
+                        opt.register_step_pre_hook(mark(5)), opt.register_step_post_hook(mark(6))]
+        autograd.backward = backward  # type: ignore[assignment]
+
+    def __enter__(self) -> None:
+        self.on = True
+        self.log.append((0, time.perf_counter_ns()))
+
+    def __exit__(self, *exc: Any) -> None:
+        self.on = False
+        t = time.perf_counter_ns()
+        self.log.append((7, t, int(os.pread(self.fd, 64, 0).split()[1])))
+        if len(self.log) > 100_000:
+            self.log.clear()
+
+    def remove(self) -> None:
+        import torch.autograd as autograd
+
+        for h in self.handles:
+            h.remove()
+        autograd.backward = self.real  # type: ignore[assignment]
+        os.close(self.fd)
+
+
 def cold_mode(steps: int, blocks: int) -> dict[str, Any]:
     from stepscope.sinks import MemorySink
 
@@ -189,14 +250,16 @@ def cold_mode(steps: int, blocks: int) -> dict[str, Any]:
         _step(model, opt, x)
     pc = time.perf_counter_ns
     bare: list[float] = []
+    floor: list[float] = []
     whole: list[float] = []
     enter: list[float] = []
     leave: list[float] = []
     warm: list[float] = []
     med = statistics.median
+    kinds = ["bare", "minimal", "stepscope"]
     for b in range(blocks):
-        for on in ((True, False) if b % 2 else (False, True)):
-            if not on:
+        for kind in kinds[b % 3:] + kinds[:b % 3]:  # each kind first, second, third in turn
+            if kind == "bare":
                 for _ in range(3):
                     _step(model, opt, x)
                 got = []
@@ -205,6 +268,20 @@ def cold_mode(steps: int, blocks: int) -> dict[str, Any]:
                     _step(model, opt, x)
                     got.append(pc() - t0)
                 bare.append(med(got))
+                continue
+            if kind == "minimal":
+                mt = _MinimalTracer(model, opt)
+                for _ in range(3):
+                    with mt:
+                        _step(model, opt, x)
+                got = []
+                for _ in range(steps):
+                    t0 = pc()
+                    with mt:
+                        _step(model, opt, x)
+                    got.append(pc() - t0)
+                mt.remove()
+                floor.append(med(got))
                 continue
             tracer = Tracer(Config(out_dir="unused", max_pending_steps=1 << 20), model=model,
                             optimizer=opt, clock=CpuClock(), sink=MemorySink())
@@ -239,6 +316,7 @@ def cold_mode(steps: int, blocks: int) -> dict[str, Any]:
     return {
         "bare_step_us": round(med(bare) / 1e3, 1),
         "added_us": round(added / 1e3, 1),
+        "minimal_added_us": round((med(floor) - med(bare)) / 1e3, 1),
         "enter_us": round(med(enter) / 1e3, 2),
         "exit_us": round(med(leave) / 1e3, 2),
         "rest_us": round((added - med(enter) - med(leave)) / 1e3, 1),
