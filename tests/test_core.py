@@ -281,6 +281,32 @@ def test_compiled_optimizer_step_is_not_broken_by_the_hooks(mem_tracer):
     assert tr.enabled and len(tr.sink.records) == 3
 
 
+def test_hooks_of_a_module_dynamo_traces_trace_to_nothing(mem_tracer):
+    """The forward hooks and the Tensor.to patch ask dynamo's is-compiling flag first: traced
+    inside a compiled caller, they fold to nothing (one graph, no break, no span from inside
+    the graph), and the same hooks time the module again when it runs eagerly."""
+    import torch._dynamo as dynamo
+
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tr = mem_tracer(model=model, optimizer=opt, flush_every_n_steps=1)
+    outer = torch.nn.Sequential(model)  # the compiled caller; the hooked module is inside it
+
+    def f(x):
+        return outer(x.to(torch.float32)).sum()
+
+    x = torch.randn(4, 8)
+    with tr.step():
+        got = dynamo.explain(f)(x)
+    with tr.step():
+        model(x).sum().backward()
+    tr.finish()
+    assert (got.graph_count, got.graph_break_count) == (1, 0)
+    first, second = ([p["name"] for p in r["phases"]] for r in tr.sink.records)
+    assert first == []
+    assert "forward" in second and "backward" in second
+
+
 def test_backward_is_timed_again_after_a_backward_that_raised(mem_tracer):
     """Catch-OOM-and-skip: the open backward token used to block every later backward."""
     model = MLP()

@@ -42,7 +42,7 @@ _tls = _ThreadState()
 _orig_to = torch.Tensor.to
 _orig_cuda = torch.Tensor.cuda
 _parse_to = torch._C._nn._parse_to
-_is_compiling = torch.compiler.is_compiling
+_is_compiling = torch.compiler.is_dynamo_compiling  # why not is_compiling: see hooks.py
 
 
 def set_step_tracer(tracer: Tracer | None) -> None:

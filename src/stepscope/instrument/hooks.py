@@ -46,7 +46,12 @@ from stepscope.instrument import gate, unwrap
 if TYPE_CHECKING:
     from stepscope.tracer import Tracer
 
-_is_compiling = torch.compiler.is_compiling
+#: Dynamo folds this to a constant True while it traces (as it does ``is_compiling``), and in
+#: eager code it is one Python call where ``is_compiling`` is two (it asks
+#: ``torch.jit.is_scripting`` first): five calls a step here, each made with the caches cold
+#: after a long torch op. Dynamo is what traces module and optimizer hooks; a non-strict
+#: ``torch.export`` runs them eagerly, where the gate (closed outside a step) decides.
+_is_compiling = torch.compiler.is_dynamo_compiling
 
 
 def _distributed() -> bool:
@@ -85,7 +90,7 @@ class _ModelHooks:
         # grad_sync times DDP's (or FSDP's) gradient sync: without one, no such phase.
         self._ddp = unwrap.uses_ddp(model)
 
-    # When dynamo traces a compiled module's hooks, is_compiling() is a constant True, so the
+    # When dynamo traces a compiled module's hooks, _is_compiling() is a constant True, so the
     # hooks trace to nothing: no graph break, and the compiled wrapper's own hooks (called
     # eagerly) do the timing. Cheaper than torch.compiler.disable wrappers on every call.
     # The gate (a thread-local) is raised only on the thread that owns the open sampled
