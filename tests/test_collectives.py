@@ -537,3 +537,50 @@ def test_async_work_waited_twice_or_after_the_step_does_not_break(world1, mem_tr
     first, second = tr.sink.records
     assert [(c["op"], c["count"]) for c in first["collectives"]] == [("all_reduce", 1)]
     assert [(c["op"], c["count"], c["seq_first"]) for c in second["collectives"]] == [("all_reduce", 1, 1)]
+
+
+def test_untimed_groups_ask_torch_once_a_second_until_a_group_exists_then_see_it(
+    mem_tracer, monkeypatch
+):
+    """A single-process run asks ``is_initialized`` once per ``DIST_CHECK_S``, not at every
+    step end; a group made after the tracer started is still looked at, and a collective
+    issued on it from C++'s side is counted as untimed."""
+    import sys
+
+    from stepscope.instrument import untimed
+
+    clock = [1000.0]
+    monkeypatch.setattr(untimed, "_monotonic", lambda: clock[0])
+    asked: list[int] = []
+    real = dist.is_initialized
+
+    def spy() -> bool:
+        if sys._getframe(1).f_code is untimed.UntimedGroups.on_step_end.__code__:
+            asked.append(1)
+        return real()
+
+    monkeypatch.setattr(torch.distributed, "is_initialized", spy)
+    tr = mem_tracer(auto=False, flush_every_n_steps=1)
+    for _ in range(50):
+        with tr.step():
+            pass
+    assert len(asked) == 1
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        pg = dist.distributed_c10d._get_default_group()
+        with tr.step():
+            pass  # within the second: not asked again yet
+        assert len(asked) == 1
+        clock[0] += untimed.DIST_CHECK_S
+        with tr.step():
+            pass  # asks, finds the group: its first look sets the baseline
+        with tr.step():
+            pg.allreduce([torch.ones(2)]).wait()  # the ProcessGroup's own method: not timed
+        for _ in range(3):
+            with tr.step():
+                pass
+        tr.finish()
+    finally:
+        dist.destroy_process_group()
+    assert len(asked) == 2  # once a group was seen, never again
+    assert sum(r.get("counters", {}).get("unseen_untimed", 0) for r in tr.sink.records) == 1

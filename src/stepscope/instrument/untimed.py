@@ -16,11 +16,22 @@ buffer broadcast beside its C++ bucket all-reduce), nor is a backend without seq
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
 
 from stepscope.instrument import collectives as col
+
+#: While there is no default process group, how often a step end asks torch whether there
+#: is one now (seconds). Asking is three Python calls (``is_initialized`` and two properties),
+#: made at every step end of every single-process run with the caches cold after the step's
+#: torch work; a group made later is seen within this long, and its first look only sets the
+#: baseline. Once there is one, the step ends look at the groups directly (none after
+#: ``destroy_process_group``).
+DIST_CHECK_S = 1.0
+
+_monotonic = time.monotonic
 
 
 class UntimedGroups:
@@ -30,6 +41,8 @@ class UntimedGroups:
         # ProcessGroup → (its sequence number, stepscope's timed-call count) at the last look.
         self._last: dict[Any, tuple[int, int]] = {}
         self._off = False
+        self._dist = False  # a default process group was seen
+        self._next_ask = 0.0  # monotonic time of the next is_initialized() while not _dist
 
     def _groups(self) -> list[Any]:
         world = getattr(torch.distributed.distributed_c10d, "_world", None)
@@ -59,8 +72,16 @@ class UntimedGroups:
         return n
 
     def on_step_end(self, session: Any, index: int) -> None:
-        if self._off or not torch.distributed.is_initialized():
+        if self._off:
             return
+        if not self._dist:
+            now = _monotonic()
+            if now < self._next_ask:
+                return
+            self._next_ask = now + DIST_CHECK_S
+            if not torch.distributed.is_initialized():
+                return
+            self._dist = True
         try:
             if not session.config.samples(index):
                 # An unsampled step times nothing: start the next window at its end.
