@@ -809,8 +809,9 @@ def main() -> None:
     ap.add_argument("--every-n-steps", type=int, default=1,
                     help="record one step in N (time, cprofile, floor modes): what unsampled steps cost")
     ap.add_argument("--hidden", type=int, default=0,
-                    help="time mode: an MLP of this width, batch 64, instead of the tiny model "
-                         "(640: the issue's ~4 ms CPU step; use fewer --steps)")
+                    help="time and cold modes: an MLP of this width, batch 64, instead of the tiny "
+                         "model (640: the issue's ~4 ms CPU step; use fewer --steps); cold mode's "
+                         "default is 640")
     args = ap.parse_args()
     global EVERY_N_STEPS, HIDDEN
     EVERY_N_STEPS = args.every_n_steps

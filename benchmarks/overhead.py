@@ -153,9 +153,9 @@ def per_instrument_rep(steps: int) -> Any:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(2, 8)
 
-    def loop(tracer: Tracer | None) -> tuple[float, float, float]:
+    def loop(tracer: Tracer | None, n: int = steps) -> tuple[float, float, float]:
         t0, c0, p0 = time.perf_counter_ns(), time.thread_time_ns(), time.process_time_ns()
-        for _ in range(steps):
+        for _ in range(n):
             if tracer is None:
                 y = x.to(torch.float32)
                 model(y).sum().backward()
@@ -168,13 +168,10 @@ def per_instrument_rep(steps: int) -> Any:
                     opt.step()
                     opt.zero_grad()
         t1, c1, p1 = time.perf_counter_ns(), time.thread_time_ns(), time.process_time_ns()
-        return (t1 - t0) / steps / 1e3, (c1 - c0) / steps / 1e3, (p1 - p0) / steps / 1e3
+        return (t1 - t0) / n / 1e3, (c1 - c0) / n / 1e3, (p1 - p0) / n / 1e3
 
     def one_rep() -> dict[str, tuple[float, float, float]]:
-        for _ in range(WARM_STEPS * 10):  # untimed: see _serve
-            model(x.to(torch.float32)).sum().backward()
-            opt.step()
-            opt.zero_grad()
+        loop(None, WARM_STEPS * 10)  # untimed warm-up: see _serve
         got = {"bare": loop(None)}
         for name, auto in PER_INSTRUMENT_VARIANTS.items():
             tracer = Tracer(Config(out_dir="unused", auto=auto), model=model, optimizer=opt,
