@@ -302,6 +302,48 @@ def test_a_background_threads_phase_does_not_swallow_the_step(mem_tracer):
     assert not any(p.startswith("log_upload/") for p in paths), paths
 
 
+def test_sampled_owner_names_the_thread_of_an_open_sampled_step_and_nothing_else(mem_tracer):
+    """The per-step hooks compare ``sampled_owner`` with the calling thread before anything
+    else: it must be the owner's ident inside a sampled step only (not between steps, not on
+    an unsampled step, not after timing was switched off), else a hook would time a forward
+    the gate would have refused."""
+    model = torch.nn.Linear(4, 1)
+    tr = mem_tracer(model=model, every_n_steps=2)
+    me = threading.get_ident()
+    seen = []
+    for _ in range(4):
+        with tr.step():
+            seen.append(tr.sampled_owner)
+            model(torch.randn(2, 4))
+        assert tr.sampled_owner == 0
+    assert seen == [me, 0, me, 0]
+    assert tr.settle()
+    recs = tr.recent_records()
+    assert [r["step"] for r in recs] == [0, 2]
+    assert [p["calls"] for r in recs for p in r["phases"] if p["name"] == "forward"] == [1, 1]
+    with pytest.warns(StepscopeWarning, match="switched off"), tr.step():
+        tr.fail(RuntimeError("switched off"))
+        assert tr.sampled_owner == 0
+        model(torch.randn(2, 4))  # a hook after the switch-off times nothing, raises nothing
+    tr.finish()
+
+
+def test_the_heartbeat_reads_when_the_open_phase_started_from_a_host_mark(mem_tracer):
+    """On the host clock a span keeps no wall time of its own (one clock read fewer a phase):
+    ``state()`` derives it from the span's ``perf_counter_ns`` mark."""
+    tr = mem_tracer(auto=False)
+    with tr.step():
+        before = time.time()
+        with tr.phase("load"):
+            after = time.time()
+            time.sleep(0.05)
+            st = tr.state()
+            assert st["phase_stack"] == ["load"]
+            assert tr.owner_stack()[0].wall is None
+            assert before - 0.005 <= st["phase_started"] <= after + 0.005
+    tr.finish()
+
+
 def test_a_decorated_phase_entered_by_two_threads_closes_each_threads_own(mem_tracer):
     tr = mem_tracer(auto=False, flush_every_n_steps=1)
     a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()

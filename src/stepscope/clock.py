@@ -34,7 +34,8 @@ class Clock(Protocol):
     device: str
     #: False when marks hold nothing to give back (``release`` is a no-op) and all compare.
     pooled: bool
-    #: True when reading a time is plain arithmetic (no device call): any thread may do it.
+    #: True when a mark is a ``time.perf_counter_ns()`` value: reading a time is plain
+    #: arithmetic (no device call), any thread may do it.
     host_readable: bool
 
     def mark(self) -> Any: ...

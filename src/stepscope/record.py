@@ -20,7 +20,9 @@ class Span:
 
     __slots__ = ("end", "host_end", "host_start", "name", "parent", "path", "stack", "start", "wall")
 
-    def __init__(self, name: str, parent: str | None, start: Any, host: bool) -> None:
+    def __init__(
+        self, name: str, parent: str | None, start: Any, host: bool, wall: float | None = None
+    ) -> None:
         self.name = name
         self.parent = parent
         self.path = name if parent is None else f"{parent}/{name}"
@@ -28,11 +30,12 @@ class Span:
         self.end: Any = None
         self.host_start: int | None = time.perf_counter_ns() if host else None
         self.host_end: int | None = None
-        self.wall = _wall()  # for observers (heartbeat): when this phase opened
+        #: For observers (the heartbeat): ``time.time()`` when this phase opened, where the
+        #: clock's marks do not say it (``None`` when ``start`` is a ``perf_counter_ns`` value).
+        self.wall = wall
         self.stack: list[Span] | None = None  # the phase stack it was opened on
 
 
-_wall = time.time
 #: A step's ``timed`` until it is resolved (shared, never mutated: ``_time`` replaces it).
 _NOT_TIMED: list[tuple[Span, float, float]] = []
 

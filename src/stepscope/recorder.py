@@ -3,7 +3,9 @@
 This is what instruments talk to (the recorder protocol): ``open_phase`` / ``close_phase`` /
 ``discard_phase`` / ``drop_unconsumed``, ``add_side_span``, ``add_counter``,
 ``add_collective``, ``current_path``, ``in_step``, ``recording``, ``set_step_fields``, and
-``enter_autograd`` / ``leave_autograd_threads`` for the gate and the backward timing. It
+``enter_autograd`` / ``leave_autograd_threads`` for the gate and the backward timing, and
+``sampled_owner`` (the thread of the open sampled step, which the per-step hooks compare
+with their own before asking the gate). It
 imports no instrument and no observer; finished steps go to the :class:`~stepscope.resolver.Resolver`.
 
 Ownership, each the fix for a defect seen on GPUs:
@@ -24,7 +26,11 @@ Ownership, each the fix for a defect seen on GPUs:
   theirs. Any other phase opened outside a step is not timed (warned once): evaluation or
   logging between steps is not charged to the next step.
 
-The hot path takes clock marks and appends small objects to lists; no I/O, no GPU sync.
+The hot path takes clock marks and appends small objects to lists; no I/O, no GPU sync. On a
+step long enough to evict the caches, its cost is the memory it touches more than the calls
+it makes: a phase opened by the owner of the sampled step goes straight to the owner's stack
+(no gate, no thread table), and a span on the host clock reads no wall clock (its mark is a
+``perf_counter_ns`` value, from which :meth:`Recorder.span_wall` derives it).
 """
 
 from __future__ import annotations
@@ -60,11 +66,18 @@ class Recorder:
         self._stacks: dict[int, list[Span]] = {}  # thread -> its open phases
         self._adopted: dict[int, int] = {}  # autograd thread -> owner, during its backward
         self._owner: int | None = None  # thread that opened the current step
+        #: The thread that owns the open *sampled* step, 0 when none (or timing is off): what
+        #: the per-step hooks compare ``threading.get_ident()`` with before anything else.
+        #: Read by any thread; written by the owner at step open and close only.
+        self.sampled_owner = 0
+        self._owner_stack: list[Span] = []  # the owner's phase stack while it is sampled_owner
         self._train_thread = _get_ident()  # the last owner (before any step: the creator)
         self._ignored = threading.local()  # per thread: step() entries not timed
         self._refused = 0  # such entries open on any thread (a cheap check before the thread-local)
         self._in_step = False
         self._warned: set[str] = set()
+        #: Marks are ``perf_counter_ns`` values: a span's wall-clock start follows from its mark.
+        self._host_marks = bool(getattr(clock, "host_readable", False))
 
     # ------------------------------------------------------------------ state
 
@@ -109,6 +122,12 @@ class Recorder:
         stack = self._stacks.get(self._train_thread if owner is None else owner)
         return [sp for sp in list(stack or ()) if sp.end is None]
 
+    def span_wall(self, span: Span) -> float:
+        """``time.time()`` when ``span`` opened (any thread)."""
+        if span.wall is not None:
+            return span.wall
+        return time.time() - (time.perf_counter_ns() - int(span.start)) / 1e9
+
     def current_path(self) -> str | None:
         """Path of this thread's innermost open phase (``forward/h2d``); None outside any."""
         stack = self._stack_here()
@@ -123,47 +142,56 @@ class Recorder:
         back to the span's start; while it is open the in-step gate is raised on this thread,
         so collectives inside a batch fetch are seen. Other phases between steps are not timed.
         """
-        if not self.enabled:
-            return None
+        step: Step
         try:
-            # This thread's stack (as _stack_here, inlined: three phases a step come here).
-            tid = _get_ident()
-            if self._adopted:
-                tid = self._adopted.get(tid, tid)
-            stack = self._stacks.get(tid)
-            if stack is None:
-                stack = self._stacks[tid] = []
-            if self._in_step:
-                cur = self._cur
-                if cur is None:
-                    return None
-                if self._refused and getattr(self._ignored, "n", 0) and _get_ident() != self._owner:
-                    return None  # inside a step() refused to this (second) thread
-                span = Span(name, stack[-1].path if stack else None, self.clock.mark(), host)
-                cur.spans.append(span)
+            if _get_ident() == self.sampled_owner:
+                # The usual case: the owner of the open sampled step (its stack, its step).
+                stack, step, pre = self._owner_stack, self._cur, False  # type: ignore[assignment]
             else:
-                if name not in PRE_STEP_PHASES and not stack:
-                    self.warn(
-                        f"phase({name!r}) opened outside a step is not timed: only the waits that "
-                        f"feed a step ({', '.join(sorted(PRE_STEP_PHASES))}) belong to the next one",
-                        key="pre-step",
-                    )
+                target = self._open_target(name)
+                if target is None:
                     return None
-                nxt = self._next_step()
-                if nxt is None:
-                    return None
-                span = Span(name, stack[-1].path if stack else None, self.clock.mark(), host)
-                if nxt.start is None:
-                    nxt.start = span.start
-                    nxt.start_unix_ns = time.time_ns()
-                nxt.spans.append(span)
+                stack, step, pre = target
+            span = Span(name, stack[-1].path if stack else None, self.clock.mark(), host,
+                        None if self._host_marks else time.time())
+            if pre:
+                if step.start is None:
+                    step.start = span.start
+                    step.start_unix_ns = time.time_ns()
                 gate.set_current(self)
+            step.spans.append(span)
             span.stack = stack
             stack.append(span)
             return span
         except Exception as exc:  # protect the job: timing errors disable timing only
             self.fail(exc)
             return None
+
+    def _open_target(self, name: str) -> tuple[list[Span], Step, bool] | None:
+        """Where a phase opened off the owner's sampled step goes: this thread's stack, the
+        step (the open one, or the next one for a pre-step phase: ``True``), or ``None``
+        (not timed)."""
+        if not self.enabled:
+            return None
+        stack = self._stack_here()
+        if self._in_step:
+            cur = self._cur
+            if cur is None:
+                return None
+            if self._refused and getattr(self._ignored, "n", 0) and _get_ident() != self._owner:
+                return None  # inside a step() refused to this (second) thread
+            return stack, cur, False
+        if name not in PRE_STEP_PHASES and not stack:
+            self.warn(
+                f"phase({name!r}) opened outside a step is not timed: only the waits that "
+                f"feed a step ({', '.join(sorted(PRE_STEP_PHASES))}) belong to the next one",
+                key="pre-step",
+            )
+            return None
+        nxt = self._next_step()
+        if nxt is None:
+            return None
+        return stack, nxt, True
 
     def close_phase(self, token: Span | None) -> None:
         if token is None or token.end is not None or not self.enabled:
@@ -344,15 +372,20 @@ class Recorder:
             step.start = self.clock.mark()
             step.start_unix_ns = time.time_ns() if wall_ns is None else wall_ns
         stack = self._stacks.get(tid)
-        if stack:  # pre-step spans still open (none normally) stay on the stack
+        if stack is None:
+            stack = self._stacks[tid] = []
+        elif stack:  # pre-step spans still open (none normally) stay on the stack
             stack[:] = [s for s in stack if s.end is None]
+        self._owner_stack = stack
         self._cur = step
+        self.sampled_owner = tid
         gate.set_current(self)
         return step
 
     def _close_step(self) -> Step | None:
         """Close the open step on its owner: end mark, open spans ended, gate lowered."""
         step = self._cur
+        self.sampled_owner = 0
         if step is not None:
             gate.set_current(None)
             end = self.clock.mark()
@@ -372,6 +405,7 @@ class Recorder:
 
     def _clear(self) -> None:
         """Forget every open step and phase (timing is being switched off)."""
+        self.sampled_owner = 0
         self._in_step = False
         self._cur = None
         self._next = None

@@ -417,7 +417,7 @@ class Session(Recorder):
             "in_step": self._in_step,
             "step_started": self._step_wall if self._in_step else None,
             "phase_stack": [sp.name for sp in stack],
-            "phase_started": stack[-1].wall if stack else None,
+            "phase_started": self.span_wall(stack[-1]) if stack else None,
             "last_step": last[0] if last else None,
             "last_step_end": last[1] if last else None,
             "last_step_s": last[2] if last else None,

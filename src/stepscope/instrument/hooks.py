@@ -36,6 +36,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +53,7 @@ if TYPE_CHECKING:
 #: after a long torch op. Dynamo is what traces module and optimizer hooks; a non-strict
 #: ``torch.export`` runs them eagerly, where the gate (closed outside a step) decides.
 _is_compiling = torch.compiler.is_dynamo_compiling
+_get_ident = threading.get_ident
 
 
 def _distributed() -> bool:
@@ -93,8 +95,9 @@ class _ModelHooks:
     # When dynamo traces a compiled module's hooks, _is_compiling() is a constant True, so the
     # hooks trace to nothing: no graph break, and the compiled wrapper's own hooks (called
     # eagerly) do the timing. Cheaper than torch.compiler.disable wrappers on every call.
-    # The gate (a thread-local) is raised only on the thread that owns the open sampled
-    # step, so forwards run by other threads (evaluation, EMA) are not counted.
+    # Timed only on the thread that owns the open sampled step (``sampled_owner``, one
+    # attribute read; the gate, a thread-local, answers for a pre-step phase or an adopted
+    # thread), so forwards run by other threads (evaluation, EMA) are not counted.
     def pre(self, module: Any, args: Any) -> None:
         if _is_compiling():
             return
@@ -102,13 +105,16 @@ class _ModelHooks:
         # grad_sync (``_sync_param``): no lookup on every later step.
         if not self._ddp and self._sync_param is None:
             self._ddp = unwrap.ddp_forward_active()
-        if self.forward and gate.current() is self.tracer:
-            self._fwd.append(self.tracer.open_phase("forward"))
+        tracer = self.tracer
+        if self.forward and (tracer.sampled_owner == _get_ident() or gate.current() is tracer):
+            self._fwd.append(tracer.open_phase("forward"))
 
     def post(self, module: Any, args: Any, output: Any) -> None:
         # Appended: runs after other forward hooks (FSDP2's reshard belongs to forward).
-        if self.forward and self._fwd and not _is_compiling() and gate.current() is self.tracer:
-            self.tracer.close_phase(self._fwd.pop())
+        if self.forward and self._fwd and not _is_compiling():
+            tracer = self.tracer
+            if tracer.sampled_owner == _get_ident() or gate.current() is tracer:
+                tracer.close_phase(self._fwd.pop())
 
     def run_backward(self, real: Callable[..., Any], args: Any, kwargs: Any) -> Any:
         """``torch.autograd.backward(*args, **kwargs)`` timed as this step's ``backward``
@@ -199,6 +205,10 @@ def _timed_backward(*args: Any, **kwargs: Any) -> Any:
     real = _real_backward
     assert real is not None
     if not _is_compiling():
+        tid = _get_ident()
+        for hooks in _active:
+            if hooks.tracer.sampled_owner == tid and hooks._bwd is None:
+                return hooks.run_backward(real, args, kwargs)
         here = gate.current()
         if here is not None:
             for hooks in _active:
@@ -260,7 +270,7 @@ def attach_optimizer(tracer: Tracer, optimizer: torch.optim.Optimizer) -> Callab
     tokens: list[Any] = []
 
     def pre(opt: Any, args: Any, kwargs: Any) -> None:
-        if not _is_compiling() and gate.current() is tracer:
+        if not _is_compiling() and (tracer.sampled_owner == _get_ident() or gate.current() is tracer):
             tokens.append(tracer.open_phase("optimizer"))
 
     def post(opt: Any, args: Any, kwargs: Any) -> None:
