@@ -9,14 +9,20 @@ imports rewritten). Blocks of ``--steps`` steps run bare, under this build and u
 baseline (a new tracer per block, every automatic instrument, the memory sink, the CPU clock),
 in an order shuffled per block; each traced block is compared with the bare block of the same
 round, and the result is the median over rounds of (this − baseline), in µs of the training
-thread's CPU time per step.
+thread's CPU time per step; the same in wall time (which also holds waits for the GIL while
+the writer builds records) and the writer thread's CPU time per step are reported beside it.
+
+A block must span several hand-overs to the writer (``outbox.HANDOVER_EVERY_S``, 0.1 s): the
+records of a block's last hand-over period are built at ``finish()``, outside the timing, so
+a short block leaves the writer's share (its wakes, its record building while the training
+thread wants the GIL) out. The default, 400 steps of ~2.4 ms, leaves out ~10% of it.
 
 A bias remains (which package was imported first, where each one's code landed): run it
 twice, the second time with the roles swapped (``--swap``: the baseline plays "this"); a
 real difference changes sign with the roles, a bias does not.
 
-    python benchmarks/paired_builds.py --baseline 5554766 --steps 100 --blocks 60
-    python benchmarks/paired_builds.py --baseline 5554766 --steps 100 --blocks 60 --swap
+    python benchmarks/paired_builds.py --baseline 5554766
+    python benchmarks/paired_builds.py --baseline 5554766 --swap
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -61,11 +68,19 @@ def extract(commit: str, into: Path) -> None:
             f.write_text(new)
 
 
+def _writer_cpu_ns() -> int:
+    """CPU time of the live stepscope writer thread (ns resolution; 0 when there is none)."""
+    for t in threading.enumerate():
+        if t.name == "stepscope-writer" and t.ident is not None:
+            return time.clock_gettime_ns(time.pthread_getcpuclockid(t.ident))
+    return 0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--baseline", required=True, help="git commit of the baseline build")
-    ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--blocks", type=int, default=60)
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--blocks", type=int, default=20)
     ap.add_argument("--hidden", type=int, default=640, help="MLP width (0: the tiny model)")
     ap.add_argument("--swap", action="store_true", help="the baseline plays 'this' and vice versa")
     args = ap.parse_args()
@@ -89,6 +104,8 @@ def run(builds: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict[str
         step(model, opt, x)
     clock_ns = time.thread_time_ns
     per: dict[str, list[float]] = {"bare": [], "this": [], "baseline": []}
+    walls: dict[str, list[float]] = {"bare": [], "this": [], "baseline": []}
+    writer: dict[str, list[float]] = {"this": [], "baseline": []}
     kinds = list(per)
     for _ in range(args.blocks):
         random.shuffle(kinds)
@@ -103,13 +120,17 @@ def run(builds: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict[str
             for i in range(5 + args.steps):
                 if i == 5:
                     t0 = clock_ns()
+                    wall0 = time.perf_counter_ns()
+                    w0 = _writer_cpu_ns()
                 if tracer is None:
                     step(model, opt, x)
                 else:
                     with tracer.step():
                         step(model, opt, x)
             per[kind].append((clock_ns() - t0) / args.steps / 1e3)
+            walls[kind].append((time.perf_counter_ns() - wall0) / args.steps / 1e3)
             if tracer is not None:
+                writer[kind].append((_writer_cpu_ns() - w0) / args.steps / 1e3)
                 tracer.finish()
     med = statistics.median
     bare = per["bare"]
@@ -124,6 +145,10 @@ def run(builds: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict[str
         "this_added_us": diff(per["this"], bare),
         "baseline_added_us": diff(per["baseline"], bare),
         "this_minus_baseline_us": diff(per["this"], per["baseline"]),
+        "wall": {"this_added_us": diff(walls["this"], walls["bare"]),
+                 "baseline_added_us": diff(walls["baseline"], walls["bare"]),
+                 "this_minus_baseline_us": diff(walls["this"], walls["baseline"])},
+        "writer_cpu_us": {k: round(med(v), 1) for k, v in writer.items()},
     }
 
 
