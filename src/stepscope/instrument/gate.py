@@ -2,10 +2,11 @@
 
 Instruments that patch library functions (``Tensor.to`` for H2D, ``torch.distributed``
 collectives) run for every call in the process, on every thread. They read this
-thread-local first (the per-step hooks of one tracer first compare the calling thread with
-the recorder's ``sampled_owner``, and ask here only when it is not the owner) and do nothing more unless a sampled step (or a sampled pre-step phase
+thread-local first and do nothing more unless a sampled step (or a sampled pre-step phase
 such as the dataloader wait) is open on the calling thread. The recorder raises the gate when
-such a span opens and lowers it when it closes; nothing else writes it.
+such a span opens and lowers it when it closes; nothing else writes it. (The per-step hooks
+of one tracer first compare the calling thread with the recorder's ``sampled_owner``, and
+ask here only when it is not the owner.)
 
 On CUDA, backward runs on a device thread while the owner blocks. The recorder raises the
 gate there too, for the owner's autograd graph task only: the gate remembers the task id and
