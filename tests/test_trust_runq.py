@@ -135,6 +135,47 @@ def test_reader_is_off_for_a_device_clock_and_without_the_file(monkeypatch: pyte
     assert rq.step_end() is None and rq.step_end() is None
 
 
+@pytest.mark.skipif(not os.path.exists(sched.PATH), reason="needs Linux schedstat")
+def test_reader_skips_the_file_while_the_thread_stayed_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step end reads schedstat only once the thread has been off the CPU for SLACK_NS since
+    the last read: before that its run-queue wait cannot exceed it. Each step's figure is
+    within SLACK_NS of its own wait, and the figures add up to the whole wait."""
+    clock = {"wall": 0, "cpu": 0}
+    run_delay = [0]
+    reads: list[int] = []
+
+    def pread(fd: int, n: int, off: int) -> bytes:
+        reads.append(run_delay[0])
+        return f"{clock['cpu']} {run_delay[0]} 7\n".encode()
+
+    monkeypatch.setattr(sched, "_perf_ns", lambda: clock["wall"])
+    monkeypatch.setattr(sched, "_thread_time_ns", lambda: clock["cpu"])
+    monkeypatch.setattr(sched.os, "pread", pread)
+    rq = sched.RunQueueReader()
+    assert rq.step_end() is None  # the baseline (one read)
+
+    def step(on_cpu_ns: int, off_cpu_ns: int, waited_ns: int) -> float | None:
+        clock["cpu"] += on_cpu_ns
+        clock["wall"] += on_cpu_ns + off_cpu_ns
+        run_delay[0] += waited_ns
+        return rq.step_end()
+
+    slack = sched.SLACK_NS
+    got = [
+        step(3_000_000, 0, 0),  # on the CPU throughout: no read
+        step(3_000_000, slack // 2, slack // 3),  # waited, less than the slack: no read yet
+        step(3_000_000, slack // 2, slack // 4),  # off the CPU a slack in all: read
+        step(3_000_000, 4 * slack, 3 * slack),  # a long wait: read
+        step(3_000_000, 0, 0),
+    ]
+    rq.close()
+    assert len(reads) == 3, reads
+    own = [0, slack // 3, slack // 4, 3 * slack, 0]
+    assert got[:2] == [0.0, 0.0] and got[4] == 0.0
+    assert all(abs(g * 1e6 - o) <= slack for g, o in zip(got, own, strict=True)), (got, own)
+    assert sum(got) * 1e6 == pytest.approx(sum(own))
+
+
 @pytest.mark.skipif(not os.path.exists(sched.PATH) or not hasattr(os, "sched_setaffinity"),
                     reason="needs Linux schedstat and CPU affinity")
 def test_reader_sees_a_cpu_hog_and_not_a_sleep() -> None:
