@@ -120,14 +120,10 @@ def _tracer(out: str, model: torch.nn.Module, opt: torch.optim.Optimizer, heartb
 
 
 def _writer_cpu_ns() -> int:
-    """CPU time of the stepscope writer thread so far (Linux: /proc/self/task/<tid>/stat)."""
-
+    """CPU time of the live stepscope writer thread so far (ns; 0 when there is none)."""
     for t in threading.enumerate():
-        if t.name == "stepscope-writer" and t.native_id is not None:
-            with open(f"/proc/self/task/{t.native_id}/stat") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-            tick = os.sysconf("SC_CLK_TCK")
-            return int((int(fields[11]) + int(fields[12])) * 1e9 / tick)
+        if t.name == "stepscope-writer" and t.ident is not None:
+            return time.clock_gettime_ns(time.pthread_getcpuclockid(t.ident))
     return 0
 
 

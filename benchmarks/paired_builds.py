@@ -37,7 +37,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -66,14 +65,6 @@ def extract(commit: str, into: Path) -> None:
         new = pattern.sub(lambda m: m.group(0).replace("stepscope", NAME), text)
         if new != text:
             f.write_text(new)
-
-
-def _writer_cpu_ns() -> int:
-    """CPU time of the live stepscope writer thread (ns resolution; 0 when there is none)."""
-    for t in threading.enumerate():
-        if t.name == "stepscope-writer" and t.ident is not None:
-            return time.clock_gettime_ns(time.pthread_getcpuclockid(t.ident))
-    return 0
 
 
 def main() -> None:
@@ -121,7 +112,7 @@ def run(builds: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict[str
                 if i == 5:
                     t0 = clock_ns()
                     wall0 = time.perf_counter_ns()
-                    w0 = _writer_cpu_ns()
+                    w0 = hot_path._writer_cpu_ns()
                 if tracer is None:
                     step(model, opt, x)
                 else:
@@ -130,7 +121,7 @@ def run(builds: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict[str
             per[kind].append((clock_ns() - t0) / args.steps / 1e3)
             walls[kind].append((time.perf_counter_ns() - wall0) / args.steps / 1e3)
             if tracer is not None:
-                writer[kind].append((_writer_cpu_ns() - w0) / args.steps / 1e3)
+                writer[kind].append((hot_path._writer_cpu_ns() - w0) / args.steps / 1e3)
                 tracer.finish()
     med = statistics.median
     bare = per["bare"]
