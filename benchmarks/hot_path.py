@@ -58,6 +58,14 @@ JSONL writer (as ``init()`` builds them; no heartbeat unless ``--heartbeat``), a
   read at the same hook points (and reads the run queue at the step end): the floor of any
   design that times these phases through these hooks and reads the run queue at every step
   end (stepscope reads the file only after 0.05 ms off the CPU, ``instrument/sched.py``).
+- ``--mode sampling``: what leaving the tracer on costs when it records one step in N, on the
+  cold step (``--hidden``, default 640): training-thread CPU µs/step added over bare blocks on
+  the *same* model, for ``every_n_steps`` 1, 10 and 100 (every automatic instrument, the memory
+  sink), and for steps that are never sampled with each instrument alone, none (the step
+  boundary only) and all. Kinds shuffled per round, each traced block paired with a bare
+  block run next to it (before or after, in turn, with no tracer alive), medians over
+  rounds. An unsampled step still runs the hook mechanisms (``Module.__call__``'s slow path)
+  and the step boundary: what a sampled run pays on its other steps.
 - ``--mode alloc``: tracemalloc's count of memory blocks still alive per step (records the
   writer and the recent-records buffer keep included), by allocation site.
 
@@ -73,6 +81,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import tempfile
 import threading
@@ -321,6 +330,58 @@ def cold_mode(steps: int, blocks: int) -> dict[str, Any]:
         "rest_us": round((added - med(enter) - med(leave)) / 1e3, 1),
         "warm_enter_exit_us": round(med(warm) / 1e3, 2),
     }
+
+
+def sampling_mode(steps: int, blocks: int) -> dict[str, Any]:
+    from stepscope.sinks import MemorySink
+
+    never = 1 << 40  # every_n_steps of a run whose steps (after the first) are never sampled
+    kinds: dict[str, tuple[int, frozenset[str] | None]] = {
+        "every_1": (1, None), "every_10": (10, None), "every_100": (100, None),
+        "unsampled_none": (never, frozenset()), "unsampled_all": (never, None),
+        **{f"unsampled_{p}": (never, frozenset({p})) for p in ("forward", "backward", "optimizer", "h2d")},
+    }
+    model, opt, x = _job()
+    for _ in range(30):
+        _step(model, opt, x)
+    cpu = time.thread_time_ns
+
+    def block(tracer: Tracer | None) -> float:
+        t0 = cpu()
+        for _ in range(steps):
+            if tracer is None:
+                _step(model, opt, x)
+            else:
+                with tracer.step():
+                    _step(model, opt, x)
+        return (cpu() - t0) / steps / 1e3
+
+    # Each traced block is paired with a bare block run right before or after it (in turn):
+    # the host's speed drifts by more than these costs over the seconds a round takes.
+    added: dict[str, list[float]] = {k: [] for k in kinds}
+    bare: list[float] = []
+    order = list(kinds)
+    for r in range(blocks):
+        random.shuffle(order)
+        for kind in order:
+            every, auto = kinds[kind]
+            extra = {} if auto is None else {"auto": auto}
+            # The bare block runs with no tracer alive (its hooks would be on the model).
+            b = block(None) if r % 2 else 0.0
+            cfg = Config(out_dir="unused", every_n_steps=every, max_pending_steps=1 << 20, **extra)
+            tracer = Tracer(cfg, model=model, optimizer=opt, clock=CpuClock(), sink=MemorySink())
+            for _ in range(5):  # step 0 is sampled in every kind: out of the timing
+                with tracer.step():
+                    _step(model, opt, x)
+            traced = block(tracer)
+            tracer.finish()
+            if not r % 2:
+                b = block(None)
+            bare.append(b)
+            added[kind].append(traced - b)
+    med = statistics.median
+    return {"bare_step_us": round(med(bare), 1),
+            **{f"{k}_added_us": round(med(v), 1) for k, v in added.items()}}
 
 
 def cprofile_mode(steps: int, heartbeat: bool) -> None:
@@ -796,7 +857,7 @@ def alloc_mode(steps: int, heartbeat: bool) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     modes = ("time", "cprofile", "alloc", "wakes", "build", "cycle", "handover", "floor", "callsite",
-             "parts", "neighbour", "cold")
+             "parts", "neighbour", "cold", "sampling")
     ap.add_argument("--mode", choices=modes, default="time")
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--blocks", type=int, default=11)
@@ -841,6 +902,11 @@ def main() -> None:
         print(json.dumps({"benchmark": "hot_path_cold", "hidden": HIDDEN, "steps": args.steps,
                           "blocks": args.blocks, "loadavg_1m": round(os.getloadavg()[0], 2),
                           **cold_mode(args.steps, args.blocks)}))
+    elif args.mode == "sampling":
+        HIDDEN = args.hidden or 640
+        print(json.dumps({"benchmark": "hot_path_sampling", "hidden": HIDDEN, "steps": args.steps,
+                          "blocks": args.blocks, "loadavg_1m": round(os.getloadavg()[0], 2),
+                          **sampling_mode(args.steps, args.blocks)}))
     elif args.mode == "alloc":
         alloc_mode(args.steps, args.heartbeat)
     elif args.mode == "handover":
