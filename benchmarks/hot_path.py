@@ -118,6 +118,17 @@ def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -
     opt.zero_grad()
 
 
+def _run(tracer: Tracer | None, model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
+         steps: int) -> None:
+    """``steps`` steps, each inside ``tracer.step()`` (bare when ``tracer`` is None)."""
+    for _ in range(steps):
+        if tracer is None:
+            _step(model, opt, x)
+        else:
+            with tracer.step():
+                _step(model, opt, x)
+
+
 #: ``--every-n-steps``: record one step in N (the others are unsampled: what they cost).
 EVERY_N_STEPS = 1
 
@@ -348,12 +359,7 @@ def sampling_mode(steps: int, blocks: int) -> dict[str, Any]:
 
     def block(tracer: Tracer | None) -> float:
         t0 = cpu()
-        for _ in range(steps):
-            if tracer is None:
-                _step(model, opt, x)
-            else:
-                with tracer.step():
-                    _step(model, opt, x)
+        _run(tracer, model, opt, x, steps)
         return (cpu() - t0) / steps / 1e3
 
     # Each traced block is paired with a bare block run right before or after it (in turn):
@@ -429,12 +435,7 @@ def wakes_mode(steps: int, blocks: int) -> dict[str, Any]:
                     tracer = Tracer(cfg, model=model, optimizer=opt, clock=CpuClock())
                     outbox.HANDOVER_EVERY_S = default_every_s
                 w0, c0 = time.perf_counter_ns(), time.thread_time_ns()
-                for _ in range(steps):
-                    if tracer is None:
-                        _step(model, opt, x)
-                    else:
-                        with tracer.step():
-                            _step(model, opt, x)
+                _run(tracer, model, opt, x, steps)
                 got[k].append(((time.perf_counter_ns() - w0) / steps / 1e3,
                                (time.thread_time_ns() - c0) / steps / 1e3))
                 if tracer is not None:
