@@ -27,9 +27,10 @@ JSONL writer (as ``init()`` builds them; no heartbeat unless ``--heartbeat``), a
   ``pread`` of ``/proc/thread-self/schedstat``), next to
   the tracer with every automatic instrument (JSONL), interleaved blocks in one process:
   the part of the tracer's cost that no bookkeeping cut can remove.
-- ``--mode callsite``: backward timed by today's gradient hook plus queued callbacks against a
-  wrapper on ``torch.autograd.backward``; forward by module hooks against an instance-level
-  ``forward`` wrapper (no-op work, training-thread CPU µs/step over the bare loop).
+- ``--mode callsite``: forward timed by module hooks against an instance-level ``forward``
+  wrapper, and the ``torch.autograd.backward`` wrapper (no-op work, training-thread CPU
+  µs/step over bare blocks on the same model, each installed for its block only;
+  ``--hidden 640`` for the cold step).
 - ``--mode parts``: the tracer's own bookkeeping without torch work or hooks, training-thread
   CPU µs/step, minimum over ``--blocks`` blocks: an empty ``step()`` (the step boundary: open,
   close, run-queue read, resolver poll, resource snapshot, hand-over), the same step with
@@ -86,6 +87,7 @@ import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -703,74 +705,81 @@ def neighbour_mode(steps: int, blocks: int, burn_us: float) -> dict[str, Any]:
 
 
 def callsite_mode(steps: int, blocks: int) -> dict[str, Any]:
-    """Training-thread CPU µs/step of two ways to time forward and backward, with hooks that do
-    nothing (no stepscope), interleaved blocks in one process, minimum over blocks:
+    """Training-thread CPU µs/step of two ways to time forward, and of the backward call-site
+    wrapper, with hooks that do nothing (no stepscope), on one model:
 
-    - backward: (a) today's gradient hook on the output plus the end-of-backward callback queued
-      two deep, against (b) a wrapper installed on ``torch.autograd.backward`` (which
-      ``Tensor.backward`` calls through the module attribute) that does its work before and after
-      the call;
-    - forward: (a) module forward pre/post hooks (``Module.__call__``'s slow path), against (b)
-      an instance-level ``forward`` attribute that wraps the class's ``forward``.
+    - forward: (a) module forward pre/post hooks (``Module.__call__``'s slow path, what
+      stepscope uses), against (b) an instance-level ``forward`` attribute that wraps the
+      class's ``forward``;
+    - backward: a wrapper installed on ``torch.autograd.backward`` (which ``Tensor.backward``
+      calls through the module attribute) that does its work before and after the call.
+
+    Each kind is installed on the model for its block and removed after it; each block is
+    paired with a bare block run next to it (before or after, in turn), kinds shuffled per
+    round, medians over rounds. Before stop 36 each kind ran on its own copy of the model
+    (minimum over blocks; two copies differ by their memory placement, ~1% of an MLP step) and
+    a gradient hook on the output with queued end-of-backward callbacks was timed too: the
+    design stepscope replaced with the wrapper. On one MLP model that hook moved the bare
+    blocks after it by hundreds of µs either way, so it is no longer timed here.
     """
     import torch.autograd as autograd
 
-    engine = torch.autograd.Variable._execution_engine
     real_backward = autograd.backward
-    noop = _noop
-
-    def hooked_backward(model: torch.nn.Module) -> None:
-        def queue_close() -> None:
-            engine.queue_callback(noop)
-
-        def on_grad(grad: Any) -> None:
-            engine.queue_callback(queue_close)
-
-        def post_grad(module: Any, args: Any, output: torch.Tensor) -> None:
-            output.register_hook(on_grad)
-
-        model.register_forward_hook(post_grad, prepend=True)
-
     wrapped_backward = _noop_wrapper(real_backward)
+    noop = _noop
+    model, opt, x = _job()
 
-    def job(fwd: str, bwd: str) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tensor]:
-        model, opt, x = _job()
+    def install(fwd: str, bwd: str) -> Callable[[], None]:
+        handles = []
         if fwd == "hooks":
-            model.register_forward_pre_hook(noop, prepend=True)
-            model.register_forward_hook(noop)
+            handles.append(model.register_forward_pre_hook(noop, prepend=True))
+            handles.append(model.register_forward_hook(noop))
         elif fwd == "instance":
-            model.forward = _noop_wrapper(  # type: ignore[method-assign]
-                type(model).forward.__get__(model))
-        if bwd == "hooks":
-            if fwd != "hooks":  # the gradient hook needs a forward hook to register it
-                model.register_forward_pre_hook(noop, prepend=True)
-            hooked_backward(model)
-        return model, opt, x
+            model.forward = _noop_wrapper(type(model).forward.__get__(model))  # type: ignore[method-assign]
+        if bwd == "callsite":
+            autograd.backward = wrapped_backward
 
-    kinds = {"bare": ("none", "none"), "fwd_hooks": ("hooks", "none"), "fwd_instance": ("instance", "none"),
-             "bwd_hooks": ("none", "hooks"), "bwd_callsite": ("none", "callsite"),
-             "today_hooks_hooks": ("hooks", "hooks"), "instance_callsite": ("instance", "callsite")}
-    jobs = {k: job(*v) for k, v in kinds.items()}
+        def remove() -> None:
+            for h in handles:
+                h.remove()
+            if fwd == "instance":
+                del model.forward
+            autograd.backward = real_backward
+
+        return remove
+
+    def block() -> float:
+        c0 = time.thread_time_ns()
+        _run(None, model, opt, x, steps)
+        return (time.thread_time_ns() - c0) / steps / 1e3
+
+    kinds = {"fwd_hooks": ("hooks", "none"), "fwd_instance": ("instance", "none"),
+             "bwd_callsite": ("none", "callsite"), "hooks_callsite": ("hooks", "callsite"),
+             "instance_callsite": ("instance", "callsite")}
+    for _ in range(30):
+        _step(model, opt, x)
     got: dict[str, list[float]] = {k: [] for k in kinds}
-    for b in range(blocks):
-        for k in (list(got) if b % 2 else list(got)[::-1]):
-            model, opt, x = jobs[k]
-            if kinds[k][1] == "callsite":
-                autograd.backward = wrapped_backward
+    bare: list[float] = []
+    order = list(kinds)
+    for r in range(blocks):
+        random.shuffle(order)
+        for k in order:
+            b = block() if r % 2 else 0.0
+            remove = install(*kinds[k])
             try:
-                c0 = time.thread_time_ns()
-                for _ in range(steps):
-                    _step(model, opt, x)
-                got[k].append((time.thread_time_ns() - c0) / steps / 1e3)
+                hooked = block()
             finally:
-                autograd.backward = real_backward
-    bare = min(got["bare"])
-    added = {k: min(v) - bare for k, v in got.items() if k != "bare"}
-    return {"bare_step_thread_cpu_us": round(bare, 1),
+                remove()
+            if not r % 2:
+                b = block()
+            bare.append(b)
+            got[k].append(hooked - b)
+    med = statistics.median
+    added = {k: med(v) for k, v in got.items()}
+    return {"bare_step_thread_cpu_us": round(med(bare), 1),
             **{f"{k}_added_us": round(v, 1) for k, v in added.items()},
-            "backward_saved_us": round(added["bwd_hooks"] - added["bwd_callsite"], 1),
             "forward_saved_us": round(added["fwd_hooks"] - added["fwd_instance"], 1),
-            "both_saved_us": round(added["today_hooks_hooks"] - added["instance_callsite"], 1)}
+            "both_saved_us": round(added["hooks_callsite"] - added["instance_callsite"], 1)}
 
 
 def parts_mode(steps: int, blocks: int) -> dict[str, Any]:
