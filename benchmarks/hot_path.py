@@ -131,6 +131,27 @@ def _run(tracer: Tracer | None, model: torch.nn.Module, opt: torch.optim.Optimiz
                 _step(model, opt, x)
 
 
+def _paired(kinds: list[str], rounds: int, bare: Callable[[], float],
+            traced: Callable[[str], float]) -> tuple[list[float], dict[str, list[float]]]:
+    """Per round, each kind in a shuffled order: ``traced(kind)`` (which sets the kind up, times
+    a block and takes it down again) paired with a ``bare()`` block run right before or after
+    it, in turn. The host's speed drifts by more than the costs measured here over the
+    seconds a round takes. Returns the bare blocks and, per kind, traced minus bare."""
+    added: dict[str, list[float]] = {k: [] for k in kinds}
+    bares: list[float] = []
+    order = list(kinds)
+    for r in range(rounds):
+        random.shuffle(order)
+        for kind in order:
+            b = bare() if r % 2 else 0.0
+            t = traced(kind)
+            if not r % 2:
+                b = bare()
+            bares.append(b)
+            added[kind].append(t - b)
+    return bares, added
+
+
 #: ``--every-n-steps``: record one step in N (the others are unsampled: what they cost).
 EVERY_N_STEPS = 1
 
@@ -364,29 +385,17 @@ def sampling_mode(steps: int, blocks: int) -> dict[str, Any]:
         _run(tracer, model, opt, x, steps)
         return (cpu() - t0) / steps / 1e3
 
-    # Each traced block is paired with a bare block run right before or after it (in turn):
-    # the host's speed drifts by more than these costs over the seconds a round takes.
-    added: dict[str, list[float]] = {k: [] for k in kinds}
-    bare: list[float] = []
-    order = list(kinds)
-    for r in range(blocks):
-        random.shuffle(order)
-        for kind in order:
-            every, auto = kinds[kind]
-            extra = {} if auto is None else {"auto": auto}
-            # The bare block runs with no tracer alive (its hooks would be on the model).
-            b = block(None) if r % 2 else 0.0
-            cfg = Config(out_dir="unused", every_n_steps=every, max_pending_steps=1 << 20, **extra)
-            tracer = Tracer(cfg, model=model, optimizer=opt, clock=CpuClock(), sink=MemorySink())
-            for _ in range(5):  # step 0 is sampled in every kind: out of the timing
-                with tracer.step():
-                    _step(model, opt, x)
-            traced = block(tracer)
-            tracer.finish()
-            if not r % 2:
-                b = block(None)
-            bare.append(b)
-            added[kind].append(traced - b)
+    def traced(kind: str) -> float:
+        every, auto = kinds[kind]
+        extra = {} if auto is None else {"auto": auto}
+        cfg = Config(out_dir="unused", every_n_steps=every, max_pending_steps=1 << 20, **extra)
+        tracer = Tracer(cfg, model=model, optimizer=opt, clock=CpuClock(), sink=MemorySink())
+        _run(tracer, model, opt, x, 5)  # step 0 is sampled in every kind: out of the timing
+        got = block(tracer)
+        tracer.finish()  # the bare blocks run with no tracer alive (no hooks on the model)
+        return got
+
+    bare, added = _paired(list(kinds), blocks, lambda: block(None), traced)
     med = statistics.median
     return {"bare_step_us": round(med(bare), 1),
             **{f"{k}_added_us": round(med(v), 1) for k, v in added.items()}}
@@ -753,27 +762,19 @@ def callsite_mode(steps: int, blocks: int) -> dict[str, Any]:
         _run(None, model, opt, x, steps)
         return (time.thread_time_ns() - c0) / steps / 1e3
 
+    def traced(kind: str) -> float:
+        remove = install(*kinds[kind])
+        try:
+            return block()
+        finally:
+            remove()
+
     kinds = {"fwd_hooks": ("hooks", "none"), "fwd_instance": ("instance", "none"),
              "bwd_callsite": ("none", "callsite"), "hooks_callsite": ("hooks", "callsite"),
              "instance_callsite": ("instance", "callsite")}
     for _ in range(30):
         _step(model, opt, x)
-    got: dict[str, list[float]] = {k: [] for k in kinds}
-    bare: list[float] = []
-    order = list(kinds)
-    for r in range(blocks):
-        random.shuffle(order)
-        for k in order:
-            b = block() if r % 2 else 0.0
-            remove = install(*kinds[k])
-            try:
-                hooked = block()
-            finally:
-                remove()
-            if not r % 2:
-                b = block()
-            bare.append(b)
-            got[k].append(hooked - b)
+    bare, got = _paired(list(kinds), blocks, block, traced)
     med = statistics.median
     added = {k: med(v) for k, v in got.items()}
     return {"bare_step_thread_cpu_us": round(med(bare), 1),
