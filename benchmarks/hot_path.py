@@ -131,6 +131,14 @@ def _run(tracer: Tracer | None, model: torch.nn.Module, opt: torch.optim.Optimiz
                 _step(model, opt, x)
 
 
+def _cpu_us(tracer: Tracer | None, model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
+            steps: int) -> float:
+    """Training-thread CPU µs per step of :func:`_run` over ``steps`` steps."""
+    t0 = time.thread_time_ns()
+    _run(tracer, model, opt, x, steps)
+    return (time.thread_time_ns() - t0) / steps / 1e3
+
+
 def _paired(kinds: list[str], rounds: int, bare: Callable[[], float],
             traced: Callable[[str], float]) -> tuple[list[float], dict[str, list[float]]]:
     """Per round, each kind in a shuffled order: ``traced(kind)`` (which sets the kind up, times
@@ -378,12 +386,6 @@ def sampling_mode(steps: int, blocks: int) -> dict[str, Any]:
     model, opt, x = _job()
     for _ in range(30):
         _step(model, opt, x)
-    cpu = time.thread_time_ns
-
-    def block(tracer: Tracer | None) -> float:
-        t0 = cpu()
-        _run(tracer, model, opt, x, steps)
-        return (cpu() - t0) / steps / 1e3
 
     def traced(kind: str) -> float:
         every, auto = kinds[kind]
@@ -391,11 +393,11 @@ def sampling_mode(steps: int, blocks: int) -> dict[str, Any]:
         cfg = Config(out_dir="unused", every_n_steps=every, max_pending_steps=1 << 20, **extra)
         tracer = Tracer(cfg, model=model, optimizer=opt, clock=CpuClock(), sink=MemorySink())
         _run(tracer, model, opt, x, 5)  # step 0 is sampled in every kind: out of the timing
-        got = block(tracer)
+        got = _cpu_us(tracer, model, opt, x, steps)
         tracer.finish()  # the bare blocks run with no tracer alive (no hooks on the model)
         return got
 
-    bare, added = _paired(list(kinds), blocks, lambda: block(None), traced)
+    bare, added = _paired(list(kinds), blocks, lambda: _cpu_us(None, model, opt, x, steps), traced)
     med = statistics.median
     return {"bare_step_us": round(med(bare), 1),
             **{f"{k}_added_us": round(med(v), 1) for k, v in added.items()}}
@@ -758,9 +760,7 @@ def callsite_mode(steps: int, blocks: int) -> dict[str, Any]:
         return remove
 
     def block() -> float:
-        c0 = time.thread_time_ns()
-        _run(None, model, opt, x, steps)
-        return (time.thread_time_ns() - c0) / steps / 1e3
+        return _cpu_us(None, model, opt, x, steps)
 
     def traced(kind: str) -> float:
         remove = install(*kinds[kind])

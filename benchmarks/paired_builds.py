@@ -108,16 +108,11 @@ def run(builds: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict[str
                     m["config"].Config(out_dir="unused"), model=model, optimizer=opt,
                     clock=m["clock"].CpuClock(), sink=m["sinks"].MemorySink(),
                 )
-            for i in range(5 + args.steps):
-                if i == 5:
-                    t0 = clock_ns()
-                    wall0 = time.perf_counter_ns()
-                    w0 = hot_path._writer_cpu_ns()
-                if tracer is None:
-                    step(model, opt, x)
-                else:
-                    with tracer.step():
-                        step(model, opt, x)
+            hot_path._run(tracer, model, opt, x, 5)
+            t0 = clock_ns()
+            wall0 = time.perf_counter_ns()
+            w0 = hot_path._writer_cpu_ns()
+            hot_path._run(tracer, model, opt, x, args.steps)
             per[kind].append((clock_ns() - t0) / args.steps / 1e3)
             walls[kind].append((time.perf_counter_ns() - wall0) / args.steps / 1e3)
             if tracer is not None:
