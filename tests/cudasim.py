@@ -69,8 +69,11 @@ from torch import nn
 DEFAULT_NAME = "NVIDIA H100 80GB HBM3"
 DEFAULT_TOTAL_MEMORY = 85_045_395_456  # what torch reports for an H100 80GB HBM3
 H2D_BYTES_PER_NS = 25.0  # ~25 GB/s, a PCIe 5 x16 pinned host-to-device copy
+HBM_BYTES_PER_NS = 3000.0  # ~3 TB/s, an H100's HBM3: what a bandwidth-bound kernel moves
+LAUNCH_QUEUE = 1024  # pending launches per stream before a launch blocks the host
 _BLOCK = 2 << 20  # the caching allocator rounds large segments to 2 MiB
 
+_BLK = "_cudasim_block"  # attribute on a simulated-device tensor: its allocator block
 _TAG = "_cudasim_device"  # attribute on a CPU tensor saying which simulated device it is on
 _PIN = "_cudasim_pinned"  # attribute on a CPU tensor saying it lives in page-locked memory
 
@@ -97,7 +100,8 @@ def install(**kwargs: Any) -> CudaSim:
 class _Item:
     """One piece of work enqueued on a stream (an event record, a copy, a wait, a kernel)."""
 
-    __slots__ = ("cost_ns", "dep", "done", "end_ns", "host_ns", "kind", "stream", "tick")
+    __slots__ = ("captured", "cost_ns", "dep", "done", "end_ns", "host_ns", "kind", "reads",
+                 "stream", "tick", "writes")
 
     def __init__(self, stream: _Stream, kind: str, host_ns: int, tick: int, cost_ns: int,
                  dep: _Item | None) -> None:
@@ -109,6 +113,56 @@ class _Item:
         self.dep = dep
         self.done = False
         self.end_ns = 0
+        #: The memory blocks (block, generation) this item reads / writes (reuse detection).
+        self.reads: tuple[tuple[_Block, int], ...] = ()
+        self.writes: tuple[tuple[_Block, int], ...] = ()
+        #: The capture this item was recorded into (it never runs as such), else None.
+        self.captured: _Capture | None = None
+
+    @property
+    def start_ns(self) -> int:
+        return self.end_ns - self.cost_ns
+
+
+class _Block:
+    """A block of the simulated caching allocator: one allocation's memory, reused later.
+
+    c10/cuda/CUDACachingAllocator.cpp: a freed block goes back to the pool of the stream it
+    was allocated on and the next allocation *on that stream* may take it at once, with no
+    synchronisation: stream order alone makes that safe on the allocating stream. Work on
+    another stream that still reads the block is ordered by nothing, unless the tensor was
+    ``record_stream``-ed for that stream: then ``free`` records an event on each such stream
+    (``insert_events``) and the block returns to the pool only once they all completed
+    (``process_events``, at a later allocation). ``gen`` counts the block's reuses.
+    """
+
+    __slots__ = ("device", "events", "gen", "nbytes", "reads", "stream", "uses", "writes")
+
+    def __init__(self, device: int, nbytes: int, stream: _Stream) -> None:
+        self.device = device
+        self.nbytes = nbytes
+        self.stream = stream
+        self.gen = 0
+        self.uses: set[_Stream] = set()  # record_stream's streams for the current allocation
+        self.events: list[_Item] = []  # free-time events it waits for before reuse
+        self.reads: list[tuple[_Item, int]] = []
+        self.writes: list[tuple[_Item, int]] = []
+
+
+class UseAfterReuse(RuntimeError):
+    """A kernel read a block whose memory a later allocation's work overwrote (or the other
+    way round): the data it read was not the tensor it was given."""
+
+
+class _Capture:
+    """One stream capture (``cudaStreamBeginCapture``): its mode, thread and state."""
+
+    def __init__(self, mode: str, thread: int) -> None:
+        self.mode = mode
+        self.thread = thread
+        self.invalidated: str | None = None  # why, once a prohibited call broke it
+        self.cost_ns = 0  # the GPU time of the captured work (what a replay costs)
+        self.ended = False
 
 
 class _Stream:
@@ -130,6 +184,9 @@ class _Device:
         self.index = index
         self.streams: list[_Stream] = []
         self.default = sim._new_stream(self, 0)
+        self.pool: dict[tuple[_Stream, int], list[_Block]] = {}  # freed blocks by stream, size
+        self.deferred: list[_Block] = []  # freed blocks waiting on record_stream events
+        self.comm: _Stream | None = None  # the communication stream (see CudaSim.collective)
         self.allocated = 0
         self.peak_allocated = 0
         self.reserved = 0
@@ -153,6 +210,8 @@ class Stream:
             return self
         idx = sim._index(device) if device is not None else sim.current_device()
         with sim._lock:
+            # cudaStreamCreateWithPriority runs in the device's primary context: creates it.
+            sim._ctx(idx, "Stream()")
             s = sim._new_stream(sim._dev(idx), priority)
         self = object.__new__(cls)
         self._s = s
@@ -187,16 +246,17 @@ class Stream:
         # cudaStreamQuery: non-blocking, True once every item enqueued so far has completed.
         sim = self._s.sim
         with sim._lock:
-            sim._check_not_capturing("Stream.query")
+            sim._prohibit("Stream.query", stream=self._s)
             sim._advance()
             return self._s.last is None or self._s.last.done
 
     def is_capturing(self) -> bool:
-        return self._s.sim.capturing
+        return self._s in self._s.sim._captures
 
     def synchronize(self) -> None:
         # cudaStreamSynchronize blocks the host until the stream has drained: a host sync.
         sim = self._s.sim
+        sim._prohibit("Stream.synchronize", stream=self._s)
         sim._count("stream.synchronize")
         sim._drain_to(self._s.last)
 
@@ -207,6 +267,16 @@ class Stream:
         with sim._lock:
             target = event._item
             if target is None:
+                return
+            cap = target.captured
+            if cap is not None:
+                # A wait on an event recorded in a capture (fork/join of a multi-stream graph,
+                # as torch.cuda.graph users do with side streams) makes this stream join that
+                # capture while it lasts; once it ended the event stands for no executed work.
+                if cap.ended:
+                    raise RuntimeError("CUDA error: operation not permitted on an event last "
+                                       "recorded in a capturing stream (the capture has ended)")
+                sim._captures[self._s] = cap
                 return
             sim._enqueue(self._s, "wait", dep=target)
 
@@ -279,12 +349,23 @@ class Event:
             self._item = sim._enqueue(s, "event")
             sim.records += 1
 
+    def _usable(self) -> None:
+        item = self._item
+        if item is not None and item.captured is not None:
+            # CUDA Programming Guide, Stream Capture, "Prohibited and Unhandled Operations": it is
+            # invalid to synchronize or query the execution status of a captured event (it
+            # stands for a graph node, not for work scheduled for execution).
+            raise RuntimeError("CUDA error: operation not permitted on an event last recorded "
+                               "in a capturing stream")
+
     def query(self) -> bool:
         # CUDAEvent::query: true if never recorded; else cudaEventQuery (non-blocking).
         sim = self._sim
         with sim._lock:
-            sim._check_not_capturing("Event.query")
             sim.queries += 1
+            if self._item is not None:
+                sim._prohibit("Event.query")
+            self._usable()
             if sim._query_errors:
                 sim._query_errors -= 1
                 # cudaEventQuery returning an error code (not cudaErrorNotReady) -> C10_CUDA_CHECK.
@@ -297,6 +378,8 @@ class Event:
     def elapsed_time(self, end_event: Event) -> float:
         sim = self._sim
         with sim._lock:
+            self._usable()
+            end_event._usable()
             if self._item is None or end_event._item is None:
                 # CUDAEvent::elapsed_time: TORCH_CHECK(is_created_ && other.isCreated(), ...)
                 raise RuntimeError(
@@ -319,6 +402,9 @@ class Event:
     def synchronize(self) -> None:
         # cudaEventSynchronize blocks the host until the event completes: a host sync.
         sim = self._sim
+        if self._item is not None:
+            sim._prohibit("Event.synchronize")
+            self._usable()
         sim._count("event.synchronize")
         if self._item is not None:
             sim._drain_to(self._item)
@@ -333,6 +419,89 @@ class Event:
 
     def __repr__(self) -> str:
         return f"<torch.cuda.Event {self.cuda_event:#x}>"
+
+
+def _block_of(t: torch.Tensor) -> _Block:
+    blk = getattr(t, _BLK, None)
+    if blk is None:
+        raise ValueError("not a simulated-device tensor (no allocator block)")
+    return blk
+
+
+class Work:
+    """What a simulated NCCL collective returns (``torch.distributed.Work`` on NCCL)."""
+
+    def __init__(self, end: Event) -> None:
+        self.end = end
+
+    def wait(self, timeout: Any = None) -> bool:
+        # WorkNCCL::wait -> synchronizeStream: the current stream waits for the end event.
+        self.end.wait(_sim().current_stream())
+        return True
+
+    def is_completed(self) -> bool:
+        return self.end.query()
+
+
+class CUDAGraph:
+    """Stand-in for ``torch.cuda.CUDAGraph``: capture_begin/capture_end/replay."""
+
+    def __init__(self, keep_graph: bool = False) -> None:
+        self._cap: _Capture | None = None
+        self._cost_ns: int | None = None
+
+    def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
+        sim = _sim()
+        self._cap = sim._begin_capture(sim.current_stream()._s, capture_error_mode)
+
+    def capture_end(self) -> None:
+        assert self._cap is not None, "capture_end without capture_begin"
+        cap, self._cap = self._cap, None
+        self._cost_ns = _sim()._end_capture(cap)
+
+    def replay(self) -> None:
+        if self._cost_ns is None:
+            raise RuntimeError("CUDAGraph::replay called before a successful capture")
+        _sim().kernel(self._cost_ns / 1e6)  # one graph launch on the current stream
+
+    def reset(self) -> None:
+        self._cost_ns = None
+
+    def pool(self) -> tuple[int, int]:
+        return (0, id(self))
+
+
+class _GraphContext:
+    """``torch.cuda.graph(cuda_graph, pool=None, stream=None, capture_error_mode="global")``.
+
+    Like torch/cuda/graphs.py: synchronize the device and empty the cache first, then make
+    the capture stream (a side stream by default) current and begin the capture.
+    """
+
+    def __init__(self, cuda_graph: CUDAGraph, pool: Any = None, stream: Stream | None = None,
+                 capture_error_mode: str = "global") -> None:
+        self.graph = cuda_graph
+        self.stream = stream if stream is not None else Stream()
+        self.mode = capture_error_mode
+        self._ctx: Any = None
+
+    def __enter__(self) -> None:
+        import torch as t
+
+        t.cuda.synchronize()
+        self._ctx = _stream_context(self.stream)
+        self._ctx.__enter__()
+        try:
+            self.graph.capture_begin(capture_error_mode=self.mode)
+        except BaseException:
+            self._ctx.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self.graph.capture_end()
+        finally:
+            self._ctx.__exit__(None, None, None)
 
 
 class _DeviceProperties:
@@ -392,7 +561,9 @@ class CudaSim:
                  name: str = DEFAULT_NAME, total_memory: int = DEFAULT_TOTAL_MEMORY,
                  copy_bytes_per_ns: float = H2D_BYTES_PER_NS,
                  idle_drain_s: float | None = 0.25,
-                 sync_sleep_limit_s: float = 0.05) -> None:
+                 sync_sleep_limit_s: float = 0.05,
+                 tflops: float | None = None, hbm_gbps: float = HBM_BYTES_PER_NS,
+                 launch_queue: int | None = None) -> None:
         if not isinstance(devices, int) or devices < 1:
             raise ValueError(f"devices must be an int >= 1; got {devices!r}")
         if not isinstance(lag_steps, int) or lag_steps < 0:
@@ -409,6 +580,17 @@ class CudaSim:
         if idle_drain_s is not None and not idle_drain_s > 0:
             raise ValueError(f"idle_drain_s must be > 0 or None; got {idle_drain_s!r}")
         self.idle_drain_s = idle_drain_s
+        if tflops is not None and not tflops > 0:
+            raise ValueError(f"tflops must be > 0 or None; got {tflops!r}")
+        if not hbm_gbps > 0:
+            raise ValueError(f"hbm_gbps must be > 0; got {hbm_gbps!r}")
+        if launch_queue is None and tflops is not None:
+            launch_queue = LAUNCH_QUEUE
+        if launch_queue is not None and (not isinstance(launch_queue, int) or launch_queue < 1):
+            raise ValueError(f"launch_queue must be an int >= 1 or None; got {launch_queue!r}")
+        self.flops_per_ns = None if tflops is None else tflops * 1e3
+        self.op_bytes_per_ns = float(hbm_gbps)
+        self.launch_queue = launch_queue
         self._lock = threading.RLock()
         self._ids = itertools.count(0x1000)
         self._sids = itertools.count(1)
@@ -419,7 +601,15 @@ class CudaSim:
         self._patches: list[tuple[Any, str, Any, bool]] = []
         self._workers: dict[int, _DeviceWorker] = {}
         self._placed: int | None = None
-        self.capturing = False
+        self._captures: dict[_Stream, _Capture] = {}
+        self._mode: Any = None  # the op-cost dispatch mode, while installed (tflops set)
+        #: device index -> what created its CUDA context first (see :meth:`_ctx`).
+        self.contexts: dict[int, str] = {}
+        self.kernels = 0  # kernels enqueued by ops on simulated-device tensors
+        self.launch_waits = 0  # times the host blocked on a full launch queue
+        #: every use-after-reuse found (also raised where found; kept here because the code
+        #: under test may swallow the exception to protect the job).
+        self.reuse_errors: list[str] = []
         self._query_errors = 0
         self._query_error_message = ""
         #: every host sync, in order: ``(kind, thread name)``.
@@ -460,13 +650,51 @@ class CudaSim:
     def tick(self) -> int:
         return self._tick
 
-    def kernel(self, ms: float, stream: Stream | None = None) -> None:
-        """Enqueue ``ms`` of simulated GPU work (a kernel) on ``stream`` (default: current)."""
+    def kernel(self, ms: float, stream: Stream | None = None, *,
+               reads: tuple[torch.Tensor, ...] = (), writes: tuple[torch.Tensor, ...] = ()) -> None:
+        """Enqueue ``ms`` of simulated GPU work (a kernel) on ``stream`` (default: current)
+        that reads / writes the memory of the given simulated-device tensors."""
         if not ms >= 0:
             raise ValueError(f"ms must be >= 0; got {ms!r}")
         s = (stream or self.current_stream())._s
         with self._lock:
-            self._enqueue(s, "kernel", cost_ns=int(ms * 1e6))
+            item = self._enqueue(s, "kernel", cost_ns=int(ms * 1e6))
+            item.reads = tuple((b, b.gen) for b in map(_block_of, reads))
+            item.writes = tuple((b, b.gen) for b in map(_block_of, writes))
+
+    def comm_stream(self, device: Any = None) -> Stream:
+        """The device's communication stream: ProcessGroupNCCL runs every collective of a
+        device on one stream of its own, taken from the high-priority pool
+        (getStreamFromPool(/*isHighPriority=*/true)), beside the compute streams."""
+        d = self._dev(self._index(device))
+        with self._lock:
+            if d.comm is None:
+                self._ctx(d.index, "comm stream")
+                d.comm = self._new_stream(d, -1)
+            return Stream(_wrap=d.comm)
+
+    def collective(self, ms: float, *, stream: Stream | None = None,
+                   tensors: tuple[torch.Tensor, ...] = (), async_op: bool = False) -> Work:
+        """An NCCL-style collective of ``ms`` GPU time on a communication stream.
+
+        ProcessGroupNCCL::collective: ``syncStream`` records an event on the caller's current
+        stream and makes the NCCL stream wait for it (the inputs are ready), the kernel runs
+        on the NCCL stream (``stream``: one of the caller's own, as FSDP2 passes its
+        all-gather / reduce-scatter streams), and an end event is recorded there. The host
+        does not wait. ``Work.wait()`` (WorkNCCL::synchronizeStream) makes the current
+        stream wait for the end event; ``async_op=False`` does that at once, as the
+        synchronous call does. Until then compute runs beside the collective.
+        """
+        cur = self.current_stream()
+        comm = stream if stream is not None else self.comm_stream(cur.device_index)
+        comm.wait_event(cur.record_event())
+        self.kernel(ms, comm, reads=tensors, writes=tensors)
+        end = Event(enable_timing=True)
+        end.record(comm)
+        work = Work(end)
+        if not async_op:
+            work.wait()
+        return work
 
     def drain(self) -> None:
         """Let the GPU finish everything enqueued so far (test helper: NOT counted as a sync)."""
@@ -489,19 +717,73 @@ class CudaSim:
             self._query_errors = n
             self._query_error_message = message
 
-    @contextlib.contextmanager
-    def capture(self) -> Iterator[None]:
-        """Pretend the current stream is capturing a CUDA graph (queries raise, like CUDA)."""
-        self.capturing = True
-        try:
-            yield
-        finally:
-            self.capturing = False
+    @property
+    def capturing(self) -> bool:
+        """True while any stream of the process is being captured."""
+        return bool(self._captures)
 
-    def _check_not_capturing(self, what: str) -> None:
-        if self.capturing:
-            # cudaEventQuery/cudaStreamQuery during capture: cudaErrorStreamCaptureUnsupported.
-            raise RuntimeError(f"CUDA error: operation not permitted when stream is capturing ({what})")
+    @contextlib.contextmanager
+    def capture(self, stream: Stream | None = None, mode: str = "global") -> Iterator[CUDAGraph]:
+        """Capture ``stream`` (default: the current one) into a graph, as ``torch.cuda.graph``
+        does; exiting ends the capture and raises if a prohibited call invalidated it."""
+        g = CUDAGraph()
+        with _stream_context(stream):
+            g.capture_begin(capture_error_mode=mode)
+            try:
+                yield g
+            finally:
+                g.capture_end()
+
+    def _begin_capture(self, s: _Stream, mode: str) -> _Capture:
+        if mode not in ("global", "thread_local", "relaxed"):
+            raise ValueError(f"capture_error_mode must be 'global', 'thread_local' or 'relaxed'; "
+                             f"got {mode!r}")
+        with self._lock:
+            if s in self._captures:
+                raise RuntimeError("CUDA error: operation not permitted when stream is capturing "
+                                   "(the stream is already capturing)")
+            self._prohibit("cudaStreamBeginCapture")
+            cap = self._captures[s] = _Capture(mode, threading.get_ident())
+            return cap
+
+    def _end_capture(self, cap: _Capture) -> int:
+        with self._lock:
+            for st in [st for st, c in self._captures.items() if c is cap]:
+                del self._captures[st]
+            cap.ended = True
+            if cap.invalidated is not None:
+                # cudaStreamEndCapture returns cudaErrorStreamCaptureInvalidated once a
+                # prohibited call broke the sequence; torch raises it from capture_end().
+                raise RuntimeError("CUDA error: operation failed due to a previous error during "
+                                   f"capture (cudaErrorStreamCaptureInvalidated: {cap.invalidated})")
+            return cap.cost_ns
+
+    def _prohibit(self, what: str, *, stream: _Stream | None = None,
+                  device: int | None = None) -> None:
+        """Raise (and invalidate the capture) if ``what`` is a prohibited call now.
+
+        cudaStreamCaptureMode (CUDA Runtime API, cudaStreamBeginCapture and
+        cudaThreadExchangeStreamCaptureMode): a thread is prohibited from potentially unsafe
+        calls (event/stream query and synchronize, device synchronize, legacy-stream use)
+        while *it* has a capture that is not ``relaxed``, or while *any other thread* has a
+        ``global`` capture; a ``relaxed`` capture prohibits nothing. A prohibited call fails
+        and invalidates the capture. Querying or synchronizing the capturing stream itself,
+        or its device (cudaDeviceSynchronize), is invalid in every mode (Programming Guide,
+        "Prohibited and Unhandled Operations"). torch.cuda.graphs.graph's docstring:
+        "global" is the default, "thread_local" / "relaxed" for other threads' sync calls.
+        """
+        caps = self._captures
+        if not caps:
+            return
+        me = threading.get_ident()
+        for st, cap in caps.items():
+            own = cap.thread == me
+            if ((own and cap.mode != "relaxed") or (not own and cap.mode == "global")
+                    or st is stream or (device is not None and st.device == device)):
+                thread = "this thread" if own else "another thread"
+                cap.invalidated = f"{what} while {thread} captured in {cap.mode} mode"
+                raise RuntimeError(f"CUDA error: operation not permitted when stream is "
+                                   f"capturing ({cap.invalidated})")
 
     # ---- devices and streams ------------------------------------------------------------
 
@@ -550,7 +832,25 @@ class CudaSim:
         if isinstance(device, int) and device < 0:
             return  # torch.cuda.set_device ignores negative indices
         self._devs()
-        self._tls.device = self._index(device)
+        idx = self._index(device)
+        if idx != self.current_device():
+            # c10::cuda::SetDevice calls cudaSetDevice when the device changes, and since
+            # CUDA 12 cudaSetDevice initialises the primary context of its target.
+            self._ctx(idx, "set_device")
+        self._tls.device = idx
+
+    def _ctx(self, idx: int, why: str) -> None:
+        """Device ``idx`` gets its CUDA context (the first reason is kept).
+
+        A primary context (~300-500 MB of device memory) is created by the first runtime call
+        that needs one on the current device: a launch, a copy, an event record, a stream,
+        an allocation, cudaDeviceSynchronize. Calls that only read driver state do not:
+        device count and properties, and torch's device guards (c10::cuda::MaybeSetDevice
+        switches only to devices that already have one). ``Event.query`` on an event never
+        recorded makes no CUDA call at all (CUDAEvent::query returns true when not created).
+        """
+        if idx not in self.contexts:
+            self.contexts[idx] = why
 
     def current_stream(self, device: Any = None) -> Stream:
         # PyTorch's current stream is thread-local, one per device, default stream at first.
@@ -583,6 +883,21 @@ class CudaSim:
     def _enqueue(self, s: _Stream, kind: str, *, cost_ns: int = 0, dep: _Item | None = None) -> _Item:
         # Called with the lock held. The host only appends; the GPU runs it later.
         item = _Item(s, kind, time.perf_counter_ns(), self._tick, cost_ns, dep)
+        cap = self._captures.get(s)
+        if cap is not None:
+            # Work issued to a capturing stream is recorded into the graph, not run: it never
+            # completes as such, and the stream's executed work is unchanged.
+            item.captured = cap
+            cap.cost_ns += cost_ns
+            return item
+        self._ctx(s.device, kind)
+        limit = self.launch_queue
+        if limit is not None and len(s.pending) >= limit:
+            # The launch queue is bounded (on the order of a thousand pending launches per
+            # stream): a host that is that far ahead blocks inside the launch until the GPU
+            # retires the oldest item. Not a sync the code asked for; counted apart.
+            self.launch_waits += 1
+            self._drain_to(s.pending[len(s.pending) - limit], sleep=False)
         s.pending.append(item)
         s.last = item
         return item
@@ -653,10 +968,41 @@ class CudaSim:
         item.done = True
         s.last_end_ns = end
         s.last_host_ns = item.host_ns
+        if item.reads or item.writes:
+            self._check_reuse(item)
 
-    def _drain_to(self, target: _Item | None) -> None:
+    def _check_reuse(self, item: _Item) -> None:
+        """Use-after-reuse: a read of generation g of a block that overlaps (or follows) the
+        run of a write of a later generation, or a write that runs before an earlier
+        generation's read ended. Stream order and event waits are what order them on a real
+        GPU; here their result, the items' GPU intervals, is compared."""
+        start, end = item.start_ns, item.end_ns
+        bad = None
+        for block, gen in item.reads:
+            for w, wgen in block.writes:
+                if wgen > gen and w.done and w.start_ns < end:
+                    bad = (f"{item.kind} on stream {item.stream.sid} read generation {gen} of a "
+                           f"{block.nbytes}-byte block that {w.kind} on stream {w.stream.sid} "
+                           f"had overwritten for generation {wgen}")
+            block.reads.append((item, gen))
+        for block, gen in item.writes:
+            keep = []
+            for r, rgen in block.reads:
+                if rgen < gen and (not r.done or r.end_ns > start):
+                    bad = (f"{item.kind} on stream {item.stream.sid} overwrote a "
+                           f"{block.nbytes}-byte block (generation {gen}) while {r.kind} on "
+                           f"stream {r.stream.sid} still read generation {rgen}")
+                if not (r.done and rgen < gen):
+                    keep.append((r, rgen))
+            block.reads = keep
+            block.writes = [(w, g) for w, g in block.writes if g >= gen - 1] + [(item, gen)]
+        if bad is not None:
+            self.reuse_errors.append(bad)
+            raise UseAfterReuse(f"use after reuse: {bad}")
+
+    def _drain_to(self, target: _Item | None, *, sleep: bool = True) -> None:
         """Block the host until ``target`` (and everything before it, and its deps) ran."""
-        if target is None:
+        if target is None or target.captured is not None:
             return
         with self._lock:
             self._advance()
@@ -667,7 +1013,7 @@ class CudaSim:
             shift = max(0, now - min(pending)) if pending else 0
             latest = self._force(target, now, shift)
         wait_s = (latest - time.perf_counter_ns()) / 1e9
-        if wait_s > 0:
+        if wait_s > 0 and sleep:
             # The host waits for GPU time to pass (e.g. a long simulated kernel).
             time.sleep(min(wait_s, self.sync_sleep_limit_s))
 
@@ -696,19 +1042,147 @@ class CudaSim:
         n = t.untyped_storage().nbytes() if t.layout == torch.strided else t.numel() * t.element_size()
         d = self._dev(idx)
         with self._lock:
+            self._ctx(idx, "alloc")
             d.allocated += n
             d.peak_allocated = max(d.peak_allocated, d.allocated)
             need = -(-d.allocated // _BLOCK) * _BLOCK
             if need > d.reserved:  # the caching allocator keeps what it reserved
                 d.reserved = need
                 d.peak_reserved = max(d.peak_reserved, d.reserved)
-        weakref.finalize(t, self._free, idx, n)
+            block = self._take_block(d, n)
+        setattr(t, _BLK, block)
+        weakref.finalize(t, self._free, idx, n, block)
 
-    def _free(self, idx: int, n: int) -> None:
+    def _take_block(self, d: _Device, n: int) -> _Block:
+        """A block for ``n`` bytes on the current stream: a freed one of that stream when the
+        pool has one (CUDACachingAllocator's get_free_block, after process_events returned
+        the blocks whose record_stream events completed), else a new one."""
+        stream = self._thread_streams().get(d.index) or d.default
+        if d.deferred:
+            self._advance()
+            still = []
+            for b in d.deferred:
+                if all(e.done for e in b.events):
+                    b.events = []
+                    d.pool.setdefault((b.stream, b.nbytes), []).append(b)
+                else:
+                    still.append(b)
+            d.deferred = still
+        free = d.pool.get((stream, n))
+        if free:
+            b = free.pop()
+            b.gen += 1
+            return b
+        return _Block(d.index, n, stream)
+
+    def _free(self, idx: int, n: int, block: _Block) -> None:
         if self._devices is None:
             return
         with self._lock:
-            self._devices[idx].allocated -= n
+            d = self._devices[idx]
+            d.allocated -= n
+            uses, block.uses = block.uses, set()
+            if uses:
+                # CUDACachingAllocator::free -> insert_events: an event on every stream the
+                # block was record_stream-ed for; reuse waits until they completed.
+                block.events = [self._enqueue(s, "event") for s in uses]
+                d.deferred.append(block)
+            else:
+                d.pool.setdefault((block.stream, block.nbytes), []).append(block)
+
+    @contextlib.contextmanager
+    def _raw(self) -> Iterator[None]:
+        """The sim's own tensor work (copies, reads): not costed as kernels by the op mode."""
+        tls = self._tls
+        prev = getattr(tls, "raw", False)
+        tls.raw = True
+        try:
+            yield
+        finally:
+            tls.raw = prev
+
+    # ---- kernels from ops -----------------------------------------------------------------
+
+    def _op_kernel(self, func: Any, args: Any, kwargs: Any, out: Any, ins: list[torch.Tensor]) -> None:
+        """The kernel an op on simulated-device tensors enqueues: its outputs are on the
+        device of its first device input, it reads its device inputs, writes its outputs,
+        and costs max(FLOPs / rate, bytes moved / memory bandwidth) of GPU time.
+
+        The FLOP count is torch.utils.flop_counter's formula for the op (matmuls,
+        convolutions, attention: the ops that dominate a training step); every other op is
+        bandwidth-bound. It runs on the current stream of that device, like every ATen CUDA
+        kernel (at::cuda::getCurrentCUDAStream).
+        """
+        from torch.utils._pytree import tree_flatten
+        from torch.utils.flop_counter import flop_registry
+
+        idx = getattr(ins[0], _TAG)
+        by_ptr = {}
+        for t in ins:
+            blk = getattr(t, _BLK, None)
+            if blk is not None:
+                with contextlib.suppress(Exception):
+                    by_ptr[t.untyped_storage().data_ptr()] = (blk, t)
+        nbytes = sum(t.numel() * t.element_size() for t in ins)
+        writes = []
+        for o in tree_flatten(out)[0]:
+            if not isinstance(o, torch.Tensor):
+                continue
+            nbytes += o.numel() * o.element_size()
+            blk = getattr(o, _BLK, None)
+            if blk is None:
+                try:
+                    shared = by_ptr.get(o.untyped_storage().data_ptr())
+                except Exception:
+                    shared = None
+                if shared is not None:  # a view or an in-place result: the input's memory
+                    setattr(o, _TAG, idx)
+                    setattr(o, _BLK, shared[0])
+                    blk = shared[0]
+                else:
+                    self._tag(o, idx)
+                    blk = getattr(o, _BLK)
+            writes.append((blk, blk.gen))
+        flops = 0
+        f = flop_registry.get(getattr(func, "_overloadpacket", None))
+        if f is not None:
+            with contextlib.suppress(Exception):
+                flops = int(f(*args, **kwargs, out_val=out))
+        assert self.flops_per_ns is not None
+        cost = int(max(flops / self.flops_per_ns, nbytes / self.op_bytes_per_ns))
+        reads = tuple({id(b): (b, b.gen) for b, _t in by_ptr.values()}.values())
+        with self._lock:
+            s = self._thread_streams().get(idx) or self._dev(idx).default
+            item = self._enqueue(s, "kernel", cost_ns=cost)
+            item.reads, item.writes = reads, tuple(writes)
+            self.kernels += 1
+
+    def _push_op_mode(self) -> Any:
+        """Make ops on this thread cost GPU time (a TorchDispatchMode: it sees every ATen op,
+        forward, backward and optimizer alike). None when no FLOP rate is configured."""
+        if self.flops_per_ns is None:
+            return None
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_flatten
+
+        sim = self
+
+        class _OpCost(TorchDispatchMode):
+            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                                   kwargs: Any = None) -> Any:
+                kwargs = kwargs or {}
+                out = func(*args, **kwargs)
+                if getattr(sim._tls, "raw", False):
+                    return out
+                ins = [a for a in tree_flatten((args, kwargs))[0]
+                       if isinstance(a, torch.Tensor) and getattr(a, _TAG, None) is not None]
+                if ins:
+                    sim._op_kernel(func, args, kwargs, out, ins)
+                return out
+
+        mode = _OpCost()
+        mode.__enter__()
+        return mode
 
     def memory_stats(self, device: Any = None) -> dict[str, int]:
         d = self._dev(self._index(device))
@@ -802,6 +1276,7 @@ class CudaSim:
         _ACTIVE = self
         try:
             _install_patches(self)
+            self._mode = self._push_op_mode()
         except BaseException:
             self.uninstall()
             raise
@@ -809,6 +1284,9 @@ class CudaSim:
 
     def uninstall(self) -> None:
         global _ACTIVE
+        mode, self._mode = self._mode, None
+        if mode is not None:
+            mode.__exit__(None, None, None)
         for w in list(self._workers.values()):
             w.stop()
         self._workers.clear()
@@ -856,12 +1334,15 @@ class _DeviceWorker:
             sim._tls.streams = streams
             sim._tls.device = self.index
             sim.backward_threads.append(threading.current_thread().name)
+            mode = sim._push_op_mode()  # backward kernels cost GPU time too
             try:
                 with torch.set_grad_enabled(grad_mode):
                     box["value"] = fn()
             except BaseException as exc:  # handed back to the caller, like the engine does
                 box["error"] = exc
             finally:
+                if mode is not None:
+                    mode.__exit__(None, None, None)
                 sim._tls.streams = {}
                 done.set()
 
@@ -969,12 +1450,21 @@ def _install_patches(sim: CudaSim) -> None:
     p(cuda, "default_stream", sim.default_stream)
     p(cuda, "set_stream", sim.set_stream)
     p(cuda, "stream", _stream_context)
-    p(cuda, "is_current_stream_capturing", lambda: sim.capturing)
+    # torch.cuda.is_current_stream_capturing: cudaStreamIsCapturing on the current stream of
+    # the calling thread only; another thread's capture is invisible to it.
+    p(cuda, "is_current_stream_capturing", lambda: sim.current_stream()._s in sim._captures)
+    p(cuda, "CUDAGraph", CUDAGraph)
+    p(cuda, "graph", _GraphContext)
 
     def synchronize(device: Any = None) -> None:
-        # cudaDeviceSynchronize: the host waits for every stream of the device.
+        # torch.cuda.synchronize: ``with torch.cuda.device(device): cudaDeviceSynchronize()``,
+        # the host waits for every stream of that device (the current one by default); it
+        # creates the device's context if it had none.
+        idx = sim._index(device)
+        sim._prohibit("cudaDeviceSynchronize", device=idx)
+        sim._ctx(idx, "synchronize")
         sim._count("device.synchronize")
-        for s in sim._dev(sim._index(device)).streams:
+        for s in sim._dev(idx).streams:
             sim._drain_to(s.last)
 
     p(cuda, "synchronize", synchronize)
@@ -1012,6 +1502,7 @@ def _install_patches(sim: CudaSim) -> None:
 
     def mem_get_info(device: Any = None) -> tuple[int, int]:
         d = sim._dev(sim._index(device))
+        sim._ctx(d.index, "mem_get_info")  # cudaMemGetInfo runs in the device's context
         return (sim.total_memory - d.reserved, sim.total_memory)
 
     p(cuda, "mem_get_info", mem_get_info)
@@ -1160,6 +1651,11 @@ def _patch_tensor(sim: CudaSim) -> None:
         # Tensor.record_stream tells the caching allocator a stream uses the block; no timing.
         if not isinstance(stream, Stream):
             raise TypeError(f"record_stream expects a torch.cuda.Stream; got {type(stream).__name__}")
+        blk = getattr(self, _BLK, None)
+        if blk is not None and stream._s is not blk.stream:
+            # CUDACachingAllocator::recordStream: a use on another stream than the block's
+            # own (ignored for that one); free() then defers the reuse (see _Block).
+            blk.uses.add(stream._s)
 
     p(T, "record_stream", record_stream)
 
@@ -1170,7 +1666,8 @@ def _patch_tensor(sim: CudaSim) -> None:
                 # A D2H read (.item(), .tolist()) waits for the current stream: a host sync.
                 sim._count(kind)
                 sim._drain_to(sim.current_stream(idx)._s.last)
-            return orig(self, *args, **kwargs)
+            with sim._raw():
+                return orig(self, *args, **kwargs)
 
         return read
 
@@ -1202,14 +1699,19 @@ def _move(sim: CudaSim, t: torch.Tensor, idx: int | None, *, dtype: Any, non_blo
         if out is not t and idx is not None:
             sim._tag(out, idx)
         return out
-    out = orig_to(t, dtype=dtype if dtype is not None else t.dtype, copy=True, **kw)
+    with sim._raw():
+        out = orig_to(t, dtype=dtype if dtype is not None else t.dtype, copy=True, **kw)
     nbytes = t.numel() * t.element_size()
     cost = int(nbytes / sim.copy_bytes_per_ns)
     if idx is not None and src is None:
-        # Host to device, enqueued on the target device's current stream.
+        # Host to device, enqueued on the target device's current stream, into memory the
+        # caching allocator gives out on that stream (a freed block of it may be reused).
         stream = sim.current_stream(idx)
+        sim._tag(out, idx)
+        blk = getattr(out, _BLK)
         with sim._lock:
             item = sim._enqueue(stream._s, "h2d", cost_ns=cost)
+            item.writes = ((blk, blk.gen),)
         pinned = bool(getattr(t, _PIN, False))
         blocking = not (pinned and non_blocking)
         sim.copies.append(("h2d", nbytes, blocking))
@@ -1224,10 +1726,13 @@ def _move(sim: CudaSim, t: torch.Tensor, idx: int | None, *, dtype: Any, non_blo
     if idx is not None and src is not None:
         # Device to device (peer copy): async on the current stream of the target device.
         stream = sim.current_stream(idx)
-        with sim._lock:
-            sim._enqueue(stream._s, "d2d", cost_ns=cost)
-        sim.copies.append(("d2d", nbytes, False))
         sim._tag(out, idx)
+        blk = getattr(out, _BLK)
+        with sim._lock:
+            item = sim._enqueue(stream._s, "d2d", cost_ns=cost)
+            item.writes = ((blk, blk.gen),)
+            item.reads = tuple((b, b.gen) for b in [getattr(t, _BLK, None)] if b is not None)
+        sim.copies.append(("d2d", nbytes, False))
         return out
     # Device to host.
     assert src is not None
@@ -1235,6 +1740,7 @@ def _move(sim: CudaSim, t: torch.Tensor, idx: int | None, *, dtype: Any, non_blo
     stream = sim.current_stream(src)
     with sim._lock:
         item = sim._enqueue(stream._s, "d2h", cost_ns=cost)
+        item.reads = tuple((b, b.gen) for b in [getattr(t, _BLK, None)] if b is not None)
     if not non_blocking:
         sim._count("d2h")  # copy to pageable host memory: the host waits for the stream
         sim._drain_to(item)
@@ -1339,5 +1845,5 @@ def _patch_autograd(sim: CudaSim) -> None:
     sim._patch(graph, "_engine_run_backward", engine_run_backward)
 
 
-__all__ = ["CudaSim", "Event", "Stream", "active", "install"]
+__all__ = ["CUDAGraph", "CudaSim", "Event", "Stream", "UseAfterReuse", "Work", "active", "install"]
 
