@@ -56,6 +56,8 @@ def cuda_sim():
     finally:
         for sim in reversed(made):
             sim.uninstall()
+    for sim in made:  # raised where found, but the code under test may have swallowed it
+        assert not sim.reuse_errors, sim.reuse_errors
 
 
 @pytest.fixture
