@@ -458,9 +458,8 @@ def test_first_next_hands_over_batch_0_and_queues_batch_1() -> None:
     assert torch.equal(b0, torch.zeros(2))
     copy = be.streams[0].name
     assert be.log == [
-        # stage batch 0: copy stream waits for the consumer, then timed copy
+        # stage batch 0: a timed copy; the copy stream waits for nothing on the consumer
         ("pin",),  # on the host, before the timed span starts
-        ("wait_stream", copy, "consumer"),
         ("record", 0, copy),
         ("copy", copy, (2,), True),
         ("record", 1, copy),
@@ -472,7 +471,6 @@ def test_first_next_hands_over_batch_0_and_queues_batch_1() -> None:
         ("counter", "h2d_bytes", 8),
         # batch 1 is already queued before batch 0 is returned: it overlaps the compute
         ("pin",),
-        ("wait_stream", copy, "consumer"),
         ("record", 2, copy),
         ("copy", copy, (3,), True),
         ("record", 3, copy),
@@ -484,28 +482,47 @@ def test_consumer_waits_on_the_event_of_its_own_batch() -> None:
     loader, be = fake_loader([torch.full((1,), float(i)) for i in range(4)])
     out = [b.item() for b in loader]
     assert out == [0.0, 1.0, 2.0, 3.0]
-    waits = [e[2] for e in be.log if e[0] == "wait_event"]
-    done_events = [e[1] for e in be.log if e[0] == "record"][1::2]
+    copy = be.streams[0].name
+    waits = [e[2] for e in be.log if e[0] == "wait_event" and e[1] == "consumer"]
+    done_events = [e[1] for e in be.log if e[0] == "record" and e[2] == copy][1::2]
     assert waits == done_events  # batch k waits exactly on the event after copy k
-    # every copy is ordered after the consumer (safe reuse of freed batch memory)
-    copies = [i for i, e in enumerate(be.log) if e[0] == "copy"]
-    for i in copies:
-        before = [e for e in be.log[:i] if e[0] in ("wait_stream", "copy")]
-        assert before[-1][0] == "wait_stream"
+    # No copy is ordered after the consumer's work (that would serialise copy and compute):
+    # the copy stream waits for nothing while batches flow.
+    last_copy = max(i for i, e in enumerate(be.log) if e[0] == "copy")
+    assert not [e for e in be.log[:last_copy] if e[0] in ("wait_stream", "wait_event")
+                and e[1] == copy]
+    # Each batch's last use is marked on the consumer when the next one is handed over.
+    used = [e[1] for e in be.log if e[0] == "record" and e[2] == "consumer"]
+    assert len(used) == 4  # batches 0-2 at the next hand-over, batch 3 at the epoch end
     # the host never synchronises while batches flow (only the end waits out the tail)
     last_wait = max(i for i, e in enumerate(be.log) if e[0] == "wait_event")
     assert "sync" not in names(be.log[: last_wait + 1])
 
 
 def test_safe_reuse_follows_the_current_consumer_stream() -> None:
-    loader, be = fake_loader([torch.zeros(1)] * 3)
+    loader, be = fake_loader([torch.zeros(1)] * 4)
     it = iter(loader)
     next(it)
+    first = be.consumer
     be.consumer = FakeStream("side", be.log)  # caller switched streams
     be.log.clear()
-    next(it)
+    b1 = next(it)
     assert ("wait_event", "side", 3) in be.log
-    assert ("wait_stream", be.streams[0].name, "side") in be.log
+    for e in be.events:
+        if e.stream is first:
+            e.done = True  # batch 0's last use, on the first consumer stream, is behind us
+    ref = weakref.ref(b1)
+    del b1
+    be.log.clear()
+    next(it)  # batch 1's last use is marked on the stream it was handed over on
+    (used,) = [e[1] for e in be.log if e[0] == "record" and e[2] == "side"]
+    gc.collect()
+    assert ref() is not None  # kept alive: the side stream may still read it
+    be.events[used].done = True
+    next(it)
+    gc.collect()
+    assert ref() is None  # released once the side stream passed it, without a sync
+    assert "sync" not in names(be.log)
 
 
 def test_one_copy_stream_reused_across_epochs() -> None:
@@ -545,8 +562,14 @@ def test_end_of_epoch_leaves_nothing_in_flight() -> None:
     assert len(list(loader)) == 2
     gc.collect()
     # unfinished copies were waited out once, at the end, then every pinned source freed
-    assert all(e.done for e in be.events if e.n % 2 == 1)
+    copy = be.streams[0]
+    assert all(e.done for e in be.events if e.stream is copy and not e.timing)
     assert [p() for p in be.pins] == [None, None]
+    # batches the consumer may still read were let go without a sync: the next copy on
+    # the copy stream waits for their last use on the GPU
+    used = [e.n for e in be.events if e.stream is be.consumer]
+    assert used and [("wait_event", copy.name, n) for n in used] == [
+        e for e in be.log if e[0] == "wait_event" and e[1] == copy.name]
 
 
 def test_break_waits_for_the_prefetched_copy_and_frees_it() -> None:
@@ -555,7 +578,9 @@ def test_break_waits_for_the_prefetched_copy_and_frees_it() -> None:
         if batch[0].item() == 1.0:
             break
     # batch 2 was queued; the loop's iterator is gone, so its copy was waited out
-    assert be.log[-1] == ("sync", 5)
+    copy = be.streams[0].name
+    done2 = [e[1] for e in be.log if e[0] == "record" and e[2] == copy][-1]
+    assert be.log[-1] == ("sync", done2)
     del batch
     gc.collect()
     assert [p() for p in be.pins] == [None, None, None]
@@ -610,7 +635,9 @@ def test_disabled_tracer_does_no_extra_work() -> None:
     assert len(list(loader)) == 3
     assert not {"open", "close", "side", "counter"} & set(names(be.log))
     assert all(not e.timing for e in be.events)
-    assert len(be.events) == 3  # one plain "copy done" event per batch, no start events
+    # one plain "copy done" event per batch, no start events; one "last use" per batch
+    assert len([e for e in be.events if e.stream is be.streams[0]]) == 3
+    assert len([e for e in be.events if e.stream is be.consumer]) == 3
 
 
 def test_unsampled_steps_report_nothing_but_copies_stay_timed() -> None:

@@ -216,6 +216,11 @@ class _CudaPrefetchIter:
         self._pending: _Staged | _Failed | object | None = None
         # Copies handed over but maybe still running: their pinned sources stay alive here.
         self._inflight: deque[tuple[Any, list[Any]]] = deque()
+        #: The batch handed over last (its device memory) and its consumer stream.
+        self._current: tuple[Any, Any] | None = None
+        #: Handed-over batches kept alive until the consumer stream passed an event recorded
+        #: after their last use (see _retire_current).
+        self._in_use: deque[tuple[Any, Any]] = deque()
         hook = owner._step_end_hook(tracer)
         if hook is not None:
             hook.it = weakref.ref(self)
@@ -279,6 +284,14 @@ class _CudaPrefetchIter:
         pending, self._pending, self._src = self._pending, None, None
         if isinstance(pending, _Staged):
             self._inflight.append((pending.done, pending.keepalive))
+        self._retire_current()
+        # Batches still in use are let go without waiting: the next copy on this stream (the
+        # next epoch's, the only allocations that may reuse their memory) waits for their
+        # last use on the GPU instead. One wait per epoch, no host sync.
+        while self._in_use:
+            used, _batch = self._in_use.popleft()
+            if not used.query():
+                self._stream.wait_event(used)
         while self._inflight:
             done, _keep = self._inflight.popleft()
             if not done.query():
@@ -297,6 +310,25 @@ class _CudaPrefetchIter:
         # query() never blocks: sources are dropped as soon as their copy is seen done.
         while self._inflight and self._inflight[0][0].query():
             self._inflight.popleft()
+        in_use = self._in_use
+        while in_use and in_use[0][0].query():  # in order of recording
+            in_use.popleft()
+
+    def _retire_current(self) -> None:
+        """The last handed-over batch stays alive until the consumer stream has run every
+        kernel queued so far (an event recorded now): the caching allocator gives a freed
+        block to the next allocation on the copy stream at once, so a batch the caller drops
+        while its kernels are still queued would otherwise be overwritten by a later copy.
+        The same guarantee as ``Tensor.record_stream(consumer)`` for every leaf, for any
+        batch type (objects with their own ``.to()`` included), and read by the same one
+        non-blocking query per step as the copies."""
+        cur, self._current = self._current, None
+        if cur is None:
+            return
+        batch, consumer = cur
+        used = self._be.new_event(enable_timing=False)
+        used.record(consumer)
+        self._in_use.append((used, batch))
 
     def _stage(self) -> _Staged | _Failed | object:
         assert self._src is not None
@@ -315,13 +347,11 @@ class _CudaPrefetchIter:
         # Time every copy while a tracer lives; whether it is reported is decided at
         # hand-over, for the step that consumes the batch (sampling may differ by then).
         timing = bool(getattr(self._tracer, "enabled", False))
-        # Safe reuse: the copy stream waits for everything already queued on the consumer
-        # stream before copying. Batch memory is allocated on the copy stream, so a batch
-        # the caller freed can only be reused by a later copy, and that copy is ordered
-        # after all consumer work queued before the free. Chosen over record_stream
-        # because reuse stays deterministic (memory_reserved stays flat, no allocator
-        # event polling).
-        stream.wait_stream(be.current_stream(dev))
+        # The copy stream waits for nothing on the consumer stream: that wait would order
+        # this copy after every kernel queued so far (all of the current step's, when the
+        # batch is staged at a step end), so nothing would overlap. Reuse safety comes from
+        # keeping each handed-over batch alive until the consumer stream has passed its last
+        # use (see _hand_over): its memory returns to the copy stream's pool only then.
         start = be.new_event(enable_timing=True) if timing else None
         done = be.new_event(enable_timing=timing)
         keep: list[Any] = []
@@ -385,6 +415,9 @@ class _CudaPrefetchIter:
         return obj
 
     def _hand_over(self, cur: _Staged, consumer: Any) -> None:
+        # Everything queued for the previous batch is on the consumer stream by now.
+        self._retire_current()
+        self._current = (cur.batch, consumer)
         tracer = self._tracer
         if tracer.recording:
             token = tracer.open_phase("h2d")
