@@ -7,6 +7,8 @@ when the GPU, not the host, is the bottleneck.
 
 from __future__ import annotations
 
+import time
+import warnings
 from typing import Any
 
 import pytest
@@ -51,9 +53,45 @@ def test_prefetch_hides_the_copy_under_compute_in_the_readme_loop(tmp_path, cuda
     copy_ms = 64 * 1024 * 4 / COPY_BYTES_PER_NS / 1e6
     compute_ms = 2 * 2 * 64 * 1024 * 1024 / TFLOPS / 1e9
     for r in recs[1:]:  # batch 0's copy has nothing to hide under
-        assert r["side_ms"]["h2d_copy"] == pytest.approx(copy_ms, rel=0.02)
+        # The copy span starts when the host queued it (the copy stream is idle): it is the
+        # copy's cost plus however long the host took to issue it.
+        assert r["side_ms"]["h2d_copy"] >= copy_ms * 0.99
         assert r["h2d_hidden_ms"] >= 0.95 * r["side_ms"]["h2d_copy"], r
         # The GPU does the compute, not compute + copy, per step.
         assert r["step_ms"] < compute_ms + 0.1 * copy_ms, r
     # No batch memory was reused while a kernel still read it (the fixture checks too).
     assert sim.reuse_errors == []
+
+
+@pytest.mark.parametrize("set_device", [False, True])
+@pytest.mark.parametrize("how", ["profile_steps", "auto_profile"])
+def test_no_cuda_context_on_a_device_but_the_resolved_one(tmp_path, cuda_sim, monkeypatch,
+                                                          how, set_device):
+    import stepscope.autoprofile as autoprofile
+    from stepscope.errors import StepscopeWarning
+
+    sim = cuda_sim(devices=2)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(autoprofile, "_warmed", False)  # the warm-up runs in this process
+    if set_device:
+        torch.cuda.set_device(1)
+    # auto_profile: a capture triggered by one slow step (host time) after a short history.
+    auto = autoprofile.AutoProfileConfig(window=8, min_history=6, patience=1, steps=2,
+                                         warmup=1, compare_healthy=False)
+    kw: dict[str, Any] = ({"profile_steps": (1, 3)} if how == "profile_steps" else
+                          {"auto_profile": auto})
+    with warnings.catch_warnings():
+        # Without set_device: "cuda:1 (LOCAL_RANK) is not the current device", once a process.
+        warnings.simplefilter("ignore", StepscopeWarning)
+        stepscope.init(out_dir=str(tmp_path), flush_every_n_steps=1, heartbeat_s=0, **kw)
+    try:
+        for i in range(14):
+            with stepscope.step():
+                sim.kernel(1.0, torch.cuda.current_stream(1))
+                time.sleep(0.3 if i == 8 else 0.01)
+    finally:
+        stepscope.finish()
+    traces = list((tmp_path / "traces").rglob("*.json*"))
+    assert traces, "no torch.profiler window was captured"
+    assert set(sim.contexts) == {1}, sim.contexts
+    assert len(_records(tmp_path)) == 14

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from stepscope.common.robust import MAD_SCALE, mad, median
 from stepscope.errors import ConfigError
+from stepscope.profiler import DeviceSpec, on_device
 
 if TYPE_CHECKING:
     from stepscope.live import LiveView
@@ -234,6 +235,7 @@ class AutoProfiler:
             start_step=cfg.warmup,
             end_step=cfg.warmup + cfg.steps,
             warmup=cfg.warmup,
+            device=self.tracer.cuda_device,
         )
         # Starting torch.profiler costs this one step some milliseconds; it is rare and bounded.
         prof.start()
@@ -338,7 +340,7 @@ class AutoProfiler:
 _warmed = False  # torch.profiler's first start in a process loads and initialises CUPTI
 
 
-def warm_profiler() -> bool:
+def warm_profiler(device: DeviceSpec = None) -> bool:
     """Start and stop one empty ``torch.profiler`` session now, once per process.
 
     The first profiler start in a process loads libcupti and initialises Kineto (seconds on a
@@ -359,11 +361,11 @@ def warm_profiler() -> bool:
     activities = [ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(ProfilerActivity.CUDA)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), on_device(device):
         warnings.simplefilter("ignore")  # an empty session warns about its empty trace
         prof = profile(activities=activities)
         prof.start()
-        prof.stop()
+        prof.stop()  # synchronises the current device: ``device``, not GPU 0
     return True
 
 
@@ -372,7 +374,7 @@ def attach_autoprofile(tracer: Tracer) -> AutoProfiler:
     cfg = resolve_auto_profile(tracer.config.auto_profile)
     assert cfg is not None, "attach_autoprofile is only called when auto_profile is set"
     try:
-        warm_profiler()
+        warm_profiler(tracer.cuda_device)
     except Exception as exc:  # protect the job: a cold first capture is slower, nothing worse
         tracer.warn(f"could not warm up torch.profiler at init: {exc!r}", key="warm-profiler")
     view = None

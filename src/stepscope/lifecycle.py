@@ -203,7 +203,7 @@ def wire(tracer: Tracer) -> None:
         start, end = config.profile_steps
         prof = Profiler(
             out_dir=os.path.join(config.out_dir, "traces"), start_step=start, end_step=end,
-            ranks=config.ranks,
+            ranks=config.ranks, device=tracer.cuda_device,
         )
         prof.start()
         tracer.profiler = prof

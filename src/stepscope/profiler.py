@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -61,6 +61,33 @@ def unobserved() -> Iterator[None]:
         enable(True)
 
 
+#: A CUDA device index, a function giving it when asked (None: unknown yet), or None.
+DeviceSpec = int | Callable[[], int | None] | None
+
+
+@contextlib.contextmanager
+def on_device(device: DeviceSpec) -> Iterator[None]:
+    """Run a torch.profiler call with ``device`` current.
+
+    torch.profiler's stop calls ``torch.cuda.synchronize()`` (autograd.profiler.profile
+    ``__exit__``; ``torch.accelerator.synchronize()`` with the CUPTI monitor) on the *current*
+    device. On a rank that never called ``set_device`` that is GPU 0, whose CUDA context it
+    then creates: hundreds of MB on GPU 0 from every rank. Nothing is switched when the
+    device is unknown or CUDA is not available.
+    """
+    index = device() if callable(device) else device
+    if index is None:
+        yield
+        return
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.current_device() == index:
+        yield
+        return
+    with torch.cuda.device(index):
+        yield
+
+
 def trace_name(rank: int, compress: bool = True) -> str:
     """The file a rank's trace is written to (not Kineto's default hostname_pid name)."""
     return f"rank{rank}.pt.trace.json" + (".gz" if compress else "")
@@ -72,7 +99,9 @@ class Profiler:
     Steps are counted from 0 by calls to :meth:`step`, one at the end of each training step.
     The ``warmup`` steps before ``start_step`` run the profiler without recording, as
     torch.profiler recommends. On ranks not in ``ranks`` (``None`` means every rank) the
-    object is a no-op, so user code needs no ``if``.
+    object is a no-op, so user code needs no ``if``. ``device``: the CUDA device the
+    profiler's calls run on (its stop synchronises the current device; default: whichever
+    is current at the time).
 
     Example::
 
@@ -96,6 +125,7 @@ class Profiler:
         ranks: Iterable[int] | None = None,
         *,
         compress: bool = True,
+        device: DeviceSpec = None,
     ) -> None:
         if not isinstance(out_dir, (str, os.PathLike)) or not str(out_dir):
             raise ConfigError(f"out_dir must be a non-empty path; got {out_dir!r}")
@@ -124,6 +154,11 @@ class Profiler:
         self.with_stack = with_stack
         self.with_flops = with_flops
         self.compress = compress
+        if device is not None and not callable(device) and (
+                isinstance(device, bool) or not isinstance(device, int) or device < 0):
+            raise ConfigError(f"device must be a CUDA device index >= 0 or None; got {device!r}")
+        #: The CUDA device the profiler's calls run on (its stop synchronises that device).
+        self.device = device
         self.rank = current_rank()
         self.enabled = rank_set is None or self.rank in rank_set
         self.trace_path = self.out_dir / trace_name(self.rank, compress)
@@ -142,7 +177,8 @@ class Profiler:
             return self
         try:
             self._prof = self._build()
-            self._prof.start()
+            with on_device(self.device):
+                self._prof.start()
         except Exception as exc:  # protect the job: a profiler that cannot start is skipped
             self._disable(f"torch.profiler could not start: {exc!r}")
         return self
@@ -153,7 +189,8 @@ class Profiler:
         if self._prof is None:
             return
         try:
-            self._prof.step()
+            with on_device(self.device):  # the step that ends the window stops the profiler
+                self._prof.step()
         except Exception as exc:  # protect the job: losing the trace beats losing the run
             self._disable(f"torch.profiler failed at step {self.step_num}: {exc!r}")
 
@@ -163,7 +200,8 @@ class Profiler:
         if prof is None:
             return
         try:
-            prof.stop()
+            with on_device(self.device):
+                prof.stop()
         except Exception as exc:  # protect the job
             self._disable(f"torch.profiler failed to stop: {exc!r}")
 

@@ -166,6 +166,13 @@ class Tracer(Session):
             )
         return H2DProxy(batch, self)
 
+    def cuda_device(self) -> int | None:
+        """The CUDA device this tracer times: the resolved one, else the one of its first mark
+        (None before that, and without CUDA). What anything that must run a CUDA call on
+        the rank's own device (a profiler's synchronize) asks."""
+        index = getattr(self.clock, "device_index", None)
+        return index if isinstance(index, int) and not isinstance(index, bool) else None
+
     def summary(self) -> dict[str, Any]:
         """Per-phase medians over the records resolved so far on this rank (plain dict).
 
