@@ -95,3 +95,69 @@ def test_no_cuda_context_on_a_device_but_the_resolved_one(tmp_path, cuda_sim, mo
     assert traces, "no torch.profiler window was captured"
     assert set(sim.contexts) == {1}, sim.contexts
     assert len(_records(tmp_path)) == 14
+
+
+def test_side_stream_work_inside_a_step_is_inside_step_ms(tmp_path, cuda_sim):
+    sim = cuda_sim()
+    side = torch.cuda.Stream()
+    stepscope.init(out_dir=str(tmp_path), flush_every_n_steps=1, heartbeat_s=0)
+    try:
+        for _ in range(3):
+            with stepscope.step():
+                sim.kernel(1.0)
+                with torch.cuda.stream(side), stepscope.phase("work"):
+                    sim.kernel(30.0)
+        sim.drain()
+    finally:
+        stepscope.finish()
+    recs = _records(tmp_path)
+    assert len(recs) == 3
+    for r in recs:
+        (work,) = [p for p in r["phases"] if p["name"] == "work"]
+        assert work["ms"] >= 30.0
+        # The step ends at its latest mark on any stream it used, without a wait added.
+        assert r["step_ms"] >= work["end_ms"] >= 30.0, r
+        assert r["residual_ms"] >= 0.0
+    assert sim.syncs == 0, sim.sync_log
+
+
+def test_no_event_query_while_another_thread_captures_in_global_mode(tmp_path, cuda_sim):
+    import threading
+
+    sim = cuda_sim()
+    stepscope.init(out_dir=str(tmp_path), flush_every_n_steps=1, heartbeat_s=0)
+    started, release, out = threading.Event(), threading.Event(), {}
+
+    def capture() -> None:
+        try:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):  # global mode, torch's default
+                sim.kernel(2.0)
+                started.set()
+                release.wait(10)
+            out["ended"] = "ok"
+        except RuntimeError as exc:
+            out["ended"] = str(exc)
+
+    try:
+        with stepscope.step():
+            sim.kernel(1.0)
+        t = threading.Thread(target=capture)
+        t.start()
+        assert started.wait(10)
+        for _ in range(3):  # step exits while the other thread captures
+            with stepscope.step():
+                sim.kernel(1.0)
+        release.set()
+        t.join(10)
+        for _ in range(2):
+            with stepscope.step():
+                sim.kernel(1.0)
+        sim.drain()
+    finally:
+        release.set()
+        stepscope.finish()
+    assert out["ended"] == "ok"
+    recs = _records(tmp_path)
+    assert [r["step"] for r in recs] == list(range(6))  # resolved once the capture ended
+    assert not any(r.get("dropped") for r in recs), [r["dropped"] for r in recs]

@@ -61,6 +61,9 @@ class NullTracer:
             check_counts(tokens, samples)
         return self._NULL
 
+    def cuda_device(self) -> int | None:
+        return None
+
     def count(self, name: str, n: int) -> None:
         return None
 

@@ -24,7 +24,8 @@ steps, and more than one step can resolve per step exit, so a backlog drains.
 
 Every CUDA call (``query``, ``elapsed_time``) runs on the training thread: a background
 thread would create a CUDA context on GPU 0 (its current device) on every rank and break
-CUDA-graph capture, so ``poll`` does nothing while the current stream is capturing.
+CUDA-graph capture, so ``poll`` does nothing while ``capturing()`` says a capture is under way
+(the current stream's, or any thread's in global mode: see :mod:`stepscope.instrument.graphs`).
 
 A step whose marks never complete stays pending until ``max_pending_steps`` pushes it out
 (counted as ``pending_overflow``). A step with a mark on a foreign device, or whose marks
@@ -175,13 +176,20 @@ class Resolver:
         same = clock.same_device if self._pooled else None  # host marks all compare
         t0 = step.start
         try:
-            step.step_ms = el(t0, step.end)
+            step_ms = el(t0, step.end)
             timed = []
             for s in step.spans:
                 if same is not None and not (same(t0, s.start) and same(t0, s.end)):
                     self._count("foreign_device")
                     continue
-                timed.append((s, el(t0, s.start), el(t0, s.end)))
+                end_ms = el(t0, s.end)
+                timed.append((s, el(t0, s.start), end_ms))
+                if end_ms > step_ms:
+                    # The step ends at its latest mark on any stream it used: a phase on a side
+                    # stream made current inside the step can end after the end mark recorded
+                    # on the step's own stream (no wait is added to order them).
+                    step_ms = end_ms
+            step.step_ms = step_ms
             step.timed = timed
             if step.side:
                 side = []
@@ -236,13 +244,3 @@ class Resolver:
             dropped = dict(new) if i == 0 else {}
             out.append(build_record(step, self.identity, self.clock, self._fields, dropped))
         return out
-
-
-def capture_probe() -> Callable[[], bool]:
-    """``torch.cuda.is_current_stream_capturing`` (a constant False without CUDA: fake CUDA
-    clocks in tests can never be capturing)."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return lambda: False
-    return torch.cuda.is_current_stream_capturing

@@ -25,14 +25,14 @@ from typing import Any
 from stepscope.clock import Clock, CudaClock, GpuAnchor
 from stepscope.config import Config
 from stepscope.dist import RankInfo
-from stepscope.instrument import gate
+from stepscope.instrument import gate, graphs
 from stepscope.instrument.install import install_instruments
 from stepscope.instrument.resources import ResourceMonitor, monitor_for
 from stepscope.instrument.sched import reader_for
 from stepscope.outbox import MAX_HELD_STEPS, RECENT_RECORDS, Outbox, RecentRecords
 from stepscope.record import Step
 from stepscope.recorder import Recorder
-from stepscope.resolver import Resolver, capture_probe
+from stepscope.resolver import Resolver
 from stepscope.sinks import DELIVERY_BOUND_S, Sink, open_sink
 
 __all__ = ["FINISH_TIMEOUT_S", "MAX_HELD_STEPS", "RECENT_RECORDS", "Session"]
@@ -52,18 +52,20 @@ class Session(Recorder):
         self.rank = rank
         self.run_id = run_id
         anchor = GpuAnchor(clock) if isinstance(clock, CudaClock) else None
+        # On CUDA: know about global-mode graph captures on any thread (see instrument.graphs).
+        uncapture = graphs.install_patch() if anchor is not None else None
         resolver = Resolver(
             clock,
             {"run_id": run_id, "rank": rank.rank, "local_rank": rank.local_rank,
              "world_size": rank.world_size, "hostname": rank.hostname},
             config.max_pending_steps,
             anchor,
-            capture_probe() if anchor is not None else None,
+            graphs.probe() if anchor is not None else None,
             self._step_fields,
         )
         super().__init__(config, clock, resolver)
         self._auto_active: set[str] = set()
-        self._uninstallers: list[Callable[[], None]] = []
+        self._uninstallers: list[Callable[[], None]] = [] if uncapture is None else [uncapture]
         self._since_flush = 0
         self._failed = False
         self._finished = False
