@@ -861,6 +861,11 @@ class CudaSim:
             s = self._dev(idx).default
         return Stream(_wrap=s)
 
+    def current_raw_stream(self, device: int) -> int:
+        # A plain lookup, like the C call it stands for (no Stream object is built).
+        s = self._thread_streams().get(device) or self._dev(device).default
+        return 0 if s.sid == 0 else 0x7F000000 + s.sid
+
     def default_stream(self, device: Any = None) -> Stream:
         idx = self.current_device() if device is None else self._index(device)
         return Stream(_wrap=self._dev(idx).default)
@@ -1447,6 +1452,8 @@ def _install_patches(sim: CudaSim) -> None:
     p(cuda, "ExternalStream", ExternalStream)
     p(cuda, "Event", Event)
     p(cuda, "current_stream", sim.current_stream)
+    # torch._C._cuda_getCurrentRawStream(device): the cudaStream_t of the current stream.
+    p(torch._C, "_cuda_getCurrentRawStream", sim.current_raw_stream)
     p(cuda, "default_stream", sim.default_stream)
     p(cuda, "set_stream", sim.set_stream)
     p(cuda, "stream", _stream_context)

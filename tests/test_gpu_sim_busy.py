@@ -161,3 +161,27 @@ def test_no_event_query_while_another_thread_captures_in_global_mode(tmp_path, c
     recs = _records(tmp_path)
     assert [r["step"] for r in recs] == list(range(6))  # resolved once the capture ended
     assert not any(r.get("dropped") for r in recs), [r["dropped"] for r in recs]
+
+
+def test_a_mark_builds_no_stream_object_once_its_stream_is_known(cuda_sim, monkeypatch):
+    from stepscope.clock import CudaClock
+
+    cuda_sim()
+    built = []
+    real = torch.cuda.current_stream
+
+    def counting(device: Any = None) -> Any:
+        built.append(device)
+        return real(device)
+
+    monkeypatch.setattr(torch.cuda, "current_stream", counting)
+    clock = CudaClock()
+    side = torch.cuda.Stream()
+    marks = [clock.mark() for _ in range(50)]
+    with torch.cuda.stream(side):
+        marks += [clock.mark() for _ in range(50)]
+    marks.append(clock.mark())
+    assert len(built) == 2  # one Stream object per stream, not one per mark
+    assert [m.stream for m in marks[:50]] == [real(0)] * 50
+    assert [m.stream for m in marks[50:100]] == [side] * 50
+    assert marks[-1].stream == real(0)

@@ -147,7 +147,7 @@ class CudaClock:
             if current_device is None:
                 current_device = torch.cuda.current_device
             if real and current_stream is None:
-                current_stream = torch.cuda.current_stream
+                current_stream = cached_current_stream()
         self._new = event_factory
         self._current_device = current_device
         self._current_stream = current_stream
@@ -219,6 +219,41 @@ class CudaClock:
         stream is unknown, so it is checked on its own."""
         dev = self._fixed
         return CudaMark(event, self._current_device() if dev is None else dev, pooled=False)
+
+
+#: Streams remembered by :func:`cached_current_stream` before the memory is cleared (a job
+#: that makes a new stream per epoch must not grow it without bound).
+STREAM_CACHE_SIZE = 256
+
+
+def cached_current_stream() -> Callable[[int], Any]:
+    """``current_stream(device)`` for the hot path: one C call per mark.
+
+    ``torch.cuda.current_stream`` builds a new Python ``Stream`` on every call (a device-index
+    parse, a C call returning the stream's fields, an object). The raw handle of the current
+    stream (``torch._C._cuda_getCurrentRawStream``, one C call) names the stream as well, so
+    the ``Stream`` object is built once per stream and reused; a ``torch.cuda.stream(s)``
+    block or ``set_stream`` changes the handle, and so the stream a mark is recorded on.
+    Falls back to ``torch.cuda.current_stream`` where torch has no such call.
+    """
+    import torch
+
+    current = torch.cuda.current_stream
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is None:
+        return current
+    known: dict[tuple[int, int], Any] = {}
+
+    def current_stream(device: int) -> Any:
+        key = (device, raw(device))
+        s = known.get(key)
+        if s is None:
+            if len(known) >= STREAM_CACHE_SIZE:
+                known.clear()
+            s = known[key] = current(device)
+        return s
+
+    return current_stream
 
 
 class GpuAnchor:
