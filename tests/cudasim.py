@@ -15,6 +15,16 @@ train on CPU while the *timing* behaves like a GPU:
 * copies from pageable memory block the host until the stream drains;
 * every synchronisation and blocking read is counted in :attr:`CudaSim.syncs`.
 
+The busy GPU (``CudaSim(tflops=...)``): every op on a simulated-device tensor enqueues a kernel
+costed by FLOPs or bytes (a dispatch mode on the training and autograd threads), a bounded
+launch queue blocks a host that is too far ahead. Always on: CUDA contexts per device
+(:attr:`CudaSim.contexts`), per-stream capture in global / thread_local / relaxed mode
+(:class:`CUDAGraph`, ``torch.cuda.graph``, :meth:`CudaSim.capture`), NCCL-style collectives
+on a communication stream (:meth:`CudaSim.collective`), and a caching-allocator block model
+that raises :class:`UseAfterReuse` when a kernel reads memory a later copy overwrote. Each
+rule's docstring names the CUDA / PyTorch behaviour it models; ``docs/gpu-semantics.md``
+lists them with their tests.
+
 Usage::
 
     with CudaSim(devices=2, lag_steps=100) as sim:   # or the ``cuda_sim`` fixture
@@ -33,13 +43,18 @@ Limits (what is NOT simulated; see README "GPU claims"):
   computed from them report ``cpu`` (no op-level propagation). ``.item()``/``.tolist()``/
   ``.cpu()`` are counted as syncs only on such tagged tensors.
 * Host compute is real CPU time; the GPU timeline is the host timeline shifted by the lag,
-  plus explicit :meth:`CudaSim.kernel` durations and copy durations (bytes / bandwidth).
+  plus explicit :meth:`CudaSim.kernel` durations, copy durations (bytes / bandwidth) and, on
+  the busy GPU, op costs. Concurrent kernels do not compete for SMs or bandwidth. A blocked
+  host (a sync, a full launch queue) waits at most ``sync_sleep_limit_s`` of real time: the
+  awaited work is completed on the GPU timeline instead.
 * The whole backward runs on the device thread (the real engine runs CPU-only nodes on the
   caller's thread; here every node "is on the device"). Its device: the device of the last
   placed module, else the caller's current device.
-* No CUDA graphs (``capture()`` only flips ``is_current_stream_capturing`` and makes queries
-  raise), no NCCL, no multi-process shared devices (each process has its own simulated
-  devices). ``torch.accelerator`` covers availability, device index, streams and memory.
+* CUDA graphs: capture rules and captured work only (a replay is one kernel of the captured
+  cost; no graph memory pools). No real NCCL, no multi-process shared devices (each process
+  has its own simulated devices). ``torch.accelerator`` covers availability, device index,
+  streams and memory. The allocator model reuses blocks per stream and exact size (no
+  splitting); a view keeps its base's block only while the base tensor object lives.
 * Faults on demand: :meth:`CudaSim.inject_query_errors`.
 * Collectives are not on the simulated streams: gloo runs them on the host, on CPU tensors.
   Use ``lag_steps=0`` for multi-rank gloo runs whose cross-rank timing matters: a gloo

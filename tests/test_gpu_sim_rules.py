@@ -204,9 +204,9 @@ def test_the_capturing_threads_own_query_is_refused_unless_relaxed(cuda_sim, mod
             assert torch.cuda.is_current_stream_capturing()
             e.query()
         return
-    with pytest.raises(RuntimeError, match="Invalidated"), sim.capture(side, mode=mode):
-        with pytest.raises(RuntimeError, match="this thread captured"):
-            e.query()
+    with (pytest.raises(RuntimeError, match="Invalidated"), sim.capture(side, mode=mode),
+          pytest.raises(RuntimeError, match="this thread captured")):
+        e.query()
 
 
 def test_work_in_a_capture_does_not_run_and_its_events_are_unusable_later(cuda_sim):
