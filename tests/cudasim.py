@@ -112,11 +112,14 @@ def install(**kwargs: Any) -> CudaSim:
 # --------------------------------------------------------------------------------------------
 
 
+_SEQ = itertools.count()
+
+
 class _Item:
     """One piece of work enqueued on a stream (an event record, a copy, a wait, a kernel)."""
 
-    __slots__ = ("captured", "cost_ns", "dep", "done", "end_ns", "host_ns", "kind", "reads",
-                 "stream", "tick", "writes")
+    __slots__ = ("_writes", "captured", "cost_ns", "dep", "done", "end_ns", "host_ns", "kind",
+                 "reads", "seq", "stream", "tick")
 
     def __init__(self, stream: _Stream, kind: str, host_ns: int, tick: int, cost_ns: int,
                  dep: _Item | None) -> None:
@@ -128,15 +131,28 @@ class _Item:
         self.dep = dep
         self.done = False
         self.end_ns = 0
+        self.seq = next(_SEQ)  # order of enqueueing, over all streams
         #: The memory blocks (block, generation) this item reads / writes (reuse detection).
         self.reads: tuple[tuple[_Block, int], ...] = ()
-        self.writes: tuple[tuple[_Block, int], ...] = ()
+        self._writes: tuple[tuple[_Block, int], ...] = ()
         #: The capture this item was recorded into (it never runs as such), else None.
         self.captured: _Capture | None = None
 
     @property
     def start_ns(self) -> int:
         return self.end_ns - self.cost_ns
+
+    @property
+    def writes(self) -> tuple[tuple[_Block, int], ...]:
+        return self._writes
+
+    @writes.setter
+    def writes(self, writes: tuple[tuple[_Block, int], ...]) -> None:
+        # Known to the block from the enqueue on, so a read that completes first still sees
+        # that its data was not written yet.
+        self._writes = writes
+        for block, gen in writes:
+            block.writes = [(w, g) for w, g in block.writes if g >= gen - 1] + [(self, gen)]
 
 
 class _Block:
@@ -166,7 +182,8 @@ class _Block:
 
 class UseAfterReuse(RuntimeError):
     """A kernel read a block whose memory a later allocation's work overwrote (or the other
-    way round): the data it read was not the tensor it was given."""
+    way round), or read it before the work filling it had finished: the data it read was
+    not the tensor it was given."""
 
 
 class _Capture:
@@ -1000,6 +1017,13 @@ class CudaSim:
         bad = None
         for block, gen in item.reads:
             for w, wgen in block.writes:
+                if (wgen == gen and w.seq < item.seq
+                        and (not w.done or w.end_ns > start)):
+                    # Read before written: the reading stream was not ordered after the
+                    # stream that fills the memory (no wait_event / wait_stream).
+                    bad = (f"{item.kind} on stream {item.stream.sid} read a "
+                           f"{block.nbytes}-byte block before {w.kind} on stream "
+                           f"{w.stream.sid} had written it")
                 if wgen > gen and w.done and w.start_ns < end:
                     bad = (f"{item.kind} on stream {item.stream.sid} read generation {gen} of a "
                            f"{block.nbytes}-byte block that {w.kind} on stream {w.stream.sid} "
@@ -1015,7 +1039,6 @@ class CudaSim:
                 if not (r.done and rgen < gen):
                     keep.append((r, rgen))
             block.reads = keep
-            block.writes = [(w, g) for w, g in block.writes if g >= gen - 1] + [(item, gen)]
         if bad is not None:
             self.reuse_errors.append(bad)
             raise UseAfterReuse(f"use after reuse: {bad}")

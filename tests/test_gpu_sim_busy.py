@@ -185,3 +185,21 @@ def test_a_mark_builds_no_stream_object_once_its_stream_is_known(cuda_sim, monke
     assert [m.stream for m in marks[:50]] == [real(0)] * 50
     assert [m.stream for m in marks[50:100]] == [side] * 50
     assert marks[-1].stream == real(0)
+
+
+def test_a_prefetched_batch_is_ready_on_the_stream_it_is_read_from(tmp_path, cuda_sim):
+    sim = cuda_sim(tflops=TFLOPS, copy_bytes_per_ns=COPY_BYTES_PER_NS)
+    model = nn.Linear(1024, 1024, bias=False).to("cuda")
+    data = [torch.randn(64, 1024).pin_memory() for _ in range(BATCHES)]
+    side = torch.cuda.Stream()
+    stepscope.init(out_dir=str(tmp_path), flush_every_n_steps=1, heartbeat_s=0)
+    try:
+        with torch.cuda.stream(side):  # the batches are handed over on the stream reading them
+            _train(sim, PrefetchLoader(data, "cuda"), model)
+    finally:
+        stepscope.finish()
+    assert len(_records(tmp_path)) == BATCHES
+    # Each kernel read its batch after the copy ended, and before any reuse (the simulator
+    # raises otherwise; the fixture checks what stepscope might have swallowed).
+    assert sim.reuse_errors == []
+    assert sim.kernels > 0

@@ -287,3 +287,16 @@ def test_record_stream_defers_the_reuse_until_the_reading_stream_is_done(cuda_si
     sim = cuda_sim()
     _reuse_scenario(sim, record=True)
     assert sim.reuse_errors == []
+
+
+def test_a_kernel_reading_memory_before_its_copy_finished_raises(cuda_sim):
+    sim = cuda_sim()
+    copy = torch.cuda.Stream()
+    _gate(sim, copy)
+    with torch.cuda.stream(copy):
+        a = torch.empty(MiB // 4).pin_memory().to("cuda", non_blocking=True)
+        sim.kernel(50.0)  # the copy stream is busy after the copy
+    sim.kernel(10.0, reads=(a,))  # compute reads `a` without waiting for the copy stream
+    with pytest.raises(UseAfterReuse, match="before h2d"):
+        sim.drain()
+    sim.reuse_errors.clear()  # seen: the fixture's check at teardown passes

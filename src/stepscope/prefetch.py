@@ -33,6 +33,13 @@ class PrefetchLoader:
     exposed wait (``h2d``), the copy time on the copy stream (``h2d_copy``) and the
     bytes copied (``h2d_bytes``).
 
+    A batch is ready on the stream that is current when it is handed over (the ``for``
+    statement's ``next()``): iterate inside ``with torch.cuda.stream(s):`` to read batches on
+    ``s``. Read on another stream, a batch may be read before its copy ended: make that
+    stream wait first (``s.wait_stream(torch.cuda.current_stream())``). Each handed-over
+    batch is kept alive until that stream has passed its last use, so its memory is never
+    reused while a kernel still reads it.
+
     Example::
 
         loader = DataLoader(dataset, batch_size=64, num_workers=4, pin_memory=True)
