@@ -587,6 +587,10 @@ class CudaSim:
     for the host) works through its queue at the recent step pace; None: only ticks advance it.
     ``name``: what ``get_device_name()`` returns.
     ``sync_sleep_limit_s``: the longest a simulated blocking call sleeps to let GPU time pass.
+    ``tflops``: the busy GPU: ops on simulated-device tensors cost FLOPs / (tflops x 1e12)
+    seconds of GPU time (1e-3 is 1 FLOP per ns), or their bytes / ``hbm_gbps`` GB/s when
+    larger; None (default): ops cost nothing. ``launch_queue``: pending launches per stream
+    before a launch blocks the host (default 1024 on the busy GPU, else unbounded).
     """
 
     def __init__(self, devices: int = 1, *, lag_steps: int = 0, lag_ns: int = 0,

@@ -22,7 +22,7 @@ from stepscope.records import read_run
 KiB = 1 << 10
 #: 2 FLOP/ns: one forward + weight-gradient backward of Linear(1024, 1024) on 64 rows is
 #: 2 x 134 MFLOP, ~134 ms of GPU time.
-TFLOPS = 2e-6
+TFLOPS = 2e-3
 #: 2.5 MB/s: a 256 KiB batch (64 x 1024 float32) is ~105 ms of copy.
 COPY_BYTES_PER_NS = 0.0025
 BATCHES = 6
