@@ -36,7 +36,7 @@ def _train(sim: Any, loader: Any, model: nn.Module) -> None:
     for batch in loader:
         with stepscope.step():
             model(batch).sum().backward()
-    sim.drain()  # the GPU finishes its queue (a test helper, not a host sync)
+    sim.drain()  # the GPU finishes its queue (the simulator's, not a host sync)
 
 
 def test_prefetch_hides_the_copy_under_compute_in_the_readme_loop(tmp_path, cuda_sim):
