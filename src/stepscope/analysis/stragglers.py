@@ -51,6 +51,7 @@ from stepscope.analysis.collwaits import (
 )
 from stepscope.analysis.own import build_own
 from stepscope.analysis.series import (
+    EXPLAINS,
     FLOOR_MS,
     SIGMAS,
     Series,
@@ -156,39 +157,93 @@ def find_stragglers(
     of the others is no measure of it: it keeps the per-step and impact bars.
     """
     data = _series(con, steps) if series is None else series
-    runq = runq_by_step(con)
-    if not runq:
+    extra = runq_extra(con) if runq_by_step(con) else {}
+    if not extra:
         return _find(con, steps, host_of, thr, median_step, data)
-    # CPU clock with the run-queue wait recorded: what a rank did is its own work less the
-    # time it was runnable but held off the CPU (split over its phases in proportion to their
-    # own work: it was preempted wherever it ran); the gaps to the other ranks and their
-    # noise are taken again on that. Only what remains can name a straggler.
-    net = _net_of_runq(data, runq, steps)
+    # CPU clock with the run-queue wait recorded: where a rank's extra wait for a CPU at a
+    # step explains its gap there, the gap is taken net of it (series._net_of_runq); every
+    # other step keeps its gross gap. Only what remains can name a straggler.
+    net = _net_of_runq(data, extra, steps)
     found = _find(con, steps, host_of, _thresholds(net, median_step), median_step, net, raw=data)
-    if contention is not None:
-        extra = runq_extra(con)
-        for s in _find(con, steps, host_of, thr, median_step, data):
-            if any(f["rank"] == s["rank"] and f["phase"] == s["phase"]
-                   and f["first_step"] <= s["last_step"] and f["last_step"] >= s["first_step"]
-                   for f in found):
-                continue
-            contention.append(_contention(con, s, extra))
-    return found
+    # What the gross gaps name beside it (what the net series took away: kept unless the
+    # wait for a CPU accounts for it), and each finding judged on its window's figures.
+    found += [s for s in _find(con, steps, host_of, thr, median_step, data)
+              if not any(f["rank"] == s["rank"] and f["phase"] == s["phase"]
+                         and f["first_step"] <= s["last_step"] and f["last_step"] >= s["first_step"]
+                         for f in found)]
+    kept = []
+    for s in found:
+        c = _contention(con, s, extra, data, steps)
+        if not _host_explains(c):
+            kept.append(s)
+        elif contention is not None:
+            contention.append(c)
+    kept.sort(key=lambda s: -s["excess_ms"] * s["steps"])
+    return kept
 
 
-def _contention(con: Any, s: dict[str, Any], extra: dict[int, dict[int, float]]) -> dict[str, Any]:
-    """What a straggler found on raw own work, but not once run-queue wait is taken out, was."""
+#: A window's gross gap persisting on this share of its steps, while the other ranks' waits
+#: for a CPU rose as much as its own, is the rank's, whatever the host: never a contention note.
+PERSISTS = 0.9
+
+
+def _host_explains(c: dict[str, Any]) -> bool:
+    """Whether a would-be straggler is the host's: over its steps the rank's extra wait for a
+    CPU (the median per step, over the other ranks') reaches
+    :data:`~stepscope.analysis.series.EXPLAINS` of its excess and of its gaps summed over
+    every phase (a wait spent in another phase explains nothing here), and it is not a gap
+    that persists on >= :data:`PERSISTS` of a window's steps while the other ranks' waits rose
+    as much as its own (a sleeping rank on a loaded host)."""
+    if c["extra_runq_ms"] <= 0.0 or c["extra_runq_ms"] < EXPLAINS * max(c["excess_ms"], c["gap_ms"]):
+        return False
+    rose_alike = (c["runq_rise_ms"] is not None and c["others_runq_rise_ms"] is not None
+                  and c["others_runq_rise_ms"] >= c["runq_rise_ms"] - 0.5 * c["excess_ms"])
+    return not (c["persists"] >= PERSISTS and rose_alike)
+
+
+def _contention(con: Any, s: dict[str, Any], extra: dict[int, dict[int, float]],
+                data: Series, steps: list[int]) -> dict[str, Any]:
+    """The figures that decide whether a straggler found on gross own work is the host's:
+    the rank's and the other ranks' run-queue wait per step inside its steps and outside
+    them, its extra wait over theirs, and the share of its steps whose gross gap reaches
+    half its excess."""
     first, last, rank = int(s["first_step"]), int(s["last_step"]), int(s["rank"])
     row = con.execute(
-        f"""SELECT median(runq_ms) FILTER (WHERE rank = {rank}),
-                   median(runq_ms) FILTER (WHERE rank <> {rank})
-            FROM res WHERE step BETWEEN {first} AND {last} AND runq_ms IS NOT NULL"""
+        f"""SELECT median(runq_ms) FILTER (WHERE rank = {rank} AND step BETWEEN {first} AND {last}),
+                   median(runq_ms) FILTER (WHERE rank <> {rank} AND step BETWEEN {first} AND {last}),
+                   median(runq_ms) FILTER (WHERE rank = {rank} AND step NOT BETWEEN {first} AND {last}),
+                   median(runq_ms) FILTER (WHERE rank <> {rank} AND step NOT BETWEEN {first} AND {last})
+            FROM res WHERE runq_ms IS NOT NULL AND isfinite(runq_ms)"""
     ).fetchone()
+    mine_in, others_in, mine_out, others_out = (float(v) if v is not None else None for v in row)
     mine = [v for st, v in extra.get(rank, {}).items() if first <= st <= last]
+    persists = 0.0
+    cols = data.get((rank, str(s["phase"])))
+    if cols is not None:
+        at = np.asarray(steps, dtype=np.int64)[cols[0]]
+        inside = cols[1][(at >= first) & (at <= last)]
+        if len(inside):
+            persists = float(np.mean(inside >= 0.5 * float(s["excess_ms"])))
+    # The rank's positive gaps summed over its phases, per step inside (its median).
+    per_step: dict[int, float] = {}
+    for (r, _), (p, g, _) in data.items():
+        if r != rank:
+            continue
+        at = np.asarray(steps, dtype=np.int64)[p]
+        sel = (at >= first) & (at <= last)
+        for st, v in zip(at[sel].tolist(), np.maximum(g[sel], 0.0).tolist(), strict=True):
+            per_step[st] = per_step.get(st, 0.0) + v
+
+    def rise(a: float | None, b: float | None) -> float | None:
+        return round(a - b, 3) if a is not None and b is not None else None
+
     return {"rank": rank, "phase": s["phase"], "first_step": first, "last_step": last,
             "persistence": s["persistence"], "excess_ms": s["excess_ms"],
-            "runq_ms": round(float(row[0] or 0.0), 3), "others_runq_ms": round(float(row[1] or 0.0), 3),
-            "extra_runq_ms": round(robust.median(mine), 3) if mine else 0.0}
+            "runq_ms": round(mine_in or 0.0, 3), "others_runq_ms": round(others_in or 0.0, 3),
+            "extra_runq_ms": round(robust.median(mine), 3) if mine else 0.0,
+            "gap_ms": round(robust.median(per_step.values()), 3) if per_step else 0.0,
+            "runq_rise_ms": rise(mine_in, mine_out), "others_runq_rise_ms": rise(others_in, others_out),
+            "persists": round(persists, 3)}
 
 
 def _find(

@@ -1,0 +1,88 @@
+"""Record the busy-host gloo runs kept under ``fixtures/busy_*`` (not a test: run it by hand).
+
+Two ranks of a DDP MLP (the demo model, widened) over gloo, with busy loops beside them so
+the host's load is 5 or more on a 2-core machine: a clean run, or one rank sleeping in one
+phase for 40 steps (``time.sleep``: waiting on nothing, not on a CPU). Each run keeps only
+its ``rank*.jsonl`` and ``meta.json``.
+
+    python tests/record_busy_runs.py OUT_DIR [--hogs 3] [--warm 60]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import torch  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+import dist_harness  # noqa: E402
+from stepscope import demo  # noqa: E402
+from stepscope.dist import spawn_local  # noqa: E402
+
+STEPS = 100
+#: name -> (slow rank, phase, ms, first step, end step) or None for a clean run.
+RUNS: dict[str, tuple[int, str, float, int, int] | None] = {
+    "busy_sleep_optimizer": (1, "optimizer", 25.0, 40, 80),
+    "busy_sleep_dataloader": (0, "dataloader", 20.0, 30, 70),
+    "busy_clean_a": None,
+    "busy_clean_b": None,
+}
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str, steps: int,
+            slow: tuple[demo.SlowSpec, ...]) -> None:
+    torch.set_num_threads(1)
+    with dist_harness.gloo_group(rank, world, port):
+        torch.manual_seed(0)
+        injector = demo._Injector(rank, slow)
+        model = DDP(demo.DemoModel(injector, hidden=512))
+        dist_harness.train(out_dir, "busy", model, injector,
+                           dist_harness.loader(rank, 64 * 16, 64), steps)
+
+
+def record(out: Path, name: str, spec: tuple[int, str, float, int, int] | None) -> Path:
+    slow = () if spec is None else (demo.SlowSpec(spec[0], spec[1], spec[3], spec[4], spec[2]),)
+    with tempfile.TemporaryDirectory() as tmp:
+        run = spawn_local(_worker, 2, Path(tmp) / "run", STEPS, slow)
+        dst = out / name
+        shutil.rmtree(dst, ignore_errors=True)
+        dst.mkdir(parents=True)
+        for f in [*run.glob("rank*.jsonl"), run / "meta.json"]:
+            shutil.copy(f, dst / f.name)
+    return dst
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--hogs", type=int, default=3)
+    ap.add_argument("--only", nargs="*", default=None)
+    ap.add_argument("--warm", type=float, default=60.0,
+                    help="seconds the busy loops run before the first job (the load average lags)")
+    args = ap.parse_args(argv)
+    hogs: list[Any] = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                       for _ in range(args.hogs)]
+    try:
+        time.sleep(args.warm)
+        for name, spec in RUNS.items():
+            if args.only and name not in args.only:
+                continue
+            print(name, record(args.out, name, spec), "load", os.getloadavg(), flush=True)
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+
+
+if __name__ == "__main__":
+    main()
