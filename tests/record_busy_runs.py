@@ -22,12 +22,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import torch  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
 
-import dist_harness  # noqa: E402
-from stepscope import demo  # noqa: E402
-from stepscope.dist import spawn_local  # noqa: E402
+import dist_harness
+from stepscope import demo
+from stepscope.dist import spawn_local
 
 STEPS = 100
 #: name -> (slow rank, phase, ms, first step, end step) or None for a clean run.

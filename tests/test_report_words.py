@@ -55,9 +55,19 @@ def test_straggler_sentence_numbers(straggler_doc: dict[str, Any]) -> None:
     assert f"≈ {s['victim_wait_ms']:.1f} ms per step" in text
 
 
+def test_one_fault_is_one_finding_with_its_waits_inside(straggler_doc: dict[str, Any]) -> None:
+    """The ranks that waited for the straggler are its evidence, not a second alarm."""
+    loud = [v for v in straggler_doc["verdicts"] if v["severity"] != "info"]
+    assert [v["kind"] for v in loud] == ["straggler"], loud
+    assert "comm_wait" in [c["kind"] for c in loud[0]["consequences"]]
+    assert straggler_doc["run"]["headline"].endswith(
+        f"without it a step would take {loud[0]['cost']['what_if_step_ms']:.1f} ms")
+
+
 def test_comm_wait_lists_waiters_not_the_culprit(straggler_doc: dict[str, Any]) -> None:
     doc = straggler_doc
-    text = _verdict(doc, "comm_wait")
+    (s,) = [v for v in doc["verdicts"] if v["kind"] == "straggler"]
+    text = next(c["evidence"] for c in s["consequences"] if c["kind"] == "comm_wait")
     _agreement_ok(text)
     culprits = {s["rank"] for s in doc["stragglers"]}
     listed = _listed_ranks(text)

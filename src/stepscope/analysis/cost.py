@@ -93,6 +93,39 @@ def order(verdicts: list[dict[str, Any]]) -> None:
                                  -float((v.get("cost") or {}).get("lost_ms") or 0.0)))
 
 
+#: Kinds that, sharing a cost with another finding, are that finding's consequence: the ranks
+#: that waited for it, the pipeline bubble it made, the phase share it raised.
+CONSEQUENCE_KINDS = ("comm_wait", "pipeline_bubble", "input_bound", "h2d_bound", "host_overhead")
+
+
+def fold(verdicts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One fault, one finding: verdicts that carry another's cost object (the same fault seen
+    from elsewhere: the ranks that waited for a straggler, the bubble a slow stage made)
+    leave the list and go into that finding's ``consequences`` (``kind``, ``subject``,
+    ``evidence``), its evidence, priced once there. The finding kept is the cause: a
+    straggler, else the first that is not a :data:`CONSEQUENCE_KINDS` kind. Returns the
+    list without the folded verdicts (order kept)."""
+    groups: dict[int, list[dict[str, Any]]] = {}
+    for v in verdicts:
+        c = v.get("cost")
+        if isinstance(c, dict) and c.get("lost_ms"):
+            groups.setdefault(id(c), []).append(v)
+    gone: set[int] = set()
+    for group in groups.values():
+        if len(group) < 2:
+            continue
+        cause = next((v for v in group if v["kind"] == "straggler"),
+                     next((v for v in group if v["kind"] not in CONSEQUENCE_KINDS), group[0]))
+        for v in group:
+            if v is cause:
+                continue
+            cause.setdefault("consequences", []).append(
+                {"kind": v["kind"], "subject": v.get("subject") or v["kind"],
+                 "evidence": v["evidence"]})
+            gone.add(id(v))
+    return [v for v in verdicts if id(v) not in gone]
+
+
 def headline(run: dict[str, Any], verdicts: list[dict[str, Any]]) -> str:
     """The report's first line: what the run lost and to what."""
     job = run.get("cost") or {}

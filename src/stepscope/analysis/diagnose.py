@@ -6,6 +6,7 @@ from typing import Any
 
 from stepscope.analysis import cost
 from stepscope.analysis.host import is_host_busy
+from stepscope.analysis.stats import RESIDUAL
 from stepscope.common.robust import median
 
 #: Share of step time above which a phase is called a bottleneck (warning / critical).
@@ -160,12 +161,13 @@ def diagnose(
     dl = steady_share(phases, "dataloader", "work_share")
     if dl >= INPUT_SHARE[0]:
         c = cost.price(job, dl * _mean_step(job, run), run["steps"], world)
+        sev, c, because = _unless_straggler(out, "dataloader", dl, INPUT_SHARE[0], job, c)
         bottlenecks.append({
             "kind": "input_bound",
-            "severity": cost.severity(cost.share(c)), "cost": c, "subject": "the dataloader",
+            "severity": sev, "cost": c, "subject": "the dataloader",
             "evidence": _input_evidence(rank_share(phases, "dataloader", "work_share"), dl,
                                         phases["dataloader"], len(ranks), run["steps"], step_med)
-            + _cost_text(c),
+            + (because or _cost_text(c)),
             "suggestion": "Raise DataLoader num_workers, set persistent_workers=True and "
             "pin_memory=True, increase prefetch_factor, or move decoding/augmentation off the "
             "training process; stepscope.PrefetchLoader overlaps the next batch's copy",
@@ -178,11 +180,12 @@ def diagnose(
         if hidden:
             ev += f"; a PrefetchLoader already hides {hidden['median_ms']:.2f} ms per step"
         c = cost.price(job, h2d * _mean_step(job, run), run["steps"], world)
+        sev, c, because = _unless_straggler(out, "h2d", h2d, H2D_SHARE[0], job, c)
         bottlenecks.append({
             "kind": "h2d_bound",
-            "severity": cost.severity(cost.share(c)), "cost": c,
+            "severity": sev, "cost": c,
             "subject": "host-to-device copies",
-            "evidence": ev + _cost_text(c),
+            "evidence": ev + (because or _cost_text(c)),
             "suggestion": "Wrap the loader in stepscope.PrefetchLoader to copy the next batch "
             "on a side stream while this one computes; use pin_memory=True in the DataLoader "
             "and .to(device, non_blocking=True)",
@@ -201,13 +204,14 @@ def diagnose(
     res = rank_share(phases, "residual", "work_share")
     if res >= HOST_SHARE[0]:
         c = cost.price(job, res * _mean_step(job, run), run["steps"], world)
+        sev, c, because = _unless_straggler(out, RESIDUAL, res, HOST_SHARE[0], job, c)
         bottlenecks.append({
             "kind": "host_overhead",
-            "severity": cost.severity(cost.share(c)), "cost": c,
+            "severity": sev, "cost": c,
             "subject": "untimed host work between phases",
             "evidence": f"{_pct(res)} of step time is outside every timed phase and outside "
             f"every collective (median {phases['residual']['median_ms']:.2f} ms per step "
-            "including collectives)" + _cost_text(c),
+            "including collectives)" + (because or _cost_text(c)),
             "suggestion": "Find the untimed work with stepscope.phase(...): logging, "
             ".item()/.cpu() syncs, checkpointing, Python overhead; batch logging and use "
             "torch.compile or CUDA graphs to cut launch overhead",
@@ -276,6 +280,23 @@ def diagnose(
     out += resource_verdicts(run, stragglers, out)
     cost.order(out)
     return out
+
+
+def _unless_straggler(out: list[dict[str, Any]], phase: str, share: float, floor: float,
+                      job: dict[str, Any], c: dict[str, Any]) -> tuple[str, dict[str, Any], str]:
+    """A phase's bottleneck that a straggler in that phase accounts for is that straggler's
+    consequence: its share less the straggler's excess (its time lost over the job's) falls
+    under the bar. Then the verdict takes the straggler's cost object and severity (folded into
+    it by :func:`stepscope.analysis.cost.fold`) and says so; else its own price."""
+    total = float(job.get("total_ms") or 0.0)
+    for v in out:
+        if v["kind"] != "straggler" or v.get("phase") != phase or total <= 0:
+            continue
+        if share - float(v["cost"]["lost_ms"]) / total < floor:
+            return (v["severity"], v["cost"],
+                    f"; without rank {v['rank']}'s excess in {phase} it would be under "
+                    f"{_pct(floor)} (its cost is the straggler's)")
+    return cost.severity(cost.share(c)), c, ""
 
 
 def _price_waits(out: list[dict[str, Any]]) -> None:

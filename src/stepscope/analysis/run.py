@@ -150,6 +150,7 @@ def _analyze(data: RunData) -> dict[str, Any]:
         "goodput": compute_goodput(con, data.run_dir, att.warmup),
     }
     add_coverage_sections(con, doc)  # [coverage] pipeline / experts / blind paths
+    doc["verdicts"] = cost.fold(doc["verdicts"])  # one fault, one finding
     run["headline"] = cost.headline(run, doc["verdicts"])
     run["notes"] = run_notes(data, run)
     job = run["cost"]

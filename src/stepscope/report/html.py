@@ -168,7 +168,7 @@ function build() {
   root.appendChild(el('p', {class: 'sum'}, `${run.ranks} rank(s) on ${Object.keys(run.hosts).length} host(s), ${run.steps} sampled steps (${run.first_step}–${run.last_step}), ${Number(run.duration).toFixed(1)} s, clock ${run.clock}; median step ${f2(run.step_ms.median)} ms (p90 ${f2(run.step_ms.p90)} ms). Timeline: ${run.alignment.method}` + (run.alignment.sync_phase ? `; ranks synchronise in ${run.alignment.sync_phase}.` : '.')));
   if (run.skipped.length) root.appendChild(el('p', {class: 'warn'}, 'Partial report — skipped: ' + run.skipped.join('; ')));
   const ul = el('ul', {class: 'verdicts'});
-  DOC.verdicts.forEach(v => ul.appendChild(el('li', {class: v.severity}, el('b', {}, `${v.severity} · ${v.kind}: `), v.evidence, el('div', {class: 'fix'}, '→ ' + v.suggestion))));
+  DOC.verdicts.forEach(v => ul.appendChild(el('li', {class: v.severity}, el('b', {}, `${v.severity} · ${v.kind}: `), v.evidence, ...(v.consequences || []).map(c => el('div', {class: 'why'}, `↳ ${c.kind}: ${c.evidence}`)), el('div', {class: 'fix'}, '→ ' + v.suggestion))));
   root.appendChild(ul);
   const top = el('div', {class: 'top'}), left = el('div', {class: 'heat'}), right = el('div', {class: 'side'});
   top.appendChild(left); top.appendChild(right); root.appendChild(top);
@@ -211,7 +211,7 @@ h1 { font-size: 18px; margin: 4px 0; } h2 { font-size: 14px; margin: 8px 0 4px; 
 p.sum { margin: 2px 0 6px; color: #444; } .warn { color: #a60; }
 ul.verdicts { margin: 4px 0 8px; padding-left: 18px; } ul.verdicts li { margin: 2px 0; }
 li.critical b { color: #c00; } li.warning b { color: #a60; } li.info b { color: #07a; }
-.fix { color: #555; font-size: 13px; }
+.fix { color: #555; font-size: 13px; } .why { font-size: 13px; }
 .top { display: flex; gap: 16px; align-items: flex-start; flex-wrap: wrap; }
 .heat { flex: 3 1 640px; min-width: 0; } .side { flex: 2 1 360px; min-width: 0; overflow-x: auto; } .side table { font-size: 12px; }
 canvas, svg { display: block; max-width: 100%; }

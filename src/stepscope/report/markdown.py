@@ -37,8 +37,10 @@ def render_markdown(doc: dict[str, Any], images: list[str] | None = None) -> str
         lines += [f"- {md(s)}" for s in run["skipped"]] + [""]
     lines += ["## Verdicts", ""]
     for v in doc["verdicts"]:
-        lines += [f"- **{md(v['severity'])} · {md(v['kind'])}** — {md(v['evidence'])}",
-                  f"  - *What to do:* {md(v['suggestion'])}"]
+        lines += [f"- **{md(v['severity'])} · {md(v['kind'])}** — {md(v['evidence'])}"]
+        lines += [f"  - *Consequence ({md(c['kind'])}):* {md(c['evidence'])}"
+                  for c in v.get("consequences") or ()]
+        lines += [f"  - *What to do:* {md(v['suggestion'])}"]
     lines += [f"- *Note:* {md(n)}" for n in run.get("notes") or []]
     lines.append("")
     if doc["stragglers"]:

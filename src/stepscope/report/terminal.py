@@ -151,6 +151,8 @@ def render_terminal(doc: dict[str, Any], console: Any = None) -> None:
         style = _SEV_STYLE.get(v["severity"], "")
         con.print(f" [{style}]{esc(v['severity'].upper()):8}[/] [bold]{esc(v['kind'])}[/]: "
                   f"{esc(one_line(v['evidence']))}")
+        for c in v.get("consequences") or ():  # the same fault seen from elsewhere: its evidence
+            con.print(f"          ↳ {esc(c['kind'])}: {esc(one_line(c['evidence']))}")
         con.print(f"          [dim]→ {esc(one_line(v['suggestion']))}[/]")
 
     for note in run.get("notes") or []:
