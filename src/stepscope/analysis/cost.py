@@ -36,7 +36,7 @@ def thresholds() -> dict[str, Any]:
         "critical_share": CRITICAL_SHARE,
         "warning_share": WARNING_SHARE,
         "rule": (f"critical when a finding costs >= {100 * CRITICAL_SHARE:g}% of the job's "
-                 f"step time (and GPU-hours), warning >= {100 * WARNING_SHARE:g}%, "
+                 f"step time (and device time), warning >= {100 * WARNING_SHARE:g}%, "
                  "otherwise a note"),
     }
 
@@ -126,8 +126,29 @@ def fold(verdicts: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [v for v in verdicts if id(v) not in gone]
 
 
-def headline(run: dict[str, Any], verdicts: list[dict[str, Any]]) -> str:
-    """The report's first line: what the run lost and to what."""
+#: Goodput's loss categories in words, for the headline.
+_LOSS_WORDS = {"stragglers": "waiting for late ranks", "exposed_comm": "exposed communication",
+               "input_stalls": "input stalls", "host_overhead": "host overhead",
+               "warmup": "warm-up", "outside_steps": "time outside steps", "restarts": "restarts"}
+#: Goodput lost at or above this share is never headed "No costly finding".
+LARGE_LOSS = 0.10
+
+
+def _largest_loss(goodput: dict[str, Any] | None) -> tuple[str, float] | None:
+    if not goodput or not goodput.get("gpu_hours"):
+        return None
+    lost = goodput.get("lost_gpu_hours") or {}
+    if not lost:
+        return None
+    cat = max(lost, key=lambda k: float(lost[k] or 0.0))
+    return cat, float(lost[cat] or 0.0) / float(goodput["gpu_hours"])
+
+
+def headline(run: dict[str, Any], verdicts: list[dict[str, Any]],
+             goodput: dict[str, Any] | None = None) -> str:
+    """The report's first line: what the run lost and to what (the costliest cause); where no
+    fault is found but goodput lost a large share, where that time went instead of "No
+    costly finding"."""
     job = run.get("cost") or {}
     total_s = float(job.get("total_ms") or 0.0) / 1000.0
     # A wait verdict that carries its cause's cost is that cause seen from the waiters.
@@ -145,6 +166,17 @@ def headline(run: dict[str, Any], verdicts: list[dict[str, Any]]) -> str:
             top = max(costly, key=lambda v: v["cost"]["lost_ms"])
             small = (f" (largest note: {top.get('subject') or top['kind']}, "
                      f"{100 * share(top['cost']):.1f}% of the job)")
+        loss = _largest_loss(goodput)
+        if goodput and loss and 1.0 - float(goodput.get("goodput") or 0.0) >= LARGE_LOSS:
+            cat, part = loss
+            by = next((v for v in verdicts if v.get("subject") == f"time lost to {cat}"
+                       or v["kind"] == {"exposed_comm": "comm_bound", "input_stalls": "input_bound",
+                                        "host_overhead": "host_overhead"}.get(cat)), None)
+            return (f"No fault found (no straggler, slow window or stall cost the run >= "
+                    f"{100 * WARNING_SHARE:g}% of its {total_s:.1f} s of step time); goodput "
+                    f"{100 * float(goodput.get('goodput') or 0.0):.0f}%, the largest loss "
+                    f"{_LOSS_WORDS.get(cat, cat)} ({100 * part:.0f}% of the time held"
+                    + (f", see {by['kind']}" if by else "") + ")")
         return (f"No costly finding: nothing in the job itself cost the run >= "
                 f"{100 * WARNING_SHARE:g}% of its {total_s:.1f} s of step time{small}")
     costly = loud

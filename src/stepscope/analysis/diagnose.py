@@ -15,6 +15,10 @@ H2D_SHARE = (0.10, 0.25)
 HOST_SHARE = (0.25, 0.40)  # untimed Python work of an eager loop on a busy host reaches ~20%
 WAIT_SHARE = (0.08, 0.20)
 COMPUTE_SHARE = 0.60
+#: Share of the time held above which exposed communication, when the largest part, is named.
+COMM_SHARE = 0.10
+#: A goodput loss category at or above this share of the time held always has a finding.
+LARGE_LOSS = 0.10
 
 _STRAGGLER_FIX = {
     "dataloader": "check that rank's data shard, storage and CPU (noisy neighbour, fewer cores); "
@@ -91,8 +95,13 @@ def diagnose(
     ranks: list[dict[str, Any]],
     stragglers: list[dict[str, Any]],
     windows: list[dict[str, Any]],
+    goodput: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
-    """Verdicts ``{kind, severity, evidence, suggestion}``, most severe first."""
+    """Verdicts ``{kind, severity, evidence, suggestion}``, most severe first.
+
+    ``goodput``: the report's goodput section; the bottleneck advice follows its split of the
+    time (:func:`measured_split`), so the advice and the goodput agree.
+    """
     out: list[dict[str, Any]] = []
     step_med = run["step_ms"]["median"] or 0.0
     sync = run["alignment"]["sync_phase"]
@@ -155,7 +164,6 @@ def diagnose(
             "cost": c, "subject": f"waiting in {sync}",
         })
 
-    shares = {n: rank_share(phases, n) for n in phases}
     bottlenecks: list[dict[str, Any]] = []
     # Waits inside the batch fetch (a gather across ranks) are not input time.
     dl = steady_share(phases, "dataloader", "work_share")
@@ -216,11 +224,28 @@ def diagnose(
             ".item()/.cpu() syncs, checkpointing, Python overhead; batch logging and use "
             "torch.compile or CUDA graphs to cut launch overhead",
         })
-    compute = sum(shares.get(n, 0.0) for n in ("forward", "backward", "optimizer"))
-    compute -= wait_share if sync else 0.0
-    if not bottlenecks and compute >= COMPUTE_SHARE:
+    # Own work less every collective inside (waits and transfers): the compute goodput counts.
+    compute = sum(rank_share(phases, n, "work_share") for n in ("forward", "backward", "optimizer"))
+    split = measured_split(goodput)
+    largest = max(split, key=lambda k: split[k]) if split else "compute"
+    if split and largest == "exposed_comm" and split["exposed_comm"] >= COMM_SHARE:
+        c = cost.price(job, split["exposed_comm"] * _mean_step(job, run), run["steps"], world)
+        bottlenecks.append({
+            "kind": "comm_bound", "severity": "info", "cost": c, "subject": "exposed communication",
+            "evidence": f"exposed communication (collective transfers on the step's path, waiting "
+            f"for late ranks excluded) is the largest part of the time: {_split_text(split)}"
+            + _cost_text(c),
+            "suggestion": "Overlap or shrink the communication: accumulate gradients over "
+            "micro-batches under DDP's no_sync() so the all-reduce runs once per several, use a "
+            "larger batch per step, tune DDP's bucket_cap_mb so buckets go out during backward, "
+            "compress gradients with a DDP comm hook (bf16/fp16, PowerSGD), or use a faster "
+            "interconnect or backend (NCCL on GPUs)",
+        })
+    if not bottlenecks and compute >= COMPUTE_SHARE and largest == "compute":
         ev = (f"forward+backward+optimizer take {_pct(compute)} of step time (own work, "
-              "waiting excluded)")
+              "waiting and communication excluded)")
+        if split:
+            ev += f"; the time splits as {_split_text(split)}"
         if sync == "backward" and run["alignment"]["arrival"] == "backward" and not stragglers:
             ev += ("; backward includes the all-reduce, so a rank slow inside backward "
                    "compute cannot be told from communication without collective timing")
@@ -297,6 +322,84 @@ def _unless_straggler(out: list[dict[str, Any]], phase: str, share: float, floor
                     f"; without rank {v['rank']}'s excess in {phase} it would be under "
                     f"{_pct(floor)} (its cost is the straggler's)")
     return cost.severity(cost.share(c)), c, ""
+
+
+#: The parts of the time held that the advice is chosen from, as goodput names them.
+_SPLIT = {"compute": "compute", "exposed_comm": "exposed communication",
+          "stragglers": "waiting for late ranks", "input_stalls": "input", "host_overhead": "host"}
+
+
+def measured_split(goodput: dict[str, Any] | None) -> dict[str, float] | None:
+    """Shares of the time the job held (goodput's basis): ``compute`` (productive),
+    ``exposed_comm``, ``stragglers`` (waiting for late ranks), ``input_stalls``,
+    ``host_overhead``; None without a goodput section."""
+    if not goodput or not goodput.get("gpu_hours"):
+        return None
+    total = float(goodput["gpu_hours"])
+    lost = goodput.get("lost_gpu_hours") or {}
+    out = {"compute": float(goodput.get("productive_gpu_hours") or 0.0) / total}
+    out.update({k: float(lost.get(k) or 0.0) / total for k in _SPLIT if k != "compute"})
+    return out
+
+
+def _split_text(split: dict[str, float]) -> str:
+    return ", ".join(f"{_SPLIT[k]} {_pct(v)}" for k, v in sorted(split.items(), key=lambda kv: -kv[1]))
+
+
+#: Goodput's loss categories and the finding kinds that account for each.
+_EXPLAINED_BY = {
+    "stragglers": ("straggler", "comm_wait", "pipeline_bubble", "balanced"),
+    "exposed_comm": ("comm_bound",),
+    "input_stalls": ("input_bound", "h2d_bound"),
+    "host_overhead": ("host_overhead",),
+}
+_LOSS_TEXT = {
+    "stragglers": ("waiting in collectives for the last rank to arrive",
+                   "Find the late rank with `stepscope locate`; time its phases"),
+    "exposed_comm": ("collective transfers on the step's path",
+                     "Overlap or shrink the communication (no_sync() accumulation, larger batches, "
+                     "bucket_cap_mb, a compressing comm hook)"),
+    "input_stalls": ("exposed dataloader and host-to-device time",
+                     "Raise DataLoader num_workers or wrap it in stepscope.PrefetchLoader"),
+    "host_overhead": ("untimed work inside the steps",
+                      "Time the untimed work with stepscope.phase(...)"),
+    "warmup": ("the slow first steps (lazy initialisation, caches, the allocator)",
+               "Nothing to fix in a long run; in a short one, warm up before timing"),
+    "outside_steps": ("time between steps (evaluation, checkpoints, logging)",
+                      "Time what runs between steps with stepscope.phase(...), or run it less often"),
+    "restarts": ("relaunch gaps and steps re-done after a restart",
+                 "Checkpoint more often, and find why the job restarted"),
+}
+
+
+def explain_goodput(run: dict[str, Any], verdicts: list[dict[str, Any]],
+                    goodput: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """A note (``goodput_loss``, priced) for each goodput loss category of at least
+    :data:`LARGE_LOSS` of the time held that no finding accounts for: a large loss in goodput
+    always has a finding that explains it. Notes, not alarms: the time is lost, but no fault
+    of the job's is known to cause it."""
+    if not goodput or not goodput.get("gpu_hours"):
+        return []
+    total = float(goodput["gpu_hours"])
+    kinds = {v["kind"] for v in verdicts} | {c["kind"] for v in verdicts
+                                             for c in v.get("consequences") or ()}
+    kinds |= {"straggler" for v in verdicts if str(v.get("subject", "")).startswith("steps ")}
+    job = run.get("cost") or {"total_ms": 0.0, "world_size": run.get("ranks") or 1}
+    world = int(job.get("world_size") or run.get("ranks") or 1)
+    out = []
+    for cat, hours in (goodput.get("lost_gpu_hours") or {}).items():
+        share = float(hours or 0.0) / total
+        if share < LARGE_LOSS or kinds & set(_EXPLAINED_BY.get(cat, ())):
+            continue
+        what, fix = _LOSS_TEXT.get(cat, (cat, "See the goodput section"))
+        c = cost.price(job, share * _mean_step(job, run), run["steps"], world)
+        out.append({"kind": "goodput_loss", "severity": "info", "cost": c,
+                    "subject": f"time lost to {cat}",
+                    "evidence": f"{_pct(share)} of the time the job held went to {what} "
+                    f"(goodput {goodput.get('goodput', 0.0):.0%}); no fault of the job's was "
+                    "found behind it" + _cost_text(c),
+                    "suggestion": fix})
+    return out
 
 
 def _price_waits(out: list[dict[str, Any]]) -> None:

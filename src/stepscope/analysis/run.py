@@ -10,7 +10,7 @@ from typing import Any
 
 from stepscope.analysis import cost
 from stepscope.analysis.coverage import add_coverage_sections
-from stepscope.analysis.diagnose import diagnose
+from stepscope.analysis.diagnose import diagnose, explain_goodput
 from stepscope.analysis.goodput import compute_goodput
 from stepscope.analysis.host import split_host_busy
 from stepscope.analysis.load import RunData, load_run
@@ -132,7 +132,9 @@ def _analyze(data: RunData) -> dict[str, Any]:
         lost = ", ".join(f"{n} {k}" for k, n in run["recording_lost"].items())
         run["skipped"].append(f"steps lost while recording (counted by the recorder): {lost}")
         run["partial"] = True
-    verdicts = diagnose(run, phases, ranks, stragglers, windows)
+    # Productive vs lost device time (analysis/goodput.py): the same split the advice follows.
+    goodput = compute_goodput(con, data.run_dir, att.warmup)
+    verdicts = diagnose(run, phases, ranks, stragglers, windows, goodput)
     # Auto-profile captures live under run: the six top-level keys are the contract.
     run["captures"], trigger_skips = link_triggers(data.run_dir, windows)
     run["skipped"].extend(trigger_skips)
@@ -147,11 +149,13 @@ def _analyze(data: RunData) -> dict[str, Any]:
         # Additive: per op and process group (the six keys above are the contract).
         "collectives": att.collectives,
         # Additive: productive vs lost device time (analysis/goodput.py).
-        "goodput": compute_goodput(con, data.run_dir, att.warmup),
+        "goodput": goodput,
     }
     add_coverage_sections(con, doc)  # [coverage] pipeline / experts / blind paths
     doc["verdicts"] = cost.fold(doc["verdicts"])  # one fault, one finding
-    run["headline"] = cost.headline(run, doc["verdicts"])
+    doc["verdicts"] += explain_goodput(run, doc["verdicts"], goodput)
+    cost.order(doc["verdicts"])
+    run["headline"] = cost.headline(run, doc["verdicts"], goodput)
     run["notes"] = run_notes(data, run)
     job = run["cost"]
     for c in att.contention:
