@@ -11,6 +11,7 @@ its ``rank*.jsonl`` and ``meta.json``.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -57,8 +58,11 @@ def record(out: Path, name: str, spec: tuple[int, str, float, int, int] | None) 
         dst = out / name
         shutil.rmtree(dst, ignore_errors=True)
         dst.mkdir(parents=True)
-        for f in [*run.glob("rank*.jsonl"), run / "meta.json"]:
+        for f in run.glob("rank*.jsonl"):
             shutil.copy(f, dst / f.name)
+        # The run's folder was a temporary one: the fixture says "run" instead.
+        meta = (run / "meta.json").read_text().replace(json.dumps(str(run))[1:-1], "run")
+        (dst / "meta.json").write_text(meta)
     return dst
 
 
