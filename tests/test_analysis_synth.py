@@ -14,7 +14,7 @@ from synth_runs import Slow, SynthRun, make_records, write_run
 
 PHASES = ("dataloader", "h2d", "forward", "backward", "optimizer")
 VERDICT_KINDS = {"input_bound", "h2d_bound", "compute_bound", "comm_wait", "straggler",
-                 "host_overhead", "balanced"}
+                 "host_overhead", "balanced", "comm_bound", "goodput_loss"}
 
 
 def _analyze(tmp_path: Path, spec: SynthRun) -> dict:

@@ -353,6 +353,8 @@ _EXPLAINED_BY = {
     "input_stalls": ("input_bound", "h2d_bound"),
     "host_overhead": ("host_overhead",),
 }
+#: Phases whose straggler's excess goodput books in these categories.
+_STRAGGLER_PHASES = {"input_stalls": ("dataloader", "h2d"), "host_overhead": (RESIDUAL,)}
 _LOSS_TEXT = {
     "stragglers": ("waiting in collectives for the last rank to arrive",
                    "Find the late rank with `stepscope locate`; time its phases"),
@@ -386,17 +388,26 @@ def explain_goodput(run: dict[str, Any], verdicts: list[dict[str, Any]],
     kinds |= {"straggler" for v in verdicts if str(v.get("subject", "")).startswith("steps ")}
     job = run.get("cost") or {"total_ms": 0.0, "world_size": run.get("ranks") or 1}
     world = int(job.get("world_size") or run.get("ranks") or 1)
+    total_ms = float(job.get("total_ms") or 0.0) * max(1, world)
     out = []
     for cat, hours in (goodput.get("lost_gpu_hours") or {}).items():
         share = float(hours or 0.0) / total
-        if share < LARGE_LOSS or kinds & set(_EXPLAINED_BY.get(cat, ())):
+        if kinds & set(_EXPLAINED_BY.get(cat, ())):
+            continue
+        # A straggler's slow work in an input or residual phase is in this category on its
+        # rank: what is left without it is what needs a finding.
+        for v in verdicts:
+            if v["kind"] == "straggler" and v.get("phase") in _STRAGGLER_PHASES.get(cat, ()) and total_ms:
+                share -= float(v["cost"]["lost_ms"]) / total_ms
+        if share < LARGE_LOSS:
             continue
         what, fix = _LOSS_TEXT.get(cat, (cat, "See the goodput section"))
         c = cost.price(job, share * _mean_step(job, run), run["steps"], world)
         out.append({"kind": "goodput_loss", "severity": "info", "cost": c,
                     "subject": f"time lost to {cat}",
                     "evidence": f"{_pct(share)} of the time the job held went to {what} "
-                    f"(goodput {goodput.get('goodput', 0.0):.0%}); no fault of the job's was "
+                    + ("besides the straggler's " if share < float(hours or 0.0) / total else "")
+                    + f"(goodput {goodput.get('goodput', 0.0):.0%}); no fault of the job's was "
                     "found behind it" + _cost_text(c),
                     "suggestion": fix})
     return out
