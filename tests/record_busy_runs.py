@@ -37,24 +37,29 @@ RUNS: dict[str, tuple[int, str, float, int, int] | None] = {
     "busy_sleep_dataloader": (0, "dataloader", 20.0, 30, 70),
     "busy_clean_a": None,
     "busy_clean_b": None,
+    "busy_comm_heavy": None,
 }
+#: name -> (hidden width, batch, steps) where not the default (512, 64, STEPS): a wide layer
+#: and a tiny batch make a step mostly all-reduce.
+SHAPES = {"busy_comm_heavy": (2048, 2, 40)}
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str, steps: int,
-            slow: tuple[demo.SlowSpec, ...]) -> None:
+            slow: tuple[demo.SlowSpec, ...], hidden: int, batch: int) -> None:
     torch.set_num_threads(1)
     with dist_harness.gloo_group(rank, world, port):
         torch.manual_seed(0)
         injector = demo._Injector(rank, slow)
-        model = DDP(demo.DemoModel(injector, hidden=512))
+        model = DDP(demo.DemoModel(injector, hidden=hidden))
         dist_harness.train(out_dir, "busy", model, injector,
-                           dist_harness.loader(rank, 64 * 16, 64), steps)
+                           dist_harness.loader(rank, batch * 16, batch), steps)
 
 
 def record(out: Path, name: str, spec: tuple[int, str, float, int, int] | None) -> Path:
     slow = () if spec is None else (demo.SlowSpec(spec[0], spec[1], spec[3], spec[4], spec[2]),)
+    hidden, batch, steps = SHAPES.get(name, (512, 64, STEPS))
     with tempfile.TemporaryDirectory() as tmp:
-        run = spawn_local(_worker, 2, Path(tmp) / "run", STEPS, slow)
+        run = spawn_local(_worker, 2, Path(tmp) / "run", steps, slow, hidden, batch)
         dst = out / name
         shutil.rmtree(dst, ignore_errors=True)
         dst.mkdir(parents=True)
