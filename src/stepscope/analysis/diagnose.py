@@ -393,6 +393,7 @@ def explain_goodput(run: dict[str, Any], verdicts: list[dict[str, Any]],
     for cat, hours in (goodput.get("lost_gpu_hours") or {}).items():
         share = float(hours or 0.0) / total
         if kinds & set(_EXPLAINED_BY.get(cat, ())):
+            _book_on_straggler(verdicts, cat, share, goodput)
             continue
         # A straggler's slow work in an input or residual phase is in this category on its
         # rank: what is left without it is what needs a finding.
@@ -411,6 +412,22 @@ def explain_goodput(run: dict[str, Any], verdicts: list[dict[str, Any]],
                     "found behind it" + _cost_text(c),
                     "suggestion": fix})
     return out
+
+
+def _book_on_straggler(verdicts: list[dict[str, Any]], cat: str, share: float,
+                       goodput: dict[str, Any]) -> None:
+    """The goodput a straggler cost (the time the other ranks waited for a late one) is its
+    consequence: said once, inside the costliest straggler finding."""
+    if cat != "stragglers" or share <= 0.0:
+        return
+    top = max((v for v in verdicts if v["kind"] == "straggler"),
+              key=lambda v: float(v["cost"]["lost_ms"]), default=None)
+    if top is None:
+        return
+    top.setdefault("consequences", []).append({
+        "kind": "goodput", "subject": "goodput",
+        "evidence": f"goodput {goodput.get('goodput', 0.0):.0%}: {_pct(share)} of the time the "
+        "job held went to waiting in collectives for the last rank to arrive"})
 
 
 def _price_waits(out: list[dict[str, Any]]) -> None:
