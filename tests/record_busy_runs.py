@@ -41,7 +41,7 @@ RUNS: dict[str, tuple[int, str, float, int, int] | None] = {
 }
 #: name -> (hidden width, batch, steps) where not the default (512, 64, STEPS): a wide layer
 #: and a tiny batch make a step mostly all-reduce.
-SHAPES = {"busy_comm_heavy": (2048, 2, 40)}
+SHAPES = {"busy_comm_heavy": (4096, 1, 30)}
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str, steps: int,

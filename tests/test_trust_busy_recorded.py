@@ -94,3 +94,23 @@ def test_the_runs_were_loaded_and_the_sleeper_waited_no_more_for_a_cpu() -> None
         med = {r: sorted(v)[len(v) // 2] for r, v in runq.items()}
         assert min(med.values()) > 5.0, (name, med)
         assert med[rank] - med[1 - rank] < 0.5 * ms, (name, med)
+
+
+def test_a_communication_heavy_run_is_not_called_compute_bound(tmp_path: Path) -> None:
+    """``busy_comm_heavy``: a 4096-wide layer on a batch of one, its 67 MB all-reduce a step on
+    a loaded host. goodput books 28% of the time to exposed communication and 54% as
+    productive; the old advice read "compute_bound: 83% of step time" (its own work counted
+    the all-reduce's transfer). The compute figure now is goodput's basis, and the
+    communication has its finding."""
+    doc = _doc(tmp_path, "busy_comm_heavy")
+    gp = doc["goodput"]
+    productive = gp["productive_gpu_hours"] / gp["gpu_hours"]
+    comm = gp["lost_gpu_hours"]["exposed_comm"] / gp["gpu_hours"]
+    assert comm >= 0.10
+    for v in doc["verdicts"]:
+        if v["kind"] == "compute_bound":
+            share = int(v["evidence"].split(" take ")[1].split("%")[0]) / 100.0
+            assert abs(share - productive) <= 0.10, (v["evidence"], productive)
+    assert any(v["kind"] == "comm_bound" or v.get("subject") == "time lost to exposed_comm"
+               for v in doc["verdicts"]), doc["verdicts"]
+    assert _loud(doc) == []
