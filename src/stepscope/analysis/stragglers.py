@@ -205,8 +205,8 @@ def _contention(con: Any, s: dict[str, Any], extra: dict[int, dict[int, float]],
                 data: Series, steps: list[int]) -> dict[str, Any]:
     """The figures that decide whether a straggler found on gross own work is the host's:
     the rank's and the other ranks' run-queue wait per step inside its steps and outside
-    them, its extra wait over theirs, and the share of its steps whose gross gap reaches
-    half its excess."""
+    them, its extra wait over theirs, its gaps over all its phases there (``gap_ms``), and
+    the share of its steps whose gross gap reaches half its excess."""
     first, last, rank = int(s["first_step"]), int(s["last_step"]), int(s["rank"])
     row = con.execute(
         f"""SELECT median(runq_ms) FILTER (WHERE rank = {rank} AND step BETWEEN {first} AND {last}),
@@ -224,15 +224,16 @@ def _contention(con: Any, s: dict[str, Any], extra: dict[int, dict[int, float]],
         inside = cols[1][(at >= first) & (at <= last)]
         if len(inside):
             persists = float(np.mean(inside >= 0.5 * float(s["excess_ms"])))
-    # The rank's positive gaps summed over its phases, per step inside (its median).
-    per_step: dict[int, float] = {}
+    # The rank's gaps over its steps, each phase's median, summed over the phases where it
+    # is positive (per-step noise cancels in a median; it would add up in a per-step sum).
+    gap_ms = 0.0
     for (r, _), (p, g, _) in data.items():
         if r != rank:
             continue
         at = np.asarray(steps, dtype=np.int64)[p]
         sel = (at >= first) & (at <= last)
-        for st, v in zip(at[sel].tolist(), np.maximum(g[sel], 0.0).tolist(), strict=True):
-            per_step[st] = per_step.get(st, 0.0) + v
+        if sel.any():
+            gap_ms += max(0.0, float(np.median(g[sel])))
 
     def rise(a: float | None, b: float | None) -> float | None:
         return round(a - b, 3) if a is not None and b is not None else None
@@ -241,7 +242,7 @@ def _contention(con: Any, s: dict[str, Any], extra: dict[int, dict[int, float]],
             "persistence": s["persistence"], "excess_ms": s["excess_ms"],
             "runq_ms": round(mine_in or 0.0, 3), "others_runq_ms": round(others_in or 0.0, 3),
             "extra_runq_ms": round(robust.median(mine), 3) if mine else 0.0,
-            "gap_ms": round(robust.median(per_step.values()), 3) if per_step else 0.0,
+            "gap_ms": round(gap_ms, 3),
             "runq_rise_ms": rise(mine_in, mine_out), "others_runq_rise_ms": rise(others_in, others_out),
             "persists": round(persists, 3)}
 
