@@ -159,12 +159,14 @@ def _analyze(data: RunData) -> dict[str, Any]:
     run["notes"] = run_notes(data, run)
     job = run["cost"]
     for c in att.contention:
+        why = (f"{c['extra_runq_ms']:.1f} ms more at the median step" if c.get("basis") == "extra"
+               else f"as long, on a {c['steps']}-step stretch, but its own wait as long as the gap")
         run["notes"].append(
             f"rank {c['rank']} waited {c['runq_ms']:.1f} ms per step for a CPU on steps "
             f"{c['first_step']}–{c['last_step']} (the other ranks {c['others_runq_ms']:.1f} ms; "
-            f"{c['extra_runq_ms']:.1f} ms more at the median step, against its {c['phase']}'s "
-            f"{c['excess_ms']:.1f} ms over theirs and {c['gap_ms']:.1f} ms over all its phases): "
-            "the host is oversubscribed; not the job's code")
+            f"{why}), against its {c['phase']}'s {c['excess_ms']:.1f} ms over theirs and "
+            f"{c['gap_ms']:.1f} ms over all its phases: the host is oversubscribed; not the "
+            "job's code")
     for w in host_busy:
         if any(h["first_step"] <= w["end_step"] and h["last_step"] >= w["start_step"]
                for h in att.contention):

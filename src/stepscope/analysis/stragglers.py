@@ -174,7 +174,11 @@ def find_stragglers(
     kept = []
     for s in found:
         c = _contention(con, s, extra, data, steps)
-        if not _host_explains(c):
+        if s["persistence"] == "window" and c["step_rise_ms"] < 0.5 * float(s["excess_ms"]):
+            # The rank was not slower in its step, only in this phase: the time moved between
+            # its phases (where a busy host's preemption landed), and no one waited longer.
+            continue
+        if not _host_explains(c, len(steps)):
             kept.append(s)
         elif contention is not None:
             contention.append(c)
@@ -187,18 +191,32 @@ def find_stragglers(
 PERSISTS = 0.9
 
 
-def _host_explains(c: dict[str, Any]) -> bool:
-    """Whether a would-be straggler is the host's: over its steps the rank's extra wait for a
-    CPU (the median per step, over the other ranks') reaches
-    :data:`~stepscope.analysis.series.EXPLAINS` of its excess and of its gaps summed over
-    every phase (a wait spent in another phase explains nothing here), and it is not a gap
-    that persists on >= :data:`PERSISTS` of a window's steps while the other ranks' waits rose
-    as much as its own (a sleeping rank on a loaded host)."""
-    if c["extra_runq_ms"] <= 0.0 or c["extra_runq_ms"] < EXPLAINS * max(c["excess_ms"], c["gap_ms"]):
-        return False
+def _host_explains(c: dict[str, Any], n_steps: int) -> bool:
+    """Whether a would-be straggler is the host's, from the figures of its steps (``c``, from
+    :func:`_contention`); sets ``c["basis"]`` to the figure that proves it.
+
+    ``extra``: the rank's extra wait for a CPU over the other ranks' (median per step)
+    reaches :data:`~stepscope.analysis.series.EXPLAINS` of its excess and of its gaps summed
+    over its phases (a wait spent in another phase explains nothing here). ``own``: the
+    other ranks waited as long, but the rank's own wait reaches as much, on a stretch too
+    short or too patchy to be the job's (a busy host's preemption can land in one phase of
+    one rank for a few steps, the others' in their collective's wait, where it costs
+    nothing). Never a gap that persists on >= :data:`PERSISTS` of a window's steps (of at
+    least a tenth of the run) while the other ranks' waits rose as much as its own: a
+    sleeping rank on a loaded host."""
+    need = EXPLAINS * max(c["excess_ms"], c["gap_ms"])
+    sustained = c["persists"] >= PERSISTS and (
+        c["persistence"] == "chronic"
+        or c["steps"] >= max(2 * MIN_SEGMENT, ALL_RANK_MIN_SHARE * n_steps))
     rose_alike = (c["runq_rise_ms"] is not None and c["others_runq_rise_ms"] is not None
                   and c["others_runq_rise_ms"] >= c["runq_rise_ms"] - 0.5 * c["excess_ms"])
-    return not (c["persists"] >= PERSISTS and rose_alike)
+    if c["extra_runq_ms"] > 0.0 and c["extra_runq_ms"] >= need:
+        c["basis"] = "extra"
+        return not (sustained and rose_alike)
+    if c["runq_ms"] >= need and not sustained:
+        c["basis"] = "own"
+        return True
+    return False
 
 
 def _contention(con: Any, s: dict[str, Any], extra: dict[int, dict[int, float]],
@@ -227,6 +245,9 @@ def _contention(con: Any, s: dict[str, Any], extra: dict[int, dict[int, float]],
     # The rank's gaps over its steps, each phase's median, summed over the phases where it
     # is positive (per-step noise cancels in a median; it would add up in a per-step sum).
     gap_ms = 0.0
+    # And its gap over every phase summed per step: how much it rose inside the window over
+    # outside it (a rank that sleeps adds its sleep; one whose time moved between phases, 0).
+    total: dict[int, float] = {}
     for (r, _), (p, g, _) in data.items():
         if r != rank:
             continue
@@ -234,15 +255,20 @@ def _contention(con: Any, s: dict[str, Any], extra: dict[int, dict[int, float]],
         sel = (at >= first) & (at <= last)
         if sel.any():
             gap_ms += max(0.0, float(np.median(g[sel])))
+        for st, v in zip(at.tolist(), g.tolist(), strict=True):
+            total[st] = total.get(st, 0.0) + v
+    t_in = [v for st, v in total.items() if first <= st <= last]
+    t_out = [v for st, v in total.items() if not first <= st <= last]
+    step_rise = (robust.median(t_in) - robust.median(t_out)) if t_in and t_out else float("inf")
 
     def rise(a: float | None, b: float | None) -> float | None:
         return round(a - b, 3) if a is not None and b is not None else None
 
     return {"rank": rank, "phase": s["phase"], "first_step": first, "last_step": last,
-            "persistence": s["persistence"], "excess_ms": s["excess_ms"],
+            "persistence": s["persistence"], "excess_ms": s["excess_ms"], "steps": s["steps"],
             "runq_ms": round(mine_in or 0.0, 3), "others_runq_ms": round(others_in or 0.0, 3),
             "extra_runq_ms": round(robust.median(mine), 3) if mine else 0.0,
-            "gap_ms": round(gap_ms, 3),
+            "gap_ms": round(gap_ms, 3), "step_rise_ms": round(step_rise, 3),
             "runq_rise_ms": rise(mine_in, mine_out), "others_runq_rise_ms": rise(others_in, others_out),
             "persists": round(persists, 3)}
 
