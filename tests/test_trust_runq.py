@@ -331,3 +331,20 @@ def test_a_chronic_sleep_is_priced_at_what_the_others_waited(tmp_path: Path) -> 
     s = doc["stragglers"][0]
     assert (s["rank"], s["phase"], s["persistence"]) == (1, "optimizer", "chronic"), s
     assert 27.0 <= s["excess_ms"] <= 33.0, s
+
+
+def test_a_sleeper_whose_wait_rose_with_the_others_is_never_the_host(tmp_path: Path) -> None:
+    """Rank 1 sleeps 25 ms in optimizer on steps 20-59 of a loaded host. It waits for a CPU
+    15 ms a step more than rank 0 throughout, 20 ms more in the window (covering 80% of the
+    gap), but both ranks' waits rose there (+20 and +15 ms: longer steps on a busy host) and
+    the gap is on every step: a straggler, not "the host is oversubscribed"."""
+    slow = (synth.Slow(1, "optimizer", 25.0, 20, 59),)
+    runq = {(1, s): 15.0 for s in range(STEPS)}
+    runq.update({(1, s): 35.0 for s in range(20, 60)})
+    runq.update({(0, s): 15.0 for s in range(20, 60)})
+    doc = analyze_run(_write(tmp_path / "run", 2, slow, runq, seed=2))
+    (s,) = [s for s in doc["stragglers"] if s["rank"] == 1]
+    assert s["phase"] == "optimizer" and abs(s["first_step"] - 20) <= 2 and abs(s["last_step"] - 59) <= 2, s
+    assert 0.85 * 25.0 <= s["excess_ms"] <= 1.15 * 25.0, s
+    assert doc["run"]["host_contention"] == [], doc["run"]["host_contention"]
+    assert [v["kind"] for v in _alarms(doc)] == ["straggler"], _alarms(doc)

@@ -164,15 +164,21 @@ def find_stragglers(
     # step explains its gap there, the gap is taken net of it (series._net_of_runq); every
     # other step keeps its gross gap. Only what remains can name a straggler.
     net = _net_of_runq(data, extra, steps)
-    found = _find(con, steps, host_of, _thresholds(net, median_step), median_step, net, raw=data)
-    # What the gross gaps name beside it (what the net series took away: kept unless the
-    # wait for a CPU accounts for it), and each finding judged on its window's figures.
-    found += [s for s in _find(con, steps, host_of, thr, median_step, data)
-              if not any(f["rank"] == s["rank"] and f["phase"] == s["phase"]
-                         and f["first_step"] <= s["last_step"] and f["last_step"] >= s["first_step"]
-                         for f in found)]
-    kept = []
-    for s in found:
+    netted = _find(con, steps, host_of, _thresholds(net, median_step), median_step, net, raw=data)
+    gross = _find(con, steps, host_of, thr, median_step, data)
+
+    def same(f: dict[str, Any], s: dict[str, Any]) -> bool:
+        return (f["rank"] == s["rank"] and f["phase"] == s["phase"]
+                and f["first_step"] <= s["last_step"] and f["last_step"] >= s["first_step"])
+
+    # Each finding judged on its steps' figures: the gross one first (its bounds are the
+    # fault's where the wait for a CPU does not account for it); what the net series finds
+    # beside it (a gap left once the wait is out) on its own.
+    kept: list[dict[str, Any]] = []
+    noted: list[dict[str, Any]] = []
+    for s in gross + [f for f in netted if not any(same(f, g) for g in gross)]:
+        if any(same(k, s) for k in kept):
+            continue
         c = _contention(con, s, extra, data, steps)
         if s["persistence"] == "window" and c["step_rise_ms"] < 0.5 * float(s["excess_ms"]):
             # The rank was not slower in its step, only in this phase: the time moved between
@@ -180,8 +186,14 @@ def find_stragglers(
             continue
         if not _host_explains(c, len(steps)):
             kept.append(s)
-        elif contention is not None:
-            contention.append(c)
+            continue
+        if not any(same(n, s) for n in noted):
+            noted.append(c)
+        # The wait accounts for the gross gap; a gap the net series still finds there stands.
+        kept += [f for f in netted if same(f, s) and f is not s
+                 and not _host_explains(_contention(con, f, extra, data, steps), len(steps))]
+    if contention is not None:
+        contention += noted
     kept.sort(key=lambda s: -s["excess_ms"] * s["steps"])
     return kept
 
