@@ -238,3 +238,106 @@ def test_backward_outside_a_step_or_on_another_thread_is_not_timed(mem_tracer):
     tr.finish()
     assert len(tr.sink.records) == 1
     assert _ph(tr.sink.records[0])["backward"]["calls"] == 1
+
+
+# ------------------------------------ hooks on for sampled steps only
+
+
+def _hooked(model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[bool, bool, bool]:
+    import torch.autograd as autograd
+
+    from stepscope.instrument import hooks
+
+    return (bool(model._forward_pre_hooks or model._forward_hooks),
+            bool(opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks),
+            autograd.backward is hooks._timed_backward)
+
+
+def _sampled_run(tr: Tracer, model: torch.nn.Module, opt: torch.optim.Optimizer,
+                 steps: int) -> list[tuple[bool, bool, bool]]:
+    """``steps`` training steps; what is hooked inside each one (read during the step)."""
+    seen = []
+    for _ in range(steps):
+        with tr.step():
+            seen.append(_hooked(model, opt))
+            loss = model(torch.randn(2, 16)).sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    return seen
+
+
+def test_hooks_are_on_for_sampled_steps_only(mem_tracer):
+    """Between and during unsampled steps nothing is hooked (Module.__call__'s fast path, torch's
+    own backward); the step before a sampled one puts everything on, and the sampled steps
+    time forward, backward and optimizer as before."""
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tr = mem_tracer(model=model, optimizer=opt, every_n_steps=3)
+    seen = _sampled_run(tr, model, opt, 7)
+    assert seen == [(True, True, True) if i % 3 == 0 else (False, False, False) for i in range(7)]
+    assert _hooked(model, opt) == (False, False, False)  # after step 6: step 7 is not sampled
+    tr.finish()
+    assert [r["step"] for r in tr.sink.records] == [0, 3, 6]
+    for rec in tr.sink.records:
+        ph = _ph(rec)
+        assert set(ph) == {"forward", "backward", "optimizer"}
+        assert ph["forward"]["ms"] >= 3.0 and ph["backward"]["ms"] >= 5.0
+        assert ph["forward"]["calls"] == ph["backward"]["calls"] == ph["optimizer"]["calls"] == 1
+
+
+def test_a_step_index_moved_onto_a_sampled_step_puts_the_hooks_on(mem_tracer):
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tr = mem_tracer(model=model, optimizer=opt, every_n_steps=10)
+    _sampled_run(tr, model, opt, 2)  # steps 0 (sampled) and 1
+    assert _hooked(model, opt) == (False, False, False)
+    tr.step(index=20)
+    assert _sampled_run(tr, model, opt, 1) == [(True, True, True)]
+    tr.finish()
+    assert [r["step"] for r in tr.sink.records] == [0, 20]
+    assert set(_ph(tr.sink.records[1])) == {"forward", "backward", "optimizer"}
+
+
+def test_ddp_model_hooked_for_sampled_steps_only(mem_tracer, world1):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(Net())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tr = mem_tracer(model=model, optimizer=opt, every_n_steps=2)
+    seen = _sampled_run(tr, model, opt, 4)
+    assert seen == [(True, True, True), (False, False, False)] * 2
+    tr.finish()
+    assert [r["step"] for r in tr.sink.records] == [0, 2]
+    for rec in tr.sink.records:
+        ph = _ph(rec)
+        assert ph["forward"]["ms"] >= 3.0 and ph["backward"]["ms"] >= 5.0
+        assert ph["optimizer"]["calls"] == 1
+
+
+def test_a_compiled_model_keeps_its_hooks_on_every_step(mem_tracer):
+    """Dynamo keeps the hooks a module was compiled with, so a compiled model's hooks stay on;
+    the optimizer's and the backward wrapper still come off between sampled steps."""
+    inner = Net()
+    opt = torch.optim.SGD(inner.parameters(), lr=0.1)
+    inner.compile(backend="eager")  # compiled in place: its own __call__ runs under dynamo
+    tr = mem_tracer(model=inner, optimizer=opt, every_n_steps=2)
+    seen = _sampled_run(tr, inner, opt, 4)
+    assert [s[0] for s in seen] == [True] * 4
+    assert [s[1:] for s in seen] == [(True, True), (False, False)] * 2
+    tr.finish()
+    assert [r["step"] for r in tr.sink.records] == [0, 2]
+    assert not inner._forward_pre_hooks and not inner._forward_hooks  # removed at finish
+
+
+def test_a_model_compiled_after_init_keeps_its_hooks_from_then_on(mem_tracer):
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tr = mem_tracer(model=model, optimizer=opt, every_n_steps=2)
+    _sampled_run(tr, model, opt, 1)
+    assert _hooked(model, opt)[0] is False
+    tr.step(index=2)
+    with tr.step():
+        model.compile(backend="eager")  # inside a sampled step, the hooks on
+    seen = _sampled_run(tr, model, opt, 3)
+    assert [s[0] for s in seen] == [True] * 3

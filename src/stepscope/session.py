@@ -26,7 +26,7 @@ from stepscope.clock import Clock, CudaClock, GpuAnchor
 from stepscope.config import Config
 from stepscope.dist import RankInfo
 from stepscope.instrument import gate, graphs
-from stepscope.instrument.install import install_instruments
+from stepscope.instrument.install import PerStep, install_instruments
 from stepscope.instrument.resources import ResourceMonitor, monitor_for
 from stepscope.instrument.sched import reader_for
 from stepscope.outbox import MAX_HELD_STEPS, RECENT_RECORDS, Outbox, RecentRecords
@@ -66,6 +66,10 @@ class Session(Recorder):
         super().__init__(config, clock, resolver)
         self._auto_active: set[str] = set()
         self._uninstallers: list[Callable[[], None]] = [] if uncapture is None else [uncapture]
+        #: Instruments on for sampled steps only (module and optimizer hooks, the backward
+        #: wrapper), and whether they are on now: switched at step boundaries, see _switch.
+        self._per_step: list[PerStep] = []
+        self._hooks_on = False
         self._since_flush = 0
         self._failed = False
         self._finished = False
@@ -106,9 +110,13 @@ class Session(Recorder):
         # Whoever reports collectives (the patch, a framework integration), their records
         # get the collectives section; the resolver itself imports no instrument.
         self.resolver.summarize_collectives = summarize
-        removers, active = install_instruments(self, self.config, model, optimizer, self.warn)
+        removers, active, per_step = install_instruments(self, self.config, model, optimizer, self.warn)
         self._uninstallers.extend(removers)
         self._auto_active |= active
+        self._per_step = per_step
+        self._hooks_on = True
+        if not self.config.samples(self._index):
+            self._switch(False)
         # Built here, off the first step, when the device is known (the CPU, or a CUDA clock
         # given its device); a CUDA clock that follows the current device knows it at its
         # first mark, so its monitor is built at the first sampled step.
@@ -183,6 +191,8 @@ class Session(Recorder):
             if step is None:
                 self._step_counts = None
                 return self._step_cm
+            if not self._hooks_on:  # the index moved (step(index=...)) onto a sampled one
+                self._switch(True)
             self._sampled_seen += 1
             counts = self._step_counts
             if counts is not None:
@@ -228,12 +238,15 @@ class Session(Recorder):
                         fn(self, type(exc), exc, raised_in)
             done = self._index
             step = self._close_step()
+            sample_next = self.config.samples(self._index)
+            if sample_next != self._hooks_on:
+                self._switch(sample_next)
             sched = self.sched
             rq = None
             if sched is not None:
                 # Read at the end of a sampled step (its run-queue wait) and of the step before
                 # one (that wait's baseline); between unsampled steps, no system call at all.
-                if step is not None or self.config.samples(self._index):
+                if step is not None or sample_next:
                     rq = sched.step_end()
                     if not self._rq_read:
                         rq = None  # the previous step's end was not read (the index jumped)
@@ -397,7 +410,20 @@ class Session(Recorder):
         """Run ``fn`` when the tracer finishes (instruments installed from outside)."""
         self._uninstallers.append(fn)
 
+    def _switch(self, on: bool) -> None:
+        """Put the per-step instruments on (before a sampled step: at the end of the step
+        before it, so its pre-step phases are seen too) or take them off (after it). Only
+        between steps, on the training thread: removing an optimizer hook while another
+        thread iterates them would crash it."""
+        self._hooks_on = on
+        for inst in self._per_step:
+            if on:
+                inst.on()
+            else:
+                inst.off()
+
     def _uninstall(self) -> None:
+        self._per_step = []
         if gate.current() is self:
             gate.set_current(None)
         while self._uninstallers:

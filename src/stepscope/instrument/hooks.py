@@ -32,10 +32,17 @@
   this graph task, the owner's phase stack shared), so collectives issued during backward
   (FSDP2 reduce-scatters and all-gathers, tensor-parallel all-reduces) are timed.
 - optimizer: ``Optimizer.register_step_pre_hook``/``register_step_post_hook``.
+
+All of these are on for sampled steps only (:class:`ModelHooks`, :class:`OptimizerHooks`): the
+session puts them on at the end of the step before a sampled one and takes them off at its end,
+so an unsampled step runs ``Module.__call__``'s fast path, torch's own backward and a hook-free
+``optimizer.step()``. A compiled model keeps its module hooks on every step (dynamo keeps the
+hooks it compiled with), which costs each step the module-hook slow path and two hook calls.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -183,6 +190,14 @@ class _ModelHooks:
         if self._bwd is not None and self._sync is None and gate.current() is self.tracer:
             self._sync = self.tracer.open_phase("grad_sync")
 
+    def sync_marker(self, on: bool) -> None:
+        """Put the grad_sync marker (learnt already) on its parameter, or take it off."""
+        if on and self._sync_handle is None and isinstance(self._sync_param, torch.Tensor):
+            self._sync_handle = self._sync_param.register_post_accumulate_grad_hook(self._on_last_grad)
+        elif not on and self._sync_handle is not None:
+            self._sync_handle.remove()
+            self._sync_handle = None
+
     def remove(self) -> None:
         if self.backward:
             _unwrap_backward(self)
@@ -243,44 +258,140 @@ def _unwrap_backward(hooks: _ModelHooks) -> None:
         _in_chain = False
 
 
-def attach_model(
-    tracer: Tracer, model: torch.nn.Module, *, forward: bool, backward: bool
-) -> Callable[[], None]:
-    """Hook ``model``; returns a function that removes the hooks."""
-    hooks = _ModelHooks(tracer, model, forward, backward)
-    # Pre-hook first and close-hook last, so collectives other forward hooks issue (FSDP2's
-    # unshard and reshard of the root) are inside ``forward``.
-    # Only the hooks this config needs: each is a Python call on every forward.
-    handles = [model.register_forward_pre_hook(hooks.pre, prepend=True)]
-    if forward:
-        handles.append(model.register_forward_hook(hooks.post))
-    if backward:
-        _wrap_backward(hooks)
+def compiled(model: torch.nn.Module) -> bool:
+    """Whether ``model`` (or a module it wraps) runs under ``torch.compile``: an
+    ``OptimizedModule`` or a module compiled in place (``model.compile()``). Dynamo keeps the
+    hooks a module was compiled with (it does not guard on them by default,
+    ``torch._dynamo.config.skip_nnmodule_hook_guards``), so such a model keeps its hooks."""
+    if "torch._dynamo" not in sys.modules:  # nothing can be compiled yet: no dynamo import
+        return False
+    from torch._dynamo.eval_frame import OptimizedModule
 
-    def remove() -> None:
-        for h in handles:
+    cur: Any = model
+    for _ in range(8):
+        if isinstance(cur, OptimizedModule) or getattr(cur, "_compiled_call_impl", None) is not None:
+            return True
+        cur = next((m for a in ("module", "_orig_mod", "_fsdp_wrapped_module")
+                    if isinstance(m := getattr(cur, a, None), torch.nn.Module)), None)
+        if cur is None:
+            return False
+    return False
+
+
+class ModelHooks:
+    """The model's hooks and the backward wrapper, put on for sampled steps only.
+
+    ``on()`` and ``off()`` are called at step boundaries on the training thread (the session
+    puts them on at the boundary before a sampled step and takes them off after it): an
+    unsampled forward then takes ``Module.__call__``'s fast path and ``loss.backward()`` calls
+    torch directly. A compiled model (:func:`compiled`, asked at each ``off()`` as well, for a
+    model compiled in place after ``init()``) keeps its module hooks on; only the backward
+    wrapper comes off.
+    """
+
+    def __init__(self, tracer: Tracer, model: torch.nn.Module, forward: bool, backward: bool) -> None:
+        self._hooks = _ModelHooks(tracer, model, forward, backward)
+        self.model = model
+        self.always = compiled(model)
+        self._handles: list[Any] = []
+        self._backward_on = False
+        self.on()
+
+    @property
+    def attached(self) -> bool:
+        return bool(self._handles)
+
+    def on(self) -> None:
+        hooks = self._hooks
+        if hooks.backward and not self._backward_on:
+            _wrap_backward(hooks)
+            self._backward_on = True
+        if self._handles:
+            return
+        model = self.model
+        # Pre-hook first and close-hook last, so collectives other forward hooks issue (FSDP2's
+        # unshard and reshard of the root) are inside ``forward``.
+        # Only the hooks this config needs: each is a Python call on every forward.
+        self._handles.append(model.register_forward_pre_hook(hooks.pre, prepend=True))
+        if hooks.forward:
+            self._handles.append(model.register_forward_hook(hooks.post))
+        hooks.sync_marker(True)
+
+    def off(self) -> None:
+        # The backward wrapper comes off in any case: torch.autograd.backward is called
+        # eagerly, outside a compiled forward.
+        if self._backward_on:
+            _unwrap_backward(self._hooks)
+            self._backward_on = False
+        if not self._handles or self.always:
+            return
+        if getattr(self.model, "_compiled_call_impl", None) is not None:  # compiled since init()
+            self.always = True
+            return
+        self._take_off()
+
+    def _take_off(self) -> None:
+        for h in self._handles:
             h.remove()
-        hooks.remove()
+        self._handles = []
+        hooks = self._hooks
+        hooks._fwd.clear()  # a forward that raised left its token: that step is closed
+        hooks.sync_marker(False)
 
-    return remove
+    def remove(self) -> None:
+        self.off()
+        self._take_off()
+        self._hooks.remove()
 
 
-def attach_optimizer(tracer: Tracer, optimizer: torch.optim.Optimizer) -> Callable[[], None]:
-    """Time ``optimizer.step()`` inside steps; returns a function that removes the hooks."""
-    tokens: list[Any] = []
+def attach_model(tracer: Tracer, model: torch.nn.Module, *, forward: bool, backward: bool) -> ModelHooks:
+    """Hook ``model`` (attached now); ``remove()`` takes the hooks off for good."""
+    return ModelHooks(tracer, model, forward, backward)
 
-    def pre(opt: Any, args: Any, kwargs: Any) -> None:
-        if not _is_compiling() and (tracer.sampled_owner == _get_ident() or gate.current() is tracer):
-            tokens.append(tracer.open_phase("optimizer"))
 
-    def post(opt: Any, args: Any, kwargs: Any) -> None:
-        if tokens and not _is_compiling():
-            tracer.close_phase(tokens.pop())
+class OptimizerHooks:
+    """``optimizer.step()`` timed inside sampled steps; ``on()``/``off()`` as :class:`ModelHooks`
+    (an optimizer has no compiled path to keep: its hooks run eagerly around ``step()``)."""
 
-    handles = [optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post)]
+    always = False
 
-    def remove() -> None:
-        for h in handles:
+    def __init__(self, tracer: Tracer, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        tokens: list[Any] = []
+        self._tokens = tokens
+
+        def pre(opt: Any, args: Any, kwargs: Any) -> None:
+            if not _is_compiling() and (tracer.sampled_owner == _get_ident() or gate.current() is tracer):
+                tokens.append(tracer.open_phase("optimizer"))
+
+        def post(opt: Any, args: Any, kwargs: Any) -> None:
+            if tokens and not _is_compiling():
+                tracer.close_phase(tokens.pop())
+
+        self._pre, self._post = pre, post
+        self._handles: list[Any] = []
+        self.on()
+
+    @property
+    def attached(self) -> bool:
+        return bool(self._handles)
+
+    def on(self) -> None:
+        if not self._handles:
+            opt = self.optimizer
+            self._handles = [opt.register_step_pre_hook(self._pre),
+                             opt.register_step_post_hook(self._post)]
+
+    def off(self) -> None:
+        for h in self._handles:
             h.remove()
+        self._handles = []
+        self._tokens.clear()
 
-    return remove
+    def remove(self) -> None:
+        self.off()
+
+
+def attach_optimizer(tracer: Tracer, optimizer: torch.optim.Optimizer) -> OptimizerHooks:
+    """Time ``optimizer.step()`` inside steps (attached now); ``remove()`` takes the hooks off."""
+    return OptimizerHooks(tracer, optimizer)
