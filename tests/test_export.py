@@ -378,3 +378,92 @@ def test_two_gloo_ranks_one_port_each_and_the_slow_rank_finding(
     waits = {lab["stepscope_rank"]: v for lab, v in finding["stepscope_wait_duration_seconds"]}
     assert waits["0"] > waits["1"]  # rank 0 waits for the slow rank 1
     assert "stepscope_finding_slowest_rank_ratio" not in last[1]  # one publisher of findings
+
+
+# ------------------------------------------------------------------ which process exports
+
+
+def _file_exporter(path: Path) -> Any:
+    """A metric exporter that appends ``pid points`` per export to ``path`` (fork-safe: O_APPEND)."""
+    import os
+
+    from opentelemetry.sdk.metrics.export import (
+        AggregationTemporality,
+        MetricExporter,
+        MetricExportResult,
+    )
+
+    class FileExporter(MetricExporter):
+        def __init__(self) -> None:
+            super().__init__(preferred_temporality={}, preferred_aggregation={})
+            self._temporality = AggregationTemporality.CUMULATIVE
+
+        def export(self, metrics_data: Any, timeout_millis: float = 10_000, **kw: Any) -> Any:
+            points = sum(len(m.data.data_points) for rm in metrics_data.resource_metrics
+                         for sm in rm.scope_metrics for m in sm.metrics)
+            with open(path, "a") as f:
+                f.write(f"{os.getpid()} {points}\n")
+            return MetricExportResult.SUCCESS
+
+        def force_flush(self, timeout_millis: float = 10_000) -> bool:
+            return True
+
+        def shutdown(self, timeout_millis: float = 30_000, **kw: Any) -> None:
+            pass
+
+    return FileExporter()
+
+
+def test_a_forked_child_exports_nothing(tmp_path: Path) -> None:
+    """The SDK restarts its reader thread in a forked child (a DataLoader worker); the child's
+    copy of the state must not reach the collector (its step counter would go backwards)."""
+    import os
+
+    from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+
+    from stepscope.export.otel import OtelBackend
+
+    log = tmp_path / "exports.log"
+    state = MetricState(0, "run", "host", 1)
+    state.add("stepscope.steps", 5.0)
+    reader = PeriodicExportingMetricReader(_file_exporter(log), export_interval_millis=50)
+    backend = OtelBackend(state, reader=reader)
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: let its reader thread run a few intervals, then leave at once
+            time.sleep(0.6)
+            os._exit(0)
+        os.waitpid(pid, 0)
+    finally:
+        backend.close()
+    rows = [line.split() for line in log.read_text().splitlines()]
+    by_pid: dict[int, int] = {}
+    for p, n in rows:
+        by_pid[int(p)] = by_pid.get(int(p), 0) + int(n)
+    assert by_pid.get(os.getpid(), 0) > 0  # the parent exported
+    assert by_pid.get(pid, 0) == 0, rows  # the child sent no data point
+
+
+def test_finish_does_not_wait_for_a_collector_that_already_failed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A refused collector: the first export is still retrying (for the exporter's 10 s) when the
+    job finishes. finish() neither waits for it nor tries a last export."""
+    from stepscope.export.otel import OtelBackend
+
+    dead = free_port()  # nothing listens there: connections are refused
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", f"http://127.0.0.1:{dead}/v1/metrics")
+    monkeypatch.setenv("OTEL_METRIC_EXPORT_INTERVAL", "50")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "10")
+    state = MetricState(0, "run", "host", 1)
+    state.add("stepscope.steps", 1.0)
+    backend = OtelBackend(state, warn=lambda m: None)
+    guard = backend.guard
+    assert guard is not None
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not (
+            guard.busy_since is not None and time.monotonic() - guard.busy_since > 1.2):  # past STUCK_S
+        time.sleep(0.05)
+    assert guard.busy_since is not None  # an export is retrying against the refused port
+    t0 = time.monotonic()
+    backend.close()
+    assert time.monotonic() - t0 < 2.0  # not FINISH_WAIT_S (5 s)
