@@ -378,6 +378,13 @@ def test_two_gloo_ranks_one_port_each_and_the_slow_rank_finding(
     waits = {lab["stepscope_rank"]: v for lab, v in finding["stepscope_wait_duration_seconds"]}
     assert waits["0"] > waits["1"]  # rank 0 waits for the slow rank 1
     assert "stepscope_finding_slowest_rank_ratio" not in last[1]  # one publisher of findings
+    job = {lab["stepscope_stat"]: v for lab, v in finding["stepscope_ranks_step_duration_seconds"]
+           if lab["stepscope_scope"] == "job"}
+    assert set(job) == {"median", "max"} and job["max"] >= job["median"] > 0
+    node_phases = {(lab["stepscope_phase"], lab["stepscope_stat"])
+                   for lab, _ in finding["stepscope_ranks_phase_duration_seconds"]
+                   if lab["stepscope_scope"] == "node"}
+    assert ("forward", "max") in node_phases
 
 
 # ------------------------------------------------------------------ which process exports
@@ -467,3 +474,115 @@ def test_finish_does_not_wait_for_a_collector_that_already_failed(
     t0 = time.monotonic()
     backend.close()
     assert time.monotonic() - t0 < 2.0  # not FINISH_WAIT_S (5 s)
+
+
+# ------------------------------------------------------------------ series that do not grow with the world
+
+_PHASES = ("dataloader", "forward", "backward", "optimizer", "residual")
+
+
+def _payloads(world: int, per_node: int = 8, slow: tuple[int, ...] = ()) -> list[dict[str, Any]]:
+    """What the live view's exchange gathers from ``world`` ranks (``per_node`` a host): every
+    rank alike but for small jitter, the ``slow`` ranks 40 ms longer in forward."""
+    out = []
+    for r in range(world):
+        jitter = (r * 7919 % 1000) / 1000.0
+        fwd = 100.0 + jitter + (40.0 if r in slow else 0.0)
+        ph = {"dataloader": [5.0, 0.02, 0.0], "forward": [fwd, 0.4, 5.0],
+              "backward": [120.0 + jitter, 0.5, 110.0], "optimizer": [10.0, 0.04, 240.0],
+              "residual": [1.0, 0.004, 1e9]}
+        out.append({"r": r, "s": 50, "n": 10, "m": 236.0 + jitter, "x": 240.0, "p": ph,
+                    "e": {"h": f"node{r // per_node:05d}"}})
+    return out
+
+
+def _own_series(world: int, rank: int) -> int:
+    """Series one rank serves of its own (Prometheus), after one record."""
+    from stepscope.export.prometheus import _Collector
+
+    state = MetricState(rank=rank, run_id="r", hostname="h", world_size=world)
+    MetricsListener(state).on_record({
+        "step": 1, "step_ms": 236.0, "residual_ms": 1.0,
+        "phases": [{"name": n, "parent": None, "ms": 10.0} for n in _PHASES if n != "residual"],
+        "collectives": [{"op": "all_reduce", "ms": 30.0}],
+        "throughput": {"tokens_per_s": 1e5, "samples_per_s": 100.0},
+        "memory": {"peak_allocated_mb": 1.0, "peak_reserved_mb": 2.0, "allocated_mb": 1.0, "rss_mb": 5.0}})
+    state.publish_own = True
+    return sum(len(f.samples) for f in _Collector(state).collect())
+
+
+def _publisher_series(payloads: list[dict[str, Any]], top: int | None) -> tuple[int, Any]:
+    from stepscope.export.prometheus import _Collector
+
+    world = len(payloads)
+    state = MetricState(rank=0, run_id="r", hostname="node00000", world_size=world, top_ranks=top)
+    state.publisher = True
+    listener = MetricsListener(state)
+    listener.on_gather(list(payloads))
+    state.publish_own = False  # count the cross-rank series alone
+    return sum(len(f.samples) for f in _Collector(state).collect()), state
+
+
+def test_export_series_are_bounded_at_100000_ranks() -> None:
+    """At the default export_top_ranks (8) the whole job serves at most: the publisher's
+    aggregates (job and 8 nodes: 3 + 3P each), 8 waits, 3 findings, the run info, plus the own
+    series of 8 outlying ranks; the same bound at 1,000 and 100,000 ranks."""
+    from stepscope.export.metrics import TOP_RANKS, outlying_ranks
+
+    P = len(_PHASES)
+    own = _own_series(100_000, 5)
+    bound = (1 + TOP_RANKS) * (3 + 3 * P) + TOP_RANKS + 3 + 1 + TOP_RANKS * own
+    slow = (337, 77_001)
+    for world in (1_000, 100_000):
+        payloads = _payloads(world, slow=slow)
+        pub, state = _publisher_series(payloads, TOP_RANKS)
+        outliers = outlying_ranks(list(payloads), TOP_RANKS)
+        assert len(outliers) == TOP_RANKS
+        if world == 100_000:
+            assert set(slow) <= set(outliers)  # the slow ranks publish their own series
+        else:
+            assert 337 in outliers
+        total = pub + len(outliers) * own
+        assert total <= bound, (world, pub, own, total, bound)
+        snap = state.snapshot()
+        job = {dict(k)["stepscope.stat"]: v for k, v in snap["stepscope.ranks.phase.duration"].items()
+               if dict(k)["stepscope.scope"] == "job" and dict(k)["stepscope.phase"] == "forward"}
+        assert job["max"] > job["median"] + 0.03  # the slow ranks' 40 ms
+        (who,) = [v for k, v in snap["stepscope.ranks.phase.max_rank"].items()
+                  if dict(k)["stepscope.scope"] == "job" and dict(k)["stepscope.phase"] == "forward"]
+        assert int(who) in slow
+    assert bound < 400
+
+
+def test_a_rank_serves_its_own_series_only_while_it_is_outlying() -> None:
+    from stepscope.export.prometheus import _Collector
+
+    world = 20
+    payloads: list[dict[str, Any] | None] = list(_payloads(world, slow=(13,)))
+    served = {}
+    for rank in (13, 4):
+        state = MetricState(rank=rank, run_id="r", hostname="h", world_size=world, top_ranks=1)
+        listener = MetricsListener(state)
+        listener.on_record({"step": 1, "step_ms": 10.0,
+                            "phases": [{"name": "forward", "parent": None, "ms": 5.0}]})
+        assert sum(len(f.samples) for f in _Collector(state).collect()) == 0  # no exchange yet
+        listener.on_gather(payloads)
+        served[rank] = sum(len(f.samples) for f in _Collector(state).collect())
+    assert served[4] == 0 and served[13] > 0
+    # export_top_ranks=None: every rank serves its own series, as in a small world.
+    state = MetricState(rank=4, run_id="r", hostname="h", world_size=world, top_ranks=None)
+    MetricsListener(state).on_record({"step": 1, "step_ms": 10.0, "phases": []})
+    assert sum(len(f.samples) for f in _Collector(state).collect()) > 0
+
+
+def test_every_node_with_top_ranks_none_and_bad_values_refused() -> None:
+    payloads = _payloads(1_000)
+    pub_all, _ = _publisher_series(payloads, None)
+    pub_top, _ = _publisher_series(payloads, 8)
+    assert pub_all > 10 * pub_top  # 125 nodes' aggregates and 256 waits
+    with pytest.raises(ValueError, match="top_ranks must be an int >= 0 or None"):
+        MetricState(rank=0, run_id="r", hostname="h", world_size=1, top_ranks=-1)
+    from stepscope.config import Config, ConfigError
+
+    with pytest.raises(ConfigError, match="export_top_ranks must be"):
+        Config(export_top_ranks="8")

@@ -113,6 +113,7 @@ def init(
     otel: bool = False,
     prometheus_port: int | None = None,
     prometheus_addr: str = "0.0.0.0",
+    export_top_ranks: int | None = 8,
 ) -> Tracer | NullTracer:
     """Start recording this rank's steps; returns the tracer (a no-op one when disabled).
 
@@ -142,6 +143,7 @@ def init(
         model_flops=model_flops,
         peak_tflops=peak_tflops,
         otel=otel, prometheus_port=prometheus_port, prometheus_addr=prometheus_addr,  # [export]
+        export_top_ranks=export_top_ranks,
     )
     from stepscope.config import Config, env_overrides
     from stepscope.lifecycle import create

@@ -75,6 +75,10 @@ class Config:
     prometheus_port: int | None = None
     #: [export] Address the Prometheus endpoint listens on.
     prometheus_addr: str = "0.0.0.0"
+    #: [export] Ranks (and nodes) that publish per-rank (per-node) series: the most outlying
+    #: of the latest cross-rank exchange; the job's aggregates are always published.
+    #: ``None``: every rank and node (series grow with the world).
+    export_top_ranks: int | None = 8
 
     def __post_init__(self) -> None:
         self.auto = _normalise_auto(self.auto)
@@ -103,6 +107,8 @@ class Config:
 
         check_config(self.flops_per_step, self.model_flops, self.peak_tflops)
         _check_export(self.otel, self.prometheus_port, self.prometheus_addr)  # [export]
+        if self.export_top_ranks is not None:
+            _check_int("export_top_ranks", self.export_top_ranks, minimum=0)
         if self.sink not in SINKS:
             raise ConfigError(f"sink must be one of {SINKS}; got {self.sink!r}")
         if not isinstance(self.out_dir, str | os.PathLike) or not os.fspath(self.out_dir):
@@ -214,6 +220,7 @@ _ENV_TYPED: dict[str, tuple[Any, str]] = {
     "dump_stacks_after_s": (float, "a number"),
     "collectives": (_env_flag, "a flag"),
     "otel": (_env_flag, "a flag"),  # [export]
+    "export_top_ranks": (int, "an int"),  # [export]
 }
 
 

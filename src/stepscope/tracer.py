@@ -82,7 +82,9 @@ class Tracer(Session):
         #: exists (created on every member or on none, whatever each rank's config says).
         self.agreement = agree_at_init(
             run_id=config.run_id, ranks=config.ranks,
-            wants_side_group=bool(config.log_every_n_steps or config.auto_profile),
+            # Exports rank the ranks through the exchange (which publish per-rank series).
+            wants_side_group=bool(config.log_every_n_steps or config.auto_profile or config.otel
+                                  or config.prometheus_port is not None),
         )
         super().__init__(
             config,

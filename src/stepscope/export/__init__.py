@@ -23,7 +23,8 @@ def attach_exporters(tracer: Tracer) -> MetricsListener | None:
     """Start the exporters ``tracer.config`` asks for and plug their listener into the tracer."""
     cfg = tracer.config
     info = tracer.rank
-    state = MetricState(info.rank, tracer.run_id, info.hostname, info.world_size)
+    state = MetricState(info.rank, tracer.run_id, info.hostname, info.world_size,
+                        top_ranks=cfg.export_top_ranks)
     listener = MetricsListener(state, warn=lambda m: tracer.warn(m, key="export"))
     if cfg.otel:
         try:
@@ -49,5 +50,5 @@ def attach_exporters(tracer: Tracer) -> MetricsListener | None:
     if not listener.backends:
         return None
     tracer.add_listener(listener)
-    attach_gather(tracer, listener.on_gather)
+    state.publisher = attach_gather(tracer, listener.on_gather)
     return listener

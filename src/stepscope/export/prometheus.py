@@ -5,7 +5,9 @@ scrape config lists ``base..base+ranks_per_node-1`` per node). The server runs o
 ``prometheus-client``'s own thread; a scrape copies the state under its lock. Names follow
 the OpenTelemetry → Prometheus translation (``stepscope.step.duration`` in seconds →
 ``stepscope_step_duration_seconds``); every series carries ``stepscope_rank``, and
-``stepscope_run_info`` (value 1) carries the run id, host and world size.
+``stepscope_run_info`` (value 1) carries the run id, host and world size. Which series a rank
+serves (its own, the aggregates across ranks, or none) is decided in
+:mod:`stepscope.export.metrics` (``export_top_ranks``).
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ class _Collector:
 
         snap = self.state.snapshot()
         rank = str(self.state.rank)
-        yield InfoMetricFamily("stepscope_run", "The run this rank belongs to.", value={
-            "run_id": self.state.run_id, "host": self.state.hostname,
-            "world_size": str(self.state.world_size), prometheus_label(RANK): rank})
+        if self.state.publishing:  # a rank that publishes nothing now adds no series at all
+            yield InfoMetricFamily("stepscope_run", "The run this rank belongs to.", value={
+                "run_id": self.state.run_id, "host": self.state.hostname,
+                "world_size": str(self.state.world_size), prometheus_label(RANK): rank})
         for m in CATALOGUE:
             series = snap.get(m.name) or {}
             keys = [prometheus_label(k) for k in m.labels]
