@@ -21,8 +21,12 @@ A bias remains (which package was imported first, where each one's code landed):
 twice, the second time with the roles swapped (``--swap``: the baseline plays "this"); a
 real difference changes sign with the roles, a bias does not.
 
+``--every-n-steps N`` records one step in N (``0``: none after the first, what a step that
+records nothing costs).
+
     python benchmarks/paired_builds.py --baseline 5554766
     python benchmarks/paired_builds.py --baseline 5554766 --swap
+    python benchmarks/paired_builds.py --baseline 5554766 --every-n-steps 10
 """
 
 from __future__ import annotations
@@ -74,6 +78,8 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=20)
     ap.add_argument("--hidden", type=int, default=640, help="MLP width (0: the tiny model)")
     ap.add_argument("--swap", action="store_true", help="the baseline plays 'this' and vice versa")
+    ap.add_argument("--every-n-steps", type=int, default=1,
+                    help="record one step in N (0: only the first step of a block)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     hot_path.HIDDEN = args.hidden
@@ -104,8 +110,9 @@ def run(builds: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict[str
             tracer = None
             if kind != "bare":
                 m = builds[kind]
+                every = args.every_n_steps or 1 << 40
                 tracer = m["tracer"].Tracer(
-                    m["config"].Config(out_dir="unused"), model=model, optimizer=opt,
+                    m["config"].Config(out_dir="unused", every_n_steps=every), model=model, optimizer=opt,
                     clock=m["clock"].CpuClock(), sink=m["sinks"].MemorySink(),
                 )
             hot_path._run(tracer, model, opt, x, 5)
@@ -127,6 +134,7 @@ def run(builds: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict[str
     return {
         "benchmark": "paired_builds", "baseline": args.baseline, "swap": args.swap,
         "hidden": args.hidden, "steps": args.steps, "blocks": args.blocks,
+        "every_n_steps": args.every_n_steps,
         "loadavg_1m": round(os.getloadavg()[0], 2), "bare_step_us": round(med(bare), 1),
         "this_added_us": diff(per["this"], bare),
         "baseline_added_us": diff(per["baseline"], bare),

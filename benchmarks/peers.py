@@ -1,0 +1,375 @@
+"""stepscope beside its peers, interleaved in one process: what each costs a training step.
+
+Kinds, each run in blocks of ``--steps`` steps on the *same* model and optimizer:
+
+- ``bare``: the loop alone;
+- ``stepscope_every_1`` / ``stepscope_every_10``: ``tracer.step()`` around each step with every
+  automatic instrument and the JSONL writer (a new tracer per block, built and finished outside
+  the timing), recording every step / one step in 10;
+- ``manual_timer``: the minimal hand-written timer (three coarse phases, forward, backward and
+  optimizer, by ``time.perf_counter``; a JSONL line per step written every 10 steps);
+- ``traceml``: TraceML (``traceml-ai``), when installed, one process only: ``traceml_ai.init``
+  once, against its aggregator started as a subprocess, then its patches (``Module.__call__``,
+  ``Tensor.backward``, ``torch.autograd.backward``, ``Tensor.to``, global optimizer hooks) are
+  swapped in for its blocks and out for the others, and each step runs in
+  ``traceml_ai.trace_step(model)``. Its telemetry threads run through every block.
+
+Per round the kinds run in a shuffled order, each traced block paired with a bare block run
+right before or after it, in turn (the host drifts by more than these costs over a round). The
+figure is the median over rounds of the training thread's CPU time per step over its bare
+block, in µs, and the ratio of the kind's step to the bare step (``x``). Steps: ``~3 ms`` (a
+three-layer MLP of width 640 on a batch of 64, one thread) and ``~30 ms`` (width 2048).
+
+With ``--ranks 2`` the same runs on 2 gloo ranks under DDP (TraceML left out: its aggregator
+expects its own launcher); the ranks run the same kinds in the same order, rank 0 reports.
+Prints one JSON line per configuration (step size × ranks); ``--record FILE`` writes them as
+one results record (``benchmark``, ``command``, ``commit``, ``machine``, ``load``, ``figures``).
+
+    python benchmarks/peers.py --steps 100 --rounds 9
+    python benchmarks/peers.py --ranks 2 --sizes 3ms --steps 100 --rounds 9
+    python benchmarks/peers.py --record benchmarks/results/peers.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+#: MLP width per step size (batch 64, one thread).
+SIZES = {"3ms": 640, "30ms": 2048}
+
+
+def _job(hidden: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tensor]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(hidden, hidden), torch.nn.ReLU(),
+        torch.nn.Linear(hidden, hidden), torch.nn.ReLU(),
+        torch.nn.Linear(hidden, 1),
+    )
+    return model, torch.optim.SGD(model.parameters(), lr=1e-4), torch.randn(64, hidden)
+
+
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
+    loss = model(x.to(torch.float32)).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+class ManualTimer:
+    """Three coarse phases by ``perf_counter``, a JSONL line per step, written every 10 steps."""
+
+    def __init__(self, path: Path) -> None:
+        self.f = open(path, "a")  # noqa: SIM115 (closed by close())
+        self.lines: list[str] = []
+        self.index = 0
+
+    def step(self, model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
+        clock = time.perf_counter
+        t0 = clock()
+        loss = model(x.to(torch.float32)).square().mean()
+        t1 = clock()
+        loss.backward()
+        t2 = clock()
+        opt.step()
+        opt.zero_grad()
+        t3 = clock()
+        self.lines.append(json.dumps({"step": self.index, "forward_ms": (t1 - t0) * 1e3,
+                                      "backward_ms": (t2 - t1) * 1e3, "optimizer_ms": (t3 - t2) * 1e3}))
+        self.index += 1
+        if len(self.lines) >= 10:
+            self.f.write("\n".join(self.lines) + "\n")
+            self.f.flush()
+            self.lines.clear()
+
+    def close(self) -> None:
+        self.f.close()
+
+
+# ------------------------------------------------------------------ TraceML, when installed
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class TraceML:
+    """TraceML started once; :meth:`on`/:meth:`off` swap its patches in and out."""
+
+    def __init__(self, out: Path) -> None:
+        import traceml_ai
+
+        self.api = traceml_ai
+        self.targets = self._targets()
+        before = {k: self._get(k) for k in self.targets}
+        hooks_before = self._global_hooks()
+        port = _free_port()
+        env = dict(os.environ, TRACEML_AGGREGATOR_PORT=str(port), TRACEML_AGGREGATOR_HOST="127.0.0.1",
+                   TRACEML_AGGREGATOR_BIND_HOST="127.0.0.1", TRACEML_MODE="summary",
+                   TRACEML_UI_MODE="summary", TRACEML_LOGS_DIR=str(out), TRACEML_HISTORY_ENABLED="0")
+        main = Path(traceml_ai.__file__).parent / "aggregator" / "aggregator_main.py"
+        self.proc = subprocess.Popen([sys.executable, str(main)], env=env,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        traceml_ai.init(mode="auto", ui_mode="summary", logs_dir=str(out), aggregator_host="127.0.0.1",
+                        aggregator_port=port, on_missing_aggregator="raise", connect_timeout_sec=30.0)
+        # trace_step installs the optimizer hooks on first use: one step so they exist now.
+        model, opt, x = _job(8)
+        with traceml_ai.trace_step(model):
+            _step(model, opt, x)
+        self.patched = {k: self._get(k) for k in self.targets}
+        self.orig = before
+        self.swapped = [k for k in self.targets if self.patched[k] is not before[k]]
+        pre, post = self._global_hooks()
+        self.hooks = ({k: v for k, v in pre.items() if k not in hooks_before[0]},
+                      {k: v for k, v in post.items() if k not in hooks_before[1]})
+        self.off()
+
+    @staticmethod
+    def _targets() -> list[tuple[Any, str]]:
+        return [(torch.nn.Module, "__call__"), (torch.Tensor, "backward"), (torch.autograd, "backward"),
+                (torch.Tensor, "to"), (torch.Tensor, "cuda")]
+
+    @staticmethod
+    def _get(key: tuple[Any, str]) -> Any:
+        owner, name = key
+        return owner.__dict__[name] if name in owner.__dict__ else getattr(owner, name)
+
+    @staticmethod
+    def _global_hooks() -> tuple[dict[Any, Any], dict[Any, Any]]:
+        from torch.optim import optimizer as o
+
+        return dict(o._global_optimizer_pre_hooks), dict(o._global_optimizer_post_hooks)
+
+    def _set(self, values: dict[tuple[Any, str], Any], hooks: bool) -> None:
+        for key in self.swapped:
+            setattr(key[0], key[1], values[key])
+        from torch.optim import optimizer as o
+
+        for mine, theirs in ((self.hooks[0], o._global_optimizer_pre_hooks),
+                             (self.hooks[1], o._global_optimizer_post_hooks)):
+            for k, v in mine.items():
+                if hooks:
+                    theirs[k] = v
+                else:
+                    theirs.pop(k, None)
+
+    def on(self) -> None:
+        self._set(self.patched, True)
+
+    def off(self) -> None:
+        self._set(self.orig, False)
+
+    def close(self) -> None:
+        self.off()
+        self.proc.terminate()
+        with contextlib.suppress(Exception):
+            self.proc.wait(10)
+
+
+def _traceml(out: Path, world: int) -> tuple[TraceML | None, str | None]:
+    if world > 1:
+        return None, "TraceML left out under DDP: its aggregator expects its own launcher"
+    try:
+        import traceml_ai  # noqa: F401
+    except ImportError:
+        return None, "traceml-ai is not installed"
+    try:
+        return TraceML(out), None
+    except Exception as exc:  # a benchmark of peers goes on without the one that fails to start
+        return None, f"TraceML did not start: {exc!r}"
+
+
+# ------------------------------------------------------------------ the runs
+
+
+def _blocks(kinds: dict[str, Callable[[], tuple[Callable[[], None], Callable[[], None]]]],
+            bare: Callable[[], None], steps: int, rounds: int, seed: int) -> dict[str, Any]:
+    """Per round, per kind in a shuffled order (the same on every rank: ``seed``), a block of
+    ``steps`` steps paired with a bare block before or after it, in turn. ``kinds[k]()`` sets
+    the kind up and returns (one step, teardown)."""
+    rng = random.Random(seed)
+    clock = time.thread_time_ns
+    added: dict[str, list[float]] = {k: [] for k in kinds}
+    ratio: dict[str, list[float]] = {k: [] for k in kinds}
+    bares: list[float] = []
+
+    def timed(step: Callable[[], None]) -> float:
+        for _ in range(3):
+            step()
+        t0 = clock()
+        for _ in range(steps):
+            step()
+        return (clock() - t0) / steps / 1e3
+
+    order = list(kinds)
+    for r in range(rounds):
+        rng.shuffle(order)
+        for kind in order:
+            b = timed(bare) if r % 2 else 0.0
+            step, teardown = kinds[kind]()
+            try:
+                t = timed(step)
+            finally:
+                teardown()
+            if not r % 2:
+                b = timed(bare)
+            bares.append(b)
+            added[kind].append(t - b)
+            ratio[kind].append(t / b)
+    med = statistics.median
+    return {"bare_step_us": round(med(bares), 1),
+            "kinds": {k: {"added_us": round(med(added[k]), 1), "x": round(med(ratio[k]), 4)}
+                      for k in kinds}}
+
+
+def run_config(hidden: int, steps: int, rounds: int, out: Path, rank: int, world: int,
+               traceml: TraceML | None) -> dict[str, Any]:
+    from stepscope.clock import CpuClock
+    from stepscope.config import Config
+    from stepscope.dist import RankInfo
+    from stepscope.tracer import Tracer
+
+    out.mkdir(parents=True, exist_ok=True)
+    model, opt, x = _job(hidden)
+    if world > 1:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    for _ in range(10):
+        _step(model, opt, x)
+    n = [0]
+
+    def bare() -> None:
+        _step(model, opt, x)
+
+    def stepscope_kind(every: int) -> Callable[[], tuple[Callable[[], None], Callable[[], None]]]:
+        def setup() -> tuple[Callable[[], None], Callable[[], None]]:
+            n[0] += 1
+            cfg = Config(out_dir=str(out / f"stepscope-{n[0]}"), every_n_steps=every, run_id=f"peers-{n[0]}")
+            Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
+            tracer = Tracer(cfg, model=model, optimizer=opt, clock=CpuClock(),
+                            rank=RankInfo(rank, rank, world, platform.node()))
+
+            def step() -> None:
+                with tracer.step():
+                    _step(model, opt, x)
+
+            return step, tracer.finish
+        return setup
+
+    def manual() -> tuple[Callable[[], None], Callable[[], None]]:
+        n[0] += 1
+        timer = ManualTimer(out / f"manual-{n[0]}.jsonl")
+        return (lambda: timer.step(model, opt, x)), timer.close
+
+    kinds: dict[str, Any] = {"stepscope_every_1": stepscope_kind(1),
+                             "stepscope_every_10": stepscope_kind(10), "manual_timer": manual}
+    if traceml is not None:
+        def traceml_kind() -> tuple[Callable[[], None], Callable[[], None]]:
+            traceml.on()
+            api = traceml.api
+
+            def step() -> None:
+                with api.trace_step(model):
+                    _step(model, opt, x)
+
+            return step, traceml.off
+        kinds["traceml"] = traceml_kind
+    return _blocks(kinds, bare, steps, rounds, seed=hidden)
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "-C", str(HERE), "rev-parse", "--short", "HEAD"], check=True,
+                              capture_output=True, text=True).stdout.strip()
+    except Exception:  # not a checkout: the record says so
+        return "unknown"
+
+
+def _worker(rank: int, world: int, args: argparse.Namespace, port: int, out: str,
+            results: Any) -> None:
+    """One rank of the DDP run (a spawned process)."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        for size in args.sizes:
+            got = run_config(SIZES[size], args.steps, args.rounds, Path(out) / f"{size}-r{rank}",
+                             rank, world, None)
+            if rank == 0:
+                results.put((size, got))
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _scratch() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="stepscope-peers-") as tmp:
+        yield Path(tmp)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=100, help="steps per block")
+    ap.add_argument("--rounds", type=int, default=9, help="rounds of blocks (medians over them)")
+    ap.add_argument("--sizes", nargs="+", choices=sorted(SIZES), default=["3ms", "30ms"])
+    ap.add_argument("--ranks", type=int, choices=(1, 2), default=1)
+    ap.add_argument("--record", help="write the lines as one results record to this file")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    lines: list[dict[str, Any]] = []
+    with _scratch() as out:
+        if args.ranks == 1:
+            traceml, note = _traceml(out / "traceml", 1)
+            try:
+                for size in args.sizes:
+                    got = run_config(SIZES[size], args.steps, args.rounds, out / size, 0, 1, traceml)
+                    lines.append({"step": size, "ranks": 1, **got, **({"note": note} if note else {})})
+                    print(json.dumps({"benchmark": "peers", **lines[-1]}), flush=True)
+            finally:
+                if traceml is not None:
+                    traceml.close()
+        else:
+            import torch.multiprocessing as mp
+
+            ctx = mp.get_context("spawn")
+            results = ctx.Queue()
+            spawn: Any = mp.spawn  # type: ignore[attr-defined]
+            spawn(_worker, args=(args.ranks, args, _free_port(), str(out), results), nprocs=args.ranks)
+            _, note = _traceml(out, args.ranks)
+            for _ in args.sizes:
+                size, got = results.get(timeout=60)
+                lines.append({"step": size, "ranks": args.ranks, **got, "note": note})
+                print(json.dumps({"benchmark": "peers", **lines[-1]}), flush=True)
+    if args.record:
+        record = {"benchmark": "peers", "command": "python benchmarks/peers.py " + " ".join(sys.argv[1:]),
+                  "commit": _git_commit(), "machine": f"{platform.machine()} {os.cpu_count()} CPUs, "
+                  f"torch {torch.__version__}, one thread", "load": round(os.getloadavg()[0], 2),
+                  "figures": lines}
+        Path(args.record).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.record).write_text(json.dumps(record, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
