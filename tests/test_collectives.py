@@ -584,3 +584,29 @@ def test_untimed_groups_ask_torch_once_a_second_until_a_group_exists_then_see_it
         dist.destroy_process_group()
     assert len(asked) == 2  # once a group was seen, never again
     assert sum(r.get("counters", {}).get("unseen_untimed", 0) for r in tr.sink.records) == 1
+
+
+def test_untimed_groups_look_only_around_sampled_steps(world1, mem_tracer, monkeypatch):
+    """With one step in 5 recorded, the groups are looked at the end of each sampled step and
+    of the step before it, not at every step; a C++-side collective in an unsampled step is not
+    charged to the next sampled one."""
+    from stepscope.instrument import untimed
+
+    looks: list[int] = []
+    real = untimed.UntimedGroups.look
+
+    def spy(self):
+        looks.append(1)
+        return real(self)
+
+    monkeypatch.setattr(untimed.UntimedGroups, "look", spy)
+    pg = dist.distributed_c10d._get_default_group()
+    tr = mem_tracer(auto=False, every_n_steps=5, flush_every_n_steps=1)
+    for i in range(15):
+        with tr.step():
+            if i in (3, 6):  # unsampled steps: step 5's window starts at the end of step 4
+                pg.allreduce([torch.ones(2)]).wait()
+    tr.finish()
+    assert len(looks) == 6  # ends of steps 0, 4, 5, 9, 10, 14
+    counts = {r["step"]: r.get("counters", {}).get("unseen_untimed", 0) for r in tr.sink.records}
+    assert counts == {0: 0, 5: 0, 10: 0}

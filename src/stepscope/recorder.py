@@ -75,6 +75,10 @@ class Recorder:
         self._ignored = threading.local()  # per thread: step() entries not timed
         self._refused = 0  # such entries open on any thread (a cheap check before the thread-local)
         self._in_step = False
+        #: Whether step ``_known_index`` is sampled, as the step boundary before it found out
+        #: (the session's step exit): step entry need not ask the config again.
+        self._known_index = -1
+        self._known_sampled = False
         self._warned: set[str] = set()
         #: Marks are ``perf_counter_ns`` values: a span's wall-clock start follows from its mark.
         self._host_marks = bool(getattr(clock, "host_readable", False))
@@ -360,7 +364,8 @@ class Recorder:
         tid = self._owner = self._train_thread = _get_ident()
         step: Step | None
         if self._next is None:  # the usual case (no pre-step phase): _next_step's make path
-            if not self.config.samples(self._index):
+            if not (self._known_sampled if self._known_index == self._index
+                    else self.config.samples(self._index)):
                 return None
             step = Step(self._index)
         else:
@@ -396,7 +401,8 @@ class Recorder:
                     if stack is not None and span in stack:
                         stack.remove(span)
             step.end = end
-        self._adopted.clear()
+        if self._adopted:
+            self._adopted.clear()
         self._cur = None
         self._in_step = False
         self._owner = None

@@ -238,7 +238,8 @@ class Session(Recorder):
                         fn(self, type(exc), exc, raised_in)
             done = self._index
             step = self._close_step()
-            sample_next = self.config.samples(self._index)
+            sample_next = self._known_sampled = self.config.samples(self._index)
+            self._known_index = self._index
             if sample_next != self._hooks_on:
                 self._switch(sample_next)
             sched = self.sched

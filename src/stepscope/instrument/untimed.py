@@ -43,6 +43,7 @@ class UntimedGroups:
         self._off = False
         self._dist = False  # a default process group was seen
         self._next_ask = 0.0  # monotonic time of the next is_initialized() while not _dist
+        self._looked_at = -2  # the step whose end the last look was taken at
 
     def _groups(self) -> list[Any]:
         world = getattr(torch.distributed.distributed_c10d, "_world", None)
@@ -83,12 +84,18 @@ class UntimedGroups:
                 return
             self._dist = True
         try:
-            if not session.config.samples(index):
-                # An unsampled step times nothing: start the next window at its end.
-                self.look()
+            samples = session.config.samples
+            if not samples(index):
+                # An unsampled step times nothing: the window of the sampled step after it
+                # starts at its end (no look at the end of the others: one per group each).
+                if samples(index + 1):
+                    self.look()
+                    self._looked_at = index
                 return
             n = self.look()
-            if n:
+            fresh = self._looked_at == index - 1  # else the window spans steps (index moved)
+            self._looked_at = index
+            if n and fresh:
                 col.unseen_n(session, "untimed", n)
         except Exception:  # protect the job: this check is off for the rest of the run
             self._off = True
