@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -36,8 +37,30 @@ def _cmd_compact(args: argparse.Namespace) -> int:
                            memory_limit=args.memory_limit)
 
 
+#: Most DuckDB threads a command accepts (DuckDB starts every one it is given).
+MAX_THREADS = 1024
+
+
+def _threads(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of threads; got {text!r}") from None
+    if not 1 <= n <= MAX_THREADS:
+        raise argparse.ArgumentTypeError(f"expected 1 to {MAX_THREADS} threads; got {n}")
+    return n
+
+
+class _Parser(argparse.ArgumentParser):
+    """Bad options: one line on stderr and exit 2 (argparse prints the usage too)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
+
+
 def _duckdb_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=int, default=None, help="DuckDB threads (default: all cores)")
+    p.add_argument("--threads", type=_threads, default=None, metavar="N",
+                   help="DuckDB threads (default: all cores)")
     p.add_argument("--memory-limit", default=None, metavar="SIZE",
                    help="DuckDB memory limit, e.g. 2GB (it spills to disk beyond it)")
 
@@ -89,10 +112,10 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="stepscope", description="Why is my PyTorch training step slow?"
     )
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     d = sub.add_parser("demo", help="train a small model on CPU over gloo ranks and report it")
     d.add_argument("--out", default="runs/demo", help="run directory (default: runs/demo)")

@@ -35,6 +35,8 @@ _OURS = re.compile(r"^rank(\d+)\.flight\.json$")
 TORCH_DIR = "flight_recorder"
 #: Largest dump read (bytes); a Flight Recorder buffer of 20 000 entries is a few MB.
 MAX_DUMP_BYTES = 256 << 20
+#: No job has a million ranks (the rank files' bound too).
+MAX_RANKS = 1_000_000
 
 
 def _read_ours(root: Path, notes: list[str]) -> dict[str, dict[str, Any]]:
@@ -50,22 +52,103 @@ def _read_ours(root: Path, notes: list[str]) -> dict[str, dict[str, Any]]:
         if data is None:
             notes.append(f"{p.name} {why}; skipped")
             continue
+        rank = int(m.group(1))
+        if rank >= MAX_RANKS:
+            notes.append(f"{p.name}: rank {rank} is not a plausible rank (at most "
+                         f"{MAX_RANKS - 1:,}); skipped")
+            continue
         try:
             doc = json.loads(data.decode("utf-8"))
-            entries = doc["entries"]
+            if not isinstance(doc, dict):
+                raise ValueError("not a JSON object")
+            entries = doc.get("entries")
             if not isinstance(entries, list) or not isinstance(doc.get("pg_config"), dict):
                 raise ValueError("entries or pg_config of the wrong type")
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            notes.append(f"{p.name}: not a readable Flight Recorder dump ({exc}); skipped")
+            for i, e in enumerate(entries):
+                why = _bad_entry(e)
+                if why:
+                    raise ValueError(f"entry {i} {why}")
+        except (ValueError, RecursionError) as exc:  # RecursionError: nesting too deep
+            what = str(exc) if not isinstance(exc, RecursionError) else "nested too deeply"
+            notes.append(f"{p.name}: not a readable Flight Recorder dump ({what[:200]}); skipped")
             continue
-        rank = int(m.group(1))
         for e in entries:  # JSON has lists where the pickled dump has tuples
             if isinstance(e.get("process_group"), list):
                 e["process_group"] = tuple(e["process_group"])
         details[p.name] = {"host_name": f"host_rank{rank}", "rank": rank, "entries": entries,
-                           "version": str(doc.get("version", "")), "pg_config": doc["pg_config"],
-                           "path": p.name}
+                           "version": str(doc.get("version", ""))[:64],
+                           "pg_config": doc["pg_config"], "path": p.name}
     return details
+
+
+#: The fields this module and torch's analyser read from an entry, with the types they take.
+_ENTRY_TYPES: dict[str, tuple[type, ...]] = {
+    "collective_seq_id": (int,), "p2p_seq_id": (int,), "record_id": (int,), "pg_id": (int,),
+    "op_id": (int,), "profiling_name": (str,), "state": (str,), "retired": (bool,),
+    "is_p2p": (bool,), "time_created_ns": (int,), "input_sizes": (list,),
+    "output_sizes": (list,), "input_dtypes": (list,), "output_dtypes": (list,),
+}
+
+
+def _bad_entry(e: object) -> str:
+    """Why a dump's entry is not one the analysis can use ("" when it is)."""
+    if not isinstance(e, dict):
+        return "is not an object"
+    pg = e.get("process_group")
+    if pg is not None and (not isinstance(pg, list | tuple) or len(pg) > 2
+                           or not all(isinstance(x, str) for x in pg)):
+        return "has a process_group that is not [name, description]"
+    for key, types in _ENTRY_TYPES.items():
+        v = e.get(key)
+        if v is None:
+            continue
+        if not isinstance(v, types) or (bool not in types and isinstance(v, bool)):
+            return f"has a {key} of the wrong type ({type(v).__name__})"
+        if isinstance(v, int) and not isinstance(v, bool) and abs(v) > 1 << 62:
+            return f"has a {key} out of range"
+    return ""
+
+
+def _ranks(value: object) -> list[int] | None:
+    """A group's member ranks as data: a list of ints, or the text of one (``"[0, 1]"``)."""
+    if isinstance(value, str):
+        if len(value) > 16 * MAX_RANKS:
+            return None
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError):
+            return None
+    if not isinstance(value, list) or len(value) > MAX_RANKS:
+        return None
+    if not all(isinstance(r, int) and not isinstance(r, bool) and 0 <= r < MAX_RANKS
+               for r in value):
+        return None
+    return list(value)
+
+
+def _plain_pg_config(details: dict[str, dict[str, Any]], notes: list[str]) -> None:
+    """Rewrite every dump's ``pg_config`` as plain data torch's analyser reads safely.
+
+    Torch's analyser evaluates a group's ``ranks`` text (``eval``) when it parses to a
+    string: ``ranks`` here is parsed as JSON and written back as the text of a list of
+    ints, or the group is dropped (and filled from the other dumps or the entries).
+    """
+    for d in details.values():
+        clean: dict[str, dict[str, Any]] = {}
+        bad = 0
+        cfg = d.get("pg_config")
+        for name, row in (cfg.items() if isinstance(cfg, dict) else ()):
+            ranks = _ranks(row.get("ranks")) if isinstance(row, dict) else None
+            if not isinstance(name, str) or ranks is None or not isinstance(row, dict) \
+                    or not isinstance(row.get("desc", ""), str):
+                bad += 1
+                continue
+            clean[name] = {"name": str(row.get("name", name)), "desc": str(row.get("desc", "")),
+                           "ranks": str(ranks)}
+        if bad:
+            notes.append(f"{d.get('path')}: {bad} process group(s) in pg_config without a "
+                         "list of ranks; ignored")
+        d["pg_config"] = clean
 
 
 def _read_torch(root: Path, notes: list[str], trusted: bool) -> dict[str, dict[str, Any]]:
@@ -237,9 +320,10 @@ def analyze_flight(run_dir: str | os.PathLike[str], world_size: int | None = Non
                     "analyser": "torch.distributed.flight_recorder", "notes": notes}
         return None
     ranks = sorted({int(d["rank"]) for d in details.values()})
+    _plain_pg_config(details, notes)
     _fix_pg_config(details)
     views = sorted((_rank_view(d) for d in details.values()), key=lambda v: v["rank"])
-    world = max([world_size or 0, ranks[-1] + 1])
+    world = min(max([world_size or 0, ranks[-1] + 1]), MAX_RANKS)
     missing_dumps = sorted(set(range(world)) - set(ranks))
     unmatched = _torch_analysis(details, notes)
 

@@ -150,6 +150,11 @@ def _reading(run_a: str, run_b: str) -> Any:
                     done_desc="comparing")
 
 
+#: Fewest compared steps per run for ``--fail-if-slower`` to decide (no bootstrap interval
+#: on fewer says anything).
+MIN_GATE_STEPS = 5
+
+
 def compare_command(
     run_a: str, run_b: str, as_json: bool, markdown: str | None = None, steps: str | None = None,
     fail_if_slower: float | None = None,
@@ -193,6 +198,13 @@ def compare_command(
             return 2
         print(f"wrote {term(markdown)}", file=note)
     if fail_if_slower is not None:
+        n_a, n_b = int(doc["step"].get("a_samples") or 0), int(doc["step"].get("b_samples") or 0)
+        if min(n_a, n_b) < MIN_GATE_STEPS:
+            # A gate that passes on two steps would pass anything: say there is too little.
+            print(f"stepscope compare: too few steps to gate on (A: {n_a}, B: {n_b}; "
+                  f"--fail-if-slower needs at least {MIN_GATE_STEPS} on each side)",
+                  file=sys.stderr)
+            return 2
         slower = float(doc.get("slower_pct") or 0.0)
         if slower > fail_if_slower:
             print(f"stepscope compare: B is {slower:.1f}% slower than A (limit "
