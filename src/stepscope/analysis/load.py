@@ -327,13 +327,25 @@ def load_run(
             if type(exc).__name__ != "IOException":
                 raise
         else:
+            notes = [res.note] if res.note else []
             for name, fs in sorted(res.files.items()):
                 if fs.dropped:
-                    skipped.append(_long_lines_note(name, fs.dropped))
-            skipped += [f"{p.name}: empty file" for p in jsonl if p.stat().st_size == 0]
-            return _load_parquet(str(res.store), threads, memory_limit, skipped, root,
-                                 {n: fs.offset for n, fs in res.files.items() if fs.torn},
-                                 {n: fs.lines for n, fs in res.files.items()})
+                    notes.append(_long_lines_note(name, fs.dropped))
+            notes += [f"{p.name}: empty file" for p in jsonl if p.stat().st_size == 0]
+            try:
+                return _load_parquet(str(res.store), threads, memory_limit, skipped + notes,
+                                     root, {n: fs.offset for n, fs in res.files.items() if fs.torn},
+                                     {n: fs.lines for n, fs in res.files.items()})
+            except AnalysisError:
+                raise
+            except Exception as exc:
+                # The store is a cache of the JSONL: a part DuckDB cannot read (damaged
+                # after the checks) is dropped and the rank files are read directly.
+                if "duckdb" not in type(exc).__module__:
+                    raise
+                st.drop_store(root)
+                skipped.append(f"{st.STORE_DIR}/: unreadable ({str(exc).splitlines()[0][:200]});"
+                               " dropped; the rank files were read directly")
 
     tmpdir = tempfile.TemporaryDirectory(prefix="stepscope-")
     try:

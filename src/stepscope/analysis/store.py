@@ -41,13 +41,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stepscope.common import safefs
 from stepscope.errors import AnalysisError
 
 STORE_DIR = "parquet"
 RECORDS = "records"
 STATE = "_state.json"
-STATE_VERSION = 5  # 3: gpu_start_unix_ns and phases[].host_ms columns; 4: each file's head;
-#                    5: the flat phases dataset
+STATE_VERSION = 6  # 3: gpu_start_unix_ns and phases[].host_ms columns; 4: each file's head;
+#                    5: the flat phases dataset; 6: each file's tail, the parts written
 #: The flat copy of the records' phase lists (beside :data:`RECORDS`).
 PHASES = "phases"
 #: The key a regular line is tagged with (its rank file) in the combined file.
@@ -57,6 +58,8 @@ _PIECE = 64 << 20
 #: How much of a rank file's beginning identifies it: its first record (run id, start time).
 _HEAD = 4096
 _WRITING = "_writing"
+#: Largest state file read (a 10^5-rank run's is a few tens of MB).
+_MAX_STATE_BYTES = 1 << 30
 #: Ranks per partition directory: a report that needs some ranks reads only their blocks,
 #: and a 10,000-rank run has 40 directories, not 10,000.
 RANK_BLOCK = 256
@@ -73,6 +76,7 @@ class FileState:
     torn: bool = False  # bytes after ``offset`` without a final newline
     lines: int = 0  # lines stored through the combined file (tagged with this file's name)
     head: str = ""  # digest of the file's first min(offset, _HEAD) bytes: the same file?
+    tail: str = ""  # digest of the _HEAD bytes before ``offset``: not rewritten since?
 
 
 @dataclass
@@ -84,6 +88,9 @@ class CompactResult:
     new_files: int
     rebuilt: bool
     files: dict[str, FileState] = field(default_factory=dict)
+    #: Why the store was dropped and rebuilt from the JSONL ("" when it was not, or when
+    #: it simply did not exist yet): one note for the report.
+    note: str = ""
 
 
 def is_remote(location: str) -> bool:
@@ -162,8 +169,7 @@ def write_phases(con: Any, store: Path, records: list[str]) -> None:
     # took 2.4x the CPU at 10^8 rows.
     for block, files in sorted(by_block.items()):
         listed = ", ".join("'" + f.replace("'", "''") + "'" for f in files)
-        dest = store / PHASES / block
-        dest.mkdir(parents=True, exist_ok=True)
+        dest = safefs.safe_dir(store / PHASES / block, store)
         out = str(dest / f"part_{uuid.uuid4()}.parquet").replace("'", "''")
         con.execute(
             f"""COPY (SELECT * FROM ({flat_phases_sql(
@@ -174,45 +180,59 @@ def write_phases(con: Any, store: Path, records: list[str]) -> None:
 
 
 def read_state(store: Path) -> dict[str, FileState]:
+    """The offsets per rank file the store holds (empty: none, or a state not to trust)."""
+    return _read_state(store)[0]
+
+
+def _read_state(store: Path) -> tuple[dict[str, FileState], dict[str, list[Any]]]:
+    """``(files, parts)``: the state per rank file and the Parquet parts the compactions
+    wrote (path in the store: [size, digest of its footer])."""
     try:
-        doc = json.loads((store / STATE).read_text())
-    except (OSError, ValueError):
-        return {}
+        fd = safefs.open_regular(store / STATE)
+        with os.fdopen(fd, "rb") as fh:
+            doc = json.loads(fh.read(_MAX_STATE_BYTES))
+    except (OSError, ValueError, RecursionError):
+        return {}, {}
     if not isinstance(doc, dict) or doc.get("version") != STATE_VERSION:
-        return {}
-    files = doc.get("files")
-    if not isinstance(files, dict):
-        return {}
+        return {}, {}
+    files, parts = doc.get("files"), doc.get("parts")
+    if not isinstance(files, dict) or not isinstance(parts, dict):
+        return {}, {}
     out: dict[str, FileState] = {}
     for name, st in files.items():
         try:
             out[str(name)] = FileState(int(st["offset"]), int(st["dropped"]), bool(st["torn"]),
-                                       int(st["lines"]), str(st["head"]))
+                                       int(st["lines"]), str(st["head"]), str(st["tail"]))
         except (KeyError, TypeError, ValueError):
-            return {}  # a damaged state file: rebuild rather than trust part of it
-    return out
+            return {}, {}  # a damaged state file: rebuild rather than trust part of it
+    return out, {str(k): v for k, v in parts.items()}
 
 
-def _head(path: Path, offset: int) -> str:
-    """A digest of the first ``min(offset, _HEAD)`` bytes of ``path`` ("" for none)."""
-    if offset <= 0:
+def _digest(fh: Any, start: int, end: int) -> str:
+    """A digest of bytes ``[start, end)`` of the open file ``fh`` ("" for none)."""
+    if end <= start:
         return ""
+    fh.seek(start)
+    return hashlib.blake2b(fh.read(end - start), digest_size=16).hexdigest()
+
+
+def _marks(path: Path, offset: int) -> tuple[str, str]:
+    """``(head, tail)``: digests of the first and the last ``_HEAD`` bytes before ``offset``
+    of ``path`` (a file rewritten since, even one grown past ``offset``, differs in one)."""
     try:
         with open(path, "rb") as fh:
-            data = fh.read(min(offset, _HEAD))
+            return _digest(fh, 0, min(offset, _HEAD)), _digest(fh, max(0, offset - _HEAD), offset)
     except OSError:
-        return ""
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
+        return "", ""
 
 
-def _write_state(store: Path, files: dict[str, FileState]) -> None:
+def _write_state(store: Path, files: dict[str, FileState], parts: dict[str, list[Any]]) -> None:
     doc = {"version": STATE_VERSION, "rank_block": RANK_BLOCK,
            "files": {n: {"offset": s.offset, "dropped": s.dropped, "torn": s.torn,
-                         "lines": s.lines, "head": s.head}
-                     for n, s in sorted(files.items())}}
-    tmp = store / (STATE + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1))
-    os.replace(tmp, store / STATE)
+                         "lines": s.lines, "head": s.head, "tail": s.tail}
+                     for n, s in sorted(files.items())},
+           "parts": dict(sorted(parts.items()))}
+    safefs.write_atomic(store / STATE, json.dumps(doc, indent=1).encode())
 
 
 @contextlib.contextmanager
@@ -220,12 +240,98 @@ def _locked(store: Path) -> Iterator[None]:
     """One compaction at a time per store (two reports started together)."""
     import fcntl
 
-    with open(store / "_lock", "w") as fh:
+    lock = store / "_lock"
+    try:
+        fd = safefs.open_regular(lock, os.O_RDWR | os.O_CREAT)
+    except OSError:
+        # A link (or a hardlinked file) planted at the lock's name: removed, not followed.
+        lock.unlink(missing_ok=True)
+        fd = safefs.open_regular(lock, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+    with os.fdopen(fd, "r+b") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
             yield
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _footer(path: Path) -> list[Any] | None:
+    """``[size, digest of the last _HEAD bytes]`` of a Parquet part that is a plain file
+    with Parquet's magic at both ends; ``None`` for a link, a hardlink or anything else."""
+    try:
+        fd = safefs.open_regular(path)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size < 12 or fh.read(4) != b"PAR1":
+            return None
+        fh.seek(size - 8)
+        end = fh.read(8)
+        if end[4:] != b"PAR1" or int.from_bytes(end[:4], "little") > size - 12:
+            return None
+        return [size, _digest(fh, max(0, size - _HEAD), size)]
+
+
+def _parts_on_disk(store: Path) -> tuple[dict[str, Path], str]:
+    """The Parquet parts under the store's datasets, and why the layout is unsafe ("" if not)."""
+    found: dict[str, Path] = {}
+    for dataset in (RECORDS, PHASES):
+        top = store / dataset
+        if not os.path.lexists(top):
+            continue
+        if top.is_symlink() or not top.is_dir():
+            return found, f"{dataset}/ is a link or not a directory"
+        for block in os.scandir(top):
+            if block.is_symlink() or not block.is_dir(follow_symlinks=False):
+                return found, f"{dataset}/{block.name} is a link or not a directory"
+            for ent in os.scandir(block.path):
+                found[f"{dataset}/{block.name}/{ent.name}"] = Path(ent.path)
+    return found, ""
+
+
+def _store_problem(store: Path, parts: dict[str, list[Any]]) -> str:
+    """Why the store's parts cannot be trusted ("" when they are the ones the state lists).
+
+    A part that is a link or hardlink, unreadable (truncated, garbage), not written by a
+    compaction of this run (copied in from another run) or missing, or a state rewound
+    (restored from a backup: parts it does not list) each mean: rebuild from the JSONL.
+    """
+    on_disk, unsafe = _parts_on_disk(store)
+    if unsafe:
+        return unsafe
+    for rel, path in sorted(on_disk.items()):
+        footer = _footer(path)
+        if footer is None:
+            return f"{rel} is not a readable Parquet file (or is a link)"
+        if rel not in parts:
+            return f"{rel} was not written by this run's compaction (copied in, or a state rewound)"
+        if parts[rel] != footer:
+            return f"{rel} is not the part this run's compaction wrote"
+    missing = sorted(set(parts) - set(on_disk))
+    if missing:
+        return f"{missing[0]} is missing"
+    return ""
+
+
+def drop_store(root: Path) -> None:
+    """Drop a run's store (the next compaction rebuilds it from the rank files)."""
+    store = root / STORE_DIR
+    if store.is_symlink() or not store.is_dir():
+        return
+    with _locked(store):
+        _clear(store)
+        (store / STATE).unlink(missing_ok=True)
+
+
+def _clear(store: Path) -> None:
+    """Remove the store's datasets (a link in their place is removed, not followed)."""
+    for dataset in (RECORDS, PHASES):
+        top = store / dataset
+        if top.is_symlink() or (os.path.lexists(top) and not top.is_dir()):
+            top.unlink()
+        else:
+            shutil.rmtree(top, ignore_errors=True)
 
 
 def _last_newline(fh: Any, start: int, end: int) -> int:
@@ -267,8 +373,7 @@ def compact(run_dir: str | os.PathLike[str], *, threads: int | None = None,
     files = [p for p in rank_files(root)[0] if p.suffix == ".jsonl"]
     if not files:
         raise AnalysisError(f"{root}: no rank*.jsonl files to compact")
-    store = root / STORE_DIR
-    store.mkdir(exist_ok=True)
+    store = safefs.safe_dir(root / STORE_DIR, root)  # UnsafePath (an OSError): a link
     with _locked(store):
         return _compact_locked(root, store, files, threads, memory_limit)
 
@@ -277,18 +382,31 @@ def _compact_locked(root: Path, store: Path, files: list[Path], threads: int | N
                     memory_limit: str | None) -> CompactResult:
     from stepscope.analysis.load import MAX_LINE_BYTES, drop_long_lines
 
-    state = read_state(store)
+    state, parts = _read_state(store)
     names = {p.name: p for p in files}
     sizes = {p.name: p.stat().st_size for p in files}
     rebuilt = False
     # A compaction that died between writing Parquet and saving offsets left rows the
     # state does not know about: rebuild rather than count them twice.
-    if (store / _WRITING).exists() or (not state and (store / RECORDS).exists()) or any(
-            n not in names or sizes[n] < s.offset or _head(names[n], s.offset) != s.head
-            for n, s in state.items()):
-        shutil.rmtree(store / RECORDS, ignore_errors=True)
-        shutil.rmtree(store / PHASES, ignore_errors=True)
-        state, rebuilt = {}, True
+    why = ""
+    if os.path.lexists(store / _WRITING):
+        why = "a compaction was interrupted"
+    elif not state and (os.path.lexists(store / RECORDS) or os.path.lexists(store / PHASES)):
+        why = f"{STATE} is missing, damaged or from another version"
+    else:
+        why = next((f"{n} was rewritten, truncated or removed since it was stored"
+                    for n, s in state.items()
+                    if n not in names or sizes[n] < s.offset
+                    or _marks(names[n], s.offset) != (s.head, s.tail)), "")
+        why = why or _store_problem(store, parts)
+    if why:
+        _clear(store)
+        (store / _WRITING).unlink(missing_ok=True)
+        state, parts, rebuilt = {}, {}, True
+    # Only a store whose parts were dropped gets a note (a state from another version is
+    # an upgrade, not damage).
+    note = (f"{STORE_DIR}/: {why}; dropped and rebuilt from the rank files"
+            if why and "another version" not in why else "")
     before = {n: dataclasses.replace(fs) for n, fs in state.items()}
     new_bytes = 0
     new_files = 0
@@ -339,22 +457,26 @@ def _compact_locked(root: Path, store: Path, files: list[Path], threads: int | N
                     chunks.append(bounded)
                 new_bytes += cut - st.offset
                 new_files += 1
-                if st.offset < _HEAD:  # the head grows with the bytes consumed, up to _HEAD
-                    st.head = _head(path, cut)
+                st.head, st.tail = _marks(path, cut)
                 st.offset = cut
         if combined_path.stat().st_size:
             chunks.append(combined_path)
         if chunks:
-            (store / _WRITING).touch()
-            _write_parquet(store, chunks, threads, memory_limit)
+            safefs.write_atomic(store / _WRITING, b"")
+            for rel in _write_parquet(store, chunks, threads, memory_limit):
+                footer = _footer(store / rel)
+                if footer is None:
+                    raise safefs.UnsafePath(f"{store / rel}: not the part just written")
+                parts[rel] = footer
         if chunks or rebuilt or state != before:
-            _write_state(store, state)
+            _write_state(store, state, parts)
         (store / _WRITING).unlink(missing_ok=True)
-    return CompactResult(store, new_bytes, new_files, rebuilt, state)
+    return CompactResult(store, new_bytes, new_files, rebuilt, state, note)
 
 
 def _write_parquet(store: Path, chunks: list[Path], threads: int | None,
-                   memory_limit: str | None) -> None:
+                   memory_limit: str | None) -> list[str]:
+    """Write the chunks' records (and their flat phases); the new parts' paths in the store."""
     import duckdb
 
     from stepscope.analysis.load import json_reader
@@ -367,6 +489,7 @@ def _write_parquet(store: Path, chunks: list[Path], threads: int | None,
             con.execute(f"SET threads = {int(threads)}")
         if memory_limit:
             con.execute(f"SET memory_limit = '{memory_limit}'")
+        safefs.safe_dir(store / RECORDS, store)
         dest = str(store / RECORDS).replace("'", "''")
         before = set((store / RECORDS).glob("*/*.parquet"))
         con.execute(
@@ -380,7 +503,10 @@ def _write_parquet(store: Path, chunks: list[Path], threads: int | None,
                 TO '{dest}' (FORMAT parquet, PARTITION_BY (rank_block),
                              FILENAME_PATTERN 'part_{{uuid}}', APPEND)"""
         )
-        write_phases(con, store, sorted(str(f) for f in
-                                        set((store / RECORDS).glob("*/*.parquet")) - before))
+        new = sorted(set((store / RECORDS).glob("*/*.parquet")) - before)
+        phases_before = set((store / PHASES).glob("*/*.parquet"))
+        write_phases(con, store, [str(f) for f in new])
+        new += sorted(set((store / PHASES).glob("*/*.parquet")) - phases_before)
     finally:
         con.close()
+    return [f.relative_to(store).as_posix() for f in new]

@@ -93,7 +93,9 @@ def trace_command(path: str, as_json: bool = False, markdown: str | None = None,
         md_doc = {**doc, "ranks": [r if r.get("total") is not None else {**r, "steps": []}
                                    for r in doc["ranks"]]}
         try:
-            Path(markdown).write_text(render_markdown(md_doc), encoding="utf-8")
+            from stepscope.common.safefs import write_output
+
+            write_output(markdown, render_markdown(md_doc))  # never through a planted link
         except OSError as e:
             print(f"stepscope trace: cannot write {term(markdown)}: {term(e)}", file=sys.stderr)
             return 2

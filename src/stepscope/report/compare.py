@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from pathlib import Path
 from typing import Any
 
 from stepscope.common.escape import md, md_code, term, write_json
+from stepscope.common.safefs import write_output
 from stepscope.errors import AnalysisError
 
 
@@ -192,7 +192,7 @@ def compare_command(
         render_compare(doc)
     if markdown:
         try:
-            Path(markdown).write_text(to_markdown(doc), encoding="utf-8")
+            write_output(markdown, to_markdown(doc))  # never through a planted link
         except OSError as exc:
             print(f"stepscope compare: cannot write {term(markdown)} ({term(exc)})", file=sys.stderr)
             return 2

@@ -246,9 +246,11 @@ def render_html(doc: dict[str, Any], pd: dict[str, Any] | None) -> str:
 
 def write_html(doc: dict[str, Any], path: str) -> str:
     """Write the self-contained page; returns its path."""
+    from stepscope.common.safefs import write_output
+
     data = doc.get("_data")
     pd = plot_data(doc, data) if data is not None else None
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render_html(doc, pd), encoding="utf-8")
+    write_output(out, render_html(doc, pd))  # never through a link planted at that path
     return str(out)

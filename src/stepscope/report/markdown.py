@@ -105,12 +105,15 @@ def render_markdown(doc: dict[str, Any], images: list[str] | None = None) -> str
 
 
 def write_markdown(doc: dict[str, Any], path: str) -> list[str]:
-    """Write the markdown file (and PNGs beside it when matplotlib is there); paths written."""
+    """Write the markdown file (and PNGs beside it when matplotlib is there); paths written.
+    A link at any of those paths is refused (:class:`~stepscope.common.safefs.UnsafePath`)."""
+    from stepscope.common.safefs import write_output
+
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     pngs: list[Path] = []
     data = doc.get("_data")
     if data is not None and have_matplotlib():
         pngs = write_pngs(plot_data(doc, data), out.parent, out.stem)
-    out.write_text(render_markdown(doc, [p.name for p in pngs]))
+    write_output(out, render_markdown(doc, [p.name for p in pngs]))
     return [str(out), *(str(p) for p in pngs)]

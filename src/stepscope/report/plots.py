@@ -156,8 +156,14 @@ def write_pngs(pd: dict[str, Any], out_dir: Path, stem: str) -> list[Path]:
     colors = [f"C{k % 10}" for k in range(len(names))]
 
     def save(fig: Any, name: str) -> None:
+        import io
+
+        from stepscope.common.safefs import write_output
+
         path = out_dir / f"{stem}_{name}.png"
-        fig.savefig(path, dpi=100)
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=100)
+        write_output(path, buf.getvalue())  # never through a link planted at that name
         plt.close(fig)
         out.append(path)
 
