@@ -141,6 +141,8 @@ class RunData:
     clock: str
     records: int
     skipped: list[str] = field(default_factory=list)
+    #: What was done to the Parquet store (dropped and rebuilt): said, but nothing was lost.
+    store_notes: list[str] = field(default_factory=list)
     _tmp: Any = None  # keeps the temporary directory (converted SQLite, spill files) alive
 
     def close(self) -> None:
@@ -316,6 +318,7 @@ def load_run(
     if not jsonl and not sqlite_files:
         raise AnalysisError(f"{root}: no rank*.jsonl or rank*.sqlite files (is this a run directory?)")
     skipped: list[str] = [f"{p.name}: links outside the run directory; not read" for p in outside]
+    store_notes: list[str] = []
     if store and jsonl and not sqlite_files:
         try:
             res = st.compact(root, threads=threads, memory_limit=memory_limit)
@@ -327,15 +330,17 @@ def load_run(
             if type(exc).__name__ != "IOException":
                 raise
         else:
-            notes = [res.note] if res.note else []
+            notes = []
             for name, fs in sorted(res.files.items()):
                 if fs.dropped:
                     notes.append(_long_lines_note(name, fs.dropped))
             notes += [f"{p.name}: empty file" for p in jsonl if p.stat().st_size == 0]
             try:
-                return _load_parquet(str(res.store), threads, memory_limit, skipped + notes,
+                data = _load_parquet(str(res.store), threads, memory_limit, skipped + notes,
                                      root, {n: fs.offset for n, fs in res.files.items() if fs.torn},
                                      {n: fs.lines for n, fs in res.files.items()})
+                data.store_notes = [res.note] if res.note else []
+                return data
             except AnalysisError:
                 raise
             except Exception as exc:
@@ -344,8 +349,8 @@ def load_run(
                 if "duckdb" not in type(exc).__module__:
                     raise
                 st.drop_store(root)
-                skipped.append(f"{st.STORE_DIR}/: unreadable ({str(exc).splitlines()[0][:200]});"
-                               " dropped; the rank files were read directly")
+                store_notes = [f"{st.STORE_DIR}/: unreadable ({str(exc).splitlines()[0][:200]});"
+                               " dropped; the rank files were read directly"]
 
     tmpdir = tempfile.TemporaryDirectory(prefix="stepscope-")
     try:
@@ -362,6 +367,7 @@ def load_run(
         con.execute(f"CREATE TABLE raw AS SELECT * FROM {json_reader(sources)}")
         data = _build_tables(con, root, skipped)
         data._tmp = tmpdir
+        data.store_notes = store_notes
         return data
     except BaseException:
         tmpdir.cleanup()

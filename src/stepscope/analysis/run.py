@@ -119,7 +119,7 @@ def _analyze(data: RunData) -> dict[str, Any]:
         # A rank that would be a straggler but for its extra wait for a CPU (run-queue wait,
         # counters.runq_ms): the host was oversubscribed, not the job's code.
         "host_contention": att.contention,
-        "skipped": list(data.skipped) + att.notes,
+        "skipped": list(data.skipped) + data.store_notes + att.notes,
         "partial": bool(data.skipped or att.notes),
     }
     # What the findings are priced against (analysis/cost.py).
