@@ -140,3 +140,32 @@ def test_missing_part_is_rebuilt(tmp_path: Path) -> None:
     st.compact(run)
     _parts(run)[0].unlink()
     _check(run)
+
+
+@pytest.mark.parametrize("command", ["report", "compact"])
+def test_compaction_out_of_memory_is_one_line_exit_2(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # A run of 10^6 rank files exhausts Python's memory in the compaction; here the run has
+    # 300 (a few of them empty) and the scan of each file's new lines runs out at the 200th.
+    from stepscope.cli import main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    line = json.dumps(make_records(SynthRun(ranks=1, steps=1))[0][0]) + "\n"
+    for r in range(300):
+        (run / f"rank{r}.jsonl").write_text("" if r % 7 == 0 else line.replace(
+            '"rank": 0', f'"rank": {r}'))
+    real = st._last_newline
+    calls = []
+
+    def scan(*a: Any) -> int:
+        calls.append(1)
+        if len(calls) >= 200:
+            raise MemoryError
+        return real(*a)
+
+    monkeypatch.setattr(st, "_last_newline", scan)
+    assert main([command, str(run)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "out of memory" in err, err

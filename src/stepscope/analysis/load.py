@@ -33,6 +33,7 @@ from stepscope.analysis import blocks
 from stepscope.analysis.blocks import in_block, rank_blocks, step_blocks
 from stepscope.analysis.relations import drop, exists
 from stepscope.analysis.resources import RESOURCE_COLUMNS, TIMED_FILTER, create_resource_table
+from stepscope.common.safefs import UnsafePath
 from stepscope.errors import AnalysisError
 from stepscope.records import READABLE_SCHEMAS, SQLITE_TABLE, row_to_record
 
@@ -322,6 +323,12 @@ def load_run(
     if store and jsonl and not sqlite_files:
         try:
             res = st.compact(root, threads=threads, memory_limit=memory_limit)
+        except MemoryError:
+            # Python's own memory ran out (a run of ~10^6 rank files): one line, not a traceback.
+            raise AnalysisError(f"{root}: out of memory compacting {len(jsonl):,} rank files "
+                                "into the Parquet store") from None
+        except UnsafePath as exc:  # a link where the store would be: not followed
+            store_notes.append(f"{st.STORE_DIR}/: {exc}; the rank files were read directly")
         except OSError:
             pass  # a read-only run directory: analyse the JSONL directly, as before
         except Exception as exc:

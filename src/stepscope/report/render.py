@@ -21,6 +21,8 @@ def load_document(run_dir: str, keep: bool = False, threads: int | None = None,
     except (duckdb.Error, OSError, UnicodeError) as exc:
         # DuckDB/IO errors on user files are input problems, reported as one line.
         raise AnalysisError(f"{run_dir}: cannot read run ({type(exc).__name__}: {exc})") from exc
+    except MemoryError:
+        raise AnalysisError(f"{run_dir}: out of memory analysing the run") from None
 
 
 def public(doc: dict[str, Any]) -> dict[str, Any]:

@@ -25,6 +25,9 @@ def compact_command(run_dir: str, as_json: bool = False, threads: int | None = N
     except (AnalysisError, OSError, duckdb.Error) as exc:
         print(f"stepscope compact: {exc}", file=sys.stderr)
         return 2
+    except MemoryError:
+        print(f"stepscope compact: {root}: out of memory compacting the run", file=sys.stderr)
+        return 2
     if as_json:
         from stepscope.common.escape import write_json
 
