@@ -123,3 +123,9 @@ def test_report_outputs_written_normally(tmp_path: Path, capsys: pytest.CaptureF
     assert (run / "summary.md").read_text().startswith("#")
     assert (run / "report.html").stat().st_size > 1000
     assert sorted(p.name for p in run.iterdir() if p.name.startswith(".")) == []
+
+
+def test_outputs_are_readable_by_others(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = _run(tmp_path)
+    assert main(["report", str(run), "--markdown", str(tmp_path / "s.md")]) == 0
+    assert (tmp_path / "s.md").stat().st_mode & 0o777 == 0o644

@@ -89,7 +89,7 @@ def safe_dir(path: Path, root: Path) -> Path:
     return path
 
 
-def write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
     """Replace ``path`` with ``data``: a new file in its directory renamed over it.
 
     A symlink or hardlink at ``path`` is replaced, never written through; the rename stays
@@ -99,6 +99,7 @@ def write_atomic(path: Path, data: bytes) -> None:
     parent = path.parent
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
     try:
+        os.fchmod(fd, mode)  # mkstemp makes 0600; outputs are read by others as before
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
         os.replace(tmp, path)
