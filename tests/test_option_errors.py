@@ -16,6 +16,8 @@ from stepscope.cli import main
     ["compact", "RUN", "--threads", "-3"],
     ["report", "RUN", "--threads", "many"],
     ["report"],
+    ["report", "RUN", "--memory-limit", "abc"],
+    ["compact", "RUN", "--memory-limit", "1GB'"],
 ])
 def test_bad_option_is_one_line_exit_2(tmp_path: Path, argv: list[str],
                                        capsys: pytest.CaptureFixture[str]) -> None:
@@ -26,6 +28,12 @@ def test_bad_option_is_one_line_exit_2(tmp_path: Path, argv: list[str],
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1, err
     assert "Traceback" not in err
+
+
+def test_memory_limit_sizes_accepted(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = write_run(tmp_path / "run", SynthRun(ranks=1, steps=3))
+    for size in ("2GB", "512MiB", "1.5 GB"):
+        assert main(["compact", str(run), "--memory-limit", size]) == 0
 
 
 def test_fail_if_slower_needs_enough_steps(tmp_path: Path,

@@ -51,6 +51,15 @@ def _threads(text: str) -> int:
     return n
 
 
+def _memory_limit(text: str) -> str:
+    """A DuckDB memory size (``2GB``, ``512MiB``): checked here, as it goes into SQL."""
+    import re
+
+    if not re.fullmatch(r"\s*\d+(\.\d+)?\s*([KMGT]i?B|B|bytes)?\s*", text, re.IGNORECASE):
+        raise argparse.ArgumentTypeError(f"expected a size such as 2GB or 512MiB; got {text!r}")
+    return text.strip()
+
+
 class _Parser(argparse.ArgumentParser):
     """Bad options: one line on stderr and exit 2 (argparse prints the usage too)."""
 
@@ -61,7 +70,7 @@ class _Parser(argparse.ArgumentParser):
 def _duckdb_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=_threads, default=None, metavar="N",
                    help="DuckDB threads (default: all cores)")
-    p.add_argument("--memory-limit", default=None, metavar="SIZE",
+    p.add_argument("--memory-limit", type=_memory_limit, default=None, metavar="SIZE",
                    help="DuckDB memory limit, e.g. 2GB (it spills to disk beyond it)")
 
 
