@@ -169,3 +169,21 @@ def test_compaction_out_of_memory_is_one_line_exit_2(
     assert main([command, str(run)]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "out of memory" in err, err
+
+
+def test_part_damaged_inside_is_read_from_the_jsonl(tmp_path: Path) -> None:
+    # Damage the checks do not see (the footer intact): DuckDB's read fails, the store is
+    # dropped and the rank files are read directly.
+    run = write_run(tmp_path / "run", SynthRun(ranks=2, steps=300))
+    st.compact(run)
+    part = max(_parts(run), key=lambda p: p.stat().st_size)
+    data = bytearray(part.read_bytes())
+    assert len(data) > 3 * 4096
+    data[4:len(data) - 4096 - 8] = b"\xff" * (len(data) - 4096 - 12)
+    part.write_bytes(bytes(data))
+    direct = _doc(run, store=False)
+    stored = _doc(run)
+    notes = _store_notes(stored)
+    assert len(notes) == 1 and "read directly" in notes[0]
+    assert _without_store_notes(stored) == direct
+    assert _store_notes(_doc(run)) == []  # rebuilt by the next read

@@ -21,6 +21,7 @@ sqlite extension needs a network download. The result is two tables on one conne
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sqlite3
@@ -355,7 +356,8 @@ def load_run(
                 # after the checks) is dropped and the rank files are read directly.
                 if "duckdb" not in type(exc).__module__:
                     raise
-                st.drop_store(root)
+                with contextlib.suppress(OSError):  # read-only: the rank files are read anyway
+                    st.drop_store(root)
                 store_notes = [f"{st.STORE_DIR}/: unreadable ({str(exc).splitlines()[0][:200]});"
                                " dropped; the rank files were read directly"]
 
