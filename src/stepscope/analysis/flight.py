@@ -30,6 +30,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from stepscope.common.safefs import read_run_file, run_file
+
 #: The stepscope dump's file name pattern (see stepscope.export.flight_dump).
 _OURS = re.compile(r"^rank(\d+)\.flight\.json$")
 TORCH_DIR = "flight_recorder"
@@ -40,8 +42,6 @@ MAX_RANKS = 1_000_000
 
 
 def _read_ours(root: Path, notes: list[str]) -> dict[str, dict[str, Any]]:
-    from stepscope.analysis.status import read_run_file
-
     details: dict[str, dict[str, Any]] = {}
     for p in sorted(root.glob("rank*.flight.json")):
         m = _OURS.match(p.name)
@@ -152,8 +152,6 @@ def _plain_pg_config(details: dict[str, dict[str, Any]], notes: list[str]) -> No
 
 
 def _read_torch(root: Path, notes: list[str], trusted: bool) -> dict[str, dict[str, Any]]:
-    from stepscope.analysis.triggers import run_file
-
     folder = root / TORCH_DIR
     if folder.is_symlink() or not folder.is_dir():
         return {}

@@ -181,7 +181,8 @@ def _analyze(data: RunData) -> dict[str, Any]:
 
 
 def _meta_config(data: RunData) -> dict[str, Any]:
-    from stepscope.analysis.status import MAX_HEARTBEAT_BYTES, read_run_file
+    from stepscope.analysis.status import MAX_HEARTBEAT_BYTES
+    from stepscope.common.safefs import read_run_file
 
     # The run-file rules: inside the run, a regular file, size-bounded.
     raw, _ = read_run_file(Path(data.run_dir), "meta.json", MAX_HEARTBEAT_BYTES)

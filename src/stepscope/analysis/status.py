@@ -30,13 +30,12 @@ import math
 import os
 import re
 import socket
-import stat
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from stepscope.analysis.triggers import run_file
+from stepscope.common.safefs import read_run_file
 from stepscope.errors import AnalysisError
 from stepscope.status import KIND, MAX_MESSAGE
 
@@ -95,45 +94,6 @@ def _pid_alive(pid: int) -> bool | None:
     except OSError:
         return None
     return True
-
-
-def read_run_file(root: Path, rel: str, max_bytes: int) -> tuple[bytes | None, str]:
-    """The bytes of ``rel`` inside the run directory ``root``, or ``(None, why not)``.
-
-    The same rules as ``report``: the path must resolve inside the run (a symlink to
-    ``/etc/passwd`` or an absolute ``stacks.path`` is refused), name a regular file (a FIFO
-    would block, ``/dev/zero`` never ends) and hold at most ``max_bytes``. The type and size
-    are checked with ``stat`` before opening and again on the open descriptor, which is
-    opened non-blocking and without following a link swapped in between.
-    """
-    target, why = run_file(root, rel, max_bytes)
-    if target is None:
-        return None, why
-    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-    try:
-        fd = os.open(target, flags)
-    except OSError as exc:
-        return None, f"is unreadable ({exc.strerror or exc})"
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            return None, "is not a regular file; not read"
-        chunks: list[bytes] = []
-        left = max_bytes + 1
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 20))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-    except OSError as exc:
-        return None, f"is unreadable ({exc.strerror or exc})"
-    finally:
-        os.close(fd)
-    data = b"".join(chunks)
-    if len(data) > max_bytes:
-        return None, f"is larger than {max_bytes:,} bytes; not read"
-    return data, ""
 
 
 def _plain_int(v: object, lo: int, hi: int) -> int | None:

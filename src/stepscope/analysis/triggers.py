@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 from pathlib import Path
 from typing import Any
+
+from stepscope.common.safefs import run_file
 
 TRIGGERS_FILE = "triggers.jsonl"
 #: Steps of slack when matching a capture to a slow window (captures start after detection).
@@ -22,32 +23,6 @@ MAX_TRIGGERS_BYTES = 16 << 20
 #: Largest captured trace file summarised (on disk, usually gzipped).
 MAX_TRACE_BYTES = 2 << 30
 _MAX_STEP = 1 << 62
-
-
-def run_file(root: Path, rel: object, max_bytes: int) -> tuple[Path | None, str]:
-    """``rel`` resolved inside ``root`` if it is a regular file of at most ``max_bytes``.
-
-    Returns ``(path, "")`` or ``(None, reason)``. Never opens the file: ``os.stat`` tells a
-    FIFO from a file without blocking.
-    """
-    if not isinstance(rel, str) or not rel or len(rel) > 4096 or "\0" in rel:
-        return None, "is not a file name"
-    try:
-        base = root.resolve(strict=True)
-        target = (base / rel).resolve(strict=False)
-    except (OSError, RuntimeError, ValueError):  # RuntimeError: a symlink loop
-        return None, "cannot be resolved"
-    if target != base and base not in target.parents:
-        return None, "is outside the run directory; not read"
-    try:
-        st = os.stat(target)
-    except OSError:
-        return None, "is missing"
-    if not stat.S_ISREG(st.st_mode):
-        return None, "is not a regular file; not read"
-    if st.st_size > max_bytes:
-        return None, f"is larger than {max_bytes:,} bytes; not read"
-    return target, ""
 
 
 def _plain_int(v: object) -> bool:

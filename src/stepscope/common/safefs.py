@@ -6,6 +6,8 @@ and write of the Parquet store, its lock and state, and of report outputs goes t
 here:
 
 * :func:`inside` - a path resolves inside a directory (no link leads out);
+* :func:`run_file` / :func:`read_run_file` - a run file named by the run's own data
+  (``meta.json``, heartbeats, stacks, dumps, traces): inside the run, regular, bounded;
 * :func:`open_regular` - a regular file opened with ``O_NOFOLLOW``, refused when it is a
   link, not a regular file, or hardlinked (``st_nlink > 1``);
 * :func:`write_atomic` - written to a new temporary file in the target's own directory,
@@ -124,3 +126,68 @@ def write_output(path: str | os.PathLike[str], content: str | bytes) -> None:
         if st.st_nlink > 1:
             raise UnsafePath(f"{p}: has other hard links; not overwritten")
     write_atomic(p, content.encode("utf-8") if isinstance(content, str) else content)
+
+
+def run_file(root: Path, rel: object, max_bytes: int) -> tuple[Path | None, str]:
+    """``rel`` resolved inside ``root`` if it is a regular file of at most ``max_bytes``.
+
+    Returns ``(path, "")`` or ``(None, reason)``. Never opens the file: ``os.stat`` tells a
+    FIFO from a file without blocking.
+    """
+    if not isinstance(rel, str) or not rel or len(rel) > 4096 or "\0" in rel:
+        return None, "is not a file name"
+    try:
+        base = root.resolve(strict=True)
+        target = (base / rel).resolve(strict=False)
+    except (OSError, RuntimeError, ValueError):  # RuntimeError: a symlink loop
+        return None, "cannot be resolved"
+    if target != base and base not in target.parents:
+        return None, "is outside the run directory; not read"
+    try:
+        st = os.stat(target)
+    except OSError:
+        return None, "is missing"
+    if not stat.S_ISREG(st.st_mode):
+        return None, "is not a regular file; not read"
+    if st.st_size > max_bytes:
+        return None, f"is larger than {max_bytes:,} bytes; not read"
+    return target, ""
+
+
+def read_run_file(root: Path, rel: str, max_bytes: int) -> tuple[bytes | None, str]:
+    """The bytes of ``rel`` inside the run directory ``root``, or ``(None, why not)``.
+
+    The same rules as ``report``: the path must resolve inside the run (a symlink to
+    ``/etc/passwd`` or an absolute ``stacks.path`` is refused), name a regular file (a FIFO
+    would block, ``/dev/zero`` never ends) and hold at most ``max_bytes``. The type and size
+    are checked with ``stat`` before opening and again on the open descriptor, which is
+    opened non-blocking and without following a link swapped in between.
+    """
+    target, why = run_file(root, rel, max_bytes)
+    if target is None:
+        return None, why
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(target, flags)
+    except OSError as exc:
+        return None, f"is unreadable ({exc.strerror or exc})"
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None, "is not a regular file; not read"
+        chunks: list[bytes] = []
+        left = max_bytes + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+    except OSError as exc:
+        return None, f"is unreadable ({exc.strerror or exc})"
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    if len(data) > max_bytes:
+        return None, f"is larger than {max_bytes:,} bytes; not read"
+    return data, ""
