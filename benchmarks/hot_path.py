@@ -67,6 +67,11 @@ JSONL writer (as ``init()`` builds them; no heartbeat unless ``--heartbeat``), a
   block run next to it (before or after, in turn, with no tracer alive), medians over
   rounds. An unsampled step still runs the hook mechanisms (``Module.__call__``'s slow path)
   and the step boundary: what a sampled run pays on its other steps.
+- ``--mode calls``: Python-level calls (``sys.setprofile``'s ``call`` and ``c_call`` events) that
+  one step adds over the bare step, for a step that is never sampled and for a recorded one
+  (the tiny model unless ``--hidden``; minimum over 3 steps). Deterministic, so it compares
+  builds on a loaded host where timings cannot; it does not see C-level costs such as
+  ``Module.__call__``'s slow path.
 - ``--mode alloc``: tracemalloc's count of memory blocks still alive per step (records the
   writer and the recent-records buffer keep included), by allocation site.
 
@@ -80,6 +85,7 @@ JSONL writer (as ``init()`` builds them; no heartbeat unless ``--heartbeat``), a
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -401,6 +407,39 @@ def sampling_mode(steps: int, blocks: int) -> dict[str, Any]:
     med = statistics.median
     return {"bare_step_us": round(med(bare), 1),
             **{f"{k}_added_us": round(med(v), 1) for k, v in added.items()}}
+
+
+def calls_mode() -> dict[str, int]:
+    import sys
+
+    from stepscope.sinks import MemorySink
+
+    model, opt, x = _job()
+    for _ in range(3):
+        _step(model, opt, x)
+
+    def count(fn: Callable[[], None]) -> int:
+        n = [0]
+
+        def prof(frame: Any, event: str, arg: Any) -> None:
+            if event in ("call", "c_call"):
+                n[0] += 1
+
+        sys.setprofile(prof)
+        fn()
+        sys.setprofile(None)
+        return n[0] - 1  # setprofile(None) itself
+
+    bare = min(count(functools.partial(_run, None, model, opt, x, 1)) for _ in range(3))
+    out = {"bare_calls": bare}
+    for every, name in ((1 << 40, "unsampled"), (1, "recorded")):
+        cfg = Config(out_dir="unused", every_n_steps=every, max_pending_steps=1 << 20)
+        tracer = Tracer(cfg, model=model, optimizer=opt, clock=CpuClock(), sink=MemorySink())
+        _run(tracer, model, opt, x, 3)
+        one = functools.partial(_run, tracer, model, opt, x, 1)
+        out[f"{name}_added_calls"] = min(count(one) for _ in range(3)) - bare
+        tracer.finish()
+    return out
 
 
 def cprofile_mode(steps: int, heartbeat: bool) -> None:
@@ -868,7 +907,7 @@ def alloc_mode(steps: int, heartbeat: bool) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     modes = ("time", "cprofile", "alloc", "wakes", "build", "cycle", "handover", "floor", "callsite",
-             "parts", "neighbour", "cold", "sampling")
+             "parts", "neighbour", "cold", "sampling", "calls")
     ap.add_argument("--mode", choices=modes, default="time")
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--blocks", type=int, default=11)
@@ -918,6 +957,8 @@ def main() -> None:
         print(json.dumps({"benchmark": "hot_path_sampling", "hidden": HIDDEN, "steps": args.steps,
                           "blocks": args.blocks, "loadavg_1m": round(os.getloadavg()[0], 2),
                           **sampling_mode(args.steps, args.blocks)}))
+    elif args.mode == "calls":
+        print(json.dumps({"benchmark": "hot_path_calls", "hidden": HIDDEN, **calls_mode()}))
     elif args.mode == "alloc":
         alloc_mode(args.steps, args.heartbeat)
     elif args.mode == "handover":
