@@ -72,6 +72,12 @@ JSONL writer (as ``init()`` builds them; no heartbeat unless ``--heartbeat``), a
   (the tiny model unless ``--hidden``; minimum over 3 steps). Deterministic, so it compares
   builds on a loaded host where timings cannot; it does not see C-level costs such as
   ``Module.__call__``'s slow path.
+- ``--mode alternate``: what a step that records nothing costs, by alternating steps: one step
+  inside a never-sampled tracer's ``step()``, one without, in turn (which goes first alternates),
+  ``--steps`` pairs; the median and quartiles of the per-pair training-thread CPU difference
+  (µs), on the cold step (``--hidden``, default 640). Slow drift of the host cancels within a
+  pair. Valid only for a build whose hooks are off between unsampled steps (on an older build
+  the "bare" steps run the hooks too, and only the step boundary is measured).
 - ``--mode alloc``: tracemalloc's count of memory blocks still alive per step (records the
   writer and the recent-records buffer keep included), by allocation site.
 
@@ -440,6 +446,31 @@ def calls_mode() -> dict[str, int]:
         out[f"{name}_added_calls"] = min(count(one) for _ in range(3)) - bare
         tracer.finish()
     return out
+
+
+def alternate_mode(pairs: int) -> dict[str, Any]:
+    from stepscope.sinks import MemorySink
+
+    model, opt, x = _job()
+    for _ in range(20):
+        _step(model, opt, x)
+    cfg = Config(out_dir="unused", every_n_steps=1 << 40, max_pending_steps=1 << 20)
+    tracer = Tracer(cfg, model=model, optimizer=opt, clock=CpuClock(), sink=MemorySink())
+    _run(tracer, model, opt, x, 5)  # step 0 is sampled: out of the timing
+    clock = time.thread_time_ns
+    diffs = []
+    for i in range(pairs):
+        for traced in ((False, True) if i % 2 else (True, False)):
+            t0 = clock()
+            _run(tracer if traced else None, model, opt, x, 1)
+            if traced:
+                a = clock() - t0
+            else:
+                b = clock() - t0
+        diffs.append((a - b) / 1e3)
+    tracer.finish()
+    q = statistics.quantiles(diffs, n=4)
+    return {"unsampled_added_us": round(q[1], 1), "quartiles_us": [round(q[0], 1), round(q[2], 1)]}
 
 
 def cprofile_mode(steps: int, heartbeat: bool) -> None:
@@ -907,7 +938,7 @@ def alloc_mode(steps: int, heartbeat: bool) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     modes = ("time", "cprofile", "alloc", "wakes", "build", "cycle", "handover", "floor", "callsite",
-             "parts", "neighbour", "cold", "sampling", "calls")
+             "parts", "neighbour", "cold", "sampling", "calls", "alternate")
     ap.add_argument("--mode", choices=modes, default="time")
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--blocks", type=int, default=11)
@@ -957,6 +988,10 @@ def main() -> None:
         print(json.dumps({"benchmark": "hot_path_sampling", "hidden": HIDDEN, "steps": args.steps,
                           "blocks": args.blocks, "loadavg_1m": round(os.getloadavg()[0], 2),
                           **sampling_mode(args.steps, args.blocks)}))
+    elif args.mode == "alternate":
+        HIDDEN = args.hidden or 640
+        print(json.dumps({"benchmark": "hot_path_alternate", "hidden": HIDDEN, "pairs": args.steps,
+                          "loadavg_1m": round(os.getloadavg()[0], 2), **alternate_mode(args.steps)}))
     elif args.mode == "calls":
         print(json.dumps({"benchmark": "hot_path_calls", "hidden": HIDDEN, **calls_mode()}))
     elif args.mode == "alloc":
