@@ -413,9 +413,9 @@ def _find(
 
 def _raw_chronic(raw: Series, key: tuple[int, str], positions: Any, net_level: float) -> float:
     """A chronic straggler found on the net series is priced at no less than its raw gap over
-    the same steps: what the others waited. Spreading a step's run-queue wait over phases
-    puts most of it on the phase that ran long, so the net level under-states a rank that
-    sleeps there (a 30 ms optimizer sleep read 23.9 ms net beside a CPU hog)."""
+    the same steps: what the others waited. The net series takes a rank's extra wait for a
+    CPU out of its gaps on the steps where it covers them, so its level can sit under what the
+    other ranks really waited for it."""
     cols = raw.get(key)
     if cols is None:
         return net_level
