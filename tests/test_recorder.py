@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import stepscope
 from stepscope.clock import CpuClock, CudaClock
 from stepscope.config import Config
 from stepscope.dist import free_port, run_then_exit
@@ -913,18 +914,15 @@ def _held_step(tr: Tracer, index: int) -> Any:
     return step
 
 
-# ------------------------------------------------- issue 22 §3: the training thread's own path
+# ------------------------------------------------- the training thread's own path
 
 
 def test_training_thread_makes_few_python_calls_into_stepscope_per_step(mem_tracer):
     """Deterministic (load-independent) proxy of the hot path's cost: Python calls into
     stepscope per step on a tiny model with every automatic instrument (the step boundary,
-    forward, backward with its hook and end-of-backward callbacks, optimizer, h2d). 65 before
-    issue 22 §3's cuts, 49-50 after the first round, 40 after the second (the step context's
-    bound entry/exit, the resolver's one-loop poll, no per-step call for an idle FLOP counter
-    or an autograd adoption that cannot happen on CPU), 37 after the third (backward timed at
-    its torch.autograd.backward call instead of a gradient hook and two queued callbacks); the
-    budget leaves a little room."""
+    forward, backward with its hook and end-of-backward callbacks, optimizer, h2d). Only files
+    of the imported package count, wherever the checkout lives (a clone named ``stepscope``
+    holds torch's own files under its ``.venv``); the budget leaves a little room."""
     import cProfile
     import pstats
 
@@ -947,7 +945,9 @@ def test_training_thread_makes_few_python_calls_into_stepscope_per_step(mem_trac
     steps(200)
     prof.disable()
     stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
-    ours = sum(v[1] for k, v in stats.items() if f"{os.sep}stepscope{os.sep}" in k[0]) / 200
+    package = str(Path(stepscope.__file__).resolve().parent) + os.sep
+    ours = sum(v[1] for k, v in stats.items() if os.path.realpath(k[0]).startswith(package)) / 200
+    assert ours >= 5, f"{ours:.1f} calls counted: the count must see stepscope's own frames"
     assert ours <= 38, f"{ours:.1f} Python calls into stepscope per step (budget 38)"
     assert len(tr.recent_records()) <= 256  # the run still records (summary() below settles)
     assert tr.summary()["steps"] > 0
