@@ -12,10 +12,12 @@ step enter+exit, a forward/backward/optimizer hook set) measured in isolation.
 untimed one (2 gloo ranks, tiny ``all_reduce``, sync and async, blocks of calls interleaved;
 also on a one-rank group where the network does not add noise), and the step-time ratio with
 collective timing on vs off for a DDP and an FSDP2 (``fully_shard``) job on CPU.
-    python benchmarks/overhead.py --resources        # issue 13: throughput and memory read costs
+    python benchmarks/overhead.py --resources        # throughput and memory read costs
+    python benchmarks/overhead.py --resources --record benchmarks/results   # also write a record
 
 ``--baseline-src DIR`` (with the default mode or ``--per-instrument``) compares this build with
-another one (e.g. ``/work/main/src``) in the same run: two worker processes, one per build,
+another one (e.g. ``BASE/src``, a ``git archive`` of another commit) in the same run: two worker
+processes, one per build,
 each importing its own ``stepscope``, run one repetition each in turn (the order alternating),
 so machine drift hits both alike. Each build's ratio is its instrumented over its own bare
 loop; the training thread's CPU time (``thread_time``) is reported beside wall time, being less
@@ -25,7 +27,7 @@ show when measured the same way (the spread any other ratio must be read against
 carries ``uptime`` at the start and end (other jobs share the machine).
 
     python benchmarks/overhead.py --reps 31 --steps 60 --hidden 640 \
-        --baseline-src /work/main/src --noise-floor
+        --baseline-src BASE/src --noise-floor
 """
 
 from __future__ import annotations
@@ -472,7 +474,7 @@ class _FakeTorchCuda:
 
 
 def resource_costs(n: int = 20000, reps: int = 11) -> dict[str, float]:
-    """Issue 13 hot-path costs in µs per step (minimum over ``reps``).
+    """Throughput and memory instruments' hot-path costs in µs per step (minimum over ``reps``).
 
     throughput: ``step(tokens=, samples=)`` + one ``count()`` over a bare ``step()``.
     memory: the monitor's step-start reset + step-end read with a fake allocator (CPU), and
@@ -544,6 +546,9 @@ def resource_costs(n: int = 20000, reps: int = 11) -> dict[str, float]:
 
 
 def main() -> None:
+    if any(a == "--record" or a.startswith("--record=") for a in sys.argv[1:]):
+        import _results  # benchmarks/_results.py: re-runs this script and writes its record
+        sys.exit(_results.record_run(__file__, sys.argv[1:]))
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--steps", type=int, default=60)
@@ -558,6 +563,8 @@ def main() -> None:
     ap.add_argument("--noise-floor", action="store_true",
                     help="with --baseline-src: a third worker times the bare loop twice (no tracer), "
                          "measured like the others: the ratio two identical loops show")
+    ap.add_argument("--record", metavar="DIR", help="also write the JSON lines as a record in DIR "
+                    "(benchmarks/results)")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--floor", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()

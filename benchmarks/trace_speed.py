@@ -4,7 +4,8 @@ Builds a Kineto-shaped trace of the requested size by repeating the steps of a r
 (shifted in time, correlation ids renumbered), then runs each tool in a fresh process,
 interleaved, and prints one JSON line per run (wall seconds, peak RSS) and a summary line::
 
-    python benchmarks/trace_speed.py --size-mb 300 --hta-python /tmp/hta-venv/bin/python
+    python benchmarks/trace_speed.py --size-mb 300 --hta-python hta-venv/bin/python
+    python benchmarks/trace_speed.py --size-mb 54 --no-hta --record benchmarks/results
     python benchmarks/trace_speed.py --size-mb 100 --gzip both --no-hta   # plain vs .json.gz
 
 HTA (PyPI ``HolisticTraceAnalysis``) must live in its own venv; it is not a dependency of stepscope.
@@ -167,10 +168,16 @@ def run(python: str, code: str, trace_dir: Path, src: str | None = None) -> dict
 
 
 def main() -> int:
+    if any(a == "--record" or a.startswith("--record=") for a in sys.argv[1:]):
+        import _results  # benchmarks/_results.py: re-runs this script and writes its record
+        return _results.record_run(__file__, sys.argv[1:])
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--size-mb", type=float, default=300.0)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--hta-python", default="/tmp/hta-venv/bin/python")
+    ap.add_argument("--hta-python", default=os.environ.get("HTA_PYTHON"), metavar="PYTHON",
+                    help="a python with HolisticTraceAnalysis installed (default: $HTA_PYTHON)")
+    ap.add_argument("--record", metavar="DIR", help="also write the JSON lines as a record in DIR "
+                    "(benchmarks/results)")
     ap.add_argument("--trace", help="use this trace file instead of building one")
     ap.add_argument("--gzip", choices=("no", "yes", "both"), default="no",
                     help="analyse the synthetic trace gzipped (real traces ship as .json.gz), or both ways")
@@ -191,6 +198,8 @@ def main() -> int:
     ap.add_argument("--whitespace", action="store_true",
                     help="pad one copy of the seed with --size-mb of whitespace instead of repeating it")
     args = ap.parse_args()
+    if not args.no_hta and not args.hta_python:
+        ap.error("HTA needs --hta-python PYTHON (or $HTA_PYTHON); or pass --no-hta")
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
         if args.trace:
