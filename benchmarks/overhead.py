@@ -17,8 +17,8 @@ collective timing on vs off for a DDP and an FSDP2 (``fully_shard``) job on CPU.
 
 ``--baseline-src DIR`` (with the default mode or ``--per-instrument``) compares this build with
 another one (e.g. ``BASE/src``, a ``git archive`` of another commit) in the same run: two worker
-processes, one per build,
-each importing its own ``stepscope``, run one repetition each in turn (the order alternating),
+processes, one per build, each importing its own ``stepscope``, run one repetition each in
+turn (the order alternating),
 so machine drift hits both alike. Each build's ratio is its instrumented over its own bare
 loop; the training thread's CPU time (``thread_time``) is reported beside wall time, being less
 disturbed by other jobs on a shared machine. ``--noise-floor`` adds a third worker whose
