@@ -14,8 +14,8 @@ the re-read, or of the first read with ``--no-store``) and the compaction's own 
 ``--dir D --keep`` generates each size once under ``D`` and reuses it on later runs (its
 Parquet store is removed first, so ``seconds`` stays a first read).
 
-    PYTHONPATH=BASE/src python benchmarks/analysis_scale.py --reread /work/scale-data/512x2000
-    python benchmarks/analysis_scale.py --write-store 4096x2500 --dir /work/scale-data
+    PYTHONPATH=BASE/src python benchmarks/analysis_scale.py --reread DATA/512x2000
+    python benchmarks/analysis_scale.py --write-store 4096x2500 --dir DATA
     python benchmarks/analysis_scale.py --equivalence BASE/src RUN [RUN ...]
 
 times one re-read of a run whose store is up to date with whichever ``stepscope`` is on the

@@ -1,7 +1,7 @@
 """False-alarm rate: clean real gloo runs, counting runs whose report has a WARNING or CRITICAL.
 
     PYTHONPATH=src:tests python benchmarks/false_alarms.py --path ddp --ranks 4 --runs 10 --hog 1
-    PYTHONPATH=src python benchmarks/false_alarms.py --reanalyze /tmp/fa-ddp-4   # same runs, new analysis
+    PYTHONPATH=src python benchmarks/false_alarms.py --reanalyze runs/false-alarms/ddp-4   # re-analyse
 
 Fresh runs are recorded by default (``--hog N`` keeps N busy-looping processes running on the
 machine while they record, and ends them afterwards); each run is kept under ``--out`` so a
@@ -65,7 +65,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=10)
     ap.add_argument("--hog", type=int, default=0,
                     help="busy-looping processes to run alongside the fresh runs (default 0)")
-    ap.add_argument("--out", default=None, help="where runs are kept (default: /tmp/fa-PATH-RANKS)")
+    ap.add_argument("--out", default=None, help="where runs are kept (default: runs/false-alarms/PATH-RANKS)")
     ap.add_argument("--reanalyze", default=None, help="only analyse the runs under this directory")
     args = ap.parse_args()
     if args.runs < 1 or args.ranks < 1 or args.hog < 0:
@@ -74,7 +74,7 @@ def main() -> None:
     if args.reanalyze:
         runs = sorted(p for p in Path(args.reanalyze).iterdir() if p.is_dir())
     else:
-        root = Path(args.out or f"/tmp/fa-{args.path}-{args.ranks}")
+        root = Path(args.out or f"runs/false-alarms/{args.path}-{args.ranks}")
         hogs = [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(args.hog)]
         runs = []
         try:

@@ -85,7 +85,7 @@ JSONL writer (as ``init()`` builds them; no heartbeat unless ``--heartbeat``), a
     python benchmarks/hot_path.py --mode alloc
     python benchmarks/hot_path.py --mode cold --steps 40 --blocks 30   # the ~3 ms step, per part
     python benchmarks/hot_path.py --mode wakes       # what waking the writer costs the training thread
-    /work/main/.venv/bin/py-spy record --native -r 1000 -o hot.svg -- python benchmarks/hot_path.py
+    py-spy record --native -r 1000 -o hot.svg -- python benchmarks/hot_path.py
 """
 
 from __future__ import annotations
@@ -797,11 +797,10 @@ def callsite_mode(steps: int, blocks: int) -> dict[str, Any]:
 
     Each kind is installed on the model for its block and removed after it; each block is
     paired with a bare block run next to it (before or after, in turn), kinds shuffled per
-    round, medians over rounds. Before stop 36 each kind ran on its own copy of the model
-    (minimum over blocks; two copies differ by their memory placement, ~1% of an MLP step) and
-    a gradient hook on the output with queued end-of-backward callbacks was timed too: the
-    design stepscope replaced with the wrapper. On one MLP model that hook moved the bare
-    blocks after it by hundreds of µs either way, so it is no longer timed here.
+    round, medians over rounds: all kinds run on one model, since two copies of a model differ
+    by their memory placement (~1% of an MLP step). A gradient hook on the output with queued
+    end-of-backward callbacks is not timed: on one MLP model it moved the bare blocks after it
+    by hundreds of µs either way.
     """
     import torch.autograd as autograd
 

@@ -3,8 +3,8 @@
 Run once, in a throwaway venv that has HTA (PyPI ``traceinsight``) installed, never in the
 project's own venv::
 
-    python3 -m venv /tmp/hta-venv && /tmp/hta-venv/bin/pip install traceinsight
-    /tmp/hta-venv/bin/python benchmarks/hta_reference.py --traces ../shared/traces \
+    python3 -m venv hta-venv && hta-venv/bin/pip install traceinsight
+    hta-venv/bin/python benchmarks/hta_reference.py --traces ../shared/traces \
         --write tests/fixtures/hta_reference.json
 
 Prints one JSON line per (trace folder, rank, mode). ``include_last_profiler_step`` is run

@@ -1,7 +1,7 @@
 """Candidate decoders for a Kineto trace's events, each in a fresh process: CPU time (rusage,
 start-up included) and peak RSS, interleaved::
 
-    python benchmarks/trace_decoders.py /tmp/tb/54/rank0.pt.trace.json --repeats 3
+    python benchmarks/trace_decoders.py T54/rank0.pt.trace.json --repeats 3   # T54: trace_speed.build_trace
 
 - ``duckdb``: DuckDB's JSON reader on the whole document (``traceEvents`` as a list of
   structs with the fields the breakdown reads, ``ts``/``dur`` as text for exact ns), unnested
@@ -17,7 +17,7 @@ start-up included) and peak RSS, interleaved::
 ``--args`` instead times, in one process, the forms the fast path could decode ``args``
 into, on the slices it cuts (minimum over ``--repeats`` rounds, forms interleaved)::
 
-    python benchmarks/trace_decoders.py /tmp/trt/t54/rank0.pt.trace.json --args --repeats 7
+    python benchmarks/trace_decoders.py T54/rank0.pt.trace.json --args --repeats 7
 
 - ``struct``: this build, ``args`` into the 12-field ``Args``; ``narrow6``: a 6-field struct
   (no collective fields); ``raw``: ``args`` kept as ``msgspec.Raw``; ``none``: not read at all
