@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+SELF = Path(__file__).resolve()  # its planted examples are the words it looks for
 
 # Each pattern names what it catches; the text of a hit says where.
 PATTERNS: dict[str, re.Pattern[str]] = {
@@ -51,7 +52,7 @@ def tracked_text_files() -> list[Path]:
     files = []
     for name in out.decode().split("\0"):
         p = ROOT / name
-        if not name or p.suffix in BINARY_SUFFIXES or not p.is_file():
+        if not name or p.suffix in BINARY_SUFFIXES or not p.is_file() or p == SELF:
             continue
         data = p.read_bytes()
         if b"\0" in data[:8192]:
