@@ -1,4 +1,4 @@
-"""Report memory stays linear in ranks: many ranks, few steps (issue 21 item 14)."""
+"""Report memory stays linear in ranks: many ranks, few steps."""
 
 from __future__ import annotations
 

@@ -247,7 +247,7 @@ def _stress_worker(rank: int, world: int, port: int, out: str, steps: int) -> No
 def test_profiler_start_stop_with_side_gathers_in_flight_never_crashes(tmp_path):
     """Auto-profile capture cycles with the live exchange busy: every rank must exit 0.
 
-    The crash this guards against (issue 10.13: SIGSEGV in rank 1 right after
+    The crash this guards against (SIGSEGV in rank 1 right after
     ``profiler_stop``): a gloo ``async_op=True`` collective issued while torch.profiler is
     recording creates a RecordFunction that is active, so the Work copies the issuing
     thread's thread-local state (which holds the profiler's KinetoThreadLocalState) into

@@ -1,4 +1,4 @@
-"""Auto-profiling must not stall the other ranks while one starts the profiler (issue 18 §3.10c).
+"""Auto-profiling must not stall the other ranks while one starts the profiler.
 
 The first ``torch.profiler`` start in a process costs seconds (2.7-6.2 s on CPU on the shared
 2-core machine: ``python benchmarks/profiler_start.py``; CUPTI adds more on a GPU); later

@@ -1,4 +1,4 @@
-"""The measurement core's GPU hazards and silent losses (issue 10), driven on CPU.
+"""The measurement core's GPU hazards and silent losses, driven on CPU.
 
 No GPU is available where this suite runs, so each CUDA hazard is reproduced with fake
 events whose behaviour follows the real API: ``query()`` never blocks, ``elapsed_time()`` on
@@ -376,7 +376,7 @@ def test_decorator_applied_before_init_times_once_init_has_run(tmp_path):
     assert '"metrics"' in lines[0]
 
 
-# ------------------------------------------------- training-side promises (issue 12)
+# ------------------------------------------------- training-side promises ----------
 
 
 def test_a_second_threads_step_is_not_timed_and_does_not_raise(mem_tracer):

@@ -1,4 +1,4 @@
-"""The one device resolver (issue 18 §3.4): explicit, then the model, then LOCAL_RANK, then current."""
+"""The one device resolver: explicit, then the model, then LOCAL_RANK, then current."""
 
 from __future__ import annotations
 

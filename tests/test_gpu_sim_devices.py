@@ -1,4 +1,4 @@
-"""The DDP tutorial pattern on the simulated CUDA runtime (issue 18 §3.4): ``model.to(rank)``
+"""The DDP tutorial pattern on the simulated CUDA runtime: ``model.to(rank)``
 without ``torch.cuda.set_device``. Timing, PrefetchLoader and memory go to the model's device."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Per-step memory on the simulated CUDA runtime (issue 18 §3.10b): the job's own peak counters
+"""Per-step memory on the simulated CUDA runtime: the job's own peak counters
 (HF's and torchtitan's memory metrics read ``max_memory_allocated`` after resetting it
 themselves) are never reset by stepscope."""
 

@@ -1,4 +1,4 @@
-"""PrefetchLoader on the simulated CUDA runtime (issue 18 §3.8), through a real tracer.
+"""PrefetchLoader on the simulated CUDA runtime, through a real tracer.
 
 ``PrefetchLoader(wrap_loader(...))`` as the README recommends, with unpinned leaves (plain
 tensors and an object with its own ``.to()``): no host sync, each step charged its own batch's

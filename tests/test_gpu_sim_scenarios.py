@@ -1,4 +1,4 @@
-"""Issue 18's scenario matrix, on the simulated CUDA runtime (``tests/cudasim.py``).
+"""The GPU scenario matrix, on the simulated CUDA runtime (``tests/cudasim.py``).
 
 The real recording side runs with its default clock: the simulator makes
 ``torch.cuda.is_available()`` true, so stepscope records CUDA events on simulated streams that
@@ -510,7 +510,7 @@ def test_a_disk_error_mid_run_does_not_crash_the_job(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------
-# Issue 18 defect 10: one query error, the user's own memory peak
+# Defect 10: one query error, the user's own memory peak
 # --------------------------------------------------------------------------------------------
 
 

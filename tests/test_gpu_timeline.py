@@ -1,4 +1,4 @@
-"""The analysis reads the GPU timeline (issue 18 item 6): ``gpu_start_unix_ns`` places steps,
+"""The analysis reads the GPU timeline: ``gpu_start_unix_ns`` places steps,
 and on a CUDA clock the dataloader's time is the host's wait (``host_ms``), not GPU idle."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Hostile arguments and faults on the training side (issue 12 items 12, 13, 15)."""
+"""Hostile arguments and faults on the training side."""
 
 from __future__ import annotations
 

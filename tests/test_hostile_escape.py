@@ -1,4 +1,4 @@
-"""Run data cannot drive the terminal or inject markdown (issue 21 items 2, 3, 4).
+"""Run data cannot drive the terminal or inject markdown.
 
 Every name a run or trace carries (op and group names, hosts, phases, run ids, paths, crash
 messages, kernel names) goes through one escaper per format: terminal control sequences

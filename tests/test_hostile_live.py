@@ -1,4 +1,4 @@
-"""A stuck peer must not hold up a rank's exit when the live view is on (issue 12 item 14).
+"""A stuck peer must not hold up a rank's exit when the live view is on.
 
 Two real gloo processes: rank 1 stops stepping and sleeps 60 s while alive (stuck, not dead);
 rank 0 finishes its loop, calls ``stepscope.finish()`` (and, in one variant, the usual

@@ -1,4 +1,4 @@
-"""Hostile input and faults on the recording side, round two (issue 21 items 5, 6, 7, 9)."""
+"""Hostile input and faults on the recording side, round two."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Hostile run directories for `stepscope report` (issue 12 items 1, 4 and 7).
+"""Hostile run directories for `stepscope report`.
 
 Every case is a real run directory (synthetic records written as the recorder writes them)
 mutated the way a damaged or malicious file would be; the report must skip the bad part with

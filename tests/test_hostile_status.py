@@ -1,4 +1,4 @@
-"""``stepscope status`` against hostile run directories (issue 21 items 1 and 12).
+"""``stepscope status`` against hostile run directories.
 
 Item 1: it reads only regular files inside the run, bounded in size, and says what it
 skipped (symlinks out of the run, ``stacks.path`` anywhere, ``/dev/zero``, FIFOs).

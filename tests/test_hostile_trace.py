@@ -1,4 +1,4 @@
-"""Hostile and odd input to `stepscope trace` (issue 12 items 5, 6, 8; issue 14 item 4; issue 11 item 4).
+"""Hostile and odd input to `stepscope trace`.
 
 Each test builds real files and runs the real analyser; the resource-exhaustion cases run in
 a child process under a memory limit, so a regression fails the test instead of the machine.
@@ -181,7 +181,7 @@ def test_zero_length_kernels_only_do_not_crash(tmp_path: Path) -> None:
     assert r.total is not None and r.total.busy_us == 0
 
 
-# ----------------------------------------------------------------------------- issue 14.4: CPU traces
+# ----------------------------------------------------------------------------- CPU traces
 
 
 def test_real_cpu_only_trace_gets_a_cpu_summary(capsys: pytest.CaptureFixture[str]) -> None:
@@ -240,7 +240,7 @@ def test_cpu_trace_without_profiler_step_is_partial_with_reason(tmp_path: Path,
     assert "aten::mm" in capsys.readouterr().out
 
 
-# ----------------------------------------------------------------------------- issue 11.4: matching
+# ----------------------------------------------------------------------------- matching
 
 
 def _write_rank(path: Path, rank: int, kernels: list[dict[str, Any]], extra: list[dict[str, Any]] = ()

@@ -1,6 +1,6 @@
 """Init agreement across ranks (dist.agree_at_init): real 2-rank gloo jobs started by mp.spawn.
 
-Issue 18 §3.7 / issue 21 items 11 and 13: ranks configured differently must not hang or shift
+Ranks configured differently must not hang or shift
 the job's own process-group counter, and a job launched without torchrun gets one run id.
 """
 

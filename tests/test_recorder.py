@@ -1,4 +1,4 @@
-"""The recording core (issue 18 §1, §3.1/2/3/5/9/10a; issue 21 item 8), driven on CPU.
+"""The recording core, driven on CPU.
 
 A small lagging GPU stands in for CUDA here: events complete when the simulated device,
 running ``lag`` steps behind the host, reaches them; each knows the stream it was recorded
@@ -378,7 +378,7 @@ def test_a_decorated_phase_entered_by_two_threads_closes_each_threads_own(mem_tr
     assert ph["work"]["calls"] == 2
 
 
-# ---------------------------------------- issue 21 item 8: phases between steps
+# ---------------------------------------- phases between steps
 
 
 def test_a_user_phase_between_steps_does_not_pull_the_next_step_back(mem_tracer):
@@ -602,7 +602,7 @@ def _closure(root: str) -> dict[str, str]:
     return seen
 
 
-#: Edges into analysis/report/rich from recording-side modules owned by other helpers, known
+#: Edges into analysis/report/rich from recording-side modules, known
 #: when this test was written (the live line and auto-profiling reuse the one wait rule and the
 #: one robust-stats module). Nothing else may appear; remove an entry once its edge is gone.
 #: The one allowed edge: the opt-in live line (rank 0, ``log_every_n_steps``) renders with rich,
@@ -641,7 +641,7 @@ def test_the_recorder_imports_no_instrument_and_no_observer(core):
     assert not bad, f"{core} imports {bad}"
 
 
-# ------------------------------------------- issue 22 §3: the hot path and the writer
+# ------------------------------------------- the hot path and the writer
 
 
 def test_phases_aggregate_by_path_repeated_and_nested(mem_tracer):
@@ -775,7 +775,7 @@ def test_worker_processes_are_listed_without_walking_proc():
         hm.close()
 
 
-# ------------------------------------------------------------- issue 22 §3: writer wakes
+# ------------------------------------------------------------- writer wakes
 
 
 def _thread_named(name: str) -> threading.Thread:

@@ -1,4 +1,4 @@
-"""Issue 13 in the views: live line / summary(), TensorBoard and W&B scalars, HF and Lightning counts."""
+"""Throughput in the views: live line / summary(), TensorBoard and W&B scalars, HF and Lightning counts."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""SIGTERM to a rank blocked in a collective ends it at once (issue 21 item 10): real gloo ranks."""
+"""SIGTERM to a rank blocked in a collective ends it at once: real gloo ranks."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Third-party training scripts run under stepscope (2-3 gloo ranks on CPU), one rank slowed.
 
 Each framework path is run twice over: from the script itself when its repository has been
-fetched (``/work/.mirror``; skipped otherwise, as in CI) and from this repository's
+fetched (``$STEPSCOPE_MIRRORS``, or a ``.mirror`` above the checkout; else skipped) and from this repository's
 re-creation of the script's usage pattern (``tests/third_party_scripts``, always run). The
 scripts are executed as written; :mod:`third_party` repeats their training loop under
 ``stepscope.step()`` and injects the slowness (see there).

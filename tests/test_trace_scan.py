@@ -126,7 +126,7 @@ def test_depth_is_bounded_while_scanning() -> None:
 
 
 def test_a_huge_kernel_name_is_skipped_counted_and_cheap(tmp_path: Path) -> None:
-    # Issue 21 item 15: one 200 MiB name took 142 s and a 1 MB gzip inflating to a 1 GiB
+    # One 200 MiB name took 142 s and a 1 MB gzip inflating to a 1 GiB
     # name ran past 20 minutes. 256 MiB of name in a small gzip: skipped, counted, the
     # events around it kept, in linear time.
     p = tmp_path / "rank0.pt.trace.json.gz"

@@ -3,7 +3,7 @@
 The analysis takes each rank's wait for a CPU (``counters.runq_ms``) out of its phases before
 comparing ranks. When the *other* rank is the one that waited, taking its wait out makes the
 first rank look slow on steps where both took the same time: a window nobody waited for.
-Seen on a clean Lightning run (2 ranks, 60 steps of ~8 ms, /work/fa2/lightning-2/r14): rank 1
+Seen on a clean Lightning run (2 ranks, 60 steps of ~8 ms): rank 1
 waited 5–13 ms a step for a CPU on steps 51–55, most of it inside its dataloader (a broadcast
 that ran long on both ranks); rank 0 was called a WARNING dataloader straggler of 1.7 ms there,
 with a raw gap of 0.2 ms.

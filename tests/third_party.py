@@ -1,6 +1,6 @@
 """Run a third-party training script under stepscope on gloo ranks, patched minimally at run time.
 
-The script's own text is executed (from a fetched mirror under ``/work/.mirror`` when present,
+The script's own text is executed (from a fetched mirror in a ``.mirror`` above the checkout when present,
 or from this repository's re-creation of its usage pattern under ``tests/third_party_scripts``),
 with these run-time changes only:
 
@@ -45,7 +45,8 @@ import stepscope
 from stepscope.demo import SleepInBackward
 from stepscope.dist import become_local_rank, spawn_local
 
-MIRRORS = Path(os.environ.get("STEPSCOPE_MIRRORS", "/work/.mirror"))
+MIRRORS = Path(os.environ.get("STEPSCOPE_MIRRORS") or next(
+    (p / ".mirror" for p in Path(__file__).resolve().parents if (p / ".mirror").is_dir()), ".mirror"))
 HERE = Path(__file__).resolve().parent / "third_party_scripts"
 
 

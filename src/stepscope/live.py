@@ -414,7 +414,7 @@ class LiveView:
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         # Asynchronous on the side gloo group: returns at once, read at a later cadence.
         # unobserved(): a profiler must not see it, or a gloo thread reaches the profiler's
-        # state after the profiler stops (issue 10.13, profiler.unobserved explains).
+        # state after the profiler stops (profiler.unobserved explains).
         with unobserved():
             work = gather(out, send, group=self.group, async_op=True)
         self._works.append((work, out))

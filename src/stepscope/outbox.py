@@ -21,12 +21,9 @@ records, ~10 µs each) never pauses: each pause can cost the writer up to the in
 switch interval (5 ms) to get the GIL back, which would slow it behind a busy training loop.
 
 **Why a hand-over is rate-limited.** A wake of the writer costs the training thread far
-more CPU than the call that rings it. On the 2-vCPU test host (a Firecracker guest), a helper
-thread that only wakes and sleeps again, woken every 10 steps of a bare ~80 µs step, cost the
-training thread ~100 µs of CPU per wake, and a separate process woken through a pipe ~80; a
-woken writer thread also takes the GIL at the training thread's next torch op, which then
-blocks to get it back. At every 10 steps of the tiny model that was 22 µs a step
-(``benchmarks/hot_path.py --mode wakes``). Bounding the wakes by time bounds that cost as a
+more CPU than the call that rings it, and a woken writer takes the GIL at the training
+thread's next torch op (``benchmarks/hot_path.py --mode wakes``). Bounding the wakes by time
+bounds that cost as a
 share of the run (one wake per 0.1 s is ≤ 0.1%), whatever the step length: a 1 s GPU step
 still hands over every ``flush_every_n_steps`` steps, a 100 µs CPU step every ~1,000.
 """
@@ -72,7 +69,7 @@ class RecentRecords:
 class Outbox:
     """Resolved steps → batches on the writer thread → sink and listeners.
 
-    ``listeners`` is the session's own list (read at each batch, so listeners added later
+    ``listeners`` is the owning session's list (read at each batch, so listeners added later
     see later records); ``on_error`` gets the writer's first error (a full disk).
     """
 

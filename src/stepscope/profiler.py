@@ -36,7 +36,7 @@ def current_rank() -> int:
 def unobserved() -> Iterator[None]:
     """Run stepscope's own torch calls unseen by any RecordFunction observer (torch.profiler).
 
-    Why this exists (issue 10.13, a SIGSEGV right after ``profiler_stop``): a gloo
+    Why this exists (a SIGSEGV right after ``profiler_stop``): a gloo
     collective issued with ``async_op=True`` while torch.profiler records on this thread
     builds an *active* RecordFunction, so the Work copies this thread's thread-local state
     (which owns the profiler's per-session state) into callbacks that a gloo worker thread

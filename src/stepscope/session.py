@@ -81,7 +81,7 @@ class Session(Recorder):
         self._step_wall = 0.0  # time.time() at step entry
         self._last_step: tuple[int, float, float] | None = None  # index, end wall, seconds
         self._raised: tuple[BaseException, list[str]] | None = None
-        # Throughput, FLOPs, memory, device health (issue 13). Built once the clock knows its
+        # Throughput, FLOPs, memory, device health. Built once the clock knows its
         # device (init() often runs before set_device): see _start.
         self._step_counts: tuple[int | None, int | None] | None = None
         #: What ``with tracer.step() as s`` binds (the tracer sets its context manager).

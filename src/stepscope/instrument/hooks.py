@@ -16,7 +16,7 @@
   backward``), a backward called inside another (reentrant checkpointing), and a backward
   called from a thread that does not own the step. This replaced a gradient hook on each
   forward's output plus a queued final callback, which cost ~17 µs more per step
-  (``benchmarks/hot_path.py --mode callsite`` as it was before stop 36).
+  (measured with ``benchmarks/hot_path.py --mode callsite``).
 - grad_sync (DDP-style data parallel only): nested in backward, from the moment this rank's last
   parameter gradient is accumulated (its arrival at the gradient all-reduce) to the end of
   backward. A rank slow in backward *compute* arrives late and has a short grad_sync; the

@@ -143,7 +143,7 @@ def _reading(run_a: str, run_b: str) -> Any:
     """Progress on stderr (a terminal only) while both runs' rank files are read."""
     try:
         from stepscope.report.progress import input_bytes, progress
-    except ImportError:  # render's progress helper not merged on this branch yet
+    except ImportError:  # no stepscope.report.progress: read without a progress line
         return contextlib.nullcontext()
     total = (input_bytes(run_a, "rank*") + input_bytes(run_b, "rank*")) or None
     return progress(total, "reading rank files of both runs", unit="bytes", track_reads=True,
