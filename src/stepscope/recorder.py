@@ -76,7 +76,7 @@ class Recorder:
         self._refused = 0  # such entries open on any thread (a cheap check before the thread-local)
         self._in_step = False
         #: Whether step ``_known_index`` is sampled, as the step boundary before it found out
-        #: (the session's step exit): step entry need not ask the config again.
+        #: (``Session``'s step exit): step entry need not ask the config again.
         self._known_index = -1
         self._known_sampled = False
         self._warned: set[str] = set()
