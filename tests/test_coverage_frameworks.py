@@ -96,7 +96,10 @@ def test_pipeline_slow_stage_is_named(tmp_path: Any, stages: int, slow_stage: in
     assert "host_overhead" not in _kinds(doc)
     assert all(x["phase"] != "residual" for x in doc["stragglers"])
     assert "ddp_allreduce" not in {o["op"] for o in doc["collectives"]["ops"]}
-    (bubble,) = [v for v in doc["verdicts"] if v["kind"] == "pipeline_bubble"]
+    # One fault, one finding: the bubble the slow stage made is evidence inside its finding.
+    assert "pipeline_bubble" not in _kinds(doc)
+    (cause,) = [v for v in doc["verdicts"] if v["kind"] == "straggler" and v["rank"] == slow_stage]
+    (bubble,) = [c for c in cause.get("consequences", []) if c["kind"] == "pipeline_bubble"]
     assert f"stage {slow_stage} (rank {slow_stage}) is the pipeline's bottleneck" in bubble["evidence"]
     pipe = doc["pipeline"]
     assert pipe["bottleneck_stage"] == slow_stage and pipe["bottleneck_rank"] == slow_stage

@@ -124,7 +124,9 @@ def test_pipeline_script(tmp_path: Any, source: str, slow_stage: int | None) -> 
         return
     _culprit(doc, (slow_stage, "forward"), MS)
     assert pipe["bottleneck_stage"] == slow_stage
-    assert any(v["kind"] == "pipeline_bubble" for v in doc["verdicts"])
+    # The bubble is the slow stage's consequence, inside its one finding.
+    assert any(c["kind"] == "pipeline_bubble"
+               for v in doc["verdicts"] for c in v.get("consequences", []))
     # The live line, from the same records: the late stage and a link it is an end of.
     live = _live(Path(tmp_path), ranks)
     assert (live["slowest_rank"], live["slowest_phase"]) == (slow_stage, "forward")

@@ -98,6 +98,25 @@ def order(verdicts: list[dict[str, Any]]) -> None:
 CONSEQUENCE_KINDS = ("comm_wait", "pipeline_bubble", "input_bound", "h2d_bound", "host_overhead")
 
 
+_SEVERITY_ORDER = {"info": 0, "warning": 1, "critical": 2}
+
+
+def _cause(group: list[dict[str, Any]]) -> dict[str, Any]:
+    """The finding that names the fault among those priced on one cost. A straggler, except
+    one whose late time lies outside every timed phase (``residual``) while a host-overhead
+    finding says what that untimed work is: then that finding, with its fix, is the cause,
+    at the straggler's severity, and the late rank is its evidence."""
+    straggler = next((v for v in group if v["kind"] == "straggler"), None)
+    host = next((v for v in group if v["kind"] == "host_overhead"), None)
+    if straggler is not None and host is not None and straggler.get("phase") == "residual":
+        if _SEVERITY_ORDER.get(straggler["severity"], 0) > _SEVERITY_ORDER.get(host["severity"], 0):
+            host["severity"] = straggler["severity"]
+        return host
+    if straggler is not None:
+        return straggler
+    return next((v for v in group if v["kind"] not in CONSEQUENCE_KINDS), group[0])
+
+
 def fold(verdicts: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One fault, one finding: verdicts that carry another's cost object (the same fault seen
     from elsewhere: the ranks that waited for a straggler, the bubble a slow stage made)
@@ -114,8 +133,7 @@ def fold(verdicts: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for group in groups.values():
         if len(group) < 2:
             continue
-        cause = next((v for v in group if v["kind"] == "straggler"),
-                     next((v for v in group if v["kind"] not in CONSEQUENCE_KINDS), group[0]))
+        cause = _cause(group)
         for v in group:
             if v is cause:
                 continue
