@@ -171,8 +171,8 @@ def find_stragglers(
     gross = _find(con, steps, host_of, thr, median_step, data)
 
     def same(f: dict[str, Any], s: dict[str, Any]) -> bool:
-        return (f["rank"] == s["rank"] and f["phase"] == s["phase"]
-                and f["first_step"] <= s["last_step"] and f["last_step"] >= s["first_step"])
+        return bool(f["rank"] == s["rank"] and f["phase"] == s["phase"]
+                    and f["first_step"] <= s["last_step"] and f["last_step"] >= s["first_step"])
 
     # Each finding judged on its steps' figures: the gross one first (its bounds are the
     # fault's where the wait for a CPU does not account for it); what the net series finds
