@@ -22,6 +22,41 @@ test: $(VENV)/.installed
 	$(MAKE) docs
 	$(PY) -m pytest -q -m "not soak"
 
+# The GPU check (benchmarks/gpu_check.py, docs/gpu-check.md). `make gpu-check-prepare` where a
+# package index is reachable fetches stepscope's runtime dependencies (all but torch) as wheels
+# for CPython 3.10-3.12 on manylinux x86_64; `make gpu-check` on the GPU machine installs the
+# ones its Python lacks from them offline and runs the check with that machine's CUDA torch,
+# stepscope from src/. `make gpu-check DRY=1` runs every check's code on CPU and measures nothing.
+GPU_PYTHON ?= $(if $(DRY),$(if $(wildcard $(PY)),$(PY),$(PYTHON)),$(PYTHON))
+PREP_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+GPU_WHEELS ?= .gpu-wheels
+GPU_SITE ?= .gpu-site
+GPU_PY_VERSIONS ?= 3.10 3.11 3.12
+GPU_CHECK_ARGS ?=
+GPU_PATH = $(CURDIR)/$(GPU_SITE):$(CURDIR)/src
+
+.PHONY: gpu-check gpu-check-prepare
+
+gpu-check-prepare:
+	@deps="$$($(PREP_PYTHON) benchmarks/gpu_check.py --list-deps)" || exit 2; \
+	for v in $(GPU_PY_VERSIONS); do \
+	  $(PREP_PYTHON) -m pip download -q --only-binary=:all: --platform manylinux2014_x86_64 \
+	    --platform manylinux_2_28_x86_64 --python-version $$v -d $(GPU_WHEELS) $$deps || exit 2; \
+	done; \
+	echo "gpu-check-prepare: $$(ls $(GPU_WHEELS) | wc -l) wheels in $(GPU_WHEELS)/ for Python $(GPU_PY_VERSIONS)"
+
+gpu-check:
+	@missing="$$(PYTHONPATH=$(GPU_PATH) $(GPU_PYTHON) benchmarks/gpu_check.py --missing-deps)" || exit 2; \
+	if [ -n "$$missing" ]; then \
+	  if [ ! -d $(GPU_WHEELS) ]; then \
+	    echo "gpu-check: $(GPU_PYTHON) lacks $$missing and there is no $(GPU_WHEELS)/: run make gpu-check-prepare first" >&2; \
+	    exit 2; \
+	  fi; \
+	  PIP_ROOT_USER_ACTION=ignore $(GPU_PYTHON) -m pip install -q --no-index --find-links $(GPU_WHEELS) --target $(GPU_SITE) --upgrade \
+	    --no-deps $$missing || exit 2; \
+	fi; \
+	PYTHONPATH=$(GPU_PATH) timeout -k 10 480 $(GPU_PYTHON) benchmarks/gpu_check.py $(if $(DRY),--dry-run) $(GPU_CHECK_ARGS)
+
 # Repeated clean and faulty runs (false-alarm rates); minutes, not part of `make test`.
 soak: $(VENV)/.installed
 	$(PY) -m pytest -q -m soak
