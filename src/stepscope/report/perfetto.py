@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from stepscope.common.escape import finite, term
+from stepscope.common.escape import finite, shown, term
 from stepscope.errors import AnalysisError
 
 _BATCH = 50_000
@@ -30,6 +30,7 @@ def write_perfetto(doc: dict[str, Any], data: Any, path: str) -> int:
 
         def emit(ev: dict[str, Any]) -> None:
             nonlocal first
+            ev = shown(ev)  # names from the run: control and format characters written out
             try:
                 text = json.dumps(ev, separators=(",", ":"), allow_nan=False)
             except ValueError:  # NaN/inf from a bad record: null keeps the file valid JSON

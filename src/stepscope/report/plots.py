@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from stepscope.common.escape import plot
+
 MAX_RANKS = 128
 MAX_STEPS = 300
 #: Colour scales clip at this percentile of the cells (warm-up excluded) so one outlier
@@ -193,7 +195,7 @@ def write_pngs(pd: dict[str, Any], out_dir: Path, stem: str) -> list[Path]:
             for i in rows:
                 ax.add_patch(Rectangle((x0, i - 0.5), x1 - x0, 1.0, fill=False, edgecolor="red",
                                        linewidth=2))
-            ax.annotate(f"{w['start_step']}–{w['end_step']} {w['phase']} {w['slowdown']:.2f}×",
+            ax.annotate(f"{w['start_step']}–{w['end_step']} {plot(w['phase'])} {w['slowdown']:.2f}×",
                         (x0, 1.0), xycoords=("data", "axes fraction"), xytext=(0, 2 + 9 * (k % 2)),
                         textcoords="offset points", fontsize=7, color="red", va="bottom",
                         annotation_clip=False)
@@ -207,7 +209,7 @@ def write_pngs(pd: dict[str, Any], out_dir: Path, stem: str) -> list[Path]:
         left = np.zeros(n_r)
         for name_, col in zip(names, colors, strict=True):
             vals = np.array(pd["bars"][name_], dtype=float)
-            axb.barh(range(n_r), vals, left=left, color=col, label=name_, height=0.8)
+            axb.barh(range(n_r), vals, left=left, color=col, label=plot(name_), height=0.8)
             left += vals
         axb.tick_params(labelleft=False)
         axb.set_xlabel("median ms per step")
@@ -220,7 +222,7 @@ def write_pngs(pd: dict[str, Any], out_dir: Path, stem: str) -> list[Path]:
          "slow windows", "heatmap_step")
     if pd["phase"] != "step":
         heat(pd["phase_ms"], pd["scale"]["phase_ms"],
-             f"{pd['phase']} own time per rank and step (ms); red boxes: slow windows",
+             f"{plot(pd['phase'])} own time per rank and step (ms); red boxes: slow windows",
              "heatmap_phase")
 
     fig, ax = plt.subplots(figsize=(9, 3.5))
@@ -228,7 +230,7 @@ def write_pngs(pd: dict[str, Any], out_dir: Path, stem: str) -> list[Path]:
     bottom = np.zeros(n_r)
     for name_, col in zip(names, colors, strict=True):
         vals = np.array(pd["bars"][name_], dtype=float)
-        ax.bar(x, vals, bottom=bottom, label=name_, color=col)
+        ax.bar(x, vals, bottom=bottom, label=plot(name_), color=col)
         bottom += vals
     ax.set_xticks(x, [f"{r}*" if r in culprits else str(r) for r in ranks] if n_r <= 32 else [""] * n_r)
     ax.set_xlabel("rank (* culprit)")
@@ -249,7 +251,7 @@ def write_pngs(pd: dict[str, Any], out_dir: Path, stem: str) -> list[Path]:
     for w in pd["windows"]:
         ax.axvspan(w["start_step"], w["end_step"] + 1, color="red", alpha=0.15)
         ax.text(w["start_step"], top * 0.97, f"rank {', '.join(str(r) for r in w['ranks'][:4])}: "
-                f"{w['phase']}", fontsize=8, color="darkred", va="top")
+                f"{plot(w['phase'])}", fontsize=8, color="darkred", va="top")
     if pd["warmup_steps"]:
         ax.axvspan(pd["steps"][0], pd["steps"][min(pd["warmup_steps"], len(pd["steps"]) - 1)],
                    color="grey", alpha=0.15, label="warm-up")
