@@ -49,12 +49,12 @@ def test_flops_past_2_pow_64_keep_every_record(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("bad", [2**70, 2**53 + 1, -1])
-def test_step_counts_out_of_range_are_value_errors_and_recording_goes_on(tmp_path: Path, bad: int) -> None:
+def test_step_counts_out_of_range_warn_and_recording_goes_on(tmp_path: Path, bad: int) -> None:
     tr = stepscope.init(str(tmp_path / "run"), auto=False, flush_every_n_steps=1)
     _steps(tr, 5, tokens=1024)
-    with pytest.raises(ValueError, match="tokens"):
-        tr.step(tokens=bad)
-    _steps(tr, 15, tokens=1024)
+    with pytest.warns(StepscopeWarning, match="tokens"):
+        _steps(tr, 1, tokens=bad)  # never an exception: a bad count must not stop training
+    _steps(tr, 14, tokens=1024)
     stepscope.finish()
     assert len(read_run(tmp_path / "run")) == 20
 

@@ -76,7 +76,7 @@ def _run(out: Path, steps: int = 40, **kw: Any) -> Tracer:
     cfg = Config(out_dir=str(out), auto=False, flush_every_n_steps=5, heartbeat_s=0,
                  run_id="run" + "\u202e\udcff", **kw)
     tr = Tracer(cfg, rank=RankInfo(0, 0, 1, HOST + "\udcff"))
-    for i in range(steps):
+    for _ in range(steps):
         with tr.step(tokens=8), tr.phase(PHASE), tr.phase(SURROGATE):
             tr.count("tok\udcffens", 1)
             torch.ones(4).sum()

@@ -165,7 +165,8 @@ def step(index: int | None = None, *, tokens: int | None = None, samples: int | 
     """Context manager around one training step of the default tracer.
 
     ``tokens``/``samples``: the step's batch size in tokens / samples (ints >= 0), for the
-    per-step throughput (``ValueError`` otherwise).
+    per-step throughput. A bad count never raises: past 2^53 it is recorded as a float, anything
+    else is not counted; either is warned about once.
     """
     return _current_tracer().step(index, tokens=tokens, samples=samples)
 

@@ -83,7 +83,7 @@ class Session(Recorder):
         self._raised: tuple[BaseException, list[str]] | None = None
         # Throughput, FLOPs, memory, device health. Built once the clock knows its
         # device (init() often runs before set_device): see _start.
-        self._step_counts: tuple[int | None, int | None] | None = None
+        self._step_counts: tuple[int | float | None, int | float | None] | None = None
         #: What ``with tracer.step() as s`` binds (the tracer sets its context manager).
         self._step_cm: Any = None
         self._resources: ResourceMonitor | None = None

@@ -11,7 +11,8 @@ second thread while one is open, is not timed and warns once: the job is never i
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import numbers
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from stepscope import devices
@@ -21,7 +22,7 @@ from stepscope.config import Config
 from stepscope.dist import RankInfo, agree_at_init, rank_info
 from stepscope.errors import InstrumentationError
 from stepscope.instrument import unwrap
-from stepscope.instrument.resources import check_count, check_counts, warn_outside_step
+from stepscope.instrument.resources import check_count, check_counts, shown_value, warn_outside_step
 from stepscope.phase import PhaseContext, check_phase_name
 from stepscope.session import FINISH_TIMEOUT_S, RECENT_RECORDS, Session
 from stepscope.sinks import Sink
@@ -105,13 +106,15 @@ class Tracer(Session):
         """Context manager around one optimizer step; ``index`` overrides the step counter.
 
         ``tokens``/``samples`` (non-negative ints) give the step's throughput numbers.
+        A bad count or index never raises: it is warned about once and not used.
         """
-        # Validated at the call (ValueError), applied when the step opens.
-        self._step_counts = None if tokens is None and samples is None else check_counts(tokens, samples)
+        # Checked at the call, applied when the step opens.
+        self._step_counts = (None if tokens is None and samples is None
+                             else check_counts(tokens, samples, self.warn))
         if index is not None:
-            if isinstance(index, bool) or not isinstance(index, int) or index < 0:
-                raise ValueError(f"step index must be a non-negative int; got {index!r}")
-            if not self._in_step:
+            if type(index) is not int or not 0 <= index <= MAX_STEP_INDEX:
+                index = _step_index(index, self.warn)
+            if index is not None and not self._in_step:
                 self._index = index
         return self._step_cm
 
@@ -139,13 +142,15 @@ class Tracer(Session):
         if not isinstance(name, str) or not name:
             raise ValueError(f"counter name must be a non-empty string; got {name!r}")
         name = escape.name(name)
-        check_count(name, n)
+        value = check_count(name, n, self.warn)
+        if value is None:
+            return
         if not self._in_step:
             warn_outside_step(name)
             return
         cur = self._cur
         if cur is not None:
-            cur.counters[name] = cur.counters.get(name, 0) + n
+            cur.counters[name] = cur.counters.get(name, 0) + value
 
     def wrap_loader(self, loader: Iterable[Any]) -> Any:
         """Time the wait for each next batch as ``dataloader``."""
@@ -188,6 +193,20 @@ class Tracer(Session):
         self.settle()
 
         return local_summary(self)
+
+
+#: Largest step index taken from ``step(index)`` (exact as a float in every JSON reader).
+MAX_STEP_INDEX = 1 << 53
+
+
+def _step_index(index: Any, warn_once: Callable[[str, str], None]) -> int | None:
+    """``step(index)`` as an int (numpy ints too), or ``None`` (warned once: the step counter
+    goes on): a bad index must never stop the training job."""
+    if isinstance(index, numbers.Integral) and not isinstance(index, bool) and 0 <= int(index) <= MAX_STEP_INDEX:
+        return int(index)
+    warn_once(f"step index must be an int in 0..2^53; got {shown_value(index)} "
+              f"({type(index).__name__}); the step counter is used instead", "step-index")
+    return None
 
 
 def _check_targets(model: Any, optimizer: Any) -> None:

@@ -41,6 +41,7 @@ Fields never measured are absent, never 0.
 from __future__ import annotations
 
 import contextlib
+import numbers
 import os
 import threading
 import time
@@ -69,6 +70,8 @@ COUNT_NAMES = ("tokens", "samples")
 
 #: Largest count per step accepted (2^53: exact as a float in every JSON reader).
 MAX_COUNT = 1 << 53
+#: Counts from here on have no float (past ~1.8e308): dropped.
+MAX_FLOAT_COUNT = 1 << 1024
 #: Largest ``flops_per_step`` accepted (a 405B model at 16M tokens is 4e19).
 MAX_FLOPS_PER_STEP = 1e30
 
@@ -78,20 +81,46 @@ def _flop_count(flops: float) -> int | float:
     return int(flops) if flops < 2**63 else float(flops)
 
 
-def check_count(name: str, value: Any) -> int:
-    """``value`` as an int in ``0..2^53``, else ``ValueError`` naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_COUNT:
-        raise ValueError(f"{name} must be an int in 0..2^53 per step; got {str(value)[:40]}")
-    return value
+def shown_value(value: Any) -> str:
+    """A bad argument in a warning: short, and never an error itself (``str(10**5000)`` is)."""
+    if isinstance(value, int):
+        return f"{value}" if abs(value) < 10**40 else f"an int of {value.bit_length()} bits"
+    try:
+        return repr(value)[:40]
+    except Exception:  # protect the job: a value whose repr fails is named by its type
+        return f"a {type(value).__name__}"
 
 
-def check_counts(tokens: Any, samples: Any) -> tuple[int | None, int | None] | None:
-    """Validate ``step(tokens=, samples=)``; ``None`` when neither was given."""
+def check_count(name: str, value: Any, warn_once: Callable[[str, str], None]) -> int | float | None:
+    """``value`` as the count to record, or ``None`` to record none; never raises.
+
+    An int in ``0..2^53`` (numpy ints too) is kept; a larger one is kept as a float (no JSON
+    reader holds more exactly), warned once. Anything else (negative, a bool, a float, NaN, not
+    a number) is dropped, warned once: a bad count must never stop the training job.
+    """
+    if type(value) is int and 0 <= value <= MAX_COUNT:  # the usual case
+        return value
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        count = int(value)
+        if 0 <= count <= MAX_COUNT:
+            return count
+        if MAX_COUNT < count < MAX_FLOAT_COUNT:
+            warn_once(f"{name}={shown_value(count)} is past 2^53 per step; recorded as a float "
+                      f"(rounded to 53 bits)", f"count-float:{name}")
+            return float(count)
+    warn_once(f"{name} must be an int in 0..2^53 per step; got {shown_value(value)} "
+              f"({type(value).__name__}); not counted", f"count-bad:{name}")
+    return None
+
+
+def check_counts(tokens: Any, samples: Any, warn_once: Callable[[str, str], None]
+                 ) -> tuple[int | float | None, int | float | None] | None:
+    """``step(tokens=, samples=)`` as counts (:func:`check_count`); ``None`` when neither was given."""
     if tokens is None and samples is None:
         return None
     return (
-        None if tokens is None else check_count("tokens", tokens),
-        None if samples is None else check_count("samples", samples),
+        None if tokens is None else check_count("tokens", tokens, warn_once),
+        None if samples is None else check_count("samples", samples, warn_once),
     )
 
 
