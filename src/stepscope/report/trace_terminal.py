@@ -49,14 +49,27 @@ def render_trace_terminal(doc: dict[str, Any], console: Any = None) -> None:
                                 width, optional=("category", "count"), plain_rows=krows))
     cross = doc.get("cross_rank")
     if cross and cross.get("collectives_matched"):
-        con.print(f"collectives matched across ranks: {cross['collectives_matched']}, "
-                  f"last to arrive: rank {esc(cross['last_arriving_rank'])}, waits (µs): "
-                  f"{esc(cross['collective_wait_us'])}")
+        _render_cross_rank(con, cross, width)
     con.print("[bold]Diagnosis[/bold]")
     for d in doc["diagnosis"]:
         con.print(f" • {esc(one_line(d['message']))}")
     for w in list(doc["warnings"]) + [w for r in doc["ranks"] for w in r["warnings"]]:
         con.print(f"[yellow]warning:[/yellow] {esc(one_line(w))}")
+
+
+def _render_cross_rank(con: Any, cross: dict[str, Any], width: int) -> None:
+    """Collectives across ranks: one row per rank, its wait and how often it arrived last."""
+    waits, last = cross["collective_wait_us"], cross.get("last_arrivals") or {}
+    steps = {str(r["rank"]): r.get("mean_step_us") for r in cross.get("per_rank") or []}
+    cells = [[str(k), f"{float(w) / 1e3:,.2f}", str(last.get(k, 0)),
+              "–" if steps.get(k) is None else f"{float(steps[k]) / 1e3:,.2f}"]
+             for k, w in sorted(waits.items(), key=lambda kv: int(kv[0]))]
+    cols = [(c, "right") for c in ("rank", "collective wait ms", "arrived last", "mean step ms")]
+    last_rank = cross.get("last_arriving_rank")
+    title = (f"{cross['collectives_matched']} collectives matched across ranks"
+             + ("" if last_rank is None else f" · last to arrive: rank {last_rank}"))
+    con.print(fit_table(esc(title), cols, [[esc(c) for c in row] for row in cells], width,
+                        optional=("mean step ms",), plain_rows=cells))
 
 
 def _render_cpu_rank(con: Any, r: dict[str, Any], width: int) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 
 from stepscope.analysis import kernels as K
 from stepscope.analysis.trace.breakdown import Breakdown, CpuStep, RankResult, analyse_parsed
+from stepscope.analysis.trace.captures import find_traces
 from stepscope.analysis.trace.collectives import cross_rank
 from stepscope.analysis.trace.diagnose import diagnose
 from stepscope.analysis.trace.events import CpuOps, DeviceEvent, ParsedTrace, parse_trace
@@ -41,6 +42,7 @@ __all__ = [
     "analyse_parsed",
     "cross_rank",
     "diagnose",
+    "find_traces",
     "intersect",
     "iter_breakdowns",
     "merge",
@@ -69,17 +71,9 @@ class TraceReport:
 
 
 def trace_files(path: str | os.PathLike[str]) -> list[Path]:
-    """The trace files at `path`: the file itself, or the *.json / *.json.gz in a directory."""
-    p = Path(path)
-    if p.is_file():
-        return [p]
-    if p.is_dir():
-        files = sorted(f for f in p.iterdir() if f.is_file()
-                       and (f.name.endswith(".json") or f.name.endswith(".json.gz")))
-        if files:
-            return files
-        raise AnalysisError(f"no .json or .json.gz trace files in directory {p}")
-    raise AnalysisError(f"no such trace file or directory: {p}")
+    """The trace files at `path`: the file itself, the *.json / *.json.gz in a directory, or
+    those of the newest capture folder below it (see :func:`find_traces`)."""
+    return find_traces(path)[0]
 
 
 def _analyse_file(path: str, max_bytes: int = MAX_INFLATED_BYTES) -> RankResult:
@@ -104,7 +98,7 @@ def analyse(path: str | os.PathLike[str], workers: int | None = None,
     """
     if max_bytes <= 0:
         raise AnalysisError(f"max_bytes must be positive, got {max_bytes}")
-    files = trace_files(path)
+    files, notes = find_traces(path)
     if len(files) > 1 and (workers is None or workers > 1):
         # Imported here: it costs ~30 ms of CPU, a third of a 54 MB trace's own start-up,
         # and one file never needs it.
@@ -115,7 +109,7 @@ def analyse(path: str | os.PathLike[str], workers: int | None = None,
             results = list(pool.map(_analyse_file, [str(f) for f in files], [max_bytes] * len(files)))
     else:
         results = [_analyse_file(str(f), max_bytes) for f in files]
-    warnings: list[str] = []
+    warnings: list[str] = list(notes)
     ranks_seen: Counter[int] = Counter(r.rank for r in results)
     for rank, n in ranks_seen.items():
         if n > 1:

@@ -249,7 +249,12 @@ def _codes(values: list[Any]) -> tuple[list[Any], np.ndarray]:
 
 
 _DATALOADER_RE = re.compile(r"DataLoader|_DataLoaderIter|dataloader", re.IGNORECASE)
-_COLL_PREFIXES = ("gloo:", "nccl:", "c10d::", "mpi:")
+# One collective shows as the front-end call (``c10d::allreduce_``, on the calling thread) and
+# as the backend's work (``gloo:all_reduce``, on its own thread): each is counted once, from
+# the backend's ops where the trace has them (they span the transfer and the wait), else from
+# the front-end's.
+_BACKEND_COLL_PREFIXES = ("gloo:", "nccl:", "mpi:")
+_FRONTEND_COLL_PREFIX = "c10d::"
 
 
 def _cpu_result(pt: ParsedTrace, platform: str, warnings: list[str], top: int) -> RankResult:
@@ -276,6 +281,8 @@ def _cpu_result(pt: ParsedTrace, platform: str, warnings: list[str], top: int) -
             child[p] += min(ops.end[i], ops.end[p]) - s
         stack.append(i)
     agg: dict[int, list[int]] = {}
+    backend = any(nm.startswith(_BACKEND_COLL_PREFIXES) for nm in ops.names)
+    coll_prefixes = _BACKEND_COLL_PREFIXES if backend else (_FRONTEND_COLL_PREFIX,)
     coll_items: list[tuple[int, int, CommKey | str]] = []
     data_iv: list[Interval] = []
     coll_iv: list[Interval] = []
@@ -286,7 +293,7 @@ def _cpu_result(pt: ParsedTrace, platform: str, warnings: list[str], top: int) -
         a[1] += e - s
         a[2] += max(0, e - s - child[i])
         nm = ops.names[n]
-        if nm.startswith(_COLL_PREFIXES):
+        if nm.startswith(coll_prefixes):
             coll_iv.append((s, e))
             if not pt.comm_ops:
                 coll_items.append((s, e, nm))

@@ -62,10 +62,12 @@ def diagnose(results: list[RankResult], cross: dict[str, Any] | None) -> list[di
                         f"{tag}: the GPU is idle {idle:.0f}% of step time ({host:.0f}% host wait); "
                         f"{where}."})
     if cross and cross.get("last_arriving_rank") is not None and cross.get("collectives_matched"):
-        waits = cross["collective_wait_us"]
+        waits = ", ".join(f"rank {k} {float(w) / 1e3:,.1f} ms"
+                          for k, w in sorted(cross["collective_wait_us"].items(),
+                                             key=lambda kv: int(kv[0])))
         out.append({"rank": str(cross["last_arriving_rank"]), "kind": "straggler", "message":
                     f"rank {cross['last_arriving_rank']} arrives last at most collectives; the "
-                    f"others wait for it (waits µs: {waits})."})
+                    f"others wait for it (collective wait: {waits})."})
     if not out and any(_windows(r) for r in results):
         out.append({"rank": "", "kind": "compute_bound", "message":
                     "No dominant stall: the GPU is mostly busy with compute. Speed-ups now come "
