@@ -202,7 +202,8 @@ MAX_STEP_INDEX = 1 << 53
 def _step_index(index: Any, warn_once: Callable[[str, str], None]) -> int | None:
     """``step(index)`` as an int (numpy ints too), or ``None`` (warned once: the step counter
     goes on): a bad index must never stop the training job."""
-    if isinstance(index, numbers.Integral) and not isinstance(index, bool) and 0 <= int(index) <= MAX_STEP_INDEX:
+    if (isinstance(index, numbers.Integral) and not isinstance(index, bool)
+            and 0 <= int(index) <= MAX_STEP_INDEX):
         return int(index)
     warn_once(f"step index must be an int in 0..2^53; got {shown_value(index)} "
               f"({type(index).__name__}); the step counter is used instead", "step-index")
