@@ -6,7 +6,6 @@ same rank files, with one note saying the store was rebuilt.
 
 from __future__ import annotations
 
-import io
 import json
 import shutil
 from pathlib import Path
@@ -16,25 +15,9 @@ import pytest
 from tests.synth_runs import Slow, SynthRun, make_records, write_run
 
 from stepscope.analysis import store as st
-from stepscope.analysis.load import load_run
-from stepscope.common.escape import write_json
+from test_store import _doc  # the analysed document as JSON, read with the same options
 
 _REBUILT = "dropped and rebuilt from the rank files"
-
-
-def _doc(run: Path, **kw: Any) -> dict[str, Any]:
-    from stepscope.analysis.run import _analyze
-
-    data = load_run(run, **kw)
-    try:
-        d = _analyze(data)
-    finally:
-        data.close()
-    d["run"].pop("dir", None)
-    buf = io.StringIO()
-    write_json(d, buf)
-    out: dict[str, Any] = json.loads(buf.getvalue())
-    return out
 
 
 def _without_store_notes(d: dict[str, Any]) -> dict[str, Any]:
