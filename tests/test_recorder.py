@@ -608,7 +608,9 @@ def _closure(root: str) -> dict[str, str]:
 #: The one allowed edge: the opt-in live line (rank 0, ``log_every_n_steps``) renders with rich,
 #: imported when the live view starts, never by ``import stepscope``. Robust statistics, the wait
 #: rule and the escapers live in ``stepscope.common``, used by both sides.
-KNOWN = {("rich", "stepscope.live")}
+#: The rich markup escaper sits beside the other escapers in ``stepscope.common.escape`` and
+#: imports rich only when called (by the live line or a report), never on ``import stepscope``.
+KNOWN = {("rich", "stepscope.live"), ("rich", "stepscope.common.escape")}
 
 
 def test_the_recording_side_never_imports_analysis_or_report():

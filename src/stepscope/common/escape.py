@@ -73,7 +73,7 @@ def term(value: Any) -> str:
 def rich(value: Any) -> str:
     """Data for a rich markup string: inert for the terminal (:func:`term`), and ``[`` cannot
     open a tag (``[bold]``, ``[/]`` and ``[link=...]`` print as text)."""
-    from rich.markup import escape
+    from rich.markup import escape  # lazy: keeps rich out of ``import stepscope``
 
     return escape(term(value))
 
