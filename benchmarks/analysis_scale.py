@@ -444,7 +444,7 @@ def main() -> int:
     p.add_argument("--memory-limit", default="1GB")
     p.add_argument("--dir", default=None, help="where to generate (default: a temp dir)")
     p.add_argument("--no-store", action="store_true",
-                   help="analyse the JSONL directly (the path before the Parquet store)")
+                   help="analyze the JSONL directly (the path before the Parquet store)")
     p.add_argument("--profile", action="store_true",
                    help="print per-query timings (slowest first) and the compaction time; "
                         "with --reread, per-stage wall, CPU and RSS")

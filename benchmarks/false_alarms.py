@@ -1,7 +1,7 @@
 """False-alarm rate: clean real gloo runs, counting runs whose report has a WARNING or CRITICAL.
 
     PYTHONPATH=src:tests python benchmarks/false_alarms.py --path ddp --ranks 4 --runs 10 --hog 1
-    PYTHONPATH=src python benchmarks/false_alarms.py --reanalyze runs/false-alarms/ddp-4   # re-analyse
+    PYTHONPATH=src python benchmarks/false_alarms.py --reanalyze runs/false-alarms/ddp-4   # re-analyze
 
 Fresh runs are recorded by default (``--hog N`` keeps N busy-looping processes running on the
 machine while they record, and ends them afterwards); each run is kept under ``--out`` so a
@@ -66,7 +66,7 @@ def main() -> None:
     ap.add_argument("--hog", type=int, default=0,
                     help="busy-looping processes to run alongside the fresh runs (default 0)")
     ap.add_argument("--out", default=None, help="where runs are kept (default: runs/false-alarms/PATH-RANKS)")
-    ap.add_argument("--reanalyze", default=None, help="only analyse the runs under this directory")
+    ap.add_argument("--reanalyze", default=None, help="only analyze the runs under this directory")
     args = ap.parse_args()
     if args.runs < 1 or args.ranks < 1 or args.hog < 0:
         raise ValueError(f"--runs and --ranks must be >= 1 and --hog >= 0; got {args.runs}, "

@@ -104,8 +104,8 @@ from typing import Any
 
 import torch
 
-from stepscope.clock import CpuClock
-from stepscope.config import Config
+from stepscope.recording.clock import CpuClock
+from stepscope.recording.config import Config
 from stepscope.tracer import Tracer
 
 #: ``--hidden``: 0 = the tiny model (``Linear(8, 8)``, batch 2); N = a three-layer MLP of width
@@ -303,7 +303,7 @@ class _MinimalTracer:
 
 
 def cold_mode(steps: int, blocks: int) -> dict[str, Any]:
-    from stepscope.sinks import MemorySink
+    from stepscope.recording.sinks import MemorySink
 
     model, opt, x = _job()
     for _ in range(30):
@@ -387,7 +387,7 @@ def cold_mode(steps: int, blocks: int) -> dict[str, Any]:
 
 
 def sampling_mode(steps: int, blocks: int) -> dict[str, Any]:
-    from stepscope.sinks import MemorySink
+    from stepscope.recording.sinks import MemorySink
 
     never = 1 << 40  # every_n_steps of a run whose steps (after the first) are never sampled
     kinds: dict[str, tuple[int, frozenset[str] | None]] = {
@@ -418,7 +418,7 @@ def sampling_mode(steps: int, blocks: int) -> dict[str, Any]:
 def calls_mode() -> dict[str, int]:
     import sys
 
-    from stepscope.sinks import MemorySink
+    from stepscope.recording.sinks import MemorySink
 
     model, opt, x = _job()
     for _ in range(3):
@@ -449,7 +449,7 @@ def calls_mode() -> dict[str, int]:
 
 
 def alternate_mode(pairs: int) -> dict[str, Any]:
-    from stepscope.sinks import MemorySink
+    from stepscope.recording.sinks import MemorySink
 
     model, opt, x = _job()
     for _ in range(20):
@@ -500,7 +500,7 @@ def wakes_mode(steps: int, blocks: int) -> dict[str, Any]:
     model, opt, x = _job()
     for _ in range(200):
         _step(model, opt, x)
-    from stepscope import outbox
+    from stepscope.recording import outbox
 
     default_every_s = outbox.HANDOVER_EVERY_S
     # "1", "10", "100": a hand-over every N steps, not rate-limited by time (what a wake costs);
@@ -607,8 +607,8 @@ def build_mode(chunks: int = 8, size: int = 500) -> dict[str, float]:
     """Writer-thread µs per record: ``Resolver.build`` and orjson encoding (min over chunks)."""
     import gc
 
-    from stepscope import sinks
-    from stepscope.sinks import encode_record
+    from stepscope.recording import sinks
+    from stepscope.recording.sinks import encode_record
 
     model, opt, x = _job()
     sinks.IDLE_TICK_S = None  # type: ignore[assignment]  # the writer must not take these steps itself
@@ -853,7 +853,7 @@ def callsite_mode(steps: int, blocks: int) -> dict[str, Any]:
 
 
 def parts_mode(steps: int, blocks: int) -> dict[str, Any]:
-    from stepscope.instrument import gate
+    from stepscope.recording import gate
 
     with tempfile.TemporaryDirectory() as out:
         cfg = Config(out_dir=out, heartbeat_s=0.0, max_pending_steps=1 << 20, every_n_steps=EVERY_N_STEPS)

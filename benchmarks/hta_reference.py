@@ -82,7 +82,7 @@ def main() -> int:
         for include_last in (False, True):
             try:
                 got = _measure(d, include_last)
-            except Exception as e:  # a trace HTA itself cannot analyse is recorded, not fatal
+            except Exception as e:  # a trace HTA itself cannot analyze is recorded, not fatal
                 got = [{"trace": d.name, "include_last_profiler_step": include_last,
                         "error": f"{type(e).__name__}: {e}"[:300]}]
             for row in got:

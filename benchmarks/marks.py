@@ -89,7 +89,7 @@ def main() -> None:
 
     import cudasim
     import stepscope
-    from stepscope.clock import CudaClock
+    from stepscope.recording.clock import CudaClock
 
     with cudasim.CudaSim() as sim, tempfile.TemporaryDirectory() as out:
         diffs, marks_per_step = [], []

@@ -46,8 +46,8 @@ from typing import Any
 
 import torch
 
-from stepscope.clock import CpuClock
-from stepscope.config import Config
+from stepscope.recording.clock import CpuClock
+from stepscope.recording.config import Config
 from stepscope.tracer import Tracer
 
 
@@ -114,7 +114,7 @@ def instrumented_cpu(
 
 def primitive_costs(n: int = 20000) -> dict[str, float]:
     """µs per call of the tracer's hot-path primitives, CPU clock, memory-free sink."""
-    from stepscope.sinks import MemorySink
+    from stepscope.recording.sinks import MemorySink
 
     tracer = Tracer(Config(out_dir="unused", flush_every_n_steps=100), clock=CpuClock(), sink=MemorySink())
     with tracer.step():
@@ -148,7 +148,7 @@ def per_instrument(reps: int = 7, steps: int = 1500) -> dict[str, float]:
 
 def per_instrument_rep(steps: int) -> Any:
     """A function running one repetition: µs per step, bare and with each variant."""
-    from stepscope.sinks import MemorySink
+    from stepscope.recording.sinks import MemorySink
 
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 8)
@@ -332,7 +332,7 @@ def _coll_host_costs(blocks: int, n: int) -> dict[str, float]:
     """Timed minus untimed µs per call: medians over interleaved blocks of ``n`` calls."""
     import torch.distributed as dist
 
-    from stepscope.sinks import MemorySink
+    from stepscope.recording.sinks import MemorySink
 
     tracer = Tracer(Config(out_dir="unused", auto=False, flush_every_n_steps=1000), clock=CpuClock(),
                     sink=MemorySink())
@@ -379,7 +379,7 @@ def _coll_steps(kind: str, hidden: int, batch: int, steps: int, reps: int, out: 
     x = torch.randn(batch, hidden)
 
     def run(collectives: bool) -> tuple[float, float, int]:
-        from stepscope.sinks import MemorySink
+        from stepscope.recording.sinks import MemorySink
 
         tracer = Tracer(Config(out_dir=out, collectives=collectives, flush_every_n_steps=1000),
                         model=model, optimizer=opt, clock=CpuClock(), sink=MemorySink())
@@ -480,8 +480,8 @@ def resource_costs(n: int = 20000, reps: int = 11) -> dict[str, float]:
     memory: the monitor's step-start reset + step-end read with a fake allocator (CPU), and
     with the real one when CUDA is available.
     """
-    from stepscope.instrument.resources import ResourceMonitor, TorchCudaMemory
-    from stepscope.sinks import MemorySink
+    from stepscope.instrument.resource_sampler import ResourceMonitor, TorchCudaMemory
+    from stepscope.recording.sinks import MemorySink
 
     def per_step(fn: object) -> float:
         best = float("inf")

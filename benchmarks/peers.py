@@ -242,9 +242,9 @@ def _blocks(kinds: dict[str, Callable[[], tuple[Callable[[], None], Callable[[],
 
 def run_config(hidden: int, steps: int, rounds: int, out: Path, rank: int, world: int,
                traceml: TraceML | None) -> dict[str, Any]:
-    from stepscope.clock import CpuClock
-    from stepscope.config import Config
-    from stepscope.dist import RankInfo
+    from stepscope.recording.clock import CpuClock
+    from stepscope.recording.config import Config
+    from stepscope.recording.dist import RankInfo
     from stepscope.tracer import Tracer
 
     out.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,7 @@
 
 Auto-profiling starts the profiler mid-run on the rank that triggered; the first start in a
 process is the expensive one (Kineto initialisation; CUPTI loading on a GPU), which is why
-``stepscope.autoprofile.warm_profiler`` pays it at ``init()``. Run in a fresh process::
+``stepscope.listeners.autoprofile.warm_profiler`` pays it at ``init()``. Run in a fresh process::
 
     python benchmarks/profiler_start.py --sessions 3
 """

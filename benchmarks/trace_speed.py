@@ -41,9 +41,9 @@ def cpu():
     ru = resource.getrusage(resource.RUSAGE_SELF)
     return ru.ru_utime + ru.ru_stime
 t = time.perf_counter()
-from stepscope.analysis.trace import analyse
+from stepscope.analysis.trace import analyze_trace
 c_import = cpu()
-r = analyse(sys.argv[1], workers=1).ranks[0]
+r = analyze_trace(sys.argv[1], workers=1).ranks[0]
 wall = time.perf_counter() - t
 ru = resource.getrusage(resource.RUSAGE_SELF)
 print(json.dumps({"wall_s": wall, "cpu_s": cpu(), "import_cpu_s": c_import,
@@ -180,7 +180,7 @@ def main() -> int:
                     "(benchmarks/results)")
     ap.add_argument("--trace", help="use this trace file instead of building one")
     ap.add_argument("--gzip", choices=("no", "yes", "both"), default="no",
-                    help="analyse the synthetic trace gzipped (real traces ship as .json.gz), or both ways")
+                    help="analyze the synthetic trace gzipped (real traces ship as .json.gz), or both ways")
     ap.add_argument("--no-hta", action="store_true", help="time stepscope only")
     ap.add_argument("--bare", action="store_true",
                     help="also time stepscope without running the package __init__ (no torch import)")

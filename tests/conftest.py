@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from stepscope.clock import CpuClock
-from stepscope.config import Config
-from stepscope.sinks import MemorySink
+from stepscope.recording.clock import CpuClock
+from stepscope.recording.config import Config
+from stepscope.recording.sinks import MemorySink
 from stepscope.tracer import Tracer
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"

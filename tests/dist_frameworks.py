@@ -24,7 +24,7 @@ from torch import nn
 
 import stepscope
 from stepscope import demo
-from stepscope.dist import become_local_rank, spawn_local
+from stepscope.recording.dist import become_local_rank, spawn_local
 
 # ------------------------------------------------------------------ accelerate
 

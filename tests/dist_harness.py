@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import stepscope
 from stepscope import demo
-from stepscope.dist import become_local_rank, spawn_local
+from stepscope.recording.dist import become_local_rank, spawn_local
 
 
 @contextmanager

@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dist_harness import gloo_group, loader, train
 from stepscope import demo
-from stepscope.dist import spawn_local
+from stepscope.recording.dist import spawn_local
 
 HIDDEN = 1024
 BATCH = 128

@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import dist_harness
 from stepscope import demo
-from stepscope.dist import spawn_local
+from stepscope.recording.dist import spawn_local
 
 STEPS = 100
 #: name -> (slow rank, phase, ms, first step, end step) or None for a clean run.

@@ -575,7 +575,7 @@ def test_memory_creep_a_block_of_ranks_at_a_time(tmp_path: Path, monkeypatch: An
     # memory_creep reads each rank's memory series: every record as Python tuples at once was
     # the 10^8 report's peak (~0.85 GB). One rank per block must find the same leaks.
     from stepscope.analysis import blocks
-    from stepscope.analysis.resources import analyze_resources
+    from stepscope.analysis.resource_use import analyze_resources
 
     recs = make_records(SynthRun(ranks=5, steps=40, seed=5))
     for rank, rows in recs.items():
@@ -605,7 +605,7 @@ def test_resources_read_only_the_sections_present(tmp_path: Path) -> None:
     # res has twenty columns, at 10^8 samples all NULL (no throughput, memory or device
     # sections): the memory series of every rank were still read into Python, and the
     # medians taken, for nothing (~6 s on one core). Only the columns that hold a value.
-    from stepscope.analysis.resources import analyze_resources
+    from stepscope.analysis.resource_use import analyze_resources
 
     bare = write_run(tmp_path / "bare", SynthRun(ranks=3, steps=20, seed=6))
     data = analyze_run(bare, keep=True)["_data"]
@@ -959,7 +959,7 @@ def test_cin_takes_cw_rows_as_they_are_when_they_are_its_keys(tmp_path: Path,
         (run / f"rank{r}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
     real = own_mod._cw_rows_are_cin_keys
 
-    def analyse(keyed: bool) -> tuple[Any, ...]:
+    def analyze_trace(keyed: bool) -> tuple[Any, ...]:
         seen: list[bool] = []
         with monkeypatch.context() as m:
             m.setattr(own_mod, "_cw_rows_are_cin_keys",
@@ -973,8 +973,8 @@ def test_cin_takes_cw_rows_as_they_are_when_they_are_its_keys(tmp_path: Path,
             data.close()
         return seen, doc, cin, types
 
-    seen, doc, cin, types = analyse(True)
-    seen_g, doc_g, cin_g, types_g = analyse(False)
+    seen, doc, cin, types = analyze_trace(True)
+    seen_g, doc_g, cin_g, types_g = analyze_trace(False)
     assert seen == [True] and seen_g == [False]
     assert len(cin) == 4 * 20 and any(row[3] > 0 for row in cin)  # waits in backward
     assert (cin, types) == (cin_g, types_g)

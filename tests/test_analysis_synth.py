@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from stepscope.analysis.run import analyze_run
-from stepscope.records import SQLITE_COLUMNS, SQLITE_TABLE, record_to_row
+from stepscope.recording.schema import SQLITE_COLUMNS, SQLITE_TABLE, record_to_row
 from synth_runs import Slow, SynthRun, make_records, write_run
 
 PHASES = ("dataloader", "h2d", "forward", "backward", "optimizer")

@@ -9,14 +9,14 @@ import time
 import pytest
 import torch
 
-from stepscope.autoprofile import (
+from stepscope.common.errors import ConfigError
+from stepscope.listeners.autoprofile import (
     TRIGGERS_FILE,
     AutoProfileConfig,
     SlowStepDetector,
     resolve_auto_profile,
 )
-from stepscope.dist import become_local_rank, spawn_local
-from stepscope.errors import ConfigError
+from stepscope.recording.dist import become_local_rank, spawn_local
 
 
 def _feed(det: SlowStepDetector, values) -> list[int]:
@@ -203,7 +203,7 @@ def _stress_worker(rank: int, world: int, port: int, out: str, steps: int) -> No
     import torch.distributed as dist
 
     import stepscope
-    from stepscope.profiler import Profiler
+    from stepscope.listeners.profiler import Profiler
 
     faulthandler.enable()  # a crash prints every thread's Python stack to stderr
     become_local_rank(rank, world, port)

@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from stepscope.autoprofile import TRIGGERS_FILE, AutoProfileConfig
-from stepscope.dist import free_port, run_then_exit
+from stepscope.listeners.autoprofile import TRIGGERS_FILE, AutoProfileConfig
+from stepscope.recording.dist import free_port, run_then_exit
 
 
 def _worker(rank: int, port: int, out: str) -> None:

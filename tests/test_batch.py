@@ -1,4 +1,4 @@
-"""Tests for stepscope.batch: structure-preserving maps over nested batches."""
+"""Tests for stepscope.instrument.batch: structure-preserving maps over nested batches."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from stepscope.batch import iter_tensors, map_tensors
+from stepscope.instrument.batch import iter_tensors, map_tensors
 
 Pair = namedtuple("Pair", ["image", "label"])
 

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from stepscope.clock import CpuClock, CudaClock
+from stepscope.recording.clock import CpuClock, CudaClock
 
 
 class FakeGpu:
@@ -108,7 +108,7 @@ def test_stuck_event_never_stalls_and_drops_are_counted(mem_tracer, no_sync):
             gpu.work(1.0)
     assert len(tr.resolver.pending) == 8, "the pending queue is bounded"
     assert tr.resolver.dropped["pending_overflow"] == 12
-    import stepscope.session as tmod
+    import stepscope.recording.session as tmod
 
     old = tmod.FINISH_TIMEOUT_S
     tmod.FINISH_TIMEOUT_S = 0.05

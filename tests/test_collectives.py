@@ -15,11 +15,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from stepscope.clock import CudaClock
-from stepscope.dist import free_port, run_then_exit
-from stepscope.errors import StepscopeWarning
-from stepscope.instrument import collectives
-from stepscope.records import read_run
+from stepscope.common.errors import StepscopeWarning
+from stepscope.instrument import collective_timing as collectives
+from stepscope.recording.clock import CudaClock
+from stepscope.recording.dist import free_port, run_then_exit
+from stepscope.recording.schema import read_run
 
 C10D = dist.distributed_c10d
 
@@ -510,8 +510,8 @@ def test_fsdp2_all_gathers_in_forward_and_reduce_scatters_in_backward(tmp_path: 
 
 
 def test_config_switch_and_environment_override():
-    from stepscope.config import Config, env_overrides
-    from stepscope.errors import ConfigError
+    from stepscope.common.errors import ConfigError
+    from stepscope.recording.config import Config, env_overrides
 
     assert Config().collectives is True
     assert env_overrides({"STEPSCOPE_COLLECTIVES": "0"}) == {"collectives": False}

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from stepscope.analysis.compare import bootstrap_change, compare_runs, parse_steps
+from stepscope.analysis.comparison import bootstrap_change, compare_runs, parse_steps
 from stepscope.cli import main
 from stepscope.demo import SlowSpec, launch
 
@@ -94,7 +94,7 @@ def test_faster_run_verdict_names_the_phase_and_change_is_on_medians(tmp_path):
 
 
 def test_verdict_names_collective_waits_that_moved_instead_of_calling_them_noise():
-    from stepscope.analysis.compare import verdict
+    from stepscope.analysis.comparison import verdict
 
     def ph(name: str, a: float, b: float, sig: bool) -> dict[str, Any]:
         return {"name": name, "a_ms": a, "b_ms": b, "significant": sig}

@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 
 import stepscope
-from stepscope.config import Config, env_overrides
-from stepscope.errors import ConfigError
+from stepscope.common.errors import ConfigError
+from stepscope.recording.config import Config, env_overrides
 
 
 @pytest.mark.parametrize(

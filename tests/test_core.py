@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import stepscope
-from stepscope.clock import CudaClock, GpuAnchor
 from stepscope.instrument import hooks
+from stepscope.recording.clock import CudaClock, GpuAnchor
 
 MAIN = threading.get_ident()
 

@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 import torch
 
-from stepscope import devices
-from stepscope.errors import StepscopeWarning
-from stepscope.instrument import resources
+from stepscope.common.errors import StepscopeWarning
+from stepscope.instrument import resource_sampler as resources
 from stepscope.prefetch import PrefetchLoader
+from stepscope.recording import devices
 
 
 class Runtime:

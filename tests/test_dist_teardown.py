@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch.multiprocessing as mp
 
-from stepscope.dist import free_port, run_then_exit
+from stepscope.recording.dist import free_port, run_then_exit
 
 JOB_DEADLINE_S = 120.0
 
@@ -26,7 +26,7 @@ def _ddp_then_destroy(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
     from torch import nn
 
-    import stepscope.dist as sdist
+    import stepscope.recording.dist as sdist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -71,7 +71,7 @@ def test_destroyed_groups_outlive_the_worker_frame(tmp_path: Path) -> None:
 def test_keep_groups_is_idempotent() -> None:
     import torch.distributed as dist
 
-    import stepscope.dist as sdist
+    import stepscope.recording.dist as sdist
 
     before = dist.destroy_process_group
     try:
@@ -92,7 +92,7 @@ def test_free_port_is_outside_the_ephemeral_range_and_free_for_its_span() -> Non
     client) may be given it before the listener binds it. free_port() picks below the range."""
     import socket
 
-    from stepscope import dist
+    from stepscope.recording import dist
 
     low = dist._ephemeral_low()
     for span in (1, 2, 3):
@@ -105,7 +105,7 @@ def test_free_port_is_outside_the_ephemeral_range_and_free_for_its_span() -> Non
 
 
 def test_free_port_skips_a_taken_neighbour(monkeypatch: pytest.MonkeyPatch) -> None:
-    from stepscope import dist
+    from stepscope.recording import dist
 
     taken = {20001}
     monkeypatch.setattr(dist, "_bindable", lambda port: port not in taken)
@@ -123,6 +123,6 @@ def test_free_port_skips_a_taken_neighbour(monkeypatch: pytest.MonkeyPatch) -> N
 def test_free_port_neighbours_past_the_last_port_are_not_bindable() -> None:
     """The ephemeral fallback checks the ports after the kernel's pick; one past 65535 makes
     socket.bind raise OverflowError (not OSError), which must read as "not free"."""
-    from stepscope import dist
+    from stepscope.recording import dist
 
     assert dist._bindable(65536) is False

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from stepscope.demo import SlowSpec, launch
-from stepscope.records import ReadReport, iter_jsonl, read_run
+from stepscope.recording.schema import ReadReport, iter_jsonl, read_run
 
 pytestmark = pytest.mark.slow
 

@@ -19,15 +19,15 @@ import torch
 from torch import nn
 
 import stepscope
-from stepscope.dist import free_port
-from stepscope.errors import StepscopeWarning
-from stepscope.export.metrics import (
+from stepscope.common.errors import StepscopeWarning
+from stepscope.listeners.export.metrics import (
     CATALOGUE,
     MAX_LABEL_VALUES,
     PHASE_DURATION,
     MetricsListener,
     MetricState,
 )
+from stepscope.recording.dist import free_port
 
 pytest.importorskip("opentelemetry.sdk")
 pytest.importorskip("prometheus_client")
@@ -155,7 +155,7 @@ def test_otlp_http_receiver_gets_the_records_values(tmp_path: Path, receiver: An
 def test_in_memory_reader_flops_mfu_and_memory_kinds() -> None:
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-    from stepscope.export.otel import OtelBackend
+    from stepscope.listeners.export.otel import OtelBackend
 
     state = MetricState(rank=3, run_id="r", hostname="h", world_size=4)
     listener = MetricsListener(state)
@@ -312,8 +312,8 @@ def test_prometheus_port_taken_warns_and_the_job_runs(tmp_path: Path) -> None:
 
 
 def test_config_rejects_bad_export_settings() -> None:
-    from stepscope.config import Config, env_overrides
-    from stepscope.errors import ConfigError
+    from stepscope.common.errors import ConfigError
+    from stepscope.recording.config import Config, env_overrides
 
     with pytest.raises(ConfigError, match="prometheus_port"):
         Config(prometheus_port=70000)
@@ -330,7 +330,7 @@ def test_import_stepscope_pulls_no_exporter() -> None:
     import sys
 
     code = ("import sys, stepscope; bad = [m for m in sys.modules if m.startswith(("
-            "'opentelemetry', 'prometheus_client', 'stepscope.export'))]; print(bad)")
+            "'opentelemetry', 'prometheus_client', 'stepscope.listeners.export'))]; print(bad)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert res.stdout.strip() == "[]"
 
@@ -428,7 +428,7 @@ def test_a_forked_child_exports_nothing(tmp_path: Path) -> None:
 
     from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 
-    from stepscope.export.otel import OtelBackend
+    from stepscope.listeners.export.otel import OtelBackend
 
     log = tmp_path / "exports.log"
     state = MetricState(0, "run", "host", 1)
@@ -455,7 +455,7 @@ def test_finish_does_not_wait_for_a_collector_that_already_failed(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A refused collector: the first export is still retrying (for the exporter's 10 s) when the
     job finishes. finish() neither waits for it nor tries a last export."""
-    from stepscope.export.otel import OtelBackend
+    from stepscope.listeners.export.otel import OtelBackend
 
     dead = free_port()  # nothing listens there: connections are refused
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", f"http://127.0.0.1:{dead}/v1/metrics")
@@ -498,7 +498,7 @@ def _payloads(world: int, per_node: int = 8, slow: tuple[int, ...] = ()) -> list
 
 def _own_series(world: int, rank: int) -> int:
     """Series one rank serves of its own (Prometheus), after one record."""
-    from stepscope.export.prometheus import _Collector
+    from stepscope.listeners.export.prometheus import _Collector
 
     state = MetricState(rank=rank, run_id="r", hostname="h", world_size=world)
     MetricsListener(state).on_record({
@@ -512,7 +512,7 @@ def _own_series(world: int, rank: int) -> int:
 
 
 def _publisher_series(payloads: list[dict[str, Any]], top: int | None) -> tuple[int, Any]:
-    from stepscope.export.prometheus import _Collector
+    from stepscope.listeners.export.prometheus import _Collector
 
     world = len(payloads)
     state = MetricState(rank=0, run_id="r", hostname="node00000", world_size=world, top_ranks=top)
@@ -527,7 +527,7 @@ def test_export_series_are_bounded_at_100000_ranks() -> None:
     """At the default export_top_ranks (8) the whole job serves at most: the publisher's
     aggregates (job and 8 nodes: 3 + 3P each), 8 waits, 3 findings, the run info, plus the own
     series of 8 outlying ranks; the same bound at 1,000 and 100,000 ranks."""
-    from stepscope.export.metrics import TOP_RANKS, outlying_ranks
+    from stepscope.listeners.export.metrics import TOP_RANKS, outlying_ranks
 
     P = len(_PHASES)
     own = _own_series(100_000, 5)
@@ -555,7 +555,7 @@ def test_export_series_are_bounded_at_100000_ranks() -> None:
 
 
 def test_a_rank_serves_its_own_series_only_while_it_is_outlying() -> None:
-    from stepscope.export.prometheus import _Collector
+    from stepscope.listeners.export.prometheus import _Collector
 
     world = 20
     payloads: list[dict[str, Any] | None] = list(_payloads(world, slow=(13,)))
@@ -582,7 +582,7 @@ def test_every_node_with_top_ranks_none_and_bad_values_refused() -> None:
     assert pub_all > 10 * pub_top  # 125 nodes' aggregates and 256 waits
     with pytest.raises(ValueError, match="top_ranks must be an int >= 0 or None"):
         MetricState(rank=0, run_id="r", hostname="h", world_size=1, top_ranks=-1)
-    from stepscope.config import Config, ConfigError
+    from stepscope.recording.config import Config, ConfigError
 
     with pytest.raises(ConfigError, match="export_top_ranks must be"):
         Config(export_top_ranks="8")

@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from stepscope.analysis.flight import analyze_flight
-from stepscope.analysis.status import analyze_status
-from stepscope.dist import free_port
+from stepscope.analysis.flight_records import analyze_flight
+from stepscope.analysis.hangs import analyze_status
+from stepscope.recording.dist import free_port
 
 pytest.importorskip("torch.distributed.flight_recorder")
 
@@ -125,7 +125,7 @@ def test_status_names_the_hung_rank_and_collective_from_the_dumps(tmp_path: Path
         assert any("no rank is stalled now" in n for n in calm["notes"])
 
         # The CLI, JSON and terminal.
-        from stepscope.report.status import status_command
+        from stepscope.report.status_view import status_command
 
         buf = io.StringIO()
         with redirect_stdout(buf):

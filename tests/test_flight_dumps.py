@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from stepscope.analysis.flight import analyze_flight
+from stepscope.analysis.flight_records import analyze_flight
 from stepscope.cli import main
 
 pytest.importorskip("torch.distributed.flight_recorder")

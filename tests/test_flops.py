@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 import stepscope
-from stepscope.errors import ConfigError, StepscopeWarning
-from stepscope.flops import PEAK_TFLOPS, SOURCES, FlopCount, device_key, peak_tflops
-from stepscope.instrument.resources import ResourceMonitor
+from stepscope.common.errors import ConfigError, StepscopeWarning
+from stepscope.instrument.flops import PEAK_TFLOPS, SOURCES, FlopCount, device_key, peak_tflops
+from stepscope.instrument.resource_sampler import ResourceMonitor
 
 B, D_IN, H, D_OUT = 16, 32, 64, 8
 

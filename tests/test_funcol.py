@@ -18,7 +18,7 @@ from torch.distributed import _functional_collectives as funcol
 
 import stepscope
 from stepscope.analysis.run import analyze_run
-from stepscope.instrument import collectives
+from stepscope.instrument import collective_timing as collectives
 
 
 def _colls(rec: dict[str, Any]) -> dict[tuple[Any, str], dict[str, Any]]:

@@ -17,7 +17,7 @@ from torch import nn
 
 import stepscope
 from stepscope.prefetch import PrefetchLoader
-from stepscope.records import read_run
+from stepscope.recording.schema import read_run
 
 KiB = 1 << 10
 #: 2 FLOP/ns: one forward + weight-gradient backward of Linear(1024, 1024) on 64 rows is
@@ -67,8 +67,8 @@ def test_prefetch_hides_the_copy_under_compute_in_the_readme_loop(tmp_path, cuda
 @pytest.mark.parametrize("how", ["profile_steps", "auto_profile"])
 def test_no_cuda_context_on_a_device_but_the_resolved_one(tmp_path, cuda_sim, monkeypatch,
                                                           how, set_device):
-    import stepscope.autoprofile as autoprofile
-    from stepscope.errors import StepscopeWarning
+    import stepscope.listeners.autoprofile as autoprofile
+    from stepscope.common.errors import StepscopeWarning
 
     sim = cuda_sim(devices=2)
     monkeypatch.setenv("LOCAL_RANK", "1")
@@ -164,7 +164,7 @@ def test_no_event_query_while_another_thread_captures_in_global_mode(tmp_path, c
 
 
 def test_a_mark_builds_no_stream_object_once_its_stream_is_known(cuda_sim, monkeypatch):
-    from stepscope.clock import CudaClock
+    from stepscope.recording.clock import CudaClock
 
     cuda_sim()
     built = []

@@ -8,10 +8,10 @@ import torch
 from torch import nn
 
 import stepscope
-from stepscope import devices
-from stepscope.errors import StepscopeWarning
+from stepscope.common.errors import StepscopeWarning
 from stepscope.prefetch import PrefetchLoader
-from stepscope.records import read_run
+from stepscope.recording import devices
+from stepscope.recording.schema import read_run
 
 
 @pytest.fixture(autouse=True)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 import cudasim
-from stepscope.dist import become_local_rank, spawn_local
+from stepscope.recording.dist import become_local_rank, spawn_local
 
 pytestmark = pytest.mark.slow
 

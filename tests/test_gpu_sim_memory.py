@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 import stepscope
-from stepscope.records import read_run
+from stepscope.recording.schema import read_run
 
 MiB = 1 << 20
 

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 import stepscope
-from stepscope.errors import StepscopeWarning
+from stepscope.common.errors import StepscopeWarning
 from stepscope.prefetch import PrefetchLoader
-from stepscope.records import read_run
+from stepscope.recording.schema import read_run
 
 MiB = 1 << 20
 N = 8

@@ -27,8 +27,8 @@ from torch.utils.data import DataLoader, TensorDataset
 import cudasim
 import stepscope
 from stepscope.demo import SleepInBackward
-from stepscope.dist import become_local_rank, free_port, run_then_exit, spawn_local
-from stepscope.records import read_run
+from stepscope.recording.dist import become_local_rank, free_port, run_then_exit, spawn_local
+from stepscope.recording.schema import read_run
 
 MS = 25.0  # injected slowness: far above a busy 2-core machine's jitter
 
@@ -40,7 +40,7 @@ def _rank_file(out: Path, rank: int = 0) -> Path:
 def _lines_within(path: Path, want: int) -> int:
     """Lines in ``path`` once there are ``want`` of them, or after five times the writer's
     delivery bound (``sinks.DELIVERY_BOUND_S``: the margin is for a loaded 2-core CI host)."""
-    from stepscope.sinks import DELIVERY_BOUND_S
+    from stepscope.recording.sinks import DELIVERY_BOUND_S
 
     deadline = time.monotonic() + 5 * DELIVERY_BOUND_S
     n = _lines(path)
@@ -138,7 +138,7 @@ def test_few_marks_per_step_resolve_during_the_run(cuda_sim, tmp_path):
     busy 2-core machine: 81 of 90 lines at the last step once). So the check waits up to
     ten ticks, never calling ``finish()`` first.
     """
-    from stepscope.sinks import IDLE_TICK_S
+    from stepscope.recording.sinks import IDLE_TICK_S
 
     steps, lag = 120, 10
     sim = cuda_sim(lag_steps=lag)

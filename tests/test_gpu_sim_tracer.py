@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 import stepscope
-from stepscope.clock import CudaClock
-from stepscope.records import read_run
+from stepscope.recording.clock import CudaClock
+from stepscope.recording.schema import read_run
 
 
 def _train(model, opt, sim, steps, *, non_blocking=True):

@@ -14,7 +14,7 @@ import threading
 import pytest
 import torch
 
-from stepscope.instrument import gate, h2d
+from stepscope.recording import gate, h2d
 
 
 @pytest.fixture

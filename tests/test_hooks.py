@@ -109,8 +109,8 @@ def test_dict_and_dataclass_outputs(mem_tracer):
 def test_wrong_model_type_is_a_type_error_at_construction():
     import pytest
 
-    from stepscope.config import Config
-    from stepscope.sinks import MemorySink
+    from stepscope.recording.config import Config
+    from stepscope.recording.sinks import MemorySink
 
     with pytest.raises(ValueError, match=r"model must be a torch\.nn\.Module"):
         Tracer(Config(out_dir="x"), model=object(), sink=MemorySink())

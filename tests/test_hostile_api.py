@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 
 import stepscope
-from stepscope.config import Config
-from stepscope.errors import ConfigError, StepscopeWarning
-from stepscope.profiler import Profiler
-from stepscope.sinks import JsonlSink, SqliteSink
+from stepscope.common.errors import ConfigError, StepscopeWarning
+from stepscope.listeners.profiler import Profiler
+from stepscope.recording.config import Config
+from stepscope.recording.sinks import JsonlSink, SqliteSink
 
 # ----------------------------------------------------------------------------- item 12
 

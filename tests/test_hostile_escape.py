@@ -99,7 +99,7 @@ def test_report_terminal_json_and_markdown_with_hostile_names(tmp_path: Path,
 
 
 def test_collectives_section_renders_data_as_text(tmp_path: Path) -> None:
-    from stepscope.report.collectives import markdown_lines, print_terminal
+    from stepscope.report.collective_view import markdown_lines, print_terminal
 
     doc = {"collectives": {"source": "collectives", "wait_rule": "w", "ops": [
         {"op": OP, "pg": PG, "pg_size": 2, "ranks": 2, "phases": [PHASE, "a|b"], "calls_per_step": 1.0,

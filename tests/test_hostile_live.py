@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from stepscope.dist import free_port
-from stepscope.live import FINISH_WAIT_S
+from stepscope.listeners.live import FINISH_WAIT_S
+from stepscope.recording.dist import free_port
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 STALL_S = 60.0

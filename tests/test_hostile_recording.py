@@ -18,10 +18,10 @@ import torch
 
 import stepscope
 from stepscope.cli import main
-from stepscope.config import Config
-from stepscope.errors import StepscopeWarning
-from stepscope.records import read_run
-from stepscope.sinks import JsonlSink, SqliteSink
+from stepscope.common.errors import StepscopeWarning
+from stepscope.recording.config import Config
+from stepscope.recording.schema import read_run
+from stepscope.recording.sinks import JsonlSink, SqliteSink
 from stepscope.tracer import Tracer
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -113,7 +113,7 @@ def test_slow_file_system_loses_nothing_while_the_hold_lasts(tmp_path: Path) -> 
 def test_slow_file_system_drops_are_counted_warned_once_and_reported(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     # Past the hold (small here), batches go to the full queue and are dropped: counted.
-    monkeypatch.setattr("stepscope.outbox.MAX_HELD_STEPS", 4)
+    monkeypatch.setattr("stepscope.recording.outbox.MAX_HELD_STEPS", 4)
     run = tmp_path / "run"
     cfg = Config(out_dir=str(run), auto=False, flush_every_n_steps=1, heartbeat_s=0)
     tr = Tracer(cfg, sink=_SlowSink(run, 0))

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from stepscope.records import SQLITE_COLUMNS, SQLITE_TABLE, record_to_row
+from stepscope.recording.schema import SQLITE_COLUMNS, SQLITE_TABLE, record_to_row
 from stepscope.report.render import report_command
 from synth_runs import SynthRun, make_records, write_run
 

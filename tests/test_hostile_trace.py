@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
-from stepscope.analysis.trace import MAX_DEPTH, analyse
+from stepscope.analysis.trace import MAX_DEPTH, analyze_trace
 from stepscope.cli import main
-from stepscope.errors import StepscopeWarning
+from stepscope.common.errors import StepscopeWarning
 
 TRACES = next((p / "shared" / "traces" for p in Path(__file__).resolve().parents[1:4]
                if (p / "shared" / "traces").is_dir()), Path("/nonexistent"))
@@ -59,8 +59,8 @@ def test_deep_nesting_is_bounded_and_earlier_events_kept(tmp_path: Path) -> None
     t0 = time.perf_counter()
     r = _run_limited(f"""
         import json
-        from stepscope.analysis.trace import analyse
-        r = analyse({str(p)!r}).ranks[0]
+        from stepscope.analysis.trace import analyze_trace
+        r = analyze_trace({str(p)!r}).ranks[0]
         print(json.dumps({{"kernels": r.device_events, "warnings": r.warnings}}))
     """)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -76,8 +76,8 @@ def test_deep_nesting_in_the_head_is_bounded(tmp_path: Path) -> None:
     p = tmp_path / "deephead.json"
     p.write_bytes(b'{"distributedInfo": ' + b"[" * n + b"]" * n + b', "traceEvents": []}')
     r = _run_limited(f"""
-        from stepscope.analysis.trace import analyse
-        print(analyse({str(p)!r}).ranks[0].warnings)
+        from stepscope.analysis.trace import analyze_trace
+        print(analyze_trace({str(p)!r}).ranks[0].warnings)
     """)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "deeper than" in r.stdout
@@ -88,7 +88,7 @@ def test_strings_full_of_brackets_and_escapes_are_not_depth(tmp_path: Path) -> N
     ev = [_k(name, 10.0 * i, 5.0) for i in range(3000)]  # > 1 MiB: strings cross read chunks
     p = tmp_path / "strings.json"
     p.write_text(json.dumps({"traceEvents": ev}))
-    r = analyse(p).ranks[0]
+    r = analyze_trace(p).ranks[0]
     assert r.device_events == 3000
     assert not any("deeper" in w for w in r.warnings)
 
@@ -111,7 +111,7 @@ def test_inflated_size_is_capped_with_a_clear_message(tmp_path: Path,
     _gz_whitespace(p, 256, tail=json.dumps(_good_events()[0]).encode())
     assert p.stat().st_size < 2 << 20
     t0 = time.perf_counter()
-    r = analyse(p, max_bytes=16 << 20).ranks[0]
+    r = analyze_trace(p, max_bytes=16 << 20).ranks[0]
     assert time.perf_counter() - t0 < 10
     assert any("stopped after 16,777,216 bytes inflated" in w and "--max-inflated-mb" in w
                for w in r.warnings), r.warnings
@@ -137,7 +137,7 @@ def test_gzip_is_not_much_slower_than_plain(tmp_path: Path) -> None:
 
     def timed(p: Path) -> float:
         t0 = time.perf_counter()
-        r = analyse(p).ranks[0]
+        r = analyze_trace(p).ranks[0]
         assert r.device_events == 1
         return time.perf_counter() - t0
 
@@ -165,7 +165,7 @@ def test_malformed_events_are_skipped_counted_and_warned_once(tmp_path: Path) ->
     p = tmp_path / "t.json"
     p.write_text(json.dumps({"traceEvents": [*_good_events(), *bad]}))
     with pytest.warns(StepscopeWarning) as rec:
-        report = analyse(p)
+        report = analyze_trace(p)
     assert len([w for w in rec if issubclass(w.category, StepscopeWarning)]) == 1
     r = report.ranks[0]
     assert r.skipped_events == len(bad)
@@ -177,7 +177,7 @@ def test_malformed_events_are_skipped_counted_and_warned_once(tmp_path: Path) ->
 def test_zero_length_kernels_only_do_not_crash(tmp_path: Path) -> None:
     p = tmp_path / "t.json"
     p.write_text(json.dumps({"traceEvents": [_k("k", 10.0, 0.0), _k("k", 20.0, 0.0)]}))
-    r = analyse(p).ranks[0]
+    r = analyze_trace(p).ranks[0]
     assert r.total is not None and r.total.busy_us == 0
 
 
@@ -218,7 +218,7 @@ def test_cpu_self_time_and_dataloader_per_step(tmp_path: Path) -> None:
     ]
     p = tmp_path / "rank0.json"
     p.write_text(json.dumps({"traceEvents": ev}))
-    r = analyse(p).ranks[0]
+    r = analyze_trace(p).ranks[0]
     assert r.cpu is not None
     by_self = {o["name"]: o for o in r.cpu["top_ops_by_self"]}
     assert by_self["aten::linear"]["self_us"] == pytest.approx(400 - 300 - 20)
@@ -259,7 +259,7 @@ def test_collectives_match_by_process_group_not_kth_name(tmp_path: Path) -> None
     r1 = [_k(NCCL, 100, 20, **dp), _k(NCCL, 200, 30, **tp)]
     _write_rank(tmp_path / "rank0.json", 0, r0)
     _write_rank(tmp_path / "rank1.json", 1, r1)
-    cross = analyse(tmp_path, workers=1).cross_rank
+    cross = analyze_trace(tmp_path, workers=1).cross_rank
     assert cross is not None
     # TP: rank 1 took 30 vs 10 -> waited 20; DP: rank 0 took 50 vs 20 -> waited 30.
     assert cross["collective_wait_us"] == {"0": 30.0, "1": 20.0}
@@ -286,7 +286,7 @@ def test_collectives_match_by_sequence_number_from_record_param_comms(tmp_path: 
     k1, o1 = rank([6, 7, 8], [10.0, 25.0, 99.0])
     _write_rank(tmp_path / "rank0.json", 0, k0, o0)
     _write_rank(tmp_path / "rank1.json", 1, k1, o1)
-    cross = analyse(tmp_path, workers=1).cross_rank
+    cross = analyze_trace(tmp_path, workers=1).cross_rank
     assert cross is not None
     assert cross["collectives_matched"] == 2  # seq 6 and 7
     assert cross["collectives_matched_by"] == "process group and sequence number"

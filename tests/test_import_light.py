@@ -21,7 +21,7 @@ def test_package_cli_and_analysis_import_without_torch() -> None:
     got = _run("""
         import sys
         import stepscope, stepscope.cli, stepscope.analysis.run, stepscope.analysis.trace
-        import stepscope.analysis.compare, stepscope.report.terminal
+        import stepscope.analysis.comparison, stepscope.report.terminal
         print(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")))
     """)
     assert got == "[]", got

@@ -17,7 +17,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from stepscope.cli import main
-from stepscope.dist import JOB_ID_VARS, agree_at_init, free_port, launcher_run_id, run_then_exit
+from stepscope.recording.dist import JOB_ID_VARS, agree_at_init, free_port, launcher_run_id, run_then_exit
 
 #: Generous for a loaded 2-core machine; the defects hang for 120 s or until the deadline.
 JOB_DEADLINE_S = 150.0

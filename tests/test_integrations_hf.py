@@ -11,7 +11,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 pytest.importorskip("accelerate", reason="the Trainer needs accelerate")
 
 from stepscope.integrations.hf import StepscopeCallback  # noqa: E402
-from stepscope.records import read_run  # noqa: E402
+from stepscope.recording.schema import read_run  # noqa: E402
 
 
 class TinyModel(torch.nn.Module):

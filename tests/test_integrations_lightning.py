@@ -10,7 +10,7 @@ import torch
 L = pytest.importorskip("lightning", reason="lightning is not installed")
 
 from stepscope.integrations.lightning import StepscopeCallback, StepscopeProfiler  # noqa: E402
-from stepscope.records import read_run  # noqa: E402
+from stepscope.recording.schema import read_run  # noqa: E402
 
 # Lightning's pytree helper trips a torch deprecation on every fit; not ours to fix.
 pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")

@@ -109,8 +109,8 @@ def test_wandb_default_does_not_advance_the_users_step(mem_tracer, tmp_path, wan
 
 
 def test_wandb_only_on_rank_zero(mem_tracer, tmp_path, wandb_run):
-    from stepscope.dist import RankInfo
     from stepscope.integrations.wandb import attach_wandb
+    from stepscope.recording.dist import RankInfo
 
     run, _ = wandb_run
     tracer = mem_tracer(out_dir=str(tmp_path))

@@ -8,8 +8,7 @@ import time
 
 import pytest
 
-from stepscope.dist import become_local_rank, spawn_local
-from stepscope.live import (
+from stepscope.listeners.live import (
     PAYLOAD_BYTES,
     cross_rank_summary,
     decode_payload,
@@ -17,6 +16,7 @@ from stepscope.live import (
     format_line,
     summarize,
 )
+from stepscope.recording.dist import become_local_rank, spawn_local
 
 
 def _rec(rank: int, step: int, phases: dict[str, float], residual: float = 0.5) -> dict:

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from stepscope.live import PAYLOAD_BYTES, cross_rank_summary, decode_payload, encode_payload, summarize
+from stepscope.listeners.live import (
+    PAYLOAD_BYTES,
+    cross_rank_summary,
+    decode_payload,
+    encode_payload,
+    summarize,
+)
 from synth_collectives import CollRun, ddp_program, fsdp_program, make_records
 from synth_runs import Slow
 

@@ -24,9 +24,9 @@ import torch
 import stepscope
 from stepscope.cli import main
 from stepscope.common import escape
-from stepscope.config import Config
-from stepscope.dist import RankInfo, free_port
-from stepscope.records import read_run
+from stepscope.recording.config import Config
+from stepscope.recording.dist import RankInfo, free_port
+from stepscope.recording.schema import read_run
 from stepscope.tracer import Tracer
 
 #: Right-to-left override and embedding, isolates, zero-width space/joiner/marks, word joiner,
@@ -126,7 +126,7 @@ def test_every_output_writes_the_names_out(tmp_path: Path, capsys: pytest.Captur
 def test_the_live_line_writes_the_names_out() -> None:
     from rich.text import Text
 
-    from stepscope.live import format_line
+    from stepscope.listeners.live import format_line
 
     s = {"step": 10, "ranks": 2, "world_size": 2, "step_ms_median": 10.0, "step_ms_max": 12.0,
          "step_ms_max_rank": 1, "slowest_rank": 1, "slowest_phase": PHASE, "slowest_phase_ms": 5.0,
@@ -156,8 +156,8 @@ def test_metric_labels_and_otlp_attributes_write_the_names_out() -> None:
     pytest.importorskip("opentelemetry.sdk")
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-    from stepscope.export.metrics import MetricsListener, MetricState
-    from stepscope.export.otel import OtelBackend, resource_attributes
+    from stepscope.listeners.export.metrics import MetricsListener, MetricState
+    from stepscope.listeners.export.otel import OtelBackend, resource_attributes
 
     state = MetricState(rank=0, run_id="r\u2066\udcff", hostname=HOST, world_size=1)
     listener = MetricsListener(state)

@@ -17,10 +17,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import stepscope
-from stepscope.clock import CudaClock
 from stepscope.instrument import h2d
 from stepscope.prefetch import PrefetchLoader
-from stepscope.records import read_run
+from stepscope.recording.clock import CudaClock
+from stepscope.recording.schema import read_run
 
 CUDA0 = torch.device("cuda", 0)
 Pair = namedtuple("Pair", ["image", "label"])

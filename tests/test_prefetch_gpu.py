@@ -43,7 +43,7 @@ class Images(Dataset[dict[str, Any]]):
 
 
 def _naive(batch: Any, device: torch.device) -> Any:
-    from stepscope.batch import map_tensors
+    from stepscope.instrument.batch import map_tensors
 
     return map_tensors(lambda t: t.to(device), batch)
 

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import torch
 
-from stepscope.analysis.trace import analyse
-from stepscope.errors import ConfigError
-from stepscope.profiler import Profiler, current_rank
+from stepscope.analysis.trace import analyze_trace
+from stepscope.common.errors import ConfigError
+from stepscope.listeners.profiler import Profiler, current_rank
 
 
 def _train(prof: Profiler, steps: int) -> None:
@@ -43,7 +43,7 @@ def test_captures_the_window_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert files == ["rank0.pt.trace.json.gz"]
     assert _steps_in(tmp_path / files[0]) == [2, 3]
     # The analyser reads its own capture: CPU-only, so no GPU breakdown but no error either.
-    r = analyse(tmp_path).ranks[0]
+    r = analyze_trace(tmp_path).ranks[0]
     assert r.rank == 0 and r.total is None
 
 
@@ -97,8 +97,8 @@ def test_bad_out_dir() -> None:
 
 def test_step_timer_drives_the_profiler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("RANK", raising=False)
-    from stepscope.config import Config
     from stepscope.lifecycle import create
+    from stepscope.recording.config import Config
 
     tracer = create(Config(out_dir=str(tmp_path), profile_steps=(1, 3), auto=False))
     model = torch.nn.Linear(8, 2)
@@ -114,7 +114,7 @@ def test_step_timer_drives_the_profiler(tmp_path: Path, monkeypatch: pytest.Monk
 def test_unobserved_hides_calls_from_a_running_profiler_and_restores_recording():
     from torch.profiler import ProfilerActivity, profile
 
-    from stepscope.profiler import unobserved
+    from stepscope.listeners.profiler import unobserved
 
     a = torch.randn(8, 8)
     with profile(activities=[ProfilerActivity.CPU]) as prof:

@@ -20,11 +20,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import stepscope
-from stepscope.clock import CpuClock, CudaClock
-from stepscope.config import Config
-from stepscope.dist import free_port, run_then_exit
-from stepscope.errors import StepscopeWarning
-from stepscope.records import read_run
+from stepscope.common.errors import StepscopeWarning
+from stepscope.recording.clock import CpuClock, CudaClock
+from stepscope.recording.config import Config
+from stepscope.recording.dist import free_port, run_then_exit
+from stepscope.recording.schema import read_run
 from stepscope.tracer import Tracer
 
 
@@ -218,7 +218,7 @@ def test_cuda_clock_records_on_the_given_devices_stream():
 
 
 def test_default_clock_accepts_a_device():
-    from stepscope.clock import default_clock
+    from stepscope.recording.clock import default_clock
 
     clk = default_clock(device=0)
     assert clk.kind == ("cuda" if torch.cuda.is_available() else "cpu")
@@ -610,7 +610,7 @@ def _closure(root: str) -> dict[str, str]:
 #: rule and the escapers live in ``stepscope.common``, used by both sides.
 #: The rich markup escaper sits beside the other escapers in ``stepscope.common.escape`` and
 #: imports rich only when called (by the live line or a report), never on ``import stepscope``.
-KNOWN = {("rich", "stepscope.live"), ("rich", "stepscope.common.escape")}
+KNOWN = {("rich", "stepscope.listeners.live"), ("rich", "stepscope.common.escape")}
 
 
 def test_the_recording_side_never_imports_analysis_or_report():
@@ -619,21 +619,24 @@ def test_the_recording_side_never_imports_analysis_or_report():
     bad = {(m, by) for m, by in bad if not by.startswith(("stepscope.analysis", "stepscope.report"))}
     assert not bad, f"recording side imports (module, imported by): {sorted(bad)}"
     # The core of the recording side reaches none of them, even through its own imports.
-    for core in ("stepscope.recorder", "stepscope.record", "stepscope.resolver", "stepscope.clock",
-                 "stepscope.session", "stepscope.tracer"):
+    for core in ("stepscope.recording.recorder", "stepscope.recording.step",
+                 "stepscope.recording.resolver", "stepscope.recording.clock",
+                 "stepscope.recording.session", "stepscope.tracer"):
         found = _module_file(core)
         assert found is not None
         direct = _imports(*found)
         assert not [m for m in direct if m.startswith(FORBIDDEN)], (core, direct)
 
 
-@pytest.mark.parametrize("core", ["stepscope.recorder", "stepscope.record", "stepscope.resolver",
-                                  "stepscope.clock"])
+@pytest.mark.parametrize("core", ["stepscope.recording.recorder", "stepscope.recording.step",
+                                  "stepscope.recording.resolver", "stepscope.recording.clock"])
 def test_the_recorder_imports_no_instrument_and_no_observer(core):
-    allowed = ("stepscope.instrument", "stepscope.instrument.gate")
-    observers = ("stepscope.live", "stepscope.autoprofile", "stepscope.status", "stepscope.profiler",
-                 "stepscope.lifecycle", "stepscope.session", "stepscope.tracer", "stepscope.prefetch",
-                 "stepscope.integrations", "stepscope.sinks")
+    allowed = ("stepscope.instrument", "stepscope.recording.gate")
+    observers = ("stepscope.listeners.live", "stepscope.listeners.autoprofile",
+                 "stepscope.listeners.heartbeat", "stepscope.listeners.profiler",
+                 "stepscope.lifecycle", "stepscope.recording.session", "stepscope.tracer",
+                 "stepscope.prefetch",
+                 "stepscope.integrations", "stepscope.recording.sinks")
     found = _module_file(core)
     assert found is not None
     direct = _imports(*found)
@@ -696,7 +699,7 @@ def test_writer_gives_the_gil_back_in_long_batches_only(mem_tracer, monkeypatch)
     for long, and a usual batch does not pause at all."""
     from types import SimpleNamespace
 
-    from stepscope import outbox
+    from stepscope.recording import outbox
 
     tr = mem_tracer(auto=False, flush_every_n_steps=1000)
     for _ in range(5):
@@ -758,7 +761,7 @@ def test_worker_processes_are_listed_without_walking_proc():
     """The children of this process, from /proc/self/task/*/children: the same processes
     psutil's full /proc scan finds."""
     psutil = pytest.importorskip("psutil")
-    from stepscope.instrument.resources import HostMemory
+    from stepscope.instrument.resource_sampler import HostMemory
 
     hm = HostMemory()
     kids = [mp.get_context("spawn").Process(target=time.sleep, args=(30,)) for _ in range(2)]
@@ -817,7 +820,7 @@ def test_heartbeat_and_writer_do_not_preempt_the_training_thread_when_woken(tmp_
 def test_records_reach_the_file_within_the_idle_tick_when_the_loop_stops(tmp_path):
     """Steps resolved since the last hand-over are written by the writer's own tick
     (``IDLE_TICK_S``) while the run is still going, not only at the next flush or finish."""
-    from stepscope import sinks
+    from stepscope.recording import sinks
 
     tick = getattr(sinks, "IDLE_TICK_S", 0.5)
     tr = Tracer(Config(out_dir=str(tmp_path), auto=False, flush_every_n_steps=1000, heartbeat_s=0),
@@ -841,11 +844,12 @@ def test_records_reach_the_file_within_the_idle_tick_when_the_loop_stops(tmp_pat
 
 def test_step_ends_hand_over_no_sooner_than_every_s_but_an_exception_at_once(mem_tracer, monkeypatch):
     """A hand-over wakes the writer, and each wake costs the training thread ~80-100 µs of its
-    CPU on the 2-vCPU test host (the wake, then the GIL hand-back: see ``stepscope.outbox``). So a step
+    CPU on the 2-vCPU test host (the wake, then the GIL hand-back: see
+    ``stepscope.recording.outbox``). So a step
     end hands over every ``flush_every_n_steps`` steps *and* no sooner than the outbox's
     ``every_s`` after the last hand-over. A step that raises hands over at once (the
     exception may end the job), and ``flush()`` always does. Nothing is lost meanwhile."""
-    from stepscope import sinks
+    from stepscope.recording import sinks
 
     monkeypatch.setattr(sinks, "IDLE_TICK_S", None)  # no tick taking steps during the checks
     tr = mem_tracer(auto=False, flush_every_n_steps=1)
@@ -886,7 +890,7 @@ def test_writer_takes_a_few_stray_steps_only_at_its_tick_not_after_each_batch(me
     """After a batch, steps resolved meanwhile (fewer than a flush's worth) wait for the next
     hand-over or the idle tick: each would otherwise be a batch and a file write of its own.
     Steps held back while the writer was behind (a flush's worth or more) go right away."""
-    from stepscope import sinks
+    from stepscope.recording import sinks
 
     monkeypatch.setattr(sinks, "IDLE_TICK_S", None)  # no tick racing the checks below
     tr = mem_tracer(auto=False, flush_every_n_steps=10)
@@ -908,7 +912,7 @@ def test_writer_takes_a_few_stray_steps_only_at_its_tick_not_after_each_batch(me
 
 
 def _held_step(tr: Tracer, index: int) -> Any:
-    from stepscope.record import Step
+    from stepscope.recording.step import Step
 
     step = Step(index)
     step.start, step.end = tr.clock.mark(), tr.clock.mark()
@@ -959,7 +963,7 @@ def test_summary_waits_for_a_slow_writer_within_the_delivery_bound(mem_tracer):
     """Records are built on the writer thread, which never preempts the training thread: a
     ``summary()`` called between steps first lets the writer catch up (bounded by
     ``sinks.DELIVERY_BOUND_S``), so it covers every step resolved so far."""
-    from stepscope.sinks import DELIVERY_BOUND_S
+    from stepscope.recording.sinks import DELIVERY_BOUND_S
 
     tr = mem_tracer(auto=False, flush_every_n_steps=5)
 

@@ -82,7 +82,7 @@ def test_goodput_units_follow_the_clock(clean_doc: dict[str, Any], clock: str, u
                                         other: str) -> None:
     from rich.console import Console
 
-    from stepscope.report import goodput as render
+    from stepscope.report import goodput_view as render
 
     doc = copy.deepcopy(clean_doc)
     doc["run"]["clock"] = clock

@@ -49,7 +49,7 @@ def test_line_goes_through_tqdm_when_a_bar_is_open(mem_tracer, monkeypatch) -> N
 def test_phase_name_with_markup_prints_literally() -> None:
     from rich.text import Text
 
-    from stepscope.live import format_line
+    from stepscope.listeners.live import format_line
 
     s = {"step": 9, "ranks": 2, "world_size": 2, "step_ms_median": 10.0, "step_ms_max": 12.0,
          "step_ms_max_rank": 1, "slowest_rank": 1, "slowest_phase": "load[/]\\[bold]x",

@@ -16,10 +16,10 @@ import torch
 
 import stepscope
 from stepscope.analysis.run import analyze_run
-from stepscope.errors import StepscopeWarning
-from stepscope.instrument import resources as res
-from stepscope.instrument.resources import NvmlSampler, ResourceMonitor, TorchCudaMemory, start_nvml
-from stepscope.records import SCHEMA_VERSION
+from stepscope.common.errors import StepscopeWarning
+from stepscope.instrument import resource_sampler as res
+from stepscope.instrument.resource_sampler import NvmlSampler, ResourceMonitor, TorchCudaMemory, start_nvml
+from stepscope.recording.schema import SCHEMA_VERSION
 
 MiB = 1 << 20
 
@@ -451,7 +451,7 @@ def test_creep_test_ignores_one_jump_and_noise():
 
 
 def res_creep(steps, values):
-    from stepscope.analysis.resources import creep_test
+    from stepscope.analysis.resource_use import creep_test
 
     return creep_test(steps, values, "rss_mb")
 
@@ -496,7 +496,7 @@ def test_nvml_on_a_real_device():
 
 
 def test_sqlite_sink_keeps_the_new_sections(tmp_path):
-    from stepscope.sinks import SqliteSink
+    from stepscope.recording.sinks import SqliteSink
 
     rec = {"schema": SCHEMA_VERSION, "rank": 0, "step": 3, "start_unix_ns": 1, "clock": "cuda",
            "step_ms": 2.0, "phases": [], "throughput": {"tokens": 8, "tokens_per_s": 4000.0},
@@ -505,7 +505,7 @@ def test_sqlite_sink_keeps_the_new_sections(tmp_path):
     sink = SqliteSink(tmp_path, 0)
     sink.write([rec])
     sink.close()
-    from stepscope.records import read_sqlite
+    from stepscope.recording.schema import read_sqlite
 
     back = read_sqlite(tmp_path / "rank0.sqlite")[0]
     for key in ("throughput", "flops", "memory", "device", "untimed"):

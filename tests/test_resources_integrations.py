@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import stepscope
-from stepscope.instrument.resources import batch_counts, record_scalars
-from stepscope.records import read_run
+from stepscope.instrument.resource_sampler import batch_counts, record_scalars
+from stepscope.recording.schema import read_run
 
 
 def test_batch_counts_without_touching_the_gpu():

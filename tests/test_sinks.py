@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import stepscope
-from stepscope.records import ReadReport, iter_jsonl, read_run, read_sqlite
-from stepscope.sinks import JsonlSink
+from stepscope.recording.schema import ReadReport, iter_jsonl, read_run, read_sqlite
+from stepscope.recording.sinks import JsonlSink
 
 
 def _train(steps: int, model=None, opt=None) -> None:
@@ -93,7 +93,7 @@ class BrokenSink:
 
 
 def test_full_disk_warns_once_and_training_goes_on():
-    from stepscope.config import Config
+    from stepscope.recording.config import Config
     from stepscope.tracer import Tracer
 
     sink = BrokenSink()

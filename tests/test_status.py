@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from stepscope.analysis.status import analyze_status, is_collective
+from stepscope.analysis.hangs import analyze_status, is_collective
 from stepscope.cli import main
-from stepscope.dist import free_port
+from stepscope.recording.dist import free_port
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -376,8 +376,8 @@ def test_analyze_status_reads_the_stack_dump_of_the_culprit(tmp_path):
 
 
 def test_heartbeat_config_validation_and_env(tmp_path):
-    from stepscope.config import Config, env_overrides
-    from stepscope.errors import ConfigError
+    from stepscope.common.errors import ConfigError
+    from stepscope.recording.config import Config, env_overrides
 
     assert Config(heartbeat_s=0).heartbeat_s == 0
     for bad in (-1, float("nan"), "5", True, float("inf")):

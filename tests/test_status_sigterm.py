@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from stepscope.dist import free_port
+from stepscope.recording.dist import free_port
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 

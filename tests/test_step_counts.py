@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import stepscope
-from stepscope.errors import StepscopeWarning
-from stepscope.records import read_run
+from stepscope.common.errors import StepscopeWarning
+from stepscope.recording.schema import read_run
 
 
 class _BadRepr:

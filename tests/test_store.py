@@ -15,8 +15,8 @@ from tests.synth_runs import Slow, SynthRun, make_records, write_run
 from stepscope.analysis import store as st
 from stepscope.analysis.load import load_run
 from stepscope.cli import main
+from stepscope.common.errors import AnalysisError
 from stepscope.common.escape import write_json
-from stepscope.errors import AnalysisError
 
 
 def _doc(run: str | Path, **kw: Any) -> dict[str, Any]:

@@ -16,7 +16,13 @@ from typing import Any
 import pytest
 
 from stepscope.analysis.run import analyze_run
-from stepscope.live import cross_rank_summary, decode_payload, encode_payload, format_line, summarize
+from stepscope.listeners.live import (
+    cross_rank_summary,
+    decode_payload,
+    encode_payload,
+    format_line,
+    summarize,
+)
 
 third_party = pytest.importorskip("third_party")
 pytestmark = pytest.mark.slow

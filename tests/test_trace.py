@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from stepscope.analysis import kernels as K
-from stepscope.analysis.trace import analyse, analyse_parsed, merge, parse_trace
-from stepscope.errors import StepscopeWarning
+from stepscope.analysis.trace import analyze_parsed, analyze_trace, merge, parse_trace
+from stepscope.common.errors import StepscopeWarning
 
 TRACES = next((p / "shared" / "traces" for p in Path(__file__).resolve().parents[1:4]
                if (p / "shared" / "traces").is_dir()), Path("/nonexistent"))
@@ -57,7 +57,7 @@ REAL_GPU = ["trace_filter", "nccl_parser_config", "ns_resolution_trace", "critic
 @pytest.mark.parametrize("folder", REAL_GPU)
 def test_real_trace_union_matches_independent_sweep(folder: str) -> None:
     _need_traces()
-    report = analyse(TRACES / folder, workers=1)
+    report = analyze_trace(TRACES / folder, workers=1)
     for r in report.ranks:
         doc = _load(Path(r.file))
         dev = _device(doc)
@@ -84,7 +84,7 @@ def test_real_trace_union_matches_independent_sweep(folder: str) -> None:
 def test_real_steps_clip_to_profiler_step_windows() -> None:
     _need_traces()
     path = TRACES / "trace_filter" / "sampled_rank-0.json.gz"
-    r = analyse_parsed(parse_trace(path))
+    r = analyze_parsed(parse_trace(path))
     doc = _load(path)
     steps = {e["name"]: e for e in doc["traceEvents"]
              if e.get("cat") == "user_annotation" and e["name"].startswith("ProfilerStep")}
@@ -110,7 +110,7 @@ def test_agrees_with_hta_temporal_breakdown(folder: str) -> None:
     _need_traces()
     rows = [r for r in _hta_rows() if r["trace"] == folder]
     assert rows, f"no HTA reference rows for {folder}"
-    report = analyse(TRACES / folder, workers=1)
+    report = analyze_trace(TRACES / folder, workers=1)
     by_rank = {r.rank: r for r in report.ranks}
     for ref in rows:
         r = by_rank[ref["rank"]]
@@ -130,7 +130,7 @@ def test_hta_counts_cpu_ops_as_kernels_we_do_not() -> None:
     (stream 0) lands in its kernel time. We count only device events."""
     _need_traces()
     ref = next(r for r in _hta_rows() if r["trace"] == "triton_example")
-    r = analyse(TRACES / "triton_example").ranks[0]
+    r = analyze_trace(TRACES / "triton_example").ranks[0]
     dev = _device(_load(Path(r.file)))
     assert len(dev) == 1
     assert r.total is not None
@@ -143,7 +143,7 @@ def test_alexnet_compute_matches_hta() -> None:
     # compute union, which both tools derive from the same kernels, must agree.
     _need_traces()
     ref = next(r for r in _hta_rows() if r["trace"] == "critical_path_alexnet")
-    r = analyse(TRACES / "critical_path_alexnet").ranks[0]
+    r = analyze_trace(TRACES / "critical_path_alexnet").ranks[0]
     assert r.total is not None
     assert r.total.compute_us == pytest.approx(ref["compute_time_us"], rel=0.01)
     assert any("ProfilerStep" in w for w in r.warnings)
@@ -151,15 +151,15 @@ def test_alexnet_compute_matches_hta() -> None:
 
 def test_real_ranks_and_platforms() -> None:
     _need_traces()
-    tf = analyse(TRACES / "trace_filter")  # two files: parallel processes
+    tf = analyze_trace(TRACES / "trace_filter")  # two files: parallel processes
     assert [r.rank for r in tf.ranks] == [0, 1]
     assert all(r.rank_source == "distributedInfo" for r in tf.ranks)
-    serial = analyse(TRACES / "trace_filter", workers=1)
+    serial = analyze_trace(TRACES / "trace_filter", workers=1)
     assert tf.to_dict()["ranks"] == serial.to_dict()["ranks"]
     assert tf.cross_rank is not None and tf.cross_rank["collectives_matched"] > 0
-    amd = analyse(TRACES / "amd_trace").ranks[0]
+    amd = analyze_trace(TRACES / "amd_trace").ranks[0]
     assert amd.platform == "rocm" and amd.total is not None and amd.total.busy_us > 0
-    cpu = analyse(TRACES / "cpu_only").ranks[0]
+    cpu = analyze_trace(TRACES / "cpu_only").ranks[0]
     assert cpu.rank == 34 and cpu.total is None and cpu.platform == "cpu"
     assert any("CPU-only" in w for w in cpu.warnings)
 
@@ -167,7 +167,7 @@ def test_real_ranks_and_platforms() -> None:
 def test_real_h2d_copies() -> None:
     _need_traces()
     path = next((TRACES / "critical_path_alexnet").iterdir())
-    r = analyse(path).ranks[0]
+    r = analyze_trace(path).ranks[0]
     h2d = [e for e in _device(_load(path)) if "HtoD" in e["name"]]
     assert r.copies["HtoD"]["count"] == len(h2d)
     assert r.copies["HtoD"]["bytes"] == sum(e["args"]["bytes"] for e in h2d)
@@ -216,7 +216,7 @@ def _synthetic_events(comm_dur: float = 100.0) -> list[dict[str, Any]]:
 
 
 def test_synthetic_known_answers(tmp_path: Path) -> None:
-    r = analyse(write_trace(tmp_path / "t.json", _synthetic_events())).ranks[0]
+    r = analyze_trace(write_trace(tmp_path / "t.json", _synthetic_events())).ranks[0]
     s1, s2 = r.steps
     assert (s1.wall_us, s1.busy_us, s1.idle_us) == (300, 170, 130)
     assert (s1.compute_us, s1.comm_us, s1.memory_us) == (100, 100, 20)
@@ -247,7 +247,7 @@ def test_ns_resolution_is_exact(tmp_path: Path) -> None:
         "]}"
     )
     (tmp_path / "rank3.json").write_text(raw)
-    r = analyse(tmp_path / "rank3.json").ranks[0]
+    r = analyze_trace(tmp_path / "rank3.json").ranks[0]
     assert r.rank == 3 and r.rank_source == "file name"
     assert r.total is not None
     assert r.total.busy_us == 2.002 and r.total.idle_us == 0.0 and r.total.wall_us == 2.002
@@ -256,7 +256,7 @@ def test_ns_resolution_is_exact(tmp_path: Path) -> None:
 def test_cross_rank_wait_and_last_arrival(tmp_path: Path) -> None:
     write_trace(tmp_path / "rank0.pt.trace.json.gz", _synthetic_events(comm_dur=100), rank=0)
     write_trace(tmp_path / "rank1.pt.trace.json.gz", _synthetic_events(comm_dur=60), rank=1)
-    report = analyse(tmp_path)
+    report = analyze_trace(tmp_path)
     cross = report.cross_rank
     assert cross is not None
     assert cross["collectives_matched"] == 1
@@ -272,7 +272,7 @@ def test_diagnosis_launch_bound_and_idle(tmp_path: Path) -> None:
     for i in range(400):  # 400 tiny kernels, 2 µs each, 20 µs apart, launched just in time
         ev.append(_x("cudaLaunchKernel", "cuda_runtime", 20 * i + 1, 1, correlation=i))
         ev.append(_x("triton_poi_fused_add_0", "kernel", 20 * i + 5, 2, stream=7, correlation=i))
-    kinds = {d["kind"] for d in analyse(write_trace(tmp_path / "t.json", ev)).diagnosis}
+    kinds = {d["kind"] for d in analyze_trace(write_trace(tmp_path / "t.json", ev)).diagnosis}
     assert {"launch_bound", "idle_heavy"} <= kinds
 
 
@@ -286,7 +286,7 @@ def test_union_helper_against_sweep() -> None:
 
 def test_missing_profiler_steps_warns_and_uses_whole_trace(tmp_path: Path) -> None:
     ev = [e for e in _synthetic_events() if e["cat"] != "user_annotation"]
-    r = analyse(write_trace(tmp_path / "t.json", ev)).ranks[0]
+    r = analyze_trace(write_trace(tmp_path / "t.json", ev)).ranks[0]
     assert r.steps == [] and r.total is not None and r.total.busy_us == 320
     assert any("ProfilerStep" in w for w in r.warnings)
 
@@ -297,7 +297,7 @@ def test_truncated_file_gives_partial_result(tmp_path: Path, gz: bool) -> None:
     cut = full[: int(len(full) * 0.7)]
     p = tmp_path / ("t.json.gz" if gz else "t.json")
     p.write_bytes(gzip.compress(full)[: int(len(gzip.compress(full)) * 0.7)] if gz else cut)
-    r = analyse(p).ranks[0]
+    r = analyze_trace(p).ranks[0]
     assert any("truncated" in w for w in r.warnings)
     assert 0 < r.events_seen < len(_synthetic_events())
 
@@ -309,16 +309,16 @@ def test_malformed_input_never_raises(tmp_path: Path, content: bytes) -> None:
     p.write_bytes(content)
     if b'"ts": "x"' in content:
         with pytest.warns(StepscopeWarning, match="malformed"):
-            r = analyse(p).ranks[0]
+            r = analyze_trace(p).ranks[0]
     else:
-        r = analyse(p).ranks[0]
+        r = analyze_trace(p).ranks[0]
     assert r.total is None
 
 
 def test_bad_event_is_skipped_not_fatal(tmp_path: Path) -> None:
     ev = [*_synthetic_events(), {"ph": "X", "cat": "kernel", "name": "k", "ts": "oops", "dur": 1}]
     with pytest.warns(StepscopeWarning, match="malformed"):
-        r = analyse(write_trace(tmp_path / "t.json", ev)).ranks[0]
+        r = analyze_trace(write_trace(tmp_path / "t.json", ev)).ranks[0]
     assert r.total is not None and r.total.busy_us == 320
     assert any("malformed" in w for w in r.warnings)
 

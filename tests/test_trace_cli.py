@@ -71,8 +71,8 @@ import json, os, sys
 from stepscope.cli import main
 rc = main(["trace", "--json", sys.argv[1]])
 heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "duckdb", "rich", "pyarrow")
-               or m in ("stepscope.lifecycle", "stepscope.config", "stepscope.sinks",
-                        "stepscope.records", "stepscope.dist"))
+               or m in ("stepscope.lifecycle", "stepscope.recording.config", "stepscope.recording.sinks",
+                        "stepscope.recording.schema", "stepscope.recording.dist"))
 print(json.dumps({"rc": rc, "heavy": heavy, "blas": os.environ.get("OPENBLAS_NUM_THREADS")}),
       file=sys.stderr)
 """
@@ -108,7 +108,7 @@ from stepscope.cli import main
 # shared by every command).
 late = []
 gc.callbacks.append(lambda phase, info: phase == "start" and late.append(
-    "stepscope.analysis.trace_cli" in sys.modules))
+    "stepscope.cli.trace_cmd" in sys.modules))
 rc = main(["trace", "--json", sys.argv[1]])
 gc.callbacks.clear()  # the interpreter's own collection at exit is not the command's
 print(json.dumps({"rc": rc, "collections": sum(late), "enabled_after": gc.isenabled()}),
@@ -175,7 +175,7 @@ def test_glibc_tuning_is_left_to_the_command_process(monkeypatch: pytest.MonkeyP
     import ctypes
     import types
 
-    from stepscope.analysis import trace_cli
+    from stepscope.cli import trace_cmd as trace_cli
 
     calls: list[tuple[int, int]] = []
     libc = types.SimpleNamespace(mallopt=lambda what, value: calls.append((what, value)))

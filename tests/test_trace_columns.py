@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from stepscope.analysis import kernels as K
-from stepscope.analysis.trace import analyse_parsed, parse_trace
+from stepscope.analysis.trace import analyze_parsed, parse_trace
 
 
 def _ev(name: str, cat: str, ts: float, dur: float, **args: Any) -> dict[str, Any]:
@@ -62,7 +62,7 @@ def _reference(pt: Any, w0: int, w1: int) -> tuple[dict[str, float], int, int, i
 
 def test_columns_equal_event_by_event(tmp_path: Path) -> None:
     pt = parse_trace(_trace(tmp_path))
-    r = analyse_parsed(pt)
+    r = analyze_parsed(pt)
     assert len(r.steps) == 2
     for s in r.steps:
         w0 = round(s.start_us * 1000)

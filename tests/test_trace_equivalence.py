@@ -1,7 +1,7 @@
 """The trace analyser's output on every shared real trace equals the reference output.
 
 ``tests/fixtures/trace_golden.json`` was written by the previous implementation (the
-per-event ijson parser, before the chunked native scan) with ``analyse(dir).to_dict()``
+per-event ijson parser, before the chunked native scan) with ``analyze_trace(dir).to_dict()``
 passed through the strict JSON writer; the file paths are reduced to their names.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from stepscope.analysis.trace import analyse
+from stepscope.analysis.trace import analyze_trace
 from stepscope.common.escape import write_json
 
 # The shared real traces sit beside the checkout (../shared/traces, or one level further up
@@ -26,7 +26,7 @@ GOLDEN = json.loads((Path(__file__).parent / "fixtures" / "trace_golden.json").r
 
 def _doc(path: Path) -> dict[str, Any]:
     buf = io.StringIO()
-    write_json(analyse(path, workers=1).to_dict(), buf)
+    write_json(analyze_trace(path, workers=1).to_dict(), buf)
     doc: dict[str, Any] = json.loads(buf.getvalue())
     for r in doc["ranks"]:
         r["file"] = Path(r["file"]).name

@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from stepscope.analysis.trace import analyse
+from stepscope.analysis.trace import analyze_trace
 from stepscope.analysis.trace.scan import (
     MAX_EVENT_BYTES,
     Args,
@@ -23,7 +23,7 @@ from stepscope.analysis.trace.scan import (
     Span,
     TraceEvent,
 )
-from stepscope.errors import StepscopeWarning
+from stepscope.common.errors import StepscopeWarning
 
 
 def _kernel(i: int, name: str = "volta_sgemm") -> dict[str, Any]:
@@ -141,7 +141,7 @@ def test_a_huge_kernel_name_is_skipped_counted_and_cheap(tmp_path: Path) -> None
     assert p.stat().st_size < 2 << 20
     t0 = time.perf_counter()
     with pytest.warns(StepscopeWarning):
-        r = analyse(p).ranks[0]
+        r = analyze_trace(p).ranks[0]
     elapsed = time.perf_counter() - t0
     assert r.device_events == 8
     assert r.skipped_events == 1
@@ -155,7 +155,7 @@ def test_a_long_name_inside_one_block_is_skipped_too(tmp_path: Path) -> None:
     evs = [_kernel(0), {**_kernel(1), "name": "B" * (MAX_EVENT_BYTES + 10)}, _kernel(2)]
     p.write_text(json.dumps({"traceEvents": evs}))
     with pytest.warns(StepscopeWarning):
-        r = analyse(p).ranks[0]
+        r = analyze_trace(p).ranks[0]
     assert (r.device_events, r.skipped_events, r.events_seen) == (2, 1, 3)
 
 
@@ -263,7 +263,7 @@ def test_events_of_unknown_or_missing_phase_do_not_change_the_result(tmp_path: P
     (plain / "rank0.pt.trace.json").write_text(json.dumps({"traceEvents": kernels}))
     evs = kernels[:1000] + odd + kernels[1000:2000] + odd + kernels[2000:]
     (mixed / "rank0.pt.trace.json").write_text(json.dumps({"traceEvents": evs}))
-    a, b = analyse(plain).ranks[0], analyse(mixed).ranks[0]
+    a, b = analyze_trace(plain).ranks[0], analyze_trace(mixed).ranks[0]
     assert a.device_events == b.device_events == 3001
     assert b.events_seen == a.events_seen + 2 * len(odd)
     assert a.total == b.total and a.top_kernels == b.top_kernels
@@ -289,7 +289,7 @@ def test_correlation_ids_past_64_bits_split_idle_time_as_small_ones(tmp_path: Pa
     for d, base in ((small, 7), (big, 2**63 + 5)):
         d.mkdir()
         (d / "rank0.pt.trace.json").write_text(json.dumps(doc(base)))
-    a, b = analyse(small).ranks[0], analyse(big).ranks[0]
+    a, b = analyze_trace(small).ranks[0], analyze_trace(big).ranks[0]
     assert a.total is not None and b.total is not None
     assert a.total.idle_host_wait_us > 0 and a.total.idle_kernel_wait_us > 0
     assert (a.total, a.steps) == (b.total, b.steps)

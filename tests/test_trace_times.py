@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from stepscope.analysis.trace import analyse
+from stepscope.analysis.trace import analyze_trace
 from stepscope.analysis.trace.events import _BadEvent, _time, _TimeColumn
 from stepscope.analysis.trace.times import parse_ns
 
@@ -94,7 +94,7 @@ def test_bad_device_times_are_skipped_in_place(tmp_path: Path) -> None:
         text = text.replace(f'"{t}"', t)
     p.write_text(text)
     with pytest.warns(Warning, match="skipped 2 malformed"):
-        r = analyse(p, workers=1).ranks[0]
+        r = analyze_trace(p, workers=1).ranks[0]
     assert r.skipped_events == 2
     from stepscope.analysis.trace.events import parse_trace
 
@@ -154,5 +154,5 @@ def test_times_past_int64_ns_are_skipped_not_raised(tmp_path: Path) -> None:
     assert pt.skipped_events == 3
     assert pt.first_skip_reason == "ts is out of range"
     with pytest.warns(Warning, match="skipped 3 malformed"):
-        r = analyse(p, workers=1).ranks[0]
+        r = analyze_trace(p, workers=1).ranks[0]
     assert r.device_events == 1 and r.total is not None and r.total.kernel_count == 1

@@ -8,7 +8,7 @@ import time
 import pytest
 
 import stepscope
-from stepscope.errors import InstrumentationError
+from stepscope.common.errors import InstrumentationError
 
 
 def _phases(rec):

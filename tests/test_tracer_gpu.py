@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import stepscope
-from stepscope.records import read_run
+from stepscope.recording.schema import read_run
 
 pytestmark = [
     pytest.mark.gpu,

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from stepscope.analysis.compare import compare_runs, compare_samples
+from stepscope.analysis.comparison import compare_runs, compare_samples
 from stepscope.cli import main
 
 demo = pytest.importorskip("stepscope.demo")
@@ -74,7 +74,7 @@ def test_a_window_in_the_driving_phase_is_still_named() -> None:
     """Seen in a CI run: the fixed run was 57% faster per step and the dataloader's median fell
     0.6 → 0.4 ms, so the verdict named only that and dropped the 25-step, 30 ms window in the
     same phase, which is where the time went."""
-    from stepscope.analysis.compare import verdict
+    from stepscope.analysis.comparison import verdict
 
     step = {"change_pct": -57.0, "significant": True, "ci_low_pct": -86.0, "ci_high_pct": -29.0,
             "a_ms": 2.1, "b_ms": 0.9}

@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 import stepscope
-from stepscope.errors import StepscopeWarning
+from stepscope.common.errors import StepscopeWarning
 from stepscope.instrument import unwrap
-from stepscope.sinks import MemorySink
+from stepscope.recording.sinks import MemorySink
 
 
 def _tracer(model: Any, opt: Any, sink: MemorySink) -> stepscope.Tracer:

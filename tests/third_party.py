@@ -43,7 +43,7 @@ from torch import nn
 
 import stepscope
 from stepscope.demo import SleepInBackward
-from stepscope.dist import become_local_rank, spawn_local
+from stepscope.recording.dist import become_local_rank, spawn_local
 
 MIRRORS = Path(os.environ.get("STEPSCOPE_MIRRORS") or next(
     (p / ".mirror" for p in Path(__file__).resolve().parents if (p / ".mirror").is_dir()), ".mirror"))

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from stepscope.errors import (
+from stepscope.common.errors import (
     AnalysisError,
     ConfigError,
     InstrumentationError,
@@ -30,8 +30,8 @@ from stepscope.errors import (
 from stepscope.phase import PhaseContext, check_phase_name
 
 if TYPE_CHECKING:
-    from stepscope.config import Config
     from stepscope.lifecycle import NullTracer
+    from stepscope.recording.config import Config
     from stepscope.tracer import Tracer
 
 
@@ -145,8 +145,8 @@ def init(
         otel=otel, prometheus_port=prometheus_port, prometheus_addr=prometheus_addr,  # [export]
         export_top_ranks=export_top_ranks,
     )
-    from stepscope.config import Config, env_overrides
     from stepscope.lifecycle import create
+    from stepscope.recording.config import Config, env_overrides
 
     args.update(env_overrides())
     config = Config(**args)
@@ -220,7 +220,7 @@ def __getattr__(name: str) -> Any:
     # Imported on first use so `import stepscope` stays light (the analysis side and the
     # CLI never import torch).
     if name in ("Config", "env_overrides"):
-        from stepscope import config
+        from stepscope.recording import config
 
         return getattr(config, name)
     if name in ("NullTracer", "create", "current_tracer", "set_current"):
@@ -236,11 +236,11 @@ def __getattr__(name: str) -> Any:
 
         return PrefetchLoader
     if name == "AutoProfileConfig":
-        from stepscope.autoprofile import AutoProfileConfig
+        from stepscope.listeners.autoprofile import AutoProfileConfig
 
         return AutoProfileConfig
     if name == "Profiler":
-        from stepscope.profiler import Profiler
+        from stepscope.listeners.profiler import Profiler
 
         return Profiler
     raise AttributeError(f"module 'stepscope' has no attribute {name!r}")

@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import stepscope
-from stepscope.dist import become_local_rank, spawn_local
+from stepscope.recording.dist import become_local_rank, spawn_local
 
 INJECTABLE_PHASES = ("dataloader", "h2d", "forward", "backward", "optimizer")
 
@@ -253,7 +253,7 @@ def run_demo(
 
 def _fixed_and_compare(out: Path, ranks: int, steps: int, window: tuple[int, int]) -> int:
     """The same job with the slow rank fixed, then ``stepscope compare`` over the slow window."""
-    from stepscope.report.compare import compare_command
+    from stepscope.report.compare_view import compare_command
 
     fixed_dir = out.with_name(out.name + "-fixed")
     print(f"\nstepscope demo: the same job with the slow rank fixed, into {fixed_dir}/")

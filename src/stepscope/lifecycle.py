@@ -14,14 +14,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from stepscope.config import Config
-from stepscope.dist import rank_info
-from stepscope.errors import warn
-from stepscope.records import SCHEMA_VERSION
-from stepscope.sinks import Sink, write_json_atomic
+from stepscope.common.errors import warn
+from stepscope.recording.config import Config
+from stepscope.recording.dist import rank_info
+from stepscope.recording.schema import SCHEMA_VERSION
+from stepscope.recording.sinks import Sink, write_json_atomic
 
 if TYPE_CHECKING:
-    from stepscope.clock import Clock
+    from stepscope.recording.clock import Clock
     from stepscope.tracer import Tracer
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -197,7 +197,7 @@ def wire(tracer: Tracer) -> None:
     """Attach what ``tracer.config`` asks for; called once from ``Tracer.__init__``."""
     config = tracer.config
     if config.profile_steps is not None:
-        from stepscope.profiler import Profiler
+        from stepscope.listeners.profiler import Profiler
 
         start, end = config.profile_steps
         prof = Profiler(
@@ -208,19 +208,19 @@ def wire(tracer: Tracer) -> None:
         tracer.profiler = prof
         tracer.add_listener(_StepProfiler(prof))
     if config.log_every_n_steps or tracer.agreement.side_group:  # every member exchanges, even silent ones
-        from stepscope.live import attach_live
+        from stepscope.listeners.live import attach_live
 
         attach_live(tracer)
     if config.auto_profile:
-        from stepscope.autoprofile import attach_autoprofile
+        from stepscope.listeners.autoprofile import attach_autoprofile
 
         attach_autoprofile(tracer)
     if config.otel or config.prometheus_port is not None:  # [export] after the live view
-        from stepscope.export import attach_exporters
+        from stepscope.listeners.export import attach_exporters
 
         attach_exporters(tracer)
     if config.heartbeat_s and tracer.writes_files:
-        from stepscope.status import attach_heartbeat
+        from stepscope.listeners.heartbeat import attach_heartbeat
 
         attach_heartbeat(tracer)
 

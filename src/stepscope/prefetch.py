@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 
-from stepscope.batch import iter_tensors, map_tensors
-from stepscope.devices import resolve
-from stepscope.errors import warn
+from stepscope.common.errors import warn
+from stepscope.instrument.batch import iter_tensors, map_tensors
 from stepscope.instrument.h2d import auto_h2d_suppressed
+from stepscope.recording.devices import resolve
 
 __all__ = ["PrefetchLoader"]
 

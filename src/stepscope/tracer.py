@@ -1,7 +1,7 @@
 """Tracer: the public face of a recording run on one rank.
 
-``Tracer`` is the :class:`~stepscope.session.Session` (resolver, writer, listeners,
-instruments, failures) over the :class:`~stepscope.recorder.Recorder` (marks, steps,
+``Tracer`` is the :class:`~stepscope.recording.session.Session` (resolver, writer, listeners,
+instruments, failures) over the :class:`~stepscope.recording.recorder.Recorder` (marks, steps,
 per-thread phase stacks, the recorder protocol instruments call), plus the user-facing API:
 ``step()``, ``phase()``, ``count()``, ``wrap_loader()``, ``wrap_h2d()``, ``summary()``.
 
@@ -15,17 +15,17 @@ import numbers
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from stepscope import devices
-from stepscope.clock import Clock, default_clock
 from stepscope.common import escape
-from stepscope.config import Config
-from stepscope.dist import RankInfo, agree_at_init, rank_info
-from stepscope.errors import InstrumentationError
+from stepscope.common.errors import InstrumentationError
 from stepscope.instrument import unwrap
-from stepscope.instrument.resources import check_count, check_counts, shown_value, warn_outside_step
+from stepscope.instrument.resource_sampler import check_count, check_counts, shown_value, warn_outside_step
 from stepscope.phase import PhaseContext, check_phase_name
-from stepscope.session import FINISH_TIMEOUT_S, RECENT_RECORDS, Session
-from stepscope.sinks import Sink
+from stepscope.recording import devices
+from stepscope.recording.clock import Clock, default_clock
+from stepscope.recording.config import Config
+from stepscope.recording.dist import RankInfo, agree_at_init, rank_info
+from stepscope.recording.session import FINISH_TIMEOUT_S, RECENT_RECORDS, Session
+from stepscope.recording.sinks import Sink
 
 __all__ = ["FINISH_TIMEOUT_S", "RECENT_RECORDS", "PhaseContext", "Tracer", "check_phase_name"]
 
@@ -188,7 +188,7 @@ class Tracer(Session):
         Called between steps on the training thread, it first waits (at most
         ``sinks.DELIVERY_BOUND_S``) for the writer thread to build the records handed to it.
         """
-        from stepscope.live import local_summary
+        from stepscope.listeners.live import local_summary
 
         self.settle()
 

@@ -299,7 +299,7 @@ def diagnose(
             "suggestion": "No straggler to fix" + (
                 "; see the bottleneck verdict for where step time goes" if bottlenecks else ""),
         })
-    from stepscope.analysis.resources import resource_verdicts  # [metrics]
+    from stepscope.analysis.resource_use import resource_verdicts  # [metrics]
 
     _price_waits(out)
     out += resource_verdicts(run, stragglers, out)

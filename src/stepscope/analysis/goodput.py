@@ -42,7 +42,7 @@ from stepscope.analysis import blocks
 from stepscope.analysis.blocks import in_block
 from stepscope.analysis.load import MAX_MS, MAX_START_NS
 from stepscope.analysis.relations import exists, has_column
-from stepscope.analysis.resources import TIMED_FILTER
+from stepscope.analysis.resource_use import TIMED_FILTER
 
 #: Loss categories, in report order.
 CATEGORIES: tuple[str, ...] = (

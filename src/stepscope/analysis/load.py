@@ -1,7 +1,7 @@
 """Loading a run directory's rank files into DuckDB tables, noting what was skipped.
 
 A run directory holds ``rank{R}.jsonl`` and/or ``rank{R}.sqlite`` files (see
-:mod:`stepscope.records`). DuckDB reads the JSONL files itself (out of core, in parallel);
+:mod:`stepscope.recording.schema`). DuckDB reads the JSONL files itself (out of core, in parallel);
 SQLite files are converted to JSONL first through Python's ``sqlite3`` because DuckDB's
 sqlite extension needs a network download. The result is two tables on one connection:
 
@@ -33,10 +33,10 @@ from typing import Any
 from stepscope.analysis import blocks
 from stepscope.analysis.blocks import in_block, rank_blocks, step_blocks
 from stepscope.analysis.relations import drop, exists
-from stepscope.analysis.resources import RESOURCE_COLUMNS, TIMED_FILTER, create_resource_table
+from stepscope.analysis.resource_use import RESOURCE_COLUMNS, TIMED_FILTER, create_resource_table
+from stepscope.common.errors import AnalysisError
 from stepscope.common.safefs import UnsafePath
-from stepscope.errors import AnalysisError
-from stepscope.records import READABLE_SCHEMAS, SQLITE_TABLE, row_to_record
+from stepscope.recording.schema import READABLE_SCHEMAS, SQLITE_TABLE, row_to_record
 
 _PHASE_TYPE = (
     "STRUCT(name VARCHAR, parent VARCHAR, ms DOUBLE, calls BIGINT, start_ms DOUBLE, end_ms DOUBLE,"
@@ -157,7 +157,7 @@ def _connect(tmp: str, threads: int | None, memory_limit: str | None) -> Any:
     import duckdb
 
     # A database file (in the temp dir) rather than :memory: lets DuckDB evict table pages
-    # to disk, so runs far larger than the memory limit still analyse.
+    # to disk, so runs far larger than the memory limit still analyze.
     con = duckdb.connect(str(Path(tmp) / "run.duckdb"))
     con.execute(f"SET temp_directory = '{tmp}'")
     con.execute("SET preserve_insertion_order = false")  # lets big scans stream in parallel
@@ -331,10 +331,10 @@ def load_run(
         except UnsafePath as exc:  # a link where the store would be: not followed
             store_notes.append(f"{st.STORE_DIR}/: {exc}; the rank files were read directly")
         except OSError:
-            pass  # a read-only run directory: analyse the JSONL directly, as before
+            pass  # a read-only run directory: analyze the JSONL directly, as before
         except Exception as exc:
             # duckdb.IOException is no OSError: a directory DuckDB cannot create there (a
-            # name it refuses) also means "analyse the JSONL directly".
+            # name it refuses) also means "analyze the JSONL directly".
             if type(exc).__name__ != "IOException":
                 raise
         else:

@@ -12,12 +12,12 @@ from stepscope.analysis import cost
 from stepscope.analysis.coverage import add_coverage_sections
 from stepscope.analysis.diagnose import diagnose, explain_goodput
 from stepscope.analysis.goodput import compute_goodput
+from stepscope.analysis.hangs import crash_evidence
 from stepscope.analysis.host import split_host_busy
 from stepscope.analysis.load import RunData, load_run
 from stepscope.analysis.own import phase_waits
-from stepscope.analysis.resources import analyze_resources
+from stepscope.analysis.resource_use import analyze_resources
 from stepscope.analysis.stats import create_phase_samples, phase_stats, rank_stats
-from stepscope.analysis.status import crash_evidence
 from stepscope.analysis.stragglers import attribute
 from stepscope.analysis.triggers import link_triggers
 
@@ -36,7 +36,7 @@ def analyze_run(
     """Analyse every rank file of ``run_dir`` and return the report document.
 
     Top-level keys: ``run``, ``phases``, ``ranks``, ``stragglers``, ``windows``,
-    ``verdicts``. Raises :class:`stepscope.errors.AnalysisError` when nothing is usable;
+    ``verdicts``. Raises :class:`stepscope.common.errors.AnalysisError` when nothing is usable;
     anything skipped on the way is listed in ``run["skipped"]``. With ``keep=True`` the
     loaded :class:`RunData` is returned under the private key ``"_data"`` (for plots and
     the Perfetto export, which need per-step rows); the caller must ``close()`` it.
@@ -181,7 +181,7 @@ def _analyze(data: RunData) -> dict[str, Any]:
 
 
 def _meta_config(data: RunData) -> dict[str, Any]:
-    from stepscope.analysis.status import MAX_HEARTBEAT_BYTES
+    from stepscope.analysis.hangs import MAX_HEARTBEAT_BYTES
     from stepscope.common.safefs import read_run_file
 
     # The run-file rules: inside the run, a regular file, size-bounded.
@@ -197,7 +197,7 @@ def _meta_config(data: RunData) -> dict[str, Any]:
 def run_notes(data: RunData, run: dict[str, Any]) -> list[str]:
     """What the report should say about tools that stayed silent: an auto-profile that never
     fired (its threshold and the worst step), and why there is no MFU."""
-    from stepscope.autoprofile import AutoProfileConfig
+    from stepscope.listeners.autoprofile import AutoProfileConfig
 
     notes: list[str] = []
     cfg = _meta_config(data)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from stepscope.analysis.blocks import in_block, rank_blocks
-from stepscope.records import CANONICAL_PHASES
+from stepscope.recording.schema import CANONICAL_PHASES
 
 #: Above this many rows quantiles are approximate (t-digest) to keep memory flat.
 EXACT_QUANTILE_ROWS = 5_000_000

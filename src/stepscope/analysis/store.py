@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from stepscope.common import safefs
-from stepscope.errors import AnalysisError
+from stepscope.common.errors import AnalysisError
 
 STORE_DIR = "parquet"
 RECORDS = "records"

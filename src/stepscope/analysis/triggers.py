@@ -65,10 +65,10 @@ def load_triggers(run_dir: str | Path) -> tuple[list[dict[str, Any]], list[str]]
 
 def summarize_trace(path: Path) -> dict[str, Any]:
     """A one-line view of a captured trace, from the streaming trace analyser."""
-    from stepscope.analysis.trace import analyse_parsed, parse_trace
+    from stepscope.analysis.trace import analyze_parsed, parse_trace
 
     try:
-        result = analyse_parsed(parse_trace(path))
+        result = analyze_parsed(parse_trace(path))
     except Exception as exc:  # a broken capture must not break the run report
         return {"error": f"{type(exc).__name__}: {exc}"}
     summary: dict[str, Any] = {"platform": result.platform, "warnings": result.warnings[:3]}

@@ -1,6 +1,6 @@
 """Collective paths stepscope cannot time, by the name their ``unseen_<path>`` counter uses.
 
-Shared by the recording side (:mod:`stepscope.instrument.collectives` counts them) and the
+Shared by the recording side (:mod:`stepscope.instrument.collective_timing` counts them) and the
 report (:mod:`stepscope.analysis.coverage` names them), without importing torch.
 """
 

@@ -17,7 +17,7 @@ Functions a module bound by name before the patch (``from ..._functional_collect
 all_to_all_single``) are found and rebound (:mod:`.bound`).
 
 Not seen: functional collectives traced into a graph (``torch.compile``: they become graph
-ops; :mod:`stepscope.instrument.collectives` counts such calls as *blind*), and callers that
+ops; :mod:`stepscope.instrument.collective_timing` counts such calls as *blind*), and callers that
 reach ``torch.ops._c10d_functional`` directly instead of through this module.
 """
 
@@ -74,7 +74,7 @@ def _key(t: Any) -> int | None:
 
 
 def _group(funcol: Any, group: Any, tag: str) -> tuple[str, int] | None:
-    from stepscope.instrument.collectives import group_info
+    from stepscope.instrument.collective_timing import group_info
 
     c10d = torch.distributed.distributed_c10d
     name = funcol._resolve_group_name(group, tag)
@@ -138,7 +138,7 @@ def _make(name: str, orig: Callable[..., Any], col: Any) -> Callable[..., Any]:
 
 def _issued(name: str, op: str, rec: Any, path: str | None, start: Any, args: tuple[Any, ...],
             kwargs: dict[str, Any], out: Any, funcol: Any) -> None:
-    from stepscope.instrument import collectives as col
+    from stepscope.instrument import collective_timing as col
 
     inp = args[0] if args else kwargs.get("self")
     group = kwargs.get("group")
@@ -181,7 +181,7 @@ def _issued(name: str, op: str, rec: Any, path: str | None, start: Any, args: tu
 
 
 def _forget(pending: tuple[Any, ...]) -> None:
-    from stepscope.instrument import collectives as col
+    from stepscope.instrument import collective_timing as col
 
     col.release(pending[0], pending[5])
     col.release(pending[0], pending[8])

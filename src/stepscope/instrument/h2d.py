@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from stepscope.batch import map_tensors
-from stepscope.instrument import gate
+from stepscope.instrument.batch import map_tensors
 from stepscope.instrument.patch import SharedPatch
+from stepscope.recording import gate
 
 if TYPE_CHECKING:
     from stepscope.tracer import Tracer

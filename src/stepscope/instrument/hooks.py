@@ -49,7 +49,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from stepscope.instrument import gate, unwrap
+from stepscope.instrument import unwrap
+from stepscope.recording import gate
 
 if TYPE_CHECKING:
     from stepscope.tracer import Tracer

@@ -66,7 +66,7 @@ def install_instruments(
         removers.append(install_patch())
         active.add("h2d")
     if config.collectives:
-        from stepscope.instrument import collectives
+        from stepscope.instrument import collective_timing as collectives
 
         removers.append(collectives.install_patch())
         if hasattr(recorder, "add_listener"):  # groups that carried only C++-issued work

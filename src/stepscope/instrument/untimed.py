@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from stepscope.instrument import collectives as col
+from stepscope.instrument import collective_timing as col
 
 #: While there is no default process group, how often a step end asks torch whether there
 #: is one now (seconds). Asking is three Python calls (``is_initialized`` and two properties),

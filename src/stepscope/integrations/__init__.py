@@ -60,7 +60,7 @@ class StepDriver:
         """Add the batch's samples (and tokens, for ``input_ids``/``attention_mask``) to the step."""
         if not self._in_step:
             return
-        from stepscope.instrument.resources import batch_counts
+        from stepscope.instrument.resource_sampler import batch_counts
 
         try:
             tokens, samples = batch_counts(batch)

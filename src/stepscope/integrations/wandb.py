@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from stepscope.errors import warn
-from stepscope.instrument.resources import record_scalars
+from stepscope.common.errors import warn
+from stepscope.instrument.resource_sampler import record_scalars
 from stepscope.integrations import require
 from stepscope.lifecycle import NullTracer
 from stepscope.tracer import Tracer

@@ -6,8 +6,8 @@ from pathlib import Path
 from typing import Any
 
 from stepscope.common.escape import md, md_code
-from stepscope.report.collectives import markdown_lines as collectives_markdown
-from stepscope.report.coverage import markdown_lines as coverage_markdown
+from stepscope.report.collective_view import markdown_lines as collectives_markdown
+from stepscope.report.coverage_view import markdown_lines as coverage_markdown
 from stepscope.report.plots import have_matplotlib, plot_data, write_pngs
 from stepscope.report.terminal import capture_label, window_captures
 
@@ -91,10 +91,10 @@ def render_markdown(doc: dict[str, Any], images: list[str] | None = None) -> str
     if len(doc["ranks"]) > 64:
         lines.append(f"\n({len(doc['ranks']) - 64} more ranks in the JSON report)")
     lines.append("")
-    from stepscope.report.resources import markdown_lines  # [metrics]
+    from stepscope.report.resource_view import markdown_lines  # [metrics]
 
     lines += markdown_lines(doc)
-    from stepscope.report.goodput import markdown_lines as goodput_lines  # [export]
+    from stepscope.report.goodput_view import markdown_lines as goodput_lines  # [export]
 
     lines += goodput_lines(doc)
     if images:

@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from stepscope.common.errors import AnalysisError
 from stepscope.common.escape import finite, shown, term
-from stepscope.errors import AnalysisError
 
 _BATCH = 50_000
 

@@ -1,12 +1,12 @@
-"""``stepscope report``: analyse a run directory and render it (terminal, JSON, md, HTML)."""
+"""``stepscope report``: analyze a run directory and render it (terminal, JSON, md, HTML)."""
 
 from __future__ import annotations
 
 import sys
 from typing import Any
 
+from stepscope.common.errors import AnalysisError
 from stepscope.common.escape import term, write_json
-from stepscope.errors import AnalysisError
 
 
 def load_document(run_dir: str, keep: bool = False, threads: int | None = None,

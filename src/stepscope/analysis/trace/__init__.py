@@ -15,14 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from stepscope.analysis import kernels as K
-from stepscope.analysis.trace.breakdown import Breakdown, CpuStep, RankResult, analyse_parsed
+from stepscope.analysis.trace.breakdown import Breakdown, CpuStep, RankResult, analyze_parsed
 from stepscope.analysis.trace.captures import find_traces
-from stepscope.analysis.trace.collectives import cross_rank
-from stepscope.analysis.trace.diagnose import diagnose
+from stepscope.analysis.trace.comm_kernels import cross_rank
 from stepscope.analysis.trace.events import CpuOps, DeviceEvent, ParsedTrace, parse_trace
 from stepscope.analysis.trace.intervals import Interval, intersect, merge
 from stepscope.analysis.trace.reader import MAX_DEPTH, MAX_INFLATED_BYTES
-from stepscope.errors import AnalysisError
+from stepscope.analysis.trace.trace_verdicts import diagnose
+from stepscope.common.errors import AnalysisError
 
 SCHEMA = "stepscope.trace/1"
 
@@ -38,8 +38,8 @@ __all__ = [
     "ParsedTrace",
     "RankResult",
     "TraceReport",
-    "analyse",
-    "analyse_parsed",
+    "analyze_parsed",
+    "analyze_trace",
     "cross_rank",
     "diagnose",
     "find_traces",
@@ -83,13 +83,13 @@ def _analyse_file(path: str, max_bytes: int = MAX_INFLATED_BYTES) -> RankResult:
     was_enabled = gc.isenabled()
     gc.disable()
     try:
-        return analyse_parsed(parse_trace(path, max_bytes))
+        return analyze_parsed(parse_trace(path, max_bytes))
     finally:
         if was_enabled:
             gc.enable()
 
 
-def analyse(path: str | os.PathLike[str], workers: int | None = None,
+def analyze_trace(path: str | os.PathLike[str], workers: int | None = None,
             max_bytes: int = MAX_INFLATED_BYTES) -> TraceReport:
     """Analyse a trace file or a directory of per-rank traces (ranks in parallel processes).
 
@@ -121,7 +121,7 @@ def analyse(path: str | os.PathLike[str], workers: int | None = None,
     if skipped:
         import warnings as _w
 
-        from stepscope.errors import StepscopeWarning
+        from stepscope.common.errors import StepscopeWarning
 
         _w.warn(f"stepscope trace: skipped {skipped} malformed event(s) in {path}; "
                 "see the per-rank warnings", StepscopeWarning, stacklevel=2)

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from stepscope.analysis import kernels as K
-from stepscope.analysis.trace.collectives import CommKey, _kernel_key, _match_keys
+from stepscope.analysis.trace.comm_kernels import CommKey, _kernel_key, _match_keys
 from stepscope.analysis.trace.events import DeviceEvent, ParsedTrace
 from stepscope.analysis.trace.intervals import (
     Interval,
@@ -98,7 +98,7 @@ def _us(ns: int | float) -> float:
     return round(ns / 1000.0, 3)
 
 
-def analyse_parsed(pt: ParsedTrace, top: int = 15) -> RankResult:
+def analyze_parsed(pt: ParsedTrace, top: int = 15) -> RankResult:
     """Compute the breakdown for one parsed trace."""
     warnings = list(pt.warnings)
     if pt.skipped_events:

@@ -8,7 +8,7 @@ import os
 import zlib
 from pathlib import Path
 
-from stepscope.errors import AnalysisError
+from stepscope.common.errors import AnalysisError
 
 #: How much of a file's (inflated) head is searched for ``"traceEvents"``; Kineto writes a
 #: few KB of device properties before it.
@@ -70,7 +70,7 @@ def find_traces(path: str | os.PathLike[str]) -> tuple[list[Path], list[str]]:
     A file is itself. A folder holding ``.json``/``.json.gz`` traces gives those (every
     ``.json``/``.json.gz`` file in it, as before). A folder without any (a run directory,
     ``RUN/traces`` holding only ``auto/``) gives the capture folder below it with the newest
-    trace; the notes name the other capture folders, which can be passed to analyse them.
+    trace; the notes name the other capture folders, which can be passed to analyze them.
     Traces of different folders are never mixed: they are different windows.
     """
     p = Path(path)
@@ -86,7 +86,7 @@ def find_traces(path: str | os.PathLike[str]) -> tuple[list[Path], list[str]]:
             notes.append(f"{len(below)} more capture folder(s) below {p}: "
                          + ", ".join(str(d.relative_to(p)) for d, _ in below[:_LISTED])
                          + (", ..." if len(below) > _LISTED else "")
-                         + "; pass one to analyse it")
+                         + "; pass one to analyze it")
         return here, notes
     if not below:
         raise AnalysisError(f"no .json or .json.gz trace files in directory {p} "
@@ -98,5 +98,5 @@ def find_traces(path: str | os.PathLike[str]) -> tuple[list[Path], list[str]]:
         notes[0] += (f", the newest of {len(below)} capture folders under {p}; the others: "
                      + ", ".join(str(d.relative_to(p)) for d in others[:_LISTED])
                      + (", ..." if len(others) > _LISTED else "")
-                     + " (pass one to analyse it)")
+                     + " (pass one to analyze it)")
     return files, notes

@@ -1,0 +1,1 @@
+"""Observers of the recording: live line, auto-profile, profiler windows, exports, heartbeat."""

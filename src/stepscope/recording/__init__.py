@@ -1,0 +1,1 @@
+"""The core: clock, recorder, resolver, session, sinks and the record schema."""
