@@ -14,7 +14,8 @@ import threading
 import pytest
 import torch
 
-from stepscope.recording import gate, h2d
+from stepscope.instrument import h2d
+from stepscope.recording import gate
 
 
 @pytest.fixture
