@@ -44,7 +44,7 @@ def test_median_of_the_other_ranks_is_exact(tmp_path: Path, ranks: int) -> None:
                       keep=True)
     data = doc["_data"]
     try:
-        rows = data.con.execute("SELECT rank, step, name, own, others FROM ex").fetchall()
+        rows = data.con.execute("SELECT rank, step, name, own, others FROM own_excess").fetchall()
     finally:
         data.close()
     own: dict[tuple[int, str], dict[int, float]] = {}
@@ -70,7 +70,7 @@ def test_median_of_the_others_with_ties_and_ragged_steps() -> None:
         con.execute("CREATE TABLE phases (rank INTEGER, step BIGINT, name VARCHAR, "
                     "parent VARCHAR, ms DOUBLE, path VARCHAR)")
         con.execute("CREATE TABLE steps (rank INTEGER, step BIGINT, residual_ms DOUBLE)")
-        con.execute("CREATE TABLE cw (rank INTEGER, step BIGINT, phase VARCHAR, ms DOUBLE, "
+        con.execute("CREATE TABLE collective_waits (rank INTEGER, step BIGINT, phase VARCHAR, ms DOUBLE, "
                     "wait DOUBLE)")
         ph, st = [], []
         for step in range(40):
@@ -80,7 +80,7 @@ def test_median_of_the_others_with_ties_and_ragged_steps() -> None:
         con.executemany("INSERT INTO phases VALUES (?, ?, ?, ?, ?, ?)", ph)
         con.executemany("INSERT INTO steps VALUES (?, ?, ?)", st)
         build_own(con)
-        rows = con.execute("SELECT rank, step, name, own, others, excess FROM ex").fetchall()
+        rows = con.execute("SELECT rank, step, name, own, others, excess FROM own_excess").fetchall()
     finally:
         con.close()
     assert len(rows) == 2 * len(ph)
@@ -275,18 +275,19 @@ def test_waits_credit_each_enclosing_phase_exactly() -> None:
     try:
         con.execute("CREATE TABLE phases (rank INTEGER, step BIGINT, path VARCHAR, "
                     "parent VARCHAR, ms DOUBLE)")
-        con.execute("CREATE TABLE cw (rank INTEGER, step BIGINT, phase VARCHAR, ms DOUBLE, "
+        con.execute("CREATE TABLE collective_waits (rank INTEGER, step BIGINT, phase VARCHAR, ms DOUBLE, "
                     "wait DOUBLE)")
         for rank in range(2):
             for i, p in enumerate(paths):
                 parent = p.rsplit("/", 1)[0] if "/" in p else None
                 con.execute("INSERT INTO phases VALUES (?, 0, ?, ?, ?)", [rank, p, parent, 10.0 + i])
             for j, c in enumerate(colls):
-                con.execute("INSERT INTO cw VALUES (?, 0, ?, ?, ?)", [rank, c, 1.0 + j, 0.5 * j + rank])
-            con.execute("INSERT INTO cw VALUES (?, 0, NULL, 7.0, 3.0)", [rank])
+                con.execute("INSERT INTO collective_waits VALUES (?, 0, ?, ?, ?)",
+                            [rank, c, 1.0 + j, 0.5 * j + rank])
+            con.execute("INSERT INTO collective_waits VALUES (?, 0, NULL, 7.0, 3.0)", [rank])
         build_pw(con)
         got = {(r, p): (w, n, c) for r, p, w, n, c in con.execute(
-            "SELECT rank, path, wait, ncoll, coll_ms FROM pw").fetchall()}
+            "SELECT rank, path, wait, ncoll, coll_ms FROM phase_waits").fetchall()}
     finally:
         con.close()
     assert len(got) == 2 * len(paths)
@@ -373,7 +374,7 @@ def test_dense_median_of_others_equals_the_grouped_path(tmp_path: Path, monkeypa
             cols = own_mod.build_own(data.con)
             assert (cols.dense is not None) == dense
             ser = _series(data.con, steps, cols)
-            ex = data.con.execute("SELECT * FROM ex ORDER BY rank, step, name").fetchall()
+            ex = data.con.execute("SELECT * FROM own_excess ORDER BY rank, step, name").fetchall()
         finally:
             data.close()
         out.append((ex, ser, _thresholds(ser, 20.0)))
@@ -489,7 +490,7 @@ def test_rank_stats_exact_quantiles_a_block_of_ranks_at_a_time(tmp_path: Path,
         data.close()
     assert split == whole
     assert [r["rank"] for r in whole] == [0, 1, 2, 3, 4]
-    per_rank = [s for s in sqls if "JOIN wait" in s]
+    per_rank = [s for s in sqls if "JOIN step_waits" in s]
     assert len(per_rank) == 5 and all("rank BETWEEN" in s for s in per_rank), per_rank
 
 
@@ -501,7 +502,7 @@ def _pw_rows(run: Path, unique: bool | None, monkeypatch: Any) -> list[Any]:
     data = analyze_run(run, keep=True)["_data"]
     try:
         return [tuple(r) for r in data.con.execute(
-            "SELECT * FROM pw ORDER BY rank, step, path").fetchall()]
+            "SELECT * FROM phase_waits ORDER BY rank, step, path").fetchall()]
     finally:
         data.close()
         monkeypatch.undo()
@@ -516,7 +517,7 @@ def test_pw_without_group_by_when_phase_paths_are_keys(tmp_path: Path, monkeypat
                                                slow=(Slow(2, "backward", 6.0),)))
     data = analyze_run(run, keep=True)["_data"]
     try:
-        assert data.con.execute("SELECT n FROM phase_dups").fetchone()[0] == 0
+        assert data.con.execute("SELECT n FROM duplicate_paths").fetchone()[0] == 0
         assert phase_keys_unique(data.con)
     finally:
         data.close()
@@ -535,10 +536,10 @@ def test_pw_without_group_by_when_phase_paths_are_keys(tmp_path: Path, monkeypat
     f.write_text("\n".join(lines) + "\n")
     data = analyze_run(run, keep=True)["_data"]
     try:
-        assert data.con.execute("SELECT n FROM phase_dups").fetchone()[0] == 1
+        assert data.con.execute("SELECT n FROM duplicate_paths").fetchone()[0] == 1
         assert not phase_keys_unique(data.con)
         n, keys = data.con.execute(
-            "SELECT count(*), count(DISTINCT (rank, step, path)) FROM pw").fetchone()
+            "SELECT count(*), count(DISTINCT (rank, step, path)) FROM phase_waits").fetchone()
         assert n == keys == 4 * 20 * 6
     finally:
         data.close()
@@ -597,7 +598,7 @@ def test_memory_creep_a_block_of_ranks_at_a_time(tmp_path: Path, monkeypatch: An
         data.close()
     assert [c["rank"] for c in whole] == [1, 4]
     assert split == whole
-    series = [s for s in sqls if "rss_mb FROM res" in s]
+    series = [s for s in sqls if "rss_mb FROM step_resources" in s]
     assert len(series) == 5 and all("rank BETWEEN" in s for s in series), series
 
 
@@ -619,7 +620,7 @@ def test_resources_read_only_the_sections_present(tmp_path: Path) -> None:
     assert got["device"] is None and got["memory"]["creep"] == []
     assert [r["rank"] for r in got["memory"]["per_rank"]] == [0, 1, 2]
     assert all(v is None for r in got["memory"]["per_rank"] for k, v in r.items() if k != "rank")
-    reads = [s for s in spy.sqls if "FROM res" in s]
+    reads = [s for s in spy.sqls if "FROM step_resources" in s]
     assert len(reads) == 2, reads  # which columns hold values; the ranks
     assert not [s for s in reads if "median(" in s or "max(" in s or "rank BETWEEN" in s], reads
 
@@ -640,8 +641,9 @@ def test_resources_read_only_the_sections_present(tmp_path: Path) -> None:
     assert got["memory"]["rss_mb"] == 1001.0 and got["memory"]["allocated_mb"] is None
     assert [r["rss_mb"] for r in got["memory"]["per_rank"]] == [1001.0] * 3
     assert got["device"] is None and got["throughput"]["tokens_per_s"] is None
-    series = [s for s in spy.sqls if "rank BETWEEN" in s and "FROM res" in s]
-    assert series and all(s.startswith("SELECT rank, step, rss_mb FROM res") for s in series), series
+    series = [s for s in spy.sqls if "rank BETWEEN" in s and "FROM step_resources" in s]
+    assert series and all(
+        s.startswith("SELECT rank, step, rss_mb FROM step_resources") for s in series), series
 
 
 def test_own_work_one_read_of_phases_per_top_level_phase(tmp_path: Path) -> None:
@@ -664,11 +666,11 @@ def test_own_work_one_read_of_phases_per_top_level_phase(tmp_path: Path) -> None
         assert cols.dense is not None
         assert all(m.dtype == own_mod.KEEP_DTYPE for m in (*cols.dense.own, *cols.dense.excess))
         reads = [s for s in spy.sqls if "FROM phases WHERE path = $p AND parent IS NULL" in s]
-        waits = [s for s in spy.sqls if "FROM cin WHERE anc = $p" in s]
+        waits = [s for s in spy.sqls if "FROM phase_collectives WHERE anc = $p" in s]
         assert len(reads) == len(waits) == len(tops) >= 4, spy.sqls
         assert not any("WHERE step BETWEEN" in s for s in spy.sqls), spy.sqls
-        assert not any("TABLE own" in s or "FROM own" in s for s in spy.sqls), spy.sqls
-        ex = data.con.execute("SELECT count(*), count(excess) FROM ex").fetchone()
+        assert not any("TABLE own_work" in s or "FROM own_work" in s for s in spy.sqls), spy.sqls
+        ex = data.con.execute("SELECT count(*), count(excess) FROM own_excess").fetchone()
         assert ex[0] == 5 * 24 * (len(tops) + 1) and ex[1] == ex[0]
         assert all(int(np.count_nonzero(~np.isnan(m))) == 5 * 24 for m in cols.dense.own)
     finally:
@@ -713,19 +715,19 @@ def test_dense_own_on_hand_made_tables_equals_the_grouped_path(
         con = duckdb.connect()
         con.execute("CREATE TABLE phases (rank INT, step BIGINT, path VARCHAR, parent VARCHAR, "
                     "ms DOUBLE)")
-        con.execute("CREATE TABLE cw (rank INT, step BIGINT, phase VARCHAR, wait DOUBLE, "
+        con.execute("CREATE TABLE collective_waits (rank INT, step BIGINT, phase VARCHAR, wait DOUBLE, "
                     "ms DOUBLE)")
         con.execute("CREATE TABLE steps (rank INT, step BIGINT, residual_ms DOUBLE)")
         if unique:
-            con.execute("CREATE TABLE phase_dups AS SELECT 0 AS n")
+            con.execute("CREATE TABLE duplicate_paths AS SELECT 0 AS n")
         con.executemany("INSERT INTO steps VALUES (?, ?, ?)", step_rows)
         con.executemany("INSERT INTO phases VALUES (?, ?, ?, ?, ?)", phase_rows)
-        con.executemany("INSERT INTO cw VALUES (?, ?, ?, ?, ?)", cw_rows)
+        con.executemany("INSERT INTO collective_waits VALUES (?, ?, ?, ?, ?)", cw_rows)
         if not dense:
             monkeypatch.setattr(own_mod, "_own_dense", lambda con: None)
         cols = own_mod.build_own(con)
         assert (cols.dense is not None) == dense
-        out.append(con.execute("SELECT * FROM ex ORDER BY rank, step, name").fetchall())
+        out.append(con.execute("SELECT * FROM own_excess ORDER BY rank, step, name").fetchall())
         con.close()
     assert out[0] == out[1] and len(out[0]) > 40
     assert any(row[2] == "bwd" and row[3] == 0.0 for row in out[0])  # greatest(NULL, 0.0)
@@ -743,18 +745,18 @@ def test_pw_is_a_view_not_a_table_of_every_phase_row(tmp_path: Path) -> None:
     data = doc["_data"]
     try:
         kind = data.con.execute("SELECT table_type FROM information_schema.tables "
-                                "WHERE table_name = 'pw'").fetchone()[0]
+                                "WHERE table_name = 'phase_waits'").fetchone()[0]
         spy = SqlSpy(data.con)
         build_own(spy)
         phases = {k: {**v, "per_rank": [dict(p) for p in v["per_rank"]]}
                   for k, v in doc["phases"].items()}
         phase_waits(spy, phases)
-        inside = {a for (a,) in data.con.execute("SELECT DISTINCT anc FROM cin").fetchall()}
+        inside = {a for (a,) in data.con.execute("SELECT DISTINCT anc FROM phase_collectives").fetchall()}
         known = {p for (p,) in data.con.execute("SELECT path FROM wait_medians").fetchall()}
     finally:
         data.close()
     assert kind == "VIEW"
-    assert not any("FROM pw" in s or "JOIN pw" in s for s in spy.sqls), spy.sqls
+    assert not any("FROM phase_waits" in s or "JOIN phase_waits" in s for s in spy.sqls), spy.sqls
     # Run-wide medians of the waits only for the paths a collective lies inside (less the
     # top-level ones build_own took); the other paths' rows (wait 0 throughout) come from
     # one statement over phases.
@@ -871,15 +873,15 @@ def test_waits_one_pass_over_the_collectives(tmp_path: Path) -> None:
     data = doc["_data"]
     a = doc["run"]["alignment"]
     try:
-        before = data.con.execute("SELECT * FROM cw ORDER BY ALL").fetchall()
+        before = data.con.execute("SELECT * FROM collective_waits ORDER BY ALL").fetchall()
         spy = SqlSpy(data.con)
         build_waits(spy, len(data.ranks),
                     Alignment(a["sync_phase"], a["arrival"], a["aligned"], a["method"]))
-        after = data.con.execute("SELECT * FROM cw ORDER BY ALL").fetchall()
+        after = data.con.execute("SELECT * FROM collective_waits ORDER BY ALL").fetchall()
     finally:
         data.close()
     assert after == before and any(r[-1] > 0 for r in before)
-    made = [s for s in spy.sqls if "CREATE OR REPLACE TABLE cw" in s]
+    made = [s for s in spy.sqls if "CREATE OR REPLACE TABLE collective_waits" in s]
     assert len(made) == 1 and "OVER" not in made[0], made
     assert not any("TABLE cm" in s for s in spy.sqls)
 
@@ -898,13 +900,13 @@ def test_goodput_takes_exposed_comm_from_the_waits_table(tmp_path: Path) -> None
         con = data.con
         shared_sql = goodput._split_sql(con)
         shared = con.execute(f"SELECT * FROM ({shared_sql}) ORDER BY ALL").fetchall()
-        con.execute("ALTER TABLE wait DROP COLUMN comm_ms")
+        con.execute("ALTER TABLE step_waits DROP COLUMN comm_ms")
         own_sql = goodput._split_sql(con)
         grouped = con.execute(f"SELECT * FROM ({own_sql}) ORDER BY ALL").fetchall()
         again = goodput.compute_goodput(con, run, None)
     finally:
         data.close()
-    assert "FROM cw" not in shared_sql and "FROM cw" in own_sql
+    assert "FROM collective_waits" not in shared_sql and "FROM collective_waits" in own_sql
     assert shared == grouped and any(r[2] > 0 for r in shared)
     assert again == doc["goodput"]
 
@@ -967,7 +969,7 @@ def test_cin_takes_cw_rows_as_they_are_when_they_are_its_keys(tmp_path: Path,
             doc = analyze_run(run, keep=True)
         data = doc.pop("_data")
         try:
-            cin = data.con.execute("SELECT * FROM cin ORDER BY ALL").fetchall()
+            cin = data.con.execute("SELECT * FROM phase_collectives ORDER BY ALL").fetchall()
             types = data.con.execute("DESCRIBE cin").fetchall()
         finally:
             data.close()

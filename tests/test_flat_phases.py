@@ -34,7 +34,7 @@ def _phases(run: Path, monkeypatch: pytest.MonkeyPatch, flat: bool) -> tuple[str
         rows = con.execute("SELECT * FROM phases ORDER BY ALL").fetchall()
         cols = con.execute("SELECT column_name, data_type FROM information_schema.columns "
                            "WHERE table_name = 'phases' ORDER BY ordinal_position").fetchall()
-        dups = con.execute("SELECT n FROM phase_dups").fetchone()[0]
+        dups = con.execute("SELECT n FROM duplicate_paths").fetchone()[0]
         return kind, rows, (cols, dups), list(data.skipped)
     finally:
         data.close()

@@ -25,7 +25,7 @@ def test_one_validation_pass_and_no_copy_of_the_phase_lists(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, store: bool) -> None:
     # The lines per file, the schema versions and the implausible records were three scans
     # of every record (the last one evaluating the plausibility rule over each phase list,
-    # and the copy into ``rec`` a second time); ``rec`` held every phase list, copied again
+    # and the copy into ``kept_records`` a second time); ``kept_records`` held every phase list, copied again
     # into ``phases``. Now: one grouped pass, one evaluation of the rule, no list copy.
     run = write_run(tmp_path / "run", SynthRun(ranks=3, steps=12, comm_child=True,
                                                slow=(Slow(1, "forward", 5.0),)))
@@ -35,7 +35,7 @@ def test_one_validation_pass_and_no_copy_of_the_phase_lists(
     finally:
         data.close()
     assert n_phases > 3 * 12
-    grouped = [s for s in sqls if "FROM raw" in s and "GROUP BY" in s]
+    grouped = [s for s in sqls if "FROM raw_records" in s and "GROUP BY" in s]
     assert len(grouped) == 1, grouped
     # The rule over the phase lists is evaluated once: on a clean run, on each element as
     # ``phases`` unnests it (the grouped pass then reads no list at all).
@@ -43,11 +43,11 @@ def test_one_validation_pass_and_no_copy_of_the_phase_lists(
     assert "phases" not in grouped[0], grouped
     built = [s for s in sqls if s.startswith("CREATE TABLE phases ")]
     if store:  # the store's flat copy: the rule was evaluated at compaction; a view over it
-        assert not built and not any("unnest(" in s and "FROM raw" in s for s in sqls), built
+        assert not built and not any("unnest(" in s and "FROM raw_records" in s for s in sqls), built
         assert len([s for s in sqls if s.startswith("CREATE VIEW phases ")]) == 1
     else:
         assert len(built) == 1 and "error(" in built[0] and "isfinite(p.ms)" in built[0], built
-    rec = [s for s in sqls if s.startswith(("CREATE TABLE rec ", "CREATE VIEW rec "))]
+    rec = [s for s in sqls if s.startswith(("CREATE TABLE kept_records ", "CREATE VIEW kept_records "))]
     assert len(rec) == 1 and "SELECT *" not in rec[0] and ", phases" not in rec[0], rec
 
 
@@ -125,7 +125,7 @@ def _phase_dups(tmp_path: Path, recs: dict[int, list[dict[str, Any]]],
         (run / f"rank{r}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
     data, sqls = _load(run, monkeypatch, store=store)
     try:
-        return int(data.con.execute("SELECT n FROM phase_dups").fetchone()[0]), sqls
+        return int(data.con.execute("SELECT n FROM duplicate_paths").fetchone()[0]), sqls
     finally:
         data.close()
 
@@ -151,17 +151,17 @@ def test_duplicate_paths_counted_by_keys_where_the_run_has_over_64_paths(
 @pytest.mark.parametrize("store", [True, False])
 def test_records_copied_without_decoding_the_phase_lists(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, store: bool) -> None:
-    # ``rec`` tested "phases IS NOT NULL": at 10^8 samples that decoded every phase list
+    # ``kept_records`` tested "phases IS NOT NULL": at 10^8 samples that decoded every phase list
     # once more (~8 s CPU). The grouped pass counts the records whose only missing field
     # is the list; with none, nothing but the phases table reads the lists.
     run = write_run(tmp_path / "run", SynthRun(ranks=3, steps=8, comm_child=True))
     data, sqls = _load(run, monkeypatch, store=store)
     data.close()
-    # Nor is every record's every column copied: ``rec`` is a view of the rows kept.
-    rec = [s for s in sqls if s.startswith(("CREATE TABLE rec ", "CREATE VIEW rec "))]
-    assert rec == [s for s in rec if s.startswith("CREATE VIEW rec ")], rec
+    # Nor is every record's every column copied: ``kept_records`` is a view of the rows kept.
+    rec = [s for s in sqls if s.startswith(("CREATE TABLE kept_records ", "CREATE VIEW kept_records "))]
+    assert rec == [s for s in rec if s.startswith("CREATE VIEW kept_records ")], rec
     assert len(rec) == 1 and "phases" not in rec[0], rec
-    reading = [s for s in sqls if "phases" in s and "FROM raw" in s]
+    reading = [s for s in sqls if "phases" in s and "FROM raw_records" in s]
     if store:  # the store's flat copy is read instead
         assert not reading, reading
     else:
@@ -187,7 +187,7 @@ def test_a_record_without_its_phase_list_is_still_skipped(
         data.close()
     # The records checked up front (the record's own step is on one rank only): the kept
     # ones are those with a list.
-    rec = [s for s in sqls if s.startswith(("CREATE TABLE rec ", "CREATE VIEW rec "))]
+    rec = [s for s in sqls if s.startswith(("CREATE TABLE kept_records ", "CREATE VIEW kept_records "))]
     assert rec and "phases IS NOT NULL" in rec[-1], rec
     ref = load.load_run(clean, store=store)
     try:
@@ -240,7 +240,7 @@ def test_lists_checked_in_phases_gives_what_checking_first_gives(
         finally:
             data.close()
         if fast:
-            first = [s for s in sqls if "FROM raw" in s and "GROUP BY" in s]
+            first = [s for s in sqls if "FROM raw_records" in s and "GROUP BY" in s]
             # The grouped pass again, with the lists, only where the assumption failed.
             assert len(first) == (1 if kind in ("clean", "partial_step") else 2), first
     assert got[True] == got[False]

@@ -25,12 +25,13 @@ def test_median_of_the_other_ranks_matches_python(n):
             vals[-1] = vals[0]  # ties
         con.execute("CREATE OR REPLACE TABLE phases"
                     "(rank INT, step INT, path VARCHAR, parent VARCHAR, ms DOUBLE)")
-        con.execute("CREATE OR REPLACE TABLE cw(rank INT, step INT, phase VARCHAR, wait DOUBLE, ms DOUBLE)")
+        con.execute("CREATE OR REPLACE TABLE collective_waits"
+                    "(rank INT, step INT, phase VARCHAR, wait DOUBLE, ms DOUBLE)")
         con.execute("CREATE OR REPLACE TABLE steps(rank INT, step INT, residual_ms DOUBLE)")
         con.executemany("INSERT INTO phases VALUES (?, 0, 'forward', NULL, ?)", list(enumerate(vals)))
         con.executemany("INSERT INTO steps VALUES (?, 0, 0.0)", [(r,) for r in range(n)])
         build_own(con)
-        got = dict(con.execute("SELECT rank, others FROM ex WHERE name = 'forward'").fetchall())
+        got = dict(con.execute("SELECT rank, others FROM own_excess WHERE name = 'forward'").fetchall())
         for r in range(n):
             others = vals[:r] + vals[r + 1:]
             if not others:

@@ -85,9 +85,9 @@ def test_runq_extra_is_each_rank_less_the_others_median() -> None:
     rows = [(r, s, round(rng.uniform(0, 3), 1)) for s in range(30) for r in range(1 + s % 6)]
     con = duckdb.connect()
     try:
-        con.execute("CREATE TABLE res (rank INTEGER, step BIGINT, runq_ms DOUBLE)")
-        con.executemany("INSERT INTO res VALUES (?, ?, ?)", rows)
-        con.execute("INSERT INTO res VALUES (9, 3, NULL), (9, 4, 'nan')")
+        con.execute("CREATE TABLE step_resources (rank INTEGER, step BIGINT, runq_ms DOUBLE)")
+        con.executemany("INSERT INTO step_resources VALUES (?, ?, ?)", rows)
+        con.execute("INSERT INTO step_resources VALUES (9, 3, NULL), (9, 4, 'nan')")
         got = runq_extra(con)
     finally:
         con.close()
@@ -116,7 +116,8 @@ def test_one_median_of_others_rule_for_run_queue(monkeypatch: Any) -> None:
     monkeypatch.setattr(series, "median_of_others", counted)
     con = duckdb.connect()
     try:
-        con.execute("CREATE TABLE res AS SELECT (i % 3)::INTEGER AS rank, (i // 3)::BIGINT AS step, "
+        con.execute("CREATE TABLE step_resources AS SELECT (i % 3)::INTEGER AS rank, "
+                    "(i // 3)::BIGINT AS step, "
                     "(i % 5)::DOUBLE AS runq_ms FROM range(30) t(i)")
         series.runq_extra(con)
     finally:

@@ -146,7 +146,7 @@ def _redone_run(root: Path) -> Path:
 @pytest.mark.parametrize("store", [True, False])
 def test_goodput_reads_no_rank_file_twice(tmp_path: Path, store: bool,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """Goodput's rows come from the lines the load read (table ``light``), equal to what its
+    """Goodput's rows come from the lines the load read (table ``timed_records``), equal to what its
     own re-read of the rank files gives; the files are not read a second time."""
     from stepscope.analysis import goodput
     from stepscope.analysis.run import analyze_run
@@ -166,7 +166,7 @@ def test_goodput_reads_no_rank_file_twice(tmp_path: Path, store: bool,
         assert gp["lost_gpu_hours"]["restarts"] > 0
         # The old path (re-reading the files) gives the same section.
         monkeypatch.setattr(goodput, "_read_light", reread)
-        data.con.execute("DROP TABLE light")
+        data.con.execute("DROP TABLE timed_records")
         assert goodput.compute_goodput(data.con, run, doc["run"]["warmup"]) == gp
         # Whole ranks a block at a time (one each): the relaunch's segments, the re-done
         # steps and every sum are the same.

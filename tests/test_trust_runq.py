@@ -110,8 +110,8 @@ def test_runq_extra_is_over_the_other_ranks_median(tmp_path: Path) -> None:
     import duckdb
 
     con = duckdb.connect()
-    con.execute("CREATE TABLE res (rank INTEGER, step BIGINT, runq_ms DOUBLE)")
-    con.execute("INSERT INTO res VALUES (0, 0, 1.0), (1, 0, 2.0), (2, 0, 10.0), (3, 0, 4.0),"
+    con.execute("CREATE TABLE step_resources (rank INTEGER, step BIGINT, runq_ms DOUBLE)")
+    con.execute("INSERT INTO step_resources VALUES (0, 0, 1.0), (1, 0, 2.0), (2, 0, 10.0), (3, 0, 4.0),"
                 " (0, 1, 5.0), (1, 1, 1.0), (0, 2, 3.0), (1, 2, NULL)")
     ex = series.runq_extra(con)
     assert ex[2][0] == pytest.approx(8.0)  # others 1, 2, 4
@@ -120,7 +120,7 @@ def test_runq_extra_is_over_the_other_ranks_median(tmp_path: Path) -> None:
     assert ex[0][1] == pytest.approx(4.0) and ex[1][1] == pytest.approx(-4.0)
     assert 2 not in ex[0]  # a step with one rank's value compares nothing
     empty = duckdb.connect()
-    empty.execute("CREATE TABLE res (rank INTEGER, step BIGINT)")
+    empty.execute("CREATE TABLE step_resources (rank INTEGER, step BIGINT)")
     assert series.runq_extra(empty) == {}
 
 
@@ -312,8 +312,9 @@ def test_host_busy_rule_takes_run_queue_wait_as_evidence() -> None:
     assert not host.is_host_busy(w, "cuda", [], None, rq)
     assert host.is_host_busy({**w, "phase": "backward"}, "cpu", [], None, None)
     con = duckdb.connect()
-    con.execute("CREATE TABLE res (rank INTEGER, step BIGINT, runq_ms DOUBLE)")
-    con.execute("INSERT INTO res SELECT r, s, CASE WHEN r = 1 AND s BETWEEN 10 AND 19 THEN 15.0 ELSE 0.5 END"
+    con.execute("CREATE TABLE step_resources (rank INTEGER, step BIGINT, runq_ms DOUBLE)")
+    con.execute("INSERT INTO step_resources SELECT r, s, "
+                "CASE WHEN r = 1 AND s BETWEEN 10 AND 19 THEN 15.0 ELSE 0.5 END"
                 " FROM range(2) t(r), range(30) u(s)")
     job, busy = host.split_host_busy([w], "cpu", [], None)
     assert busy == [] and job == [w]  # no run loaded: only the phase rule

@@ -1,6 +1,6 @@
 """Putting ranks on one timeline: the synchronising phase and per-host clock offsets.
 
-View ``st`` (rank, step, host, t, step_ms) holds each step's start on the aligned timeline.
+View ``aligned_steps`` (rank, step, host, t, step_ms) holds each step's start on the aligned timeline.
 Only the fallback for records without any collective timing (:func:`timeline_wait`) compares
 clocks across ranks; the wait rule (:mod:`stepscope.common.waits`) never does.
 """
@@ -48,9 +48,9 @@ def _in(block: tuple[tuple[int, int], tuple[int, int]]) -> str:
 
 
 def align(con: Any, hosts: dict[str, list[int]], n_ranks: int, median_step: float) -> Alignment:
-    """Pick the synchronising phase, estimate per-host clock offsets, make view ``st``.
+    """Pick the synchronising phase, estimate per-host clock offsets, make view ``aligned_steps``.
 
-    ``st`` (rank, step, host, t, step_ms) has ``t`` = step start on the aligned timeline.
+    ``aligned_steps`` (rank, step, host, t, step_ms) has ``t`` = step start on the aligned timeline.
     """
     cands = _candidates(con, n_ranks) if n_ranks > 1 else []
     multi_host = len(hosts) > 1
@@ -62,18 +62,19 @@ def align(con: Any, hosts: dict[str, list[int]], n_ranks: int, median_step: floa
         # Per step and host, a block of whole hosts at a time (analysis/blocks.py); the
         # median over all of them at the end.
         blocks = host_blocks(con, hosts)
-        con.execute("CREATE OR REPLACE TEMP TABLE spr (name VARCHAR, spread DOUBLE)")
+        con.execute("CREATE OR REPLACE TEMP TABLE sync_spreads (name VARCHAR, spread DOUBLE)")
         for b in blocks:
             con.execute(
-                f"""INSERT INTO spr
+                f"""INSERT INTO sync_spreads
                     SELECT p.name, max(s.t0 + p.e) - min(s.t0 + p.e) AS spread
                     FROM phases p JOIN steps s USING (rank, step)
                     WHERE p.parent IS NULL AND p.name IN ({names}) AND {_in(b)}
                     GROUP BY p.name, p.step, s.host HAVING count(*) > 1"""
             )
-        for name, spread in con.execute("SELECT name, median(spread) FROM spr GROUP BY 1").fetchall():
+        for name, spread in con.execute(
+                "SELECT name, median(spread) FROM sync_spreads GROUP BY 1").fetchall():
             spreads[name] = float(spread)
-        con.execute("DROP TABLE spr")
+        con.execute("DROP TABLE sync_spreads")
     sync: str | None = None
     if spreads:
         best = min(spreads, key=lambda n: spreads[n])
@@ -94,35 +95,35 @@ def align(con: Any, hosts: dict[str, list[int]], n_ranks: int, median_step: floa
     offsets: dict[str, float] = {h: 0.0 for h in hosts}
     method = "single host: start_unix_ns compared directly" if not multi_host else ""
     if multi_host and sync is not None:
-        con.execute("CREATE OR REPLACE TEMP TABLE ends (host VARCHAR, step BIGINT, end_t DOUBLE)")
+        con.execute("CREATE OR REPLACE TEMP TABLE sync_ends (host VARCHAR, step BIGINT, end_t DOUBLE)")
         for b in host_blocks(con, hosts):
             con.execute(
-                f"""INSERT INTO ends SELECT s.host, p.step, s.t0 + p.e AS end_t FROM phases p
+                f"""INSERT INTO sync_ends SELECT s.host, p.step, s.t0 + p.e AS end_t FROM phases p
                     JOIN steps s USING (rank, step)
                     WHERE p.name = '{sync}' AND p.parent IS NULL AND {_in(b)}"""
             )
         rows = con.execute(
-            """WITH med AS (SELECT step, median(end_t) AS m FROM ends GROUP BY 1)
-               SELECT host, median(end_t - m) FROM ends JOIN med USING (step) GROUP BY 1"""
+            """WITH med AS (SELECT step, median(end_t) AS m FROM sync_ends GROUP BY 1)
+               SELECT host, median(end_t - m) FROM sync_ends JOIN med USING (step) GROUP BY 1"""
         ).fetchall()
-        con.execute("DROP TABLE ends")
+        con.execute("DROP TABLE sync_ends")
         offsets = {str(h): float(o) for h, o in rows}
         method = (f"{len(hosts)} hosts: per-host clock offsets estimated from the common end "
                   f"of '{sync}' (median over steps)")
     elif multi_host:
         method = (f"{len(hosts)} hosts and no synchronising phase: clocks compared as "
                   "recorded (offsets unknown)")
-    con.execute("CREATE OR REPLACE TABLE hoff (host VARCHAR, off DOUBLE)")
+    con.execute("CREATE OR REPLACE TABLE host_offsets (host VARCHAR, off DOUBLE)")
     if offsets:
         # One statement: executemany runs one INSERT per host (seconds at 10^3 hosts).
-        con.execute("INSERT INTO hoff SELECT unnest(?::VARCHAR[]), unnest(?::DOUBLE[])",
+        con.execute("INSERT INTO host_offsets SELECT unnest(?::VARCHAR[]), unnest(?::DOUBLE[])",
                     [list(offsets), list(offsets.values())])
     # A view: only the timeline fallback and the Perfetto export read it (the table was
     # 10^7 rows written at 10^8 phase samples, ~1.4 s CPU, for no reader on most runs).
     con.execute(
-        """CREATE OR REPLACE VIEW st AS
+        """CREATE OR REPLACE VIEW aligned_steps AS
            SELECT s.rank, s.step, s.host, s.t0 - coalesce(h.off, 0.0) AS t, s.step_ms
-           FROM steps s LEFT JOIN hoff h USING (host)"""
+           FROM steps s LEFT JOIN host_offsets h USING (host)"""
     )
     arrival = sync
     if sync is not None:
@@ -139,29 +140,31 @@ def align(con: Any, hosts: dict[str, list[int]], n_ranks: int, median_step: floa
 
 
 def _timeline_wait(con: Any, al: Alignment) -> None:
-    """Table ``tw`` (rank, step, wait_ms): arrival gaps on the aligned timeline.
+    """Table ``timeline_waits`` (rank, step, wait_ms): arrival gaps on the aligned timeline.
 
     Only a fallback for records without any collective timing (no ``collectives`` section,
     no ``grad_sync`` phase): it compares clocks across ranks, which the wait rule never does.
     """
     if al.sync_phase is None:
         con.execute(
-            "CREATE OR REPLACE TABLE tw AS SELECT rank, step, CAST(0 AS DOUBLE) AS wait_ms FROM st"
+            "CREATE OR REPLACE TABLE timeline_waits AS SELECT rank, step, CAST(0 AS DOUBLE) AS wait_ms "
+            "FROM aligned_steps"
         )
         return
     parent = "p.parent IS NULL" if al.arrival == al.sync_phase else f"p.parent = '{al.sync_phase}'"
     con.execute(
-        f"""CREATE OR REPLACE TABLE arr AS
-            SELECT st.rank, st.step, st.t + p.s AS a, p.e - p.s AS dur
-            FROM st JOIN phases p USING (rank, step)
+        f"""CREATE OR REPLACE TABLE arrivals AS
+            SELECT aligned_steps.rank, aligned_steps.step, aligned_steps.t + p.s AS a, p.e - p.s AS dur
+            FROM aligned_steps JOIN phases p USING (rank, step)
             WHERE p.name = '{al.arrival}' AND {parent}"""
     )
     con.execute(
-        """CREATE OR REPLACE TABLE tw AS
-           WITH last AS (SELECT step, max(a) AS l FROM arr GROUP BY 1)
-           SELECT st.rank, st.step,
-                  CAST(coalesce(least(greatest(last.l - arr.a, 0.0), greatest(arr.dur, 0.0)), 0.0) AS DOUBLE)
+        """CREATE OR REPLACE TABLE timeline_waits AS
+           WITH last AS (SELECT step, max(a) AS l FROM arrivals GROUP BY 1)
+           SELECT aligned_steps.rank, aligned_steps.step,
+                  CAST(coalesce(least(greatest(last.l - arrivals.a, 0.0),
+                                      greatest(arrivals.dur, 0.0)), 0.0) AS DOUBLE)
                       AS wait_ms
-           FROM st LEFT JOIN arr USING (rank, step) LEFT JOIN last USING (step)"""
+           FROM aligned_steps LEFT JOIN arrivals USING (rank, step) LEFT JOIN last USING (step)"""
     )
-    con.execute("DROP TABLE arr")
+    con.execute("DROP TABLE arrivals")

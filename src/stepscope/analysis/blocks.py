@@ -1,6 +1,6 @@
 """Blocks of steps: the per-step statements run over a few steps at a time.
 
-The alignment spreads, the waits inside each phase path (``pw``) and the own-work tables
+The alignment spreads, the waits inside each phase path (``phase_waits``) and the own-work tables
 are per step: a step's values depend only on that step's rows of every rank. Grouping or
 joining the whole run at once makes DuckDB hold a hash table over every (rank, step, path)
 (10^8 rows: out of memory at a 3 GB limit); over a block of steps it holds that block's.

@@ -1,4 +1,5 @@
-"""Who waited in which collective: tables ``cw`` and ``wait``, and the report's collectives view.
+"""Who waited in which collective: tables ``collective_waits`` and ``step_waits``, and the report's
+collectives view.
 
 The one wait rule (:mod:`stepscope.common.waits`) applied per (step, phase path, op, group)
 to the records' ``collectives`` sections plus every ``grad_sync`` phase (DDP's bucketed
@@ -50,15 +51,15 @@ def _q(s: str) -> str:
 
 def _grad_sync_keyed(con: Any) -> bool:
     """Whether every ``grad_sync`` row of ``phases`` is the only one of its (rank, step,
-    parent) (no record lists a path twice: table ``phase_dups`` from analysis/load.py, and
+    parent) (no record lists a path twice: table ``duplicate_paths`` from analysis/load.py, and
     each such path is its parent's + ``/grad_sync``) and no recorded collective has DDP's op
-    and group, so ``call`` need not group those rows."""
+    and group, so ``collective_calls`` need not group those rows."""
     if not phase_keys_unique(con):
         return False
     # A path is a key; it names its parent only where it is the parent's path + the name (a
     # record's own path may be another: two such paths could share a parent).
     return not con.execute(
-        f"""SELECT (SELECT count(*) FROM colls WHERE op = '{DDP_OP}' AND pg = '{DDP_PG}')
+        f"""SELECT (SELECT count(*) FROM collectives WHERE op = '{DDP_OP}' AND pg = '{DDP_PG}')
                    + (SELECT count(*) FROM phases WHERE name = '{GRAD_SYNC}'
                       AND path IS DISTINCT FROM (CASE WHEN parent IS NULL THEN name
                                                       ELSE parent || '/' || name END))"""
@@ -67,16 +68,17 @@ def _grad_sync_keyed(con: Any) -> bool:
 
 def build_waits(con: Any, n_ranks: int, al: Alignment,
                 info: list[str] | None = None) -> tuple[str, list[str]]:
-    """Tables ``cw`` (one row per rank, step, phase, op, pg with its ``wait``) and ``wait``.
+    """Tables ``collective_waits`` (one row per rank, step, phase, op, pg with its ``wait``) and
+    ``step_waits``.
 
-    ``wait`` (rank, step, wait_ms, comm_ms) is each rank's total wait per step and the rest
+    ``step_waits`` (rank, step, wait_ms, comm_ms) is each rank's total wait per step and the rest
     of its time in collectives. Returns the wait
     source and notes on partitions that could not be matched.
     """
     gs = f"""SELECT rank, step, parent, '{DDP_OP}', '{DDP_PG}', {n_ranks}, calls, NULL, ms,
                     NULL, NULL FROM phases WHERE name = '{GRAD_SYNC}'"""
     colls = f"""SELECT rank, step, phase, op, pg, coalesce(pg_size, {n_ranks}) AS pg_size, count,
-                       bytes, ms, seq_first, seq_last FROM colls"""
+                       bytes, ms, seq_first, seq_last FROM collectives"""
 
     def grouped(rows: str) -> str:
         return f"""SELECT rank, step, phase, op, pg, max(pg_size) AS pg_size, sum(count) AS count,
@@ -89,21 +91,21 @@ def build_waits(con: Any, n_ranks: int, al: Alignment,
         # shares its op and group: those rows are their own groups, so only the collectives
         # are grouped (a group-by over the 10^7 grad_sync rows at 10^8 phase samples gave
         # back the rows it was given). The union takes the grouped columns' types.
-        con.execute(f"CREATE OR REPLACE TABLE call AS {grouped(colls)} UNION ALL {gs}")
+        con.execute(f"CREATE OR REPLACE TABLE collective_calls AS {grouped(colls)} UNION ALL {gs}")
     else:
-        con.execute(f"CREATE OR REPLACE TABLE call AS {grouped(f'{colls} UNION ALL {gs}')}")
+        con.execute(f"CREATE OR REPLACE TABLE collective_calls AS {grouped(f'{colls} UNION ALL {gs}')}")
     notes: list[str] = []
     n_calls, n_coll = con.execute(
-        f"SELECT count(*), count(*) FILTER (WHERE op <> '{DDP_OP}') FROM call").fetchone()
+        f"SELECT count(*), count(*) FILTER (WHERE op <> '{DDP_OP}') FROM collective_calls").fetchone()
     # A group is expected on as many ranks as its size, capped by the ranks that ever
     # recorded it (a rank file or a rank's collective timing may be missing).
     con.execute(
-        """CREATE OR REPLACE TABLE cexp AS
+        """CREATE OR REPLACE TABLE group_ranks AS
            SELECT pg, least(max(pg_size), count(DISTINCT rank)) AS n, max(pg_size) AS size,
-                  count(DISTINCT rank) AS seen FROM call GROUP BY 1"""
+                  count(DISTINCT rank) AS seen FROM collective_calls GROUP BY 1"""
     )
     for pg, size, seen in con.execute(
-        "SELECT pg, size, seen FROM cexp WHERE seen < size ORDER BY 1").fetchall():
+        "SELECT pg, size, seen FROM group_ranks WHERE seen < size ORDER BY 1").fetchall():
         if pg == DDP_PG and seen == n_ranks:
             continue
         notes.append(
@@ -114,32 +116,33 @@ def build_waits(con: Any, n_ranks: int, al: Alignment,
     # whether it matched, whether its sequence numbers differ, and its shortest time, the
     # same values as a window partitioned by it, without sorting every collective.
     con.execute(
-        f"""CREATE OR REPLACE TABLE cw AS
+        f"""CREATE OR REPLACE TABLE collective_waits AS
             WITH g AS (SELECT step, coalesce(phase, '') AS ph, op, pg, count(*) AS n,
                               min(count) = max(count) AS same_count,
                               min(seq_first) IS DISTINCT FROM max(seq_first) AS seq_shift,
                               min(ms) AS lo
-                       FROM call WHERE NOT {IS_P2P} GROUP BY 1, 2, 3, 4)
+                       FROM collective_calls WHERE NOT {IS_P2P} GROUP BY 1, 2, 3, 4)
             SELECT c.*, g.n = e.n AND g.same_count AS matched, g.seq_shift,
                    CASE WHEN g.n = e.n AND g.same_count THEN {sql_wait_grouped('c.ms', 'g.lo')}
                         ELSE CAST(0.0 AS DOUBLE) END AS wait
-            FROM call c JOIN cexp e USING (pg)
+            FROM collective_calls c JOIN group_ranks e USING (pg)
                  JOIN g ON c.step = g.step AND coalesce(c.phase, '') = g.ph AND c.op = g.op
                            AND c.pg = g.pg
             WHERE NOT c.{IS_P2P}
-            UNION ALL BY NAME SELECT * FROM p2pw"""
+            UNION ALL BY NAME SELECT * FROM p2p_waits"""
     )
-    con.execute("DROP TABLE p2pw")
+    con.execute("DROP TABLE p2p_waits")
     bad = con.execute(
         """SELECT count(*), count(DISTINCT step), string_agg(DISTINCT op || '@' || pg, ', ')
-            FROM (SELECT DISTINCT step, phase, op, pg FROM cw WHERE NOT matched)"""
+            FROM (SELECT DISTINCT step, phase, op, pg FROM collective_waits WHERE NOT matched)"""
     ).fetchone()
     if bad[0]:
         notes.append(
             f"{bad[0]} collective group(s) on {bad[1]} step(s) ({bad[2]}) were not recorded on "
             "every rank of their group or with different call counts (a rank skipped or added "
             "a call): their time is not counted as waiting")
-    shifted = con.execute("SELECT count(DISTINCT step) FROM cw WHERE matched AND seq_shift").fetchone()[0]
+    shifted = con.execute(
+        "SELECT count(DISTINCT step) FROM collective_waits WHERE matched AND seq_shift").fetchone()[0]
     if shifted:
         notes.append(
             f"collective sequence numbers differ across ranks on {shifted} step(s) (a rank "
@@ -150,7 +153,7 @@ def build_waits(con: Any, n_ranks: int, al: Alignment,
     n_gs, n_bw = con.execute(
         f"""SELECT count(*) FILTER (WHERE op = '{DDP_OP}'),
                    count(*) FILTER (WHERE phase = 'backward' OR starts_with(phase, 'backward/'))
-            FROM call"""
+            FROM collective_calls"""
     ).fetchone()
     if n_calls and not n_gs and not n_bw and n_ranks > 1 and al.sync_phase == "backward":
         # Collectives recorded elsewhere, but none in backward and no grad_sync phase
@@ -159,12 +162,12 @@ def build_waits(con: Any, n_ranks: int, al: Alignment,
         # collective timing.
         _timeline_wait(con, al)
         con.execute(
-            f"""INSERT INTO cw (rank, step, phase, op, pg, pg_size, count, ms, matched,
+            f"""INSERT INTO collective_waits (rank, step, phase, op, pg, pg_size, count, ms, matched,
                                 seq_shift, wait)
                 SELECT rank, step, 'backward', 'arrival_gap', 'timeline', {n_ranks}, 1,
-                       wait_ms, TRUE, FALSE, wait_ms FROM tw"""
+                       wait_ms, TRUE, FALSE, wait_ms FROM timeline_waits"""
         )
-        con.execute("DROP TABLE tw")
+        con.execute("DROP TABLE timeline_waits")
         source = "collectives+timeline"
         info.append("no grad_sync phase: DDP's all-reduce wait in backward is estimated from "
                     "arrival gaps on the aligned timeline (clocks compared across ranks)")
@@ -172,27 +175,27 @@ def build_waits(con: Any, n_ranks: int, al: Alignment,
         # No collective timing at all: fall back to arrival gaps on the aligned timeline.
         _timeline_wait(con, al)
         con.execute(
-            f"""INSERT INTO cw (rank, step, phase, op, pg, pg_size, count, ms, matched,
+            f"""INSERT INTO collective_waits (rank, step, phase, op, pg, pg_size, count, ms, matched,
                                 seq_shift, wait)
                 SELECT rank, step, {_q(al.sync_phase)}, 'arrival_gap', 'timeline', {n_ranks}, 1,
-                       wait_ms, TRUE, FALSE, wait_ms FROM tw"""
+                       wait_ms, TRUE, FALSE, wait_ms FROM timeline_waits"""
         )
-        con.execute("DROP TABLE tw")
+        con.execute("DROP TABLE timeline_waits")
         source = "timeline"
     # comm_ms (time in collectives beyond the waits) for goodput's exposed_comm: the same
-    # group-by over cw, taken once, then joined to the steps (one row per (rank, step), so
+    # group-by over collective_waits, taken once, then joined to the steps (one row per (rank, step), so
     # grouping before the join gives the same sums and joins far fewer rows).
-    # A small block of ranks at a time (cw's and steps' rows lie rank by rank, so each
+    # A small block of ranks at a time (collective_waits's and steps' rows lie rank by rank, so each
     # block reads its own row groups): a hash table of ~2.5*10^5 keys stays in cache; one
     # of 10^7 (every (rank, step) at 10^8 phase samples) took 4.2 s CPU, the blocks 2.7.
     for k, b in enumerate(rank_blocks(con, max(1, BLOCK_RECORDS // _WAIT_BLOCK_SHARE))):
         con.execute(
-            f"""{'INSERT INTO wait' if k else 'CREATE OR REPLACE TABLE wait AS'}
+            f"""{'INSERT INTO step_waits' if k else 'CREATE OR REPLACE TABLE step_waits AS'}
                 SELECT s.rank, s.step, CAST(coalesce(c.w, 0.0) AS DOUBLE) AS wait_ms,
                        CAST(coalesce(c.x, 0.0) AS DOUBLE) AS comm_ms
                 FROM steps s LEFT JOIN (SELECT rank, step, sum(wait) AS w,
                                                sum(greatest(ms - wait, 0.0)) AS x
-                                        FROM cw WHERE {in_block('rank', b)} GROUP BY 1, 2) c
+                                        FROM collective_waits WHERE {in_block('rank', b)} GROUP BY 1, 2) c
                      USING (rank, step)
                 WHERE {in_block('s.rank', b)}"""
         )
@@ -225,7 +228,7 @@ def collectives_section(con: Any, source: str, notes: list[str]) -> dict[str, An
                   sum(wait), list(DISTINCT coalesce(phase, 'residual')),
                   sum(bytes) FILTER (WHERE matched), sum(ms - wait) FILTER (WHERE matched),
                   sum(count) FILTER (WHERE matched)
-           FROM cw WHERE pg <> 'timeline' GROUP BY 1, 2 ORDER BY sum(ms) DESC"""
+           FROM collective_waits WHERE pg <> 'timeline' GROUP BY 1, 2 ORDER BY sum(ms) DESC"""
     ).fetchall():
         per = float(ranks * n_steps)
         bus = None

@@ -1,6 +1,6 @@
 """Coverage sections: what the report adds for pipeline, expert parallel and unseen paths.
 
-Called once by :mod:`stepscope.analysis.run` after the wait attribution (tables ``cw`` and
+Called once by :mod:`stepscope.analysis.run` after the wait attribution (tables ``collective_waits`` and
 ``steps`` exist). Each section is added only when the run uses that mechanism, and its
 verdicts join the others, most severe first.
 """
@@ -44,7 +44,7 @@ def add_coverage_sections(con: Any, doc: dict[str, Any]) -> None:
 def blind_section(con: Any, doc: dict[str, Any]) -> list[dict[str, Any]]:
     """Collective paths the job used that stepscope does not time, each with its evidence.
 
-    From the records' ``unseen_<path>`` counters (table ``unseen``); ``untimed`` (a group that
+    From the records' ``unseen_<path>`` counters (table ``unseen_collectives``); ``untimed`` (a group that
     carried only C++-issued collectives) not in a DDP job, whose C++ all-reduce is ``grad_sync``.
     (A multi-rank run with
     no collective timing at all already says so in its collectives notes: waits estimated
@@ -55,7 +55,7 @@ def blind_section(con: Any, doc: dict[str, Any]) -> list[dict[str, Any]]:
     # DDP's bucketed all-reduce is issued from C++ on purpose: it is timed as grad_sync.
     ddp = any(str(p).split("/")[-1] == "grad_sync" for p in doc["phases"])
     for path, ranks, calls in con.execute(
-        "SELECT path, list(DISTINCT rank ORDER BY rank), sum(n) FROM unseen GROUP BY 1 ORDER BY 1"
+        "SELECT path, list(DISTINCT rank ORDER BY rank), sum(n) FROM unseen_collectives GROUP BY 1 ORDER BY 1"
     ).fetchall():
         if path == "untimed" and ddp:
             continue

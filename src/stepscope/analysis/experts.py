@@ -7,7 +7,7 @@ A mixture-of-experts layer sends each token to the rank holding its expert with 
 over a step, dispatch and combine cancel: what a rank receives in one it sends in the
 other.) A rank that receives far more than the others (its expert is popular) computes
 longer and arrives last at the all-to-all that returns the tokens, so the others wait
-there: that wait (from the one rule, table ``cw``) is the cost in time.
+there: that wait (from the one rule, table ``collective_waits``) is the cost in time.
 """
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ def experts_section(con: Any, median_step: float) -> dict[str, Any] | None:
         f"""SELECT pg, rank, sum(calls), sum(sent), sum(recv), count(*), median(peak)
             FROM (SELECT pg, rank, step, sum(count) AS calls, sum(bytes) AS sent,
                          sum(recv_bytes) AS recv, max(recv_max_bytes) AS peak
-                  FROM colls WHERE {_OPS} AND recv_bytes IS NOT NULL GROUP BY 1, 2, 3)
+                  FROM collectives WHERE {_OPS} AND recv_bytes IS NOT NULL GROUP BY 1, 2, 3)
             GROUP BY 1, 2 ORDER BY 1, 2"""
     ).fetchall()
     if not rows:
         return None
     waits = {(str(pg), int(r)): float(w or 0.0) for pg, r, w in con.execute(
-        f"SELECT pg, rank, sum(wait) FROM cw WHERE {_OPS} GROUP BY 1, 2").fetchall()}
+        f"SELECT pg, rank, sum(wait) FROM collective_waits WHERE {_OPS} GROUP BY 1, 2").fetchall()}
     n_steps = max(1, int(con.execute("SELECT count(DISTINCT step) FROM steps").fetchone()[0]))
     groups: dict[str, list[dict[str, Any]]] = {}
     for pg, rank, calls, sent, recv, steps, peak in rows:

@@ -86,8 +86,8 @@ def _light_rows(con: Any, run_dir: Path) -> _Plan | None:
 
     from stepscope.analysis.load import MAX_LINE_BYTES, drop_long_lines, rank_files
 
-    if exists(con, "light"):
-        return _rows(con, "light")  # kept by load_run from the lines it read
+    if exists(con, "timed_records"):
+        return _rows(con, "timed_records")  # kept by load_run from the lines it read
     if not run_dir.is_dir():
         return None  # a Parquet store elsewhere (a glob, a URL): no rank files to re-read
     # The files the analysis read (inside the run, no links out), with its line cap: a
@@ -113,15 +113,15 @@ def _read_light(con: Any, files: list[Path], max_line: int) -> _Plan | None:
     lst = "[" + ", ".join("'" + str(p).replace("'", "''") + "'" for p in files) + "]"
     cols = ("{rank: 'BIGINT', run_id: 'VARCHAR', step: 'BIGINT', start_unix_ns: 'BIGINT', "
             "step_ms: 'DOUBLE', untimed: 'BOOLEAN'}")
-    con.execute(f"""CREATE OR REPLACE TEMP TABLE light_read AS
+    con.execute(f"""CREATE OR REPLACE TEMP TABLE timed_records_reread AS
         SELECT rank, coalesce(run_id, '') AS run_id, step, start_unix_ns, step_ms
         FROM read_json({lst}, format='newline_delimited', columns={cols}, ignore_errors=true,
                        maximum_object_size={max_line + 2})
         WHERE rank IS NOT NULL AND step IS NOT NULL AND start_unix_ns IS NOT NULL
           AND step_ms IS NOT NULL AND isfinite(step_ms) AND step_ms >= 0 AND {TIMED_FILTER}
           AND start_unix_ns >= 0 AND start_unix_ns < {MAX_START_NS} AND step_ms <= {MAX_MS}""")
-    plan = _rows(con, "light_read")
-    plan.drop = "light_read"
+    plan = _rows(con, "timed_records_reread")
+    plan.drop = "timed_records_reread"
     return plan
 
 
@@ -175,22 +175,22 @@ def _split_sql(con: Any, extra: str = "", ranks: tuple[int, int] = blocks.WHOLE)
 
 def _splitter(con: Any) -> Callable[[str, tuple[int, int]], str]:
     """:func:`_split_sql` for the tables there are now (looked up once, not per block)."""
-    has_cw = exists(con, "cw")
-    has_wait = exists(con, "wait")
-    # The waits' table took the same per-(rank, step) sum over cw (collwaits.build_waits).
-    wait_comm = has_wait and has_column(con, "wait", "comm_ms")
+    has_cw = exists(con, "collective_waits")
+    has_wait = exists(con, "step_waits")
+    # The waits' table took the same per-(rank, step) sum over collective_waits (collwaits.build_waits).
+    wait_comm = has_wait and has_column(con, "step_waits", "comm_ms")
 
     def split(extra: str, ranks: tuple[int, int]) -> str:
         # Each part filtered to the block's ranks: its scan skips other ranks' row groups
         # and its group-by and joins hold the block's keys.
         blk = in_block("rank", ranks)
-        comm = (f"SELECT rank, step, sum(greatest(ms - wait, 0.0)) AS comm FROM cw WHERE {blk} "
+        comm = (f"SELECT rank, step, sum(greatest(ms - wait, 0.0)) AS comm FROM collective_waits WHERE {blk} "
                 "GROUP BY 1, 2" if has_cw else "SELECT rank, step, 0.0 AS comm FROM steps WHERE false")
-        wait = (f"SELECT rank, step, wait_ms FROM wait WHERE {blk}" if has_wait
+        wait = (f"SELECT rank, step, wait_ms FROM step_waits WHERE {blk}" if has_wait
                 else "SELECT rank, step, 0.0 AS wait_ms FROM steps WHERE false")
         if wait_comm:
             wait, comm_col, comm_join = (
-                f"SELECT rank, step, wait_ms, comm_ms FROM wait WHERE {blk}", "w.comm_ms", "")
+                f"SELECT rank, step, wait_ms, comm_ms FROM step_waits WHERE {blk}", "w.comm_ms", "")
         else:
             comm_col, comm_join = "c.comm", f"LEFT JOIN ({comm}) c USING (rank, step)"
         return f"""WITH i AS (SELECT rank, step, sum(ms) AS input FROM phases
@@ -267,7 +267,8 @@ def _seq_sum(acc: float, v: np.ndarray[Any, Any]) -> float:
 
 
 def compute_goodput(con: Any, run_dir: str | Path, warmup: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The report's ``goodput`` section from a loaded run (after attribution built ``wait``/``cw``).
+    """The report's ``goodput`` section from a loaded run (after attribution built ``step_waits``
+    and ``collective_waits``).
 
     ``None`` when there is no record to account for.
     """

@@ -10,12 +10,12 @@ sqlite extension needs a network download. The result is two tables on one conne
 ``phases`` (rank, step, name, parent, ms, s, calls, e, path) — one row per phase; ``s``/``e`` are
            offsets in ms from the step start; ``path`` ("forward/h2d") is the key (derived
            from name and parent for schema-1 records, whose ``parent`` is a name).
-``colls``  (rank, step, phase, op, pg, pg_size, count, bytes, ms, max_ms, seq_first, seq_last,
+``collectives``  (rank, step, phase, op, pg, pg_size, count, bytes, ms, max_ms, seq_first, seq_last,
            recv_bytes, recv_max_bytes) —
            the records' ``collectives`` sections (schema 2), one row per (phase, op, pg).
-``unseen`` (rank, step, path, n) — collectives issued where they could not be timed (the
+``unseen_collectives`` (rank, step, path, n) — collectives issued where they could not be timed (the
            records' ``unseen_<path>`` counters).
-``phase_dups`` (n) — one row: how many (rank, step, path) have more than one row in
+``duplicate_paths`` (n) — one row: how many (rank, step, path) have more than one row in
            ``phases`` (a record listing a path twice; 0: the three are a key).
 """
 
@@ -69,7 +69,7 @@ _COLUMNS = {
 _COLUMNS.update(RESOURCE_COLUMNS)  # [metrics] throughput/flops/memory/device/untimed
 #: The typed schema of one record line (also the Parquet store's columns, with ``filename``).
 COLUMNS = _COLUMNS
-#: The columns of table ``rec`` (each record's but ``phases``, which go to table ``phases``).
+#: The columns of table ``kept_records`` (each record's but ``phases``, which go to table ``phases``).
 _REC_COLUMNS = ", ".join(c for c in _COLUMNS if c != "phases")
 _REQUIRED = ("schema", "rank", "step", "start_unix_ns", "step_ms", "phases")
 
@@ -117,8 +117,8 @@ _VALID_SCALARS = " AND ".join(f"{c} IS NOT NULL" for c in _REQUIRED if c != "pha
 CHECK_LISTS_IN_PHASES = True
 #: The message of the error the ``phases`` statement raises where the assumption fails.
 _RECHECK = "stepscope: a phase list is missing or implausible; load again, checking first"
-#: Tables (and the view ``rec``) that loading builds before ``phases``.
-_EARLY = ("rec", "light", "common", "steps", "phases")
+#: Tables (and the view ``kept_records``) that loading builds before ``phases``.
+_EARLY = ("kept_records", "timed_records", "common_steps", "steps", "phases")
 
 
 class _Recheck(Exception):
@@ -373,7 +373,7 @@ def load_run(
         if not sources:
             raise AnalysisError(f"{root}: no records in any rank file")
         con = _connect(tmpdir.name, threads, memory_limit)
-        con.execute(f"CREATE TABLE raw AS SELECT * FROM {json_reader(sources)}")
+        con.execute(f"CREATE TABLE raw_records AS SELECT * FROM {json_reader(sources)}")
         data = _build_tables(con, root, skipped)
         data._tmp = tmpdir
         data.store_notes = store_notes
@@ -427,10 +427,10 @@ def _load_parquet(location: str, threads: int | None, memory_limit: str | None,
         flat = st.flat_phases_source(con, source) if parts and not tails else None
         try:
             # A view, not a copy: Parquet is typed and columnar, so each statement below
-            # reads only the columns it names (``rec`` every column but the phase lists,
+            # reads only the columns it names (``kept_records`` every column but the phase lists,
             # ``phases`` those lists; a table here would hold every record twice).
-            con.execute(f"CREATE VIEW raw AS {src}")
-            con.execute("SELECT 1 FROM raw LIMIT 1").fetchall()
+            con.execute(f"CREATE VIEW raw_records AS {src}")
+            con.execute("SELECT 1 FROM raw_records LIMIT 1").fetchall()
         except Exception as exc:  # duckdb.IOException: no files match the glob
             if root is None and "No files found" in str(exc):
                 raise AnalysisError(f"{location}: no Parquet records ({st.parquet_glob(location)})"
@@ -485,14 +485,14 @@ def _display_name(fname: str) -> str:
 def _build_tables(con: Any, root: Path, skipped: list[str], torn: set[str] | None = None,
                   lines: dict[str, int] | None = None, light: bool = True,
                   flat: str | None = None) -> RunData:
-    """Validate table ``raw`` (one row per line, corrupt lines all NULL) into the tables.
+    """Validate table ``raw_records`` (one row per line, corrupt lines all NULL) into the tables.
 
-    ``torn``: names of the files that do not end in a newline, when ``raw.filename`` holds
+    ``torn``: names of the files that do not end in a newline, when ``raw_records.filename`` holds
     names rather than paths (the Parquet store); otherwise each file is looked at.
     ``lines``: for the store, lines per file stored through its combined file, whose corrupt
     lines are rows without a file name (``tagged`` rows are those lines' good ones).
-    ``light``: also keep table ``light`` (goodput's rows), when ``raw`` came from rank files.
-    ``flat``: the table expression of the store's flat copy of ``raw``'s phase lists
+    ``light``: also keep table ``timed_records`` (goodput's rows), when ``raw_records`` came from rank files.
+    ``flat``: the table expression of the store's flat copy of ``raw_records``'s phase lists
     (:func:`flat_phases_sql`), if it has one.
 
     First with the phase lists assumed present and plausible (checked while ``phases`` is
@@ -526,7 +526,7 @@ def _build(con: Any, root: Path, skipped: list[str], torn: set[str] | None,
     # record's phase list: when it finds none implausible, the rule is TRUE for every
     # kept record and the statements below leave it out (no second evaluation per phase).
     # It also counts the records whose only missing field is the phase list: with none, the
-    # statements below test the scalar fields only, and reading ``rec`` (or anything but
+    # statements below test the scalar fields only, and reading ``kept_records`` (or anything but
     # ``phases``) never decodes the lists (at 10^8 samples each decoding costs ~8 s CPU).
     # With ``lists_checked_later`` the pass reads no phase list (decoding them is most of its
     # cost): it assumes every list present and plausible, which the ``phases`` statement
@@ -539,7 +539,7 @@ def _build(con: Any, root: Path, skipped: list[str], torn: set[str] | None,
                        count(*) FILTER (WHERE {valid_scalars} AND {readable_in}
                                         AND NOT coalesce({_PLAUSIBLE_SCALARS}, FALSE)),
                        count(*) FILTER (WHERE {valid_scalars} AND NOT ({TIMED_FILTER}))
-                FROM raw GROUP BY 1, 2"""
+                FROM raw_records GROUP BY 1, 2"""
         ).fetchall()
         # Only when every record is kept does ``phases`` unnest (and so check) every list.
         if any(g[4] or g[5] or (g[3] and g[1] not in READABLE_SCHEMAS) for g in groups):
@@ -550,7 +550,7 @@ def _build(con: Any, root: Path, skipped: list[str], torn: set[str] | None,
                        count(*) FILTER (WHERE {valid} AND {readable_in}
                                         AND NOT coalesce({_PLAUSIBLE}, FALSE)),
                        count(*) FILTER (WHERE {valid_scalars} AND phases IS NULL)
-                FROM raw GROUP BY 1, 2"""
+                FROM raw_records GROUP BY 1, 2"""
         ).fetchall()
     per_file: dict[str, tuple[int, int]] = {}
     schemas: dict[int, int] = {}
@@ -605,20 +605,20 @@ def _build(con: Any, root: Path, skipped: list[str], torn: set[str] | None,
         )
     plausible = f"coalesce({_PLAUSIBLE}, FALSE)" if implausible else "TRUE"
     kept = f"{valid} AND {readable_in} AND {plausible} AND {TIMED_FILTER}"
-    # ``rec``: the records' columns but their phase lists (those are read once more,
+    # ``kept_records``: the records' columns but their phase lists (those are read once more,
     # straight into ``phases`` below). A view: each statement reading it reads only the
     # columns it names (a table was a copy of every column of every record: ~8 s CPU at
     # 10^7 records); a table only when duplicates must be dropped.
-    con.execute(f"CREATE VIEW rec AS SELECT {_REC_COLUMNS} FROM raw WHERE {kept}")
+    con.execute(f"CREATE VIEW kept_records AS SELECT {_REC_COLUMNS} FROM raw_records WHERE {kept}")
     rec_kind = "VIEW"
     if light:
         # Goodput's rows (analysis/goodput.py): every timed record of the rank JSONL files,
         # re-done duplicates included, kept here so it never re-reads the files. Converted
         # SQLite files are no rank JSONL (goodput then uses the analysed steps).
         con.execute(
-            f"""CREATE TABLE light AS
+            f"""CREATE TABLE timed_records AS
                 SELECT rank, coalesce(run_id, '') AS run_id, step, start_unix_ns, step_ms
-                FROM raw
+                FROM raw_records
                 WHERE rank IS NOT NULL AND step IS NOT NULL AND start_unix_ns IS NOT NULL
                   AND step_ms IS NOT NULL AND isfinite(step_ms) AND step_ms >= 0
                   AND {TIMED_FILTER} AND start_unix_ns >= 0 AND start_unix_ns < {MAX_START_NS}
@@ -626,29 +626,30 @@ def _build(con: Any, root: Path, skipped: list[str], torn: set[str] | None,
                   AND NOT ends_with(filename, '.from-sqlite.jsonl')"""
         )
     n_rec, n_pairs = con.execute(
-        "SELECT count(*), (SELECT count(*) FROM (SELECT DISTINCT rank, step FROM rec)) FROM rec"
+        "SELECT count(*), (SELECT count(*) FROM (SELECT DISTINCT rank, step FROM kept_records)) "
+        "FROM kept_records"
     ).fetchone()
     # Where the phase lists come from: the records themselves, or (duplicate records, which
-    # keep one of each (rank, step)) the copy in ``rec`` of the one kept.
-    lists = f"raw WHERE {kept}"
+    # keep one of each (rank, step)) the copy in ``kept_records`` of the one kept.
+    lists = f"raw_records WHERE {kept}"
     if lists_checked_later and n_pairs < n_rec:
         raise _Recheck
     if n_pairs < n_rec:
         skipped.append(f"{n_rec - n_pairs} duplicate (rank, step) record(s) skipped")
-        con.execute("DROP VIEW rec")
+        con.execute("DROP VIEW kept_records")
         rec_kind = "TABLE"
         con.execute(
-            f"""CREATE TABLE rec AS SELECT {_REC_COLUMNS}, phases FROM raw WHERE {kept}
+            f"""CREATE TABLE kept_records AS SELECT {_REC_COLUMNS}, phases FROM raw_records WHERE {kept}
                QUALIFY row_number() OVER (PARTITION BY rank, step ORDER BY start_unix_ns) = 1"""
         )
-        lists = "rec WHERE TRUE"
+        lists = "kept_records WHERE TRUE"
 
-    ranks = [int(r) for (r,) in con.execute("SELECT DISTINCT rank FROM rec ORDER BY 1").fetchall()]
+    ranks = [int(r) for (r,) in con.execute("SELECT DISTINCT rank FROM kept_records ORDER BY 1").fetchall()]
     if not ranks:
         raise AnalysisError(f"{root}: no plausible step records (see the skipped lines)")
     meta = con.execute(
         f"""SELECT max(world_size), min({_START}), any_value(run_id),
-                  mode(clock), count(DISTINCT run_id) FROM rec"""
+                  mode(clock), count(DISTINCT run_id) FROM kept_records"""
     ).fetchone()
     world_size = int(meta[0]) if meta[0] is not None else len(ranks)
     world_size = max(world_size, max(ranks) + 1)
@@ -667,20 +668,20 @@ def _build(con: Any, root: Path, skipped: list[str], torn: set[str] | None,
     # Cross-rank comparison needs the same steps on every rank; keep the common ones.
     n_ranks = len(ranks)
     con.execute(
-        f"""CREATE TABLE common AS SELECT step FROM rec GROUP BY step
+        f"""CREATE TABLE common_steps AS SELECT step FROM kept_records GROUP BY step
             HAVING count(*) = {n_ranks}"""
     )
     n_common, n_all = con.execute(
-        "SELECT (SELECT count(*) FROM common), (SELECT count(DISTINCT step) FROM rec)"
+        "SELECT (SELECT count(*) FROM common_steps), (SELECT count(DISTINCT step) FROM kept_records)"
     ).fetchone()
     keep = "TRUE"
     if n_common < n_all:
         if n_common >= 3:
-            keep = "step IN (SELECT step FROM common)"
+            keep = "step IN (SELECT step FROM common_steps)"
             per_rank = con.execute(
-                """SELECT rank, count(*) FILTER (WHERE step NOT IN (SELECT step FROM common))
-                   FROM rec GROUP BY 1 HAVING count(*) FILTER (
-                       WHERE step NOT IN (SELECT step FROM common)) > 0 ORDER BY 1"""
+                """SELECT rank, count(*) FILTER (WHERE step NOT IN (SELECT step FROM common_steps))
+                   FROM kept_records GROUP BY 1 HAVING count(*) FILTER (
+                       WHERE step NOT IN (SELECT step FROM common_steps)) > 0 ORDER BY 1"""
             ).fetchall()
             detail = ", ".join(f"rank {r}: {k}" for r, k in per_rank[:8])
             skipped.append(
@@ -699,7 +700,7 @@ def _build(con: Any, root: Path, skipped: list[str], torn: set[str] | None,
                coalesce(hostname, 'unknown') AS host,
                CAST({_START} - {t_min} AS DOUBLE) / 1e6 AS t0,
                step_ms, coalesce(residual_ms, 0.0) AS residual_ms, h2d_hidden_ms
-            FROM rec WHERE {keep}"""
+            FROM kept_records WHERE {keep}"""
     )
     # The check the grouped pass left out: a record without its list, or an element outside
     # the plausibility rule (named or not, so it comes before the name filter), stops the
@@ -739,7 +740,7 @@ def _build(con: Any, root: Path, skipped: list[str], torn: set[str] | None,
     if lists_checked_later and keep != "TRUE" and not flat_view:
         con.execute(f"DELETE FROM phases WHERE NOT ({keep})")
     # Records that list one phase path twice (hostile or corrupt): with none, (rank, step,
-    # path) is a key of ``phases`` and analysis/own.py's pw needs no group-by over every row.
+    # path) is a key of ``phases`` and analysis/own.py's phase_waits needs no group-by over every row.
     # Counted on the unnested rows a block of ranks at a time (a per-record list expression
     # cost 5x the CPU; one group-by over every row would hold every key). Ranks, not steps:
     # the rows are stored in the records' order (rank by rank), so a block's rows lie in few
@@ -770,35 +771,36 @@ def _build(con: Any, root: Path, skipped: list[str], torn: set[str] | None,
             n_dups += int(con.execute(
                 f"""SELECT count(*) FROM (SELECT rank, step, path FROM phases
                     WHERE {blk} GROUP BY ALL HAVING count(*) > 1)""").fetchone()[0])
-    con.execute(f"CREATE TABLE phase_dups AS SELECT {n_dups} AS n")
-    create_resource_table(con, keep)  # [metrics] table res
+    con.execute(f"CREATE TABLE duplicate_paths AS SELECT {n_dups} AS n")
+    create_resource_table(con, keep)  # [metrics] table step_resources
     con.execute(
-        f"""CREATE TABLE colls AS
+        f"""CREATE TABLE collectives AS
             SELECT CAST(rank AS INTEGER) AS rank, step, c.phase AS phase, c.op AS op,
                    coalesce(c.pg, 'default') AS pg, c.pg_size AS pg_size,
                    coalesce(c.count, 1) AS count, c.bytes AS bytes, c.ms AS ms,
                    c.max_ms AS max_ms, c.seq_first AS seq_first, c.seq_last AS seq_last,
                    c.recv_bytes AS recv_bytes, c.recv_max_bytes AS recv_max_bytes
-            FROM (SELECT rank, step, unnest(collectives) AS c FROM rec
+            FROM (SELECT rank, step, unnest(collectives) AS c FROM kept_records
                   WHERE {keep} AND collectives IS NOT NULL)
             WHERE c.op IS NOT NULL AND c.ms IS NOT NULL AND c.ms >= 0"""
     )
     # [hostile] steps the recorder counted as lost (records' "dropped"), by reason.
     con.execute(
-        """CREATE TABLE lost AS SELECT key, sum(try_cast(value::VARCHAR AS BIGINT)) AS n
-           FROM rec, json_each(rec.dropped) WHERE json_type(rec.dropped) = 'OBJECT' GROUP BY 1"""
+        """CREATE TABLE lost_steps AS SELECT key, sum(try_cast(value::VARCHAR AS BIGINT)) AS n
+           FROM kept_records, json_each(kept_records.dropped)
+           WHERE json_type(kept_records.dropped) = 'OBJECT' GROUP BY 1"""
     )
     # Collectives issued where they cannot be timed (common/unseen.py UNSEEN).
     con.execute(
-        f"""CREATE TABLE unseen AS
+        f"""CREATE TABLE unseen_collectives AS
             SELECT CAST(rank AS INTEGER) AS rank, step, substr(k, 8) AS path,
                    CAST(json_extract(counters, '$."' || k || '"') AS DOUBLE) AS n
-            FROM (SELECT rank, step, counters, unnest(json_keys(counters)) AS k FROM rec
+            FROM (SELECT rank, step, counters, unnest(json_keys(counters)) AS k FROM kept_records
                   WHERE {keep} AND counters IS NOT NULL)
             WHERE starts_with(k, 'unseen_')"""
     )
-    con.execute(f"DROP {rec_kind} rec")
-    drop(con, "raw")
+    con.execute(f"DROP {rec_kind} kept_records")
+    drop(con, "raw_records")
     hosts: dict[str, list[int]] = {}
     for host, rank in con.execute(
         "SELECT DISTINCT host, rank FROM steps ORDER BY host, rank"
@@ -821,11 +823,11 @@ def _build(con: Any, root: Path, skipped: list[str], torn: set[str] | None,
 
 
 def phase_keys_unique(con: Any) -> bool:
-    """Whether no record lists a phase path twice (table ``phase_dups``, made by the load);
+    """Whether no record lists a phase path twice (table ``duplicate_paths``, made by the load);
     tables made by hand have none: not known, so no."""
-    if not exists(con, "phase_dups"):
+    if not exists(con, "duplicate_paths"):
         return False
-    return int(con.execute("SELECT n FROM phase_dups").fetchone()[0]) == 0
+    return int(con.execute("SELECT n FROM duplicate_paths").fetchone()[0]) == 0
 
 
 def _fmt_ranks(ranks: list[int], total: int | None = None) -> str:

@@ -1,12 +1,12 @@
 """Each rank's own work per phase and step, and the median of the *other* ranks' at that step.
 
 Relations built on the run's connection (after :func:`stepscope.analysis.collwaits.build_waits`
-made ``cw``):
+made ``collective_waits``):
 
-``pw`` (rank, step, path, parent, ms, wait, ncoll, coll_ms): every phase path with the
+``phase_waits`` (rank, step, path, parent, ms, wait, ncoll, coll_ms): every phase path with the
        waits and the time of the collectives inside it at any depth (a view over ``phases``
-       and ``cin``; readers select their block or path with :func:`pw_select`).
-``ex`` (rank, step, name, own, wait, others, excess): top-level phases and ``residual``;
+       and ``phase_collectives``; readers select their block or path with :func:`pw_select`).
+``own_excess`` (rank, step, name, own, wait, others, excess): top-level phases and ``residual``;
        ``own`` is the phase time less its waits, ``others`` the median own work of the other
        ranks at that step, ``excess`` the gap (a view over the own-work rows and each
        (step, name) cell's middle values on the dense path; a table on the row-wise path).
@@ -31,74 +31,77 @@ from stepscope.analysis import grouped
 from stepscope.analysis.blocks import in_block, rank_blocks
 from stepscope.analysis.load import phase_keys_unique
 from stepscope.analysis.relations import drop, exists
-from stepscope.analysis.stats import H2D_HIDDEN, PHASE_SUMS, RESIDUAL
+from stepscope.analysis.stats import H2D_HIDDEN, RESIDUAL
+from stepscope.analysis.tables import CELL_MIDDLES, DENSE_MIDDLES, PHASE_SUMS, TIMED_CELLS, WAIT_MEDIANS
 
 
 def build_pw(con: Any) -> None:
-    """View ``pw``: each phase path with the waits, count and time of collectives inside it
-    (``cin``: the collectives' sums per rank, step and enclosing path)."""
+    """View ``phase_waits``: each phase path with the waits, count and time of collectives inside it
+    (``phase_collectives``: the collectives' sums per rank, step and enclosing path)."""
     # A collective in 'a/b/c' is inside phases 'a', 'a/b' and 'a/b/c': its path and every
     # prefix ending before a '/' (exactly the paths p with phase = p or phase LIKE p || '/%').
-    # The list expression only for paths with a '/' (a lambda per row of cw was a quarter of
+    # The list expression only for paths with a '/' (a lambda per row of collective_waits was a quarter of
     # this stage at 10^8 samples, where every collective sits in a top-level phase).
     rows = """SELECT rank, step, anc, sum(wait) AS wait, count(*) AS n, sum(ms) AS ms FROM (
-                  SELECT rank, step, wait, ms, phase AS anc FROM cw WHERE phase IS NOT NULL
+                  SELECT rank, step, wait, ms, phase AS anc FROM collective_waits WHERE phase IS NOT NULL
                   UNION ALL
                   SELECT rank, step, wait, ms,
                          unnest(list_transform(
                              list_filter(range(2, length(phase) + 1),
                                          lambda i: substr(phase, i, 1) = '/'),
                              lambda i: substr(phase, 1, i - 1))) AS anc
-                  FROM cw WHERE contains(phase, '/'))
+                  FROM collective_waits WHERE contains(phase, '/'))
               GROUP BY 1, 2, 3"""
     kind = "TABLE"
     if _cw_rows_are_cin_keys(con):
-        # The same rows, each its own group: a view over cw's (its readers take a path or a
+        # The same rows, each its own group: a view over collective_waits's (its readers take a path or a
         # block of it). At 10^8 samples a table of them took the stage's peak RSS from 1.43
         # to 1.76 GB; the view 1.30 GB, and ~2.5 s CPU less than the group-by.
         rows, kind = """SELECT rank, step, phase AS anc, CAST(wait AS DOUBLE) AS wait,
                                CAST(1 AS BIGINT) AS n, CAST(ms AS DOUBLE) AS ms
-                        FROM cw WHERE phase IS NOT NULL""", "VIEW"
-    drop(con, "cin")
-    con.execute(f"CREATE TEMP {kind} cin AS {rows}")
+                        FROM collective_waits WHERE phase IS NOT NULL""", "VIEW"
+    drop(con, "phase_collectives")
+    con.execute(f"CREATE TEMP {kind} phase_collectives AS {rows}")
     # A view, not a table: every phase row with its collectives is 10^8 rows at scale,
     # written to disk and read back whole by each reader. The readers select a block of
     # steps or ranks, or one path (:func:`pw_select`), from both sides of the join.
-    con.execute(f"CREATE OR REPLACE TEMP VIEW pw AS {pw_select(con)}")
+    con.execute(f"CREATE OR REPLACE TEMP VIEW phase_waits AS {pw_select(con)}")
 
 
 def _cw_rows_are_cin_keys(con: Any) -> bool:
-    """Whether each row of ``cw`` with a phase is the only one of its (rank, step, phase)
-    and no phase is nested, so ``cin`` is cw's rows as they are.
+    """Whether each row of ``collective_waits`` with a phase is the only one of its (rank, step, phase)
+    and no phase is nested, so ``phase_collectives`` is collective_waits's rows as they are.
 
-    cw's rows are one per (rank, step, phase, op, pg) where collwaits built it (``call``
+    collective_waits's rows are one per (rank, step, phase, op, pg) where collwaits built it
+    (``collective_calls``
     is grouped by them, the waits join it one to one), but the timeline fallback's. With
-    one (op, pg) in all of cw and no nested phase, each row is its own (rank, step, anc)
+    one (op, pg) in all of collective_waits and no nested phase, each row is its own (rank, step, anc)
     group (a group-by of 10^7 single rows at 10^8 phase samples, ~2.7 s CPU, where DDP's
     grad_sync phases are the only collectives). A table made by hand (tests) without op
     and pg: not known, so no."""
     built = {c for (c,) in con.execute(
-        "SELECT column_name FROM information_schema.columns WHERE table_name = 'cw'").fetchall()}
+        "SELECT column_name FROM information_schema.columns "
+        "WHERE table_name = 'collective_waits'").fetchall()}
     if not {"op", "pg"} <= built:
         return False
     pairs, nested, timeline = con.execute(
         "SELECT count(DISTINCT (op, pg)), bool_or(contains(phase, '/')), "
-        "bool_or(pg = 'timeline') FROM cw").fetchone()
+        "bool_or(pg = 'timeline') FROM collective_waits").fetchone()
     return int(pairs) <= 1 and not nested and not timeline
 
 
 def pw_select(con: Any, keys: str = "TRUE", paths: str | None = None, top: bool = False) -> str:
-    """SQL for ``pw``'s rows: ``keys`` a condition on ``rank``/``step`` (both tables have
+    """SQL for ``phase_waits``'s rows: ``keys`` a condition on ``rank``/``step`` (both tables have
     them), ``paths`` an SQL list of VARCHAR the path is one of, ``top`` top-level phases only."""
     cp = f"list_contains({paths}, path)" if paths is not None else "TRUE"
     cc = f"list_contains({paths}, anc)" if paths is not None else "TRUE"
     top_p = "parent IS NULL" if top else "TRUE"
     src = f"""FROM (SELECT rank, step, path, parent, ms FROM phases
                   WHERE {keys} AND {cp} AND {top_p}) p
-              LEFT JOIN (SELECT rank, step, anc, wait, n, ms FROM cin WHERE {keys} AND {cc}) c
+              LEFT JOIN (SELECT rank, step, anc, wait, n, ms FROM phase_collectives WHERE {keys} AND {cc}) c
                 ON c.rank = p.rank AND c.step = p.step AND c.anc = p.path"""
     if phase_keys_unique(con):
-        # (rank, step, path) is a key of phases and cin: a group-by would group single
+        # (rank, step, path) is a key of phases and phase_collectives: a group-by would group single
         # rows, so a plain join gives the same rows and values.
         return f"""SELECT p.rank, p.step, p.path, p.parent, p.ms,
                           CAST(coalesce(c.wait, 0.0) AS DOUBLE) AS wait,
@@ -127,7 +130,7 @@ class DenseOwn:
 
 @dataclass
 class OwnColumns:
-    """The rows of ``ex`` with an excess, as numpy columns (row order unspecified):
+    """The rows of ``own_excess`` with an excess, as numpy columns (row order unspecified):
     ``nid`` indexes ``names``. With ``dense`` set the columns are empty and the same rows
     are the matrices' non-NaN cells."""
 
@@ -141,28 +144,28 @@ class OwnColumns:
 
 
 def build_own(con: Any) -> OwnColumns:
-    """``pw`` (waits inside each phase path) and ``ex`` (own work vs the other ranks).
+    """``phase_waits`` (waits inside each phase path) and ``own_excess`` (own work vs the other ranks).
 
-    ``ex`` (rank, step, name, own, wait, others, excess): top-level phases and residual;
+    ``own_excess`` (rank, step, name, own, wait, others, excess): top-level phases and residual;
     ``others`` is the median own work of the *other* ranks at that step, ``excess`` the gap.
-    Returns ex's rows that have an excess as numpy columns (the gap series' source).
+    Returns own_excess's rows that have an excess as numpy columns (the gap series' source).
     """
     build_pw(con)
     con.execute(f"CREATE OR REPLACE TEMP TABLE {WAIT_MEDIANS} (path VARCHAR, median DOUBLE)")
     dense = _own_dense(con)
-    if dense is not None:  # ex a view over the matrices' middle values, no own table
+    if dense is not None:  # own_excess a view over the matrices' middle values, no own table
         return dense
-    con.execute(f"CREATE OR REPLACE TEMP TABLE own AS {_own_sql(con, None)}")
+    con.execute(f"CREATE OR REPLACE TEMP TABLE own_work AS {_own_sql(con, None)}")
     cols = _middles(con)
-    drop(con, "ex")
-    con.execute(f"CREATE TABLE ex AS {_ex_sql('SELECT * FROM own', 'mid')}")
-    con.execute("DROP TABLE own")
-    con.execute("DROP TABLE mid")
+    drop(con, "own_excess")
+    con.execute(f"CREATE TABLE own_excess AS {_ex_sql('SELECT * FROM own_work', CELL_MIDDLES)}")
+    con.execute("DROP TABLE own_work")
+    con.execute("DROP TABLE cell_middles")
     return cols
 
 
 def _own_sql(con: Any, timed: str | None) -> str:
-    """The rows of own work: top-level phases of ``pw`` less their waits, and residual less
+    """The rows of own work: top-level phases of ``phase_waits`` less their waits, and residual less
     the waits outside any phase. ``timed``: a table of the (step, name) cells where some rank
     has a collective timing (None: found here)."""
     cells = ("(SELECT step, name FROM top GROUP BY 1, 2 HAVING max(ncoll) > 0)"
@@ -177,12 +180,12 @@ def _own_sql(con: Any, timed: str | None) -> str:
             UNION ALL
             SELECT s.rank, s.step, '{RESIDUAL}', greatest(s.residual_ms - coalesce(r.w, 0.0), 0.0),
                    coalesce(r.w, 0.0)
-            FROM steps s LEFT JOIN (SELECT rank, step, sum(wait) AS w FROM cw
+            FROM steps s LEFT JOIN (SELECT rank, step, sum(wait) AS w FROM collective_waits
                                     WHERE phase IS NULL GROUP BY 1, 2) r USING (rank, step)"""
 
 
 def _ex_sql(own: str, mid: str) -> str:
-    """``ex``'s rows from the own-work rows ``own`` and their cells' middle values ``mid``
+    """``own_excess``'s rows from the own-work rows ``own`` and their cells' middle values ``cell_middles``
     (:func:`_middles`). Removing a rank's value from its cell leaves a median that depends
     only on where that value lies against the cell's middle values (ties give the same
     multiset either way): :func:`_others`' rule."""
@@ -198,15 +201,16 @@ def _ex_sql(own: str, mid: str) -> str:
 
 
 def _middles(con: Any) -> OwnColumns:
-    """Table ``mid`` (step, name, n, p, m, q): per (step, name) cell of ``own`` with n values
+    """Table ``cell_middles`` (step, name, n, p, m, q): per (step, name) cell of ``own`` with n values
     sorted as S, for even n: p = S[n/2 - 1], q = S[n/2]; for odd n (c = (n - 1) / 2):
     p = S[c - 1], m = S[c], q = S[c + 1] (NULL where the cell is too small)."""
-    names = [str(n) for (n,) in con.execute("SELECT DISTINCT name FROM own ORDER BY 1").fetchall()]
+    names = [str(n) for (n,) in con.execute("SELECT DISTINCT name FROM own_work ORDER BY 1").fetchall()]
     cols = con.execute(
-        "SELECT rank, step, list_position($names, name) - 1 AS nid, own FROM own",
+        "SELECT rank, step, list_position($names, name) - 1 AS nid, own FROM own_work",
         {"names": names}).fetchnumpy()
     n_names = max(len(names), 1)
-    ustep = np.asarray([s for (s,) in con.execute("SELECT DISTINCT step FROM own ORDER BY 1").fetchall()],
+    ustep = np.asarray([s for (s,) in con.execute(
+        "SELECT DISTINCT step FROM own_work ORDER BY 1").fetchall()],
                        dtype=np.int64)
     step = np.asarray(cols["step"], dtype=np.int64)
     nid = np.asarray(cols["nid"], dtype=np.int64)
@@ -248,7 +252,7 @@ def _positions_of(n: Any) -> tuple[Any, Any, Any, Any, Any, Any]:
 
 def _others(own: Any, n: Any, pv: Any, mv: Any, qv: Any) -> Any:
     """The median of the other values of each value's cell, from the cell's size ``n`` and its
-    p, m, q (:func:`_middles`): the same rule as ex's SQL, on numpy columns or matrices."""
+    p, m, q (:func:`_middles`): the same rule as own_excess's SQL, on numpy columns or matrices."""
     with np.errstate(invalid="ignore"):
         return np.where(
             n % 2 == 0, np.where(own > pv, pv, qv),
@@ -259,7 +263,7 @@ def _others(own: Any, n: Any, pv: Any, mv: Any, qv: Any) -> Any:
 def median_of_others(cell: Any, values: Any, n_cells: int) -> Any:
     """For each value, the median of the *other* values of its cell (cell ids
     ``0..n_cells-1``; NaN where the cell holds it alone): the cell's middle order statistics
-    and :func:`_others`, the rule ``ex`` is built by, for any cells (ranks at a step)."""
+    and :func:`_others`, the rule ``own_excess`` is built by, for any cells (ranks at a step)."""
     v = np.asarray(values, dtype=np.float64)
     cell = np.asarray(cell, dtype=np.int64)
     order, starts, counts = grouped.group_order(cell, n_cells)
@@ -274,11 +278,16 @@ def median_of_others(cell: Any, values: Any, n_cells: int) -> Any:
 
 
 def _write_mid(con: Any, step: Any, name: list[str], n: Any, p: Any, m: Any, q: Any,
-               table: str = "mid") -> None:
-    """Table ``mid`` (step, name, n, p, m, q) from columns; NaN order statistics are NULL."""
+               dense: bool = False) -> None:
+    """Table ``cell_middles`` (``dense_middles`` with ``dense``: the matrices') (step, name, n,
+    p, m, q) from columns; NaN order statistics are NULL."""
     pq = ([None if x != x else float(x) for x in a.tolist()] for a in (p, m, q))  # x != x: NaN
-    con.execute(f"CREATE OR REPLACE TEMP TABLE {table} (step BIGINT, name VARCHAR, n BIGINT, "
-                "p DOUBLE, m DOUBLE, q DOUBLE)")
+    columns = "(step BIGINT, name VARCHAR, n BIGINT, p DOUBLE, m DOUBLE, q DOUBLE)"
+    if dense:
+        con.execute(f"CREATE OR REPLACE TEMP TABLE {DENSE_MIDDLES} {columns}")
+    else:
+        con.execute(f"CREATE OR REPLACE TEMP TABLE {CELL_MIDDLES} {columns}")
+    table = DENSE_MIDDLES if dense else CELL_MIDDLES
     con.execute(
         f"INSERT INTO {table} SELECT unnest(?::BIGINT[]), unnest(?::VARCHAR[]), unnest(?::BIGINT[]), "
         "unnest(?::DOUBLE[]), unnest(?::DOUBLE[]), unnest(?::DOUBLE[])",
@@ -287,23 +296,23 @@ def _write_mid(con: Any, step: Any, name: list[str], n: Any, p: Any, m: Any, q: 
 
 def _own_dense(con: Any) -> OwnColumns | None:
     """The own-work and gap matrices (one ranks × steps matrix per phase), one phase at a
-    time, and ``ex`` as a view, when every (rank, step, phase) has at most one row and the
+    time, and ``own_excess`` as a view, when every (rank, step, phase) has at most one row and the
     matrices are not much larger than the rows; None otherwise (the grouped path).
 
-    Each top-level phase's rows of ``pw`` (:func:`_phase_rows`) and the residual rows are
+    Each top-level phase's rows of ``phase_waits`` (:func:`_phase_rows`) and the residual rows are
     read once (rank, step, own, timing), the whole run at once: a block of steps is not
     contiguous in ``phases`` (its rows lie in rank order), so each block's read scanned
     nearly the whole table (41 blocks at 10^8 samples: 22 s CPU, against ~1 s a phase).
     The rows :func:`build_own`'s ``own`` table keeps are those with a collective timing, or
     in a (step, phase) cell where no rank has one. A sort down each step's column of a
     phase's matrix gives the cell's middle values, :func:`_others` the median of the other
-    ranks. ``ex`` is not written: it is the view :func:`_ex_sql` over the own-work rows and
-    the cells' middle values (table ``ex_mid``) and timed cells (``ex_timed``), the grouped
+    ranks. ``own_excess`` is not written: it is the view :func:`_ex_sql` over the own-work rows and
+    the cells' middle values (table ``dense_middles``) and timed cells (``timed_cells``), the grouped
     path's statement (10^8 rows written to the database file cost more than the rest of
     this stage; its readers filter a phase, a rank or residual).
     Memory: the own-work and gap matrices kept for the series (8 bytes per (rank, step,
     phase)) plus one phase's rows and its float64 matrix."""
-    names = sorted({str(n) for (n,) in con.execute(  # pw's paths are phases'
+    names = sorted({str(n) for (n,) in con.execute(  # phase_waits's paths are phases'
         "SELECT DISTINCT path FROM phases WHERE parent IS NULL").fetchall()})
     n_steps_rows = int(con.execute("SELECT count(*) FROM steps").fetchone()[0])
     if n_steps_rows:
@@ -311,7 +320,7 @@ def _own_dense(con: Any) -> OwnColumns | None:
             return None  # a user phase named residual shares the residual's cells
         names = sorted([*names, RESIDUAL])
     unique = phase_keys_unique(con)
-    n_top = int(con.execute(  # pw has phases' rows when (rank, step, path) is their key
+    n_top = int(con.execute(  # phase_waits has phases' rows when (rank, step, path) is their key
         "SELECT count(*) FROM phases WHERE parent IS NULL" if unique
         else f"SELECT count(*) FROM ({pw_select(con, top=True)})").fetchone()[0])
     ranks = np.asarray([r for (r,) in con.execute(
@@ -340,7 +349,7 @@ def _own_dense(con: Any) -> OwnColumns | None:
             medians[name] = median
         if timed is not None:
             # A rank with no collective timing in a phase where others have some at that
-            # step: its waits are unknown, so its own work there is not compared (not in ex).
+            # step: its waits are unknown, so its own work there is not compared (not in own_excess).
             present = ~np.isnan(mat)
             timed &= present
             any_timed = timed.any(axis=0)
@@ -359,14 +368,14 @@ def _own_dense(con: Any) -> OwnColumns | None:
         del mat
     cat = [np.concatenate([m[i] for m in mids]) if mids else np.zeros(0) for i in range(6)]
     _write_mid(con, cat[0], [names[int(i)] for i in cat[1].tolist()], cat[2], cat[3], cat[4],
-               cat[5], table="ex_mid")
+               cat[5], dense=True)
     t_step = np.concatenate([t[0] for t in timed_cells]) if timed_cells else np.zeros(0, np.int64)
     t_nid = np.concatenate([t[1] for t in timed_cells]) if timed_cells else np.zeros(0, np.int64)
-    con.execute("CREATE OR REPLACE TEMP TABLE ex_timed AS SELECT unnest(?::BIGINT[]) AS step, "
+    con.execute(f"CREATE OR REPLACE TEMP TABLE {TIMED_CELLS} AS SELECT unnest(?::BIGINT[]) AS step, "
                 "unnest(?::VARCHAR[]) AS name",
                 [t_step.tolist(), [names[int(i)] for i in t_nid.tolist()]])
-    drop(con, "ex")
-    con.execute(f"CREATE TEMP VIEW ex AS {_ex_sql(_own_sql(con, 'ex_timed'), 'ex_mid')}")
+    drop(con, "own_excess")
+    con.execute(f"CREATE TEMP VIEW own_excess AS {_ex_sql(_own_sql(con, TIMED_CELLS), DENSE_MIDDLES)}")
     con.execute(f"INSERT INTO {WAIT_MEDIANS} SELECT unnest(?::VARCHAR[]), unnest(?::DOUBLE[])",
                 [list(medians), list(medians.values())])
     empty = np.zeros(0, dtype=np.int64)
@@ -426,11 +435,12 @@ def _scatter(cell: Any, values: Any, shape: tuple[int, int]) -> Any | None:
 
 def _phase_matrix(con: Any, name: str, unique: bool, ranks: Any,
                   steps: Any) -> tuple[Any, Any, float | None] | None:
-    """A top-level phase's rows of ``pw`` as ranks × steps matrices: own work
+    """A top-level phase's rows of ``phase_waits`` as ranks × steps matrices: own work
     (``greatest(ms - wait, 0.0)``, NaN: no row) and timed (``ncoll > 0``; None: none is),
     and the median of its rows' waits where a collective lies inside (else None).
 
-    Where (rank, step, path) is the key of ``phases`` and ``cin``, ``pw``'s join is done on
+    Where (rank, step, path) is the key of ``phases`` and ``phase_collectives``, ``phase_waits``'s
+    join is done on
     the matrix: the phase's collectives' waits are placed in a ranks × steps matrix and
     taken off the phase's. The whole run's join in SQL holds a hash table of every
     (rank, step) of the phase: at 10^8 samples it spilled to disk (~4 s)."""
@@ -458,7 +468,7 @@ def _phase_matrix(con: Any, name: str, unique: bool, ranks: Any,
     del cell, ok, cols, null
     if mat is None:
         return None
-    cell, ok, cols = _fetch_cells(con, "wait", "cin WHERE anc = $p", {"p": name}, ranks, steps)
+    cell, ok, cols = _fetch_cells(con, "wait", "phase_collectives WHERE anc = $p", {"p": name}, ranks, steps)
     # A collective of a (rank, step) with no row of this phase joins nothing (NaN stays
     # NaN); a NULL sum of waits is coalesced to 0.0.
     cell = cell[ok]
@@ -469,7 +479,7 @@ def _phase_matrix(con: Any, name: str, unique: bool, ranks: Any,
     timed: Any = None  # no collective inside: wait 0.0, never timed
     median = None
     if len(w):
-        # pw's waits of this phase: the joined ones, 0.0 on every other row (phase_waits'
+        # phase_waits's waits of this phase: the joined ones, 0.0 on every other row (phase_waits'
         # run-wide median; its SQL join of every row spilled to disk, ~4 s at 10^8 samples).
         waits = np.zeros(n_rows)
         joined = w[~np.isnan(mat.ravel()[cell])]
@@ -477,8 +487,8 @@ def _phase_matrix(con: Any, name: str, unique: bool, ranks: Any,
         del joined
         median = sql_median(waits)
         del waits
-        mat.ravel()[cell] -= w  # each cell once: (rank, step, anc) is cin's key
-        timed = np.zeros(shape, dtype=bool)  # count(*) > 0: a row of cin
+        mat.ravel()[cell] -= w  # each cell once: (rank, step, anc) is phase_collectives's key
+        timed = np.zeros(shape, dtype=bool)  # count(*) > 0: a row of phase_collectives
         timed.ravel()[cell] = True
     del cell, w
     np.maximum(mat, 0.0, out=mat)  # NaN (no row) stays NaN
@@ -506,7 +516,7 @@ def _residual_matrix(con: Any, ranks: Any, steps: Any) -> tuple[Any, None, None]
     cell, ok, cols = _fetch_cells(
         con, "greatest(s.residual_ms - coalesce(r.w, 0.0), 0.0) AS own",
         """(SELECT rank, step, residual_ms FROM steps) s
-           LEFT JOIN (SELECT rank, step, sum(wait) AS w FROM cw
+           LEFT JOIN (SELECT rank, step, sum(wait) AS w FROM collective_waits
                       WHERE phase IS NULL GROUP BY 1, 2) r USING (rank, step)""",
         {}, ranks, steps)
     if not ok.all():
@@ -541,10 +551,7 @@ def _dense_block(mat: Any, keep_own: Any, keep_gap: Any) -> tuple[Any, ...]:
     return has, n[has], pv[has], mv[has], qv[has]
 
 
-#: Table (path, median): the run-wide median wait of each top-level phase with collectives
-#: inside, taken by :func:`_own_dense` from the rows it joins (empty on the grouped path).
-WAIT_MEDIANS = "wait_medians"
-#: The own-work and gap matrices kept for the series (ex's view computes in float64).
+#: The own-work and gap matrices kept for the series (own_excess's view computes in float64).
 KEEP_DTYPE = np.float32
 #: :func:`_own_dense` takes a phase's middle values this many matrix cells at a time (a few
 #: float64 temporaries of this size: ~16 MB each).
@@ -562,19 +569,21 @@ def phase_waits(con: Any, phases: dict[str, Any]) -> None:
     # Residual work: untimed time minus every collective issued outside a phase (waits and
     # transfers: a pipeline's send/recv is communication, not host overhead).
     con.execute(
-        """CREATE OR REPLACE TEMP TABLE rx AS
-           SELECT ex.rank, ex.step, ex.wait, ex.own,
-                  greatest(ex.own + ex.wait - coalesce(c.ms, 0.0), 0.0) AS work
-           FROM ex LEFT JOIN (SELECT rank, step, sum(ms) AS ms FROM cw WHERE phase IS NULL
+        """CREATE OR REPLACE TEMP TABLE residual_work AS
+           SELECT own_excess.rank, own_excess.step, own_excess.wait, own_excess.own,
+                  greatest(own_excess.own + own_excess.wait - coalesce(c.ms, 0.0), 0.0) AS work
+           FROM own_excess LEFT JOIN (SELECT rank, step, sum(ms) AS ms FROM collective_waits
+                                      WHERE phase IS NULL
                               GROUP BY 1, 2) c USING (rank, step)
-           WHERE ex.name = 'residual'"""
+           WHERE own_excess.name = 'residual'"""
     )
     rank_step = dict(con.execute("SELECT rank, sum(step_ms) FROM steps GROUP BY 1").fetchall())
     # A path that no collective lies inside has wait and coll_ms 0 on every row: its row is
     # phases' own sums, all such paths in one statement, with no join and no median. Only
-    # where (rank, step, path) is phases' key: else pw folds repeated paths (any_value).
+    # where (rank, step, path) is phases' key: else phase_waits folds repeated paths (any_value).
     unique = phase_keys_unique(con)
-    inside = [str(a) for (a,) in con.execute("SELECT DISTINCT anc FROM cin ORDER BY 1").fetchall()]
+    inside = [str(a) for (a,) in con.execute(
+        "SELECT DISTINCT anc FROM phase_collectives ORDER BY 1").fetchall()]
     paths = [str(p) for (p,) in con.execute("SELECT DISTINCT path FROM phases ORDER BY 1").fetchall()]
     plain = ("""SELECT path, {rank}, CAST(0.0 AS DOUBLE), sum(ms), bool_and(parent IS NULL),
                        sum(greatest(ms, 0.0))
@@ -606,8 +615,8 @@ def phase_waits(con: Any, phases: dict[str, Any]) -> None:
     if unique:
         rows += con.execute(plain.format(rank="NULL", keys="TRUE", by="1", null=""),
                             {"inside": inside}).fetchall()
-    rows += con.execute(  # after pw's rows, as before: a user phase named residual loses
-        f"""SELECT '{RESIDUAL}', NULL, median(wait), sum(own), TRUE, sum(work) FROM rx"""
+    rows += con.execute(  # after phase_waits's rows, as before: a user phase named residual loses
+        f"""SELECT '{RESIDUAL}', NULL, median(wait), sum(own), TRUE, sum(work) FROM residual_work"""
     ).fetchall()
     # Per rank, a block of ranks at a time: an exact median holds every value of its group.
     for b in rank_blocks(con):
@@ -621,7 +630,7 @@ def phase_waits(con: Any, phases: dict[str, Any]) -> None:
         rows += con.execute(
             f"""{pw_rows}
                 UNION ALL SELECT '{RESIDUAL}', rank, median(wait), sum(own), TRUE, sum(work)
-                FROM rx WHERE {blk} GROUP BY 2""", {"inside": inside} if unique else {}
+                FROM residual_work WHERE {blk} GROUP BY 2""", {"inside": inside} if unique else {}
         ).fetchall()
     rows = [_from_ranks(r, known[r], rows) if isinstance(r, str) else r for r in rows]
     # Index the per-rank entries once: searching per_rank for each row is ranks^2.

@@ -24,13 +24,13 @@ from stepscope.common import robust
 from stepscope.common.waits import sql_wait
 
 P2P_OPS = ("send", "recv", "isend", "irecv")
-#: SQL predicate for point-to-point rows (of ``call``/``cw``).
+#: SQL predicate for point-to-point rows (of ``collective_calls``/``collective_waits``).
 IS_P2P = "op IN (" + ", ".join(f"'{o}'" for o in P2P_OPS) + ")"
 
 
 def build_p2p_waits(con: Any) -> int:
-    """Tables ``p2pw`` (the point-to-point rows of ``call`` with ``matched``, ``seq_shift``,
-    ``wait``; the columns of ``cw``) and ``p2pblame`` (step, pg, rank, late: the rule's wait).
+    """Tables ``p2p_waits`` (the point-to-point rows of ``collective_calls`` with ``matched``, ``seq_shift``,
+    ``wait``; the columns of ``collective_waits``) and ``p2p_blame`` (step, pg, rank, late: the rule's wait).
 
     All time in a point-to-point call is waiting on the other end (the bubble; the transfer
     itself is part of it). Which end made the other wait is the rule: per step and link, an
@@ -38,21 +38,21 @@ def build_p2p_waits(con: Any) -> int:
     Returns the number of point-to-point rows.
     """
     con.execute(
-        f"""CREATE OR REPLACE TABLE p2pblame AS
+        f"""CREATE OR REPLACE TABLE p2p_blame AS
             SELECT step, pg, rank, t,
                    count(*) OVER (PARTITION BY step, pg) = 2 AND NOT contains(pg, '?')
                        AS matched,
                    {sql_wait('t', 'step, pg')} AS late
-            FROM (SELECT step, pg, rank, sum(ms) AS t FROM call WHERE {IS_P2P}
+            FROM (SELECT step, pg, rank, sum(ms) AS t FROM collective_calls WHERE {IS_P2P}
                   GROUP BY 1, 2, 3)"""
     )
     con.execute(
-        f"""CREATE OR REPLACE TABLE p2pw AS
+        f"""CREATE OR REPLACE TABLE p2p_waits AS
             SELECT c.*, TRUE AS matched, FALSE AS seq_shift, CAST(c.ms AS DOUBLE) AS wait
-            FROM call c JOIN p2pblame e USING (step, pg, rank) WHERE c.{IS_P2P}"""
+            FROM collective_calls c JOIN p2p_blame e USING (step, pg, rank) WHERE c.{IS_P2P}"""
     )
-    con.execute("DELETE FROM p2pblame WHERE NOT matched")
-    return int(con.execute("SELECT count(*) FROM p2pw").fetchone()[0])
+    con.execute("DELETE FROM p2p_blame WHERE NOT matched")
+    return int(con.execute("SELECT count(*) FROM p2p_waits").fetchone()[0])
 
 
 def _peer(pg: str, rank: int) -> int | None:
@@ -71,12 +71,12 @@ def _peer(pg: str, rank: int) -> int | None:
 def pipeline_section(con: Any, culprits: list[int]) -> dict[str, Any] | None:
     """The report's ``pipeline`` section, or None when the run has no point-to-point traffic.
 
-    Needs ``cw`` (waits per row) and ``steps``; ``culprits``: the stragglers' ranks, most
+    Needs ``collective_waits`` (waits per row) and ``steps``; ``culprits``: the stragglers' ranks, most
     costly first (the first that is a stage is the bottleneck).
     """
     rows = con.execute(
         f"""SELECT c.rank, c.step, c.pg, sum(c.wait), sum(c.ms), any_value(b.late)
-            FROM cw c LEFT JOIN p2pblame b USING (rank, step, pg) WHERE c.{IS_P2P}
+            FROM collective_waits c LEFT JOIN p2p_blame b USING (rank, step, pg) WHERE c.{IS_P2P}
             GROUP BY 1, 2, 3"""
     ).fetchall()
     if not rows:

@@ -1,8 +1,8 @@
 """DuckDB relations by name, whichever kind they are: whether one exists, whether it has a
 column, and dropping it.
 
-Several analysis steps make a name a table on one path and a view on another (``ex``: the
-grouped or the dense own-work path; ``cin``; ``raw`` and the loader's early tables), and
+Several analysis steps make a name a table on one path and a view on another (``own_excess``: the
+grouped or the dense own-work path; ``phase_collectives``; ``raw_records`` and the loader's early tables), and
 DuckDB's ``DROP TABLE`` does not drop a view, nor ``DROP VIEW`` a table. Others run on tables
 made by hand (tests) as well as on the loader's, and ask first whether a table is there.
 """

@@ -76,26 +76,27 @@ CREEP_MAX_POINTS = 300
 
 
 def create_resource_table(con: Any, keep: str = "TRUE") -> None:
-    """Flatten the JSON sections of table ``rec`` into ``res`` (called by the loader, after
-    it built ``steps`` from the same records: ``rec`` where ``keep``)."""
+    """Flatten the JSON sections of table ``kept_records`` into ``step_resources`` (called by the
+    loader, after
+    it built ``steps`` from the same records: ``kept_records`` where ``keep``)."""
     sections = sorted({sec for sec, _ in _FIELDS} | {"counters"})
     if not con.execute(
-            f"""SELECT count(*) FROM (SELECT 1 FROM rec WHERE {keep}
+            f"""SELECT count(*) FROM (SELECT 1 FROM kept_records WHERE {keep}
                 AND ({' OR '.join(f'{s} IS NOT NULL' for s in sections)}) LIMIT 1)""").fetchone()[0]:
         # No record has a section (the common case): every value is NULL, and a view over
         # ``steps`` (the same records, rank and step) has the rows. The table was 10^7 rows
         # of NULLs at 10^8 phase samples, written for ~4 s CPU.
         nulls = ", ".join(f"CAST(NULL AS DOUBLE) AS {name}"
                           for name in [n for _, n in _FIELDS] + ["runq_ms"])
-        con.execute(f"CREATE VIEW res AS SELECT rank, step, {nulls} FROM steps")
+        con.execute(f"CREATE VIEW step_resources AS SELECT rank, step, {nulls} FROM steps")
         return
     cols = ",\n".join(
         f"TRY_CAST(json_extract_string({sec}, '$.{name}') AS DOUBLE) AS {name}" for sec, name in _FIELDS
     )
     cols += ",\nTRY_CAST(json_extract_string(counters, '$.runq_ms') AS DOUBLE) AS runq_ms"
     con.execute(
-        f"""CREATE TABLE res AS SELECT CAST(rank AS INTEGER) AS rank, step, {cols}
-            FROM rec WHERE {keep}"""
+        f"""CREATE TABLE step_resources AS SELECT CAST(rank AS INTEGER) AS rank, step, {cols}
+            FROM kept_records WHERE {keep}"""
     )
 
 
@@ -110,13 +111,13 @@ def _sig(x: Any, digits: int = 4) -> float | None:
 
 def analyze_resources(con: Any) -> dict[str, Any]:
     """``{"throughput": ..., "memory": ..., "device": ...}`` for the report's ``run`` section."""
-    if not exists(con, "res"):
+    if not exists(con, "step_resources"):
         return {"throughput": _empty_throughput(), "memory": _empty_memory(), "device": None}
     # One scan for which columns hold any value: a run without a section (the common case,
     # and 10^7 records at 10^8 samples) reads none of its columns again.
     names = [name for _, name in _FIELDS]
     counts = con.execute(
-        f"SELECT {', '.join(f'count({n})' for n in names)} FROM res").fetchone()
+        f"SELECT {', '.join(f'count({n})' for n in names)} FROM step_resources").fetchone()
     present = {n for n, k in zip(names, counts, strict=True) if k}
     return {"throughput": _throughput(con, present), "memory": _memory(con, present),
             "device": _device_table(con, present)}
@@ -131,7 +132,7 @@ def _throughput(con: Any, present: set[str]) -> dict[str, Any]:
                SELECT step, sum(tokens_per_s) AS tps, sum(samples_per_s) AS sps,
                       sum(tflops) AS tf, sum(tflops / mfu) FILTER (WHERE mfu > 0) AS peak,
                       count(mfu) AS n_mfu, count(tflops) AS n_tf, count(*) AS n
-               FROM res GROUP BY step)
+               FROM step_resources GROUP BY step)
            SELECT median(tps), median(sps), median(tf) FILTER (WHERE n_tf = n),
                   median(tf / peak) FILTER (WHERE n_mfu = n AND peak > 0)
            FROM per_step"""
@@ -150,7 +151,7 @@ def _memory(con: Any, present: set[str]) -> dict[str, Any]:
                   "workers_rss_mb", "alloc_retries", "ooms"}:
         m = con.execute(
             """SELECT max(peak_allocated_mb), max(peak_reserved_mb), max(allocated_mb), max(rss_mb),
-                      max(workers_rss_mb), max(alloc_retries), max(ooms) FROM res"""
+                      max(workers_rss_mb), max(alloc_retries), max(ooms) FROM step_resources"""
         ).fetchone()
         memory.update({
             "peak_allocated_mb": _r(m[0], 1),
@@ -177,15 +178,15 @@ def _empty_memory() -> dict[str, Any]:
 
 
 def _memory_per_rank(con: Any, present: set[str]) -> list[dict[str, Any]]:
-    """Every rank of ``res``, its values ``None`` where no record measured them."""
+    """Every rank of ``step_resources``, its values ``None`` where no record measured them."""
     if not present & {"peak_allocated_mb", "rss_mb", "alloc_retries", "ooms", "tokens_per_s", "mfu"}:
         return [{"rank": int(r), "peak_allocated_mb": None, "rss_mb": None, "alloc_retries": None,
                  "ooms": None, "tokens_per_s": None, "mfu": None}
-                for (r,) in con.execute("SELECT DISTINCT rank FROM res ORDER BY rank").fetchall()]
+                for (r,) in con.execute("SELECT DISTINCT rank FROM step_resources ORDER BY rank").fetchall()]
     rows = con.execute(
         """SELECT rank, max(peak_allocated_mb), max(rss_mb), max(alloc_retries), max(ooms),
                   median(tokens_per_s), median(mfu)
-           FROM res GROUP BY rank ORDER BY rank"""
+           FROM step_resources GROUP BY rank ORDER BY rank"""
     ).fetchall()
     return [
         {"rank": int(r[0]), "peak_allocated_mb": _r(r[1], 1), "rss_mb": _r(r[2], 1),
@@ -201,7 +202,7 @@ def _device_table(con: Any, present: set[str]) -> dict[str, Any] | None:
     if not present & set(DEVICE_METRICS):
         return None
     aggs = ", ".join(f"min({m}), median({m}), max({m}), count({m})" for m in DEVICE_METRICS)
-    rows = con.execute(f"SELECT rank, {aggs} FROM res GROUP BY rank ORDER BY rank").fetchall()
+    rows = con.execute(f"SELECT rank, {aggs} FROM step_resources GROUP BY rank ORDER BY rank").fetchall()
     per_rank = []
     for row in rows:
         entry: dict[str, Any] = {"rank": int(row[0])}
@@ -299,7 +300,7 @@ def _creep(con: Any, names: list[str]) -> list[dict[str, Any]]:
 def _creep_block(con: Any, names: list[str], block: tuple[int, int]) -> list[dict[str, Any]]:
     out = []
     rows = con.execute(
-        f"SELECT rank, step, {', '.join(names)} FROM res WHERE {in_block('rank', block)} "
+        f"SELECT rank, step, {', '.join(names)} FROM step_resources WHERE {in_block('rank', block)} "
         "ORDER BY rank, step"
     ).fetchall()
     by_rank: dict[int, list[tuple[Any, ...]]] = {}

@@ -62,14 +62,14 @@ def analyze_run(
 
 def recording_lost(con: Any) -> dict[str, int]:
     """Sum of the records' ``dropped`` counts by reason (steps never written); zeros left out."""
-    rows = con.execute("SELECT key, n FROM lost ORDER BY 1").fetchall()  # built by load_run
+    rows = con.execute("SELECT key, n FROM lost_steps ORDER BY 1").fetchall()  # built by load_run
     return {str(k): int(n) for k, n in rows if n is not None and n > 0}
 
 
 def _analyze(data: RunData) -> dict[str, Any]:
     con = data.con
     create_phase_samples(con)
-    n_rows = con.execute("SELECT count(*) FROM samples").fetchone()[0]
+    n_rows = con.execute("SELECT count(*) FROM phase_samples").fetchone()[0]
     step_q = con.execute(
         "SELECT quantile_cont(step_ms, [0.5, 0.9]), min(t0), max(t0 + step_ms) FROM steps"
     ).fetchone()

@@ -30,16 +30,16 @@ Series = dict[tuple[int, str], tuple[Any, Any, Any]]
 
 
 def _series(con: Any, steps: list[int], cols: OwnColumns | None = None) -> Series:
-    """Every (rank, phase) gap series of table ``ex``, in (rank, phase, step) order.
+    """Every (rank, phase) gap series of table ``own_excess``, in (rank, phase, step) order.
 
     Fixed-dtype columns, not Python rows: each series is a slice (a view) of arrays sorted
-    once in numpy. ``cols``: ex's columns as :func:`build_own` returned them (else read).
+    once in numpy. ``cols``: own_excess's columns as :func:`build_own` returned them (else read).
     """
     if cols is None:
         names = [str(n) for (n,) in con.execute(
-            "SELECT DISTINCT name FROM ex WHERE excess IS NOT NULL ORDER BY 1").fetchall()]
+            "SELECT DISTINCT name FROM own_excess WHERE excess IS NOT NULL ORDER BY 1").fetchall()]
         got = con.execute(
-            "SELECT rank, list_position($names, name) - 1 AS nid, step, excess, own FROM ex "
+            "SELECT rank, list_position($names, name) - 1 AS nid, step, excess, own FROM own_excess "
             "WHERE excess IS NOT NULL", {"names": names}).fetchnumpy()
         cols = OwnColumns(names, np.asarray(got["rank"]), np.asarray(got["nid"]),
                           np.asarray(got["step"]), np.asarray(got["own"]),
@@ -84,12 +84,13 @@ def _dense_series(d: DenseOwn, names: list[str], steps: list[int]) -> Series:
 
 def runq_by_step(con: Any) -> dict[int, dict[int, float]]:
     """``{rank: {step: run-queue wait ms}}`` from ``res.runq_ms``; empty when not recorded."""
-    has = has_column(con, "res", "runq_ms")
+    has = has_column(con, "step_resources", "runq_ms")
     out: dict[int, dict[int, float]] = {}
     if not has:
         return out
     for rank, step, ms in con.execute(
-        "SELECT rank, step, runq_ms FROM res WHERE runq_ms IS NOT NULL AND isfinite(runq_ms) AND runq_ms >= 0"
+        "SELECT rank, step, runq_ms FROM step_resources "
+        "WHERE runq_ms IS NOT NULL AND isfinite(runq_ms) AND runq_ms >= 0"
     ).fetchall():
         out.setdefault(int(rank), {})[int(step)] = float(ms)
     return out if len(out) > 1 else {}
@@ -191,11 +192,11 @@ def runq_extra(con: Any) -> dict[int, dict[int, float]]:
     """Each rank's run-queue wait per step (``res.runq_ms``) minus the other ranks' median at
     that step: ``{rank: {step: ms}}``; empty when the runs carry none (a GPU run, records
     from before :mod:`stepscope.instrument.sched`)."""
-    has = has_column(con, "res", "runq_ms")
+    has = has_column(con, "step_resources", "runq_ms")
     if not has:
         return {}
     got = con.execute(
-        "SELECT step, rank, runq_ms FROM res WHERE runq_ms IS NOT NULL AND isfinite(runq_ms)"
+        "SELECT step, rank, runq_ms FROM step_resources WHERE runq_ms IS NOT NULL AND isfinite(runq_ms)"
     ).fetchnumpy()
     step = np.asarray(got["step"], dtype=np.int64)
     rank = np.asarray(got["rank"], dtype=np.int64)
@@ -215,9 +216,9 @@ def build_thresholds(con: Any, median_step: float,
 
     Noise is the robust sigma of successive differences of the gap (divided by sqrt 2), so
     a level shift or a window of slow steps does not inflate it; floored. ``series``: the
-    gap series of table ``ex`` (:func:`_series`) when already read.
+    gap series of table ``own_excess`` (:func:`_series`) when already read.
     """
     if series is None:
-        steps = [int(s) for (s,) in con.execute("SELECT DISTINCT step FROM ex ORDER BY 1").fetchall()]
+        steps = [int(s) for (s,) in con.execute("SELECT DISTINCT step FROM own_excess ORDER BY 1").fetchall()]
         series = _series(con, steps)
     return _thresholds(series, median_step)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from stepscope.analysis.blocks import in_block, rank_blocks
+from stepscope.analysis.tables import PHASE_SUMS
 from stepscope.recording.schema import CANONICAL_PHASES
 
 #: Above this many rows quantiles are approximate (t-digest) to keep memory flat.
@@ -53,7 +54,7 @@ def create_phase_samples(con: Any) -> None:
     # A view: the two statistics queries scan it once each, cheaper than a third full copy
     # of the phase rows.
     con.execute(
-        f"""CREATE OR REPLACE VIEW samples AS
+        f"""CREATE OR REPLACE VIEW phase_samples AS
             SELECT rank, step, path AS name, parent, ms FROM phases
             UNION ALL SELECT rank, step, '{RESIDUAL}', NULL, residual_ms FROM steps
             UNION ALL SELECT rank, step, '{H2D_HIDDEN}', NULL, h2d_hidden_ms FROM steps
@@ -74,7 +75,7 @@ def phase_stats(con: Any, n_rows: int) -> dict[str, dict[str, Any]]:
     overall = con.execute(
         f"""SELECT name, any_value(parent), {_q('ms', exact)}, max(ms), sum(ms), count(*),
                    bool_and(parent IS NULL), sum(greatest(ms, 0.0))
-            FROM samples GROUP BY name"""
+            FROM phase_samples GROUP BY name"""
     ).fetchall()
     # Exact per rank: a t-digest state per (phase, rank) group costs more memory than the
     # few thousand values each group holds. An exact quantile holds every value of its group
@@ -85,7 +86,7 @@ def phase_stats(con: Any, n_rows: int) -> dict[str, dict[str, Any]]:
         per_rank += con.execute(
             f"""SELECT name, rank, {_q('ms', True)}, max(ms), sum(ms), count(*),
                        bool_and(parent IS NULL), sum(greatest(ms, 0.0))
-                FROM samples WHERE {in_block('rank', b)} GROUP BY name, rank"""
+                FROM phase_samples WHERE {in_block('rank', b)} GROUP BY name, rank"""
         ).fetchall()
     per_rank.sort(key=lambda row: (row[0], row[1]))
     _write_sums(con, [(r[0], None, r[4], r[6], r[7]) for r in overall]
@@ -122,11 +123,6 @@ def phase_stats(con: Any, n_rows: int) -> dict[str, dict[str, Any]]:
     return {name: out[name] for name in phase_order(list(out))}
 
 
-#: Table of each sample name's sums (rank NULL: the whole run), written by
-#: :func:`phase_stats` from its own scans: ``name, rank, ms`` (sum), ``top`` (every row top
-#: level), ``pos`` (sum of the positive values). analysis/own.py's ``phase_waits`` takes a
-#: path's share from it where no collective lies inside (a second scan of every phase row).
-PHASE_SUMS = "phase_sums"
 
 
 def _write_sums(con: Any, rows: list[tuple[Any, ...]]) -> None:
@@ -143,7 +139,7 @@ def _write_sums(con: Any, rows: list[tuple[Any, ...]]) -> None:
 def rank_stats(con: Any, hosts: dict[str, list[int]], n_rows: int = 0) -> list[dict[str, Any]]:
     """Per rank: step time, own work (step minus estimated wait) and wait, median and p90.
 
-    Needs the ``wait`` table (rank, step, wait_ms) built by the straggler analysis.
+    Needs the ``step_waits`` table (rank, step, wait_ms) built by the straggler analysis.
     """
     host_of = {r: h for h, rs in hosts.items() for r in rs}
     # Exact quantiles per rank hold every step of the rank: a block of ranks at a time, as in
@@ -154,7 +150,7 @@ def rank_stats(con: Any, hosts: dict[str, list[int]], n_rows: int = 0) -> list[d
             f"""SELECT s.rank, count(*), {_q('s.step_ms', True)},
                        {_q('s.step_ms - w.wait_ms', True)}, {_q('w.wait_ms', True)},
                        sum(w.wait_ms), sum(s.step_ms)
-                FROM steps s JOIN wait w USING (rank, step)
+                FROM steps s JOIN step_waits w USING (rank, step)
                 WHERE {in_block('s.rank', b)} GROUP BY 1 ORDER BY 1"""
         ).fetchall()
     out = []

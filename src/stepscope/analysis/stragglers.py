@@ -247,7 +247,7 @@ def _contention(con: Any, s: dict[str, Any], extra: dict[int, dict[int, float]],
                    median(runq_ms) FILTER (WHERE rank <> {rank} AND step BETWEEN {first} AND {last}),
                    median(runq_ms) FILTER (WHERE rank = {rank} AND step NOT BETWEEN {first} AND {last}),
                    median(runq_ms) FILTER (WHERE rank <> {rank} AND step NOT BETWEEN {first} AND {last})
-            FROM res WHERE runq_ms IS NOT NULL AND isfinite(runq_ms)"""
+            FROM step_resources WHERE runq_ms IS NOT NULL AND isfinite(runq_ms)"""
     ).fetchone()
     mine_in, others_in, mine_out, others_out = (float(v) if v is not None else None for v in row)
     mine = [v for st, v in extra.get(rank, {}).items() if first <= st <= last]
@@ -459,12 +459,12 @@ def _straggler(con: Any, rank: int, name: str, host_of: dict[int, str], steps: l
 
 def _add_victims(con: Any, s: dict[str, Any], flagged: list[int]) -> None:
     """Ranks whose wait rose while straggler ``s`` was slow: they waited more than it did."""
-    con.execute("CREATE OR REPLACE TEMP TABLE fl (step BIGINT)")
-    con.execute("INSERT INTO fl SELECT unnest(?::BIGINT[])", [flagged])
+    con.execute("CREATE OR REPLACE TEMP TABLE flagged_steps (step BIGINT)")
+    con.execute("INSERT INTO flagged_steps SELECT unnest(?::BIGINT[])", [flagged])
     rows = con.execute(
         f"""SELECT q.rank, median(q.wait_ms - r.wait_ms), median(q.wait_ms)
-            FROM wait q JOIN wait r ON q.step = r.step AND r.rank = {int(s['rank'])}
-            WHERE q.rank <> {int(s['rank'])} AND q.step IN (SELECT step FROM fl)
+            FROM step_waits q JOIN step_waits r ON q.step = r.step AND r.rank = {int(s['rank'])}
+            WHERE q.rank <> {int(s['rank'])} AND q.step IN (SELECT step FROM flagged_steps)
             GROUP BY 1 ORDER BY 1"""
     ).fetchall()
     bar = max(FLOOR_MS, VICTIM_FRACTION * s["excess_ms"])
@@ -475,12 +475,12 @@ def _add_victims(con: Any, s: dict[str, Any], flagged: list[int]) -> None:
     if victims:
         ids = ", ".join(str(r) for r, _ in victims)
         row = con.execute(
-            f"""SELECT coalesce(phase, '{RESIDUAL}'), sum(wait) FROM cw
-                WHERE rank IN ({ids}) AND step IN (SELECT step FROM fl)
+            f"""SELECT coalesce(phase, '{RESIDUAL}'), sum(wait) FROM collective_waits
+                WHERE rank IN ({ids}) AND step IN (SELECT step FROM flagged_steps)
                 GROUP BY 1 ORDER BY 2 DESC LIMIT 1"""
         ).fetchone()
         s["wait_phase"] = str(row[0]) if row and row[1] else None
-    con.execute("DROP TABLE fl")
+    con.execute("DROP TABLE flagged_steps")
 
 
 def own_slowdown(con: Any, name: str, first: int, last: int, rank: int | None = None) -> float:
@@ -494,7 +494,7 @@ def own_slowdown(con: Any, name: str, first: int, last: int, rank: int | None = 
         f"""SELECT median(own) FILTER (WHERE step BETWEEN {first} AND {last}),
                    median(own) FILTER (WHERE step NOT BETWEEN {first} AND {last}),
                    median(others) FILTER (WHERE step BETWEEN {first} AND {last})
-            FROM ex WHERE name = {_q(name)} {who}"""
+            FROM own_excess WHERE name = {_q(name)} {who}"""
     ).fetchone()
     inside, outside, others = r if r else (None, None, None)
     base = outside if outside is not None and outside > 1e-9 else others
@@ -609,7 +609,7 @@ def _window_phase(con: Any, first: int, last: int) -> str:
     row = con.execute(
         f"""SELECT name, median(own) FILTER (WHERE step BETWEEN {first} AND {last})
                        - median(own) AS grow
-            FROM ex GROUP BY 1 ORDER BY grow DESC NULLS LAST LIMIT 1"""
+            FROM own_excess GROUP BY 1 ORDER BY grow DESC NULLS LAST LIMIT 1"""
     ).fetchone()
     return str(row[0]) if row else "step"
 
@@ -624,7 +624,7 @@ def attribute(con: Any, hosts: dict[str, list[int]], ranks: list[int], median_st
     if source in ("collectives", "grad_sync", "collectives+timeline"):
         row = con.execute(
             """SELECT coalesce(phase, 'residual'), arg_max(op, ms) FROM (
-                   SELECT phase, op, sum(wait) + 1e-9 * sum(ms) AS ms FROM cw GROUP BY 1, 2)
+                   SELECT phase, op, sum(wait) + 1e-9 * sum(ms) AS ms FROM collective_waits GROUP BY 1, 2)
                GROUP BY 1 ORDER BY max(ms) DESC LIMIT 1"""
         ).fetchone()
         if row:

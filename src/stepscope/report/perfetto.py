@@ -48,11 +48,11 @@ def write_perfetto(doc: dict[str, Any], data: Any, path: str) -> int:
             emit({"ph": "M", "name": "thread_name", "pid": rank, "tid": 0, "args": {"name": "steps"}})
         # Steps first, then phases, each in time order: parents precede children on a track.
         cur = con.execute(
-            """SELECT rank, step, t, step_ms, NULL AS name, NULL AS parent, 0 AS depth FROM st
+            """SELECT rank, step, t, step_ms, NULL AS name, NULL AS parent, 0 AS depth FROM aligned_steps
                UNION ALL
                SELECT p.rank, p.step, st.t + p.s, p.e - p.s, p.name, p.parent,
                       CASE WHEN p.parent IS NULL THEN 1 ELSE 2 END
-               FROM phases p JOIN st USING (rank, step)
+               FROM phases p JOIN aligned_steps USING (rank, step)
                ORDER BY rank, 3, depth"""
         )
         while rows := cur.fetchmany(_BATCH):
@@ -75,7 +75,7 @@ def write_perfetto(doc: dict[str, Any], data: Any, path: str) -> int:
 
 
 def _step_ts(con: Any, step: int) -> float:
-    row = con.execute(f"SELECT min(t) FROM st WHERE step >= {int(step)}").fetchone()
+    row = con.execute(f"SELECT min(t) FROM aligned_steps WHERE step >= {int(step)}").fetchone()
     return round(float(row[0] or 0.0) * 1000.0, 3)
 
 
