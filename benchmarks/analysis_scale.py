@@ -124,7 +124,7 @@ def write_store(root: Path, ranks: int, steps: int, slow_rank: int, threads: int
         f"'path': '{name if parent is None else parent + '/' + name}', 'host_ms': NULL}}"
         for i, (name, parent, _) in enumerate(STORE_PHASES))
     step_ms = " + ".join(ms[i] for i, (_, parent, _) in enumerate(STORE_PHASES) if parent is None)
-    from stepscope.analysis.load import COLUMNS
+    from stepscope.analysis.record_files import COLUMNS
 
     given = {
         "schema": "1", "run_id": "'bench'", "rank": "rank", "world_size": str(ranks),

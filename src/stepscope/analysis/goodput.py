@@ -40,7 +40,13 @@ import numpy as np
 
 from stepscope.analysis import blocks
 from stepscope.analysis.blocks import in_block
-from stepscope.analysis.load import MAX_MS, MAX_START_NS
+from stepscope.analysis.record_files import (
+    MAX_LINE_BYTES,
+    MAX_MS,
+    MAX_START_NS,
+    drop_long_lines,
+    rank_files,
+)
 from stepscope.analysis.relations import exists, has_column
 from stepscope.analysis.resource_use import TIMED_FILTER
 
@@ -83,8 +89,6 @@ def _light_rows(con: Any, run_dir: Path) -> _Plan | None:
     """Every timed record (duplicates included) with its split: the plan reading them, or
     None without rank files."""
     import tempfile
-
-    from stepscope.analysis.load import MAX_LINE_BYTES, drop_long_lines, rank_files
 
     if exists(con, "timed_records"):
         return _rows(con, "timed_records")  # kept by load_run from the lines it read

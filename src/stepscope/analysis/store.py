@@ -11,7 +11,7 @@ Layout (a hive-partitioned Parquet dataset any engine reads)::
     RUN/parquet/phases/rank_block=K/part_<uuid>.parquet    the records' phase lists, flat
     RUN/parquet/_state.json                                 byte offset consumed per file
 
-One row per JSON line, with the fixed typed schema of :data:`stepscope.analysis.load.COLUMNS`
+One row per JSON line, with the fixed typed schema of :data:`stepscope.analysis.record_files.COLUMNS`
 plus ``filename`` (the rank file it came from); a corrupt line is a row of NULLs (so the
 report can still say how many were skipped). Only whole lines are consumed: a torn last
 line stays in the JSONL until its newline arrives. A file that shrank, vanished or begins
@@ -19,7 +19,7 @@ with other bytes than the ones stored (a run directory rewritten by a new run, e
 that wrote more) triggers a full rebuild.
 
 ``phases`` holds one row per element of the records' phase lists, as the analysis'
-``phases`` table has them (:func:`stepscope.analysis.load.flat_phases_sql`), ordered by
+``phases`` table has them (:func:`stepscope.analysis.record_files.flat_phases_sql`), ordered by
 step within each file and written with the records of the same compaction: the analysis
 reads them in place instead of decoding the lists into a table.
 
@@ -41,6 +41,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stepscope.analysis.record_files import (
+    MAX_LINE_BYTES,
+    drop_long_lines,
+    flat_phases_sql,
+    json_reader,
+    rank_files,
+)
 from stepscope.common import safefs
 from stepscope.common.errors import AnalysisError
 
@@ -158,7 +165,6 @@ def write_phases(con: Any, store: Path, records: list[str]) -> None:
     store's rank-block directories) to ``store``."""
     import uuid
 
-    from stepscope.analysis.load import flat_phases_sql
 
     by_block: dict[str, list[str]] = {}
     for f in records:
@@ -367,8 +373,6 @@ def compact(run_dir: str | os.PathLike[str], *, threads: int | None = None,
     Raises :class:`AnalysisError` when the run directory has no rank files, and
     ``OSError`` when the store cannot be written (the caller may use a temporary one).
     """
-    from stepscope.analysis.load import rank_files
-
     root = Path(run_dir)
     files = [p for p in rank_files(root)[0] if p.suffix == ".jsonl"]
     if not files:
@@ -380,8 +384,6 @@ def compact(run_dir: str | os.PathLike[str], *, threads: int | None = None,
 
 def _compact_locked(root: Path, store: Path, files: list[Path], threads: int | None,
                     memory_limit: str | None) -> CompactResult:
-    from stepscope.analysis.load import MAX_LINE_BYTES, drop_long_lines
-
     state, parts = _read_state(store)
     names = {p.name: p for p in files}
     sizes = {p.name: p.stat().st_size for p in files}
@@ -479,7 +481,6 @@ def _write_parquet(store: Path, chunks: list[Path], threads: int | None,
     """Write the chunks' records (and their flat phases); the new parts' paths in the store."""
     import duckdb
 
-    from stepscope.analysis.load import json_reader
 
     con = duckdb.connect()
     try:
