@@ -54,7 +54,8 @@ def test_one_validation_pass_and_no_copy_of_the_phase_lists(
 def _tables(data: Any) -> dict[str, list[tuple[Any, ...]]]:
     con = data.con
     return {t: con.execute(f"SELECT * FROM {t} ORDER BY ALL").fetchall()
-            for t in ("steps", "phases", "colls", "unseen", "res", "lost")}
+            for t in ("steps", "phases", "collectives", "unseen_collectives", "step_resources",
+                      "lost_steps")}
 
 
 def test_implausible_and_duplicate_records_keep_the_same_rows(tmp_path: Path) -> None:

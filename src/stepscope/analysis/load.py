@@ -347,14 +347,69 @@ def _build_tables(con: Any, root: Path, skipped: list[str], torn: set[str] | Non
     return _build(con, root, skipped, torn, lines, light, lists_checked_later=False)
 
 
+@dataclass
+class _Census:
+    """What one pass over ``raw_records`` found: lines and good lines per file, good records
+    per schema version, implausible records per file, and the SQL condition of a valid one."""
+
+    per_file: dict[str, tuple[int, int]]
+    schemas: dict[int, int]
+    implausible: dict[str, int]
+    valid: str
+
+
+_READABLE_IN = f"schema IN {tuple(READABLE_SCHEMAS)}"
+
+
 def _build(con: Any, root: Path, skipped: list[str], torn: set[str] | None,
            lines: dict[str, int] | None, light: bool, lists_checked_later: bool,
            flat: str | None = None) -> RunData:
     """:func:`_build_tables`; ``lists_checked_later``: raise :class:`_Recheck` where the
     records are not all kept, and check the phase lists in the ``phases`` statement (or,
-    with ``flat``, on the flat copy's rows, which ``phases`` is then a view of)."""
+    with ``flat``, on the flat copy's rows, which ``phases`` is then a view of).
+
+    The stages, in order: count the lines and records (:func:`_census`), note what is
+    skipped (:func:`_note_lines`, :func:`_kept_condition`), keep the records
+    (:func:`_keep_records`), read the run's ranks and clock (:func:`_run_meta`), keep the
+    steps every rank has (:func:`_common_steps`), build ``steps`` and ``phases``
+    (:func:`_build_steps_and_phases`), count repeated paths
+    (:func:`_count_duplicate_paths`) and build the records' other sections
+    (:func:`_build_sections`)."""
+    census = _census(con, lines, lists_checked_later)
+    _note_lines(census.per_file, lines, torn, skipped)
+    kept = _kept_condition(root, census, skipped)
+    rec_kind, lists = _keep_records(con, kept, light, lists_checked_later, skipped)
+    ranks, meta, world_size = _run_meta(con, root, skipped)
+    keep = _common_steps(con, len(ranks), skipped)
+    keep, flat_view = _build_steps_and_phases(con, int(meta[1]), keep, lists, flat,
+                                              lists_checked_later)
+    _build_sections(con, keep, rec_kind, _count_duplicate_paths(con, flat_view))
+    hosts: dict[str, list[int]] = {}
+    for host, rank in con.execute(
+        "SELECT DISTINCT host, rank FROM steps ORDER BY host, rank"
+    ).fetchall():
+        hosts.setdefault(str(host), []).append(int(rank))
+    n_steps = con.execute("SELECT count(*) FROM steps").fetchone()[0]
+    if not n_steps:
+        raise AnalysisError(f"{root}: no usable step records")
+    return RunData(
+        con=con,
+        run_dir=root,
+        ranks=ranks,
+        hosts=hosts,
+        world_size=world_size,
+        run_id=meta[2],
+        clock=str(meta[3] or "cpu"),
+        records=int(n_steps),
+        skipped=skipped,
+    )
+
+
+def _census(con: Any, lines: dict[str, int] | None, lists_checked_later: bool) -> _Census:
+    """One pass over ``raw_records``; raises :class:`_Recheck` (with ``lists_checked_later``)
+    where not every record would be kept."""
     valid = " AND ".join(f"{c} IS NOT NULL" for c in REQUIRED)
-    readable_in = f"schema IN {tuple(READABLE_SCHEMAS)}"
+    readable_in = _READABLE_IN
     # One pass over the records answers the three questions the checks ask: lines per
     # file (and how many are good), records per schema version, and implausible records
     # per file. It is the only statement that evaluates the plausibility rule over every
@@ -400,6 +455,12 @@ def _build(con: Any, root: Path, skipped: list[str], torn: set[str] | None,
             schemas[int(ver)] = schemas.get(int(ver), 0) + int(n_good)
         if n_bad:
             implausible[str(fname)] = implausible.get(str(fname), 0) + int(n_bad)
+    return _Census(per_file, schemas, implausible, valid)
+
+
+def _note_lines(per_file: dict[str, tuple[int, int]], lines: dict[str, int] | None,
+                torn: set[str] | None, skipped: list[str]) -> None:
+    """Note each file's corrupt lines and torn last line."""
     if lines is None:
         counts = [(f, u, g) for f, (u, g) in sorted(per_file.items())]
     else:
@@ -416,6 +477,11 @@ def _build(con: Any, root: Path, skipped: list[str], torn: set[str] | None,
         if bad:
             skipped.append(f"{name}: {bad} corrupt or incomplete line(s) of {total} skipped")
 
+
+def _kept_condition(root: Path, census: _Census, skipped: list[str]) -> str:
+    """The SQL condition of a kept record; notes records of other schema versions and
+    implausible ones; raises :class:`AnalysisError` where no record is readable."""
+    schemas, implausible = census.schemas, census.implausible
     if not schemas:
         raise AnalysisError(f"{root}: no valid step records (every line was corrupt)")
     readable = " and ".join(str(v) for v in READABLE_SCHEMAS)
@@ -439,7 +505,13 @@ def _build(con: Any, root: Path, skipped: list[str], torn: set[str] | None,
             f"over {MAX_MS:.0e} ms, or start_unix_ns outside 0..2^62)"
         )
     plausible = f"coalesce({PLAUSIBLE}, FALSE)" if implausible else "TRUE"
-    kept = f"{valid} AND {readable_in} AND {plausible} AND {TIMED_FILTER}"
+    return f"{census.valid} AND {_READABLE_IN} AND {plausible} AND {TIMED_FILTER}"
+
+
+def _keep_records(con: Any, kept: str, light: bool, lists_checked_later: bool,
+                  skipped: list[str]) -> tuple[str, str]:
+    """``kept_records`` (and ``timed_records`` with ``light``); returns its kind (VIEW or
+    TABLE) and where the phase lists are read from."""
     # ``kept_records``: the records' columns but their phase lists (those are read once more,
     # straight into ``phases`` below). A view: each statement reading it reads only the
     # columns it names (a table was a copy of every column of every record: ~8 s CPU at
@@ -478,7 +550,12 @@ def _build(con: Any, root: Path, skipped: list[str], torn: set[str] | None,
                QUALIFY row_number() OVER (PARTITION BY rank, step ORDER BY start_unix_ns) = 1"""
         )
         lists = "kept_records WHERE TRUE"
+    return rec_kind, lists
 
+
+def _run_meta(con: Any, root: Path, skipped: list[str]) -> tuple[list[int], Any, int]:
+    """The ranks present, the row (max world_size, earliest start, a run id, the clock,
+    run ids) and the world size; notes missing ranks and mixed run ids."""
     ranks = [int(r) for (r,) in con.execute("SELECT DISTINCT rank FROM kept_records ORDER BY 1").fetchall()]
     if not ranks:
         raise AnalysisError(f"{root}: no plausible step records (see the skipped lines)")
@@ -499,9 +576,12 @@ def _build(con: Any, root: Path, skipped: list[str], torn: set[str] | None,
             f"no records for rank(s) {_fmt_ranks(missing, world_size - len(ranks))} of world size "
             f"{world_size} (file missing or empty); analysed {len(ranks)} rank(s)"
         )
+    return ranks, meta, world_size
 
+
+def _common_steps(con: Any, n_ranks: int, skipped: list[str]) -> str:
+    """``common_steps``; returns the condition on ``step`` of the steps analysed."""
     # Cross-rank comparison needs the same steps on every rank; keep the common ones.
-    n_ranks = len(ranks)
     con.execute(
         f"""CREATE TABLE common_steps AS SELECT step FROM kept_records GROUP BY step
             HAVING count(*) = {n_ranks}"""
@@ -528,8 +608,13 @@ def _build(con: Any, root: Path, skipped: list[str], torn: set[str] | None,
                 f"ranks share only {n_common} of {n_all} steps; cross-rank comparison is "
                 "per step where ranks overlap and may be unreliable"
             )
+    return keep
 
-    t_min = int(meta[1])
+
+def _build_steps_and_phases(con: Any, t_min: int, keep: str, lists: str, flat: str | None,
+                            lists_checked_later: bool) -> tuple[str, bool]:
+    """``steps`` and ``phases``; returns the steps' condition and whether ``phases`` is a
+    view of the store's flat copy."""
     con.execute(
         f"""CREATE TABLE steps AS SELECT CAST(rank AS INTEGER) AS rank, step,
                coalesce(hostname, 'unknown') AS host,
@@ -574,6 +659,11 @@ def _build(con: Any, root: Path, skipped: list[str], torn: set[str] | None,
     keep = kept_steps
     if lists_checked_later and keep != "TRUE" and not flat_view:
         con.execute(f"DELETE FROM phases WHERE NOT ({keep})")
+    return keep, flat_view
+
+
+def _count_duplicate_paths(con: Any, flat_view: bool) -> int:
+    """How many (rank, step, path) have more than one row in ``phases``."""
     # Records that list one phase path twice (hostile or corrupt): with none, (rank, step,
     # path) is a key of ``phases`` and analysis/own.py's phase_waits needs no group-by over every row.
     # Counted on the unnested rows a block of ranks at a time (a per-record list expression
@@ -606,6 +696,12 @@ def _build(con: Any, root: Path, skipped: list[str], torn: set[str] | None,
             n_dups += int(con.execute(
                 f"""SELECT count(*) FROM (SELECT rank, step, path FROM phases
                     WHERE {blk} GROUP BY ALL HAVING count(*) > 1)""").fetchone()[0])
+    return n_dups
+
+
+def _build_sections(con: Any, keep: str, rec_kind: str, n_dups: int) -> None:
+    """``duplicate_paths``, ``step_resources``, ``collectives``, ``lost_steps`` and
+    ``unseen_collectives`` from the kept records; drops ``kept_records`` and ``raw_records``."""
     con.execute(f"CREATE TABLE duplicate_paths AS SELECT {n_dups} AS n")
     create_resource_table(con, keep)  # [metrics] table step_resources
     con.execute(
@@ -636,25 +732,6 @@ def _build(con: Any, root: Path, skipped: list[str], torn: set[str] | None,
     )
     con.execute(f"DROP {rec_kind} kept_records")
     drop(con, "raw_records")
-    hosts: dict[str, list[int]] = {}
-    for host, rank in con.execute(
-        "SELECT DISTINCT host, rank FROM steps ORDER BY host, rank"
-    ).fetchall():
-        hosts.setdefault(str(host), []).append(int(rank))
-    n_steps = con.execute("SELECT count(*) FROM steps").fetchone()[0]
-    if not n_steps:
-        raise AnalysisError(f"{root}: no usable step records")
-    return RunData(
-        con=con,
-        run_dir=root,
-        ranks=ranks,
-        hosts=hosts,
-        world_size=world_size,
-        run_id=meta[2],
-        clock=str(meta[3] or "cpu"),
-        records=int(n_steps),
-        skipped=skipped,
-    )
 
 
 def phase_keys_unique(con: Any) -> bool:
