@@ -267,7 +267,7 @@ def test_waits_credit_each_enclosing_phase_exactly() -> None:
     # (the prefix-expanded join against the prefix-match rule it replaced).
     import duckdb
 
-    from stepscope.analysis.own import build_pw
+    from stepscope.analysis.own import build_phase_waits
 
     paths = ["a", "a/b", "a/b/c", "a/bc", "ab", "ab/c", "x/y", "a/b/c/d"]
     colls = ["a/b/c", "a/b/c", "a/bc", "ab/c", "a", "x/y/z", "q", "a/b/c/d"]
@@ -285,7 +285,7 @@ def test_waits_credit_each_enclosing_phase_exactly() -> None:
                 con.execute("INSERT INTO collective_waits VALUES (?, 0, ?, ?, ?)",
                             [rank, c, 1.0 + j, 0.5 * j + rank])
             con.execute("INSERT INTO collective_waits VALUES (?, 0, NULL, 7.0, 3.0)", [rank])
-        build_pw(con)
+        build_phase_waits(con)
         got = {(r, p): (w, n, c) for r, p, w, n, c in con.execute(
             "SELECT rank, path, wait, ncoll, coll_ms FROM phase_waits").fetchall()}
     finally:
@@ -959,12 +959,12 @@ def test_cin_takes_cw_rows_as_they_are_when_they_are_its_keys(tmp_path: Path,
     run.mkdir()
     for r, rows in recs.items():
         (run / f"rank{r}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
-    real = own_mod._cw_rows_are_cin_keys
+    real = own_mod._waits_are_phase_collective_keys
 
     def analyze_trace(keyed: bool) -> tuple[Any, ...]:
         seen: list[bool] = []
         with monkeypatch.context() as m:
-            m.setattr(own_mod, "_cw_rows_are_cin_keys",
+            m.setattr(own_mod, "_waits_are_phase_collective_keys",
                       lambda con: seen.append(real(con) if keyed else False) or seen[-1])
             doc = analyze_run(run, keep=True)
         data = doc.pop("_data")

@@ -139,7 +139,7 @@ def align(con: Any, hosts: dict[str, list[int]], n_ranks: int, median_step: floa
     return Alignment(sync, arrival, sync is not None, method, offsets, spread)
 
 
-def _timeline_wait(con: Any, al: Alignment) -> None:
+def build_timeline_waits(con: Any, al: Alignment) -> None:
     """Table ``timeline_waits`` (rank, step, wait_ms): arrival gaps on the aligned timeline.
 
     Only a fallback for records without any collective timing (no ``collectives`` section,

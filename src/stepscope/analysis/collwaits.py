@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from stepscope.analysis.align import Alignment, _timeline_wait
+from stepscope.analysis.align import Alignment, build_timeline_waits
 from stepscope.analysis.blocks import BLOCK_RECORDS, in_block, rank_blocks
 from stepscope.analysis.load import phase_keys_unique
 from stepscope.analysis.pipeline import IS_P2P, build_p2p_waits
@@ -160,7 +160,7 @@ def build_waits(con: Any, n_ranks: int, al: Alignment,
         # (e.g. Lightning's callback): DDP's all-reduce still ends backward, unseen. Its
         # wait comes from arrival gaps on the aligned timeline, as for records without
         # collective timing.
-        _timeline_wait(con, al)
+        build_timeline_waits(con, al)
         con.execute(
             f"""INSERT INTO collective_waits (rank, step, phase, op, pg, pg_size, count, ms, matched,
                                 seq_shift, wait)
@@ -173,7 +173,7 @@ def build_waits(con: Any, n_ranks: int, al: Alignment,
                     "arrival gaps on the aligned timeline (clocks compared across ranks)")
     if not n_calls and n_ranks > 1 and al.sync_phase is not None:
         # No collective timing at all: fall back to arrival gaps on the aligned timeline.
-        _timeline_wait(con, al)
+        build_timeline_waits(con, al)
         con.execute(
             f"""INSERT INTO collective_waits (rank, step, phase, op, pg, pg_size, count, ms, matched,
                                 seq_shift, wait)

@@ -3,20 +3,13 @@
 A run directory holds ``rank{R}.jsonl`` and/or ``rank{R}.sqlite`` files (see
 :mod:`stepscope.recording.schema`). DuckDB reads the JSONL files itself (out of core, in parallel);
 SQLite files are converted to JSONL first through Python's ``sqlite3`` because DuckDB's
-sqlite extension needs a network download. The result is two tables on one connection:
+sqlite extension needs a network download. The result is the tables of one connection
+(each declared, with its columns, in :mod:`stepscope.analysis.tables`): ``steps`` (one row per
+sampled step), ``phases`` (one row per phase; ``path`` "forward/h2d" is the key), the
+records' ``collectives``, ``unseen_collectives``, ``lost_steps``, ``step_resources`` and
+``duplicate_paths``, and ``timed_records`` for goodput.
 
-``steps``  (rank, step, host, t0, step_ms, residual_ms, h2d_hidden_ms) — one row per sampled
-           step; ``t0`` is the step start in ms since the run's earliest start (raw clock).
-``phases`` (rank, step, name, parent, ms, s, calls, e, path) — one row per phase; ``s``/``e`` are
-           offsets in ms from the step start; ``path`` ("forward/h2d") is the key (derived
-           from name and parent for schema-1 records, whose ``parent`` is a name).
-``collectives``  (rank, step, phase, op, pg, pg_size, count, bytes, ms, max_ms, seq_first, seq_last,
-           recv_bytes, recv_max_bytes) —
-           the records' ``collectives`` sections (schema 2), one row per (phase, op, pg).
-``unseen_collectives`` (rank, step, path, n) — collectives issued where they could not be timed (the
-           records' ``unseen_<path>`` counters).
-``duplicate_paths`` (n) — one row: how many (rank, step, path) have more than one row in
-           ``phases`` (a record listing a path twice; 0: the three are a key).
+:func:`_build` runs the validation stages in order; each takes and returns plain values.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ made ``collective_waits``):
 
 ``phase_waits`` (rank, step, path, parent, ms, wait, ncoll, coll_ms): every phase path with the
        waits and the time of the collectives inside it at any depth (a view over ``phases``
-       and ``phase_collectives``; readers select their block or path with :func:`pw_select`).
+       and ``phase_collectives``; readers select their block or path with :func:`phase_waits_select`).
 ``own_excess`` (rank, step, name, own, wait, others, excess): top-level phases and ``residual``;
        ``own`` is the phase time less its waits, ``others`` the median own work of the other
        ranks at that step, ``excess`` the gap (a view over the own-work rows and each
@@ -35,7 +35,7 @@ from stepscope.analysis.stats import H2D_HIDDEN, RESIDUAL
 from stepscope.analysis.tables import CELL_MIDDLES, DENSE_MIDDLES, PHASE_SUMS, TIMED_CELLS, WAIT_MEDIANS
 
 
-def build_pw(con: Any) -> None:
+def build_phase_waits(con: Any) -> None:
     """View ``phase_waits``: each phase path with the waits, count and time of collectives inside it
     (``phase_collectives``: the collectives' sums per rank, step and enclosing path)."""
     # A collective in 'a/b/c' is inside phases 'a', 'a/b' and 'a/b/c': its path and every
@@ -53,7 +53,7 @@ def build_pw(con: Any) -> None:
                   FROM collective_waits WHERE contains(phase, '/'))
               GROUP BY 1, 2, 3"""
     kind = "TABLE"
-    if _cw_rows_are_cin_keys(con):
+    if _waits_are_phase_collective_keys(con):
         # The same rows, each its own group: a view over collective_waits's (its readers take a path or a
         # block of it). At 10^8 samples a table of them took the stage's peak RSS from 1.43
         # to 1.76 GB; the view 1.30 GB, and ~2.5 s CPU less than the group-by.
@@ -64,11 +64,11 @@ def build_pw(con: Any) -> None:
     con.execute(f"CREATE TEMP {kind} phase_collectives AS {rows}")
     # A view, not a table: every phase row with its collectives is 10^8 rows at scale,
     # written to disk and read back whole by each reader. The readers select a block of
-    # steps or ranks, or one path (:func:`pw_select`), from both sides of the join.
-    con.execute(f"CREATE OR REPLACE TEMP VIEW phase_waits AS {pw_select(con)}")
+    # steps or ranks, or one path (:func:`phase_waits_select`), from both sides of the join.
+    con.execute(f"CREATE OR REPLACE TEMP VIEW phase_waits AS {phase_waits_select(con)}")
 
 
-def _cw_rows_are_cin_keys(con: Any) -> bool:
+def _waits_are_phase_collective_keys(con: Any) -> bool:
     """Whether each row of ``collective_waits`` with a phase is the only one of its (rank, step, phase)
     and no phase is nested, so ``phase_collectives`` is collective_waits's rows as they are.
 
@@ -90,7 +90,7 @@ def _cw_rows_are_cin_keys(con: Any) -> bool:
     return int(pairs) <= 1 and not nested and not timeline
 
 
-def pw_select(con: Any, keys: str = "TRUE", paths: str | None = None, top: bool = False) -> str:
+def phase_waits_select(con: Any, keys: str = "TRUE", paths: str | None = None, top: bool = False) -> str:
     """SQL for ``phase_waits``'s rows: ``keys`` a condition on ``rank``/``step`` (both tables have
     them), ``paths`` an SQL list of VARCHAR the path is one of, ``top`` top-level phases only."""
     cp = f"list_contains({paths}, path)" if paths is not None else "TRUE"
@@ -150,7 +150,7 @@ def build_own(con: Any) -> OwnColumns:
     ``others`` is the median own work of the *other* ranks at that step, ``excess`` the gap.
     Returns own_excess's rows that have an excess as numpy columns (the gap series' source).
     """
-    build_pw(con)
+    build_phase_waits(con)
     con.execute(f"CREATE OR REPLACE TEMP TABLE {WAIT_MEDIANS} (path VARCHAR, median DOUBLE)")
     dense = _own_dense(con)
     if dense is not None:  # own_excess a view over the matrices' middle values, no own table
@@ -158,7 +158,7 @@ def build_own(con: Any) -> OwnColumns:
     con.execute(f"CREATE OR REPLACE TEMP TABLE own_work AS {_own_sql(con, None)}")
     cols = _middles(con)
     drop(con, "own_excess")
-    con.execute(f"CREATE TABLE own_excess AS {_ex_sql('SELECT * FROM own_work', CELL_MIDDLES)}")
+    con.execute(f"CREATE TABLE own_excess AS {_own_excess_sql('SELECT * FROM own_work', CELL_MIDDLES)}")
     con.execute("DROP TABLE own_work")
     con.execute("DROP TABLE cell_middles")
     return cols
@@ -171,7 +171,7 @@ def _own_sql(con: Any, timed: str | None) -> str:
     cells = ("(SELECT step, name FROM top GROUP BY 1, 2 HAVING max(ncoll) > 0)"
              if timed is None else timed)
     return f"""WITH top AS (SELECT rank, step, path AS name, greatest(ms - wait, 0.0) AS own,
-                                   wait, ncoll FROM ({pw_select(con, top=True)}))
+                                   wait, ncoll FROM ({phase_waits_select(con, top=True)}))
             SELECT top.rank, top.step, top.name, top.own, top.wait
             FROM top LEFT JOIN {cells} timed ON timed.step = top.step AND timed.name = top.name
             -- A rank with no collective timing in a phase where others have some: its
@@ -184,7 +184,7 @@ def _own_sql(con: Any, timed: str | None) -> str:
                                     WHERE phase IS NULL GROUP BY 1, 2) r USING (rank, step)"""
 
 
-def _ex_sql(own: str, mid: str) -> str:
+def _own_excess_sql(own: str, mid: str) -> str:
     """``own_excess``'s rows from the own-work rows ``own`` and their cells' middle values ``cell_middles``
     (:func:`_middles`). Removing a rank's value from its cell leaves a median that depends
     only on where that value lies against the cell's middle values (ties give the same
@@ -228,7 +228,7 @@ def _middles(con: Any) -> OwnColumns:
 
     pa, ma, qa = grouped.order_stats(own[order], starts, counts, positions)
     del order
-    _write_mid(con, ustep[has // n_names], [names[int(i)] for i in (has % n_names).tolist()],
+    _write_middles(con, ustep[has // n_names], [names[int(i)] for i in (has % n_names).tolist()],
                counts, pa, ma, qa)
     cell = np.full(len(counts_all), -1, dtype=np.int64)
     cell[has] = np.arange(len(has))
@@ -277,7 +277,7 @@ def median_of_others(cell: Any, values: Any, n_cells: int) -> Any:
     return np.where(n >= 2, _others(v, n, pa[cell], ma[cell], qa[cell]), np.nan)
 
 
-def _write_mid(con: Any, step: Any, name: list[str], n: Any, p: Any, m: Any, q: Any,
+def _write_middles(con: Any, step: Any, name: list[str], n: Any, p: Any, m: Any, q: Any,
                dense: bool = False) -> None:
     """Table ``cell_middles`` (``dense_middles`` with ``dense``: the matrices') (step, name, n,
     p, m, q) from columns; NaN order statistics are NULL."""
@@ -306,7 +306,7 @@ def _own_dense(con: Any) -> OwnColumns | None:
     The rows :func:`build_own`'s ``own`` table keeps are those with a collective timing, or
     in a (step, phase) cell where no rank has one. A sort down each step's column of a
     phase's matrix gives the cell's middle values, :func:`_others` the median of the other
-    ranks. ``own_excess`` is not written: it is the view :func:`_ex_sql` over the own-work rows and
+    ranks. ``own_excess`` is not written: it is the view :func:`_own_excess_sql` over the own-work rows and
     the cells' middle values (table ``dense_middles``) and timed cells (``timed_cells``), the grouped
     path's statement (10^8 rows written to the database file cost more than the rest of
     this stage; its readers filter a phase, a rank or residual).
@@ -322,7 +322,7 @@ def _own_dense(con: Any) -> OwnColumns | None:
     unique = phase_keys_unique(con)
     n_top = int(con.execute(  # phase_waits has phases' rows when (rank, step, path) is their key
         "SELECT count(*) FROM phases WHERE parent IS NULL" if unique
-        else f"SELECT count(*) FROM ({pw_select(con, top=True)})").fetchone()[0])
+        else f"SELECT count(*) FROM ({phase_waits_select(con, top=True)})").fetchone()[0])
     ranks = np.asarray([r for (r,) in con.execute(
         "SELECT DISTINCT rank FROM steps ORDER BY 1").fetchall()], dtype=np.int64)
     ustep = np.asarray([s for (s,) in con.execute(
@@ -367,7 +367,7 @@ def _own_dense(con: Any) -> OwnColumns | None:
             mids.append((ustep[c0:c1][has], np.full(len(has), k, dtype=np.int64), *stats))
         del mat
     cat = [np.concatenate([m[i] for m in mids]) if mids else np.zeros(0) for i in range(6)]
-    _write_mid(con, cat[0], [names[int(i)] for i in cat[1].tolist()], cat[2], cat[3], cat[4],
+    _write_middles(con, cat[0], [names[int(i)] for i in cat[1].tolist()], cat[2], cat[3], cat[4],
                cat[5], dense=True)
     t_step = np.concatenate([t[0] for t in timed_cells]) if timed_cells else np.zeros(0, np.int64)
     t_nid = np.concatenate([t[1] for t in timed_cells]) if timed_cells else np.zeros(0, np.int64)
@@ -375,7 +375,8 @@ def _own_dense(con: Any) -> OwnColumns | None:
                 "unnest(?::VARCHAR[]) AS name",
                 [t_step.tolist(), [names[int(i)] for i in t_nid.tolist()]])
     drop(con, "own_excess")
-    con.execute(f"CREATE TEMP VIEW own_excess AS {_ex_sql(_own_sql(con, TIMED_CELLS), DENSE_MIDDLES)}")
+    rows = _own_excess_sql(_own_sql(con, TIMED_CELLS), DENSE_MIDDLES)
+    con.execute(f"CREATE TEMP VIEW own_excess AS {rows}")
     con.execute(f"INSERT INTO {WAIT_MEDIANS} SELECT unnest(?::VARCHAR[]), unnest(?::DOUBLE[])",
                 [list(medians), list(medians.values())])
     empty = np.zeros(0, dtype=np.int64)
@@ -448,7 +449,7 @@ def _phase_matrix(con: Any, name: str, unique: bool, ranks: Any,
     if not unique:
         cell, ok, cols = _fetch_cells(
             con, "greatest(ms - wait, 0.0) AS own, ncoll > 0 AS timed",
-            f"({pw_select(con, paths='[$p]', top=True)})", {"p": name}, ranks, steps)
+            f"({phase_waits_select(con, paths='[$p]', top=True)})", {"p": name}, ranks, steps)
         if not ok.all():
             return None
         mat = _scatter(cell, cols["own"], shape)
@@ -610,7 +611,7 @@ def phase_waits(con: Any, phases: dict[str, Any]) -> None:
         rows += con.execute(
             f"""SELECT path, NULL AS rank, median(wait), sum(ms - wait), bool_and(parent IS NULL),
                        sum(greatest(ms - coll_ms, 0.0))
-                FROM ({pw_select(con, paths='[$p]')}) GROUP BY 1""", {"p": path}
+                FROM ({phase_waits_select(con, paths='[$p]')}) GROUP BY 1""", {"p": path}
         ).fetchall()
     if unique:
         rows += con.execute(plain.format(rank="NULL", keys="TRUE", by="1", null=""),
@@ -623,7 +624,7 @@ def phase_waits(con: Any, phases: dict[str, Any]) -> None:
         blk = in_block("rank", b)
         pw_rows = (f"""SELECT path, rank, median(wait), sum(ms - wait), bool_and(parent IS NULL),
                               sum(greatest(ms - coll_ms, 0.0))
-                       FROM ({pw_select(con, blk, '$inside::VARCHAR[]' if unique else None)})
+                       FROM ({phase_waits_select(con, blk, '$inside::VARCHAR[]' if unique else None)})
                        GROUP BY 1, 2""")
         if unique:
             pw_rows += f" UNION ALL {plain.format(rank='rank', keys=blk, by='1, 2', null='NOT')}"
