@@ -178,7 +178,6 @@ _RUNS = {
                                                       slow=(Slow(3, "forward", 8.0),))),
     "fsdp": lambda d: sc.write(d, sc.make_records(sc.CollRun(sc.fsdp_program(layers=2), ranks=4,
                                                              steps=30))),
-    "hf": lambda d: sc.write(d, sc.make_records(sc.CollRun(sc.hf_program(), ranks=2, steps=30))),
     "pipeline_resources": _pipeline_and_resources,
     "hostile": _hostile,
 }

@@ -185,7 +185,7 @@ def _own_sql(con: Any, timed: str | None) -> str:
 
 
 def _own_excess_sql(own: str, mid: str) -> str:
-    """``own_excess``'s rows from the own-work rows ``own`` and their cells' middle values ``cell_middles``
+    """``own_excess``'s rows from the own-work rows ``own`` and their cells' middle values ``mid``
     (:func:`_middles`). Removing a rank's value from its cell leaves a median that depends
     only on where that value lies against the cell's middle values (ties give the same
     multiset either way): :func:`_others`' rule."""
@@ -201,7 +201,7 @@ def _own_excess_sql(own: str, mid: str) -> str:
 
 
 def _middles(con: Any) -> OwnColumns:
-    """Table ``cell_middles`` (step, name, n, p, m, q): per (step, name) cell of ``own`` with n values
+    """Table ``cell_middles`` (step, name, n, p, m, q): per (step, name) cell of ``own_work`` with n values
     sorted as S, for even n: p = S[n/2 - 1], q = S[n/2]; for odd n (c = (n - 1) / 2):
     p = S[c - 1], m = S[c], q = S[c + 1] (NULL where the cell is too small)."""
     names = [str(n) for (n,) in con.execute("SELECT DISTINCT name FROM own_work ORDER BY 1").fetchall()]
@@ -303,7 +303,7 @@ def _own_dense(con: Any) -> OwnColumns | None:
     read once (rank, step, own, timing), the whole run at once: a block of steps is not
     contiguous in ``phases`` (its rows lie in rank order), so each block's read scanned
     nearly the whole table (41 blocks at 10^8 samples: 22 s CPU, against ~1 s a phase).
-    The rows :func:`build_own`'s ``own`` table keeps are those with a collective timing, or
+    The rows :func:`build_own`'s ``own_work`` table keeps are those with a collective timing, or
     in a (step, phase) cell where no rank has one. A sort down each step's column of a
     phase's matrix gives the cell's middle values, :func:`_others` the median of the other
     ranks. ``own_excess`` is not written: it is the view :func:`_own_excess_sql` over the own-work rows and

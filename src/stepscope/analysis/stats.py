@@ -45,7 +45,7 @@ def _r(x: Any, nd: int = 3) -> float | None:
 
 
 def create_phase_samples(con: Any) -> None:
-    """View ``samples`` (rank, step, name, parent, ms): phases plus residual and h2d_hidden.
+    """View ``phase_samples`` (rank, step, name, parent, ms): phases plus residual and h2d_hidden.
 
     ``name`` is the phase's *path* ("forward/h2d"), so a phase nested under another is a row
     of its own and never mixed with a top-level phase of the same leaf name. A phase absent
