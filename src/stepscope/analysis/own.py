@@ -52,16 +52,17 @@ def build_phase_waits(con: Any) -> None:
                              lambda i: substr(phase, 1, i - 1))) AS anc
                   FROM collective_waits WHERE contains(phase, '/'))
               GROUP BY 1, 2, 3"""
-    kind = "TABLE"
-    if _waits_are_phase_collective_keys(con):
-        # The same rows, each its own group: a view over collective_waits's (its readers take a path or a
-        # block of it). At 10^8 samples a table of them took the stage's peak RSS from 1.43
-        # to 1.76 GB; the view 1.30 GB, and ~2.5 s CPU less than the group-by.
-        rows, kind = """SELECT rank, step, phase AS anc, CAST(wait AS DOUBLE) AS wait,
-                               CAST(1 AS BIGINT) AS n, CAST(ms AS DOUBLE) AS ms
-                        FROM collective_waits WHERE phase IS NOT NULL""", "VIEW"
     drop(con, "phase_collectives")
-    con.execute(f"CREATE TEMP {kind} phase_collectives AS {rows}")
+    if _waits_are_phase_collective_keys(con):
+        # The same rows, each its own group: a view over collective_waits's (its readers take
+        # a path or a block of it). At 10^8 samples a table of them took the stage's peak RSS
+        # from 1.43 to 1.76 GB; the view 1.30 GB, and ~2.5 s CPU less than the group-by.
+        con.execute("""CREATE TEMP VIEW phase_collectives AS
+                       SELECT rank, step, phase AS anc, CAST(wait AS DOUBLE) AS wait,
+                              CAST(1 AS BIGINT) AS n, CAST(ms AS DOUBLE) AS ms
+                       FROM collective_waits WHERE phase IS NOT NULL""")
+    else:
+        con.execute(f"CREATE TEMP TABLE phase_collectives AS {rows}")
     # A view, not a table: every phase row with its collectives is 10^8 rows at scale,
     # written to disk and read back whole by each reader. The readers select a block of
     # steps or ranks, or one path (:func:`phase_waits_select`), from both sides of the join.
@@ -151,7 +152,7 @@ def build_own(con: Any) -> OwnColumns:
     Returns own_excess's rows that have an excess as numpy columns (the gap series' source).
     """
     build_phase_waits(con)
-    con.execute(f"CREATE OR REPLACE TEMP TABLE {WAIT_MEDIANS} (path VARCHAR, median DOUBLE)")
+    con.execute("CREATE OR REPLACE TEMP TABLE wait_medians (path VARCHAR, median DOUBLE)")
     dense = _own_dense(con)
     if dense is not None:  # own_excess a view over the matrices' middle values, no own table
         return dense
@@ -284,9 +285,9 @@ def _write_middles(con: Any, step: Any, name: list[str], n: Any, p: Any, m: Any,
     pq = ([None if x != x else float(x) for x in a.tolist()] for a in (p, m, q))  # x != x: NaN
     columns = "(step BIGINT, name VARCHAR, n BIGINT, p DOUBLE, m DOUBLE, q DOUBLE)"
     if dense:
-        con.execute(f"CREATE OR REPLACE TEMP TABLE {DENSE_MIDDLES} {columns}")
+        con.execute(f"CREATE OR REPLACE TEMP TABLE dense_middles {columns}")
     else:
-        con.execute(f"CREATE OR REPLACE TEMP TABLE {CELL_MIDDLES} {columns}")
+        con.execute(f"CREATE OR REPLACE TEMP TABLE cell_middles {columns}")
     table = DENSE_MIDDLES if dense else CELL_MIDDLES
     con.execute(
         f"INSERT INTO {table} SELECT unnest(?::BIGINT[]), unnest(?::VARCHAR[]), unnest(?::BIGINT[]), "
@@ -371,7 +372,7 @@ def _own_dense(con: Any) -> OwnColumns | None:
                cat[5], dense=True)
     t_step = np.concatenate([t[0] for t in timed_cells]) if timed_cells else np.zeros(0, np.int64)
     t_nid = np.concatenate([t[1] for t in timed_cells]) if timed_cells else np.zeros(0, np.int64)
-    con.execute(f"CREATE OR REPLACE TEMP TABLE {TIMED_CELLS} AS SELECT unnest(?::BIGINT[]) AS step, "
+    con.execute("CREATE OR REPLACE TEMP TABLE timed_cells AS SELECT unnest(?::BIGINT[]) AS step, "
                 "unnest(?::VARCHAR[]) AS name",
                 [t_step.tolist(), [names[int(i)] for i in t_nid.tolist()]])
     drop(con, "own_excess")

@@ -126,7 +126,7 @@ def phase_stats(con: Any, n_rows: int) -> dict[str, dict[str, Any]]:
 
 
 def _write_sums(con: Any, rows: list[tuple[Any, ...]]) -> None:
-    con.execute(f"CREATE OR REPLACE TEMP TABLE {PHASE_SUMS} (name VARCHAR, rank INTEGER, "
+    con.execute("CREATE OR REPLACE TEMP TABLE phase_sums (name VARCHAR, rank INTEGER, "
                 "ms DOUBLE, top BOOLEAN, pos DOUBLE)")
     if rows:
         cols = list(zip(*rows, strict=True))

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-#: Names the stages pass around as values (the rest appear literally in their SQL).
+#: Names the stages also pass around as values (every statement that creates a relation
+#: names it literally, so that reading the SQL shows which one it makes).
 WAIT_MEDIANS = "wait_medians"
 PHASE_SUMS = "phase_sums"
 CELL_MIDDLES = "cell_middles"
