@@ -339,7 +339,7 @@ def _rss_mb() -> float:
 _STAGES = (
     ("stepscope.analysis.run", "load_run"), ("stepscope.analysis.run", "create_phase_samples"),
     ("stepscope.analysis.stragglers", "align"), ("stepscope.analysis.stragglers", "build_waits"),
-    ("stepscope.analysis.stragglers", "build_own"), ("stepscope.analysis.stragglers", "_series"),
+    ("stepscope.analysis.stragglers", "build_own"), ("stepscope.analysis.stragglers", "read_gap_series"),
     ("stepscope.analysis.stragglers", "build_thresholds"),
     ("stepscope.analysis.stragglers", "find_stragglers"),
     ("stepscope.analysis.stragglers", "find_windows"),

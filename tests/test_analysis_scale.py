@@ -359,7 +359,7 @@ def test_dense_median_of_others_equals_the_grouped_path(tmp_path: Path, monkeypa
     import numpy as np
 
     from stepscope.analysis import own as own_mod
-    from stepscope.analysis.series import _series, _thresholds
+    from stepscope.analysis.series import read_gap_series, thresholds_of
 
     run = write_run(tmp_path / "run", SynthRun(
         ranks=7, steps=50, seed=9, comm_child=True, slow=(Slow(3, "backward", 9.0, 10, 25),)))
@@ -373,11 +373,11 @@ def test_dense_median_of_others_equals_the_grouped_path(tmp_path: Path, monkeypa
                      .fetchall()]
             cols = own_mod.build_own(data.con)
             assert (cols.dense is not None) == dense
-            ser = _series(data.con, steps, cols)
+            ser = read_gap_series(data.con, steps, cols)
             ex = data.con.execute("SELECT * FROM own_excess ORDER BY rank, step, name").fetchall()
         finally:
             data.close()
-        out.append((ex, ser, _thresholds(ser, 20.0)))
+        out.append((ex, ser, thresholds_of(ser, 20.0)))
     (ex_d, ser_d, thr_d), (ex_g, ser_g, thr_g) = out
     assert ex_d == ex_g and len(ex_d) > 7 * 50
     assert list(ser_d) == list(ser_g)
@@ -400,9 +400,9 @@ def test_thresholds_in_chunks_equal_all_at_once(monkeypatch: Any) -> None:
     rng = np.random.default_rng(2)
     data = {(r, n): (np.arange(k), rng.normal(0, 1 + r, k), np.ones(k))
             for r in range(40) for n, k in (("a", 1), ("b", 2), ("c", 37), ("d", 100))}
-    whole = series._thresholds(data, 10.0)
+    whole = series.thresholds_of(data, 10.0)
     monkeypatch.setattr(series, "_CHUNK", 50)
-    assert series._thresholds(data, 10.0) == whole
+    assert series.thresholds_of(data, 10.0) == whole
     assert len(set(whole.values())) > 70  # 80 series long enough for a noise, and the floor
 
 

@@ -11,7 +11,7 @@ import numpy as np
 
 
 def _brute_net(data: Any, extra: dict[int, dict[int, float]], steps: list[int]) -> Any:
-    """series._net_of_runq's rule one value at a time: a rank's extra wait at a step is taken
+    """series.net_of_runq's rule one value at a time: a rank's extra wait at a step is taken
     out of its positive gaps there (in proportion to each) only when it reaches EXPLAINS of
     their sum; every other value stays gross."""
     from stepscope.analysis.series import EXPLAINS
@@ -34,7 +34,7 @@ def _brute_net(data: Any, extra: dict[int, dict[int, float]], steps: list[int]) 
 
 
 def test_net_of_runq_is_the_per_value_rule() -> None:
-    from stepscope.analysis.series import _net_of_runq
+    from stepscope.analysis.series import net_of_runq
 
     rng = random.Random(11)
     for trial in range(25):
@@ -49,12 +49,12 @@ def test_net_of_runq_is_the_per_value_rule() -> None:
                 data[(r, name)] = (pos, gap, own)
         extra = {r: {s: round(rng.uniform(-2.0, 6.0), 1) for s in steps if rng.random() < 0.7}
                  for r in range(7) if rng.random() < 0.8}
-        got, want = _net_of_runq(data, extra, steps), _brute_net(data, extra, steps)
+        got, want = net_of_runq(data, extra, steps), _brute_net(data, extra, steps)
         assert list(got) == list(want), trial
         for k in want:
             for a, b in zip(got[k], want[k], strict=True):
                 assert np.allclose(a, b, rtol=0, atol=1e-12), (trial, k)
-    assert _net_of_runq({}, {}, [1, 2]) == {}
+    assert net_of_runq({}, {}, [1, 2]) == {}
 
 
 def test_a_wait_that_does_not_cover_the_gap_leaves_it_gross() -> None:
@@ -63,13 +63,13 @@ def test_a_wait_that_does_not_cover_the_gap_leaves_it_gross() -> None:
     spread the 8 ms over its phases, most of it on the phase that ran long). Where the extra
     wait covers the gaps (a rank held off the CPU 20 ms, its phases stretched by as much),
     they are taken net of it."""
-    from stepscope.analysis.series import _net_of_runq
+    from stepscope.analysis.series import net_of_runq
 
     pos = np.arange(2, dtype=np.int64)
     data = {(1, "optimizer"): (pos, np.array([25.0, 15.0]), np.array([28.0, 18.0])),
             (1, "forward"): (pos, np.array([0.2, 5.0]), np.array([6.0, 11.0])),
             (1, "residual"): (pos, np.array([-0.3, 0.0]), np.array([1.0, 1.0]))}
-    net = _net_of_runq(data, {1: {10: 8.0, 11: 20.0}}, [10, 11])
+    net = net_of_runq(data, {1: {10: 8.0, 11: 20.0}}, [10, 11])
     assert net[(1, "optimizer")][1].tolist() == [25.0, 0.0]
     assert net[(1, "forward")][1].tolist() == [0.2, 0.0]
     assert net[(1, "residual")][1].tolist() == [-0.3, 0.0]  # a negative gap is never moved

@@ -45,7 +45,7 @@ WAIT_RULE = ("wait = time in a matched collective minus the shortest time any ra
              "inside it")
 
 
-def _q(s: str) -> str:
+def sql_literal(s: str) -> str:
     return "'" + s.replace("'", "''") + "'"
 
 
@@ -177,7 +177,7 @@ def build_waits(con: Any, n_ranks: int, al: Alignment,
         con.execute(
             f"""INSERT INTO collective_waits (rank, step, phase, op, pg, pg_size, count, ms, matched,
                                 seq_shift, wait)
-                SELECT rank, step, {_q(al.sync_phase)}, 'arrival_gap', 'timeline', {n_ranks}, 1,
+                SELECT rank, step, {sql_literal(al.sync_phase)}, 'arrival_gap', 'timeline', {n_ranks}, 1,
                        wait_ms, TRUE, FALSE, wait_ms FROM timeline_waits"""
         )
         con.execute("DROP TABLE timeline_waits")

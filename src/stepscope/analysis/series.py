@@ -29,7 +29,7 @@ FLOOR_FRAC = 0.02  # of the median step
 Series = dict[tuple[int, str], tuple[Any, Any, Any]]
 
 
-def _series(con: Any, steps: list[int], cols: OwnColumns | None = None) -> Series:
+def read_gap_series(con: Any, steps: list[int], cols: OwnColumns | None = None) -> Series:
     """Every (rank, phase) gap series of table ``own_excess``, in (rank, phase, step) order.
 
     Fixed-dtype columns, not Python rows: each series is a slice (a view) of arrays sorted
@@ -65,7 +65,7 @@ def _series(con: Any, steps: list[int], cols: OwnColumns | None = None) -> Serie
 
 
 def _dense_series(d: DenseOwn, names: list[str], steps: list[int]) -> Series:
-    """:func:`_series` from the per-phase matrices: each series is a row (a view) of its
+    """:func:`read_gap_series` from the per-phase matrices: each series is a row (a view) of its
     phase's matrices, less the steps without a gap; same keys in the same order."""
     pos = np.searchsorted(np.asarray(steps, dtype=np.int64), d.steps)
     whole = [~np.isnan(g).any(axis=1) for g in d.excess]  # rows with a gap on every step
@@ -102,7 +102,7 @@ def runq_by_step(con: Any) -> dict[int, dict[int, float]]:
 EXPLAINS = 0.75
 
 
-def _net_of_runq(data: Series, extra: dict[int, dict[int, float]], steps: list[int]) -> Series:
+def net_of_runq(data: Series, extra: dict[int, dict[int, float]], steps: list[int]) -> Series:
     """Gap and own-work series with run-queue wait taken out only where it explains the gap.
 
     ``extra``: each rank's run-queue wait per step less the other ranks' median at that step
@@ -148,7 +148,7 @@ def _net_of_runq(data: Series, extra: dict[int, dict[int, float]], steps: list[i
     return out
 
 
-def _thresholds(data: Series, median_step: float) -> dict[tuple[int, str], float]:
+def thresholds_of(data: Series, median_step: float) -> dict[tuple[int, str], float]:
     """:func:`build_thresholds`' rule, over every series at once (numpy, no per-series loop)."""
     floor = max(FLOOR_MS, FLOOR_FRAC * median_step)
     keys = list(data)
@@ -167,7 +167,7 @@ def _thresholds(data: Series, median_step: float) -> dict[tuple[int, str], float
     return out
 
 
-#: Gap values per chunk of :func:`_thresholds`.
+#: Gap values per chunk of :func:`thresholds_of`.
 _CHUNK = 1 << 22
 
 
@@ -216,9 +216,9 @@ def build_thresholds(con: Any, median_step: float,
 
     Noise is the robust sigma of successive differences of the gap (divided by sqrt 2), so
     a level shift or a window of slow steps does not inflate it; floored. ``series``: the
-    gap series of table ``own_excess`` (:func:`_series`) when already read.
+    gap series of table ``own_excess`` (:func:`read_gap_series`) when already read.
     """
     if series is None:
         steps = [int(s) for (s,) in con.execute("SELECT DISTINCT step FROM own_excess ORDER BY 1").fetchall()]
-        series = _series(con, steps)
-    return _thresholds(series, median_step)
+        series = read_gap_series(con, steps)
+    return thresholds_of(series, median_step)

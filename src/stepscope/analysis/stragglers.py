@@ -45,9 +45,9 @@ from stepscope.analysis.align import Alignment, align
 from stepscope.analysis.collwaits import (
     DDP_OP,
     GRAD_SYNC,
-    _q,
     build_waits,
     collectives_section,
+    sql_literal,
 )
 from stepscope.analysis.own import build_own
 from stepscope.analysis.series import (
@@ -55,12 +55,12 @@ from stepscope.analysis.series import (
     FLOOR_MS,
     SIGMAS,
     Series,
-    _net_of_runq,
-    _series,
-    _thresholds,
     build_thresholds,
+    net_of_runq,
+    read_gap_series,
     runq_by_step,
     runq_extra,
+    thresholds_of,
 )
 from stepscope.analysis.stats import RESIDUAL
 from stepscope.common import robust
@@ -159,15 +159,15 @@ def find_stragglers(
     steps) and be sustained. A chronic gap is present on every step, so a transient swing
     of the others is no measure of it: it keeps the per-step and impact bars.
     """
-    data = _series(con, steps) if series is None else series
+    data = read_gap_series(con, steps) if series is None else series
     extra = runq_extra(con) if runq_by_step(con) else {}
     if not extra:
         return _find(con, steps, host_of, thr, median_step, data)
     # CPU clock with the run-queue wait recorded: where a rank's extra wait for a CPU at a
-    # step explains its gap there, the gap is taken net of it (series._net_of_runq); every
+    # step explains its gap there, the gap is taken net of it (series.net_of_runq); every
     # other step keeps its gross gap. Only what remains can name a straggler.
-    net = _net_of_runq(data, extra, steps)
-    netted = _find(con, steps, host_of, _thresholds(net, median_step), median_step, net, raw=data)
+    net = net_of_runq(data, extra, steps)
+    netted = _find(con, steps, host_of, thresholds_of(net, median_step), median_step, net, raw=data)
     gross = _find(con, steps, host_of, thr, median_step, data)
 
     def same(f: dict[str, Any], s: dict[str, Any]) -> bool:
@@ -494,7 +494,7 @@ def own_slowdown(con: Any, name: str, first: int, last: int, rank: int | None = 
         f"""SELECT median(own) FILTER (WHERE step BETWEEN {first} AND {last}),
                    median(own) FILTER (WHERE step NOT BETWEEN {first} AND {last}),
                    median(others) FILTER (WHERE step BETWEEN {first} AND {last})
-            FROM own_excess WHERE name = {_q(name)} {who}"""
+            FROM own_excess WHERE name = {sql_literal(name)} {who}"""
     ).fetchone()
     inside, outside, others = r if r else (None, None, None)
     base = outside if outside is not None and outside > 1e-9 else others
@@ -631,7 +631,7 @@ def attribute(con: Any, hosts: dict[str, list[int]], ranks: list[int], median_st
             al.sync_phase = str(row[0]).split("/")[0]
             al.arrival = GRAD_SYNC if row[1] == DDP_OP else str(row[1])
             al.aligned = True
-    series = _series(con, steps, build_own(con))
+    series = read_gap_series(con, steps, build_own(con))
     thr = build_thresholds(con, median_step, series)
     host_of = {r: h for h, rs in hosts.items() for r in rs}
     contention: list[dict[str, Any]] = []
