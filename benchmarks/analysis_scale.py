@@ -232,6 +232,12 @@ def _child(run_dir: str, threads: int, memory_limit: str, store: bool, profile: 
     }))
 
 
+def _excess_table(con: Any) -> str:
+    """The own-work gap table a tree's ``build_own`` made (``ex`` in trees before the rename)."""
+    names = {n for (n,) in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
+    return "own_excess" if "own_excess" in names else "ex"
+
+
 def median_of_others(base_src: str, ranks: int = 512, steps: int = 2000, reps: int = 2) -> None:
     """``build_own`` of this tree vs the one under ``base_src``, interleaved in one process on
     the same table (ties from 0.01 ms rounding); prints CPU seconds and whether every row's
@@ -239,6 +245,8 @@ def median_of_others(base_src: str, ranks: int = 512, steps: int = 2000, reps: i
     import importlib.util
 
     import duckdb
+
+    from stepscope.analysis.relations import drop
 
     def load(path: str, name: str) -> Any:
         spec = importlib.util.spec_from_file_location(name, path)
@@ -248,9 +256,9 @@ def median_of_others(base_src: str, ranks: int = 512, steps: int = 2000, reps: i
         spec.loader.exec_module(mod)
         return mod
 
-    here = Path(__file__).resolve().parents[1] / "src/stepscope/analysis/stragglers.py"
-    mods = {"base": load(str(Path(base_src) / "stepscope/analysis/stragglers.py"), "_base_str"),
-            "this": load(str(here), "_this_str")}
+    here = Path(__file__).resolve().parents[1] / "src/stepscope/analysis/own.py"
+    mods = {"base": load(str(Path(base_src) / "stepscope/analysis/own.py"), "_base_own"),
+            "this": load(str(here), "_this_own")}
     con = duckdb.connect()
     con.execute("SET threads = 2")
     con.execute(f"""CREATE TABLE phases AS SELECT (i % {ranks})::INTEGER AS rank,
@@ -259,16 +267,21 @@ def median_of_others(base_src: str, ranks: int = 512, steps: int = 2000, reps: i
         FROM range({ranks * steps}) t(i), (VALUES ('forward'), ('backward'), ('optimizer')) n(name)""")
     con.execute("CREATE TABLE steps AS SELECT DISTINCT rank, step, 0.3::DOUBLE AS residual_ms "
                 "FROM phases")
-    con.execute("CREATE TABLE cw (rank INTEGER, step BIGINT, phase VARCHAR, ms DOUBLE, wait DOUBLE)")
+    con.execute("CREATE TABLE collective_waits (rank INTEGER, step BIGINT, phase VARCHAR, ms DOUBLE, "
+                "wait DOUBLE)")
+    con.execute("CREATE VIEW cw AS SELECT * FROM collective_waits")  # the base tree's name
     rows: dict[str, Any] = {}
     for _ in range(reps):
         for name, mod in mods.items():
+            for old in ("ex", "own_excess"):  # either tree's result: read only the one made now
+                drop(con, old)
             c0 = time.process_time()
             mod.build_own(con)
             print(json.dumps({"build_own": name, "cpu_s": round(time.process_time() - c0, 2)}),
                   flush=True)
             rows[name] = con.execute(
-                "SELECT rank, step, name, others, excess FROM ex ORDER BY 1, 2, 3").fetchall()
+                f"SELECT rank, step, name, others, excess FROM {_excess_table(con)} ORDER BY 1, 2, 3"
+            ).fetchall()
     print(json.dumps({"rows": len(rows["this"]), "identical": rows["this"] == rows["base"]}))
 
 

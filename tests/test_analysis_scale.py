@@ -970,7 +970,7 @@ def test_cin_takes_cw_rows_as_they_are_when_they_are_its_keys(tmp_path: Path,
         data = doc.pop("_data")
         try:
             cin = data.con.execute("SELECT * FROM phase_collectives ORDER BY ALL").fetchall()
-            types = data.con.execute("DESCRIBE cin").fetchall()
+            types = data.con.execute("DESCRIBE phase_collectives").fetchall()
         finally:
             data.close()
         return seen, doc, cin, types

@@ -147,7 +147,7 @@ def test_call_groups_the_collectives_not_every_grad_sync_row() -> None:
     assert sql.index("GROUP BY") < sql.index("UNION ALL"), sql
     got = con.execute("SELECT * FROM collective_calls ORDER BY ALL").fetchall()
     rows, types = _old_call(con, 4)
-    assert got == rows and con.execute("DESCRIBE call").fetchall() == types
+    assert got == rows and con.execute("DESCRIBE collective_calls").fetchall() == types
     assert sum(1 for r in got if r[3] == "ddp_allreduce") == 48
 
     # A path that is not its parent's + the name can share a parent with another: grouped.
@@ -157,12 +157,12 @@ def test_call_groups_the_collectives_not_every_grad_sync_row() -> None:
     assert sql.index("UNION ALL") < sql.index("GROUP BY"), sql
     got = con.execute("SELECT * FROM collective_calls ORDER BY ALL").fetchall()
     rows, types = _old_call(con, 4)
-    assert got == rows and con.execute("DESCRIBE call").fetchall() == types
+    assert got == rows and con.execute("DESCRIBE collective_calls").fetchall() == types
     assert sum(1 for r in got if r[3] == "ddp_allreduce") == 48  # the two summed in one row
 
     # A recorded collective with DDP's op and group, or duplicate paths: grouped together.
     for fix in ("INSERT INTO collectives VALUES (0, 2, 'backward', 'ddp_allreduce', 'ddp', 4, 1, "
-                "NULL, 1.0, 1.0, NULL, NULL)", "UPDATE phase_dups SET n = 1"):
+                "NULL, 1.0, 1.0, NULL, NULL)", "UPDATE duplicate_paths SET n = 1"):
         con = _tables(seed=3)
         con.execute("CREATE TABLE duplicate_paths AS SELECT 0 AS n")
         con.execute(fix)
