@@ -242,7 +242,7 @@ def test_thresholds_vectorised_match_the_per_series_rule() -> None:
 
     import numpy as np
 
-    from stepscope.analysis.series import FLOOR_MS, SIGMAS, _thresholds
+    from stepscope.analysis.series import FLOOR_MS, SIGMAS, thresholds_of
     from stepscope.common import robust
 
     rng = random.Random(5)
@@ -252,7 +252,7 @@ def test_thresholds_vectorised_match_the_per_series_rule() -> None:
         gap = [round(rng.gauss(0, rng.choice((0.01, 0.3, 2.0))), 2) for _ in range(n)]
         data[(r, rng.choice(("forward", "backward")))] = (
             np.arange(n), np.array(gap), np.zeros(n))
-    got = _thresholds(data, median_step=20.0)
+    got = thresholds_of(data, median_step=20.0)
     floor = max(FLOOR_MS, 0.02 * 20.0)
     assert set(got) == set(data)
     for key, (_, gap, _) in data.items():

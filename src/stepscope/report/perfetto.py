@@ -50,9 +50,9 @@ def write_perfetto(doc: dict[str, Any], data: Any, path: str) -> int:
         cur = con.execute(
             """SELECT rank, step, t, step_ms, NULL AS name, NULL AS parent, 0 AS depth FROM aligned_steps
                UNION ALL
-               SELECT p.rank, p.step, st.t + p.s, p.e - p.s, p.name, p.parent,
+               SELECT p.rank, p.step, s.t + p.s, p.e - p.s, p.name, p.parent,
                       CASE WHEN p.parent IS NULL THEN 1 ELSE 2 END
-               FROM phases p JOIN aligned_steps USING (rank, step)
+               FROM phases p JOIN aligned_steps s USING (rank, step)
                ORDER BY rank, 3, depth"""
         )
         while rows := cur.fetchmany(_BATCH):
