@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from stepscope.analysis.record_files import COLUMNS
+
 #: Names the stages also pass around as values (every statement that creates a relation
 #: names it literally, so that reading the SQL shows which one it makes).
 WAIT_MEDIANS = "wait_medians"
@@ -28,10 +30,7 @@ TIMED_CELLS = "timed_cells"
 
 _COLLECTIVE_ROW = ("rank", "step", "phase", "op", "pg", "pg_size", "count", "bytes", "ms",
                    "seq_first", "seq_last")
-_RECORD = ("schema", "run_id", "rank", "world_size", "hostname", "step", "start_unix_ns",
-           "gpu_start_unix_ns", "clock", "step_ms", "phases", "residual_ms", "h2d_hidden_ms",
-           "collectives", "dropped", "counters", "throughput", "flops", "memory", "device",
-           "untimed")
+_RECORD = tuple(COLUMNS)  # a record line's typed fields
 _MIDDLES = ("step", "name", "n", "p", "m", "q")
 
 
