@@ -13,6 +13,7 @@ import pytest
 from stepscope.analysis import cost
 from stepscope.analysis.diagnose import diagnose, explain_goodput
 from stepscope.analysis.run import analyze_run
+from stepscope.analysis.verdict import Verdict
 from synth_runs import SynthRun, write_run
 
 
@@ -29,7 +30,7 @@ def _goodput(productive: float, **lost: float) -> dict[str, Any]:
             "lost_gpu_hours": cats}
 
 
-def _diagnose(doc: dict[str, Any], gp: dict[str, Any]) -> list[dict[str, Any]]:
+def _diagnose(doc: dict[str, Any], gp: dict[str, Any]) -> list[Verdict]:
     d = copy.deepcopy(doc)
     return diagnose(d["run"], d["phases"], d["ranks"], d["stragglers"], d["windows"], gp)
 
@@ -40,18 +41,18 @@ def test_no_compute_advice_when_exposed_communication_is_the_largest_part(
     compute. The advice is the communication's, never "mixed precision, torch.compile"."""
     verdicts = _diagnose(clean_doc, _goodput(0.20, exposed_comm=0.65, stragglers=0.05,
                                              input_stalls=0.05, host_overhead=0.05))
-    kinds = [v["kind"] for v in verdicts]
+    kinds = [v.kind for v in verdicts]
     assert "compute_bound" not in kinds, kinds
-    (c,) = [v for v in verdicts if v["kind"] == "comm_bound"]
-    assert c["severity"] == "info" and "exposed communication 65%" in c["evidence"], c
-    assert "no_sync" in c["suggestion"] and "torch.compile" not in c["suggestion"]
-    assert c["cost"]["share_of_wall"] == pytest.approx(0.65, abs=0.02), c["cost"]
-    assert not any("mixed precision" in v["suggestion"] for v in verdicts)
+    (c,) = [v for v in verdicts if v.kind == "comm_bound"]
+    assert c.severity == "info" and "exposed communication 65%" in c.evidence, c
+    assert "no_sync" in c.suggestion and "torch.compile" not in c.suggestion
+    assert c.cost["share_of_wall"] == pytest.approx(0.65, abs=0.02), c.cost
+    assert not any("mixed precision" in v.suggestion for v in verdicts)
     # Where compute is the largest part, the compute advice stands, with the split.
     verdicts = _diagnose(clean_doc, _goodput(0.80, exposed_comm=0.10))
-    (b,) = [v for v in verdicts if v["kind"] == "compute_bound"]
-    assert "compute 80%, exposed communication 10%" in b["evidence"], b["evidence"]
-    assert "comm_bound" not in [v["kind"] for v in verdicts]
+    (b,) = [v for v in verdicts if v.kind == "compute_bound"]
+    assert "compute 80%, exposed communication 10%" in b.evidence, b.evidence
+    assert "comm_bound" not in [v.kind for v in verdicts]
 
 
 def test_a_large_goodput_loss_always_has_a_finding(clean_doc: dict[str, Any]) -> None:
@@ -59,13 +60,14 @@ def test_a_large_goodput_loss_always_has_a_finding(clean_doc: dict[str, Any]) ->
     gp = _goodput(0.55, outside_steps=0.30, exposed_comm=0.15)
     verdicts = cost.fold(_diagnose(clean_doc, gp))
     added = explain_goodput(run, verdicts, gp)
-    assert sorted(v["subject"] for v in added) == ["time lost to exposed_comm",
-                                                     "time lost to outside_steps"], added
-    assert all(v["severity"] == "info" and v["cost"]["lost_ms"] > 0 for v in added)
-    (o,) = [v for v in added if v["subject"].endswith("outside_steps")]
-    assert o["evidence"].startswith("30% of the time the job held went to time between steps")
+    assert sorted(v.subject for v in added) == ["time lost to exposed_comm",
+                                                  "time lost to outside_steps"], added
+    assert all(v.severity == "info" and v.cost["lost_ms"] > 0 for v in added)
+    (o,) = [v for v in added if v.subject.endswith("outside_steps")]
+    assert o.evidence.startswith("30% of the time the job held went to time between steps")
     # A finding of its kind accounts for it: nothing added.
-    assert explain_goodput(run, [*verdicts, {"kind": "comm_bound", "evidence": ""}],
+    comm = Verdict(kind="comm_bound", severity="info", evidence="", suggestion="")
+    assert explain_goodput(run, [*verdicts, comm],
                            _goodput(0.85, exposed_comm=0.15)) == []
     # Under a tenth: no note.
     assert explain_goodput(run, verdicts, _goodput(0.91, outside_steps=0.09)) == []

@@ -87,10 +87,10 @@ def test_one_waiting_rank_is_singular(straggler_doc: dict[str, Any]) -> None:
     for r in doc["ranks"]:  # only rank 0 (and the culprit) wait long
         r["wait_share"] = 0.3 if r["rank"] in (0, culprit) else 0.05
     verdicts = diagnose(doc["run"], doc["phases"], doc["ranks"], doc["stragglers"], doc["windows"])
-    text = next(v["evidence"] for v in verdicts if v["kind"] == "straggler")
+    text = next(v.evidence for v in verdicts if v.kind == "straggler")
     _agreement_ok(text)
     assert "; rank 0 waits ≈" in text
-    cw = next(v["evidence"] for v in verdicts if v["kind"] == "comm_wait")
+    cw = next(v.evidence for v in verdicts if v.kind == "comm_wait")
     _agreement_ok(cw)
     assert cw.startswith("rank 0 spends 30% of its step time waiting")
 

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from stepscope.analysis.verdict import Consequence, Verdict
+
 #: Share of the job's time (wall and GPU-hours alike) at or above which a finding is critical.
 CRITICAL_SHARE = 0.05
 #: At or above this share a finding is a warning; below it, a note.
@@ -87,10 +89,10 @@ def share(cost: dict[str, Any]) -> float:
     return max(float(cost.get("share_of_wall") or 0.0), float(cost.get("share_of_gpu_hours") or 0.0))
 
 
-def order(verdicts: list[dict[str, Any]]) -> None:
+def order(verdicts: list[Verdict]) -> None:
     """Sort in place: severity first, then time lost (most first); notes keep their order."""
-    verdicts.sort(key=lambda v: (SEVERITY_ORDER[v["severity"]],
-                                 -float((v.get("cost") or {}).get("lost_ms") or 0.0)))
+    verdicts.sort(key=lambda v: (SEVERITY_ORDER[v.severity],
+                                 -float((v.cost or {}).get("lost_ms") or 0.0)))
 
 
 #: Kinds that, sharing a cost with another finding, are that finding's consequence: the ranks
@@ -98,35 +100,32 @@ def order(verdicts: list[dict[str, Any]]) -> None:
 CONSEQUENCE_KINDS = ("comm_wait", "pipeline_bubble", "input_bound", "h2d_bound", "host_overhead")
 
 
-_SEVERITY_ORDER = {"info": 0, "warning": 1, "critical": 2}
-
-
-def _cause(group: list[dict[str, Any]]) -> dict[str, Any]:
+def _cause(group: list[Verdict]) -> Verdict:
     """The finding that names the fault among those priced on one cost. A straggler, except
     one whose late time lies outside every timed phase (``residual``) while a host-overhead
     finding says what that untimed work is: then that finding, with its fix, is the cause,
     at the straggler's severity, and the late rank is its evidence."""
-    straggler = next((v for v in group if v["kind"] == "straggler"), None)
-    host = next((v for v in group if v["kind"] == "host_overhead"), None)
-    if straggler is not None and host is not None and straggler.get("phase") == "residual":
-        if _SEVERITY_ORDER.get(straggler["severity"], 0) > _SEVERITY_ORDER.get(host["severity"], 0):
-            host["severity"] = straggler["severity"]
+    straggler = next((v for v in group if v.kind == "straggler"), None)
+    host = next((v for v in group if v.kind == "host_overhead"), None)
+    if straggler is not None and host is not None and straggler.phase == "residual":
+        if SEVERITY_ORDER[straggler.severity] < SEVERITY_ORDER[host.severity]:
+            host.severity = straggler.severity
         return host
     if straggler is not None:
         return straggler
-    return next((v for v in group if v["kind"] not in CONSEQUENCE_KINDS), group[0])
+    return next((v for v in group if v.kind not in CONSEQUENCE_KINDS), group[0])
 
 
-def fold(verdicts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def fold(verdicts: list[Verdict]) -> list[Verdict]:
     """One fault, one finding: verdicts that carry another's cost object (the same fault seen
     from elsewhere: the ranks that waited for a straggler, the bubble a slow stage made)
     leave the list and go into that finding's ``consequences`` (``kind``, ``subject``,
     ``evidence``), its evidence, priced once there. The finding kept is the cause: a
     straggler, else the first that is not a :data:`CONSEQUENCE_KINDS` kind. Returns the
     list without the folded verdicts (order kept)."""
-    groups: dict[int, list[dict[str, Any]]] = {}
+    groups: dict[int, list[Verdict]] = {}
     for v in verdicts:
-        c = v.get("cost")
+        c = v.cost
         if isinstance(c, dict) and c.get("lost_ms"):
             groups.setdefault(id(c), []).append(v)
     gone: set[int] = set()
@@ -137,9 +136,8 @@ def fold(verdicts: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for v in group:
             if v is cause:
                 continue
-            cause.setdefault("consequences", []).append(
-                {"kind": v["kind"], "subject": v.get("subject") or v["kind"],
-                 "evidence": v["evidence"]})
+            cause.consequences.append(
+                Consequence(kind=v.kind, subject=v.subject or v.kind, evidence=v.evidence))
             gone.add(id(v))
     return [v for v in verdicts if id(v) not in gone]
 
@@ -162,7 +160,7 @@ def _largest_loss(goodput: dict[str, Any] | None) -> tuple[str, float] | None:
     return cat, float(lost[cat] or 0.0) / float(goodput["gpu_hours"])
 
 
-def headline(run: dict[str, Any], verdicts: list[dict[str, Any]],
+def headline(run: dict[str, Any], verdicts: list[Verdict],
              goodput: dict[str, Any] | None = None) -> str:
     """The report's first line: what the run lost and to what (the costliest cause); where no
     fault is found but goodput lost a large share, where that time went instead of "No
@@ -173,34 +171,37 @@ def headline(run: dict[str, Any], verdicts: list[dict[str, Any]],
     seen: set[int] = set()
     costly = []
     for v in verdicts:
-        c = v.get("cost") or {}
+        c = v.cost or {}
         if c.get("lost_ms") and id(c) not in seen:
             seen.add(id(c))
             costly.append(v)
-    loud = [v for v in costly if v["severity"] != "info"]
+    loud = [v for v in costly if v.severity != "info"]
     if not loud:
         small = ""
         if costly:
-            top = max(costly, key=lambda v: v["cost"]["lost_ms"])
-            small = (f" (largest note: {top.get('subject') or top['kind']}, "
-                     f"{100 * share(top['cost']):.1f}% of the job)")
+            top = max(costly, key=_lost_ms)
+            small = (f" (largest note: {top.subject or top.kind}, "
+                     f"{100 * share(top.cost or {}):.1f}% of the job)")
         loss = _largest_loss(goodput)
         if goodput and loss and 1.0 - float(goodput.get("goodput") or 0.0) >= LARGE_LOSS:
             cat, part = loss
-            by = next((v for v in verdicts if v.get("subject") == f"time lost to {cat}"
-                       or v["kind"] == {"exposed_comm": "comm_bound", "input_stalls": "input_bound",
+            by = next((v for v in verdicts if v.subject == f"time lost to {cat}"
+                       or v.kind == {"exposed_comm": "comm_bound", "input_stalls": "input_bound",
                                         "host_overhead": "host_overhead"}.get(cat)), None)
             return (f"No fault found (no straggler, slow window or stall cost the run >= "
                     f"{100 * WARNING_SHARE:g}% of its {total_s:.1f} s of step time); goodput "
                     f"{100 * float(goodput.get('goodput') or 0.0):.0f}%, the largest loss "
                     f"{_LOSS_WORDS.get(cat, cat)} ({100 * part:.0f}% of the time held"
-                    + (f", see {by['kind']}" if by else "") + ")")
+                    + (f", see {by.kind}" if by else "") + ")")
         return (f"No costly finding: nothing in the job itself cost the run >= "
                 f"{100 * WARNING_SHARE:g}% of its {total_s:.1f} s of step time{small}")
-    costly = loud
-    top = max(costly, key=lambda v: v["cost"]["lost_ms"])
-    c = top["cost"]
+    top = max(loud, key=_lost_ms)
+    c = top.cost or {}
     return (f"The run lost {c['lost_ms'] / 1000.0:.2f} s ({100 * share(c):.1f}% of its "
             f"{total_s:.1f} s of step time, {c['ms_per_step']:.1f} ms on each of {c['steps']} "
-            f"steps) to {top['kind']}: {top.get('subject') or top['kind']}; without it a step "
+            f"steps) to {top.kind}: {top.subject or top.kind}; without it a step "
             f"would take {c['what_if_step_ms']:.1f} ms")
+
+
+def _lost_ms(v: Verdict) -> float:
+    return float((v.cost or {}).get("lost_ms") or 0.0)

@@ -12,12 +12,14 @@ from typing import Any
 from stepscope.analysis import cost
 from stepscope.analysis.experts import expert_verdicts, experts_section
 from stepscope.analysis.pipeline import explain_host_overhead, pipeline_section, pipeline_verdicts
+from stepscope.analysis.verdict import Verdict
 from stepscope.common.unseen import UNSEEN
 
 
 def add_coverage_sections(con: Any, doc: dict[str, Any]) -> None:
-    """Add ``pipeline``, ``experts`` and ``blind`` (when present) to ``doc``, and verdicts."""
-    added: list[dict[str, Any]] = []
+    """Add ``pipeline``, ``experts`` and ``blind`` (when present) to ``doc``, and their
+    :class:`Verdict` objects to ``doc["verdicts"]`` (the run's, not yet serialised)."""
+    added: list[Verdict] = []
     pipe = pipeline_section(con, [int(s["rank"]) for s in doc["stragglers"]])
     if pipe is not None:
         doc["pipeline"] = pipe
@@ -34,9 +36,9 @@ def add_coverage_sections(con: Any, doc: dict[str, Any]) -> None:
         caveat_unseen_waits(doc["verdicts"], blind)
     if added:
         verdicts = doc["verdicts"] + added
-        if any(v["severity"] != "info" for v in added):
+        if any(v.severity != "info" for v in added):
             # A costly imbalance or a blind path contradicts "balanced".
-            verdicts = [v for v in verdicts if v["kind"] != "balanced"]
+            verdicts = [v for v in verdicts if v.kind != "balanced"]
         cost.order(verdicts)
         doc["verdicts"] = verdicts
 
@@ -66,7 +68,7 @@ def blind_section(con: Any, doc: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def caveat_unseen_waits(verdicts: list[dict[str, Any]], blind: list[dict[str, Any]]) -> None:
+def caveat_unseen_waits(verdicts: list[Verdict], blind: list[dict[str, Any]]) -> None:
     """Collectives issued from C++ (``untimed``) run outside every timed phase, so the time
     ranks wait in them is ``residual``: a residual straggler or ``host_overhead`` may be that
     wait, not host work. Such findings become notes that say so; the late rank, found in the
@@ -74,13 +76,13 @@ def caveat_unseen_waits(verdicts: list[dict[str, Any]], blind: list[dict[str, An
     if not any(b["path"] == "untimed" for b in blind):
         return
     for v in verdicts:
-        if v["kind"] == "host_overhead" or (v["kind"] == "straggler" and v.get("phase") == "residual"):
-            v["severity"] = "info"
-            v["evidence"] += ("; this time may be waiting in collectives issued from C++, which "
+        if v.kind == "host_overhead" or (v.kind == "straggler" and v.phase == "residual"):
+            v.severity = "info"
+            v.evidence += ("; this time may be waiting in collectives issued from C++, which "
                               "stepscope cannot see (blind_collectives), not host work")
 
 
-def blind_verdicts(blind: list[dict[str, Any]], doc: dict[str, Any]) -> list[dict[str, Any]]:
+def blind_verdicts(blind: list[dict[str, Any]], doc: dict[str, Any]) -> list[Verdict]:
     """One ``blind_collectives`` warning naming every unseen path."""
     if not blind:
         return []
@@ -88,14 +90,14 @@ def blind_verdicts(blind: list[dict[str, Any]], doc: dict[str, Any]) -> list[dic
                       + (f" ({b['calls']} collective call(s) traced into compiled graphs)"
                          if b["path"] == "compiled" else f" ({b['calls_per_step']:g} calls per step)")
                       + f": {b['what']}" for b in blind)
-    return [{
+    return [Verdict(
         # Its cost is unknown by definition: waits there are not measured.
-        "kind": "blind_collectives", "severity": "warning",
-        "cost": cost.no_cost(doc["run"].get("cost") or {}),
-        "evidence": f"stepscope cannot see every collective this job issues — {paths}. Waits in "
+        kind="blind_collectives", severity="warning",
+        cost=cost.no_cost(doc["run"].get("cost") or {}),
+        evidence=f"stepscope cannot see every collective this job issues — {paths}. Waits in "
         "those collectives are not attributed to a rank: they count as the calling phase's own "
         "work, so a straggler behind them can be missed or a 'balanced' verdict can be wrong",
-        "suggestion": "Call torch.distributed's Python functions (not torch.ops directly, and "
+        suggestion="Call torch.distributed's Python functions (not torch.ops directly, and "
         "not bound by name before stepscope.init), keep collectives out of compiled regions "
         "while diagnosing, or time the region with stepscope.phase(...)",
-    }]
+    )]

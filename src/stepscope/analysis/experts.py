@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from stepscope.analysis import cost
+from stepscope.analysis.verdict import Verdict
 from stepscope.common import robust
 
 #: A rank receiving this many times the median of the other ranks is imbalanced
@@ -69,29 +70,29 @@ def experts_section(con: Any, median_step: float) -> dict[str, Any] | None:
             "other ranks' wait in those all-to-alls (the one wait rule)"}
 
 
-def expert_verdicts(section: dict[str, Any], run: dict[str, Any]) -> list[dict[str, Any]]:
+def expert_verdicts(section: dict[str, Any], run: dict[str, Any]) -> list[Verdict]:
     """``expert_imbalance`` verdicts: one per all-to-all group whose busiest rank is hot,
     priced like every finding (:mod:`stepscope.analysis.cost`): every rank of the group waits."""
     job = run.get("cost") or {}
-    out = []
+    out: list[Verdict] = []
     for g in section["groups"]:
         ratio = g["imbalance"]
         if ratio is None or ratio < IMBALANCE:
             continue
         share = g["lost_share"] or 0.0
         c = cost.price(job, g["lost_ms_per_step"], int(run.get("steps") or 0), len(g["ranks"]))
-        out.append({
-            "kind": "expert_imbalance",
-            "severity": cost.severity(cost.share(c)),
-            "cost": c,
-            "subject": f"rank {g['max_recv_rank']}'s experts",
-            "evidence": f"rank {g['max_recv_rank']} receives {ratio:.1f}× the tokens (bytes) of "
+        out.append(Verdict(
+            kind="expert_imbalance",
+            severity=cost.severity(cost.share(c)),
+            cost=c,
+            subject=f"rank {g['max_recv_rank']}'s experts",
+            evidence=f"rank {g['max_recv_rank']} receives {ratio:.1f}× the tokens (bytes) of "
             f"the median other rank in one all_to_all on group {g['pg']} (its experts get "
             "more of the routed tokens); the other ranks lose "
             f"{g['lost_ms_per_step']:.1f} ms per step ({100.0 * share:.0f}% of the median step) "
             "waiting for it in the all-to-all",
-            "suggestion": "Balance the router: add an auxiliary load-balancing loss, cap expert "
+            suggestion="Balance the router: add an auxiliary load-balancing loss, cap expert "
             "capacity (capacity_factor) or drop/reroute overflow tokens, or place popular "
             f"experts on more ranks than rank {g['max_recv_rank']}",
-        })
+        ))
     return out

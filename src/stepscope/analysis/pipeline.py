@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from stepscope.analysis.verdict import Verdict
 from stepscope.common import robust
 from stepscope.common.waits import sql_wait
 
@@ -133,7 +134,7 @@ BUBBLE_SHARE = (0.08, 0.20)
 
 
 def pipeline_verdicts(section: dict[str, Any],
-                      verdicts: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+                      verdicts: list[Verdict] | None = None) -> list[Verdict]:
     """A ``pipeline_bubble`` verdict naming the bottleneck stage, when the bubble is large.
 
     The bottleneck is a straggler, and the bubble it causes is that straggler's price seen
@@ -150,28 +151,25 @@ def pipeline_verdicts(section: dict[str, Any],
         return []
     worst = next(s for s in section["stages"] if s["stage"] == b)
     waiting = ", ".join(str(s["stage"]) for s in others if (s["bubble_share"] or 0.0) >= BUBBLE_SHARE[0])
-    culprit = next((v for v in verdicts or () if v["kind"] == "straggler"
-                    and v.get("subject", "").startswith(f"rank {worst['rank']} ")), None)
-    extra: dict[str, Any] = {}
+    culprit = next((v for v in verdicts or () if v.kind == "straggler"
+                    and (v.subject or "").startswith(f"rank {worst['rank']} ")), None)
     severity = "critical" if share >= BUBBLE_SHARE[1] else "warning"
-    if culprit is not None:
-        severity, extra = culprit["severity"], {"cost": culprit["cost"]}
-    return [{
-        "kind": "pipeline_bubble",
-        "severity": severity,
-        **extra,
-        "evidence": f"stage {b} (rank {worst['rank']}) is the pipeline's bottleneck: its neighbours "
+    return [Verdict(
+        kind="pipeline_bubble",
+        severity=severity if culprit is None else culprit.severity,
+        cost=None if culprit is None else culprit.cost,
+        evidence=f"stage {b} (rank {worst['rank']}) is the pipeline's bottleneck: its neighbours "
         f"wait {worst['waited_on_ms']:.1f} ms per step on it in send/recv; stage(s) {waiting or '-'} "
         f"spend a median {100.0 * share:.0f}% of their step time in the bubble (waiting on "
         "neighbours), counted as waiting, not host overhead"
         + (" (its cost is the straggler's)" if culprit is not None else ""),
-        "suggestion": f"Rebalance the stages: move layers off stage {b} (or give it the lighter "
+        suggestion=f"Rebalance the stages: move layers off stage {b} (or give it the lighter "
         "end of the model), and use more micro-batches or an interleaved schedule "
         "(ScheduleInterleaved1F1B) to shrink the bubble",
-    }]
+    )]
 
 
-def explain_host_overhead(verdicts: list[dict[str, Any]]) -> None:
+def explain_host_overhead(verdicts: list[Verdict]) -> None:
     """Say, in a pipeline run's ``host_overhead`` verdict, what that untimed work includes.
 
     A pipeline schedule's ``step()`` does its own Python around every micro-batch (splitting
@@ -181,11 +179,11 @@ def explain_host_overhead(verdicts: list[dict[str, Any]]) -> None:
     remedy is the schedule's, not a search for stray logging.
     """
     for v in verdicts:
-        if v["kind"] != "host_overhead":
+        if v.kind != "host_overhead":
             continue
-        v["evidence"] += ("; in a pipeline run it includes the schedule's own work around each "
+        v.evidence += ("; in a pipeline run it includes the schedule's own work around each "
                           "micro-batch (splitting inputs, the loss, scaling gradients)")
-        v["suggestion"] = ("Use fewer, larger micro-batches (n_microbatches) or larger stages, so "
+        v.suggestion = ("Use fewer, larger micro-batches (n_microbatches) or larger stages, so "
                            "the schedule's per-micro-batch work is spread over more compute; time "
                            "your own code around schedule.step() with stepscope.phase(...) to rule "
                            "it out")

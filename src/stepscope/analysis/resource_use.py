@@ -26,6 +26,7 @@ from typing import Any
 from stepscope.analysis import cost
 from stepscope.analysis.blocks import WHOLE, in_block, rank_blocks
 from stepscope.analysis.relations import exists
+from stepscope.analysis.verdict import Verdict
 from stepscope.common.robust import median, robust_sigma
 
 #: Extra columns for the loader's ``read_json`` (JSON: a bad value nulls one field, not the row;
@@ -325,13 +326,13 @@ def _creep_block(con: Any, names: list[str], block: tuple[int, int]) -> list[dic
 
 
 def resource_verdicts(run: dict[str, Any], stragglers: list[dict[str, Any]],
-                      found: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+                      found: list[Verdict] | None = None) -> list[Verdict]:
     """``memory_pressure``, ``memory_creep`` and ``throttled_device`` verdicts (possibly none).
 
     Memory findings cost no step time (their price is a crash risk) and keep their own
     severity; a throttled device is priced as the straggler it causes, if any.
     """
-    out: list[dict[str, Any]] = []
+    out: list[Verdict] = []
     job = run.get("cost") or {}
     mem = run.get("memory") or {}
     pressed = [r for r in mem.get("per_rank", [])
@@ -342,47 +343,47 @@ def resource_verdicts(run: dict[str, Any], stragglers: list[dict[str, Any]],
             f"rank {r['rank']}: {r.get('alloc_retries') or 0} allocator retries, {r.get('ooms') or 0} "
             f"OOMs, peak allocated {r.get('peak_allocated_mb')} MB" for r in pressed[:8]
         )
-        out.append({
-            "kind": "memory_pressure",
-            "severity": "critical" if ooms else "warning", "cost": cost.no_cost(job),
-            "subject": "allocator retries",
-            "evidence": f"the CUDA caching allocator had to free its cache and retry (cudaMalloc "
+        out.append(Verdict(
+            kind="memory_pressure",
+            severity="critical" if ooms else "warning", cost=cost.no_cost(job),
+            subject="allocator retries",
+            evidence=f"the CUDA caching allocator had to free its cache and retry (cudaMalloc "
             f"failed) — {ev}. Each retry synchronises the device and fragments memory",
-            "suggestion": "Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to cut "
+            suggestion="Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to cut "
             "fragmentation; lower the micro-batch size (with gradient accumulation), use "
             "activation checkpointing, or free references to large tensors earlier",
-        })
+        ))
     for c in mem.get("creep", []):
         what = CREEP_METRICS.get(c["metric"], c["metric"])
         also = [f"{CREEP_METRICS.get(g['metric'], g['metric'])} +{g['rise_mb']} MB"
                 for g in c.get("grew", [])[1:]]
-        out.append({
-            "kind": "memory_creep",
+        out.append(Verdict(
+            kind="memory_creep",
             # No step time lost (yet): the price is an OOM later, so a warning by its own rule.
-            "severity": "warning", "cost": cost.no_cost(job),
-            "subject": f"rank {c['rank']}'s {what}",
-            "evidence": f"rank {c['rank']}: {what} rose steadily from {c['start_mb']} MB to "
+            severity="warning", cost=cost.no_cost(job),
+            subject=f"rank {c['rank']}'s {what}",
+            evidence=f"rank {c['rank']}: {what} rose steadily from {c['start_mb']} MB to "
             f"{c['end_mb']} MB over steps {c['first_step']}–{c['last_step']} (Theil–Sen slope "
             f"{c['slope_mb_per_step']} MB/step, +{c['rise_mb']} MB; memory rose in "
             f"{100 * c['rising_share']:.0f}% of step pairs that changed, and in every third of "
             f"the run)" + (f"; also grew: {', '.join(also)}" if also else ""),
-            "suggestion": "Something keeps a reference every step — a leak: e.g. losses or "
+            suggestion="Something keeps a reference every step — a leak: e.g. losses or "
             "outputs kept for logging without .detach()/.item(), growing lists or caches, "
             "hooks storing activations. Store .item() or .detach().cpu() values and clear them",
-        })
+        ))
     out += _throttle_verdicts(run, stragglers, found or [])
     return out
 
 
 def _throttle_verdicts(run: dict[str, Any], stragglers: list[dict[str, Any]],
-                       found: list[dict[str, Any]]) -> list[dict[str, Any]]:
+                       found: list[Verdict]) -> list[Verdict]:
     dev = run.get("device") or {}
     per_rank = dev.get("per_rank") or []
     if len(per_rank) < 2:
         return []
     slow = {s["rank"]: s for s in stragglers}
     med = {m: {r["rank"]: r[m]["median"] for r in per_rank if m in r} for m in DEVICE_METRICS}
-    out = []
+    out: list[Verdict] = []
     for entry in per_rank:
         rank = entry["rank"]
         reasons = []
@@ -414,17 +415,17 @@ def _throttle_verdicts(run: dict[str, Any], stragglers: list[dict[str, Any]],
         if s:
             ev += (f"; it is also the straggler in {s['phase']} (+{s['excess_ms']:.1f} ms per step), "
                    "so the slow clock explains it")
-        priced = [v["cost"] for v in found if v["kind"] == "straggler"
-                  and v.get("subject", "").startswith(f"rank {rank} ")]
+        priced = [v.cost for v in found if v.kind == "straggler" and v.cost is not None
+                  and (v.subject or "").startswith(f"rank {rank} ")]
         c = priced[0] if priced else cost.no_cost(job)
-        out.append({
-            "kind": "throttled_device",
+        out.append(Verdict(
+            kind="throttled_device",
             # Slow with nobody waiting for it costs no step time: a note, not an alarm.
-            "severity": cost.severity(cost.share(c)), "cost": c,
-            "subject": f"rank {rank}'s device",
-            "evidence": ev,
-            "suggestion": f"Check rank {rank}'s GPU: nvidia-smi -q -d PERFORMANCE shows the "
+            severity=cost.severity(cost.share(c)), cost=c,
+            subject=f"rank {rank}'s device",
+            evidence=ev,
+            suggestion=f"Check rank {rank}'s GPU: nvidia-smi -q -d PERFORMANCE shows the "
             "throttle reason (thermal, power cap, HW slowdown); check cooling and airflow, the "
             "power limit (nvidia-smi -q -d POWER) and application clocks; move the job off it",
-        })
+        ))
     return out

@@ -152,10 +152,11 @@ def _analyze(data: RunData) -> dict[str, Any]:
         "goodput": goodput,
     }
     add_coverage_sections(con, doc)  # [coverage] pipeline / experts / blind paths
-    doc["verdicts"] = cost.fold(doc["verdicts"])  # one fault, one finding
-    doc["verdicts"] += explain_goodput(run, doc["verdicts"], goodput)
-    cost.order(doc["verdicts"])
-    run["headline"] = cost.headline(run, doc["verdicts"], goodput)
+    verdicts = cost.fold(doc["verdicts"])  # one fault, one finding
+    verdicts += explain_goodput(run, verdicts, goodput)
+    cost.order(verdicts)
+    run["headline"] = cost.headline(run, verdicts, goodput)
+    doc["verdicts"] = [v.to_dict() for v in verdicts]
     run["notes"] = run_notes(data, run)
     job = run["cost"]
     for c in att.contention:

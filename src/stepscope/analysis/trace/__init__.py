@@ -126,8 +126,8 @@ def analyze_trace(path: str | os.PathLike[str], workers: int | None = None,
         _w.warn(f"stepscope trace: skipped {skipped} malformed event(s) in {path}; "
                 "see the per-rank warnings", StepscopeWarning, stacklevel=2)
     cross = cross_rank(results) if len(results) > 1 else None
-    return TraceReport(SCHEMA, K.TAXONOMY_VERSION, results, cross, diagnose(results, cross),
-                       warnings)
+    return TraceReport(SCHEMA, K.TAXONOMY_VERSION, results, cross,
+                       [v.to_trace_dict() for v in diagnose(results, cross)], warnings)
 
 
 def iter_breakdowns(report: TraceReport) -> Iterator[tuple[int, Breakdown]]:

@@ -6,6 +6,7 @@ from typing import Any
 
 from stepscope.analysis import kernels as K
 from stepscope.analysis.trace.breakdown import Breakdown, RankResult
+from stepscope.analysis.verdict import Verdict
 
 # Thresholds, as shares of step (or trace) wall time, above which a symptom is worth a line.
 EXPOSED_COMM_PCT = 15.0
@@ -21,9 +22,12 @@ def _windows(r: RankResult) -> list[Breakdown]:
     return r.steps or [r.total]
 
 
-def diagnose(results: list[RankResult], cross: dict[str, Any] | None) -> list[dict[str, str]]:
-    """Short plain-language verdicts, each with the rank, the evidence and what to try."""
-    out: list[dict[str, str]] = []
+def diagnose(results: list[RankResult], cross: dict[str, Any] | None) -> list[Verdict]:
+    """Short plain-language verdicts, each with the rank, the evidence and what to try.
+
+    Each symptom over its threshold is a warning; "no dominant stall" is a note (the trace
+    report's form, :meth:`Verdict.to_trace_dict`, carries no severity)."""
+    out: list[Verdict] = []
     for r in results:
         ws = _windows(r)
         if not ws:
@@ -41,35 +45,43 @@ def diagnose(results: list[RankResult], cross: dict[str, Any] | None) -> list[di
         per_window = kernels / len(ws)
         tag = f"rank {r.rank}"
         if exposed >= EXPOSED_COMM_PCT:
-            out.append({"rank": str(r.rank), "kind": "exposed_comm", "message":
-                        f"{tag}: {exposed:.0f}% of step time is communication not hidden behind "
-                        "compute. Overlap it (bucketed/async all-reduce, FSDP prefetch) or "
-                        "reduce what is communicated."})
+            out.append(_symptom(r.rank, "exposed_comm",
+                                f"{tag}: {exposed:.0f}% of step time is communication not hidden "
+                                "behind compute.",
+                                "Overlap it (bucketed/async all-reduce, FSDP prefetch) or reduce "
+                                "what is communicated."))
         if mean_kernel and mean_kernel < TINY_KERNEL_US and per_window >= LAUNCH_BOUND_KERNELS:
-            out.append({"rank": str(r.rank), "kind": "launch_bound", "message":
-                        f"{tag}: {per_window:.0f} kernels per step averaging {mean_kernel:.1f} µs: "
-                        "launch-bound. Fuse them with torch.compile or capture the step in "
-                        "CUDA graphs."})
+            out.append(_symptom(r.rank, "launch_bound",
+                                f"{tag}: {per_window:.0f} kernels per step averaging "
+                                f"{mean_kernel:.1f} µs: launch-bound.",
+                                "Fuse them with torch.compile or capture the step in CUDA graphs."))
         if mem >= MEMORY_PCT:
-            out.append({"rank": str(r.rank), "kind": "memcpy_heavy", "message":
-                        f"{tag}: {mem:.0f}% of step time is memory copies/sets alone. Pin host "
-                        "memory, copy with non_blocking=True and prefetch the next batch."})
+            out.append(_symptom(r.rank, "memcpy_heavy",
+                                f"{tag}: {mem:.0f}% of step time is memory copies/sets alone.",
+                                "Pin host memory, copy with non_blocking=True and prefetch the "
+                                "next batch."))
         if idle >= IDLE_PCT:
             where = ("the host did not enqueue work in time: input- or host-bound (dataloader, "
                      "Python overhead, synchronisation)" if host >= idle / 2 else
                      "queued work waited on dependencies or synchronisation")
-            out.append({"rank": str(r.rank), "kind": "idle_heavy", "message":
-                        f"{tag}: the GPU is idle {idle:.0f}% of step time ({host:.0f}% host wait); "
-                        f"{where}."})
+            out.append(_symptom(r.rank, "idle_heavy",
+                                f"{tag}: the GPU is idle {idle:.0f}% of step time ({host:.0f}% "
+                                f"host wait); {where}."))
     if cross and cross.get("last_arriving_rank") is not None and cross.get("collectives_matched"):
         waits = ", ".join(f"rank {k} {float(w) / 1e3:,.1f} ms"
                           for k, w in sorted(cross["collective_wait_us"].items(),
                                              key=lambda kv: int(kv[0])))
-        out.append({"rank": str(cross["last_arriving_rank"]), "kind": "straggler", "message":
-                    f"rank {cross['last_arriving_rank']} arrives last at most collectives; the "
-                    f"others wait for it (collective wait: {waits})."})
+        out.append(_symptom(int(cross["last_arriving_rank"]), "straggler",
+                            f"rank {cross['last_arriving_rank']} arrives last at most collectives; "
+                            f"the others wait for it (collective wait: {waits})."))
     if not out and any(_windows(r) for r in results):
-        out.append({"rank": "", "kind": "compute_bound", "message":
-                    "No dominant stall: the GPU is mostly busy with compute. Speed-ups now come "
-                    "from the kernels themselves (precision, fusion, larger batches)."})
+        out.append(Verdict(kind="compute_bound", severity="info",
+                           evidence="No dominant stall: the GPU is mostly busy with compute.",
+                           suggestion="Speed-ups now come from the kernels themselves "
+                           "(precision, fusion, larger batches)."))
     return out
+
+
+def _symptom(rank: int, kind: str, evidence: str, suggestion: str = "") -> Verdict:
+    return Verdict(kind=kind, severity="warning", evidence=evidence, suggestion=suggestion,
+                   rank=rank)
