@@ -37,7 +37,7 @@ from typing import Any
 
 from stepscope.common.errors import AnalysisError
 from stepscope.common.safefs import read_run_file
-from stepscope.listeners.heartbeat import KIND, MAX_MESSAGE
+from stepscope.recording.schema import HEARTBEAT_KIND, HEARTBEAT_MAX_MESSAGE
 
 #: A heartbeat older than this many intervals (and at least ``DEAD_FLOOR_S``) is dead.
 DEAD_INTERVALS = 3.0
@@ -152,7 +152,7 @@ def _clean_beat(doc: dict[str, Any], name: str, file_rank: int, notes: list[str]
         return value
 
     beat: dict[str, Any] = {
-        "kind": KIND,
+        "kind": HEARTBEAT_KIND,
         "rank": rank,
         "run_id": run_id[:MAX_TEXT],
         "updated_unix": updated,
@@ -177,7 +177,7 @@ def _clean_beat(doc: dict[str, Any], name: str, file_rank: int, notes: list[str]
     if isinstance(err, dict):
         beat["error"] = {
             "type": _text(err.get("type")),
-            "message": _text(err.get("message"), MAX_MESSAGE),
+            "message": _text(err.get("message"), HEARTBEAT_MAX_MESSAGE),
             "step": _plain_int(err.get("step"), -MAX_STEP, MAX_STEP),
             "phase_stack": _names(err.get("phase_stack")) or [],
             "where": _text(err.get("where")),
@@ -210,7 +210,7 @@ def _read_one(root: Path, name: str, file_rank: int, notes: list[str]) -> dict[s
     except (ValueError, RecursionError):  # ValueError also covers integers of 4,300+ digits
         notes.append(f"{name}: torn or not JSON ({len(raw)} bytes); skipped")
         return None
-    if not isinstance(doc, dict) or doc.get("kind") != KIND:
+    if not isinstance(doc, dict) or doc.get("kind") != HEARTBEAT_KIND:
         notes.append(f"{name}: not a stepscope heartbeat; skipped")
         return None
     return _clean_beat(doc, name, file_rank, notes)

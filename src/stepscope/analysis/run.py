@@ -20,6 +20,7 @@ from stepscope.analysis.resource_use import analyze_resources
 from stepscope.analysis.stats import create_phase_samples, phase_stats, rank_stats
 from stepscope.analysis.stragglers import attribute
 from stepscope.analysis.triggers import link_triggers
+from stepscope.common import slow_step
 
 #: Version of the JSON document; bump when a key changes meaning.
 REPORT_VERSION = 1
@@ -198,13 +199,10 @@ def _meta_config(data: RunData) -> dict[str, Any]:
 def run_notes(data: RunData, run: dict[str, Any]) -> list[str]:
     """What the report should say about tools that stayed silent: an auto-profile that never
     fired (its threshold and the worst step), and why there is no MFU."""
-    from stepscope.listeners.autoprofile import AutoProfileConfig
-
     notes: list[str] = []
     cfg = _meta_config(data)
     ap = cfg.get("auto_profile")
     if ap not in (None, False, "False") and not run.get("captures"):
-        d = AutoProfileConfig()
         text = str(ap)
 
         def field(name: str, default: float) -> float:
@@ -214,8 +212,8 @@ def run_notes(data: RunData, run: dict[str, Any]) -> list[str]:
             except ValueError:
                 return default
 
-        k, slow = field("k", d.k), field("min_slowdown", d.min_slowdown)
-        patience = field("patience", d.patience)
+        k, slow = field("k", slow_step.DEFAULT_K), field("min_slowdown", slow_step.DEFAULT_MIN_SLOWDOWN)
+        patience = field("patience", slow_step.DEFAULT_PATIENCE)
         row = data.con.execute(
             "SELECT step, max(step_ms) AS ms FROM steps GROUP BY 1 ORDER BY ms DESC LIMIT 1").fetchone()
         med = float(run["step_ms"]["median"] or 0.0)

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from stepscope.common.safefs import run_file
+from stepscope.recording.schema import TRIGGERS_FILE
 
-TRIGGERS_FILE = "triggers.jsonl"
 #: Steps of slack when matching a capture to a slow window (captures start after detection).
 WINDOW_SLACK = 10
 #: Largest triggers.jsonl read (a real one holds a few lines per capture).

@@ -13,16 +13,14 @@ from typing import TYPE_CHECKING, Any
 
 from stepscope.common.errors import ConfigError
 from stepscope.common.robust import MAD_SCALE, mad, median
+from stepscope.common.slow_step import DEFAULT_K, DEFAULT_MIN_SLOWDOWN, DEFAULT_PATIENCE
 from stepscope.listeners.profiler import DeviceSpec, on_device
+from stepscope.recording.schema import TRIGGERS_FILE, TRIGGERS_SCHEMA
 
 if TYPE_CHECKING:
     from stepscope.listeners.live import LiveView
     from stepscope.listeners.profiler import Profiler
     from stepscope.tracer import Tracer
-
-#: One line per capture (or skipped trigger) in the run directory.
-TRIGGERS_FILE = "triggers.jsonl"
-TRIGGERS_SCHEMA = 1
 
 
 @dataclass(kw_only=True)
@@ -42,11 +40,11 @@ class AutoProfileConfig:
     #: Steps of history needed before anything can trigger (skips start-up steps).
     min_history: int = 20
     #: Robust z-score: how many scaled MADs above the median a slow step must be.
-    k: float = 5.0
+    k: float = DEFAULT_K
     #: Minimum relative slowdown over the median (0.5 = 50 % slower); guards against a tiny MAD.
-    min_slowdown: float = 0.5
+    min_slowdown: float = DEFAULT_MIN_SLOWDOWN
     #: Consecutive slow steps before arming (1 = the first one).
-    patience: int = 2
+    patience: int = DEFAULT_PATIENCE
     #: Steps captured per trigger.
     steps: int = 3
     #: Profiler warm-up steps before the captured ones (not in the trace).

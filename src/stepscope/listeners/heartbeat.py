@@ -37,16 +37,14 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from stepscope.recording.schema import HEARTBEAT_KIND as KIND
+from stepscope.recording.schema import HEARTBEAT_MAX_MESSAGE as MAX_MESSAGE
+from stepscope.recording.schema import HEARTBEAT_SCHEMA as SCHEMA
 from stepscope.recording.sinks import write_json_atomic, yield_on_wake
 
 if TYPE_CHECKING:
     from stepscope.tracer import Tracer
 
-#: Marks a status file as ours; the reader ignores JSON files without it.
-KIND = "stepscope-heartbeat"
-SCHEMA = 1
-#: Exception messages are cut to this many characters.
-MAX_MESSAGE = 1000
 #: How long a crash write waits for the heartbeat thread's lock before writing anyway.
 LOCK_TIMEOUT_S = 2.0
 #: How long SIGTERM waits for the tracer to flush before the process dies anyway (seconds).

@@ -91,6 +91,16 @@ REQUIRED_KEYS: frozenset[str] = frozenset(
     {"schema", "rank", "step", "start_unix_ns", "clock", "step_ms", "phases"}
 )
 
+# Files the listeners write beside the records, read back by the analysis.
+#: Each rank's heartbeat, ``rank{R}.status.json``: marks a status file as ours (the reader
+#: ignores JSON files without it), its version, and the length exception messages are cut to.
+HEARTBEAT_KIND = "stepscope-heartbeat"
+HEARTBEAT_SCHEMA = 1
+HEARTBEAT_MAX_MESSAGE = 1000
+#: The auto-profile's captures, one line per capture (or skipped trigger) in the run directory.
+TRIGGERS_FILE = "triggers.jsonl"
+TRIGGERS_SCHEMA = 1
+
 
 def rank_file(out_dir: str | os.PathLike[str], rank: int, sink: str = "jsonl") -> Path:
     """Path of one rank's record file inside a run directory."""
