@@ -22,14 +22,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from stepscope.analysis.verdict import Consequence, Verdict
+from stepscope.analysis.verdict import SEVERITIES, Consequence, Verdict
 
 #: Share of the job's time (wall and GPU-hours alike) at or above which a finding is critical.
 CRITICAL_SHARE = 0.05
 #: At or above this share a finding is a warning; below it, a note.
 WARNING_SHARE = 0.01
 
-SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
+SEVERITY_ORDER = {s: i for i, s in enumerate(SEVERITIES)}
 
 
 def thresholds() -> dict[str, Any]:
