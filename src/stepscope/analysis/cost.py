@@ -91,8 +91,7 @@ def share(cost: dict[str, Any]) -> float:
 
 def order(verdicts: list[Verdict]) -> None:
     """Sort in place: severity first, then time lost (most first); notes keep their order."""
-    verdicts.sort(key=lambda v: (SEVERITY_ORDER[v.severity],
-                                 -float((v.cost or {}).get("lost_ms") or 0.0)))
+    verdicts.sort(key=lambda v: (SEVERITY_ORDER[v.severity], -lost_ms(v)))
 
 
 #: Kinds that, sharing a cost with another finding, are that finding's consequence: the ranks
@@ -179,7 +178,7 @@ def headline(run: dict[str, Any], verdicts: list[Verdict],
     if not loud:
         small = ""
         if costly:
-            top = max(costly, key=_lost_ms)
+            top = max(costly, key=lost_ms)
             small = (f" (largest note: {top.subject or top.kind}, "
                      f"{100 * share(top.cost or {}):.1f}% of the job)")
         loss = _largest_loss(goodput)
@@ -195,7 +194,7 @@ def headline(run: dict[str, Any], verdicts: list[Verdict],
                     + (f", see {by.kind}" if by else "") + ")")
         return (f"No costly finding: nothing in the job itself cost the run >= "
                 f"{100 * WARNING_SHARE:g}% of its {total_s:.1f} s of step time{small}")
-    top = max(loud, key=_lost_ms)
+    top = max(loud, key=lost_ms)
     c = top.cost or {}
     return (f"The run lost {c['lost_ms'] / 1000.0:.2f} s ({100 * share(c):.1f}% of its "
             f"{total_s:.1f} s of step time, {c['ms_per_step']:.1f} ms on each of {c['steps']} "
@@ -203,5 +202,6 @@ def headline(run: dict[str, Any], verdicts: list[Verdict],
             f"would take {c['what_if_step_ms']:.1f} ms")
 
 
-def _lost_ms(v: Verdict) -> float:
+def lost_ms(v: Verdict) -> float:
+    """The wall time a finding lost (0 when it carries no cost)."""
     return float((v.cost or {}).get("lost_ms") or 0.0)

@@ -516,7 +516,7 @@ def _book_on_straggler(verdicts: list[Verdict], cat: str, share: float,
     consequence: said once, inside the costliest straggler finding."""
     if cat != "stragglers" or share <= 0.0:
         return
-    top = max((v for v in verdicts if v.kind == "straggler"), key=_lost_ms, default=None)
+    top = max((v for v in verdicts if v.kind == "straggler"), key=cost.lost_ms, default=None)
     if top is None:
         return
     top.consequences.append(Consequence(
@@ -524,9 +524,6 @@ def _book_on_straggler(verdicts: list[Verdict], cat: str, share: float,
         evidence=f"goodput {goodput.get('goodput', 0.0):.0%}: {_pct(share)} of the time the "
         "job held went to waiting in collectives for the last rank to arrive"))
 
-
-def _lost_ms(v: Verdict) -> float:
-    return float((v.cost or {}).get("lost_ms") or 0.0)
 
 
 def _price_waits(out: list[Verdict]) -> None:
@@ -536,7 +533,7 @@ def _price_waits(out: list[Verdict]) -> None:
     for v in out:
         if v.kind != "comm_wait" or not (v.subject or "").startswith("waiting in") or not causes:
             continue
-        top = max(causes, key=_lost_ms)
+        top = max(causes, key=cost.lost_ms)
         if v.cost is not top.cost:
             v.cost, v.severity = top.cost, top.severity
             v.evidence = v.evidence.split(". Cost:")[0] + f" (its cost is {top.subject}'s)"
