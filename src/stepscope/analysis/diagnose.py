@@ -138,21 +138,21 @@ def diagnose(
     time (:func:`measured_split`), so the advice and the goodput agree.
     """
     b = _basis(run)
-    out = straggler_verdicts(b, stragglers)
+    out = _straggler_verdicts(b, stragglers)
     out += _host_verdicts(run, stragglers, out)
     wait_share = median([r["wait_share"] or 0.0 for r in ranks])
-    out += wait_verdicts(b, ranks, stragglers, windows, wait_share, out)
-    bottlenecks = bottleneck_verdicts(b, phases, ranks, stragglers, goodput, out)
+    out += _wait_verdicts(b, ranks, stragglers, windows, wait_share, out)
+    bottlenecks = _bottleneck_verdicts(b, phases, ranks, stragglers, goodput, out)
     out += bottlenecks
-    out += window_verdicts(b, windows, stragglers)
-    out += balanced_verdicts(b, ranks, wait_share, out, bool(bottlenecks))
+    out += _window_verdicts(b, windows, stragglers)
+    out += _balanced_verdicts(b, ranks, wait_share, out, bool(bottlenecks))
     _price_waits(out)
     out += resource_verdicts(run, stragglers, out)
     cost.order(out)
     return out
 
 
-def straggler_verdicts(b: _Basis, stragglers: list[dict[str, Any]]) -> list[Verdict]:
+def _straggler_verdicts(b: _Basis, stragglers: list[dict[str, Any]]) -> list[Verdict]:
     """One ``straggler`` per late rank (its biggest excess), the worst few, priced on every
     rank its collective holds."""
     out = []
@@ -182,7 +182,7 @@ def straggler_verdicts(b: _Basis, stragglers: list[dict[str, Any]]) -> list[Verd
     return out
 
 
-def wait_verdicts(b: _Basis, ranks: list[dict[str, Any]], stragglers: list[dict[str, Any]],
+def _wait_verdicts(b: _Basis, ranks: list[dict[str, Any]], stragglers: list[dict[str, Any]],
                   windows: list[dict[str, Any]], wait_share: float,
                   found: list[Verdict]) -> list[Verdict]:
     """``comm_wait``: the ranks that wait in the collective for a late one (priced as the
@@ -221,7 +221,7 @@ def wait_verdicts(b: _Basis, ranks: list[dict[str, Any]], stragglers: list[dict[
     )]
 
 
-def bottleneck_verdicts(b: _Basis, phases: dict[str, Any], ranks: list[dict[str, Any]],
+def _bottleneck_verdicts(b: _Basis, phases: dict[str, Any], ranks: list[dict[str, Any]],
                         stragglers: list[dict[str, Any]], goodput: dict[str, Any] | None,
                         found: list[Verdict]) -> list[Verdict]:
     """Where the step time goes: input, host-to-device copies, untimed host work, exposed
@@ -343,7 +343,7 @@ def _comm_bound_verdict(b: _Basis, split: dict[str, float] | None,
     )
 
 
-def window_verdicts(b: _Basis, windows: list[dict[str, Any]],
+def _window_verdicts(b: _Basis, windows: list[dict[str, Any]],
                     stragglers: list[dict[str, Any]]) -> list[Verdict]:
     """A finding for each slow step window no straggler explains, named after its phase."""
     out = []
@@ -377,7 +377,7 @@ def window_verdicts(b: _Basis, windows: list[dict[str, Any]],
     return out
 
 
-def balanced_verdicts(b: _Basis, ranks: list[dict[str, Any]], wait_share: float,
+def _balanced_verdicts(b: _Basis, ranks: list[dict[str, Any]], wait_share: float,
                       found: list[Verdict], bottlenecks: bool) -> list[Verdict]:
     """``balanced`` when no straggler or window in ``found`` is an alarm."""
     if any(v.severity != "info" and (v.kind == "straggler" or _is_window(v)) for v in found):
