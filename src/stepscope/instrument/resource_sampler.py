@@ -72,8 +72,6 @@ COUNT_NAMES = ("tokens", "samples")
 MAX_COUNT = 1 << 53
 #: Counts from here on have no float (past ~1.8e308): dropped.
 MAX_FLOAT_COUNT = 1 << 1024
-#: Largest ``flops_per_step`` accepted (a 405B model at 16M tokens is 4e19).
-MAX_FLOPS_PER_STEP = 1e30
 
 
 def _flop_count(flops: float) -> int | float:
@@ -122,31 +120,6 @@ def check_counts(tokens: Any, samples: Any, warn_once: Callable[[str, str], None
         None if tokens is None else check_count("tokens", tokens, warn_once),
         None if samples is None else check_count("samples", samples, warn_once),
     )
-
-
-def check_config(flops_per_step: Any, model_flops: Any, peak_tflops: Any) -> None:
-    """Validate the ``init()`` FLOP arguments (raises ``ConfigError``, a ``ValueError``)."""
-    from stepscope.common.errors import ConfigError
-
-    if flops_per_step is not None and (
-        isinstance(flops_per_step, bool)
-        or not isinstance(flops_per_step, int | float)
-        or not flops_per_step > 0
-        or not flops_per_step <= MAX_FLOPS_PER_STEP
-    ):
-        raise ConfigError(f"flops_per_step must be a positive number up to 1e30 or None; "
-                          f"got {str(flops_per_step)[:40]}")
-    if model_flops not in (None, "auto"):
-        raise ConfigError(f"model_flops must be 'auto' or None; got {model_flops!r}")
-    if flops_per_step is not None and model_flops is not None:
-        raise ConfigError("give either flops_per_step or model_flops='auto', not both")
-    if peak_tflops is not None and (
-        isinstance(peak_tflops, bool)
-        or not isinstance(peak_tflops, int | float)
-        or not peak_tflops > 0
-        or peak_tflops == float("inf")
-    ):
-        raise ConfigError(f"peak_tflops must be a positive number (TFLOP/s) or None; got {peak_tflops!r}")
 
 
 def warn_outside_step(name: str) -> None:

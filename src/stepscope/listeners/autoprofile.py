@@ -7,14 +7,12 @@ import os
 import time
 import warnings
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from stepscope.common.errors import ConfigError
 from stepscope.common.robust import MAD_SCALE, mad, median
-from stepscope.common.slow_step import DEFAULT_K, DEFAULT_MIN_SLOWDOWN, DEFAULT_PATIENCE
 from stepscope.listeners.profiler import DeviceSpec, on_device
+from stepscope.recording.config import AutoProfileConfig, resolve_auto_profile
 from stepscope.recording.schema import TRIGGERS_FILE, TRIGGERS_SCHEMA
 
 if TYPE_CHECKING:
@@ -22,68 +20,6 @@ if TYPE_CHECKING:
     from stepscope.listeners.profiler import Profiler
     from stepscope.tracer import Tracer
 
-
-@dataclass(kw_only=True)
-class AutoProfileConfig:
-    """When a step counts as anomalous, and how much profiling that may cost.
-
-    A step triggers when its time exceeds both ``median + k * 1.4826 * MAD`` of the last
-    ``window`` steps and ``(1 + min_slowdown) * median``, for ``patience`` steps in a row.
-
-    Example::
-
-        stepscope.init(auto_profile=AutoProfileConfig(k=4.0, steps=5, max_captures=2))
-    """
-
-    #: Steps in the running baseline (CPU-clock time from one step's end to the next).
-    window: int = 50
-    #: Steps of history needed before anything can trigger (skips start-up steps).
-    min_history: int = 20
-    #: Robust z-score: how many scaled MADs above the median a slow step must be.
-    k: float = DEFAULT_K
-    #: Minimum relative slowdown over the median (0.5 = 50 % slower); guards against a tiny MAD.
-    min_slowdown: float = DEFAULT_MIN_SLOWDOWN
-    #: Consecutive slow steps before arming (1 = the first one).
-    patience: int = DEFAULT_PATIENCE
-    #: Steps captured per trigger.
-    steps: int = 3
-    #: Profiler warm-up steps before the captured ones (not in the trace).
-    warmup: int = 1
-    #: At most this many captures per rank and run (healthy-rank comparisons count too).
-    max_captures: int = 3
-    #: Steps after a capture ends before the next trigger may fire.
-    cooldown: int = 100
-    #: In a distributed run, also capture one rank that did not trigger, for comparison.
-    compare_healthy: bool = True
-
-    def __post_init__(self) -> None:
-        for name, minimum in (("window", 4), ("min_history", 2), ("patience", 1), ("steps", 1),
-                              ("warmup", 0), ("max_captures", 1), ("cooldown", 0)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-                raise ConfigError(f"auto_profile {name} must be an int >= {minimum}; got {v!r}")
-        if self.min_history > self.window:
-            raise ConfigError(
-                f"auto_profile min_history must be <= window; got min_history={self.min_history}, "
-                f"window={self.window}"
-            )
-        for name in ("k", "min_slowdown"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int | float) or not v >= 0:
-                raise ConfigError(f"auto_profile {name} must be a number >= 0; got {v!r}")
-        if not isinstance(self.compare_healthy, bool):
-            raise ConfigError(f"auto_profile compare_healthy must be a bool; got {self.compare_healthy!r}")
-
-
-def resolve_auto_profile(value: Any) -> AutoProfileConfig | None:
-    """``init(auto_profile=...)`` as a config: ``True``, an :class:`AutoProfileConfig`, or off."""
-    if value is False or value is None:
-        return None
-    if value is True:
-        return AutoProfileConfig()
-    if isinstance(value, AutoProfileConfig):
-        return value
-    raise ConfigError(f"auto_profile must be True, False or an AutoProfileConfig; got {value!r}")
 
 
 class SlowStepDetector:

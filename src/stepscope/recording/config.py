@@ -9,9 +9,98 @@ from typing import Any
 
 from stepscope.common import escape
 from stepscope.common.errors import ConfigError
+from stepscope.common.slow_step import DEFAULT_K, DEFAULT_MIN_SLOWDOWN, DEFAULT_PATIENCE
 from stepscope.recording.schema import AUTO_PHASES
 
 SINKS = ("jsonl", "sqlite")
+#: Largest ``flops_per_step`` accepted (a 405B model at 16M tokens is 4e19).
+MAX_FLOPS_PER_STEP = 1e30
+
+
+@dataclass(kw_only=True)
+class AutoProfileConfig:
+    """When a step counts as anomalous, and how much profiling that may cost.
+
+    A step triggers when its time exceeds both ``median + k * 1.4826 * MAD`` of the last
+    ``window`` steps and ``(1 + min_slowdown) * median``, for ``patience`` steps in a row.
+
+    Example::
+
+        stepscope.init(auto_profile=AutoProfileConfig(k=4.0, steps=5, max_captures=2))
+    """
+
+    #: Steps in the running baseline (CPU-clock time from one step's end to the next).
+    window: int = 50
+    #: Steps of history needed before anything can trigger (skips start-up steps).
+    min_history: int = 20
+    #: Robust z-score: how many scaled MADs above the median a slow step must be.
+    k: float = DEFAULT_K
+    #: Minimum relative slowdown over the median (0.5 = 50 % slower); guards against a tiny MAD.
+    min_slowdown: float = DEFAULT_MIN_SLOWDOWN
+    #: Consecutive slow steps before arming (1 = the first one).
+    patience: int = DEFAULT_PATIENCE
+    #: Steps captured per trigger.
+    steps: int = 3
+    #: Profiler warm-up steps before the captured ones (not in the trace).
+    warmup: int = 1
+    #: At most this many captures per rank and run (healthy-rank comparisons count too).
+    max_captures: int = 3
+    #: Steps after a capture ends before the next trigger may fire.
+    cooldown: int = 100
+    #: In a distributed run, also capture one rank that did not trigger, for comparison.
+    compare_healthy: bool = True
+
+    def __post_init__(self) -> None:
+        for name, minimum in (("window", 4), ("min_history", 2), ("patience", 1), ("steps", 1),
+                              ("warmup", 0), ("max_captures", 1), ("cooldown", 0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+                raise ConfigError(f"auto_profile {name} must be an int >= {minimum}; got {v!r}")
+        if self.min_history > self.window:
+            raise ConfigError(
+                f"auto_profile min_history must be <= window; got min_history={self.min_history}, "
+                f"window={self.window}"
+            )
+        for name in ("k", "min_slowdown"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not v >= 0:
+                raise ConfigError(f"auto_profile {name} must be a number >= 0; got {v!r}")
+        if not isinstance(self.compare_healthy, bool):
+            raise ConfigError(f"auto_profile compare_healthy must be a bool; got {self.compare_healthy!r}")
+
+
+def resolve_auto_profile(value: Any) -> AutoProfileConfig | None:
+    """``init(auto_profile=...)`` as a config: ``True``, an :class:`AutoProfileConfig`, or off."""
+    if value is False or value is None:
+        return None
+    if value is True:
+        return AutoProfileConfig()
+    if isinstance(value, AutoProfileConfig):
+        return value
+    raise ConfigError(f"auto_profile must be True, False or an AutoProfileConfig; got {value!r}")
+
+
+def check_flop_config(flops_per_step: Any, model_flops: Any, peak_tflops: Any) -> None:
+    """Validate the ``init()`` FLOP arguments (raises ``ConfigError``, a ``ValueError``)."""
+    if flops_per_step is not None and (
+        isinstance(flops_per_step, bool)
+        or not isinstance(flops_per_step, int | float)
+        or not flops_per_step > 0
+        or not flops_per_step <= MAX_FLOPS_PER_STEP
+    ):
+        raise ConfigError(f"flops_per_step must be a positive number up to 1e30 or None; "
+                          f"got {str(flops_per_step)[:40]}")
+    if model_flops not in (None, "auto"):
+        raise ConfigError(f"model_flops must be 'auto' or None; got {model_flops!r}")
+    if flops_per_step is not None and model_flops is not None:
+        raise ConfigError("give either flops_per_step or model_flops='auto', not both")
+    if peak_tflops is not None and (
+        isinstance(peak_tflops, bool)
+        or not isinstance(peak_tflops, int | float)
+        or not peak_tflops > 0
+        or peak_tflops == float("inf")
+    ):
+        raise ConfigError(f"peak_tflops must be a positive number (TFLOP/s) or None; got {peak_tflops!r}")
 
 
 @dataclass(kw_only=True)
@@ -49,7 +138,7 @@ class Config:
     #: Rank 0 prints a one-line cross-rank summary every ``n`` steps; 0 = off.
     log_every_n_steps: int = 0
     #: Capture a ``torch.profiler`` trace when a step is anomalously slow: ``True`` for the
-    #: defaults, or a ``stepscope.listeners.autoprofile.AutoProfileConfig``.
+    #: defaults, or an :class:`AutoProfileConfig`.
     auto_profile: Any = False
     #: Run identifier shared by all ranks; default from env or generated.
     run_id: str | None = None
@@ -101,12 +190,8 @@ class Config:
         if self.dump_stacks_after_s is not None:
             _check_seconds("dump_stacks_after_s", self.dump_stacks_after_s, allow_zero=False)
         if self.auto_profile is not False:
-            from stepscope.listeners.autoprofile import resolve_auto_profile
-
             resolve_auto_profile(self.auto_profile)  # raises ConfigError on a bad value
-        from stepscope.instrument.resource_sampler import check_config  # [metrics]
-
-        check_config(self.flops_per_step, self.model_flops, self.peak_tflops)
+        check_flop_config(self.flops_per_step, self.model_flops, self.peak_tflops)  # [metrics]
         _check_export(self.otel, self.prometheus_port, self.prometheus_addr)  # [export]
         if self.export_top_ranks is not None:
             _check_int("export_top_ranks", self.export_top_ranks, minimum=0)
