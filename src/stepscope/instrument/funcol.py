@@ -55,6 +55,9 @@ _lock = threading.Lock()
 # storage data_ptr → pending entry, oldest first (bounded: results never waited are dropped).
 _pending: OrderedDict[int, tuple[Any, ...]] = OrderedDict()
 _originals: dict[str, Callable[..., Any]] = {}
+#: The collectives module that installed the patch (:func:`apply`), which records what is
+#: timed here; handed in, not imported: it imports this module.
+_col: Any = None
 
 
 def _module() -> Any:
@@ -74,11 +77,10 @@ def _key(t: Any) -> int | None:
 
 
 def _group(funcol: Any, group: Any, tag: str) -> tuple[str, int] | None:
-    from stepscope.instrument.collective_timing import group_info
-
     c10d = torch.distributed.distributed_c10d
     name = funcol._resolve_group_name(group, tag)
-    return group_info(getattr(c10d, "_resolve_process_group")(name))  # noqa: B009 (private)
+    info: tuple[str, int] | None = _col.group_info(getattr(c10d, "_resolve_process_group")(name))  # noqa: B009 (private)
+    return info
 
 
 def _split_bytes(t: torch.Tensor, splits: Any, size: int) -> int:
@@ -138,8 +140,7 @@ def _make(name: str, orig: Callable[..., Any], col: Any) -> Callable[..., Any]:
 
 def _issued(name: str, op: str, rec: Any, path: str | None, start: Any, args: tuple[Any, ...],
             kwargs: dict[str, Any], out: Any, funcol: Any) -> None:
-    from stepscope.instrument import collective_timing as col
-
+    col = _col
     inp = args[0] if args else kwargs.get("self")
     group = kwargs.get("group")
     if group is None:
@@ -181,8 +182,7 @@ def _issued(name: str, op: str, rec: Any, path: str | None, start: Any, args: tu
 
 
 def _forget(pending: tuple[Any, ...]) -> None:
-    from stepscope.instrument import collective_timing as col
-
+    col = _col
     col.release(pending[0], pending[5])
     col.release(pending[0], pending[8])
 
@@ -226,11 +226,14 @@ def _make_wait(orig: Callable[..., Any], col: Any) -> Callable[..., Any]:
 
 
 def apply(col: Any) -> None:
-    """Replace the funcol functions (called by :mod:`.collectives` when it installs)."""
+    """Replace the funcol functions (called by :mod:`.collective_timing` when it installs,
+    with itself as ``col``)."""
+    global _col
     try:
         funcol = _module()
     except ImportError:  # a torch without functional collectives: nothing to time
         return
+    _col = col
     _pending.clear()
     for name in OPS:
         orig = getattr(funcol, name, None)
