@@ -26,7 +26,7 @@ from stepscope.instrument.patch import SharedPatch
 from stepscope.recording import gate
 
 if TYPE_CHECKING:
-    from stepscope.tracer import Tracer
+    from stepscope.recording.protocols import Recorder
 
 #: Device types a copy *to* counts as host-to-device. Tests add "meta" to drive the logic
 #: on machines without an accelerator.
@@ -45,7 +45,7 @@ _parse_to = torch._C._nn._parse_to
 _is_compiling = torch.compiler.is_dynamo_compiling  # why not is_compiling: see hooks.py
 
 
-def set_step_tracer(tracer: Tracer | None) -> None:
+def set_step_tracer(tracer: Recorder | None) -> None:
     """Raise (tracer) or lower (None) this thread's in-step gate (see :mod:`.gate`)."""
     gate.set_current(tracer)
 
@@ -61,7 +61,7 @@ def auto_h2d_suppressed() -> Iterator[None]:
         _tls.suppressed = prev
 
 
-def _timed_copy(tracer: Tracer, src: torch.Tensor, copy: Callable[[], torch.Tensor]) -> torch.Tensor:
+def _timed_copy(tracer: Recorder, src: torch.Tensor, copy: Callable[[], torch.Tensor]) -> torch.Tensor:
     token = tracer.open_phase("h2d")
     try:
         return copy()
@@ -71,11 +71,11 @@ def _timed_copy(tracer: Tracer, src: torch.Tensor, copy: Callable[[], torch.Tens
             tracer.add_counter("h2d_bytes", src.numel() * src.element_size())
 
 
-def _active() -> Tracer | None:
+def _active() -> Recorder | None:
     # is_compiling first: while dynamo traces, it folds to True and nothing else is touched.
     if _is_compiling():
         return None
-    tracer: Tracer | None = gate.current()
+    tracer: Recorder | None = gate.current()
     if tracer is None or _tls.suppressed:
         return None
     return tracer
@@ -142,7 +142,7 @@ class H2DProxy:
 
     __slots__ = ("_batch", "_tracer")
 
-    def __init__(self, batch: Any, tracer: Tracer) -> None:
+    def __init__(self, batch: Any, tracer: Recorder) -> None:
         self._batch = batch
         self._tracer = tracer
 

@@ -53,7 +53,7 @@ from stepscope.instrument import unwrap
 from stepscope.recording import gate
 
 if TYPE_CHECKING:
-    from stepscope.tracer import Tracer
+    from stepscope.recording.protocols import Recorder
 
 #: Dynamo folds this to a constant True while it traces (as it does ``is_compiling``), and in
 #: eager code it is one Python call where ``is_compiling`` is two (it asks
@@ -84,7 +84,7 @@ def _fsdp(model: torch.nn.Module) -> bool:
 
 
 class _ModelHooks:
-    def __init__(self, tracer: Tracer, model: torch.nn.Module, forward: bool, backward: bool) -> None:
+    def __init__(self, tracer: Recorder, model: torch.nn.Module, forward: bool, backward: bool) -> None:
         self.tracer = tracer
         self.model = model
         self.forward = forward
@@ -290,7 +290,7 @@ class ModelHooks:
     wrapper comes off.
     """
 
-    def __init__(self, tracer: Tracer, model: torch.nn.Module, forward: bool, backward: bool) -> None:
+    def __init__(self, tracer: Recorder, model: torch.nn.Module, forward: bool, backward: bool) -> None:
         self._hooks = _ModelHooks(tracer, model, forward, backward)
         self.model = model
         self.always = compiled(model)
@@ -345,7 +345,7 @@ class ModelHooks:
         self._hooks.remove()
 
 
-def attach_model(tracer: Tracer, model: torch.nn.Module, *, forward: bool, backward: bool) -> ModelHooks:
+def attach_model(tracer: Recorder, model: torch.nn.Module, *, forward: bool, backward: bool) -> ModelHooks:
     """Hook ``model`` (attached now); ``remove()`` takes the hooks off for good."""
     return ModelHooks(tracer, model, forward, backward)
 
@@ -356,7 +356,7 @@ class OptimizerHooks:
 
     always = False
 
-    def __init__(self, tracer: Tracer, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, tracer: Recorder, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
         tokens: list[Any] = []
         self._tokens = tokens
@@ -393,6 +393,6 @@ class OptimizerHooks:
         self.off()
 
 
-def attach_optimizer(tracer: Tracer, optimizer: torch.optim.Optimizer) -> OptimizerHooks:
+def attach_optimizer(tracer: Recorder, optimizer: torch.optim.Optimizer) -> OptimizerHooks:
     """Time ``optimizer.step()`` inside steps (attached now); ``remove()`` takes the hooks off."""
     return OptimizerHooks(tracer, optimizer)

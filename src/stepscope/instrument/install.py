@@ -1,4 +1,6 @@
-"""Which automatic instruments a config installs on a recorder, and how they come off again.
+"""Which automatic instruments a config installs on a recorder, and how they come off again:
+the instrument side as the session sees it (:data:`AUTOMATIC`, a
+:class:`~stepscope.recording.protocols.Instruments` the face hands to the session).
 
 :func:`install_instruments` hooks the model (forward, backward), the optimizer, patches
 host-to-device copies and collectives, as ``config.auto`` and ``config.collectives`` ask, and
@@ -15,22 +17,20 @@ thread-local read per call while no sampled step is open (``instrument/h2d.py``)
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
+from stepscope.instrument import collective_timing as collectives
+from stepscope.instrument import graphs, h2d, hooks, resource_sampler, sched
+from stepscope.instrument.untimed import UntimedGroups
+from stepscope.recording.config import Config
+from stepscope.recording.protocols import PerStep, Recorder
+from stepscope.recording.resolver import Summarizer
 
-class PerStep(Protocol):
-    """An instrument the session puts on before a sampled step and takes off after it (on the
-    training thread, between steps); ``off()`` may keep it on (a compiled model's hooks)."""
-
-    def on(self) -> None: ...
-
-    def off(self) -> None: ...
-
-    def remove(self) -> None: ...
+__all__ = ["AUTOMATIC", "AutomaticInstruments", "PerStep", "install_instruments"]
 
 
 def install_instruments(
-    recorder: Any, config: Any, model: Any, optimizer: Any, warn: Callable[[str], None],
+    recorder: Recorder, config: Config, model: Any, optimizer: Any, warn: Callable[[str], None],
 ) -> tuple[list[Callable[[], None]], set[str], list[PerStep]]:
     """Install what ``config`` asks for on ``recorder``; ``(uninstallers, auto phases,
     per-step instruments)``, the per-step ones on (their ``remove`` among the uninstallers).
@@ -43,17 +43,14 @@ def install_instruments(
     per_step: list[PerStep] = []
     auto = config.auto
     if model is not None and auto & {"forward", "backward"}:
-        from stepscope.instrument.hooks import attach_model
-
-        hooks = attach_model(recorder, model, forward="forward" in auto, backward="backward" in auto)
-        per_step.append(hooks)
-        removers.append(hooks.remove)
+        model_hooks = hooks.attach_model(recorder, model, forward="forward" in auto,
+                                         backward="backward" in auto)
+        per_step.append(model_hooks)
+        removers.append(model_hooks.remove)
         active |= auto & {"forward", "backward"}
     if optimizer is not None and "optimizer" in auto:
-        from stepscope.instrument.hooks import attach_optimizer
-
         try:
-            opt_hooks = attach_optimizer(recorder, optimizer)
+            opt_hooks = hooks.attach_optimizer(recorder, optimizer)
             per_step.append(opt_hooks)
             removers.append(opt_hooks.remove)
             active.add("optimizer")
@@ -61,16 +58,43 @@ def install_instruments(
             warn(f"the optimizer phase is not timed: cannot hook {type(optimizer).__name__} "
                  f"({exc!r}); pass the underlying torch.optim.Optimizer")
     if "h2d" in auto:
-        from stepscope.instrument.h2d import install_patch
-
-        removers.append(install_patch())
+        removers.append(h2d.install_patch())
         active.add("h2d")
     if config.collectives:
-        from stepscope.instrument import collective_timing as collectives
-
         removers.append(collectives.install_patch())
-        if hasattr(recorder, "add_listener"):  # groups that carried only C++-issued work
-            from stepscope.instrument.untimed import UntimedGroups
-
-            recorder.add_listener(UntimedGroups())
+        add_listener = getattr(recorder, "add_listener", None)
+        if add_listener is not None:  # groups that carried only C++-issued work
+            add_listener(UntimedGroups())
     return removers, active, per_step
+
+
+class AutomaticInstruments:
+    """The instruments a config turns on, as the session reaches them
+    (:class:`~stepscope.recording.protocols.Instruments`)."""
+
+    def install(
+        self, recorder: Any, config: Config, model: Any, optimizer: Any, warn: Callable[[str], None],
+    ) -> tuple[list[Callable[[], None]], set[str], list[PerStep]]:
+        return install_instruments(recorder, config, model, optimizer, warn)
+
+    def watch_captures(self) -> tuple[Callable[[], None], Callable[[], bool]]:
+        return graphs.install_patch(), graphs.probe()
+
+    def resources(
+        self, config: Config, device: str, warn: Callable[..., None]
+    ) -> resource_sampler.ResourceMonitor:
+        return resource_sampler.monitor_for(config, device, warn)
+
+    def run_queue(self, clock_kind: str) -> sched.RunQueueReader | None:
+        return sched.reader_for(clock_kind)
+
+    @property
+    def summarize_collectives(self) -> Summarizer:
+        return collectives.summarize
+
+    def blocked_in(self, thread_id: int) -> tuple[str, float] | None:
+        return collectives.blocked_in(thread_id)
+
+
+#: What the face hands to every session.
+AUTOMATIC = AutomaticInstruments()

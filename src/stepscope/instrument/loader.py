@@ -6,7 +6,7 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from stepscope.tracer import Tracer
+    from stepscope.recording.protocols import Recorder
 
 
 class TimedLoader:
@@ -17,7 +17,7 @@ class TimedLoader:
     and ``len()`` are forwarded.
     """
 
-    def __init__(self, loader: Iterable[Any], tracer: Tracer) -> None:
+    def __init__(self, loader: Iterable[Any], tracer: Recorder) -> None:
         self._loader = loader
         self._tracer = tracer
 

@@ -1,10 +1,11 @@
 """Session: one recording run on one rank — wiring, the step boundary, failures, finish.
 
 The session builds the resolver and the :mod:`~stepscope.recording.outbox` (the writer), installs the
-instruments the config asks for (:mod:`stepscope.instrument.install`), and hands finished
-steps from the recorder to the resolver and resolved steps to the outbox. Observers are
-*listeners* (see :meth:`Session.add_listener`), attached by :mod:`stepscope.lifecycle`; the
-recorder never calls one, and none is imported here.
+instruments the config asks for, and hands finished steps from the recorder to the resolver
+and resolved steps to the outbox. It reaches the instrument side through the
+:class:`~stepscope.recording.protocols.Instruments` the face hands in, and its observers are
+*listeners* (see :meth:`Session.add_listener`) the face attaches; no instrument and no
+listener is imported here.
 
 **Failures are acted on by the training thread.** An error found on another thread (the
 writer's disk error, a hook on an autograd thread) is handed over and applied at the next
@@ -22,15 +23,12 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from stepscope.instrument import graphs
-from stepscope.instrument.install import PerStep, install_instruments
-from stepscope.instrument.resource_sampler import ResourceMonitor, monitor_for
-from stepscope.instrument.sched import reader_for
 from stepscope.recording import gate
 from stepscope.recording.clock import Clock, CudaClock, GpuAnchor
 from stepscope.recording.config import Config
 from stepscope.recording.dist import RankInfo
 from stepscope.recording.outbox import MAX_HELD_STEPS, RECENT_RECORDS, Outbox, RecentRecords
+from stepscope.recording.protocols import Instruments, PerStep, ResourceMonitor
 from stepscope.recording.recorder import Recorder
 from stepscope.recording.resolver import Resolver
 from stepscope.recording.sinks import DELIVERY_BOUND_S, Sink, open_sink
@@ -49,19 +47,21 @@ class Session(Recorder):
 
     def __init__(
         self, config: Config, clock: Clock, rank: RankInfo, run_id: str, sink: Sink | None,
+        instruments: Instruments,
     ) -> None:
         self.rank = rank
         self.run_id = run_id
+        self._instruments = instruments
         anchor = GpuAnchor(clock) if isinstance(clock, CudaClock) else None
-        # On CUDA: know about global-mode graph captures on any thread (see instrument.graphs).
-        uncapture = graphs.install_patch() if anchor is not None else None
+        # On CUDA: know about global-mode graph captures on any thread.
+        uncapture, capturing = instruments.watch_captures() if anchor is not None else (None, None)
         resolver = Resolver(
             clock,
             {"run_id": run_id, "rank": rank.rank, "local_rank": rank.local_rank,
              "world_size": rank.world_size, "hostname": rank.hostname},
             config.max_pending_steps,
             anchor,
-            graphs.probe() if anchor is not None else None,
+            capturing,
             self._step_fields,
         )
         super().__init__(config, clock, resolver)
@@ -88,7 +88,7 @@ class Session(Recorder):
         #: What ``with tracer.step() as s`` binds (the tracer sets its context manager).
         self._step_cm: Any = None
         self._resources: ResourceMonitor | None = None
-        self.sched = reader_for(clock.kind)  # run-queue wait per step (CPU clock only)
+        self.sched = instruments.run_queue(clock.kind)  # run-queue wait per step (CPU clock only)
         self._rq_read = True  # whether the last step exit (or the start) read the run-queue clock
         #: False when records go to a sink passed in (tests): no files beside them (heartbeat).
         self.writes_files = sink is None
@@ -99,19 +99,19 @@ class Session(Recorder):
             self._listeners, on_error=self.fail, batch=config.flush_every_n_steps,
         )
         self._writer = self._outbox.writer
-        #: Observers attached by :mod:`stepscope.lifecycle` (opaque here), for users and tests.
+        #: Observers the face attached (opaque here), for users and tests.
         self.profiler: Any = None
         self.live: Any = None
         self.autoprofile: Any = None
 
-    def _start(self, model: Any, optimizer: Any) -> None:
-        """Install instruments, wire observers, register the exit flush (end of ``__init__``)."""
-        from stepscope.instrument.collective_timing import summarize
-
+    def _start(self, model: Any, optimizer: Any, wire: Callable[[Any], None]) -> None:
+        """Install instruments, have ``wire(self)`` attach the observers, register the exit
+        flush (end of ``__init__``)."""
+        instruments = self._instruments
         # Whoever reports collectives (the patch, a framework integration), their records
         # get the collectives section; the resolver itself imports no instrument.
-        self.resolver.summarize_collectives = summarize
-        removers, active, per_step = install_instruments(self, self.config, model, optimizer, self.warn)
+        self.resolver.summarize_collectives = instruments.summarize_collectives
+        removers, active, per_step = instruments.install(self, self.config, model, optimizer, self.warn)
         self._uninstallers.extend(removers)
         self._auto_active |= active
         self._per_step = per_step
@@ -125,9 +125,7 @@ class Session(Recorder):
             self._resources = self._new_resources()
         if self.sched is not None:
             self.sched.step_end()  # the first step's baseline
-        from stepscope.lifecycle import wire
-
-        wire(self)  # type: ignore[arg-type]
+        wire(self)
         ref = weakref.ref(self)
 
         def _at_exit() -> None:
@@ -289,7 +287,7 @@ class Session(Recorder):
             self._take_handed()
 
     def _new_resources(self) -> ResourceMonitor:
-        return monitor_for(self.config, self.clock.device, self.warn)
+        return self._instruments.resources(self.config, self.clock.device, self.warn)
 
     def _step_fields(
         self, index: int, start_unix_ns: int, step_ms: float, counters: dict[str, float], res: Any
@@ -461,9 +459,7 @@ class Session(Recorder):
         owner = self._owner
         if owner is None or not self.config.collectives:
             return None
-        from stepscope.instrument.collective_timing import blocked_in
-
-        got = blocked_in(owner)
+        got = self._instruments.blocked_in(owner)
         return None if got is None else {"op": got[0], "since": got[1]}
 
     def note_raise(self, exc: BaseException) -> None:
