@@ -27,6 +27,7 @@ from stepscope.common.errors import (
     StepscopeError,
     StepscopeWarning,
 )
+from stepscope.common.version import __version__
 from stepscope.phase import PhaseContext, check_phase_name
 
 if TYPE_CHECKING:
@@ -59,8 +60,6 @@ def _unbound_set_current(tracer: Tracer | NullTracer) -> None:
 _current_tracer: Callable[[], Tracer | NullTracer] = _bind_lifecycle
 _set_current: Callable[[Tracer | NullTracer], None] = _unbound_set_current
 _Null: type[NullTracer] | None = None
-
-__version__ = "0.1.0"
 
 __all__ = [
     "AnalysisError",
@@ -189,7 +188,7 @@ def phase(name: str, *, host: bool = False) -> Any:
     name = check_phase_name(name)
     if not (_Null is None or isinstance(tracer, _Null)):  # bound by the call above
         tracer.phase(name, host=host)  # validates the manual/automatic split now
-    return PhaseContext(None, name, host)
+    return PhaseContext(None, name, host, current)
 
 
 def wrap_loader(loader: Any) -> Any:
@@ -236,7 +235,7 @@ def __getattr__(name: str) -> Any:
 
         return PrefetchLoader
     if name == "AutoProfileConfig":
-        from stepscope.listeners.autoprofile import AutoProfileConfig
+        from stepscope.recording.config import AutoProfileConfig
 
         return AutoProfileConfig
     if name == "Profiler":

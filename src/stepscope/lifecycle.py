@@ -1,20 +1,19 @@
-"""Lifecycle: building a tracer from a config, the default tracer, ``meta.json``, and wiring.
+"""Lifecycle: building a tracer from a config, the default tracer, and ``meta.json``.
 
 ``init()`` → :func:`create` → a :class:`~stepscope.tracer.Tracer` (or the no-op
-:class:`NullTracer` when disabled or filtered out by ``ranks=``) → :func:`wire` attaches the
-observers the config asks for (a ``profile_steps`` profiler, the live view, auto-profiling)
-as listeners. The tracer never imports those modules; this one does, lazily.
+:class:`NullTracer` when disabled or filtered out by ``ranks=``); the tracer wires the
+observers the config asks for (:func:`stepscope.tracer.wire`).
 """
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from stepscope.common.errors import warn
+from stepscope.common.version import __version__
 from stepscope.recording.config import Config
 from stepscope.recording.dist import rank_info
 from stepscope.recording.schema import SCHEMA_VERSION
@@ -160,9 +159,11 @@ def create(
     Bad arguments were already rejected by ``Config``; what can still go wrong here (an
     unwritable directory, a broken CUDA runtime) disables timing with one warning.
     """
-    from stepscope.tracer import Tracer, _check_targets
+    # Imported here, not at the top: the tracer needs torch, and this module is imported by
+    # ``stepscope.phase()``/``current()`` before any init(), which must stay light.
+    from stepscope.tracer import Tracer, check_targets
 
-    _check_targets(model, optimizer)
+    check_targets(model, optimizer)
     if not config.enabled:
         return NULL_TRACER
     info = rank_info()
@@ -180,58 +181,11 @@ def create(
         return NULL_TRACER
 
 
-class _StepProfiler:
-    """Drives a ``profile_steps`` window of :class:`stepscope.Profiler` from step boundaries."""
-
-    def __init__(self, prof: Any) -> None:
-        self.prof = prof
-
-    def on_step_end(self, tracer: Tracer, index: int) -> None:
-        self.prof.step()
-
-    def on_finish(self, tracer: Tracer) -> None:
-        self.prof.stop()
-
-
-def wire(tracer: Tracer) -> None:
-    """Attach what ``tracer.config`` asks for; called once from ``Tracer.__init__``."""
-    config = tracer.config
-    if config.profile_steps is not None:
-        from stepscope.listeners.profiler import Profiler
-
-        start, end = config.profile_steps
-        prof = Profiler(
-            out_dir=os.path.join(config.out_dir, "traces"), start_step=start, end_step=end,
-            ranks=config.ranks, device=tracer.cuda_device,
-        )
-        prof.start()
-        tracer.profiler = prof
-        tracer.add_listener(_StepProfiler(prof))
-    if config.log_every_n_steps or tracer.agreement.side_group:  # every member exchanges, even silent ones
-        from stepscope.listeners.live import attach_live
-
-        attach_live(tracer)
-    if config.auto_profile:
-        from stepscope.listeners.autoprofile import attach_autoprofile
-
-        attach_autoprofile(tracer)
-    if config.otel or config.prometheus_port is not None:  # [export] after the live view
-        from stepscope.listeners.export import attach_exporters
-
-        attach_exporters(tracer)
-    if config.heartbeat_s and tracer.writes_files:
-        from stepscope.listeners.heartbeat import attach_heartbeat
-
-        attach_heartbeat(tracer)
-
-
 def meta(tracer: Tracer) -> dict[str, Any]:
     """``meta.json``: the run's configuration, versions, devices, and what the times mean."""
     import platform
 
     import torch
-
-    from stepscope import __version__
 
     devices: list[str] = []
     if torch.cuda.is_available():

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from stepscope.common import escape
 
 if TYPE_CHECKING:
-    from stepscope.tracer import Tracer
+    from stepscope.recording.protocols import Recorder
 
 __all__ = ["PhaseContext", "check_phase_name"]
 
@@ -30,10 +30,16 @@ class PhaseContext:
     a worker pool): each thread closes its own token.
     """
 
-    __slots__ = ("_host", "_name", "_tokens", "_tracer")
+    __slots__ = ("_default", "_host", "_name", "_tokens", "_tracer")
 
-    def __init__(self, tracer: Tracer | None, name: str, host: bool) -> None:
-        self._tracer = tracer  # None: resolve the default tracer at each use
+    def __init__(
+        self, tracer: Recorder | None, name: str, host: bool,
+        default: Callable[[], Any] | None = None,
+    ) -> None:
+        if tracer is None and default is None:
+            raise TypeError("PhaseContext needs a tracer, or default: what returns the default one")
+        self._tracer = tracer  # None: ask default() for the default tracer at each use
+        self._default = default
         self._name = name
         self._host = host
         self._tokens: list[tuple[int, Any, Any]] = []  # (thread, tracer, token)
@@ -41,9 +47,7 @@ class PhaseContext:
     def __enter__(self) -> PhaseContext:
         tracer: Any = self._tracer
         if tracer is None:
-            from stepscope.lifecycle import current_tracer
-
-            tracer = current_tracer()
+            tracer = self._default()  # type: ignore[misc]
         self._tokens.append((_get_ident(), tracer, tracer.open_phase(self._name, host=self._host)))
         return self
 

@@ -5,6 +5,10 @@ instruments, failures) over the :class:`~stepscope.recording.recorder.Recorder` 
 per-thread phase stacks, the recorder protocol instruments call), plus the user-facing API:
 ``step()``, ``phase()``, ``count()``, ``wrap_loader()``, ``wrap_h2d()``, ``summary()``.
 
+This is the face: it hands the session the automatic instruments
+(:data:`~stepscope.instrument.install.AUTOMATIC`) and attaches the observers the config asks
+for (:func:`wire`); the recording core imports neither.
+
 Steps belong to the thread that opened them. A ``step()`` nested in another, or opened by a
 second thread while one is open, is not timed and warns once: the job is never interrupted.
 """
@@ -12,13 +16,24 @@ second thread while one is open, is not timed and warns once: the job is never i
 from __future__ import annotations
 
 import numbers
+import os
 from collections.abc import Callable, Iterable
 from typing import Any
+
+import torch
 
 from stepscope.common import escape
 from stepscope.common.errors import InstrumentationError
 from stepscope.instrument import unwrap
+from stepscope.instrument.h2d import H2DProxy
+from stepscope.instrument.install import AUTOMATIC
+from stepscope.instrument.loader import TimedLoader
 from stepscope.instrument.resource_sampler import check_count, check_counts, shown_value, warn_outside_step
+from stepscope.listeners.autoprofile import attach_autoprofile
+from stepscope.listeners.export import attach_exporters
+from stepscope.listeners.heartbeat import attach_heartbeat
+from stepscope.listeners.live import attach_live, local_summary
+from stepscope.listeners.profiler import Profiler
 from stepscope.phase import PhaseContext, check_phase_name
 from stepscope.recording import devices
 from stepscope.recording.clock import Clock, default_clock
@@ -27,7 +42,8 @@ from stepscope.recording.dist import RankInfo, agree_at_init, rank_info
 from stepscope.recording.session import FINISH_TIMEOUT_S, RECENT_RECORDS, Session
 from stepscope.recording.sinks import Sink
 
-__all__ = ["FINISH_TIMEOUT_S", "RECENT_RECORDS", "PhaseContext", "Tracer", "check_phase_name"]
+__all__ = ["FINISH_TIMEOUT_S", "RECENT_RECORDS", "PhaseContext", "Tracer", "check_phase_name", "wire"]
+
 
 class _StepContext:
     """What ``step()`` returns. Each tracer gets its own subclass (:func:`_step_context`) whose
@@ -79,7 +95,7 @@ class Tracer(Session):
         rank: RankInfo | None = None,
     ) -> None:
         model, optimizer = unwrap.module(model), unwrap.optimizer(optimizer)  # framework wrappers
-        _check_targets(model, optimizer)
+        check_targets(model, optimizer)
         #: What the recording ranks agreed at init: one run id, and whether the live side group
         #: exists (created on every member or on none, whatever each rank's config says).
         self.agreement = agree_at_init(
@@ -96,9 +112,10 @@ class Tracer(Session):
             rank if rank is not None else rank_info(),
             self.agreement.run_id,
             sink,
+            AUTOMATIC,
         )
         self._step_cm: _StepContext = _step_context(self)
-        self._start(model, optimizer)
+        self._start(model, optimizer, wire)
 
     def step(
         self, index: int | None = None, *, tokens: int | None = None, samples: int | None = None
@@ -154,8 +171,6 @@ class Tracer(Session):
 
     def wrap_loader(self, loader: Iterable[Any]) -> Any:
         """Time the wait for each next batch as ``dataloader``."""
-        from stepscope.instrument.loader import TimedLoader
-
         if "dataloader" not in self.config.auto:
             raise InstrumentationError(
                 "wrap_loader() times 'dataloader' automatically, but 'dataloader' is not in "
@@ -166,8 +181,6 @@ class Tracer(Session):
 
     def wrap_h2d(self, batch: Any) -> Any:
         """Return a proxy whose next ``.to(device)``/``.cuda()`` is timed as ``h2d``."""
-        from stepscope.instrument.h2d import H2DProxy
-
         if "h2d" in self._auto_active:
             raise InstrumentationError(
                 "wrap_h2d() times 'h2d' manually, but host-to-device copies are already timed "
@@ -188,8 +201,6 @@ class Tracer(Session):
         Called between steps on the training thread, it first waits (at most
         ``sinks.DELIVERY_BOUND_S``) for the writer thread to build the records handed to it.
         """
-        from stepscope.listeners.live import local_summary
-
         self.settle()
 
         return local_summary(self)
@@ -210,9 +221,9 @@ def _step_index(index: Any, warn_once: Callable[[str, str], None]) -> int | None
     return None
 
 
-def _check_targets(model: Any, optimizer: Any) -> None:
-    import torch
-
+def check_targets(model: Any, optimizer: Any) -> None:
+    """``ValueError`` unless ``model`` is a ``torch.nn.Module`` (or None) and ``optimizer`` a
+    ``torch.optim.Optimizer`` (or None)."""
     if model is not None and not isinstance(model, torch.nn.Module):
         raise ValueError(f"model must be a torch.nn.Module or None; got {type(model).__name__}")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
@@ -220,3 +231,39 @@ def _check_targets(model: Any, optimizer: Any) -> None:
             f"optimizer must be a torch.optim.Optimizer or None; got {type(optimizer).__name__}"
         )
 
+
+class _StepProfiler:
+    """Drives a ``profile_steps`` window of :class:`stepscope.Profiler` from step boundaries."""
+
+    def __init__(self, prof: Any) -> None:
+        self.prof = prof
+
+    def on_step_end(self, tracer: Any, index: int) -> None:
+        self.prof.step()
+
+    def on_finish(self, tracer: Any) -> None:
+        self.prof.stop()
+
+
+def wire(tracer: Tracer) -> None:
+    """Attach the observers ``tracer.config`` asks for (a ``profile_steps`` profiler, the live
+    view, auto-profiling, exports, the heartbeat) as listeners; called once from
+    ``Tracer.__init__``."""
+    config = tracer.config
+    if config.profile_steps is not None:
+        start, end = config.profile_steps
+        prof = Profiler(
+            out_dir=os.path.join(config.out_dir, "traces"), start_step=start, end_step=end,
+            ranks=config.ranks, device=tracer.cuda_device,
+        )
+        prof.start()
+        tracer.profiler = prof
+        tracer.add_listener(_StepProfiler(prof))
+    if config.log_every_n_steps or tracer.agreement.side_group:  # every member exchanges, even silent ones
+        attach_live(tracer)
+    if config.auto_profile:
+        attach_autoprofile(tracer)
+    if config.otel or config.prometheus_port is not None:  # [export] after the live view
+        attach_exporters(tracer)
+    if config.heartbeat_s and tracer.writes_files:
+        attach_heartbeat(tracer)

@@ -18,7 +18,7 @@ from stepscope.recording.schema import TRIGGERS_FILE, TRIGGERS_SCHEMA
 if TYPE_CHECKING:
     from stepscope.listeners.live import LiveView
     from stepscope.listeners.profiler import Profiler
-    from stepscope.tracer import Tracer
+    from stepscope.recording.protocols import Run
 
 
 
@@ -93,7 +93,7 @@ class _Capture:
 class AutoProfiler:
     """Watches step times on the training thread and drives one capture at a time."""
 
-    def __init__(self, tracer: Tracer, cfg: AutoProfileConfig, view: LiveView | None = None) -> None:
+    def __init__(self, tracer: Run, cfg: AutoProfileConfig, view: LiveView | None = None) -> None:
         self.tracer = tracer
         self.cfg = cfg
         self.detector = SlowStepDetector(cfg)
@@ -116,7 +116,7 @@ class AutoProfiler:
 
     # -- training thread
 
-    def on_step_end(self, tracer: Tracer, step: int) -> None:
+    def on_step_end(self, tracer: Run, step: int) -> None:
         try:
             now = time.perf_counter_ns()
             last, self._last_ns = self._last_ns, now
@@ -142,7 +142,7 @@ class AutoProfiler:
         except Exception as exc:  # protect the job: profiling is optional, training is not
             tracer.fail(exc)
 
-    def on_finish(self, tracer: Tracer) -> None:
+    def on_finish(self, tracer: Run) -> None:
         cap, self._capture = self._capture, None
         if cap is not None:
             cap.prof.stop()  # writes what the window recorded so far
@@ -303,8 +303,8 @@ def warm_profiler(device: DeviceSpec = None) -> bool:
     return True
 
 
-def attach_autoprofile(tracer: Tracer) -> AutoProfiler:
-    """Start anomaly-triggered profiling on ``tracer`` (called from ``Tracer.__init__``)."""
+def attach_autoprofile(tracer: Run) -> AutoProfiler:
+    """Start anomaly-triggered profiling on ``tracer`` (called when the tracer is built)."""
     cfg = resolve_auto_profile(tracer.config.auto_profile)
     assert cfg is not None, "attach_autoprofile is only called when auto_profile is set"
     try:

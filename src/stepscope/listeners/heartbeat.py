@@ -43,7 +43,7 @@ from stepscope.recording.schema import HEARTBEAT_SCHEMA as SCHEMA
 from stepscope.recording.sinks import write_json_atomic, yield_on_wake
 
 if TYPE_CHECKING:
-    from stepscope.tracer import Tracer
+    from stepscope.recording.protocols import Run
 
 #: How long a crash write waits for the heartbeat thread's lock before writing anyway.
 LOCK_TIMEOUT_S = 2.0
@@ -89,7 +89,7 @@ class Heartbeat:
 
     def __init__(
         self,
-        tracer: Tracer,
+        tracer: Run,
         interval_s: float,
         dump_stacks_after_s: float | None = None,
     ) -> None:
@@ -210,7 +210,7 @@ class Heartbeat:
 
     # ------------------------------------------------------------ training thread
 
-    def on_step_end(self, tracer: Tracer, index: int) -> None:
+    def on_step_end(self, tracer: Run, index: int) -> None:
         final = self._final
         err = (final.get("error") or {}) if final is not None else {}
         if err.get("where") == "step" and index > err.get("step", index):
@@ -219,12 +219,12 @@ class Heartbeat:
             self._final = None
 
     def on_exception(
-        self, tracer: Tracer, exc_type: type, exc: BaseException, phase_stack: list[str]
+        self, tracer: Run, exc_type: type, exc: BaseException, phase_stack: list[str]
     ) -> None:
         st = tracer.state()
         self._crash(st, exc_type, exc, phase_stack, where="step")
 
-    def on_finish(self, tracer: Tracer) -> None:
+    def on_finish(self, tracer: Run) -> None:
         """At ``finish()`` (explicit or at exit): stop the thread, write the final state."""
         self._stop.set()
         self._restore_sigterm()
@@ -416,7 +416,7 @@ with contextlib.suppress(AttributeError):  # no fork on this platform
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def attach_heartbeat(tracer: Tracer) -> Heartbeat:
+def attach_heartbeat(tracer: Run) -> Heartbeat:
     """Start the heartbeat for ``tracer`` (wired by :mod:`stepscope.lifecycle` when ``heartbeat_s`` > 0)."""
     cfg = tracer.config
     hb = Heartbeat(tracer, cfg.heartbeat_s, cfg.dump_stacks_after_s)

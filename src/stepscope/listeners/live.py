@@ -17,7 +17,7 @@ from stepscope.common.robust import median
 from stepscope.common.waits import last_arriver, waits
 
 if TYPE_CHECKING:
-    from stepscope.tracer import Tracer
+    from stepscope.recording.protocols import Run
 
 #: Records kept per rank for ``summary()`` and the live exchange.
 WINDOW = 100
@@ -109,7 +109,7 @@ def _collective_medians(records: list[dict[str, Any]]) -> dict[str, float]:
     return {k: median(v + [0.0] * (n - len(v))) for k, v in per_key.items()}
 
 
-def local_summary(tracer: Tracer) -> dict[str, Any]:
+def local_summary(tracer: Run) -> dict[str, Any]:
     """This rank's summary, plus ``cross_rank`` once a cross-rank exchange has completed."""
     out = summarize(tracer.recent_records())
     view: LiveView | None = tracer.live
@@ -354,7 +354,7 @@ class LiveView:
     so they pair up without a barrier.
     """
 
-    def __init__(self, tracer: Tracer, log_every: int, group: Any = None, members: list[int] | None = None):
+    def __init__(self, tracer: Run, log_every: int, group: Any = None, members: list[int] | None = None):
         self.tracer = tracer
         self.log_every = log_every
         self.exchange_every = tracer.config.flush_every_n_steps
@@ -385,7 +385,7 @@ class LiveView:
 
     # -- training thread
 
-    def on_step_end(self, tracer: Tracer, step: int) -> None:
+    def on_step_end(self, tracer: Run, step: int) -> None:
         try:
             self._calls += 1
             calls = self._calls
@@ -530,7 +530,7 @@ class LiveView:
 
     # -- finish
 
-    def on_finish(self, tracer: Tracer) -> None:
+    def on_finish(self, tracer: Run) -> None:
         try:
             # Bounded: a peer that stopped stepping must not hold up this rank's exit.
             self._collect(wait_s=FINISH_WAIT_S)
@@ -623,7 +623,7 @@ def _side_group(members: list[int], world: int) -> Any:
     return group
 
 
-def attach_live(tracer: Tracer) -> LiveView:
+def attach_live(tracer: Run) -> LiveView:
     """Start the live view on ``tracer`` (idempotent): side group when distributed, log line.
 
     Called at init on every recording rank when any of them set ``log_every_n_steps`` or

@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING
 from stepscope.listeners.export.metrics import CATALOGUE, MetricsListener, MetricState, attach_gather
 
 if TYPE_CHECKING:
-    from stepscope.tracer import Tracer
+    from stepscope.recording.protocols import Run
 
 __all__ = ["CATALOGUE", "MetricState", "MetricsListener", "attach_exporters"]
 
 
-def attach_exporters(tracer: Tracer) -> MetricsListener | None:
+def attach_exporters(tracer: Run) -> MetricsListener | None:
     """Start the exporters ``tracer.config`` asks for and plug their listener into the tracer."""
     cfg = tracer.config
     info = tracer.rank

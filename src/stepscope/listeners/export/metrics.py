@@ -43,7 +43,7 @@ from stepscope.common.escape import one_line
 from stepscope.recording.schema import CANONICAL_PHASES
 
 if TYPE_CHECKING:
-    from stepscope.tracer import Tracer
+    from stepscope.recording.protocols import Run
 
 #: Distinct user-named values one label takes before the rest are folded into ``other``.
 MAX_LABEL_VALUES = 16
@@ -334,13 +334,13 @@ class MetricsListener:
 
     # ------------------------------------------------------------ finish
 
-    def on_closed(self, tracer: Tracer) -> None:
+    def on_closed(self, tracer: Run) -> None:
         """After ``finish()`` wrote the last record: a final export, then the backends stop."""
         for b in self.backends:
             b.close()
 
 
-def attach_gather(tracer: Tracer, fn: Callable[[list[dict[str, Any] | None]], None]) -> bool:
+def attach_gather(tracer: Run, fn: Callable[[list[dict[str, Any] | None]], None]) -> bool:
     """Register ``fn`` for the live view's exchanges on every member, and this rank's host name
     in its payload (``e.h``: the node aggregates); True on the rank that prints them (the one
     that publishes the cross-rank series)."""

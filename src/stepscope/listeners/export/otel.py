@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from stepscope.common.errors import warn
+from stepscope.common.version import __version__
 from stepscope.listeners.export.metrics import CATALOGUE, RANK, Metric, MetricState
 
 #: Longest ``finish()`` waits for the last export (seconds); a dead collector is not waited for.
@@ -35,8 +36,6 @@ INSTRUMENTATION_SCOPE = "stepscope"
 
 def resource_attributes(state: MetricState) -> dict[str, Any]:
     """Resource attributes (semantic conventions ``service.*``, ``host.name``) plus the run's own."""
-    from stepscope import __version__
-
     return {
         "service.name": "stepscope",
         "service.version": __version__,
