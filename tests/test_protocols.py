@@ -16,7 +16,7 @@ from stepscope.common.errors import StepscopeWarning
 from stepscope.recording.clock import CpuClock
 from stepscope.recording.config import Config
 from stepscope.recording.dist import RankInfo
-from stepscope.recording.protocols import PerStep, Recorder, Run
+from stepscope.recording.protocols import Instruments, PerStep, Recorder, Run
 from stepscope.recording.session import Session
 from stepscope.recording.sinks import MemorySink
 
@@ -114,6 +114,8 @@ def test_a_fake_instrument_on_the_recorder_protocol_records_a_phase() -> None:
     sink = MemorySink()
     session = Session(Config(out_dir="unused", heartbeat_s=0), CpuClock(),
                       RankInfo(0, 0, 1, "host"), "run-a", sink, instruments)
+    as_seen: tuple[Recorder, Instruments] = (session, instruments)  # the protocols fit (mypy)
+    assert as_seen[0] is session
     session._start(None, None, lambda run: run.add_listener(listener))
     loss = instruments.loss
     assert loss is not None

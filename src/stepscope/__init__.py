@@ -144,6 +144,7 @@ def init(
         otel=otel, prometheus_port=prometheus_port, prometheus_addr=prometheus_addr,  # [export]
         export_top_ranks=export_top_ranks,
     )
+    # Imported here so `import stepscope` stays light (see _bind_lifecycle).
     from stepscope.lifecycle import create
     from stepscope.recording.config import Config, env_overrides
 
@@ -210,7 +211,7 @@ def finish() -> None:
     """Resolve pending events, flush and close the default tracer."""
     tracer = _current_tracer()
     tracer.finish()
-    from stepscope.lifecycle import NullTracer
+    from stepscope.lifecycle import NullTracer  # here: `import stepscope` stays light
 
     _set_current(NullTracer())
 

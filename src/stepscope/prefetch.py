@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from stepscope import lifecycle
 from stepscope.common.errors import warn
 from stepscope.instrument.batch import iter_tensors, map_tensors
 from stepscope.instrument.h2d import auto_h2d_suppressed
@@ -153,9 +154,7 @@ class PrefetchLoader:
 
 
 def _current_tracer() -> Any:
-    from stepscope.lifecycle import current_tracer
-
-    return current_tracer()
+    return lifecycle.current_tracer()  # looked up at each call: tests replace it
 
 
 class _PassIter:

@@ -50,7 +50,9 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from stepscope.common.errors import warn
+from stepscope.common.robust import median
 from stepscope.instrument.flops import FlopCount, device_key, peak_tflops, warn_unknown_peak
+from stepscope.recording.devices import resolve
 
 MB = float(1 << 20)
 #: Seconds between NVML samples.
@@ -356,8 +358,6 @@ def _cuda_index(device: str) -> int | None:
     _, _, idx = device.partition(":")
     if idx.isdigit():
         return int(idx)
-    from stepscope.recording.devices import resolve
-
     # The rank's device (LOCAL_RANK, else current), as the clock and PrefetchLoader pick it.
     return resolve(warn=False)
 
@@ -623,8 +623,6 @@ def summarize_records(records: list[dict[str, Any]]) -> dict[str, Any]:
 
     Keys are present only for what the records measured (for ``stepscope.summary()``).
     """
-    from stepscope.common.robust import median
-
     out: dict[str, Any] = {}
     for key, sec, name in (("tokens_per_s", "throughput", "tokens_per_s"),
                            ("samples_per_s", "throughput", "samples_per_s"),

@@ -10,6 +10,7 @@ import importlib
 from types import ModuleType
 from typing import Any
 
+from stepscope.instrument.resource_sampler import batch_counts
 from stepscope.lifecycle import NullTracer
 from stepscope.tracer import Tracer
 
@@ -60,8 +61,6 @@ class StepDriver:
         """Add the batch's samples (and tokens, for ``input_ids``/``attention_mask``) to the step."""
         if not self._in_step:
             return
-        from stepscope.instrument.resource_sampler import batch_counts
-
         try:
             tokens, samples = batch_counts(batch)
             if tokens is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import stepscope
 from stepscope.integrations import StepDriver, require
 
 _transformers = require("transformers", "hf", "stepscope.integrations.hf")
@@ -38,8 +39,6 @@ class StepscopeCallback(TrainerCallback):  # type: ignore[misc,valid-type]
         self._driver: StepDriver | None = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
-        import stepscope
-
         kwargs = dict(self.init_kwargs)
         auto = kwargs.pop("auto", {"forward", "backward", "h2d"})
         auto = {"forward", "backward", "h2d"} if auto is True else set(auto or ())
@@ -84,8 +83,6 @@ class StepscopeCallback(TrainerCallback):  # type: ignore[misc,valid-type]
     on_save = on_log
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        import stepscope
-
         if self._driver is not None:
             self._driver.stop()
             self._driver = None

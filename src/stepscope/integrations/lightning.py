@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import stepscope
 from stepscope.integrations import StepDriver, require
 
 _pl = require("lightning.pytorch", "lightning", "stepscope.integrations.lightning")
@@ -11,8 +12,6 @@ _profilers = require("lightning.pytorch.profilers", "lightning", "stepscope.inte
 
 
 def _init(out_dir: str, init_kwargs: dict[str, Any], model: Any = None) -> Any:
-    import stepscope
-
     kwargs = dict(init_kwargs)
     if kwargs.get("run_id") is None:
         rid = _shared_run_id()
@@ -49,8 +48,6 @@ def _shared_run_id() -> str | None:
 
 
 def _finish(tracer: Any) -> None:
-    import stepscope
-
     if tracer is None:
         return
     if stepscope.current() is tracer:

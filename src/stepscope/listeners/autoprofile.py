@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stepscope.common.robust import MAD_SCALE, mad, median
-from stepscope.listeners.profiler import DeviceSpec, on_device
+from stepscope.listeners.live import attach_live
+from stepscope.listeners.profiler import DeviceSpec, Profiler, on_device
 from stepscope.recording.config import AutoProfileConfig, resolve_auto_profile
 from stepscope.recording.schema import TRIGGERS_FILE, TRIGGERS_SCHEMA
 
@@ -152,8 +153,6 @@ class AutoProfiler:
         return self.captures < self.cfg.max_captures and step >= self._cooldown_until
 
     def _arm(self, step: int, role: str, info: dict[str, Any]) -> None:
-        from stepscope.listeners.profiler import Profiler
-
         cfg = self.cfg
         self._cooldown_until = step + 1 + cfg.warmup + cfg.steps + cfg.cooldown
         window = (step + 1 + cfg.warmup, step + 1 + cfg.warmup + cfg.steps)
@@ -316,8 +315,6 @@ def attach_autoprofile(tracer: Run) -> AutoProfiler:
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            from stepscope.listeners.live import attach_live
-
             # The side group exists only if the ranks agreed on it at init (dist.agree_at_init).
             view = attach_live(tracer)
             if not view.distributed:

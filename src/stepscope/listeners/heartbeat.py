@@ -37,6 +37,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from stepscope.listeners.export.flight_dump import dump_flight_recorder
 from stepscope.recording.schema import HEARTBEAT_KIND as KIND
 from stepscope.recording.schema import HEARTBEAT_MAX_MESSAGE as MAX_MESSAGE
 from stepscope.recording.schema import HEARTBEAT_SCHEMA as SCHEMA
@@ -202,8 +203,6 @@ class Heartbeat:
         os.replace(tmp, self.stacks)
         self._dump_info = {"path": self.stacks.name, "step": st["step"], "written_unix": time.time()}
         try:  # [export] PyTorch's Flight Recorder buffer beside the stacks, when the job records one
-            from stepscope.listeners.export.flight_dump import dump_flight_recorder
-
             dump_flight_recorder(self.stacks.parent, self.tracer.rank.rank)
         except Exception:  # protect the job: the stacks are written; the heartbeat goes on
             self.failures += 1

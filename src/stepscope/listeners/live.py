@@ -13,8 +13,17 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from stepscope.common.errors import warn
+from stepscope.common.escape import one_line
+from stepscope.common.escape import rich as rich_escape
 from stepscope.common.robust import median
 from stepscope.common.waits import last_arriver, waits
+from stepscope.instrument.resource_sampler import (  # [metrics]
+    cross_rank_fields,
+    line_suffix,
+    payload_fields,
+    summarize_records,
+)
+from stepscope.listeners.profiler import unobserved
 
 if TYPE_CHECKING:
     from stepscope.recording.protocols import Run
@@ -81,8 +90,6 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         "phases": phases,
         "collectives": out_colls,
     }
-    from stepscope.instrument.resource_sampler import summarize_records  # [metrics]
-
     out.update(summarize_records(records))
     return out
 
@@ -139,8 +146,6 @@ def encode_payload(summary: dict[str, Any], extras: dict[str, Any] | None = None
         "p": phases,
         "e": extras or {},
     }
-    from stepscope.instrument.resource_sampler import payload_fields  # [metrics]
-
     if payload_fields(summary):
         body["t"] = payload_fields(summary)
     colls = {k: round(v, 3) for k, v in (summary.get("collectives") or {}).items()}
@@ -241,8 +246,6 @@ def cross_rank_summary(payloads: list[dict[str, Any] | None], world_size: int) -
 
 
 def _resources_cross(got: list[dict[str, Any]]) -> dict[str, Any]:
-    from stepscope.instrument.resource_sampler import cross_rank_fields
-
     return cross_rank_fields(got)
 #: Point-to-point ops: their key's group is the link (``"world:0>1"``), reported by its two ends.
 _P2P = frozenset({"send", "recv", "isend", "irecv"})
@@ -320,9 +323,6 @@ def _late_by_waits(
 
 def format_line(s: dict[str, Any]) -> str:
     """The one-line live log (rich markup; the phase name is escaped)."""
-    from stepscope.common.escape import one_line
-    from stepscope.common.escape import rich as rich_escape
-
     return (
         f"[bold]stepscope[/] step {s['step']} | {s['ranks']}/{s['world_size']} ranks | "
         f"step {s['step_ms_median']:.1f} ms med, {s['step_ms_max']:.1f} max (r{s['step_ms_max_rank']}) | "
@@ -336,8 +336,6 @@ def format_line(s: dict[str, Any]) -> str:
 
 
 def _resources_suffix(s: dict[str, Any]) -> str:
-    from stepscope.instrument.resource_sampler import line_suffix
-
     return line_suffix(s)
 
 
@@ -403,8 +401,6 @@ class LiveView:
     def _issue(self) -> None:
         import torch
         import torch.distributed as dist
-
-        from stepscope.listeners.profiler import unobserved
 
         send = self._next
         if send is None:

@@ -1,1 +1,2 @@
-"""The core: clock, recorder, resolver, session, sinks and the record schema."""
+"""The core: clock, recorder, resolver, session, sinks, the record schema, and the protocols
+instruments and listeners plug in through (it imports neither)."""

@@ -1,7 +1,8 @@
 """Recorder: clock marks, step and phase state, and who owns them, on one rank.
 
-This is what instruments talk to (the recorder protocol): ``open_phase`` / ``close_phase`` /
-``discard_phase`` / ``drop_unconsumed``, ``add_side_span``, ``add_counter``,
+This is what instruments talk to (:class:`~stepscope.recording.protocols.Recorder`):
+``open_phase`` / ``close_phase`` / ``discard_phase`` / ``drop_unconsumed``, ``add_side_span``,
+``add_counter``,
 ``add_collective``, ``current_path``, ``in_step``, ``recording``, ``set_step_fields``, and
 ``enter_autograd`` / ``leave_autograd_threads`` for the gate and the backward timing, and
 ``sampled_owner`` (the thread of the open sampled step, which the per-step hooks compare

@@ -12,6 +12,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from stepscope.listeners.export.metrics import CATALOGUE, MetricsListener, MetricState, attach_gather
+from stepscope.listeners.export.otel import OtelBackend
+from stepscope.listeners.export.prometheus import PrometheusBackend
 
 if TYPE_CHECKING:
     from stepscope.recording.protocols import Run
@@ -28,8 +30,6 @@ def attach_exporters(tracer: Run) -> MetricsListener | None:
     listener = MetricsListener(state, warn=lambda m: tracer.warn(m, key="export"))
     if cfg.otel:
         try:
-            from stepscope.listeners.export.otel import OtelBackend
-
             listener.backends.append(OtelBackend(state, warn=lambda m: tracer.warn(m, key="otel-export")))
         except ImportError as exc:
             tracer.warn(f"OpenTelemetry export is off: {exc} (pip install 'stepscope[otel]')", key="otel")
@@ -38,8 +38,6 @@ def attach_exporters(tracer: Run) -> MetricsListener | None:
     if cfg.prometheus_port is not None:
         port = cfg.prometheus_port + info.local_rank
         try:
-            from stepscope.listeners.export.prometheus import PrometheusBackend
-
             listener.backends.append(PrometheusBackend(state, port, cfg.prometheus_addr).start())
         except ImportError as exc:
             tracer.warn(f"Prometheus endpoint is off: {exc} (pip install 'stepscope[prometheus]')",

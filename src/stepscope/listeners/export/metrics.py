@@ -40,6 +40,8 @@ from statistics import median
 from typing import TYPE_CHECKING, Any
 
 from stepscope.common.escape import one_line
+from stepscope.common.waits import waits  # the one wait rule (pure, as the live view uses)
+from stepscope.listeners.live import cross_rank_summary
 from stepscope.recording.schema import CANONICAL_PHASES
 
 if TYPE_CHECKING:
@@ -308,9 +310,6 @@ class MetricsListener:
             self._break(exc)
 
     def _findings(self, payloads: list[dict[str, Any] | None], ranked: list[int]) -> None:
-        from stepscope.common.waits import waits  # the one wait rule (pure, as the live view uses)
-        from stepscope.listeners.live import cross_rank_summary
-
         got = [p for p in payloads if p]
         summary = cross_rank_summary(list(payloads), self.state.world_size)
         if summary is None:
