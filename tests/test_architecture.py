@@ -173,3 +173,24 @@ def test_no_two_modules_named_alike():
         if not MODULES[name].name.startswith("__"):  # __init__, __main__
             seen.setdefault(name.rsplit(".", 1)[-1], []).append(name)
     assert {k: v for k, v in seen.items() if len(v) > 1} == {}
+
+
+def _imports_the_package(node: ast.AST) -> bool:
+    if isinstance(node, ast.ImportFrom):
+        return bool(node.level) or (node.module or "").split(".")[0] == "stepscope"
+    return isinstance(node, ast.Import) and any(a.name.split(".")[0] == "stepscope" for a in node.names)
+
+
+@pytest.mark.parametrize("layer", ["recording", "instrument", "listeners", "integrations"])
+def test_no_package_module_imported_inside_a_function(layer):
+    """Below the face no stepscope module is imported lazily: a lazy import exists only to keep
+    ``import stepscope`` light, and only the face is imported by ``import stepscope``."""
+    lazy = []
+    for name, path in MODULES.items():
+        if _layer(name) != layer:
+            continue
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lazy += [(name, fn.name, node.lineno) for node in ast.walk(fn)
+                         if _imports_the_package(node)]
+    assert lazy == [], f"{layer} imports stepscope modules inside functions: {sorted(lazy)}"

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from stepscope.common import escape
+from stepscope.common.errors import warn
 
 
 @dataclass(frozen=True)
@@ -349,6 +350,4 @@ def agree_at_init(
 
 
 def _warn(msg: str) -> None:
-    from stepscope.common.errors import warn
-
     warn(msg, stacklevel=3)

@@ -2,8 +2,8 @@
 
 This is what instruments talk to (:class:`~stepscope.recording.protocols.Recorder`):
 ``open_phase`` / ``close_phase`` / ``discard_phase`` / ``drop_unconsumed``, ``add_side_span``,
-``add_counter``,
-``add_collective``, ``current_path``, ``in_step``, ``recording``, ``set_step_fields``, and
+``add_counter``, ``add_collective``, ``current_path``, ``in_step``, ``recording``,
+``set_step_fields``, and
 ``enter_autograd`` / ``leave_autograd_threads`` for the gate and the backward timing, and
 ``sampled_owner`` (the thread of the open sampled step, which the per-step hooks compare
 with their own before asking the gate). It imports no instrument and no observer; finished
