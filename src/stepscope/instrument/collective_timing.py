@@ -105,9 +105,11 @@ class _ThreadState(threading.local):
     inside = False
 
 
-_tls = _ThreadState()
-_is_compiling = torch.compiler.is_compiling
-_disabled = False
+#: This thread is inside a timed call (its nested calls are not timed again); ``disabled``:
+#: timing off after an internal error. Both are read by :mod:`.funcol` too.
+tls = _ThreadState()
+is_compiling = torch.compiler.is_compiling
+disabled = False
 _originals: dict[str, Callable[..., Any]] = {}
 # Per process-group object: (id string, size); weak so destroyed groups are forgotten.
 _groups: weakref.WeakKeyDictionary[Any, tuple[str, int]] = weakref.WeakKeyDictionary()
@@ -181,11 +183,11 @@ def p2p_id(pid: str, name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
     return f"{pid}:{me}>{other}" if sends else f"{pid}:{other}>{me}"
 
 
-def _nbytes(obj: Any) -> int:
+def payload_bytes(obj: Any) -> int:
     if isinstance(obj, torch.Tensor):
         return obj.numel() * obj.element_size()
     if isinstance(obj, list | tuple):
-        return sum(_nbytes(o) for o in obj)
+        return sum(payload_bytes(o) for o in obj)
     return 0
 
 
@@ -241,7 +243,7 @@ def release(rec: Any, mark: Any) -> None:
 
 #: Collectives traced into a compiled graph while no sampled step was open on the tracing
 #: thread; added to the next sampled step that issues a collective.
-_compiled_pending = 0
+compiled_pending = 0
 
 
 def traced_into_graph() -> None:
@@ -258,22 +260,22 @@ def traced_into_graph() -> None:
 
 
 def _count_compiled() -> None:
-    global _compiled_pending
+    global compiled_pending
     rec = gate.current()
     if rec is None:
-        _compiled_pending += 1
+        compiled_pending += 1
         return
-    n, _compiled_pending = _compiled_pending + 1, 0
+    n, compiled_pending = compiled_pending + 1, 0
     try:
         rec.add_counter("unseen_compiled", n)
     except Exception as exc:  # protect the job: this runs inside dynamo's tracing
-        _disable(exc)
+        disable(exc)
 
 
 def flush_compiled(rec: Any) -> None:
     """Count the compiled-graph collectives traced outside sampled steps into ``rec``'s step."""
-    global _compiled_pending
-    n, _compiled_pending = _compiled_pending, 0
+    global compiled_pending
+    n, compiled_pending = compiled_pending, 0
     if n:
         unseen_n(rec, "compiled", n)
 
@@ -289,7 +291,7 @@ def unseen_n(rec: Any, path: str, n: int) -> None:
     try:
         rec.add_counter(f"unseen_{path}", n)
     except Exception as exc:  # protect the job: the call itself goes through untouched
-        _disable(exc)
+        disable(exc)
 
 
 def add(rec: Any, op: str, pid: str, size: int, nbytes: int, start: Any, end: Any,
@@ -302,11 +304,11 @@ def add(rec: Any, op: str, pid: str, size: int, nbytes: int, start: Any, end: An
         rec.add_collective(op, pid, size, nbytes, start, end, path, seq=seq, gap=gap)
 
 
-def _disable(exc: BaseException) -> None:
-    global _disabled
-    if _disabled:
+def disable(exc: BaseException) -> None:
+    global disabled
+    if disabled:
         return
-    _disabled = True
+    disabled = True
     warn(f"collective timing disabled after an internal error: {exc!r}", stacklevel=3)
 
 
@@ -328,14 +330,14 @@ def _make_patched(spec: _Spec) -> Callable[..., Any]:
 
     def patched(*args: Any, **kwargs: Any) -> Any:
         # is_compiling first: while dynamo traces, it folds to True and nothing else is touched.
-        if _is_compiling():
+        if is_compiling():
             # Traced by dynamo: rewritten to the functional form (counted as compiled there)
             # or a graph break (then it runs eagerly, timed).
             return orig(*args, **kwargs)
         rec = gate.current()
-        if rec is None or _tls.inside or _disabled:
+        if rec is None or tls.inside or disabled:
             return orig(*args, **kwargs)
-        if _compiled_pending:
+        if compiled_pending:
             flush_compiled(rec)
         if world.pg_coalesce_state:
             # Issued inside a coalescing block: the real work runs at its exit, in C++.
@@ -345,20 +347,20 @@ def _make_patched(spec: _Spec) -> Callable[..., Any]:
             path = rec.current_path()
             start = rec.clock.mark()  # this rank's arrival
         except Exception as exc:  # protect the job: our error, the call goes through
-            _disable(exc)
+            disable(exc)
             return orig(*args, **kwargs)
-        _tls.inside = True
+        tls.inside = True
         tid = threading.get_ident()
         BLOCKED_IN[tid] = (name, time.time())
         try:
             out = orig(*args, **kwargs)
         except BaseException:
-            _tls.inside = False
+            tls.inside = False
             BLOCKED_IN.pop(tid, None)
             with contextlib.suppress(Exception):
                 rec.clock.release(start)
             raise  # the collective's own error, unchanged
-        _tls.inside = False
+        tls.inside = False
         BLOCKED_IN.pop(tid, None)
         try:
             is_async = always_async or bool(spec.arg(args, kwargs, spec.async_i, "async_op"))
@@ -376,8 +378,8 @@ def _make_patched(spec: _Spec) -> Callable[..., Any]:
                                    spec.arg(args, kwargs, spec.group_i, "group")), 2
             seq = next_seq(pid, group_pid)
             payload = spec.arg(args, kwargs, spec.payload_i, spec.payload)
-            nbytes = _nbytes(payload) if spec.payload is not None else 0
-            recv = (_nbytes(spec.arg(args, kwargs, spec.recv_i, spec.recv))
+            nbytes = payload_bytes(payload) if spec.payload is not None else 0
+            recv = (payload_bytes(spec.arg(args, kwargs, spec.recv_i, spec.recv))
                     if spec.recv is not None else None)
             if is_async:
                 issued = rec.clock.mark()
@@ -385,7 +387,7 @@ def _make_patched(spec: _Spec) -> Callable[..., Any]:
                                          recv))
             add(rec, name, pid, size, nbytes, start, rec.clock.mark(), path, seq, None, recv)
         except Exception as exc:  # protect the job: the call already happened; return its result
-            _disable(exc)
+            disable(exc)
         return out
 
     patched.__name__ = name
@@ -420,12 +422,12 @@ def _build_work_class() -> type:
 
         def _ss_begin(self) -> Any:
             pending = self._ss_pending
-            if pending is None or _disabled:
+            if pending is None or disabled:
                 return None
             try:
                 return pending[0].clock.mark()
             except Exception as exc:  # protect the job
-                _disable(exc)
+                disable(exc)
                 return None
 
         def _ss_done(self, wait_start: Any) -> None:
@@ -437,7 +439,7 @@ def _build_work_class() -> type:
                 add(rec, name, pid, size, nbytes, start, rec.clock.mark(), path, seq,
                     (issued, wait_start), recv)
             except Exception as exc:  # protect the job
-                _disable(exc)
+                disable(exc)
 
         def _ss_drop(self) -> None:
             # The real wait raised: its error propagates, this timing is forgotten.
@@ -511,8 +513,8 @@ def _targets() -> list[Any]:
 
 
 def _apply() -> None:
-    global _disabled
-    _disabled = False
+    global disabled
+    disabled = False
     _seq.clear()
     _timed.clear()
     c10d = torch.distributed.distributed_c10d
@@ -551,25 +553,25 @@ def _make_broadcast_coalesced(orig: Callable[..., Any]) -> Callable[..., Any]:
     that arrives late to forward makes the others wait here, inside their forward."""
 
     def patched(process_group: Any, tensors: Any, buffer_size: int, src: int = 0) -> Any:
-        if _is_compiling():
+        if is_compiling():
             return orig(process_group, tensors, buffer_size, src)
         rec = gate.current()
-        if rec is None or _tls.inside or _disabled:
+        if rec is None or tls.inside or disabled:
             return orig(process_group, tensors, buffer_size, src)
         try:
             path = rec.current_path()
             start = rec.clock.mark()  # this rank's arrival
         except Exception as exc:  # protect the job: our error, the call goes through
-            _disable(exc)
+            disable(exc)
             return orig(process_group, tensors, buffer_size, src)
-        _tls.inside = True
+        tls.inside = True
         try:
             out = orig(process_group, tensors, buffer_size, src)
         except BaseException:
-            _tls.inside = False
+            tls.inside = False
             release(rec, start)
             raise  # the collective's own error, unchanged
-        _tls.inside = False
+        tls.inside = False
         try:
             info = group_info(process_group)
             if info is None:
@@ -580,7 +582,7 @@ def _make_broadcast_coalesced(orig: Callable[..., Any]) -> Callable[..., Any]:
             add(rec, "broadcast", pid, size, nbytes, start, rec.clock.mark(), path, next_seq(pid),
                 None, None)
         except Exception as exc:  # protect the job: the call already happened
-            _disable(exc)
+            disable(exc)
         return out
 
     patched.__wrapped__ = orig  # type: ignore[attr-defined]

@@ -98,15 +98,15 @@ def _make(name: str, orig: Callable[..., Any], col: Any) -> Callable[..., Any]:
     gate = col.gate
 
     def patched(*args: Any, **kwargs: Any) -> Any:
-        if col._is_compiling():
+        if col.is_compiling():
             col.traced_into_graph()
             return orig(*args, **kwargs)
-        if col._disabled or col._tls.inside:
+        if col.disabled or col.tls.inside:
             return orig(*args, **kwargs)
         rec = gate.current()
         if rec is None:
             return orig(*args, **kwargs)
-        if col._compiled_pending:
+        if col.compiled_pending:
             col.flush_compiled(rec)
         if tracing():
             col.unseen(rec, "traced")  # captured into a graph: runs there, untimed
@@ -115,20 +115,20 @@ def _make(name: str, orig: Callable[..., Any], col: Any) -> Callable[..., Any]:
             path = rec.current_path()
             start = rec.clock.mark()  # this rank's arrival
         except Exception as exc:  # protect the job: our error, the call goes through
-            col._disable(exc)
+            col.disable(exc)
             return orig(*args, **kwargs)
-        col._tls.inside = True
+        col.tls.inside = True
         try:
             out = orig(*args, **kwargs)
         except BaseException:
-            col._tls.inside = False
+            col.tls.inside = False
             col.release(rec, start)
             raise  # the collective's own error, unchanged
-        col._tls.inside = False
+        col.tls.inside = False
         try:
             _issued(name, op, rec, path, start, args, kwargs, out, funcol)
         except Exception as exc:  # protect the job: the call already happened; return its result
-            col._disable(exc)
+            col.disable(exc)
         return out
 
     patched.__name__ = name
@@ -164,7 +164,7 @@ def _issued(name: str, op: str, rec: Any, path: str | None, start: Any, args: tu
     elif op in _OUTPUT_BYTES and isinstance(out, torch.Tensor):
         nbytes = out.numel() * out.element_size()
     else:
-        nbytes = col._nbytes(inp)
+        nbytes = col.payload_bytes(inp)
     key = _key(out)
     if key is None or not (hasattr(out, "elem") or hasattr(out, "trigger_wait")):
         # Already waited inside the call (tracing, or a gather that needed the data): done.
@@ -190,7 +190,7 @@ def _forget(pending: tuple[Any, ...]) -> None:
 def _make_wait(orig: Callable[..., Any], col: Any) -> Callable[..., Any]:
     def wait_tensor(tensor: Any) -> Any:
         # is_compiling first: while dynamo traces, it folds to True and nothing else is touched.
-        if col._is_compiling() or not _pending or col._disabled:
+        if col.is_compiling() or not _pending or col.disabled:
             return orig(tensor)
         key = _key(tensor)
         with _lock:
@@ -202,7 +202,7 @@ def _make_wait(orig: Callable[..., Any], col: Any) -> Callable[..., Any]:
             wait_path = rec.current_path()
             wait_start = rec.clock.mark()
         except Exception as exc:  # protect the job
-            col._disable(exc)
+            col.disable(exc)
             return orig(tensor)
         try:
             out = orig(tensor)
@@ -217,7 +217,7 @@ def _make_wait(orig: Callable[..., Any], col: Any) -> Callable[..., Any]:
             col.add(rec, op, pid, size, nbytes, start, rec.clock.mark(), wait_path, seq,
                     (issued, wait_start), recv)
         except Exception as exc:  # protect the job: the wait already happened
-            col._disable(exc)
+            col.disable(exc)
         return out
 
     wait_tensor.__doc__ = orig.__doc__
