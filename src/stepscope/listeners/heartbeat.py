@@ -416,7 +416,8 @@ with contextlib.suppress(AttributeError):  # no fork on this platform
 
 
 def attach_heartbeat(tracer: Run) -> Heartbeat:
-    """Start the heartbeat for ``tracer`` (wired by :mod:`stepscope.lifecycle` when ``heartbeat_s`` > 0)."""
+    """Start the heartbeat for ``tracer`` (wired by :func:`stepscope.tracer.wire` when
+    ``heartbeat_s`` > 0)."""
     cfg = tracer.config
     hb = Heartbeat(tracer, cfg.heartbeat_s, cfg.dump_stacks_after_s)
     tracer.add_listener(hb)
