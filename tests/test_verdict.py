@@ -3,8 +3,10 @@ the trace report's form, and the one-fault-one-finding fold on it."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -133,3 +135,25 @@ def test_the_report_holds_plain_verdicts_with_todays_keys(straggler_report: dict
     assert (s["rank"], s["phase"]) == (2, "dataloader")
     assert [c["kind"] for c in s.get("consequences", [])]  # the waits, folded into it
     assert json.loads(json.dumps(verdicts)) == verdicts  # plain JSON, nothing else inside
+
+
+ANALYSIS = Path(__file__).resolve().parents[1] / "src" / "stepscope" / "analysis"
+
+
+def _hand_made_verdicts(source: str) -> list[int]:
+    """Lines of dict literals shaped like a verdict: a ``severity`` key, or ``kind`` beside
+    ``evidence`` or ``message``."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Dict):
+            keys = {k.value for k in node.keys if isinstance(k, ast.Constant)}
+            if "severity" in keys or ("kind" in keys and keys & {"evidence", "message"}):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_no_analysis_module_builds_a_verdict_as_a_dict() -> None:
+    assert _hand_made_verdicts('v = {"kind": "straggler", "severity": "info"}') == [1]
+    found = {str(p.relative_to(ANALYSIS)): _hand_made_verdicts(p.read_text())
+             for p in ANALYSIS.rglob("*.py") if p.name != "verdict.py"}
+    assert {k: v for k, v in found.items() if v} == {}
