@@ -1,7 +1,8 @@
 """Kineto trace analysis: per-rank, per-step GPU time breakdown from torch.profiler traces.
 
 A package: ``reader`` (bytes, bounds, head), ``events`` (the pass over events), ``intervals``,
-``breakdown`` (per rank), ``collectives`` (across ranks) and ``diagnose`` (verdicts).
+``breakdown`` (per rank), ``comm_keys`` (a collective's cross-rank key), ``comm_kernels``
+(collectives across ranks) and ``trace_verdicts`` (verdicts).
 """
 
 from __future__ import annotations

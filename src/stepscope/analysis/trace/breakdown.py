@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from stepscope.analysis import kernels as K
-from stepscope.analysis.trace.comm_kernels import CommKey, _kernel_key, _match_keys
+from stepscope.analysis.trace.comm_keys import CommKey, kernel_key, match_keys
 from stepscope.analysis.trace.events import DeviceEvent, ParsedTrace
 from stepscope.analysis.trace.intervals import (
     Interval,
@@ -232,8 +232,8 @@ def analyze_parsed(pt: ParsedTrace, top: int = 15) -> RankResult:
     other = sum(v[1] for n, v in names.items() if name_cat[n] == K.OTHER)
     comm_at = (np.flatnonzero(cat_code == cat_list.index(K.COMMUNICATION)).tolist()
                if K.COMMUNICATION in cat_list else [])
-    collectives = _match_keys(
-        [(ev[i].start, ev[i].end, _kernel_key(ev[i], pt.comm_seq)) for i in comm_at])
+    collectives = match_keys(
+        [(ev[i].start, ev[i].end, kernel_key(ev[i], pt.comm_seq)) for i in comm_at])
     return RankResult(
         pt.rank, pt.path, pt.rank_source, platform, pt.events_seen, len(ev), steps, total,
         top_kernels, copies, round(100.0 * other / ksum, 2) if ksum else None, warnings,
@@ -340,7 +340,7 @@ def _cpu_result(pt: ParsedTrace, platform: str, warnings: list[str], top: int) -
     }
     return RankResult(pt.rank, pt.path, pt.rank_source, platform, pt.events_seen, 0,
                       steps, None, [], {}, None, warnings,  # type: ignore[arg-type]
-                      _match_keys(coll_items), cpu, pt.skipped_events)
+                      match_keys(coll_items), cpu, pt.skipped_events)
 
 
 _Pair = tuple[np.ndarray, np.ndarray]  # (starts, ends) of a merged interval list

@@ -3,48 +3,10 @@
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from stepscope.analysis.trace.events import DeviceEvent
-from stepscope.common.waits import most_often_last
-
-if TYPE_CHECKING:
-    from stepscope.analysis.trace.breakdown import RankResult
-
-CommKey = tuple[str, str, int]
-
-
-def _kernel_key(d: DeviceEvent, comm_seq: dict[int, CommKey]) -> CommKey | str:
-    """The match key of one NCCL kernel: its group and sequence number where known."""
-    key = d.comm
-    if key is not None and key[2] < 0:
-        key = comm_seq.get(d.external_id, key)
-    return key if key is not None else _collective_key(d.name)
-
-
-def _match_keys(items: list[tuple[int, int, CommKey | str]]) -> list[tuple[CommKey, float]]:
-    """Durations with a cross-rank match key each, in time order.
-
-    Collectives on one process group are issued in the same order on every rank, so where
-    the sequence number is missing the k-th call on the same group (or, lacking a group,
-    of the same name) is the same collective.
-    """
-    seen: Counter[tuple[str, str]] = Counter()
-    out: list[tuple[CommKey, float]] = []
-    for s, e, key in sorted(items, key=lambda x: x[0]):
-        if isinstance(key, str):
-            group, coll, seq = "", key, -1
-        else:
-            group, coll, seq = key
-        if seq < 0:
-            seq = seen[(group, coll)]
-            seen[(group, coll)] += 1
-            group = group or ""
-            key = (group, coll + "#k", seq)
-        else:
-            key = (group, coll, seq)
-        out.append((key, (e - s) / 1000.0))
-    return out
+from stepscope.analysis.trace.breakdown import RankResult
+from stepscope.common.waits import last_arriver, most_often_last, waits
 
 
 def cross_rank(results: list[RankResult]) -> dict[str, Any]:
@@ -59,8 +21,6 @@ def cross_rank(results: list[RankResult]) -> dict[str, Any]:
     transfer, the rest of each rank's time is waiting for the last rank to arrive, which is
     the rank with the shortest time. No clocks are compared across ranks.
     """
-    from stepscope.common.waits import last_arriver, waits
-
     rows = []
     for r in results:
         if r.total is None:
@@ -119,7 +79,3 @@ def cross_rank(results: list[RankResult]) -> dict[str, Any]:
         "last_arrivals": {str(k): v for k, v in sorted(last.items())},
     }
 
-
-def _collective_key(name: str) -> str:
-    # "ncclDevKernel_AllReduce_Sum_f32_RING_LL(...)" -> "ncclDevKernel_AllReduce_Sum_f32_RING_LL"
-    return name.split("(", 1)[0]
