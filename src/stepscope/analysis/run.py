@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +40,8 @@ def analyze_run(
     Top-level keys: ``run``, ``phases``, ``ranks``, ``stragglers``, ``windows``,
     ``verdicts``. Raises :class:`stepscope.common.errors.AnalysisError` when nothing is usable;
     anything skipped on the way is listed in ``run["skipped"]``. With ``keep=True`` the
-    loaded :class:`RunData` is returned under the private key ``"_data"`` (for plots and
-    the Perfetto export, which need per-step rows); the caller must ``close()`` it.
+    loaded :class:`RunData` is returned under the private key ``"_data"`` (its per-step
+    tables); the caller must ``close()`` it. :func:`open_analyzed_run` hands both over typed.
 
     Example::
 
@@ -48,17 +49,42 @@ def analyze_run(
         for s in doc["stragglers"]:
             print(s["rank"], s["phase"], s["excess_ms"])
     """
+    run = open_analyzed_run(run_dir, threads=threads, memory_limit=memory_limit, store=store)
+    if keep:
+        run.doc["_data"] = run.data
+    else:
+        run.close()
+    return run.doc
+
+
+@dataclass(frozen=True)
+class AnalyzedRun:
+    """A run's report document and the loaded run it was made from, still open for the
+    per-step views (:func:`stepscope.analysis.heatmaps.plot_data`,
+    :func:`stepscope.analysis.timeline.timeline`); ``close()`` it when done."""
+
+    doc: dict[str, Any]
+    data: RunData
+
+    def close(self) -> None:
+        self.data.close()
+
+
+def open_analyzed_run(
+    run_dir: str | os.PathLike[str],
+    *,
+    threads: int | None = None,
+    memory_limit: str | None = None,
+    store: bool = True,
+) -> AnalyzedRun:
+    """:func:`analyze_run`, with the loaded run kept open beside the document."""
     data = load_run(run_dir, threads=threads, memory_limit=memory_limit, store=store)
     try:
         doc = _analyze(data)
     except BaseException:
         data.close()
         raise
-    if keep:
-        doc["_data"] = data
-    else:
-        data.close()
-    return doc
+    return AnalyzedRun(doc, data)
 
 
 def recording_lost(con: Any) -> dict[str, int]:
