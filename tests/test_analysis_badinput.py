@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from stepscope.analysis.run import analyze_run
+from stepscope.cli.report_cmd import report_command
 from stepscope.common.errors import AnalysisError
-from stepscope.report.render import report_command
 from synth_runs import Slow, SynthRun, make_records, write_run
 
 

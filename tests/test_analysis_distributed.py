@@ -100,7 +100,7 @@ def test_backward_compute_straggler_is_named(docs: dict[str, dict[str, Any]]) ->
 
 def test_demo_report_names_slow_rank(docs: dict[str, dict[str, Any]], tmp_path: Path,
                                      capsys: pytest.CaptureFixture[str]) -> None:
-    from stepscope.report.render import report_command
+    from stepscope.cli.report_cmd import report_command
 
     run_dir = docs["dataloader"]["run"]["dir"]
     assert report_command(run_dir, as_json=False, markdown=None, html=None) == 0

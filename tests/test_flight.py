@@ -125,7 +125,7 @@ def test_status_names_the_hung_rank_and_collective_from_the_dumps(tmp_path: Path
         assert any("no rank is stalled now" in n for n in calm["notes"])
 
         # The CLI, JSON and terminal.
-        from stepscope.report.status_view import status_command
+        from stepscope.cli.status_cmd import status_command
 
         buf = io.StringIO()
         with redirect_stdout(buf):

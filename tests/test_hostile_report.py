@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
+from stepscope.cli.report_cmd import report_command
 from stepscope.recording.schema import SQLITE_COLUMNS, SQLITE_TABLE, record_to_row
-from stepscope.report.render import report_command
 from synth_runs import SynthRun, make_records, write_run
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -88,7 +88,7 @@ def test_trigger_trace_fifo_does_not_hang(tmp_path: Path) -> None:
     code = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(SRC)!r})
-        from stepscope.report.render import report_command
+        from stepscope.cli.report_cmd import report_command
         sys.exit(report_command({str(run)!r}, as_json=True, markdown=None, html=None))
     """)
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
@@ -137,7 +137,7 @@ def test_implausible_rank_or_world_size_is_a_bad_record(tmp_path: Path, field: s
         import json, resource, sys
         resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
         sys.path.insert(0, {str(SRC)!r})
-        from stepscope.report.render import report_command
+        from stepscope.cli.report_cmd import report_command
         sys.exit(report_command({str(run)!r}, as_json=True, markdown=None, html=None))
     """)
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,

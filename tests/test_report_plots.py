@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from stepscope.analysis.run import analyze_run
+from stepscope.analysis.heatmaps import plot_data
+from stepscope.analysis.run import open_analyzed_run
 from stepscope.report import plots
 from synth_runs import Slow, SynthRun, write_run
 
@@ -17,21 +18,21 @@ def doc_with_data(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-
     # Step 0 is a 400 ms warm-up on every rank; rank 2's dataloader is 12 ms slow in 40-59.
     spec = SynthRun(ranks=4, steps=120, slow=(
         *(Slow(r, "forward", 400.0, 0, 0) for r in range(4)), Slow(2, "dataloader", 12.0, 40, 59)))
-    doc = analyze_run(write_run(tmp_path_factory.mktemp("p") / "run", spec), keep=True)
-    yield doc
-    doc["_data"].close()
+    run = open_analyzed_run(write_run(tmp_path_factory.mktemp("p") / "run", spec))
+    yield run
+    run.close()
 
 
 def test_colour_scale_ignores_warmup_and_shows_the_window(doc_with_data) -> None:  # type: ignore[no-untyped-def]
-    pd = plots.plot_data(doc_with_data, doc_with_data["_data"])
-    sc = pd["scale"]["step_ms"]
-    first = pd["step_ms"][0][0]
+    pd = plot_data(doc_with_data.doc, doc_with_data.data)
+    sc = pd.scale["step_ms"]
+    first = pd.step_ms[0][0]
     assert first is not None and first > 300  # the warm-up step is in the data ...
-    assert sc["hi"] < 100 and sc["warmup"] >= 1  # ... but not in the scale
-    row = dict(zip(pd["steps"], pd["phase_ms"][2], strict=True))
-    psc = pd["scale"]["phase_ms"]
+    assert sc.hi < 100 and sc.warmup >= 1  # ... but not in the scale
+    row = dict(zip(pd.steps, pd.phase_ms[2], strict=True))
+    psc = pd.scale["phase_ms"]
     # The slow window's cells reach the top half of the dataloader scale.
-    assert row[50] is not None and row[50] >= psc["lo"] + 0.5 * (psc["hi"] - psc["lo"])
+    assert row[50] is not None and row[50] >= psc.lo + 0.5 * (psc.hi - psc.lo)
     assert "warm-up" in plots.scale_note(sc) and "p99" in plots.scale_note(sc)
 
 
@@ -44,8 +45,8 @@ def _png_size(path: Path) -> tuple[int, int]:
 
 def test_every_figure_written_with_sane_size(doc_with_data, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     pytest.importorskip("matplotlib")
-    pd = plots.plot_data(doc_with_data, doc_with_data["_data"])
-    assert pd["stragglers"] == [2] and pd["windows"]
+    pd = plot_data(doc_with_data.doc, doc_with_data.data)
+    assert pd.stragglers == [2] and pd.windows
     files = plots.write_pngs(pd, tmp_path, "s")
     assert sorted(p.name for p in files) == ["s_heatmap_phase.png", "s_heatmap_step.png",
                                              "s_phases.png", "s_series.png"]

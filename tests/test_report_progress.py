@@ -77,7 +77,7 @@ def test_bar_on_a_terminal_only_and_never_on_stdout() -> None:
 
 def test_report_json_stays_clean_with_a_terminal_stderr(tmp_path: Path) -> None:
     run = write_run(tmp_path / "run", SynthRun(ranks=4, steps=400))
-    args = [sys.executable, "-m", "stepscope.cli", "report", str(run), "--json"]
+    args = [sys.executable, "-m", "stepscope", "report", str(run), "--json"]
     rc, out, err = _run(args, stderr_tty=True)
     assert rc == 0
     doc = json.loads(out)  # stdout is the JSON document and nothing else

@@ -40,7 +40,7 @@ def _cli(*args: str, columns: str | None = None) -> str:
     env["PYTHONPATH"] = SRC
     if columns:
         env["COLUMNS"] = columns
-    res = subprocess.run([sys.executable, "-m", "stepscope.cli", *args], capture_output=True,
+    res = subprocess.run([sys.executable, "-m", "stepscope", *args], capture_output=True,
                          text=True, env=env, timeout=300)
     assert res.returncode == 0, res.stderr
     return res.stdout

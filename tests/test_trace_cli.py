@@ -104,11 +104,11 @@ def test_trace_command_start_up_imports_only_what_it_reads_with(
 _GC_PROBE = """
 import gc, json, sys
 from stepscope.cli import main
-# Collections once the trace command's own imports began (argparse's set-up before it is
-# shared by every command).
+# Collections once the trace command's own imports (the analysis, numpy, msgspec) began;
+# argparse's set-up before them is shared by every command.
 late = []
 gc.callbacks.append(lambda phase, info: phase == "start" and late.append(
-    "stepscope.cli.trace_cmd" in sys.modules))
+    "stepscope.analysis" in sys.modules))
 rc = main(["trace", "--json", sys.argv[1]])
 gc.callbacks.clear()  # the interpreter's own collection at exit is not the command's
 print(json.dumps({"rc": rc, "collections": sum(late), "enabled_after": gc.isenabled()}),

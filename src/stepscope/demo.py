@@ -253,7 +253,7 @@ def run_demo(
 
 def _fixed_and_compare(out: Path, ranks: int, steps: int, window: tuple[int, int]) -> int:
     """The same job with the slow rank fixed, then ``stepscope compare`` over the slow window."""
-    from stepscope.report.compare_view import compare_command
+    from stepscope.cli.compare_cmd import compare_command
 
     fixed_dir = out.with_name(out.name + "-fixed")
     print(f"\nstepscope demo: the same job with the slow rank fixed, into {fixed_dir}/")
@@ -266,6 +266,6 @@ def _fixed_and_compare(out: Path, ranks: int, steps: int, window: tuple[int, int
 
 
 def _print_report(run_dir: Path) -> int:
-    from stepscope.report.render import report_command
+    from stepscope.cli.report_cmd import report_command
 
     return report_command(str(run_dir), as_json=False, markdown=None, html=None)

@@ -61,7 +61,7 @@ def plot_data(doc: dict[str, Any], data: RunData) -> PlotData:
     )
     phase = focus_phase(doc)
     phase_grid = grid(
-        f"""{bucket} SELECT x.rank, k.b, median(x.own) FROM ex x JOIN bucket k USING (step)
+        f"""{bucket} SELECT x.rank, k.b, median(x.own) FROM own_excess x JOIN bucket k USING (step)
             WHERE x.rank IN ({shown}) AND x.name = '{phase.replace("'", "''")}'
             GROUP BY 1, 2"""
     ) if phase != "step" else step_grid

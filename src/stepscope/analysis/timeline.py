@@ -24,11 +24,11 @@ def timeline(doc: dict[str, Any], data: RunData) -> Timeline:
 def _slices(con: Any) -> Iterator[Slice]:
     # Steps first, then phases, each in time order: parents precede children on a track.
     cur = con.execute(
-        """SELECT rank, step, t, step_ms, NULL AS name, NULL AS parent, 0 AS depth FROM st
+        """SELECT rank, step, t, step_ms, NULL AS name, NULL AS parent, 0 AS depth FROM aligned_steps
            UNION ALL
-           SELECT p.rank, p.step, st.t + p.s, p.e - p.s, p.name, p.parent,
+           SELECT p.rank, p.step, s.t + p.s, p.e - p.s, p.name, p.parent,
                   CASE WHEN p.parent IS NULL THEN 1 ELSE 2 END
-           FROM phases p JOIN st USING (rank, step)
+           FROM phases p JOIN aligned_steps s USING (rank, step)
            ORDER BY rank, 3, depth"""
     )
     while rows := cur.fetchmany(BATCH_ROWS):
@@ -37,5 +37,5 @@ def _slices(con: Any) -> Iterator[Slice]:
 
 
 def _first_start_ms(con: Any, step: int) -> float:
-    row = con.execute(f"SELECT min(t) FROM st WHERE step >= {int(step)}").fetchone()
+    row = con.execute(f"SELECT min(t) FROM aligned_steps WHERE step >= {int(step)}").fetchone()
     return float(row[0] or 0.0)

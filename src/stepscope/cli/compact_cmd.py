@@ -1,10 +1,29 @@
-"""The ``stepscope compact`` command: bring a run's Parquet store up to date and say so."""
+"""``stepscope compact``: bring a run's Parquet store up to date and say so.
+
+DuckDB and the store are imported when the command runs, so building the parser stays light.
+"""
 
 from __future__ import annotations
 
+import argparse
 import sys
 
+from stepscope.cli.options import Subparsers, add_duckdb_options
 from stepscope.common.errors import AnalysisError
+
+
+def add_parser(subparsers: Subparsers) -> None:
+    k = subparsers.add_parser("compact",
+                              help="copy a run's new JSONL lines into its Parquet store")
+    k.add_argument("run_dir")
+    k.add_argument("--json", action="store_true", help="print what was done as JSON")
+    add_duckdb_options(k)
+    k.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    return compact_command(args.run_dir, as_json=args.json, threads=args.threads,
+                           memory_limit=args.memory_limit)
 
 
 def compact_command(run_dir: str, as_json: bool = False, threads: int | None = None,

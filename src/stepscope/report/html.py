@@ -10,11 +10,13 @@ the script builds every element from it with ``textContent`` and DOM calls, neve
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from stepscope.common.escape import html_text, json_for_script
-from stepscope.report.plots import plot_data, scale_note
+from stepscope.common.figures import PlotData
+from stepscope.report.plots import scale_note
 
 _JS = r"""
 'use strict';
@@ -228,12 +230,14 @@ td.bad { color: #c00; font-weight: bold; }
 """
 
 
-def render_html(doc: dict[str, Any], pd: dict[str, Any] | None) -> str:
+def render_html(doc: dict[str, Any], pd: PlotData | None) -> str:
     """The page as one string: data as escaped JSON, built into the page by inline JS."""
     public = {k: v for k, v in doc.items() if not k.startswith("_")}
+    plot: dict[str, Any] | None = None
     if pd is not None:
-        pd = dict(pd, scale={k: dict(v, note=scale_note(v)) for k, v in pd["scale"].items()})
-    data = json_for_script({"doc": public, "plot": pd})
+        plot = asdict(pd)
+        plot["scale"] = {k: dict(asdict(v), note=scale_note(v)) for k, v in pd.scale.items()}
+    data = json_for_script({"doc": public, "plot": plot})
     title = html_text(f"stepscope report — {doc['run']['dir']}")
     return (f"<!doctype html><html><head><meta charset='utf-8'>"
             f"<meta name='viewport' content='width=device-width, initial-scale=1'><title>{title}</title>"
@@ -244,13 +248,11 @@ def render_html(doc: dict[str, Any], pd: dict[str, Any] | None) -> str:
             f"<script>{_JS}</script></body></html>")
 
 
-def write_html(doc: dict[str, Any], path: str) -> str:
-    """Write the self-contained page; returns its path."""
+def write_html(doc: dict[str, Any], path: str, plots: PlotData | None = None) -> str:
+    """Write the self-contained page (with its plots given ``plots``); returns its path."""
     from stepscope.common.safefs import write_output
 
-    data = doc.get("_data")
-    pd = plot_data(doc, data) if data is not None else None
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_output(out, render_html(doc, pd))  # never through a link planted at that path
+    write_output(out, render_html(doc, plots))  # never through a link planted at that path
     return str(out)

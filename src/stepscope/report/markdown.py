@@ -6,9 +6,10 @@ from pathlib import Path
 from typing import Any
 
 from stepscope.common.escape import md, md_code
+from stepscope.common.figures import PlotData
 from stepscope.report.collective_view import markdown_lines as collectives_markdown
 from stepscope.report.coverage_view import markdown_lines as coverage_markdown
-from stepscope.report.plots import have_matplotlib, plot_data, write_pngs
+from stepscope.report.plots import have_matplotlib, write_pngs
 from stepscope.report.terminal import capture_label, window_captures
 
 
@@ -104,16 +105,16 @@ def render_markdown(doc: dict[str, Any], images: list[str] | None = None) -> str
     return "\n".join(lines)
 
 
-def write_markdown(doc: dict[str, Any], path: str) -> list[str]:
-    """Write the markdown file (and PNGs beside it when matplotlib is there); paths written.
-    A link at any of those paths is refused (:class:`~stepscope.common.safefs.UnsafePath`)."""
+def write_markdown(doc: dict[str, Any], path: str, plots: PlotData | None = None) -> list[str]:
+    """Write the markdown file (and, given ``plots``, PNGs beside it when matplotlib is
+    there); paths written. A link at any of those paths is refused
+    (:class:`~stepscope.common.safefs.UnsafePath`)."""
     from stepscope.common.safefs import write_output
 
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     pngs: list[Path] = []
-    data = doc.get("_data")
-    if data is not None and have_matplotlib():
-        pngs = write_pngs(plot_data(doc, data), out.parent, out.stem)
+    if plots is not None and have_matplotlib():
+        pngs = write_pngs(plots, out.parent, out.stem)
     write_output(out, render_markdown(doc, [p.name for p in pngs]))
     return [str(out), *(str(p) for p in pngs)]

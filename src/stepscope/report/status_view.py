@@ -1,12 +1,8 @@
-"""``stepscope status``: one screen saying which rank is stuck, where, and for how long."""
+"""The status screen: which rank is stuck, where, and for how long (``stepscope status``)."""
 
 from __future__ import annotations
 
-import sys
 from typing import Any
-
-from stepscope.common.errors import AnalysisError
-from stepscope.common.escape import term, write_json
 
 _STATE_STYLE = {
     "running": "green",
@@ -70,29 +66,3 @@ def render_status(doc: dict[str, Any], console: Any = None) -> None:
     render_flight(doc.get("flight_recorder"), con)
     for note in doc["notes"]:
         con.print(f"[dim]note: {escape(note)}[/]", soft_wrap=True)
-
-
-def status_command(run_dir: str, as_json: bool, stalled_after_s: float | None = None,
-                   trust_flight_dumps: bool = False) -> int:
-    """Run ``stepscope status``; 0 when any heartbeat was readable, 2 when none."""
-    from stepscope.analysis.hangs import analyze_status
-
-    try:
-        doc = analyze_status(run_dir, stalled_after_s=stalled_after_s,
-                             trust_flight_dumps=trust_flight_dumps)
-    except AnalysisError as exc:
-        print(f"stepscope status: {term(exc)}", file=sys.stderr)
-        return 2
-    except (OSError, ValueError, TypeError, RecursionError, MemoryError) as exc:
-        # The heartbeats are checked field by field; this is the last line against a file
-        # shape nobody foresaw: the operator gets a one-line answer, not a traceback.
-        print(f"stepscope status: {term(run_dir)}: could not read the heartbeats ({term(repr(exc))})",
-              file=sys.stderr)
-        return 2
-    if as_json:
-        write_json(doc, sys.stdout)
-        for note in doc["notes"]:
-            print(f"stepscope status: {term(note)}", file=sys.stderr)
-    else:
-        render_status(doc)
-    return 0

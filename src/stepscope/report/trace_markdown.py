@@ -103,3 +103,16 @@ def render_markdown(doc: dict[str, Any]) -> str:
         out.extend(f"- {md(w)}" for w in warnings)
         out.append("")
     return "\n".join(out)
+
+
+def write_markdown(doc: dict[str, Any], path: str) -> None:
+    """Write ``summary.md`` of the trace document to ``path``, never through a planted link.
+
+    The summary shows GPU step breakdowns; CPU-only ranks' steps (no GPU fields) are in
+    their ``cpu`` section.
+    """
+    from stepscope.common.safefs import write_output
+
+    md_doc = {**doc, "ranks": [r if r.get("total") is not None else {**r, "steps": []}
+                               for r in doc["ranks"]]}
+    write_output(path, render_markdown(md_doc))
