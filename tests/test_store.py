@@ -121,8 +121,9 @@ def test_compact_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
 
 
 def _redone_run(root: Path) -> Path:
-    """A run relaunched from a checkpoint (steps 20..29 done twice, a new run_id), with a
-    corrupt line, a torn last line and a record outside the timed filter."""
+    """A run relaunched from a checkpoint (steps 20..29 done twice, the same run id: a
+    launcher whose job id outlives the relaunch), with a corrupt line, a torn last line and
+    a record outside the timed filter."""
     first = make_records(SynthRun(ranks=3, steps=30, seed=1))
     again = make_records(SynthRun(ranks=3, steps=20, seed=2))
     end = max(r[-1]["start_unix_ns"] for r in first.values()) + 60 * 10**9
@@ -131,7 +132,6 @@ def _redone_run(root: Path) -> Path:
         for rec in again[rank]:
             rec["step"] += 20
             rec["start_unix_ns"] += end
-            rec["run_id"] = "relaunch"
         lines = [json.dumps(r) for r in rows + again[rank]]
         if rank == 1:
             lines.insert(5, "{not json")

@@ -19,7 +19,7 @@ import json
 import os
 import sqlite3
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,7 @@ from stepscope.analysis.record_files import (
     long_lines_note,
     rank_files,
 )
+from stepscope.analysis.launches import RunSpan, choose, runs_in, runs_note, sql_filter
 from stepscope.analysis.relations import drop, exists
 from stepscope.analysis.resource_use import TIMED_FILTER, create_resource_table
 from stepscope.common.errors import AnalysisError
@@ -90,6 +91,9 @@ class RunData:
     skipped: list[str] = field(default_factory=list)
     #: What was done to the Parquet store (dropped and rebuilt): said, but nothing was lost.
     store_notes: list[str] = field(default_factory=list)
+    #: Every run in the directory (oldest first) and what the report says of the others.
+    runs: list[RunSpan] = field(default_factory=list)
+    runs_note: str | None = None
     _tmp: Any = None  # keeps the temporary directory (converted SQLite, spill files) alive
 
     def close(self) -> None:
@@ -157,8 +161,13 @@ def load_run(
     threads: int | None = None,
     memory_limit: str | None = None,
     store: bool = True,
+    run_id: str | None = None,
 ) -> RunData:
     """Load every rank file of ``run_dir``; raise :class:`AnalysisError` if nothing is usable.
+
+    A directory that several launches wrote into holds several runs: the records of
+    ``run_id`` (an id or a unique prefix of one) are loaded, by default the newest run's
+    (:mod:`stepscope.analysis.launches`).
 
     Corrupt lines, a torn last line, other schema versions, duplicate steps, missing ranks
     and steps recorded on only some ranks are dropped and described in ``RunData.skipped``.
@@ -171,7 +180,7 @@ def load_run(
     loc = os.fspath(run_dir)
     # An existing directory is a run (or a store), whatever characters its name holds.
     if st.is_remote(loc) or (st.is_glob(loc) and not Path(loc).is_dir()) or st.is_store_dir(Path(loc)):
-        return _load_parquet(loc, threads, memory_limit, [])
+        return _load_parquet(loc, threads, memory_limit, [], run_id=run_id)
     root = Path(run_dir)
     if not root.exists():
         raise AnalysisError(f"{root}: no such run directory")
@@ -209,7 +218,7 @@ def load_run(
             try:
                 data = _load_parquet(str(res.store), threads, memory_limit, skipped + notes,
                                      root, {n: fs.offset for n, fs in res.files.items() if fs.torn},
-                                     {n: fs.lines for n, fs in res.files.items()})
+                                     {n: fs.lines for n, fs in res.files.items()}, run_id)
                 data.store_notes = [res.note] if res.note else []
                 return data
             except AnalysisError:
@@ -237,7 +246,7 @@ def load_run(
             raise AnalysisError(f"{root}: no records in any rank file")
         con = _connect(tmpdir.name, threads, memory_limit)
         con.execute(f"CREATE TABLE raw_records AS SELECT * FROM {json_reader(sources)}")
-        data = _build_tables(con, root, skipped)
+        data = _build_tables(con, root, skipped, run_id=run_id)
         data._tmp = tmpdir
         data.store_notes = store_notes
         return data
@@ -249,7 +258,7 @@ def load_run(
 def _load_parquet(location: str, threads: int | None, memory_limit: str | None,
                   skipped: list[str], root: Path | None = None,
                   torn: dict[str, int] | None = None,
-                  lines: dict[str, int] | None = None) -> RunData:
+                  lines: dict[str, int] | None = None, run_id: str | None = None) -> RunData:
     """Load from a Parquet store; ``torn`` maps files whose last line is not yet in the
     store to the store's offset in them: those tails are read as JSON too, so the result
     equals reading the JSONL files directly (a whole record that only lacks its newline
@@ -298,7 +307,7 @@ def _load_parquet(location: str, threads: int | None, memory_limit: str | None,
                                     ) from exc
             raise
         data = _build_tables(con, root or Path(location), skipped, set(torn or ()), lines,
-                             light=root is not None, flat=flat)
+                             light=root is not None, flat=flat, run_id=run_id)
         data._tmp = tmpdir
         return data
     except BaseException:
@@ -312,7 +321,7 @@ def _display_name(fname: str) -> str:
 
 def _build_tables(con: Any, root: Path, skipped: list[str], torn: set[str] | None = None,
                   lines: dict[str, int] | None = None, light: bool = True,
-                  flat: str | None = None) -> RunData:
+                  flat: str | None = None, run_id: str | None = None) -> RunData:
     """Validate table ``raw_records`` (one row per line, corrupt lines all NULL) into the tables.
 
     ``torn``: names of the files that do not end in a newline, when ``raw_records.filename`` holds
@@ -327,17 +336,38 @@ def _build_tables(con: Any, root: Path, skipped: list[str], torn: set[str] | Non
     built), and where that fails (or the records are not all kept: duplicates, steps not on
     every rank, untimed, implausible or unreadable records) again with every check up front:
     the same tables and notes either way.
+
+    ``run_id``: the run whose records are kept where ``raw`` holds several (by default the
+    newest; ``_build``'s ``only`` is the condition on its records); corrupt lines are counted
+    over every run's lines.
     """
+    runs = runs_in(con, "raw_records", "rank IS NOT NULL AND step IS NOT NULL AND start_unix_ns IS NOT NULL")
+    run = choose(runs, run_id, root)
+    only = sql_filter(run, runs)
+    if only != "TRUE":
+        flat = None  # the store's flat phase rows carry no run id: the lists are read instead
     if CHECK_LISTS_IN_PHASES:
         n_notes = len(skipped)
         try:
-            return _build(con, root, skipped, torn, lines, light, lists_checked_later=True,
-                          flat=flat)
+            data = _build(con, root, skipped, torn, lines, light, lists_checked_later=True,
+                          flat=flat, only=only)
         except _Recheck:
             del skipped[n_notes:]
             for name in _EARLY:
                 drop(con, name)
-    return _build(con, root, skipped, torn, lines, light, lists_checked_later=False)
+        else:
+            return _with_runs(data, run, runs)
+    data = _build(con, root, skipped, torn, lines, light, lists_checked_later=False, only=only)
+    return _with_runs(data, run, runs)
+
+
+def _with_runs(data: RunData, run: RunSpan | None, runs: list[RunSpan]) -> RunData:
+    if len(runs) == 1:  # its ranks are the ranks analysed (runs_in counts them for several)
+        runs = [replace(runs[0], ranks=len(data.ranks))]
+        run = runs[0]
+    data.runs = runs
+    data.runs_note = runs_note(run, runs, data.run_dir) if run is not None else None
+    return data
 
 
 @dataclass
@@ -356,7 +386,7 @@ _READABLE_IN = f"schema IN {tuple(READABLE_SCHEMAS)}"
 
 def _build(con: Any, root: Path, skipped: list[str], torn: set[str] | None,
            lines: dict[str, int] | None, light: bool, lists_checked_later: bool,
-           flat: str | None = None) -> RunData:
+           flat: str | None = None, only: str = "TRUE") -> RunData:
     """:func:`_build_tables`; ``lists_checked_later``: raise :class:`_Recheck` where the
     records are not all kept, and check the phase lists in the ``phases`` statement (or,
     with ``flat``, on the flat copy's rows, which ``phases`` is then a view of).
@@ -370,8 +400,8 @@ def _build(con: Any, root: Path, skipped: list[str], torn: set[str] | None,
     (:func:`_build_sections`)."""
     census = _census(con, lines, lists_checked_later)
     _note_lines(census.per_file, lines, torn, skipped)
-    kept = _kept_condition(root, census, skipped)
-    rec_kind, lists = _keep_records(con, kept, light, lists_checked_later, skipped)
+    kept = _kept_condition(root, census, skipped, only)
+    rec_kind, lists = _keep_records(con, kept, light, lists_checked_later, skipped, only)
     ranks, meta, world_size = _run_meta(con, root, skipped)
     keep = _common_steps(con, len(ranks), skipped)
     keep, flat_view = _build_steps_and_phases(con, int(meta[1]), keep, lists, flat,
@@ -471,7 +501,7 @@ def _note_lines(per_file: dict[str, tuple[int, int]], lines: dict[str, int] | No
             skipped.append(f"{name}: {bad} corrupt or incomplete line(s) of {total} skipped")
 
 
-def _kept_condition(root: Path, census: _Census, skipped: list[str]) -> str:
+def _kept_condition(root: Path, census: _Census, skipped: list[str], only: str = "TRUE") -> str:
     """The SQL condition of a kept record; notes records of other schema versions and
     implausible ones; raises :class:`AnalysisError` where no record is readable."""
     schemas, implausible = census.schemas, census.implausible
@@ -498,11 +528,11 @@ def _kept_condition(root: Path, census: _Census, skipped: list[str]) -> str:
             f"over {MAX_MS:.0e} ms, or start_unix_ns outside 0..2^62)"
         )
     plausible = f"coalesce({PLAUSIBLE}, FALSE)" if implausible else "TRUE"
-    return f"{census.valid} AND {_READABLE_IN} AND {plausible} AND {TIMED_FILTER}"
+    return f"{census.valid} AND {_READABLE_IN} AND {plausible} AND {TIMED_FILTER} AND {only}"
 
 
 def _keep_records(con: Any, kept: str, light: bool, lists_checked_later: bool,
-                  skipped: list[str]) -> tuple[str, str]:
+                  skipped: list[str], only: str = "TRUE") -> tuple[str, str]:
     """``kept_records`` (and ``timed_records`` with ``light``); returns its kind (VIEW or
     TABLE) and where the phase lists are read from."""
     # ``kept_records``: the records' columns but their phase lists (those are read once more,
@@ -523,7 +553,7 @@ def _keep_records(con: Any, kept: str, light: bool, lists_checked_later: bool,
                   AND step_ms IS NOT NULL AND isfinite(step_ms) AND step_ms >= 0
                   AND {TIMED_FILTER} AND start_unix_ns >= 0 AND start_unix_ns < {MAX_START_NS}
                   AND step_ms <= {MAX_MS} AND filename IS NOT NULL
-                  AND NOT ends_with(filename, '.from-sqlite.jsonl')"""
+                  AND NOT ends_with(filename, '.from-sqlite.jsonl') AND {only}"""
         )
     n_rec, n_pairs = con.execute(
         "SELECT count(*), (SELECT count(*) FROM (SELECT DISTINCT rank, step FROM kept_records)) "

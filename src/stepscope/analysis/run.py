@@ -34,6 +34,7 @@ def analyze_run(
     memory_limit: str | None = None,
     keep: bool = False,
     store: bool = True,
+    run_id: str | None = None,
 ) -> dict[str, Any]:
     """Analyse every rank file of ``run_dir`` and return the report document.
 
@@ -42,6 +43,8 @@ def analyze_run(
     anything skipped on the way is listed in ``run["skipped"]``. With ``keep=True`` the
     loaded :class:`RunData` is returned under the private key ``"_data"`` (its per-step
     tables); the caller must ``close()`` it. :func:`open_analyzed_run` hands both over typed.
+    ``run_id``: which run to analyze where several launches wrote into ``run_dir`` (an id or
+    a unique prefix; default the newest); ``run["runs"]`` lists them all.
 
     Example::
 
@@ -49,7 +52,8 @@ def analyze_run(
         for s in doc["stragglers"]:
             print(s["rank"], s["phase"], s["excess_ms"])
     """
-    run = open_analyzed_run(run_dir, threads=threads, memory_limit=memory_limit, store=store)
+    run = open_analyzed_run(run_dir, threads=threads, memory_limit=memory_limit, store=store,
+                            run_id=run_id)
     if keep:
         run.doc["_data"] = run.data
     else:
@@ -76,9 +80,11 @@ def open_analyzed_run(
     threads: int | None = None,
     memory_limit: str | None = None,
     store: bool = True,
+    run_id: str | None = None,
 ) -> AnalyzedRun:
     """:func:`analyze_run`, with the loaded run kept open beside the document."""
-    data = load_run(run_dir, threads=threads, memory_limit=memory_limit, store=store)
+    data = load_run(run_dir, threads=threads, memory_limit=memory_limit, store=store,
+                    run_id=run_id)
     try:
         doc = _analyze(data)
     except BaseException:
@@ -185,6 +191,10 @@ def _analyze(data: RunData) -> dict[str, Any]:
     run["headline"] = cost.headline(run, verdicts, goodput)
     doc["verdicts"] = [v.to_dict() for v in verdicts]
     run["notes"] = run_notes(data, run)
+    # Other launches into the same directory: named, never merged (analysis/launches.py).
+    run["runs"] = [r.to_dict(r.run_id == (data.run_id or "")) for r in data.runs]
+    if data.runs_note:
+        run["notes"].insert(0, data.runs_note)
     job = run["cost"]
     for c in att.contention:
         why = (f"{c['extra_runq_ms']:.1f} ms more at the median step" if c.get("basis") == "extra"

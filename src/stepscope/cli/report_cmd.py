@@ -25,6 +25,9 @@ def add_parser(subparsers: Subparsers) -> None:
     r.add_argument("--json", action="store_true", help="print one JSON document")
     r.add_argument("--markdown", metavar="FILE", help="write a markdown summary")
     r.add_argument("--html", metavar="FILE", help="write a self-contained HTML page")
+    r.add_argument("--run", metavar="ID", default=None,
+                   help="the run to show where several launches wrote into RUN_DIR (an id or a "
+                        "unique prefix; default: the newest)")
     add_duckdb_options(r)
     r.set_defaults(func=run)
 
@@ -32,19 +35,20 @@ def add_parser(subparsers: Subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     return report_command(
         args.run_dir, as_json=args.json, markdown=args.markdown, html=args.html,
-        threads=args.threads, memory_limit=args.memory_limit,
+        threads=args.threads, memory_limit=args.memory_limit, run_id=args.run,
     )
 
 
 def analyze_run_dir(run_dir: str, threads: int | None = None,
-                    memory_limit: str | None = None) -> AnalyzedRun:
+                    memory_limit: str | None = None, run_id: str | None = None) -> AnalyzedRun:
     """The analysed run, kept open, with every input problem turned into :class:`AnalysisError`."""
     import duckdb
 
     from stepscope.analysis.run import open_analyzed_run
 
     try:
-        return open_analyzed_run(run_dir, threads=threads, memory_limit=memory_limit)
+        return open_analyzed_run(run_dir, threads=threads, memory_limit=memory_limit,
+                                 run_id=run_id)
     except (duckdb.Error, OSError, UnicodeError) as exc:
         # DuckDB/IO errors on user files are input problems, reported as one line.
         raise AnalysisError(f"{run_dir}: cannot read run ({type(exc).__name__}: {exc})") from exc
@@ -53,7 +57,8 @@ def analyze_run_dir(run_dir: str, threads: int | None = None,
 
 
 def report_command(run_dir: str, as_json: bool, markdown: str | None, html: str | None,
-                   threads: int | None = None, memory_limit: str | None = None) -> int:
+                   threads: int | None = None, memory_limit: str | None = None,
+                   run_id: str | None = None) -> int:
     """Run ``stepscope report``; returns the exit code (0 ok, 2 unusable input)."""
     from stepscope.report.progress import input_bytes, progress
 
@@ -61,7 +66,8 @@ def report_command(run_dir: str, as_json: bool, markdown: str | None, html: str 
         # Progress on stderr only when it is a terminal: bytes of rank files read, then analysis.
         with progress(input_bytes(run_dir, "rank*") or None, "reading rank files", unit="bytes",
                       track_reads=True, done_desc="analysing (DuckDB)"):
-            analyzed = analyze_run_dir(run_dir, threads=threads, memory_limit=memory_limit)
+            analyzed = analyze_run_dir(run_dir, threads=threads, memory_limit=memory_limit,
+                                       run_id=run_id)
     except AnalysisError as exc:
         print(f"stepscope report: {term(exc)}", file=sys.stderr)
         return 2

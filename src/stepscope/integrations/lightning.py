@@ -31,11 +31,11 @@ def _shared_run_id() -> str | None:
     broadcast is collective. ``None`` outside a distributed job or when the id comes from
     the environment (the launcher already agrees).
     """
-    import os
-
     import torch.distributed as dist
 
-    if any(os.environ.get(v) for v in ("STEPSCOPE_RUN_ID", "TORCHELASTIC_RUN_ID")):
+    from stepscope.recording.dist import launcher_run_id
+
+    if launcher_run_id() is not None:
         return None
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return None

@@ -257,11 +257,23 @@ class Agreement:
     agreed: bool
 
 
+#: What a launcher sets when it has no id for the job: plain ``torchrun`` (no ``--standalone``,
+#: no ``--rdzv-id``) sets ``TORCHELASTIC_RUN_ID=none`` on every launch.
+NO_ID = frozenset({"none"})
+
+
 def launcher_run_id(environ: Mapping[str, str] | None = None) -> str | None:
-    """The job id from the launcher's environment (torchrun, Slurm, PBS, LSF, Flux, SGE), or None."""
+    """The job id from the launcher's environment (torchrun, Slurm, PBS, LSF, Flux, SGE), or None.
+
+    None also where the first launcher variable set says it has no id (``none``): the
+    launcher is that one, and an id of the next kind (a Slurm job holding several launches)
+    would not tell its launches apart; the ranks then agree a fresh id.
+    """
     env = os.environ if environ is None else environ
     for names in JOB_ID_VARS:
         parts = [env.get(n, "").strip() for n in names]
+        if parts[0].lower() in NO_ID:
+            return None
         if parts[0]:
             return "-".join(p for p in parts if p)
     return None
