@@ -82,7 +82,7 @@ class _Plan:
     order: str
     per_rank: str
     ids: list[str]
-    drop: str | None = None
+    drop: str | None = None  # tables to drop after, by name, space-separated
 
 
 def _light_rows(con: Any, run_dir: Path) -> _Plan | None:
@@ -125,23 +125,36 @@ def _read_light(con: Any, files: list[Path], max_line: int) -> _Plan | None:
           AND step_ms IS NOT NULL AND isfinite(step_ms) AND step_ms >= 0 AND {TIMED_FILTER}
           AND start_unix_ns >= 0 AND start_unix_ns < {MAX_START_NS} AND step_ms <= {MAX_MS}""")
     plan = _rows(con, "timed_records_reread")
-    plan.drop = "timed_records_reread"
+    plan.drop = f"{plan.drop or ''} timed_records_reread"
     return plan
 
 
 def _rows(con: Any, source: str) -> _Plan:
-    """The accounting's rows of ``source`` (accounting order: rank, start, step; each with
-    its split) and the run ids by code."""
+    """The accounting's rows of ``source`` (each with its split) and the run ids by code.
+
+    A record written twice (the same rank, run, step, start and duration) counts once. The
+    order on each rank and run is the step index where every step index occurs once there
+    (no step was done again): a wall clock stepped back (NTP) then moves no step and starts
+    no segment. Where a step was done again (a relaunch resumed from a checkpoint) the
+    order is the wall clock's, so that the relaunch shows as a segment of its own.
+    """
     ids = [str(i) for (i,) in con.execute(f"SELECT DISTINCT run_id FROM {source} ORDER BY 1").fetchall()]
     split = _splitter(con)
+    con.execute(f"""CREATE OR REPLACE TEMP TABLE light_order AS
+        SELECT rank, run_id, count(*) = count(DISTINCT step) AS by_step
+        FROM (SELECT DISTINCT rank, run_id, step, start_unix_ns, step_ms FROM {source})
+        GROUP BY 1, 2""")
     return _Plan(lambda b: f"""SELECT l.rank, list_position($ids, l.run_id) - 1 AS rid, l.step,
-                       l.start_unix_ns, l.step_ms, sp.w, sp.c, sp.i, sp.h
-                FROM {source} l
-                -- only what the analysis kept (plausible, timed), re-done duplicates included
+                       l.start_unix_ns, l.step_ms, sp.w, sp.c, sp.i, sp.h,
+                       CASE WHEN o.by_step THEN l.step ELSE l.start_unix_ns END AS k
+                FROM (SELECT DISTINCT rank, run_id, step, start_unix_ns, step_ms FROM {source}
+                      WHERE {in_block('rank', b)}) l
+                -- only what the analysis kept (plausible, timed), re-done steps included
                 JOIN ({split('', b)}) sp USING (rank, step)
-                WHERE {in_block('l.rank', b)}""", {"ids": ids},
-                 _order("rank, start_unix_ns, step"),
-                 f"SELECT rank, count(*) FROM {source} GROUP BY 1 ORDER BY 1", ids)
+                JOIN light_order o USING (rank, run_id)""", {"ids": ids},
+                 _order("rank, rid, k, start_unix_ns, step"),
+                 f"SELECT rank, count(*) FROM {source} GROUP BY 1 ORDER BY 1", ids,
+                 "light_order")
 
 
 def _order(order: str) -> str:
@@ -349,8 +362,8 @@ def _account_all(con: Any, plan: _Plan, dated: bool, w_first: int, w_last: int,
                     _account(rows, len(plan.ids), dated, w_first, w_last, acc)
                 del rows
     finally:
-        if plan.drop:
-            con.execute(f"DROP TABLE IF EXISTS {plan.drop}")
+        for table in (plan.drop or "").split():
+            con.execute(f"DROP TABLE IF EXISTS {table}")
     return n > 0
 
 
@@ -404,9 +417,16 @@ def _account(rows: Rows, n_ids: int, dated: bool, w_first: int, w_last: int,
     del code, seg
     day_list, day_idx = _days(start) if dated else (["undated"], np.zeros(n, dtype=np.int64))
 
-    # The time between steps, on rows with a previous one on the same rank.
+    # The time between steps, on rows with a previous one on the same rank. A step that
+    # starts inside the previous one (overlapping records) counts from that one's end: the
+    # rank's time is counted once. One that starts before the previous one started (a
+    # wall clock stepped back, in step order) has no gap and no overlap: its own duration
+    # (the monotonic clock's) stands.
     prev_end = start[prev].astype(np.float64) + ms[prev] * 1e6
     gap = np.where(has_prev, np.maximum(0.0, (start.astype(np.float64) - prev_end) / 1e6), 0.0)
+    inside = has_prev & ~new_seg & (start >= start[prev])
+    overlap = np.where(inside, np.maximum(0.0, (prev_end - start.astype(np.float64)) / 1e6), 0.0)
+    counted = np.maximum(0.0, ms - overlap)
     missing = step - step[prev] - 1
     sampled = has_prev & ~new_seg & (missing > 0) & (missing <= MAX_SAMPLING_GAP)
     est = np.where(sampled, np.minimum(gap, missing * ms[prev]), 0.0)
@@ -449,8 +469,8 @@ def _account(rows: Rows, n_ids: int, dated: bool, w_first: int, w_last: int,
             slots.append((v, c, pv))
         slots.append((np.where(has_prev[a:b] & ~new_seg[a:b], gap[a:b] - est[a:b], 0.0),
                       _C["outside_steps"], here))
-        slots.append((np.where(redone[a:b], ms[a:b], 0.0), _C["restarts"], here))
-        for v, c in zip(step_parts(here, ~redone[a:b], ms[a:b]), _STEP_CATS, strict=True):
+        slots.append((np.where(redone[a:b], counted[a:b], 0.0), _C["restarts"], here))
+        for v, c in zip(step_parts(here, ~redone[a:b], counted[a:b]), _STEP_CATS, strict=True):
             slots.append((v, c, here))
         # A slot with no event on any row adds nothing (the restart and sampling slots, mostly).
         slots = [sl for sl in slots if not (sl[0] <= 0.0).all()]

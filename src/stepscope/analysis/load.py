@@ -337,7 +337,7 @@ def _build_tables(con: Any, root: Path, skipped: list[str], torn: set[str] | Non
     every rank, untimed, implausible or unreadable records) again with every check up front:
     the same tables and notes either way.
 
-    ``run_id``: the run whose records are kept where ``raw`` holds several (by default the
+    ``run_id``: the run whose records are kept where ``raw_records`` holds several (by default the
     newest; ``_build``'s ``only`` is the condition on its records); corrupt lines are counted
     over every run's lines.
     """
