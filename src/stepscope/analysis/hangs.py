@@ -59,6 +59,9 @@ MAX_UNIX = 1e10  # seconds: year 2286
 MAX_SECONDS = 1e9
 MAX_TEXT = 1000
 MAX_STACK_DEPTH = 64
+#: A heartbeat's loss reasons read at most, and their names' length.
+MAX_LOST_REASONS = 32
+MAX_REASON = 64
 #: Missing ranks listed by number (the count is always given).
 MAX_LISTED_MISSING = 1000
 _STATES = frozenset({"running", "finished", "crashed"})
@@ -119,6 +122,20 @@ def _names(v: object) -> list[str] | None:
     if not isinstance(v, list) or not all(isinstance(x, str) for x in v[:MAX_STACK_DEPTH]):
         return None
     return [x[:MAX_TEXT] for x in v[:MAX_STACK_DEPTH]]
+
+
+def _lost(v: object) -> dict[str, int] | None:
+    """A heartbeat's ``lost`` section (reason -> steps), or None when it is not one."""
+    if not isinstance(v, dict) or len(v) > MAX_LOST_REASONS:
+        return None
+    out: dict[str, int] = {}
+    for k, n in v.items():
+        count = _plain_int(n, 0, MAX_STEP)
+        if not isinstance(k, str) or count is None:
+            return None
+        if count:
+            out[k[:MAX_REASON]] = count
+    return out
 
 
 def _clean_beat(doc: dict[str, Any], name: str, file_rank: int, notes: list[str]) -> dict[str, Any] | None:
@@ -185,6 +202,11 @@ def _clean_beat(doc: dict[str, Any], name: str, file_rank: int, notes: list[str]
         }
     elif err is not None:
         bad.append("error")
+    lost = _lost(doc.get("lost"))
+    if lost is not None:
+        beat["lost"] = lost
+    elif doc.get("lost") is not None:
+        bad.append("lost")
     stacks = doc.get("stacks")
     if isinstance(stacks, dict) and isinstance(stacks.get("path"), str):
         beat["stacks"] = {"path": stacks["path"][:4096]}
@@ -345,6 +367,8 @@ def _rank_view(beat: dict[str, Any], now: float, host: str, stalled_after_s: flo
         view["error"] = "crashed (no exception recorded)"
     if isinstance(beat.get("stacks"), dict):
         view["stacks_file"] = beat["stacks"].get("path")
+    if beat.get("lost"):
+        view["lost"] = dict(beat["lost"])
     return view
 
 
@@ -522,8 +546,12 @@ def analyze_status(
             if skipped:
                 notes.append(f"rank {culprit_view['rank']}'s stack dump "
                              f"{culprit_view['stacks_file']!r} {skipped}")
+    lost = losses(kept)
+    if lost:
+        notes.insert(0, lost_note(lost, "steps lost while recording, not on disk"))
     doc = {
         "run": {"id": run_id, "world_size": world, "dir": str(root)},
+        "lost": lost,
         "ranks": views,
         "culprit": culprit,
         "missing_ranks": missing,
@@ -566,6 +594,42 @@ def _summary(views: list[dict[str, Any]], culprit: dict[str, Any] | None, why: s
 def _message(view: dict[str, Any]) -> str:
     crash = view.get("crash") or {}
     return str(crash.get("message") or view.get("error") or "")
+
+
+def losses(beats: list[dict[str, Any]]) -> dict[str, int]:
+    """Steps lost by reason over the heartbeats (those no written record counts)."""
+    total: dict[str, int] = {}
+    for b in beats:
+        for k, n in (b.get("lost") or {}).items():
+            total[k] = total.get(k, 0) + int(n)
+    return dict(sorted(total.items()))
+
+
+def lost_note(lost: dict[str, int], what: str) -> str:
+    """One line: ``what``, their total and each reason's count."""
+    parts = ", ".join(f"{n} {k}" + (f" ({LOSS_REASONS[k]})" if k in LOSS_REASONS else "")
+                      for k, n in lost.items())
+    return f"{sum(lost.values())} {what} ({parts})"
+
+
+#: What each loss reason means, as the notes say it.
+LOSS_REASONS = {
+    "write_failed": "their write failed: a full disk?",
+    "timing_off": "run after an error turned timing off",
+    "writer_queue_full": "the writer was behind",
+    "unwritable": "could not be encoded",
+    "pending_overflow": "too many steps pending",
+}
+
+
+def run_losses(run_dir: str | os.PathLike[str], run_id: str | None) -> dict[str, int]:
+    """Steps lost by reason that the heartbeats of run ``run_id`` carry (for ``stepscope
+    report``, which adds the records' own counts); never raises."""
+    try:
+        beats, _, _ = read_heartbeats(run_dir)
+    except AnalysisError:
+        return {}
+    return losses([b for b in beats if run_id is None or str(b["run_id"]) == run_id])
 
 
 def crash_evidence(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:

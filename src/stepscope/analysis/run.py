@@ -13,7 +13,7 @@ from stepscope.analysis import cost
 from stepscope.analysis.coverage import add_coverage_sections
 from stepscope.analysis.diagnose import diagnose, explain_goodput
 from stepscope.analysis.goodput import compute_goodput
-from stepscope.analysis.hangs import crash_evidence
+from stepscope.analysis.hangs import crash_evidence, lost_note, run_losses
 from stepscope.analysis.host import split_host_busy
 from stepscope.analysis.load import RunData, load_run
 from stepscope.analysis.own import phase_waits
@@ -161,9 +161,13 @@ def _analyze(data: RunData) -> dict[str, Any]:
                    "median_step_ms": round(median_step, 3), "thresholds": cost.thresholds()}
     run.update(analyze_resources(con))  # [metrics] run.throughput / run.memory / run.device
     run["recording_lost"] = recording_lost(con)  # [hostile] steps the recorder could not write
+    # ... and those no written record could count (a full disk, timing off): the heartbeats'.
+    for k, n in run_losses(data.run_dir, data.run_id).items():
+        run["recording_lost"][k] = run["recording_lost"].get(k, 0) + n
     if run["recording_lost"]:
-        lost = ", ".join(f"{n} {k}" for k, n in run["recording_lost"].items())
-        run["skipped"].append(f"steps lost while recording (counted by the recorder): {lost}")
+        run["recording_lost"] = dict(sorted(run["recording_lost"].items()))
+        run["skipped"].append(lost_note(run["recording_lost"],
+                                        "steps lost while recording (counted by the recorder)"))
         run["partial"] = True
     # Productive vs lost device time (analysis/goodput.py): the same split the advice follows.
     goodput = compute_goodput(con, data.run_dir, att.warmup)

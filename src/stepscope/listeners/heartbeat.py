@@ -164,6 +164,9 @@ class Heartbeat:
             "last_step_unix": st["last_step_end"],
             "last_step_s": None if st["last_step_s"] is None else round(st["last_step_s"], 6),
             "timing_enabled": st["enabled"],
+            # Steps lost that no written record counts (a full disk, timing off): the report
+            # and `stepscope status` add them to the records' own counts.
+            "lost": dict(st.get("lost") or {}),
             "collective": st.get("collective"),
             "error": None,
             "last_error": self._last_error,
@@ -241,6 +244,19 @@ class Heartbeat:
                 self._write(payload)
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=max(1.0, 2 * self.interval_s))
+
+    def on_closed(self, tracer: Tracer) -> None:
+        """After the last record was written (or not): the final file with the final losses."""
+        final = self._final
+        if final is None:
+            return
+        lost = tracer.unrecorded_losses()
+        if lost != final.get("lost"):
+            self._final = {**final, "lost": lost}
+            try:
+                self._write(self._final)
+            except Exception:  # protect the job: a full disk may refuse this write too
+                self.failures += 1
 
     def _crash(
         self,

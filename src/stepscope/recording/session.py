@@ -38,6 +38,8 @@ __all__ = ["FINISH_TIMEOUT_S", "MAX_HELD_STEPS", "RECENT_RECORDS", "Session"]
 
 #: How long ``finish()`` keeps polling CUDA events before giving up on them (seconds).
 FINISH_TIMEOUT_S = 5.0
+#: The loss reason of steps run after an error turned timing off.
+UNTIMED = "timing_off"
 
 _get_ident = threading.get_ident
 
@@ -73,6 +75,8 @@ class Session(Recorder):
         self._hooks_on = False
         self._since_flush = 0
         self._failed = False
+        #: Steps run after an error turned timing off (none recorded): a loss the heartbeat says.
+        self.untimed_steps = 0
         self._finished = False
         self._handed: BaseException | None = None  # a failure found off the training thread
         self._listeners: list[Any] = []
@@ -220,6 +224,8 @@ class Session(Recorder):
                 return
         if not self.enabled:
             self._in_step = False
+            if self._failed:
+                self.untimed_steps += 1  # timing off after an error: a step never recorded
             if self._handed is not None:
                 self._take_handed()
             return
@@ -363,6 +369,9 @@ class Session(Recorder):
                 self.resolver.drain(late)
             except Exception as exc:  # protect the job
                 self._fail_now(exc)
+        if self._failed:
+            # Steps timed (or still pending) when an error turned timing off are never written.
+            self.untimed_steps += len(self.resolver.pending) + self.resolver.ready_count()
         closed = self._outbox.close(self.enabled, timeout=FINISH_TIMEOUT_S + 10.0)
         if not closed:
             self.warn("the writer did not finish within its timeout; the last records may be missing")
@@ -453,7 +462,16 @@ class Session(Recorder):
             "enabled": self.enabled,
             "collective": self._blocked_in(),
             "runq": None if self.sched is None else (self.sched.reason or "on"),
+            "lost": self.unrecorded_losses(),
         }
+
+    def unrecorded_losses(self) -> dict[str, int]:
+        """Steps lost by reason that no written record counts (the writer's, and the steps run
+        after an error turned timing off): what the heartbeat file carries for the report."""
+        lost = self._writer.unreported()
+        if self.untimed_steps:
+            lost[UNTIMED] = self.untimed_steps
+        return lost
 
     def _blocked_in(self) -> dict[str, Any] | None:
         owner = self._owner

@@ -243,6 +243,8 @@ DELIVERY_BOUND_S = 2 * IDLE_TICK_S
 #: Keys this module adds to a record's ``dropped`` section (counts since the previous record).
 QUEUE_FULL = "writer_queue_full"
 UNWRITABLE = "unwritable"
+#: Records whose write failed (a full disk) and steps queued after it, never written.
+WRITE_FAILED = "write_failed"
 
 
 class Batch:
@@ -274,7 +276,9 @@ class BackgroundWriter:
     and every record the sink could not encode is counted in :attr:`lost` and written into
     the ``dropped`` section of the next record that reaches the file (``writer_queue_full``,
     ``unwritable``), where ``stepscope report`` sums them. The first sink error (a full disk)
-    calls ``on_error`` once and stops writing.
+    calls ``on_error`` once and stops writing; the records of that write and the steps queued
+    after it are counted as ``write_failed``. What no written record carries is
+    :meth:`unreported` (the heartbeat file says it).
     """
 
     def __init__(
@@ -290,8 +294,10 @@ class BackgroundWriter:
         self._on_idle = on_idle
         self.dropped_batches = 0
         #: Steps lost in dropped batches and records the sink could not encode, by reason.
-        self.lost: dict[str, int] = {QUEUE_FULL: 0, UNWRITABLE: 0}
-        self._reported: dict[str, int] = {QUEUE_FULL: 0, UNWRITABLE: 0}
+        self.lost: dict[str, int] = {QUEUE_FULL: 0, UNWRITABLE: 0, WRITE_FAILED: 0}
+        #: What written records' ``dropped`` sections carry so far.
+        self._reported: dict[str, int] = {QUEUE_FULL: 0, UNWRITABLE: 0, WRITE_FAILED: 0}
+        self._refused = 0  # steps submitted after the writer stopped (write_failed too)
         self._warned = False
         self._on_error = on_error
         self._items: deque[Any] = deque()  # append/popleft are atomic: no lock on either side
@@ -318,6 +324,8 @@ class BackgroundWriter:
 
     def submit(self, item: list[dict[str, Any]] | Callable[[], list[dict[str, Any]]]) -> None:
         if self._failed:
+            # Counted apart from the writer's own count: each counter has one writing thread.
+            self._refused += len(item) if isinstance(item, list) else getattr(item, "steps", 0)
             return
         if len(self._items) < self._max:
             self._items.append(item)
@@ -332,8 +340,17 @@ class BackgroundWriter:
                       "dropped, and later drops are counted in the records' dropped."
                       f"{QUEUE_FULL} and shown by `stepscope report`")
 
-    def _stamp(self, records: list[dict[str, Any]]) -> None:
-        """Add the losses not yet written to the first record's ``dropped`` section."""
+    def unreported(self) -> dict[str, int]:
+        """Losses by reason that no written record carries (read from any thread)."""
+        out = {k: v - self._reported.get(k, 0) for k, v in list(self.lost.items())
+               if v > self._reported.get(k, 0)}
+        if self._refused:
+            out[WRITE_FAILED] = out.get(WRITE_FAILED, 0) + self._refused
+        return out
+
+    def _stamp(self, records: list[dict[str, Any]]) -> dict[str, int]:
+        """Add the losses not yet written to the first record's ``dropped`` section; returns
+        them, to be counted as reported once the write succeeded."""
         sink_lost = int(getattr(self.sink, "unwritable", 0))
         if sink_lost > self.lost[UNWRITABLE]:
             if not self.lost[UNWRITABLE]:
@@ -342,14 +359,14 @@ class BackgroundWriter:
             self.lost[UNWRITABLE] = sink_lost
         new = {k: v - self._reported[k] for k, v in self.lost.items() if v > self._reported[k]}
         if not new:
-            return
+            return new
         first = records[0]
         dropped = first.get("dropped")
         dropped = dict(dropped) if isinstance(dropped, dict) else {}
         for k, v in new.items():
             dropped[k] = int(dropped.get(k, 0)) + v
-            self._reported[k] += v
         first["dropped"] = dropped
+        return new
 
     def _run(self) -> None:
         # SCHED_BATCH (see ``yield_on_wake``): a hand-over's wake no longer takes the CPU from
@@ -370,6 +387,8 @@ class BackgroundWriter:
                     return
                 if not self._failed:
                     self._process(item)
+                else:
+                    self._count_failed(item)
                 worked = True
             if self._on_idle is not None and not items and not self._failed:
                 try:
@@ -398,14 +417,26 @@ class BackgroundWriter:
         return not self._items
 
     def _process(self, item: Any) -> None:
+        records = None
         try:
             records = item() if callable(item) else item
             if records:
-                self._stamp(records)
+                new = self._stamp(records)
                 self.sink.write(records)
+                for k, v in new.items():
+                    self._reported[k] += v
         except Exception as exc:  # protect the job: a full disk must not kill training
             self._failed = True
+            if records:
+                self.lost[WRITE_FAILED] += len(records)
+            elif records is None:
+                self._count_failed(item)
             self._on_error(exc)
+
+    def _count_failed(self, item: Any) -> None:
+        """A batch the writer will not write (it stopped after a write error): counted."""
+        n = len(item) if isinstance(item, list) else getattr(item, "steps", 0)
+        self.lost[WRITE_FAILED] += int(n)
 
     def close(self, final: Callable[[], list[dict[str, Any]]] | None = None, timeout: float = 10.0) -> bool:
         """Run ``final`` (if any), drain and close; False if not done within ``timeout``."""
