@@ -10,6 +10,7 @@ import sys
 
 from stepscope.cli.options import Subparsers, add_duckdb_options
 from stepscope.common.errors import AnalysisError
+from stepscope.common.escape import term
 
 
 def add_parser(subparsers: Subparsers) -> None:
@@ -42,10 +43,10 @@ def compact_command(run_dir: str, as_json: bool = False, threads: int | None = N
                                 else f"{root}: not a directory")
         res = compact(root, threads=threads, memory_limit=memory_limit)
     except (AnalysisError, OSError, duckdb.Error) as exc:
-        print(f"stepscope compact: {exc}", file=sys.stderr)
+        print(f"stepscope compact: {term(exc)}", file=sys.stderr)
         return 2
     except MemoryError:
-        print(f"stepscope compact: {root}: out of memory compacting the run", file=sys.stderr)
+        print(f"stepscope compact: {term(root)}: out of memory compacting the run", file=sys.stderr)
         return 2
     if as_json:
         from stepscope.common.escape import write_json
@@ -58,6 +59,6 @@ def compact_command(run_dir: str, as_json: bool = False, threads: int | None = N
         print()
     else:
         what = "rebuilt" if res.rebuilt else "updated"
-        print(f"{res.store}: {what}; {res.new_bytes:,} new bytes from {res.new_files} rank "
+        print(f"{term(res.store)}: {what}; {res.new_bytes:,} new bytes from {res.new_files} rank "
               f"file(s) ({len(res.files)} tracked)")
     return 0

@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import warnings
 
+from stepscope.common.escape import term
+
 
 class StepscopeError(Exception):
     """Base class of every error stepscope raises on purpose."""
@@ -40,4 +42,5 @@ def warn(msg: str, stacklevel: int = 1) -> None:
     raise out of a hook or thread in the middle of training; the warning is then lost instead.
     """
     with contextlib.suppress(Exception):  # protect the job (see above)
-        warnings.warn(f"stepscope: {msg}", StepscopeWarning, stacklevel=stacklevel + 1)
+        # Names in the message are the user's: shown as text on the terminal, never obeyed.
+        warnings.warn(f"stepscope: {term(msg)}", StepscopeWarning, stacklevel=stacklevel + 1)
