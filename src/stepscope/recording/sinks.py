@@ -240,6 +240,11 @@ IDLE_TICK_S = 0.5
 #: steps. At ``finish()``/exit every record is written.
 DELIVERY_BOUND_S = 2 * IDLE_TICK_S
 
+#: Steps the writer's queue holds at most (with the batch bound): what a job holds while its
+#: writer is behind must not grow with the number of steps (a held step is ~1 KB). A loop
+#: of tiny steps that outruns the writer for good loses batches, counted, instead of memory.
+MAX_QUEUED_STEPS = 8192
+
 #: Keys this module adds to a record's ``dropped`` section (counts since the previous record).
 QUEUE_FULL = "writer_queue_full"
 UNWRITABLE = "unwritable"
@@ -286,6 +291,7 @@ class BackgroundWriter:
         sink: Sink,
         on_error: Callable[[BaseException], None],
         max_batches: int = 64,
+        max_steps: int | None = None,
         on_idle: Callable[[bool], Callable[[], list[dict[str, Any]]] | None] | None = None,
     ) -> None:
         self.sink = sink
@@ -302,6 +308,11 @@ class BackgroundWriter:
         self._on_error = on_error
         self._items: deque[Any] = deque()  # append/popleft are atomic: no lock on either side
         self._max = max_batches
+        self._max_steps = MAX_QUEUED_STEPS if max_steps is None else max_steps
+        #: Steps of the batches queued so far / taken so far: each counter has one writing
+        #: thread (the submitter under the outbox's lock / the writer), so neither needs a lock.
+        self._steps_in = 0
+        self._steps_out = 0
         #: Released (by any thread) to wake the writer; the writer acquires it to sleep. A
         #: release while it is already released is a wake already pending.
         self._bell = threading.Lock()
@@ -313,8 +324,9 @@ class BackgroundWriter:
         self._thread.start()
 
     def behind(self) -> bool:
-        """True while the queue is full: a batch submitted now would be dropped."""
-        return len(self._items) >= self._max
+        """True while the queue is full (in batches or in steps): a batch submitted now would
+        be dropped."""
+        return len(self._items) >= self._max or self._steps_in - self._steps_out >= self._max_steps
 
     def _ring(self) -> None:
         try:  # noqa: SIM105 (training thread, each hand-over: no context-manager object)
@@ -327,7 +339,11 @@ class BackgroundWriter:
             # Counted apart from the writer's own count: each counter has one writing thread.
             self._refused += len(item) if isinstance(item, list) else getattr(item, "steps", 0)
             return
-        if len(self._items) < self._max:
+        steps = getattr(item, "steps", 0)
+        queued = self._steps_in - self._steps_out
+        # One batch past the step bound is taken into an empty queue (it is all there is).
+        if len(self._items) < self._max and (queued + steps <= self._max_steps or not queued):
+            self._steps_in += steps
             self._items.append(item)
             self._ring()
         else:
@@ -383,6 +399,7 @@ class BackgroundWriter:
             worked = False
             while items:
                 item = items.popleft()
+                self._steps_out += getattr(item, "steps", 0)  # off the queue: out of the bound
                 if item is _STOP:
                     return
                 if not self._failed:
@@ -405,7 +422,7 @@ class BackgroundWriter:
         timeout, or at once when waiting cannot work (on the writer thread itself, the writer
         stopped, its queue full). Never on the training thread's hot path: for calls a user
         makes between steps (``summary()``)."""
-        if self._failed or self.behind() or threading.current_thread() is self._thread:
+        if self._failed or len(self._items) >= self._max or threading.current_thread() is self._thread:
             return False
         done = threading.Event()
         self._items.append(done.set)  # a callable item whose "records" are None: nothing written
@@ -441,6 +458,7 @@ class BackgroundWriter:
     def close(self, final: Callable[[], list[dict[str, Any]]] | None = None, timeout: float = 10.0) -> bool:
         """Run ``final`` (if any), drain and close; False if not done within ``timeout``."""
         if final is not None:
+            self._steps_in += getattr(final, "steps", 0)
             self._items.append(final)  # past the bound: the last batch is never dropped
         self._items.append(_STOP)
         self._ring()
