@@ -424,8 +424,11 @@ def _account(rows: Rows, n_ids: int, dated: bool, w_first: int, w_last: int,
     # (the monotonic clock's) stands.
     prev_end = start[prev].astype(np.float64) + ms[prev] * 1e6
     gap = np.where(has_prev, np.maximum(0.0, (start.astype(np.float64) - prev_end) / 1e6), 0.0)
+    # From the start difference in integer ns: float64 holds a 2026 timestamp to 256 ns only,
+    # and the rounding must not read as overlap.
     inside = has_prev & ~new_seg & (start >= start[prev])
-    overlap = np.where(inside, np.maximum(0.0, (prev_end - start.astype(np.float64)) / 1e6), 0.0)
+    since = (start - start[prev]).astype(np.float64) / 1e6
+    overlap = np.where(inside, np.maximum(0.0, ms[prev] - since), 0.0)
     counted = np.maximum(0.0, ms - overlap)
     missing = step - step[prev] - 1
     sampled = has_prev & ~new_seg & (missing > 0) & (missing <= MAX_SAMPLING_GAP)
