@@ -140,7 +140,7 @@ def _rows(con: Any, source: str) -> _Plan:
     """
     ids = [str(i) for (i,) in con.execute(f"SELECT DISTINCT run_id FROM {source} ORDER BY 1").fetchall()]
     split = _splitter(con)
-    con.execute(f"""CREATE OR REPLACE TEMP TABLE light_order AS
+    con.execute(f"""CREATE OR REPLACE TEMP TABLE rank_run_step_order AS
         SELECT rank, run_id, count(*) = count(DISTINCT step) AS by_step
         FROM (SELECT DISTINCT rank, run_id, step, start_unix_ns, step_ms FROM {source})
         GROUP BY 1, 2""")
@@ -151,10 +151,10 @@ def _rows(con: Any, source: str) -> _Plan:
                       WHERE {in_block('rank', b)}) l
                 -- only what the analysis kept (plausible, timed), re-done steps included
                 JOIN ({split('', b)}) sp USING (rank, step)
-                JOIN light_order o USING (rank, run_id)""", {"ids": ids},
+                JOIN rank_run_step_order o USING (rank, run_id)""", {"ids": ids},
                  _order("rank, rid, k, start_unix_ns, step"),
                  f"SELECT rank, count(*) FROM {source} GROUP BY 1 ORDER BY 1", ids,
-                 "light_order")
+                 "rank_run_step_order")
 
 
 def _order(order: str) -> str:

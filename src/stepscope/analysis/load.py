@@ -26,6 +26,7 @@ from typing import Any
 from stepscope.analysis import blocks
 from stepscope.analysis import store as st
 from stepscope.analysis.blocks import in_block, rank_blocks, step_blocks
+from stepscope.analysis.launches import RunSpan, choose, runs_in, runs_note, sql_filter
 from stepscope.analysis.record_files import (
     COLUMNS,
     MAX_LINE_BYTES,
@@ -43,7 +44,6 @@ from stepscope.analysis.record_files import (
     long_lines_note,
     rank_files,
 )
-from stepscope.analysis.launches import RunSpan, choose, runs_in, runs_note, sql_filter
 from stepscope.analysis.relations import drop, exists
 from stepscope.analysis.resource_use import TIMED_FILTER, create_resource_table
 from stepscope.common.errors import AnalysisError

@@ -77,6 +77,9 @@ _DECLARED = (
     Table("unseen_collectives", ("rank", "step", "path", "n"),
           "collectives issued where they could not be timed, per phase path"),
     # -- goodput (analysis/goodput.py) --
+    Table("rank_run_step_order", ("rank", "run_id", "by_step"),
+          "per rank and run: whether every step index occurs once (goodput orders its steps "
+          "by index) or a step was done again (ordered by wall clock)"),
     Table("timed_records_reread", ("rank", "run_id", "step", "start_unix_ns", "step_ms"),
           "timed_records read again from the rank files when loading did not keep it"),
     # -- phase statistics (analysis/stats.py) --

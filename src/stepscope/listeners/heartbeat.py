@@ -245,12 +245,12 @@ class Heartbeat:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=max(1.0, 2 * self.interval_s))
 
-    def on_closed(self, tracer: Tracer) -> None:
+    def on_closed(self, run: Run) -> None:
         """After the last record was written (or not): the final file with the final losses."""
         final = self._final
         if final is None:
             return
-        lost = tracer.unrecorded_losses()
+        lost = run.unrecorded_losses()
         if lost != final.get("lost"):
             self._final = {**final, "lost": lost}
             try:

@@ -120,6 +120,10 @@ class Run(Protocol):
 
     def finish(self) -> None: ...
 
+    def unrecorded_losses(self) -> dict[str, int]:
+        """Steps lost by reason that no written record counts (the heartbeat carries them)."""
+        ...
+
 
 class Listener(Protocol):
     """An observer of a run. ``add_listener`` takes any object with *any* of these methods
