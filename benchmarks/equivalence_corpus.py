@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "src")]
+sys.path[:0] = [str(ROOT / "tests" / "support"), str(ROOT / "src")]
 
 import synth_collectives as sc  # noqa: E402
 from synth_runs import Slow, SynthRun, write_run  # noqa: E402

@@ -28,7 +28,7 @@ def _launch(path: str, out: Path, ranks: int, seed: int) -> Path:
         from stepscope import demo
 
         return Path(demo.launch(out, ranks=ranks, steps=80, seed=seed))
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
     if path == "fsdp2":
         import dist_harness
 

@@ -59,7 +59,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_RECORD = ROOT / "benchmarks" / "results" / "gpu_check.json"
 
 # stepscope's runtime dependencies other than torch: import name -> the distributions to
-# install when it is missing (rich's own dependencies with it). tests/test_gpu_check_dry.py
+# install when it is missing (rich's own dependencies with it). tests/unit/test_gpu_check_dry.py
 # checks this against pyproject.toml.
 RUNTIME_DEPS: dict[str, tuple[str, ...]] = {
     "numpy": ("numpy",),

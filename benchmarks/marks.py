@@ -3,7 +3,7 @@
     PYTHONPATH=src python benchmarks/marks.py --steps 300 --phases 4 --reps 5
 
 A loop of ``--steps`` steps, each with ``--phases`` phases (one of them on a side stream),
-run on the simulator of ``tests/cudasim.py`` (no GPU needed), interleaved ``--reps`` times
+run on the simulator of ``tests/support/cudasim.py`` (no GPU needed), interleaved ``--reps`` times
 with a bare loop doing the same work without stepscope. Reports, as one JSON line:
 
 - ``marks_per_step``: CUDA events stepscope recorded per step (counted by the simulator);
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests"))  # cudasim lives beside the tests
+sys.path.insert(0, str(HERE.parent / "tests" / "support"))  # cudasim lives in the test support
 
 
 def _commit() -> str:
@@ -122,7 +122,7 @@ def main() -> None:
         "benchmark": "marks",
         "command": "python benchmarks/marks.py " + " ".join(sys.argv[1:]),
         "commit": _commit(),
-        "machine": "simulated CUDA runtime (tests/cudasim.py) on " + (os.uname().machine),
+        "machine": "simulated CUDA runtime (tests/support/cudasim.py) on " + (os.uname().machine),
         "load": round(os.getloadavg()[0], 2),
         "figures": figures,
     }), flush=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,8 @@ from stepscope.recording.sinks import MemorySink
 from stepscope.tracer import Tracer
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
+# Harnesses, simulators and synthetic runs live in tests/support/, imported by plain name.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ neither splits nor hides it.
 
 Prefix sums and each candidate split's gain in numpy (O(n log n) per series); the same
 floating-point operations in the same order as the scalar definition, so results are
-exactly those of the pure-Python form (`tests/test_changepoint_numpy.py`).
+exactly those of the pure-Python form (`tests/unit/analysis/test_changepoint.py`).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ The stages talk through these relations: the loader (:mod:`stepscope.analysis.lo
 ``steps``, ``phases`` and the records' other sections; the alignment, the wait rule and the
 own-work stage build theirs on top. A name is a table on one path and a view on another
 where the cheaper one differs (:mod:`stepscope.analysis.relations`); its columns are the
-same either way. ``tests/test_tables.py`` reads the sources and runs the analysis to check
+same either way. ``tests/unit/analysis/test_tables.py`` reads the sources and runs the analysis to check
 that every relation made is declared here, with these columns.
 
 Example::

@@ -34,7 +34,7 @@ def one_line(value: Any) -> str:
 # read other than it is; zero-width U+200B-D, U+2060-4, U+FEFF, the soft hyphen U+00AD and the
 # tag characters U+E0020-7F that hide text), Cs (lone surrogates, which no encoder accepts), Zl
 # and Zp (U+2028/9, line breaks to some readers). Written out as ranges so that importing this
-# module stays cheap; ``tests/test_name_escaping.py`` checks them against ``unicodedata``.
+# module stays cheap; ``tests/unit/common/test_escape.py`` checks them against ``unicodedata``.
 _UNSAFE_RANGES = (
     "\x00-\x1f\x7f-\x9f\xad\u0600-\u0605\u061c\u06dd\u070f\u0890\u0891\u08e2\u180e"
     "\u200b-\u200f\u2028-\u202e\u2060-\u2064\u2066-\u206f\ud800-\udfff\ufeff\ufff9-\ufffb"

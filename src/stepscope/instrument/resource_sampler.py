@@ -24,7 +24,7 @@ What is read where, and why none of it waits for the GPU:
   ``allocated_mb`` is what the step left allocated; a step that sets a new high shows it as a
   rise of the peak. The allocator keeps no second peak counter to reset privately.
   The counters describe allocations as the host issued them, which is what
-  limits memory. ``tests/test_resources.py`` runs this code against fakes whose
+  limits memory. ``tests/unit/instrument/test_resource_sampler.py`` runs this code against fakes whose
   ``synchronize`` raises. Alloc retries and OOMs are read on the writer thread at flush cadence.
 * Host memory: process RSS at each sampled step's end from one ``pread`` of
   ``/proc/self/statm`` (~1.5 µs; elsewhere psutil on the writer thread, at most every

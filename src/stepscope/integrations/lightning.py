@@ -6,6 +6,7 @@ from typing import Any
 
 import stepscope
 from stepscope.integrations import StepDriver, require
+from stepscope.recording.dist import launcher_run_id
 
 _pl = require("lightning.pytorch", "lightning", "stepscope.integrations.lightning")
 _profilers = require("lightning.pytorch.profilers", "lightning", "stepscope.integrations.lightning")
@@ -32,8 +33,6 @@ def _shared_run_id() -> str | None:
     the environment (the launcher already agrees).
     """
     import torch.distributed as dist
-
-    from stepscope.recording.dist import launcher_run_id
 
     if launcher_run_id() is not None:
         return None

@@ -24,7 +24,7 @@ own series (one endpoint's worth per rank) and every node its aggregates.
 Series at ``top_ranks = 8``, ``P`` phases in the exchange and ``S`` own series of one rank
 (``S = 3 + P + ops + throughput, FLOP and memory series``): job ``3 + 3P``, nodes
 ``min(8, nodes) × (3 + 3P)``, waits ``min(8, ranks)``, findings 3, the run info of each
-publishing rank, own ``min(8, ranks) × S``. Counted (``tests/test_export.py``) with ``P = 5``
+publishing rank, own ``min(8, ranks) × S``. Counted (``tests/unit/listeners/test_export.py``) with ``P = 5``
 (dataloader, forward, backward, optimizer, residual), one collective op, throughput and memory
 (``S = 15``), 8 ranks a node: 8 ranks 168 series, 1,000 ranks 294, 100,000 ranks 294. With
 ``top_ranks=None``: 1,000 ranks ~17,500; 100,000 ranks ~1.7 million (``100,000 × S`` plus
