@@ -85,9 +85,9 @@ def main() -> None:
         print(f"steps, phases and reps must be >= 1; got {vars(args)}", file=sys.stderr)
         raise SystemExit(2)
 
+    import cudasim
     import torch
 
-    import cudasim
     import stepscope
     from stepscope.recording.clock import CudaClock
 

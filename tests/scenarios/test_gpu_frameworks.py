@@ -9,12 +9,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import cudasim
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
-import cudasim
 from stepscope.recording.dist import become_local_rank, spawn_local
 
 pytestmark = pytest.mark.slow

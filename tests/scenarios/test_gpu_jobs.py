@@ -10,8 +10,6 @@ own device. A scenario that fails because of a defect still being fixed is marke
 
 from __future__ import annotations
 
-import paths  # tests/support: where the repository is
-
 import json
 import os
 import sys
@@ -19,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import cudasim
+import paths  # tests/support: where the repository is
 import pytest
 import torch
 import torch.distributed as dist
@@ -26,7 +26,6 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import cudasim
 import stepscope
 from stepscope.demo import SleepInBackward
 from stepscope.recording.dist import become_local_rank, free_port, run_then_exit, spawn_local

@@ -7,8 +7,6 @@ rank 0 finishes its loop, calls ``stepscope.finish()`` (and, in one variant, the
 
 from __future__ import annotations
 
-import paths  # tests/support: where the repository is
-
 import os
 import subprocess
 import sys
@@ -16,6 +14,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import paths  # tests/support: where the repository is
 import pytest
 
 from stepscope.listeners.live import FINISH_WAIT_S

@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from stepscope.analysis.run import analyze_run
 from synth_collectives import CollRun, ddp_program, fsdp_program, hf_program, make_records, write
 from synth_runs import Slow
+
+from stepscope.analysis.run import analyze_run
 
 
 def _doc(tmp_path: Path, spec: CollRun) -> dict[str, Any]:

@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 from rich.console import Console
 from rich.text import Text
+from synth_collectives import CollRun, make_records, write
 
 from stepscope.cli import main
 from stepscope.common import escape
-from synth_collectives import CollRun, make_records, write
 
 # Clear screen, set the window title, an OSC 8 hyperlink, a one-byte C1 CSI, BEL, backspace,
 # CR, rich markup (balanced, unbalanced, a link), markdown/HTML injection, a line separator.
@@ -137,7 +137,8 @@ def _beat(rank: int, **over: Any) -> dict[str, Any]:
     return beat
 
 
-def test_status_terminal_with_heartbeats_carrying_markup(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_status_terminal_with_heartbeats_carrying_markup(tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
     run = tmp_path / "run"
     run.mkdir()
     (run / "rank1.stacks.txt").write_text(

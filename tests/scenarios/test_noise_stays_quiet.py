@@ -11,14 +11,13 @@ straggler: the other rank's own work swings by as much, by itself. An injected s
 
 from __future__ import annotations
 
-import paths  # tests/support: where the repository is
-
 import json
 import random
 import shutil
 from pathlib import Path
 from typing import Any
 
+import paths  # tests/support: where the repository is
 import pytest
 
 from stepscope.analysis import stragglers

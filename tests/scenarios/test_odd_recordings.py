@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from stepscope.analysis.run import analyze_run
 from synth_runs import Slow, SynthRun, write_run
+
+from stepscope.analysis.run import analyze_run
 
 # A small model's step (~5 ms here) whose batches take 0.25 ms: input is ~5% of the step.
 BASE = {"dataloader": 0.25, "h2d": 0.05, "forward": 0.8, "backward": 1.2, "optimizer": 0.3}

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import paths  # tests/support: where the repository is
-
 import json
 import os
 import shutil
@@ -15,6 +13,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import paths  # tests/support: where the repository is
 import pytest
 import torch
 

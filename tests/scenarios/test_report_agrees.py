@@ -3,20 +3,19 @@ has a finding, and the units follow the clock."""
 
 from __future__ import annotations
 
-import paths  # tests/support: where the repository is
-
 import copy
 import io
 from pathlib import Path
 from typing import Any
 
+import paths  # tests/support: where the repository is
 import pytest
+from synth_runs import SynthRun, write_run
 
 from stepscope.analysis import cost
 from stepscope.analysis.diagnose import diagnose, explain_goodput
 from stepscope.analysis.run import analyze_run
 from stepscope.analysis.verdict import Verdict
-from synth_runs import SynthRun, write_run
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,6 @@ a stated reason, report the rest, and print valid JSON.
 
 from __future__ import annotations
 
-import paths  # tests/support: where the repository is
-
 import json
 import os
 import sqlite3
@@ -19,11 +17,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import paths  # tests/support: where the repository is
 import pytest
+from synth_runs import SynthRun, make_records, write_run
 
 from stepscope.cli.report_cmd import report_command
 from stepscope.recording.schema import SQLITE_COLUMNS, SQLITE_TABLE, record_to_row
-from synth_runs import SynthRun, make_records, write_run
 
 SRC = paths.SRC
 

@@ -7,10 +7,6 @@ nor shortens it, and the excess is the window's level, not the mean of its highe
 
 from __future__ import annotations
 
-import threading
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest

@@ -7,8 +7,6 @@ Item 12: bad heartbeat content gives a partial answer or exit 2, never a traceba
 
 from __future__ import annotations
 
-import paths  # tests/support: where the repository is
-
 import json
 import os
 import subprocess
@@ -18,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import paths  # tests/support: where the repository is
 import pytest
 
 from stepscope.cli import main

@@ -7,10 +7,10 @@ import sqlite3
 from pathlib import Path
 
 import pytest
+from synth_runs import Slow, SynthRun, make_records, write_run
 
 from stepscope.analysis.run import analyze_run
 from stepscope.recording.schema import SQLITE_COLUMNS, SQLITE_TABLE, record_to_row
-from synth_runs import Slow, SynthRun, make_records, write_run
 
 PHASES = ("dataloader", "h2d", "forward", "backward", "optimizer")
 VERDICT_KINDS = {"input_bound", "h2d_bound", "compute_bound", "comm_wait", "straggler",

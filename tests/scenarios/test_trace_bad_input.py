@@ -6,8 +6,6 @@ a child process under a memory limit, so a regression fails the test instead of 
 
 from __future__ import annotations
 
-import paths  # tests/support: where the repository is
-
 import gzip
 import json
 import subprocess
@@ -18,6 +16,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+import paths  # tests/support: where the repository is
 import pytest
 
 from stepscope.analysis.trace import MAX_DEPTH, analyze_trace

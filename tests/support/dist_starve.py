@@ -16,9 +16,9 @@ import sys
 from pathlib import Path
 
 import torch
+from dist_harness import gloo_group, loader, train
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dist_harness import gloo_group, loader, train
 from stepscope import demo
 from stepscope.recording.dist import spawn_local
 

@@ -23,10 +23,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import dist_harness
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import dist_harness
 from stepscope import demo
 from stepscope.recording.dist import spawn_local
 

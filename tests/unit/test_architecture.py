@@ -4,13 +4,12 @@ one way, the report renders only, and no function is longer than 150 lines."""
 
 from __future__ import annotations
 
-import paths  # tests/support: where the repository is
-
 import ast
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import paths  # tests/support: where the repository is
 import pytest
 
 PACKAGE = paths.SRC / "stepscope"

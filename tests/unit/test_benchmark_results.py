@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import paths  # tests/support: where the repository is
-
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+import paths  # tests/support: where the repository is
 import pytest
 
 ROOT = paths.ROOT

@@ -6,8 +6,6 @@ otherwise.
 
 from __future__ import annotations
 
-import paths  # tests/support: where the repository is
-
 import functools
 import http.server
 import re
@@ -18,6 +16,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import paths  # tests/support: where the repository is
 import pytest
 
 ROOT = paths.ROOT

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import paths  # tests/support: where the repository is
-
 import json
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import paths  # tests/support: where the repository is
 
 ROOT = paths.ROOT
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"

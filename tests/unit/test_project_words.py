@@ -6,12 +6,11 @@ people, branches, dated runs and absolute paths of the machine it was written on
 
 from __future__ import annotations
 
-import paths  # tests/support: where the repository is
-
 import re
 import subprocess
 from pathlib import Path
 
+import paths  # tests/support: where the repository is
 import pytest
 
 ROOT = paths.ROOT

@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from synth_runs import BASE_MS, Slow, SynthRun, write_run
 
 from stepscope.analysis.run import analyze_run
-from synth_runs import BASE_MS, Slow, SynthRun, write_run
 
 
 def _verdict(doc: dict[str, Any], kind: str) -> str:

@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from synth_runs import COMM_MS, Slow, SynthRun, make_records
 
 from stepscope.analysis.goodput import MS_PER_HOUR
 from stepscope.analysis.run import analyze_run
-from synth_runs import COMM_MS, Slow, SynthRun, make_records
 
 DAY_NS = 86_400 * 10**9
 

@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from synth_runs import SynthRun, make_records
 
 from stepscope.analysis.goodput import MS_PER_HOUR
 from stepscope.analysis.run import analyze_run
-from synth_runs import SynthRun, make_records
 
 HOUR_NS = 3600 * 10**9
 Records = dict[int, list[dict[str, Any]]]

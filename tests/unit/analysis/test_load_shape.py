@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import paths  # tests/support: where the repository is
-
 import ast
-from pathlib import Path
+
+import paths  # tests/support: where the repository is
 
 ANALYSIS = paths.SRC / "stepscope" / "analysis"
 

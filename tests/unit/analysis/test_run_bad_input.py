@@ -6,11 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
+from synth_runs import Slow, SynthRun, make_records, write_run
 
 from stepscope.analysis.run import analyze_run
 from stepscope.cli.report_cmd import report_command
 from stepscope.common.errors import AnalysisError
-from synth_runs import Slow, SynthRun, make_records, write_run
 
 
 def _write(root: Path, recs: dict[int, list[dict]]) -> Path:

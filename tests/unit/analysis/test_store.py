@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import json
 import shutil
 from pathlib import Path
@@ -10,17 +9,13 @@ from typing import Any
 
 import duckdb
 import pytest
-from synth_runs import Slow, SynthRun, make_records, write_run
-
 from documents import analysed_doc
+from synth_runs import Slow, SynthRun, make_records, write_run
 
 from stepscope.analysis import store as st
 from stepscope.analysis.load import load_run
 from stepscope.cli import main
 from stepscope.common.errors import AnalysisError
-from stepscope.common.escape import write_json
-
-
 
 
 def _damaged_run(root: Path) -> Path:

@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from documents import analysed_doc
 from synth_runs import Slow, SynthRun, make_records, write_run
 
 from stepscope.analysis import store as st
-from documents import analysed_doc
 
 _REBUILT = "dropped and rebuilt from the rank files"
 

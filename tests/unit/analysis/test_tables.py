@@ -8,8 +8,6 @@ statement that creates one, and compares its columns with the declared ones.
 
 from __future__ import annotations
 
-import paths  # tests/support: where the repository is
-
 import ast
 import importlib
 import json
@@ -17,13 +15,14 @@ import re
 from pathlib import Path
 from typing import Any
 
+import paths  # tests/support: where the repository is
 import pytest
-
 import synth_collectives as sc
+from synth_runs import Slow, SynthRun, write_run
+
 from stepscope.analysis import load
 from stepscope.analysis.run import analyze_run
 from stepscope.analysis.tables import TABLES, Table
-from synth_runs import Slow, SynthRun, write_run
 
 ANALYSIS = paths.SRC / "stepscope" / "analysis"
 

@@ -3,20 +3,18 @@ the trace report's form, and the one-fault-one-finding fold on it."""
 
 from __future__ import annotations
 
-import paths  # tests/support: where the repository is
-
 import ast
 import dataclasses
 import json
-from pathlib import Path
 from typing import Any
 
+import paths  # tests/support: where the repository is
 import pytest
+from synth_runs import Slow, SynthRun, write_run
 
 from stepscope.analysis import cost
 from stepscope.analysis.run import analyze_run
 from stepscope.analysis.verdict import KINDS, SEVERITIES, Consequence, Verdict
-from synth_runs import Slow, SynthRun, write_run
 
 #: Every key a run verdict in the JSON report may have.
 REPORT_KEYS = {"kind", "severity", "cost", "subject", "evidence", "suggestion", "rank", "phase",

@@ -6,9 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from synth_runs import SynthRun, write_run
 
 from stepscope.cli import main
-from synth_runs import SynthRun, write_run
 
 HOSTILE = "run\u202eevil\x1b[31m"
 

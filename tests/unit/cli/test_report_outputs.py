@@ -8,10 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from synth_runs import Slow, SynthRun, write_run
 
 from stepscope.cli import main
 from stepscope.report import plots
-from synth_runs import Slow, SynthRun, write_run
 
 
 @pytest.fixture(scope="module")

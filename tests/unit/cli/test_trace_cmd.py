@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import paths  # tests/support: where the repository is
-
 import json
 from pathlib import Path
 
+import paths  # tests/support: where the repository is
 import pytest
 
 from stepscope.cli import main

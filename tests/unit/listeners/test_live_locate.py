@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from synth_collectives import CollRun, ddp_program, fsdp_program, make_records
+from synth_runs import Slow
 
 from stepscope.listeners.live import (
     PAYLOAD_BYTES,
@@ -11,8 +13,6 @@ from stepscope.listeners.live import (
     encode_payload,
     summarize,
 )
-from synth_collectives import CollRun, ddp_program, fsdp_program, make_records
-from synth_runs import Slow
 
 
 def _summaries(spec: CollRun) -> list[dict | None]:

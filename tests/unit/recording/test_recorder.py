@@ -7,8 +7,6 @@ on; ``elapsed_time`` on an unfinished event raises, as CUDA does.
 
 from __future__ import annotations
 
-import paths  # tests/support: where the repository is
-
 import os
 import threading
 import time
@@ -16,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import paths  # tests/support: where the repository is
 import pytest
 import torch
 import torch.distributed as dist

@@ -12,9 +12,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from synth_runs import Slow, SynthRun, write_run
 
 from stepscope.cli import main
-from synth_runs import Slow, SynthRun, write_run
 
 CHROMIUM = next((p for p in (shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome"))
                  if p), None)

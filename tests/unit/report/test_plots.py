@@ -6,11 +6,11 @@ import struct
 from pathlib import Path
 
 import pytest
+from synth_runs import Slow, SynthRun, write_run
 
 from stepscope.analysis.heatmaps import plot_data
 from stepscope.analysis.run import open_analyzed_run
 from stepscope.report import plots
-from synth_runs import Slow, SynthRun, write_run
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import paths  # tests/support: where the repository is
-
 import json
 import os
 import pty
@@ -13,8 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import paths  # tests/support: where the repository is
 import pytest
-
 from synth_runs import SynthRun, write_run
 
 SRC = str(paths.SRC)

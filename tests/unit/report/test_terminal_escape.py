@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 from rich.console import Console
 from rich.text import Text
+from synth_runs import Slow, SynthRun, write_run
 
 from stepscope.cli import main
 from stepscope.common import escape
-from synth_runs import Slow, SynthRun, write_run
 
 HOSTILE = ["[/]", "[bold]x[/bold]", "a|b", "line\nbreak", "`tick`", "<img src=x>", "[red", "\\[/]"]
 
@@ -70,7 +70,8 @@ def _table_rows(md: str) -> list[list[str]]:
             for line in md.splitlines() if line.startswith("|")]
 
 
-def test_terminal_and_markdown_with_names_carrying_markup(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_terminal_and_markdown_with_names_carrying_markup(tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
     run = _hostile_run(tmp_path / "run")
     assert main(["report", str(run), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)

@@ -3,8 +3,6 @@ slow windows list their auto-profile captures (terminal and markdown)."""
 
 from __future__ import annotations
 
-import paths  # tests/support: where the repository is
-
 import json
 import os
 import re
@@ -12,8 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import paths  # tests/support: where the repository is
 import pytest
-
 from synth_runs import Slow, SynthRun, write_run
 
 SRC = str(paths.SRC)

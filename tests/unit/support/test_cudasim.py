@@ -5,11 +5,10 @@ from __future__ import annotations
 import itertools
 import threading
 
+import cudasim
 import pytest
 import torch
 from torch import nn
-
-import cudasim
 
 
 def _timed() -> torch.cuda.Event:

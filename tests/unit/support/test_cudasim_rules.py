@@ -12,9 +12,8 @@ import threading
 
 import pytest
 import torch
-from torch import nn
-
 from cudasim import UseAfterReuse
+from torch import nn
 
 MiB = 1 << 20
 

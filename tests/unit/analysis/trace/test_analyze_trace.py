@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import paths  # tests/support: where the repository is
-
 import gzip
 import json
 import tracemalloc
 from pathlib import Path
 from typing import Any
 
+import paths  # tests/support: where the repository is
 import pytest
 
 from stepscope.analysis import kernels as K

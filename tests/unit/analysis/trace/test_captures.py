@@ -8,13 +8,12 @@ three ``dist.all_reduce`` calls on two gloo ranks (CPU): each call shows as a fr
 
 from __future__ import annotations
 
-import paths  # tests/support: where the repository is
-
 import json
 import os
 import shutil
 from pathlib import Path
 
+import paths  # tests/support: where the repository is
 import pytest
 
 from stepscope.analysis.trace import find_traces

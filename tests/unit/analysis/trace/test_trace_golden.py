@@ -7,13 +7,12 @@ passed through the strict JSON writer; the file paths are reduced to their names
 
 from __future__ import annotations
 
-import paths  # tests/support: where the repository is
-
 import io
 import json
 from pathlib import Path
 from typing import Any
 
+import paths  # tests/support: where the repository is
 import pytest
 
 from stepscope.analysis.trace import analyze_trace
