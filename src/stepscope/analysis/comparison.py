@@ -26,8 +26,10 @@ from typing import Any
 
 import numpy as np
 
+from stepscope.analysis import changepoint
 from stepscope.analysis.hangs import is_collective
 from stepscope.analysis.load import RunData, load_run
+from stepscope.analysis.stats import phase_order
 from stepscope.common.errors import AnalysisError
 
 N_BOOT = 2000
@@ -401,7 +403,6 @@ def _own(series: dict[str, Any], top: str, shared: list[str]) -> dict[int, float
 def _diff_level(idx: list[int], a: dict[int, float], b: dict[int, float], sign: float,
                 step_ref: float, min_len: int) -> list[tuple[list[int], float]]:
     """Windows (their step indices and level) where ``sign * (b - a)`` sits above zero."""
-    from stepscope.analysis import changepoint
 
     both = [s for s in idx if s in a and s in b]
     if len(both) < 2 * min_len:
@@ -440,7 +441,6 @@ def slower_pct(step: dict[str, Any], windows: list[dict[str, Any]]) -> float:
 
 
 def _phase_key(phases: dict[str, dict[int, float]]) -> Any:
-    from stepscope.analysis.stats import phase_order
 
     tops = phase_order([p.split("/", 1)[0] for p in phases])
 

@@ -35,6 +35,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from stepscope.analysis.flight_records import apply_flight  # [export] PyTorch Flight Recorder dumps
 from stepscope.common.errors import AnalysisError
 from stepscope.common.safefs import read_run_file
 from stepscope.recording.schema import HEARTBEAT_KIND, HEARTBEAT_MAX_MESSAGE
@@ -559,7 +560,6 @@ def analyze_status(
         "notes": notes,
         "summary": _summary(views, culprit, why),
     }
-    from stepscope.analysis.flight_records import apply_flight  # [export] PyTorch Flight Recorder dumps
 
     apply_flight(doc, root, trust_dumps=trust_flight_dumps)
     return doc

@@ -13,7 +13,7 @@ from stepscope.analysis import cost
 from stepscope.analysis.coverage import add_coverage_sections
 from stepscope.analysis.diagnose import diagnose, explain_goodput
 from stepscope.analysis.goodput import compute_goodput
-from stepscope.analysis.hangs import crash_evidence, lost_note, run_losses
+from stepscope.analysis.hangs import MAX_HEARTBEAT_BYTES, crash_evidence, lost_note, run_losses
 from stepscope.analysis.host import split_host_busy
 from stepscope.analysis.load import RunData, load_run
 from stepscope.analysis.own import phase_waits
@@ -22,6 +22,7 @@ from stepscope.analysis.stats import create_phase_samples, phase_stats, rank_sta
 from stepscope.analysis.stragglers import attribute
 from stepscope.analysis.triggers import link_triggers
 from stepscope.common import slow_step
+from stepscope.common.safefs import read_run_file
 
 #: Version of the JSON document; bump when a key changes meaning.
 REPORT_VERSION = 1
@@ -223,8 +224,6 @@ def _analyze(data: RunData) -> dict[str, Any]:
 
 
 def _meta_config(data: RunData) -> dict[str, Any]:
-    from stepscope.analysis.hangs import MAX_HEARTBEAT_BYTES
-    from stepscope.common.safefs import read_run_file
 
     # The run-file rules: inside the run, a regular file, size-bounded.
     raw, _ = read_run_file(Path(data.run_dir), "meta.json", MAX_HEARTBEAT_BYTES)

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from stepscope.analysis.trace import analyze_parsed, parse_trace
 from stepscope.common.safefs import run_file
 from stepscope.recording.schema import TRIGGERS_FILE
 
@@ -65,7 +66,6 @@ def load_triggers(run_dir: str | Path) -> tuple[list[dict[str, Any]], list[str]]
 
 def summarize_trace(path: Path) -> dict[str, Any]:
     """A one-line view of a captured trace, from the streaming trace analyser."""
-    from stepscope.analysis.trace import analyze_parsed, parse_trace
 
     try:
         result = analyze_parsed(parse_trace(path))

@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from stepscope.common.escape import md, md_code
+from stepscope.common.escape import rich as escape
+from stepscope.report.terminal import make_console
 
 
 def _ms(x: float | None) -> str:
@@ -32,8 +34,6 @@ def render_compare(doc: dict[str, Any], console: Any = None) -> None:
     """Print the comparison document with rich."""
     from rich.table import Table
 
-    from stepscope.common.escape import rich as escape
-    from stepscope.report.terminal import make_console
 
     con = console or make_console()
     a, b = doc["a"], doc["b"]

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from stepscope.common.escape import rich as escape
+
 PIPE_COLUMNS = ("stage", "rank", "bubble ms/step", "bubble share", "p2p ms/step",
                 "others waited on it ms/step")
 EXPERT_COLUMNS = ("group", "rank", "calls/step", "sent MB/step", "recv MB/step",
@@ -56,7 +58,6 @@ def print_terminal(doc: dict[str, Any], console: Any) -> None:
     """Print the pipeline and experts tables with rich (only the ones the run has)."""
     from rich.table import Table
 
-    from stepscope.common.escape import rich as escape
 
     for title, cols, body, footer in (
         ("Pipeline stages (bubble = waiting on neighbours)", PIPE_COLUMNS, pipeline_rows(doc),

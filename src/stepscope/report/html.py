@@ -16,6 +16,7 @@ from typing import Any
 
 from stepscope.common.escape import html_text, json_for_script
 from stepscope.common.figures import PlotData
+from stepscope.common.safefs import write_output
 from stepscope.report.plots import scale_note
 
 _JS = r"""
@@ -250,7 +251,6 @@ def render_html(doc: dict[str, Any], pd: PlotData | None) -> str:
 
 def write_html(doc: dict[str, Any], path: str, plots: PlotData | None = None) -> str:
     """Write the self-contained page (with its plots given ``plots``); returns its path."""
-    from stepscope.common.safefs import write_output
 
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)

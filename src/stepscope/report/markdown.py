@@ -7,9 +7,12 @@ from typing import Any
 
 from stepscope.common.escape import md, md_code
 from stepscope.common.figures import PlotData
+from stepscope.common.safefs import write_output
 from stepscope.report.collective_view import markdown_lines as collectives_markdown
 from stepscope.report.coverage_view import markdown_lines as coverage_markdown
+from stepscope.report.goodput_view import markdown_lines as goodput_lines  # [export]
 from stepscope.report.plots import have_matplotlib, write_pngs
+from stepscope.report.resource_view import markdown_lines  # [metrics]
 from stepscope.report.terminal import capture_label, window_captures
 
 
@@ -92,10 +95,8 @@ def render_markdown(doc: dict[str, Any], images: list[str] | None = None) -> str
     if len(doc["ranks"]) > 64:
         lines.append(f"\n({len(doc['ranks']) - 64} more ranks in the JSON report)")
     lines.append("")
-    from stepscope.report.resource_view import markdown_lines  # [metrics]
 
     lines += markdown_lines(doc)
-    from stepscope.report.goodput_view import markdown_lines as goodput_lines  # [export]
 
     lines += goodput_lines(doc)
     if images:
@@ -109,7 +110,6 @@ def write_markdown(doc: dict[str, Any], path: str, plots: PlotData | None = None
     """Write the markdown file (and, given ``plots``, PNGs beside it when matplotlib is
     there); paths written. A link at any of those paths is refused
     (:class:`~stepscope.common.safefs.UnsafePath`)."""
-    from stepscope.common.safefs import write_output
 
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,7 @@ from typing import Any
 
 from stepscope.common.escape import plot
 from stepscope.common.figures import ColorScale, Grid, PlotData
+from stepscope.common.safefs import write_output
 
 
 def scale_note(sc: ColorScale) -> str:
@@ -52,7 +53,6 @@ def write_pngs(pd: PlotData, out_dir: Path, stem: str) -> list[Path]:
     def save(fig: Any, name: str) -> None:
         import io
 
-        from stepscope.common.safefs import write_output
 
         path = out_dir / f"{stem}_{name}.png"
         buf = io.BytesIO()

@@ -27,6 +27,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
+from stepscope.common.escape import rich as escape
+
 _ACTIVE: list[Bar] = []
 
 
@@ -138,7 +140,6 @@ def progress(total: float | None, desc: str, unit: str = "files", *, stream: Tex
     cols += [TaskProgressColumn(), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()]
     console = Console(file=out, stderr=out is sys.stderr, highlight=False)
     prog = Progress(*cols, console=console, transient=True, refresh_per_second=8)
-    from stepscope.common.escape import rich as escape
 
     task = prog.add_task(escape(desc), total=total if total else None)
     bar = Bar(prog, task)

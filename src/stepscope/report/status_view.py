@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from stepscope.common.escape import rich as escape
+from stepscope.report.flight_view import render_flight  # [export] PyTorch Flight Recorder section
+
 _STATE_STYLE = {
     "running": "green",
     "waiting": "yellow",
@@ -19,7 +22,6 @@ def render_status(doc: dict[str, Any], console: Any = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from stepscope.common.escape import rich as escape
 
     con = console or Console()
     run = doc["run"]
@@ -61,7 +63,6 @@ def render_status(doc: dict[str, Any], console: Any = None) -> None:
             for frame in cul["stack_top"]:
                 con.print(f"  {escape(frame)}", soft_wrap=True)
     con.print(escape(doc["summary"]))
-    from stepscope.report.flight_view import render_flight  # [export] PyTorch Flight Recorder section
 
     render_flight(doc.get("flight_recorder"), con)
     for note in doc["notes"]:

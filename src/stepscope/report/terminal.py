@@ -13,6 +13,8 @@ from typing import Any
 
 from stepscope.common.escape import one_line
 from stepscope.common.escape import rich as esc
+from stepscope.report import goodput_view as _gp  # [export] productive vs lost GPU-hours
+from stepscope.report import resource_view as _res  # [metrics] tokens/s, MFU, memory, device
 from stepscope.report.collective_view import print_terminal as print_collectives
 from stepscope.report.coverage_view import print_terminal as print_coverage
 
@@ -229,9 +231,7 @@ def render_terminal(doc: dict[str, Any], console: Any = None) -> None:
                         width, optional=("p90", *heads[5:]), plain_rows=plain))
     if slow:
         con.print("[dim]* straggler. Medians per step; own = step − wait at the collective.[/]")
-    from stepscope.report import resource_view as _res  # [metrics] tokens/s, MFU, memory, device
 
     _res.render_terminal(doc, con)
-    from stepscope.report import goodput_view as _gp  # [export] productive vs lost GPU-hours
 
     _gp.render_terminal(doc, con)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from stepscope.common.escape import md, md_code, one_line
+from stepscope.common.safefs import write_output
 
 
 def _f(v: Any, nd: int = 1) -> str:
@@ -111,7 +112,6 @@ def write_markdown(doc: dict[str, Any], path: str) -> None:
     The summary shows GPU step breakdowns; CPU-only ranks' steps (no GPU fields) are in
     their ``cpu`` section.
     """
-    from stepscope.common.safefs import write_output
 
     md_doc = {**doc, "ranks": [r if r.get("total") is not None else {**r, "steps": []}
                                for r in doc["ranks"]]}

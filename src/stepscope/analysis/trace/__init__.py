@@ -23,7 +23,7 @@ from stepscope.analysis.trace.events import CpuOps, DeviceEvent, ParsedTrace, pa
 from stepscope.analysis.trace.intervals import Interval, intersect, merge
 from stepscope.analysis.trace.reader import MAX_DEPTH, MAX_INFLATED_BYTES
 from stepscope.analysis.trace.trace_verdicts import diagnose
-from stepscope.common.errors import AnalysisError
+from stepscope.common.errors import AnalysisError, StepscopeWarning
 
 SCHEMA = "stepscope.trace/1"
 
@@ -122,7 +122,6 @@ def analyze_trace(path: str | os.PathLike[str], workers: int | None = None,
     if skipped:
         import warnings as _w
 
-        from stepscope.common.errors import StepscopeWarning
 
         _w.warn(f"stepscope trace: skipped {skipped} malformed event(s) in {path}; "
                 "see the per-rank warnings", StepscopeWarning, stacklevel=2)
