@@ -283,7 +283,8 @@ def _seq_sum(acc: float, v: np.ndarray[Any, Any]) -> float:
     return float(np.cumsum(np.concatenate(([acc], v)))[-1])
 
 
-def compute_goodput(con: Any, run_dir: str | Path, warmup: dict[str, Any] | None) -> dict[str, Any] | None:
+def compute_goodput(con: Any, run_dir: str | Path, warmup: dict[str, Any] | None,
+                    clock: str = "cpu") -> dict[str, Any] | None:
     """The report's ``goodput`` section from a loaded run (after attribution built ``step_waits``
     and ``collective_waits``).
 
@@ -328,7 +329,9 @@ def compute_goodput(con: Any, run_dir: str | Path, warmup: dict[str, Any] | None
             **finish(acc.runs[code]),
         })
     return {
-        "unit": "GPU-hours (one device per rank)",
+        # What a rank holds follows its clock: a GPU on a CUDA clock, else a CPU process.
+        "unit": ("GPU-hours (one device per rank)" if clock.startswith("cuda")
+                 else "CPU-hours (one process per rank)"),
         **finish(acc.totals),
         "categories": list(CATEGORIES),
         "runs": run_list,

@@ -171,7 +171,7 @@ def _analyze(data: RunData) -> dict[str, Any]:
                                         "steps lost while recording (counted by the recorder)"))
         run["partial"] = True
     # Productive vs lost device time (analysis/goodput.py): the same split the advice follows.
-    goodput = compute_goodput(con, data.run_dir, att.warmup)
+    goodput = compute_goodput(con, data.run_dir, att.warmup, clock=data.clock)
     verdicts = diagnose(run, phases, ranks, stragglers, windows, goodput)
     # Auto-profile captures live under run: the six top-level keys are the contract.
     run["captures"], trigger_skips = link_triggers(data.run_dir, windows)

@@ -188,3 +188,10 @@ def test_steps_filled_by_their_phases_leave_exactly_no_productive_time(tmp_path:
     assert gp["productive_gpu_hours"] == 0.0
     assert gp["goodput"] == 0.0
     assert _ms(gp, "input_stalls") > 0.9 * sum(r["step_ms"] for rows in recs.values() for r in rows)
+
+
+@pytest.mark.parametrize(("clock", "unit"), [("cpu", "CPU-hours"), ("cuda", "GPU-hours")])
+def test_the_unit_follows_the_clock(tmp_path: Path, clock: str, unit: str) -> None:
+    """A rank on a CPU clock holds a CPU process, not a GPU: the unit says which."""
+    doc = analyze_run(_write(tmp_path / clock, make_records(SynthRun(ranks=2, steps=30, clock=clock))))
+    assert doc["goodput"]["unit"].startswith(unit), doc["goodput"]["unit"]
