@@ -6,7 +6,7 @@ from typing import Any
 
 import stepscope
 from stepscope.integrations import StepDriver, require
-from stepscope.recording.dist import launcher_run_id
+from stepscope.recording.dist import launcher_run_id, new_run_id
 
 _pl = require("lightning.pytorch", "lightning", "stepscope.integrations.lightning")
 _profilers = require("lightning.pytorch.profilers", "lightning", "stepscope.integrations.lightning")
@@ -38,10 +38,7 @@ def _shared_run_id() -> str | None:
         return None
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return None
-    import time
-    import uuid
-
-    box = [time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:8] if dist.get_rank() == 0 else None]
+    box = [new_run_id() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return str(box[0])
 
