@@ -74,15 +74,15 @@ BLOCK_ROWS = 1 << 20
 class _Plan:
     """What the accounting reads: ``select`` gives a block of ranks' rows (columns of
     :data:`Rows`, plus those ``order`` names), accounted in ``order``; ``per_rank`` counts
-    rows per rank (for the blocks); ``ids``: the run ids by code; ``drop``: a table to drop
-    after."""
+    rows per rank (for the blocks); ``ids``: the run ids by code; ``drop``: the tables to
+    drop after."""
 
     select: Callable[[tuple[int, int]], str]
     params: dict[str, Any]
     order: str
     per_rank: str
     ids: list[str]
-    drop: str | None = None  # tables to drop after, by name, space-separated
+    drop: tuple[str, ...] = ()
 
 
 def _light_rows(con: Any, run_dir: Path) -> _Plan | None:
@@ -125,7 +125,7 @@ def _read_light(con: Any, files: list[Path], max_line: int) -> _Plan | None:
           AND step_ms IS NOT NULL AND isfinite(step_ms) AND step_ms >= 0 AND {TIMED_FILTER}
           AND start_unix_ns >= 0 AND start_unix_ns < {MAX_START_NS} AND step_ms <= {MAX_MS}""")
     plan = _rows(con, "timed_records_reread")
-    plan.drop = f"{plan.drop or ''} timed_records_reread"
+    plan.drop = (*plan.drop, "timed_records_reread")
     return plan
 
 
@@ -154,7 +154,7 @@ def _rows(con: Any, source: str) -> _Plan:
                 JOIN rank_run_step_order o USING (rank, run_id)""", {"ids": ids},
                  _order("rank, rid, k, start_unix_ns, step"),
                  f"SELECT rank, count(*) FROM {source} GROUP BY 1 ORDER BY 1", ids,
-                 "rank_run_step_order")
+                 ("rank_run_step_order",))
 
 
 def _order(order: str) -> str:
@@ -365,7 +365,7 @@ def _account_all(con: Any, plan: _Plan, dated: bool, w_first: int, w_last: int,
                     _account(rows, len(plan.ids), dated, w_first, w_last, acc)
                 del rows
     finally:
-        for table in (plan.drop or "").split():
+        for table in plan.drop:
             con.execute(f"DROP TABLE IF EXISTS {table}")
     return n > 0
 
