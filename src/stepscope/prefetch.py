@@ -35,11 +35,15 @@ class PrefetchLoader:
     bytes copied (``h2d_bytes``).
 
     A batch is ready on the stream that is current when it is handed over (the ``for``
-    statement's ``next()``): iterate inside ``with torch.cuda.stream(s):`` to read batches on
-    ``s``. Read on another stream, a batch may be read before its copy ended: make that
-    stream wait first (``s.wait_stream(torch.cuda.current_stream())``). Each handed-over
-    batch is kept alive until that stream has passed its last use, so its memory is never
-    reused while a kernel still reads it.
+    statement's ``next()``) and, while stepscope records, on every other stream a timed phase
+    of the step runs on (``with torch.cuda.stream(s): with stepscope.phase("work"): ...``, or
+    a model whose forward is timed): that stream waits for the copy when the phase opens, and
+    for every later batch's copy at hand-over. Work on another stream that stepscope does not
+    see (no phase around it, or stepscope not recording) may read a batch before its copy
+    ended: iterate inside ``with torch.cuda.stream(s):``, or make that stream wait first
+    (``s.wait_stream(torch.cuda.current_stream())``). Each handed-over batch is kept alive
+    until every stream it was made ready on has passed its last use, so its memory is never
+    reused while a kernel there still reads it.
 
     Example::
 
@@ -195,6 +199,8 @@ class _Failed:
 
 
 _END = object()
+#: Side streams a loader remembers making batches ready on (see _CudaPrefetchIter.on_stream).
+_MAX_READERS = 8
 
 
 class _CudaPrefetchIter:
@@ -222,8 +228,12 @@ class _CudaPrefetchIter:
         self._pending: _Staged | _Failed | object | None = None
         # Copies handed over but maybe still running: their pinned sources stay alive here.
         self._inflight: deque[tuple[Any, list[Any]]] = deque()
-        #: The batch handed over last (its device memory) and its consumer stream.
-        self._current: tuple[Any, Any] | None = None
+        #: The batch handed over last (its device memory), its copy's end event, and the
+        #: streams it was made ready on (the consumer stream first).
+        self._current: tuple[Any, Any, list[Any]] | None = None
+        #: Other streams timed phases ran on (see on_stream): each later batch is made ready
+        #: on them too. Bounded: a job that makes a stream per step must not grow it.
+        self._readers: deque[Any] = deque(maxlen=_MAX_READERS)
         #: Handed-over batches kept alive until the consumer stream passed an event recorded
         #: after their last use (see _retire_current).
         self._in_use: deque[tuple[Any, Any]] = deque()
@@ -282,6 +292,20 @@ class _CudaPrefetchIter:
         except Exception as exc:  # not swallowed: re-raised at this batch's turn in __next__
             self._pending = _Failed(exc)
 
+    def on_stream(self, stream: Any) -> None:
+        """A timed phase opened on ``stream`` (any thread, before its work is queued): make
+        the batch in use ready there too, and every later batch."""
+        cur = self._current
+        if cur is None or self._closed:
+            return
+        _batch, done, ready = cur
+        if stream in ready:
+            return
+        stream.wait_event(done)
+        ready.append(stream)
+        if stream not in self._readers:
+            self._readers.append(stream)
+
     def close(self) -> None:
         """End the epoch: drop the prefetched batch, wait out copies still reading pinned memory."""
         if self._closed:
@@ -331,10 +355,11 @@ class _CudaPrefetchIter:
         cur, self._current = self._current, None
         if cur is None:
             return
-        batch, consumer = cur
-        used = self._be.new_event(enable_timing=False)
-        used.record(consumer)
-        self._in_use.append((used, batch))
+        batch, _done, streams = cur
+        for stream in streams:  # the consumer, and every other stream it was made ready on
+            used = self._be.new_event(enable_timing=False)
+            used.record(stream)
+            self._in_use.append((used, batch))
 
     def _stage(self) -> _Staged | _Failed | object:
         assert self._src is not None
@@ -423,7 +448,8 @@ class _CudaPrefetchIter:
     def _hand_over(self, cur: _Staged, consumer: Any) -> None:
         # Everything queued for the previous batch is on the consumer stream by now.
         self._retire_current()
-        self._current = (cur.batch, consumer)
+        ready = [consumer]
+        self._current = (cur.batch, cur.done, ready)
         tracer = self._tracer
         if tracer.recording:
             token = tracer.open_phase("h2d")
@@ -434,6 +460,10 @@ class _CudaPrefetchIter:
             tracer.add_counter("h2d_bytes", cur.nbytes)
         else:
             consumer.wait_event(cur.done)
+        for stream in self._readers:  # streams earlier steps' phases ran on
+            if stream not in ready:
+                stream.wait_event(cur.done)
+                ready.append(stream)
         self._inflight.append((cur.done, cur.keepalive))
         cur.keepalive = []
 
@@ -448,6 +478,16 @@ class _StepEndHook:
         it = self.it() if self.it is not None else None
         if it is not None:
             it.on_step_end()
+
+    def on_stream(self, tracer: Any, stream: Any) -> None:
+        it = self.it() if self.it is not None else None
+        if it is None:
+            return
+        try:
+            it.on_stream(stream)
+        except Exception as exc:  # protect the job: the batch stays ready on its consumer
+            it._owner._warn_once("on-stream", f"could not make a batch ready on a side "
+                                 f"stream: {type(exc).__name__}: {exc}")
 
 
 class _CudaBackend:

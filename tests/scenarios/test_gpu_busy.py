@@ -203,3 +203,36 @@ def test_a_prefetched_batch_is_ready_on_the_stream_it_is_read_from(tmp_path, cud
     # raises otherwise; the fixture checks what stepscope might have swallowed).
     assert sim.reuse_errors == []
     assert sim.kernels > 0
+
+
+@pytest.mark.parametrize("every_n_steps", [1, 2])
+def test_a_batch_is_ready_on_a_side_stream_a_timed_phase_reads_it_on(tmp_path, cuda_sim,
+                                                                   every_n_steps):
+    # Batches are handed over on the default stream; each step reads its batch on a side
+    # stream inside a timed phase. The phase's opening makes the side stream wait for the
+    # copy; once seen, every later batch (unsampled steps too) is made ready there at
+    # hand-over, and stays alive until the side stream has passed its last use.
+    sim = cuda_sim(tflops=TFLOPS, copy_bytes_per_ns=COPY_BYTES_PER_NS)
+    model = nn.Linear(1024, 1024, bias=False).to("cuda")
+    data = [torch.randn(64, 1024).pin_memory() for _ in range(BATCHES)]
+    side = torch.cuda.Stream()
+    stepscope.init(out_dir=str(tmp_path), flush_every_n_steps=1, heartbeat_s=0,
+                   every_n_steps=every_n_steps)
+    try:
+        for batch in PrefetchLoader(data, "cuda"):
+            with stepscope.step():
+                with torch.cuda.stream(side), stepscope.phase("work"):
+                    model(batch).sum().backward()
+                torch.cuda.current_stream().wait_stream(side)
+        sim.drain()
+    finally:
+        stepscope.finish()
+    recs = _records(tmp_path)
+    assert [r["step"] for r in recs] == list(range(0, BATCHES, every_n_steps))
+    # Every read came after its copy and before any reuse (the simulator raises otherwise).
+    assert sim.reuse_errors == []
+    copy_ms = 64 * 1024 * 4 / COPY_BYTES_PER_NS / 1e6
+    for r in recs[1:]:
+        (work,) = [p for p in r["phases"] if p["name"] == "work"]
+        assert work["ms"] > 0.0
+        assert r["side_ms"]["h2d_copy"] >= copy_ms * 0.99

@@ -130,8 +130,11 @@ class Listener(Protocol):
     (and a plain callable as ``on_record``); a listener defines only those it needs.
 
     ``on_step_end`` and ``on_finish`` run on the training thread, ``on_record`` on the writer
-    thread; ``on_exception(run, exc_type, exc, phase_stack)`` when a step raises, and
-    ``on_closed(run)`` after the last record was written, are optional too.
+    thread; ``on_exception(run, exc_type, exc, phase_stack)`` when a step raises,
+    ``on_closed(run)`` after the last record was written, and ``on_stream(run, stream)`` when
+    a timed phase opens on another CUDA stream than the phase before it (on the thread that
+    opens it, before the phase's work is queued; it must be cheap and must not raise), are
+    optional too.
     """
 
     def on_step_end(self, run: Run, index: int) -> None: ...

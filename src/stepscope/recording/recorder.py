@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from stepscope.common.errors import warn
@@ -83,6 +84,9 @@ class Recorder:
         self._warned: set[str] = set()
         #: Marks are ``perf_counter_ns`` values: a span's wall-clock start follows from its mark.
         self._host_marks = bool(getattr(clock, "host_readable", False))
+        #: Called with each phase's start mark once a listener watches the streams phases run
+        #: on (:meth:`Session.add_listener`, ``on_stream``); ``None`` costs one check per phase.
+        self._phase_opened: Callable[[Any], None] | None = None
 
     # ------------------------------------------------------------------ state
 
@@ -167,6 +171,9 @@ class Recorder:
             step.spans.append(span)
             span.stack = stack
             stack.append(span)
+            opened = self._phase_opened
+            if opened is not None:
+                opened(span.start)
             return span
         except Exception as exc:  # protect the job: timing errors disable timing only
             self.fail(exc)

@@ -81,6 +81,8 @@ class Session(Recorder):
         self._handed: BaseException | None = None  # a failure found off the training thread
         self._listeners: list[Any] = []
         self._step_end: list[Callable[[Any, int], None]] = []
+        self._on_stream: list[Callable[[Any, Any], None]] = []
+        self._last_phase_stream: Any = None
         self._forward_seen = False
         self._sampled_seen = 0
         self._step_wall = 0.0  # time.time() at step entry
@@ -145,7 +147,7 @@ class Session(Recorder):
     def add_listener(self, listener: Any) -> None:
         """Register an observer: an object with any of ``on_step_end(tracer, index)``,
         ``on_record(record)``, ``on_exception(tracer, exc_type, exc, phase_stack)``,
-        ``on_finish(tracer)``; a plain
+        ``on_finish(tracer)``, ``on_stream(tracer, stream)``; a plain
         callable is taken as ``on_record``. ``on_record`` runs on the writer thread."""
         if callable(listener) and not hasattr(listener, "on_record"):
             fn = listener
@@ -158,6 +160,19 @@ class Session(Recorder):
         self._listeners.append(listener)
         if hasattr(listener, "on_step_end"):
             self._step_end.append(listener.on_step_end)
+        if hasattr(listener, "on_stream"):
+            self._on_stream.append(listener.on_stream)
+            self._phase_opened = self._phase_stream
+
+    def _phase_stream(self, mark: Any) -> None:
+        """A phase opened (any thread): tell ``on_stream`` listeners when it runs on another
+        CUDA stream than the phase opened before it (host marks have no stream)."""
+        stream = getattr(mark, "stream", None)
+        if stream is None or stream is self._last_phase_stream:
+            return
+        self._last_phase_stream = stream
+        for fn in self._on_stream:
+            fn(self, stream)
 
     def recent_records(self) -> list[dict[str, Any]]:
         """The last resolved records of this rank (oldest first)."""
