@@ -17,8 +17,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from stepscope.listeners.autoprofile import TRIGGERS_FILE, AutoProfileConfig
+from stepscope.recording.config import AutoProfileConfig
 from stepscope.recording.dist import free_port, run_then_exit
+from stepscope.recording.schema import TRIGGERS_FILE
 
 
 def _worker(rank: int, port: int, out: str) -> None:

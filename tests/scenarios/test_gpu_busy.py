@@ -17,6 +17,7 @@ from torch import nn
 
 import stepscope
 from stepscope.prefetch import PrefetchLoader
+from stepscope.recording.config import AutoProfileConfig
 from stepscope.recording.schema import read_run
 
 KiB = 1 << 10
@@ -76,7 +77,7 @@ def test_no_cuda_context_on_a_device_but_the_resolved_one(tmp_path, cuda_sim, mo
     if set_device:
         torch.cuda.set_device(1)
     # auto_profile: a capture triggered by one slow step (host time) after a short history.
-    auto = autoprofile.AutoProfileConfig(window=8, min_history=6, patience=1, steps=2,
+    auto = AutoProfileConfig(window=8, min_history=6, patience=1, steps=2,
                                          warmup=1, compare_healthy=False)
     kw: dict[str, Any] = ({"profile_steps": (1, 3)} if how == "profile_steps" else
                           {"auto_profile": auto})

@@ -10,13 +10,10 @@ import pytest
 import torch
 
 from stepscope.common.errors import ConfigError
-from stepscope.listeners.autoprofile import (
-    TRIGGERS_FILE,
-    AutoProfileConfig,
-    SlowStepDetector,
-    resolve_auto_profile,
-)
+from stepscope.listeners.autoprofile import SlowStepDetector
+from stepscope.recording.config import AutoProfileConfig, resolve_auto_profile
 from stepscope.recording.dist import become_local_rank, spawn_local
+from stepscope.recording.schema import TRIGGERS_FILE
 
 
 def _feed(det: SlowStepDetector, values) -> list[int]:
