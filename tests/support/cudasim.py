@@ -20,7 +20,8 @@ costed by FLOPs or bytes (a dispatch mode on the training and autograd threads),
 launch queue blocks a host that is too far ahead. Always on: CUDA contexts per device
 (:attr:`CudaSim.contexts`), per-stream capture in global / thread_local / relaxed mode
 (:class:`CUDAGraph`, ``torch.cuda.graph``, :meth:`CudaSim.capture`), NCCL-style collectives
-on a communication stream (:meth:`CudaSim.collective`), and a caching-allocator block model
+on a communication stream (:meth:`CudaSim.collective`; a one-rank ``torch.distributed``
+group running them, :meth:`CudaSim.nccl_group`), and a caching-allocator block model
 that raises :class:`UseAfterReuse` when a kernel reads memory a later copy overwrote. Each
 rule's docstring names the CUDA / PyTorch behaviour it models; ``docs/gpu-semantics.md``
 lists them with their tests.
@@ -293,6 +294,11 @@ class Stream:
         sim._drain_to(self._s.last)
 
     def wait_event(self, event: Event) -> None:
+        # torch/cuda/streams.py: ``Stream.wait_event(event)`` is ``event.wait(self)`` (so is
+        # ``wait_stream``, through it): a patch of ``Event.wait`` sees every such join.
+        event.wait(self)
+
+    def _wait_event(self, event: Event) -> None:
         # cudaStreamWaitEvent: later work on this stream starts only after the event's work;
         # waiting on a never-recorded event is a no-op (torch's CUDAEvent::block checks isCreated).
         sim = self._s.sim
@@ -442,9 +448,11 @@ class Event:
             sim._drain_to(self._item)
 
     def wait(self, stream: Stream | None = None) -> None:
+        # torch.cuda.Event.wait: the current stream when none is given, then
+        # CUDAEvent::block -> cudaStreamWaitEvent.
         if stream is None:
             stream = self._sim.current_stream()
-        stream.wait_event(self)
+        stream._wait_event(self)
 
     def ipc_handle(self) -> Any:
         raise RuntimeError("the CUDA simulator does not share events across processes")
@@ -467,12 +475,102 @@ class Work:
         self.end = end
 
     def wait(self, timeout: Any = None) -> bool:
-        # WorkNCCL::wait -> synchronizeStream: the current stream waits for the end event.
-        self.end.wait(_sim().current_stream())
+        # WorkNCCL::wait -> synchronizeStream: the current stream waits for the end event
+        # (cudaStreamWaitEvent in C++, not through the Python ``Event.wait``).
+        _sim().current_stream()._wait_event(self.end)
         return True
 
     def is_completed(self) -> bool:
         return self.end.query()
+
+
+SIM_NCCL = "cudasim_nccl"  # the backend name :func:`sim_nccl_group` is registered under
+
+
+def _register_sim_nccl() -> None:
+    import torch.distributed as dist
+
+    if SIM_NCCL not in dist.Backend.backend_list:
+        dist.Backend.register_backend(SIM_NCCL, lambda store, rank, size, timeout:
+                                      sim_nccl_group(rank, size), devices=["cpu", "cuda"])
+
+
+def _sim_nccl_class() -> type:
+    import torch.distributed as dist
+
+    class SimWork(dist._Work):  # type: ignore[misc,name-defined]
+        """``WorkNCCL`` on the simulator: ``wait()`` is ``WorkNCCL::synchronizeStream``, the
+        caller's current stream waits (in C++, cudaStreamWaitEvent) for the end event; the
+        host does not block (blockingWait off, the default)."""
+
+        def __init__(self, end: Event) -> None:
+            super().__init__()
+            self.end = end
+
+        def wait(self, timeout: Any = None) -> bool:
+            _sim().current_stream()._wait_event(self.end)
+            return True
+
+        def is_completed(self) -> bool:
+            return self.end.query()
+
+    class SimNcclGroup(dist.ProcessGroup):  # type: ignore[misc]
+        """A process group whose collectives run like ProcessGroupNCCL's on the simulator
+        (a Python process group, as pytorch's test_c10d_pypg.py writes them): each call is
+        :meth:`CudaSim.collective` with ``async_op=True`` (ProcessGroupNCCL::collective:
+        syncStream makes the NCCL stream wait for the caller's current stream, the kernel
+        and the end event go on the NCCL stream, the host returns at once), and
+        ``torch.distributed`` calls ``wait()`` on the returned work for a synchronous call.
+        Data are not moved (one rank: outputs keep what they hold). ``ms``: GPU time of
+        each call, a number or ``ms(op)``."""
+
+        def __init__(self, rank: int, size: int) -> None:
+            super().__init__(rank, size)
+            self.ms: float | Callable[[str], float] = 0.0
+            self.calls: list[str] = []
+            self._name = ""
+
+        def getBackendName(self) -> str:
+            return SIM_NCCL
+
+        # A Python group keeps its own name (c10d sets it at init_process_group).
+        def setGroupName(self, name: str) -> None:
+            self._name = name
+
+        def getGroupName(self) -> str:
+            return self._name
+
+        def _run(self, op: str, tensors: tuple[torch.Tensor, ...]) -> Any:
+            self.calls.append(op)
+            ms = self.ms(op) if callable(self.ms) else self.ms
+            sim = _sim()
+            tagged = tuple(t for t in tensors if getattr(t, _BLK, None) is not None)
+            return SimWork(sim.collective(float(ms), tensors=tagged, async_op=True).end)
+
+        def allreduce(self, tensors: Any, opts: Any = None) -> Any:
+            return self._run("allreduce", tuple(tensors))
+
+        def all_gather_single(self, out: Any, inp: Any, opts: Any = None) -> Any:
+            return self._run("all_gather_single", (out, inp))
+
+        def reduce_scatter_single(self, out: Any, inp: Any, opts: Any = None) -> Any:
+            return self._run("reduce_scatter_single", (out, inp))
+
+        def broadcast(self, tensors: Any, opts: Any = None) -> Any:
+            return self._run("broadcast", tuple(tensors))
+
+    return SimNcclGroup
+
+
+_SIM_NCCL_CLS: type | None = None
+
+
+def sim_nccl_group(rank: int, size: int) -> Any:
+    """A :class:`SimNcclGroup` (built on first use: ``torch.distributed`` is imported then)."""
+    global _SIM_NCCL_CLS
+    if _SIM_NCCL_CLS is None:
+        _SIM_NCCL_CLS = _sim_nccl_class()
+    return _SIM_NCCL_CLS(rank, size)
 
 
 class CUDAGraph:
@@ -723,7 +821,9 @@ class CudaSim:
         """
         cur = self.current_stream()
         comm = stream if stream is not None else self.comm_stream(cur.device_index)
-        comm.wait_event(cur.record_event())
+        ready = Event()
+        ready.record(cur)
+        comm._wait_event(ready)  # C++ (syncStream): not through the Python Event.wait
         self.kernel(ms, comm, reads=tensors, writes=tensors)
         end = Event(enable_timing=True)
         end.record(comm)
@@ -731,6 +831,22 @@ class CudaSim:
         if not async_op:
             work.wait()
         return work
+
+    @contextlib.contextmanager
+    def nccl_group(self, ms: float | Callable[[str], float] = 0.0) -> Iterator[Any]:
+        """``torch.distributed``'s default group, of one rank, backed by :func:`sim_nccl_group`:
+        every collective costs ``ms`` (or ``ms(op)``) of GPU time on the device's
+        communication stream, as :meth:`collective` runs it. Destroyed at exit."""
+        import torch.distributed as dist
+
+        _register_sim_nccl()
+        dist.init_process_group(SIM_NCCL, store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            pg = dist.distributed_c10d._get_default_group()
+            pg.ms = ms
+            yield pg
+        finally:
+            dist.destroy_process_group()
 
     def drain(self) -> None:
         """Let the GPU finish everything enqueued so far (test helper: NOT counted as a sync)."""

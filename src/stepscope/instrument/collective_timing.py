@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 import sys
 import threading
 import time
@@ -68,6 +69,7 @@ from stepscope.common.errors import warn
 from stepscope.instrument import bound, funcol
 from stepscope.instrument.patch import SharedPatch
 from stepscope.recording import gate
+from stepscope.recording.step import STREAM_WAIT
 
 #: function name → the parameter whose tensor(s) give the byte count (None: no payload).
 OPS: dict[str, str | None] = {
@@ -295,13 +297,120 @@ def unseen_n(rec: Any, path: str, n: int) -> None:
 
 
 def add(rec: Any, op: str, pid: str, size: int, nbytes: int, start: Any, end: Any,
-        path: str | None, seq: int, gap: tuple[Any, Any] | None, recv: int | None) -> None:
-    """Hand one timed call to the recorder (``recv`` only where it differs from ``nbytes``)."""
+        path: str | None, seq: int, gap: tuple[Any, Any] | None, recv: int | None,
+        side: tuple[Any, ...] | None = None) -> None:
+    """Hand one timed call to the recorder (``recv`` only where it differs from ``nbytes``,
+    ``side`` only for a side-stream collective)."""
+    kw: dict[str, Any] = {"seq": seq, "gap": gap}
     if recv:
-        rec.add_collective(op, pid, size, nbytes, start, end, path, seq=seq, gap=gap,
-                           recv_bytes=recv)
-    else:
-        rec.add_collective(op, pid, size, nbytes, start, end, path, seq=seq, gap=gap)
+        kw["recv_bytes"] = recv
+    if side is not None:
+        kw["side"] = side
+    rec.add_collective(op, pid, size, nbytes, start, end, path, **kw)
+
+
+# ------------------------------------------------------------------ side-stream collectives
+
+#: Side streams with a collective issued in the current sampled step: stream → the ticket
+#: of its latest such collective. Empty outside such steps (then the stream patches below
+#: cost one test of it). ``_side_step``: the (recorder, step index) the entries belong to.
+_side: dict[Any, int] = {}
+_side_step: tuple[int, int] = (0, -1)
+#: Orders side collectives and the events recorded on their streams (which can join them).
+_tickets = itertools.count(1)
+#: The attributes a joining event carries: its stream and ticket (set by ``record_event``).
+_EV_STREAM = "_stepscope_stream"
+_EV_TICKET = "_stepscope_ticket"
+
+
+def side_of(rec: Any, start: Any) -> tuple[Any, int] | None:
+    """``(stream, ticket)`` when the call whose arrival mark is ``start`` runs on another
+    stream than the step's own (a communication stream, FSDP2's all-gather under
+    ``torch.cuda.stream``), else None (on the step's stream, on the host clock)."""
+    global _side_step
+    stream = getattr(start, "stream", None)
+    if stream is None:
+        return None
+    main = rec.step_stream()
+    if main is None or stream == main:
+        return None
+    key = (id(rec), rec.open_step_index())
+    if key != _side_step:
+        _side.clear()
+        _side_step = key
+    ticket = _side[stream] = next(_tickets)
+    return stream, ticket
+
+
+def _patched_record_event(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.cuda.Stream.record_event``: an event recorded on a stream with a side
+    collective pending is tagged with that stream (FSDP2's all-gather / reduce-scatter
+    events, and ``wait_stream``'s, go through it)."""
+
+    def record_event(self: Any, event: Any = None) -> Any:
+        ev = orig(self, event)
+        if not _side or disabled or self not in _side:
+            return ev
+        try:
+            setattr(ev, _EV_STREAM, self)
+            setattr(ev, _EV_TICKET, next(_tickets))
+        except Exception as exc:  # protect the job: the event is recorded; only the split is lost
+            disable(exc)
+        return ev
+
+    record_event.__wrapped__ = orig  # type: ignore[attr-defined]
+    return record_event
+
+
+def _patched_event_wait(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.cuda.Event.wait`` (``Stream.wait_event`` / ``wait_stream`` call it): a wait
+    of the step's stream on a tagged event is bracketed by two marks on the step's stream;
+    the time between them is the time it was held (see :func:`summarize`)."""
+
+    def wait(self: Any, stream: Any = None) -> Any:
+        if not _side or disabled:
+            return orig(self, stream)
+        joined = getattr(self, _EV_STREAM, None)
+        if joined is None or is_compiling():
+            return orig(self, stream)
+        rec = gate.current()
+        if rec is None:
+            return orig(self, stream)
+        try:
+            before = _hold_start(rec, joined, stream)
+        except Exception as exc:  # protect the job: our error, the wait goes through untimed
+            disable(exc)
+            return orig(self, stream)
+        if before is None:
+            return orig(self, stream)
+        try:
+            out = orig(self, stream)
+        except BaseException:
+            release(rec, before)
+            raise  # the wait's own error, unchanged
+        try:
+            rec.add_stream_wait(before, rec.clock.mark(), (joined, getattr(self, _EV_TICKET, 0)))
+        except Exception as exc:  # protect the job: the wait happened; only the split is lost
+            disable(exc)
+        return out
+
+    wait.__wrapped__ = orig  # type: ignore[attr-defined]
+    return wait
+
+
+def _hold_start(rec: Any, joined: Any, stream: Any) -> Any:
+    """The mark before a wait, when it is the step's stream waiting on a side stream with a
+    collective pending in this step; else None (nothing to split)."""
+    if (id(rec), rec.open_step_index()) != _side_step or joined not in _side:
+        return None
+    main = rec.step_stream()
+    if main is None or (stream is not None and stream != main) or joined == main:
+        return None
+    before = rec.clock.mark()
+    if getattr(before, "stream", None) != main:
+        rec.clock.release(before)  # the current stream is not the step's: not a compute wait
+        return None
+    return before
 
 
 def disable(exc: BaseException) -> None:
@@ -346,6 +455,7 @@ def _make_patched(spec: _Spec) -> Callable[..., Any]:
         try:
             path = rec.current_path()
             start = rec.clock.mark()  # this rank's arrival
+            side = side_of(rec, start)
         except Exception as exc:  # protect the job: our error, the call goes through
             disable(exc)
             return orig(*args, **kwargs)
@@ -384,8 +494,9 @@ def _make_patched(spec: _Spec) -> Callable[..., Any]:
             if is_async:
                 issued = rec.clock.mark()
                 return _timed_work(out, (rec, name, pid, size, nbytes, start, path, seq, issued,
-                                         recv))
-            add(rec, name, pid, size, nbytes, start, rec.clock.mark(), path, seq, None, recv)
+                                         recv, side))
+            add(rec, name, pid, size, nbytes, start, rec.clock.mark(), path, seq, None, recv,
+                side)
         except Exception as exc:  # protect the job: the call already happened; return its result
             disable(exc)
         return out
@@ -435,9 +546,14 @@ def _build_work_class() -> type:
             if pending is None or wait_start is None:
                 return
             try:
-                rec, name, pid, size, nbytes, start, path, seq, issued, recv = pending
+                rec, name, pid, size, nbytes, start, path, seq, issued, recv, side = pending
+                if side is not None:
+                    # Waited from the step's stream: the wait itself held it (WorkNCCL::wait
+                    # makes the current stream wait for the collective's end).
+                    here = getattr(wait_start, "stream", None) == rec.step_stream()
+                    side = (*side, here)
                 add(rec, name, pid, size, nbytes, start, rec.clock.mark(), path, seq,
-                    (issued, wait_start), recv)
+                    (issued, wait_start), recv, side)
             except Exception as exc:  # protect the job
                 disable(exc)
 
@@ -533,6 +649,25 @@ def _apply() -> None:
         _originals["_broadcast_coalesced"] = orig_bc
         setattr(torch.distributed, "_broadcast_coalesced", _make_broadcast_coalesced(orig_bc))  # noqa: B010 (private)
     funcol.apply(sys.modules[__name__])
+    _apply_stream_patches()
+
+
+#: (class, attribute, original) of the stream patches in place.
+_stream_originals: list[tuple[Any, str, Any]] = []
+
+
+def _apply_stream_patches() -> None:
+    """Patch ``torch.cuda.Stream.record_event`` and ``torch.cuda.Event.wait`` (as they are
+    now: the simulator's stand-ins in tests) where this torch has them."""
+    _side.clear()
+    cuda = torch.cuda
+    for cls, attr, make in ((getattr(cuda, "Stream", None), "record_event", _patched_record_event),
+                            (getattr(cuda, "Event", None), "wait", _patched_event_wait)):
+        orig = getattr(cls, attr, None) if cls is not None else None
+        if orig is None:
+            continue
+        _stream_originals.append((cls, attr, orig))
+        setattr(cls, attr, make(orig))
 
 
 def _restore() -> None:
@@ -544,6 +679,11 @@ def _restore() -> None:
                 setattr(mod, name, orig)
     _originals.clear()
     funcol.restore()
+    for cls, attr, orig in _stream_originals:
+        if getattr(getattr(cls, attr, None), "__wrapped__", None) is orig:
+            setattr(cls, attr, orig)
+    _stream_originals.clear()
+    _side.clear()
 
 
 def _make_broadcast_coalesced(orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -606,25 +746,39 @@ def summarize(
     """The record's ``collectives`` section: one dict per (phase, op, pg), first-seen order.
 
     ``entries`` are the tuples the tracer kept: ``(op, pg, pg_size, nbytes, start, end,
-    phase_path, seq, gap[, recv_bytes])`` (``recv_bytes`` only from all-to-all: kept as the
-    entry's ``recv_bytes`` beside ``bytes``, the bytes sent, and ``recv_max_bytes``, the most
-    one call received: uneven MoE routing shows there), ``gap`` being ``None`` or the
+    phase_path, seq, gap[, recv_bytes[, side]])`` (``recv_bytes`` only from all-to-all: kept as
+    the entry's ``recv_bytes`` beside ``bytes``, the bytes sent, and ``recv_max_bytes``, the
+    most one call received: uneven MoE routing shows there), ``gap`` being ``None`` or the
     ``(issue_end, wait_start)`` marks of an async call, whose span (overlapped work) is not
     time in the collective; ``elapsed_ms`` is the clock's reader (all marks are ready by now).
+
+    ``ms`` is the time in the collective, split into ``exposed_ms`` (the step's stream waited
+    for it) and ``hidden_ms`` (it ran beside compute). A call on the step's own stream or on
+    the host is all exposed. A side-stream call (``side`` set) is exposed where its span
+    overlaps the step's stream being held by a wait on its stream's work issued after it
+    (the :data:`~stepscope.recording.step.STREAM_WAIT` entries, or its own ``wait()`` from
+    the step's stream), at most its ``ms``.
     """
+    entries = list(entries)
+    holds = [e for e in entries if e[0] == STREAM_WAIT]
     out: dict[tuple[Any, str, str], dict[str, Any]] = {}
     for entry in entries:
         op, pg, size, nbytes, start, end, path, seq, gap = entry[:9]
+        if op == STREAM_WAIT:
+            continue
         recv = entry[9] if len(entry) > 9 else None
+        side = entry[10] if len(entry) > 10 else None
         ms = elapsed_ms(start, end)
         if gap is not None:
             ms -= elapsed_ms(gap[0], gap[1])
+        exposed = ms if side is None else _exposed(entry, side, holds, elapsed_ms, ms)
         key = (path, op, pg)
         e = out.get(key)
         if e is None:
             out[key] = {
                 "phase": path, "op": op, "pg": pg, "pg_size": size, "count": 1, "bytes": nbytes,
-                "ms": ms, "max_ms": ms, "seq_first": seq, "seq_last": seq,
+                "ms": ms, "max_ms": ms, "exposed_ms": exposed, "hidden_ms": ms - exposed,
+                "seq_first": seq, "seq_last": seq,
             }
             if recv is not None:
                 out[key]["recv_bytes"] = recv
@@ -637,9 +791,32 @@ def summarize(
             e["bytes"] += nbytes
             e["ms"] += ms
             e["max_ms"] = max(e["max_ms"], ms)
+            e["exposed_ms"] += exposed
+            e["hidden_ms"] += ms - exposed
             e["seq_first"] = min(e["seq_first"], seq)
             e["seq_last"] = max(e["seq_last"], seq)
     for e in out.values():
-        e["ms"] = round(e["ms"], 4)
-        e["max_ms"] = round(e["max_ms"], 4)
+        for k in ("ms", "max_ms", "exposed_ms", "hidden_ms"):
+            e[k] = round(e[k], 4)
     return list(out.values())
+
+
+def _exposed(entry: tuple[Any, ...], side: tuple[Any, ...], holds: list[tuple[Any, ...]],
+             elapsed_ms: Callable[[Any, Any], float], ms: float) -> float:
+    """The part of a side-stream call's ``ms`` during which the step's stream was held
+    waiting for its stream: the overlap of its span with each hold on a later event of that
+    stream, plus its own ``wait()`` where the step's stream made it."""
+    start, end, gap = entry[4], entry[5], entry[8]
+    stream, ticket = side[0], side[1]
+    span = elapsed_ms(start, end)
+    held = 0.0
+    if len(side) > 2 and side[2] and gap is not None:
+        held += elapsed_ms(gap[1], end)
+    for h in holds:
+        joined, t = h[10]
+        if t <= ticket or joined != stream:
+            continue  # a wait on another stream's work, or on an event recorded before it
+        a = elapsed_ms(start, h[4])
+        b = elapsed_ms(start, h[5])
+        held += max(0.0, min(b, span) - max(a, 0.0))
+    return min(max(held, 0.0), max(ms, 0.0))

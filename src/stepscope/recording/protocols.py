@@ -75,8 +75,12 @@ class Recorder(Protocol):
     def add_collective(
         self, op: str, pg: str, pg_size: int, nbytes: int, start: Any, end: Any,
         phase_path: str | None, *, seq: int = 0, gap: tuple[Any, Any] | None = None,
-        recv_bytes: int | None = None,
+        recv_bytes: int | None = None, side: Any = None,
     ) -> None: ...
+
+    def step_stream(self) -> Any: ...
+
+    def add_stream_wait(self, before: Any, after: Any, joined: Any) -> None: ...
 
     def set_step_fields(self, fields: dict[str, Any]) -> None: ...
 

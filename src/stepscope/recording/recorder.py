@@ -46,7 +46,7 @@ from stepscope.recording import gate
 from stepscope.recording.clock import Clock
 from stepscope.recording.config import Config
 from stepscope.recording.resolver import Resolver
-from stepscope.recording.step import Span, Step
+from stepscope.recording.step import STREAM_WAIT, Span, Step
 
 #: Phases that, opened between steps, belong to the next step and move its start back.
 PRE_STEP_PHASES = frozenset({"dataloader", "h2d"})
@@ -292,12 +292,14 @@ class Recorder:
     def add_collective(
         self, op: str, pg: str, pg_size: int, nbytes: int, start: Any, end: Any,
         phase_path: str | None, *, seq: int = 0, gap: tuple[Any, Any] | None = None,
-        recv_bytes: int | None = None,
+        recv_bytes: int | None = None, side: Any = None,
     ) -> None:
         """One timed collective (see :mod:`stepscope.instrument.collective_timing`), attached to the
         current step or, during a pre-step phase, to the next one. ``gap`` is the
         ``(issue_end, wait_start)`` marks of an async call: overlapped work, not collective time.
         ``recv_bytes``: bytes this rank received, where it differs from ``nbytes`` (all-to-all).
+        ``side``: set for a collective issued on another stream than the step's (kept as given,
+        read by the collectives' summary).
         """
         step = self._reporting_step()
         if step is None:
@@ -305,7 +307,29 @@ class Recorder:
             for m in (start, end, *(gap or ())):
                 rel(m)
             return
-        item = (op, pg, pg_size, nbytes, start, end, phase_path, seq, gap, recv_bytes)
+        item = (op, pg, pg_size, nbytes, start, end, phase_path, seq, gap, recv_bytes, side)
+        if step.collectives is None:
+            step.collectives = [item]
+        else:
+            step.collectives.append(item)
+
+    def step_stream(self) -> Any:
+        """The stream the open sampled step started on (its compute stream); None outside a
+        sampled step, on the host clock, or where the clock does not say."""
+        step = self._cur
+        return None if step is None else getattr(step.start, "stream", None)
+
+    def add_stream_wait(self, before: Any, after: Any, joined: Any) -> None:
+        """The step's stream held by a wait on another stream's work from mark ``before`` to
+        ``after`` (both recorded on it around the wait); ``joined`` names the work waited for.
+        Kept among the step's collectives as a :data:`~stepscope.recording.step.STREAM_WAIT`
+        entry, in order."""
+        step = self._cur
+        if step is None:
+            self.clock.release(before)
+            self.clock.release(after)
+            return
+        item = (STREAM_WAIT, "", 0, 0, before, after, None, 0, None, None, joined)
         if step.collectives is None:
             step.collectives = [item]
         else:

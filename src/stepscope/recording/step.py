@@ -14,6 +14,11 @@ from typing import Any
 
 from stepscope.recording.schema import SCHEMA_VERSION
 
+#: The op of an entry of :attr:`Step.collectives` that is no collective: the step's stream
+#: held by a wait on a communication stream (``Recorder.add_stream_wait``), what splits a
+#: side-stream collective's time into exposed and hidden.
+STREAM_WAIT = "<stream wait>"
+
 
 class Span:
     """One timed region: a phase occurrence. ``path`` is ``parent/name`` (``forward/h2d``)."""
@@ -98,7 +103,7 @@ class Step:
         for _, a, b in self.side or ():
             yield a
             yield b
-        for c in self.collectives or ():  # (op, pg, pg_size, nbytes, start, end, path, seq, gap)
+        for c in self.collectives or ():  # (op, pg, pg_size, nbytes, start, end, path, seq, gap, ...)
             yield c[4]
             yield c[5]
             if c[8] is not None:

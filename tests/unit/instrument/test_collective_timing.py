@@ -20,6 +20,7 @@ from stepscope.instrument import collective_timing as collectives
 from stepscope.recording.clock import CudaClock
 from stepscope.recording.dist import free_port, run_then_exit
 from stepscope.recording.schema import read_run
+from stepscope.recording.step import STREAM_WAIT
 
 C10D = dist.distributed_c10d
 
@@ -285,12 +286,47 @@ def test_summarize_aggregates_per_phase_op_and_group():
     out = collectives.summarize(entries, el)
     assert out == [
         {"phase": "forward", "op": "all_reduce", "pg": "world", "pg_size": 2, "count": 2,
-         "bytes": 16, "ms": 4.0, "max_ms": 3.0, "seq_first": 1, "seq_last": 2},
+         "bytes": 16, "ms": 4.0, "max_ms": 3.0, "exposed_ms": 4.0, "hidden_ms": 0.0,
+         "seq_first": 1, "seq_last": 2},
         {"phase": "forward", "op": "all_reduce", "pg": "g0-1#1", "pg_size": 2, "count": 1,
-         "bytes": 4, "ms": 1.5, "max_ms": 1.5, "seq_first": 1, "seq_last": 1},
+         "bytes": 4, "ms": 1.5, "max_ms": 1.5, "exposed_ms": 1.5, "hidden_ms": 0.0,
+         "seq_first": 1, "seq_last": 1},
         {"phase": "backward", "op": "all_reduce", "pg": "world", "pg_size": 2, "count": 1,
-         "bytes": 8, "ms": 3.0, "max_ms": 3.0, "seq_first": 3, "seq_last": 3},
+         "bytes": 8, "ms": 3.0, "max_ms": 3.0, "exposed_ms": 3.0, "hidden_ms": 0.0,
+         "seq_first": 3, "seq_last": 3},
     ]
+
+
+def test_summarize_splits_a_side_stream_call_by_the_waits_of_the_step_stream_on_it():
+    """A call on a side stream is exposed only where the step's stream was held waiting on
+    an event of that stream recorded after it (or by its own ``wait()``); the rest is hidden."""
+    def el(a: float, b: float) -> float:
+        return b - a
+
+    wait = STREAM_WAIT
+    entries = [
+        # 150 ms all-gather on stream "ag" from t=0, joined at t=100: held 100..150.
+        ("all_gather", "world", 2, 8, 0.0, 150.0, "forward", 1, None, None, ("ag", 1)),
+        (wait, "", 0, 0, 100.0, 150.0, None, 0, None, None, ("ag", 2)),
+        # A wait on another stream's work, and one on an event recorded before the call:
+        # neither makes the call exposed.
+        (wait, "", 0, 0, 20.0, 40.0, None, 0, None, None, ("rs", 9)),
+        ("reduce_scatter", "world", 2, 8, 200.0, 230.0, "backward", 2, None, None, ("ag", 5)),
+        (wait, "", 0, 0, 210.0, 230.0, None, 0, None, None, ("ag", 4)),
+        # async on "ag", waited from the step's stream at 310 (ends 330): that wait is held.
+        ("all_reduce", "world", 2, 8, 300.0, 330.0, "backward", 3, (301.0, 310.0), None,
+         ("ag", 6, True)),
+        # on the step's stream: all of it exposed.
+        ("all_reduce", "world", 2, 8, 400.0, 410.0, "optimizer", 4, None, None, None),
+    ]
+    out = {c["op"]: c for c in collectives.summarize(entries, el)}
+    assert set(out) == {"all_gather", "reduce_scatter", "all_reduce"}  # waits are no entries
+    ag, rs = out["all_gather"], out["reduce_scatter"]
+    assert (ag["ms"], ag["exposed_ms"], ag["hidden_ms"]) == (150.0, 50.0, 100.0)
+    assert (rs["ms"], rs["exposed_ms"], rs["hidden_ms"]) == (30.0, 0.0, 30.0)
+    ar = [c for c in collectives.summarize(entries, el) if c["op"] == "all_reduce"]
+    assert [(c["ms"], c["exposed_ms"], c["hidden_ms"]) for c in ar] == [
+        (21.0, 20.0, 1.0), (10.0, 10.0, 0.0)]
 
 
 # ---------------------------------------------------------------- real 2-rank gloo runs
