@@ -17,14 +17,17 @@ import torch
 import torch.distributed as dist
 
 import stepscope
+from stepscope.analysis.run import analyze_run
 from stepscope.recording.schema import read_run
 
 GATE_MS = 2000.0  # queued ahead of each step: everything the step enqueues waits behind it
 
 
-def _side_job(sim: Any, out: Path, gather_ms: float, steps: int = 3) -> list[dict[str, Any]]:
+def _job(sim: Any, out: Path, gather_ms: float, side: bool = True,
+         steps: int = 3) -> list[dict[str, Any]]:
     """Forward computes 100 ms while an all-gather of ``gather_ms`` runs on its own stream,
-    issued at forward's start and joined at forward's end (FSDP2's pattern)."""
+    issued at forward's start and joined at forward's end (FSDP2's pattern); ``side=False``:
+    the all-gather is issued on the compute stream itself, synchronously."""
     x = torch.zeros(1024, device="cuda")
     gathered = torch.zeros(1024, device="cuda")
     stepscope.init(out_dir=str(out), auto=False, flush_every_n_steps=1)
@@ -34,12 +37,16 @@ def _side_job(sim: Any, out: Path, gather_ms: float, steps: int = 3) -> list[dic
             sim.kernel(GATE_MS)
             with stepscope.step(), stepscope.phase("forward"):
                 compute = torch.cuda.current_stream()
-                ag.wait_stream(compute)  # FSDP2: the all-gather's inputs are ready
-                with torch.cuda.stream(ag):
+                if side:
+                    ag.wait_stream(compute)  # FSDP2: the all-gather's inputs are ready
+                    with torch.cuda.stream(ag):
+                        dist.all_gather_single(gathered, x)
+                        event = ag.record_event()
+                    sim.kernel(100.0)
+                    compute.wait_event(event)  # wait_for_unshard
+                else:
                     dist.all_gather_single(gathered, x)
-                    event = ag.record_event()
-                sim.kernel(100.0)
-                compute.wait_event(event)  # wait_for_unshard
+                    sim.kernel(100.0)
             sim.host_tick()
         sim.drain()
     stepscope.finish()
@@ -56,7 +63,7 @@ def _gathers(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def test_an_all_gather_beside_compute_is_hidden_but_what_compute_waited(cuda_sim, tmp_path,
                                                                        gather_ms, exposed):
     sim = cuda_sim()
-    records = _side_job(sim, tmp_path, gather_ms)
+    records = _job(sim, tmp_path, gather_ms)
     for c in _gathers(records):
         assert c["phase"] == "forward"
         assert c["ms"] == pytest.approx(gather_ms, abs=1.0)
@@ -65,3 +72,29 @@ def test_an_all_gather_beside_compute_is_hidden_but_what_compute_waited(cuda_sim
     for r in records:
         fwd = next(p for p in r["phases"] if p["name"] == "forward")
         assert fwd["ms"] == pytest.approx(100.0 + exposed, abs=2.0)
+    # The analysis takes only the exposed part from forward: its work is the 100 ms computed.
+    doc = analyze_run(str(tmp_path))
+    assert doc["phases"]["forward"]["work_share"] == pytest.approx(100.0 / (100.0 + exposed),
+                                                                   abs=0.02)
+    (op,) = doc["collectives"]["ops"]
+    assert op["ms_per_step"] == pytest.approx(gather_ms, abs=1.0)
+    assert op["hidden_ms_per_step"] == pytest.approx(gather_ms - exposed, abs=1.0)
+
+
+def test_a_synchronous_all_gather_on_the_compute_stream_is_all_exposed(cuda_sim, tmp_path):
+    sim = cuda_sim()
+    records = _job(sim, tmp_path, 60.0, side=False)
+    for c in _gathers(records):
+        assert c["ms"] == pytest.approx(60.0, abs=1.0)
+        assert c["exposed_ms"] == c["ms"] and c["hidden_ms"] == 0.0
+    doc = analyze_run(str(tmp_path))
+    assert doc["phases"]["forward"]["work_share"] == pytest.approx(100.0 / 160.0, abs=0.02)
+
+
+def test_the_split_adds_no_host_sync(cuda_sim, tmp_path):
+    """Bracketing the compute stream's waits records events; it never blocks the host."""
+    sim = cuda_sim()
+    records_before = sim.records
+    _job(sim, tmp_path, 150.0, steps=4)
+    assert sim.syncs == 0, sim.sync_log
+    assert sim.records > records_before

@@ -69,21 +69,28 @@ def _grad_sync_keyed(con: Any) -> bool:
 def build_waits(con: Any, n_ranks: int, al: Alignment,
                 info: list[str] | None = None) -> tuple[str, list[str]]:
     """Tables ``collective_waits`` (one row per rank, step, phase, op, pg with its ``wait``) and
-    ``step_waits``.
+    ``step_waits``. A collective's ``ms`` there is its exposed time (all of it on the step's
+    stream or the host), its ``hidden_ms`` the time it ran beside compute: the wait rule and
+    own work take only the exposed part.
 
     ``step_waits`` (rank, step, wait_ms, comm_ms) is each rank's total wait per step and the rest
     of its time in collectives. Returns the wait
     source and notes on partitions that could not be matched.
     """
     gs = f"""SELECT rank, step, parent, '{DDP_OP}', '{DDP_PG}', {n_ranks}, calls, NULL, ms,
-                    NULL, NULL FROM phases WHERE name = '{GRAD_SYNC}'"""
+                    NULL, NULL, 0.0 FROM phases WHERE name = '{GRAD_SYNC}'"""
+    # A collective's time taken from its phase is its exposed part (the step's stream waited
+    # for it); the part hidden beside compute is kept apart. Records made before the split
+    # have no exposed_ms: all their time is exposed, as it was counted then.
     colls = f"""SELECT rank, step, phase, op, pg, coalesce(pg_size, {n_ranks}) AS pg_size, count,
-                       bytes, ms, seq_first, seq_last FROM collectives"""
+                       bytes, least(coalesce(exposed_ms, ms), ms) AS ms, seq_first, seq_last,
+                       greatest(ms - coalesce(exposed_ms, ms), 0.0) AS hidden_ms
+                FROM collectives"""
 
     def grouped(rows: str) -> str:
         return f"""SELECT rank, step, phase, op, pg, max(pg_size) AS pg_size, sum(count) AS count,
                           sum(bytes) AS bytes, sum(ms) AS ms, min(seq_first) AS seq_first,
-                          max(seq_last) AS seq_last
+                          max(seq_last) AS seq_last, sum(hidden_ms) AS hidden_ms
                    FROM ({rows}) GROUP BY 1, 2, 3, 4, 5"""
 
     if _grad_sync_keyed(con):
@@ -218,17 +225,20 @@ def collectives_section(con: Any, source: str, notes: list[str]) -> dict[str, An
     2(n-1)/n for all-reduce, (n-1)/n for all-gather, reduce-scatter and all-to-all), with
     ``bytes`` the full buffer of a call as recorded and the transfer time the part not spent
     waiting (time in the collective minus wait). None where bytes are unknown (DDP's
-    all-reduce) or nothing was matched.
+    all-reduce) or nothing was matched. ``ms_per_step`` is the whole time in the collective,
+    ``hidden_ms_per_step`` the part of it that ran beside compute on a side stream.
     """
     n_steps = con.execute("SELECT count(DISTINCT step) FROM steps").fetchone()[0] or 1
     ops: list[dict[str, Any]] = []
     for (op, pg, size, ranks, calls, nbytes, ms, wait, phases, m_bytes, m_xfer,
-         matched) in con.execute(
-        """SELECT op, pg, max(pg_size), count(DISTINCT rank), sum(count), sum(bytes), sum(ms),
+         matched, hidden) in con.execute(
+        """SELECT op, pg, max(pg_size), count(DISTINCT rank), sum(count), sum(bytes),
+                  sum(ms + coalesce(hidden_ms, 0.0)) AS total,
                   sum(wait), list(DISTINCT coalesce(phase, 'residual')),
-                  sum(bytes) FILTER (WHERE matched), sum(ms - wait) FILTER (WHERE matched),
-                  sum(count) FILTER (WHERE matched)
-           FROM collective_waits WHERE pg <> 'timeline' GROUP BY 1, 2 ORDER BY sum(ms) DESC"""
+                  sum(bytes) FILTER (WHERE matched),
+                  sum(ms + coalesce(hidden_ms, 0.0) - wait) FILTER (WHERE matched),
+                  sum(count) FILTER (WHERE matched), sum(coalesce(hidden_ms, 0.0))
+           FROM collective_waits WHERE pg <> 'timeline' GROUP BY 1, 2 ORDER BY total DESC"""
     ).fetchall():
         per = float(ranks * n_steps)
         bus = None
@@ -243,6 +253,7 @@ def collectives_section(con: Any, source: str, notes: list[str]) -> dict[str, An
             "ms_per_step": round(float(ms) / per, 3),
             "wait_ms_per_step": round(float(wait) / per, 3),
             "wait_share": round(float(wait) / float(ms), 4) if ms else 0.0,
+            "hidden_ms_per_step": round(float(hidden) / per, 3),
             "matched_share": round(float(matched or 0) / float(calls), 4) if calls else 0.0,
             "bus_gbps": bus,
         })

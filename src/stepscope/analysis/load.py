@@ -733,7 +733,8 @@ def _build_sections(con: Any, keep: str, rec_kind: str, n_dups: int) -> None:
                    coalesce(c.pg, 'default') AS pg, c.pg_size AS pg_size,
                    coalesce(c.count, 1) AS count, c.bytes AS bytes, c.ms AS ms,
                    c.max_ms AS max_ms, c.seq_first AS seq_first, c.seq_last AS seq_last,
-                   c.recv_bytes AS recv_bytes, c.recv_max_bytes AS recv_max_bytes
+                   c.recv_bytes AS recv_bytes, c.recv_max_bytes AS recv_max_bytes,
+                   c.exposed_ms AS exposed_ms, c.hidden_ms AS hidden_ms
             FROM (SELECT rank, step, unnest(collectives) AS c FROM kept_records
                   WHERE {keep} AND collectives IS NOT NULL)
             WHERE c.op IS NOT NULL AND c.ms IS NOT NULL AND c.ms >= 0"""

@@ -19,7 +19,7 @@ _PHASE_TYPE = (
 _COLL_TYPE = (
     "STRUCT(phase VARCHAR, op VARCHAR, pg VARCHAR, pg_size BIGINT, count BIGINT, bytes BIGINT,"
     " ms DOUBLE, max_ms DOUBLE, seq_first BIGINT, seq_last BIGINT, recv_bytes BIGINT,"
-    " recv_max_bytes BIGINT)[]"
+    " recv_max_bytes BIGINT, exposed_ms DOUBLE, hidden_ms DOUBLE)[]"
 )
 #: The typed schema of one record line (also the Parquet store's columns, with ``filename``).
 COLUMNS = {

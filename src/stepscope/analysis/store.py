@@ -54,8 +54,9 @@ from stepscope.common.errors import AnalysisError
 STORE_DIR = "parquet"
 RECORDS = "records"
 STATE = "_state.json"
-STATE_VERSION = 6  # 3: gpu_start_unix_ns and phases[].host_ms columns; 4: each file's head;
-#                    5: the flat phases dataset; 6: each file's tail, the parts written
+STATE_VERSION = 7  # 3: gpu_start_unix_ns and phases[].host_ms columns; 4: each file's head;
+#                    5: the flat phases dataset; 6: each file's tail, the parts written;
+#                    7: collectives[].exposed_ms and hidden_ms
 #: The flat copy of the records' phase lists (beside :data:`RECORDS`).
 PHASES = "phases"
 #: The key a regular line is tagged with (its rank file) in the combined file.

@@ -29,7 +29,7 @@ DENSE_MIDDLES = "dense_middles"
 TIMED_CELLS = "timed_cells"
 
 _COLLECTIVE_ROW = ("rank", "step", "phase", "op", "pg", "pg_size", "count", "bytes", "ms",
-                   "seq_first", "seq_last")
+                   "seq_first", "seq_last", "hidden_ms")
 _RECORD = tuple(COLUMNS)  # a record line's typed fields
 _MIDDLES = ("step", "name", "n", "p", "m", "q")
 
@@ -71,8 +71,9 @@ _DECLARED = (
            "alloc_retries", "ooms", "util_pct", "sm_clock_mhz", "power_w", "temp_c", "runq_ms"),
           "each step's throughput, FLOPs, memory and device sections and run-queue wait, flat"),
     Table("collectives", (*_COLLECTIVE_ROW[:9], "max_ms", "seq_first", "seq_last", "recv_bytes",
-                          "recv_max_bytes"),
-          "the records' collectives sections: one row per (rank, step, phase, op, group)"),
+                          "recv_max_bytes", "exposed_ms", "hidden_ms"),
+          "the records' collectives sections: one row per (rank, step, phase, op, group); "
+          "exposed_ms and hidden_ms NULL in records made before the split"),
     Table("lost_steps", ("key", "n"), "steps the recorder counted as lost, by reason"),
     Table("unseen_collectives", ("rank", "step", "path", "n"),
           "collectives issued where they could not be timed, per phase path"),
@@ -102,7 +103,7 @@ _DECLARED = (
     # -- waits (analysis/collwaits.py, analysis/pipeline.py) --
     Table("collective_calls", _COLLECTIVE_ROW,
           "recorded collectives and DDP's grad_sync phases, one row per (rank, step, phase, op, "
-          "group)"),
+          "group); ms the exposed time (the step's stream waited), hidden_ms the rest"),
     Table("group_ranks", ("pg", "n", "size", "seen"),
           "per process group: ranks expected in each instance, its size, ranks that recorded it"),
     Table("p2p_blame", ("step", "pg", "rank", "t", "matched", "late"),
