@@ -257,6 +257,69 @@ def test_collectives_run_on_a_comm_stream_beside_compute_joined_by_events(cuda_s
     assert _ms(a, b) == pytest.approx(25.0, abs=1.0)
 
 
+def test_wait_event_and_wait_stream_join_through_event_wait_but_nccl_work_does_not(
+        cuda_sim, monkeypatch):
+    """torch/cuda/streams.py: ``Stream.wait_event(e)`` is ``e.wait(self)`` and ``wait_stream``
+    goes through it; ``WorkNCCL::synchronizeStream`` waits in C++, not through ``Event.wait``."""
+    sim = cuda_sim()
+    seen = []
+    orig = torch.cuda.Event.wait
+
+    def wait(self, stream=None):
+        seen.append(stream)
+        return orig(self, stream)
+
+    side = torch.cuda.Stream()
+    compute = torch.cuda.current_stream()
+    _gate(sim, side)
+    monkeypatch.setattr(torch.cuda.Event, "wait", wait)
+    side.wait_event(_ev())
+    compute.wait_stream(side)
+    assert seen == [side, compute]
+    work = sim.collective(10.0, async_op=True)
+    work.wait()
+    assert len(seen) == 2
+    with sim.nccl_group(ms=10.0):
+        torch.distributed.all_reduce(torch.zeros(4, device="cuda"))
+    assert len(seen) == 2
+
+
+def test_a_one_rank_nccl_group_runs_each_call_on_the_comm_stream_like_nccl(cuda_sim):
+    """:meth:`CudaSim.nccl_group`: ProcessGroupNCCL::collective (syncStream: the NCCL stream
+    waits for the caller's current stream; kernel and end event on the NCCL stream), and
+    WorkNCCL::synchronizeStream for the synchronous call (the current stream waits for the
+    end) or on ``wait()`` for ``async_op=True``; the host never waits."""
+    import torch.distributed as dist
+
+    sim = cuda_sim()
+    ag = torch.cuda.Stream()  # FSDP2's all-gather stream
+    x = torch.zeros(256, device="cuda")
+    out = torch.zeros(256, device="cuda")
+    with sim.nccl_group(ms=lambda op: {"all_gather_single": 30.0}.get(op, 20.0)) as pg:
+        _gate(sim, ag)
+        t0 = _ev()
+        sim.kernel(10.0)  # the inputs are produced here
+        ag.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(ag):
+            a = _ev()
+            dist.all_gather_single(out, x)  # synchronous: ag waits for its end
+            b = _ev()
+        sim.kernel(50.0)  # compute beside it
+        c = _ev()
+        work = dist.all_reduce(x, async_op=True)
+        d = _ev()  # not held: the host and the compute stream go on
+        work.wait()
+        e = _ev()
+        sim.drain()
+        assert pg.calls == ["all_gather_single", "allreduce"]
+    assert sim.syncs == 0
+    assert _ms(t0, a) == pytest.approx(10.0, abs=1.0)
+    assert _ms(a, b) == pytest.approx(30.0, abs=1.0)
+    assert _ms(t0, c) == pytest.approx(60.0, abs=1.0)  # compute was not held by the gather
+    assert _ms(c, d) == pytest.approx(0.0, abs=0.5)
+    assert _ms(c, e) == pytest.approx(20.0, abs=1.0)  # wait(): held until the all-reduce ends
+
+
 def _reuse_scenario(sim, record: bool) -> None:
     copy = torch.cuda.Stream()
     src = torch.empty(MiB // 4).pin_memory()

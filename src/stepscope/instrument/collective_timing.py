@@ -24,6 +24,24 @@ subtracts across ranks):
   collective. So the figure is the time the current stream was held by the collective.
   Nothing here synchronises the host; the tracer reads the events later, after ``query()``.
 
+Exposed and hidden: each entry's ``ms`` is split into ``exposed_ms`` (the step's stream waited
+for it) and ``hidden_ms`` (it ran beside compute); only the exposed part is taken from the
+phase by the analysis. A call on the step's own stream (the stream of its start mark) or on
+the host is all exposed. A call made while another stream is current (FSDP2's all-gathers
+under ``torch.cuda.stream(all_gather_stream)``, its reduce-scatters) is a *side* call: its
+marks measure it on that stream, while compute goes on. The compute stream joins it through
+``Stream.wait_event`` / ``wait_stream`` (both call ``torch.cuda.Event.wait``, patched with the
+collectives) on an event ``Stream.record_event`` recorded on the side stream after the call
+(patched too, to tag such events with their stream). While a side call is pending in the
+sampled step, a wait of the step's stream on such an event is bracketed by two marks on the
+step's stream, the time it was held; a side call's exposed time is the overlap of its span
+with the holds on its stream's later events, plus its own ``wait()`` when made from the step's
+stream (at most its ``ms``). Two marks per such wait, no host sync; outside sampled steps with
+a side call the patches cost one test of an empty dict. Not seen: a join through an event
+recorded with ``Event.record`` (untagged), through ``torch.accelerator.current_stream()``
+(a ``torch.Stream``), or through a third stream (HSDP's all-reduce stream waiting on the
+reduce-scatter one): the call then stays hidden.
+
 Every entry carries the op (the function's name), a process-group id identical on all ranks
 of that group (``"world"`` for the default group, else the member ranks and the group's name,
 e.g. ``"g0-1#1"``), the group size, the bytes moved (the full buffer in nccl-tests' convention:

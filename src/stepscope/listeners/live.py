@@ -98,6 +98,8 @@ def _collective_medians(records: list[dict[str, Any]]) -> dict[str, float]:
     """Median per-step time in each collective, keyed ``"phase|op|pg"`` (the wait rule's match).
 
     DDP's gradient all-reduce is the ``grad_sync`` phase (op ``ddp_allreduce`` in its parent).
+    A collective counts its ``exposed_ms`` where recorded (the time the step's stream waited
+    for it), as the analysis does.
     """
     per_key: dict[str, list[float]] = {}
     for r in records:
@@ -109,7 +111,8 @@ def _collective_medians(records: list[dict[str, Any]]) -> dict[str, float]:
         for c in r.get("collectives") or ():
             if isinstance(c, dict) and c.get("op") and isinstance(c.get("ms"), int | float):
                 key = f"{c.get('phase') or ''}|{c['op']}|{c.get('pg')}"
-                per[key] = per.get(key, 0.0) + float(c["ms"])
+                ms = c.get("exposed_ms")
+                per[key] = per.get(key, 0.0) + float(ms if isinstance(ms, int | float) else c["ms"])
         for k, v in per.items():
             per_key.setdefault(k, []).append(v)
     n = len(records)

@@ -24,6 +24,11 @@ One record is one sampled step on one rank, written as one JSON object per line 
       "counters": {"h2d_bytes": 1048576},
       "h2d_hidden_ms": 1.8,             # only when a PrefetchLoader reported its copy
       "collectives": [{"phase": "backward", "op": "all_reduce", "pg": "g0-1", ...}],
+                                        # ms = exposed_ms + hidden_ms: time in the collective,
+                                        # the part the step's stream waited for, and the part
+                                        # that ran beside compute on a side stream (0 on the
+                                        # step's stream or the host). Records without them: all
+                                        # exposed (the analysis takes exposed_ms, else ms).
       "throughput": {...}, "flops": {...}, "memory": {...}, "device": {...},  # when measured
       "dropped": {"pending_overflow": 0}  # counts since the previous record
     }
