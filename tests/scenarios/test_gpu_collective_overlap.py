@@ -98,3 +98,53 @@ def test_the_split_adds_no_host_sync(cuda_sim, tmp_path):
     _job(sim, tmp_path, 150.0, steps=4)
     assert sim.syncs == 0, sim.sync_log
     assert sim.records > records_before
+
+
+def test_an_async_side_call_waited_from_the_compute_stream_is_exposed_for_that_wait(
+        cuda_sim, tmp_path):
+    """``async_op=True`` on a side stream, ``wait()`` from the compute stream after 100 ms of
+    compute: WorkNCCL's wait holds the compute stream until the 150 ms call ends. An async
+    call's ``ms`` leaves out the span between issue and ``wait()`` already (the overlapped
+    work): the 50 ms left are the wait, all exposed."""
+    sim = cuda_sim()
+    x = torch.zeros(1024, device="cuda")
+    stepscope.init(out_dir=str(tmp_path), auto=False, flush_every_n_steps=1)
+    with sim.nccl_group(ms=150.0):
+        rs = torch.cuda.Stream()
+        for _ in range(2):
+            sim.kernel(GATE_MS)
+            with stepscope.step(), stepscope.phase("backward"):
+                rs.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(rs):
+                    work = dist.all_reduce(x, async_op=True)
+                sim.kernel(100.0)
+                work.wait()
+            sim.host_tick()
+        sim.drain()
+    stepscope.finish()
+    calls = [c for r in read_run(tmp_path) for c in r.get("collectives") or ()]
+    assert len(calls) == 2
+    for c in calls:
+        assert c["ms"] == pytest.approx(50.0, abs=1.0)
+        assert c["exposed_ms"] == pytest.approx(50.0, abs=1.0)
+        assert c["hidden_ms"] == pytest.approx(0.0, abs=1.0)
+
+
+def test_an_error_while_splitting_turns_timing_off_once_and_the_wait_still_holds(
+        cuda_sim, tmp_path, monkeypatch):
+    from stepscope.common.errors import StepscopeWarning
+    from stepscope.instrument import collective_timing
+    from stepscope.recording.recorder import Recorder
+
+    def broken(self: Any, before: Any, after: Any, joined: Any) -> None:
+        raise RuntimeError("split broken")
+
+    monkeypatch.setattr(Recorder, "add_stream_wait", broken)
+    sim = cuda_sim()
+    with pytest.warns(StepscopeWarning, match="split broken") as caught:
+        records = _job(sim, tmp_path, 150.0)
+    assert len([w for w in caught if "split broken" in str(w.message)]) == 1
+    assert collective_timing.disabled
+    for r in records:  # the compute stream still waited for the all-gather
+        fwd = next(p for p in r["phases"] if p["name"] == "forward")
+        assert fwd["ms"] == pytest.approx(150.0, abs=2.0)

@@ -419,7 +419,10 @@ def _patched_event_wait(orig: Callable[..., Any]) -> Callable[..., Any]:
 def _hold_start(rec: Any, joined: Any, stream: Any) -> Any:
     """The mark before a wait, when it is the step's stream waiting on a side stream with a
     collective pending in this step; else None (nothing to split)."""
-    if (id(rec), rec.open_step_index()) != _side_step or joined not in _side:
+    if (id(rec), rec.open_step_index()) != _side_step:
+        _side.clear()  # pending calls of an earlier step: the patches go quiet again
+        return None
+    if joined not in _side:
         return None
     main = rec.step_stream()
     if main is None or (stream is not None and stream != main) or joined == main:

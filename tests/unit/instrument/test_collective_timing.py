@@ -50,6 +50,20 @@ def test_removal_restores_the_originals_and_is_reference_counted():
     assert {n: getattr(dist, n) for n in orig_dist} == orig_dist
 
 
+def test_the_stream_join_patches_go_in_and_out_with_collective_timing():
+    """``Event.wait`` and ``Stream.record_event`` (what splits side-stream collectives) are
+    patched exactly while collective timing is installed."""
+    wait, record_event = torch.cuda.Event.wait, torch.cuda.Stream.record_event
+    remove = collectives.install_patch()
+    try:
+        assert torch.cuda.Event.wait.__wrapped__ is wait
+        assert torch.cuda.Stream.record_event.__wrapped__ is record_event
+    finally:
+        remove()
+    assert torch.cuda.Event.wait is wait
+    assert torch.cuda.Stream.record_event is record_event
+
+
 def test_ops_inside_a_step_are_recorded_once_each_with_bytes_and_sequence(world1, mem_tracer):
     tr = mem_tracer(auto=False)
     t = torch.ones(16)  # 64 bytes
