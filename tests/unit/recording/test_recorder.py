@@ -1026,3 +1026,27 @@ def test_unsampled_steps_read_the_run_queue_clock_only_before_a_sampled_one(mem_
     assert sorted(recs) == [0, 3, 6, 12]
     assert all("runq_ms" in recs[i]["counters"] for i in (0, 3, 6))
     assert "runq_ms" not in recs[12].get("counters", {})
+
+
+def test_step_stream_and_stream_waits_belong_to_the_open_sampled_step(mem_tracer):
+    """``step_stream()`` is the stream of the open step's start mark (None between steps and
+    on the host clock); a stream wait is kept in the step, resolves with it and adds no
+    collective to the record; outside a step its marks are given back."""
+    gpu = LagGpu(lag=0)
+    tr = mem_tracer(auto=False, clock=lag_clock(gpu), flush_every_n_steps=1)
+    assert tr.step_stream() is None
+    stray = tr.clock.mark(), tr.clock.mark()
+    tr.add_stream_wait(*stray, ("comm", 1))  # no step open: released, not kept
+    assert tr.clock.mark() is stray[1] and tr.clock.mark() is stray[0]  # back in the pool
+    with tr.step():
+        assert tr.step_stream() == "default"
+        gpu.work(1.0)
+        tr.add_stream_wait(tr.clock.mark(), tr.clock.mark(), ("comm", 2))
+        gpu.end_step()
+    tr.finish()
+    (rec,) = tr.sink.records
+    assert "collectives" not in rec
+    cpu = mem_tracer(auto=False, flush_every_n_steps=1)
+    with cpu.step():
+        assert cpu.step_stream() is None
+    cpu.finish()
