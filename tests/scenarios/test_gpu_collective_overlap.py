@@ -19,6 +19,7 @@ import torch.distributed as dist
 import stepscope
 from stepscope.analysis.run import analyze_run
 from stepscope.recording.schema import read_run
+from stepscope.report import collective_view
 
 GATE_MS = 2000.0  # queued ahead of each step: everything the step enqueues waits behind it
 
@@ -79,6 +80,8 @@ def test_an_all_gather_beside_compute_is_hidden_but_what_compute_waited(cuda_sim
     (op,) = doc["collectives"]["ops"]
     assert op["ms_per_step"] == pytest.approx(gather_ms, abs=1.0)
     assert op["hidden_ms_per_step"] == pytest.approx(gather_ms - exposed, abs=1.0)
+    table = "\n".join(collective_view.markdown_lines(doc))
+    assert "hidden ms/step" in table and f"{op['hidden_ms_per_step']:.2f}" in table
 
 
 def test_a_synchronous_all_gather_on_the_compute_stream_is_all_exposed(cuda_sim, tmp_path):

@@ -1,4 +1,5 @@
-"""The collectives view: per op and process group, calls, bytes, time, wait share, bus bandwidth.
+"""The collectives view: per op and process group, calls, bytes, time (and the part hidden beside
+compute), wait share, bus bandwidth.
 
 Additive sections for the terminal and markdown reports (the JSON is ``doc["collectives"]``,
 built by :func:`stepscope.analysis.collwaits.collectives_section`).
@@ -11,8 +12,8 @@ from typing import Any
 from stepscope.common.escape import md, one_line
 from stepscope.common.escape import rich as esc
 
-COLUMNS = ("op", "group", "ranks", "in phases", "calls/step", "MB/step", "ms/step", "wait ms/step",
-           "wait share", "bus GB/s")
+COLUMNS = ("op", "group", "ranks", "in phases", "calls/step", "MB/step", "ms/step",
+           "hidden ms/step", "wait ms/step", "wait share", "bus GB/s")
 
 
 def _f(x: float | None, nd: int = 2) -> str:
@@ -30,7 +31,7 @@ def rows(doc: dict[str, Any], limit: int = 20) -> list[list[str]]:
         mb = None if o.get("bytes_per_step") is None else o["bytes_per_step"] / 1e6
         out.append([one_line(o["op"]), one_line(f"{o['pg']} (n={o['pg_size']})"), one_line(o["ranks"]),
                     one_line(", ".join(map(str, o.get("phases") or []))), _f(o["calls_per_step"], 1), _f(mb),
-                    _f(o["ms_per_step"]), _f(o["wait_ms_per_step"]),
+                    _f(o["ms_per_step"]), _f(o.get("hidden_ms_per_step")), _f(o["wait_ms_per_step"]),
                     f"{100.0 * (o['wait_share'] or 0.0):.0f}%", _f(o.get("bus_gbps"))])
     return out
 
