@@ -151,3 +151,31 @@ def test_an_error_while_splitting_turns_timing_off_once_and_the_wait_still_holds
     for r in records:  # the compute stream still waited for the all-gather
         fwd = next(p for p in r["phases"] if p["name"] == "forward")
         assert fwd["ms"] == pytest.approx(150.0, abs=2.0)
+
+
+def test_a_side_call_whose_join_is_not_seen_stays_all_exposed(cuda_sim, tmp_path):
+    """Joined through an event recorded with ``Event.record`` (not ``Stream.record_event``):
+    the wait is not seen, so nothing is called hidden (the time counts as before)."""
+    sim = cuda_sim()
+    x = torch.zeros(1024, device="cuda")
+    gathered = torch.zeros(1024, device="cuda")
+    stepscope.init(out_dir=str(tmp_path), auto=False, flush_every_n_steps=1)
+    with sim.nccl_group(ms=60.0):
+        ag = torch.cuda.Stream()
+        for _ in range(2):
+            sim.kernel(GATE_MS)
+            with stepscope.step(), stepscope.phase("forward"):
+                compute = torch.cuda.current_stream()
+                ag.wait_stream(compute)
+                with torch.cuda.stream(ag):
+                    dist.all_gather_single(gathered, x)
+                event = torch.cuda.Event()
+                event.record(ag)
+                sim.kernel(100.0)
+                compute.wait_event(event)
+            sim.host_tick()
+        sim.drain()
+    stepscope.finish()
+    for c in _gathers(read_run(tmp_path)):
+        assert c["ms"] == pytest.approx(60.0, abs=1.0)
+        assert c["exposed_ms"] == c["ms"] and c["hidden_ms"] == 0.0

@@ -39,8 +39,9 @@ with the holds on its stream's later events, plus its own ``wait()`` when made f
 stream (at most its ``ms``). Two marks per such wait, no host sync; outside sampled steps with
 a side call the patches cost one test of an empty dict. Not seen: a join through an event
 recorded with ``Event.record`` (untagged), through ``torch.accelerator.current_stream()``
-(a ``torch.Stream``), or through a third stream (HSDP's all-reduce stream waiting on the
-reduce-scatter one): the call then stays hidden.
+(a ``torch.Stream``), through a third stream (HSDP's all-reduce stream waiting on the
+reduce-scatter one), or after the step: a side call with no join seen in its step is all
+exposed, as before the split (never wrongly called hidden).
 
 Every entry carries the op (the function's name), a process-group id identical on all ranks
 of that group (``"world"`` for the default group, else the member ranks and the group's name,
@@ -778,7 +779,7 @@ def summarize(
     the host is all exposed. A side-stream call (``side`` set) is exposed where its span
     overlaps the step's stream being held by a wait on its stream's work issued after it
     (the :data:`~stepscope.recording.step.STREAM_WAIT` entries, or its own ``wait()`` from
-    the step's stream), at most its ``ms``.
+    the step's stream), at most its ``ms``; with no such join seen, all of it.
     """
     entries = list(entries)
     holds = [e for e in entries if e[0] == STREAM_WAIT]
@@ -826,18 +827,24 @@ def _exposed(entry: tuple[Any, ...], side: tuple[Any, ...], holds: list[tuple[An
              elapsed_ms: Callable[[Any, Any], float], ms: float) -> float:
     """The part of a side-stream call's ``ms`` during which the step's stream was held
     waiting for its stream: the overlap of its span with each hold on a later event of that
-    stream, plus its own ``wait()`` where the step's stream made it."""
+    stream, plus its own ``wait()`` where the step's stream made it. A call whose join was
+    not seen in its step (no such hold, no such wait) is all exposed, as if on the step's
+    stream: what cannot be told apart is never called hidden."""
     start, end, gap = entry[4], entry[5], entry[8]
     stream, ticket = side[0], side[1]
     span = elapsed_ms(start, end)
     held = 0.0
-    if len(side) > 2 and side[2] and gap is not None:
+    seen = len(side) > 2 and bool(side[2]) and gap is not None
+    if seen:
         held += elapsed_ms(gap[1], end)
     for h in holds:
         joined, t = h[10]
         if t <= ticket or joined != stream:
             continue  # a wait on another stream's work, or on an event recorded before it
+        seen = True
         a = elapsed_ms(start, h[4])
         b = elapsed_ms(start, h[5])
         held += max(0.0, min(b, span) - max(a, 0.0))
+    if not seen:
+        return ms
     return min(max(held, 0.0), max(ms, 0.0))

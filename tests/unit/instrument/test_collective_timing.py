@@ -323,10 +323,13 @@ def test_summarize_splits_a_side_stream_call_by_the_waits_of_the_step_stream_on_
         ("all_gather", "world", 2, 8, 0.0, 150.0, "forward", 1, None, None, ("ag", 1)),
         (wait, "", 0, 0, 100.0, 150.0, None, 0, None, None, ("ag", 2)),
         # A wait on another stream's work, and one on an event recorded before the call:
-        # neither makes the call exposed.
+        # neither makes the call exposed; the join after it (not held) makes it hidden.
         (wait, "", 0, 0, 20.0, 40.0, None, 0, None, None, ("rs", 9)),
         ("reduce_scatter", "world", 2, 8, 200.0, 230.0, "backward", 2, None, None, ("ag", 5)),
         (wait, "", 0, 0, 210.0, 230.0, None, 0, None, None, ("ag", 4)),
+        (wait, "", 0, 0, 235.0, 235.0, None, 0, None, None, ("ag", 7)),
+        # No join seen in the step: all exposed, as if on the step's stream.
+        ("broadcast", "world", 2, 8, 250.0, 262.0, "backward", 5, None, None, ("bc", 8)),
         # async on "ag", waited from the step's stream at 310 (ends 330): that wait is held.
         ("all_reduce", "world", 2, 8, 300.0, 330.0, "backward", 3, (301.0, 310.0), None,
          ("ag", 6, True)),
@@ -334,10 +337,11 @@ def test_summarize_splits_a_side_stream_call_by_the_waits_of_the_step_stream_on_
         ("all_reduce", "world", 2, 8, 400.0, 410.0, "optimizer", 4, None, None, None),
     ]
     out = {c["op"]: c for c in collectives.summarize(entries, el)}
-    assert set(out) == {"all_gather", "reduce_scatter", "all_reduce"}  # waits are no entries
-    ag, rs = out["all_gather"], out["reduce_scatter"]
+    assert set(out) == {"all_gather", "reduce_scatter", "all_reduce", "broadcast"}  # no waits
+    ag, rs, bc = out["all_gather"], out["reduce_scatter"], out["broadcast"]
     assert (ag["ms"], ag["exposed_ms"], ag["hidden_ms"]) == (150.0, 50.0, 100.0)
     assert (rs["ms"], rs["exposed_ms"], rs["hidden_ms"]) == (30.0, 0.0, 30.0)
+    assert (bc["ms"], bc["exposed_ms"], bc["hidden_ms"]) == (12.0, 12.0, 0.0)
     ar = [c for c in collectives.summarize(entries, el) if c["op"] == "all_reduce"]
     assert [(c["ms"], c["exposed_ms"], c["hidden_ms"]) for c in ar] == [
         (21.0, 20.0, 1.0), (10.0, 10.0, 0.0)]
