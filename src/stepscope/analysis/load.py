@@ -76,6 +76,16 @@ _START = (f"(CASE WHEN gpu_start_unix_ns >= 0 AND gpu_start_unix_ns < {MAX_START
           "THEN gpu_start_unix_ns ELSE start_unix_ns END)")
 
 
+@dataclass(frozen=True)
+class FlatPhases:
+    """Where table ``phases`` is a view of the store's flat copy of the phase lists: its
+    files (each in its rank block's directory) and the SQL condition on ``step`` of the
+    steps it keeps (it may name table ``common_steps``)."""
+
+    files: tuple[str, ...]
+    keep: str
+
+
 @dataclass
 class RunData:
     """A loaded run: the DuckDB connection holding ``steps``/``phases`` and what was skipped."""
@@ -94,6 +104,9 @@ class RunData:
     #: Every run in the directory (oldest first) and what the report says of the others.
     runs: list[RunSpan] = field(default_factory=list)
     runs_note: str | None = None
+    #: Set where ``phases`` is a view of the store's flat copy (readers of a block of ranks
+    #: can read its files themselves); None where ``phases`` is a table on ``con``.
+    flat_phases: FlatPhases | None = None
     _tmp: Any = None  # keeps the temporary directory (converted SQLite, spill files) alive
 
     def close(self) -> None:
@@ -294,7 +307,7 @@ def _load_parquet(location: str, threads: int | None, memory_limit: str | None,
         src = " UNION ALL BY NAME ".join(parts)
         # The store's flat copy of the phase lists, where it has one and holds every record
         # read (no JSON tails): ``phases`` is then a view over it, not a table built here.
-        flat = st.flat_phases_source(con, source) if parts and not tails else None
+        flat = st.flat_phases_files(con, source) if parts and not tails else None
         try:
             # A view, not a copy: Parquet is typed and columnar, so each statement below
             # reads only the columns it names (``kept_records`` every column but the phase lists,
@@ -307,7 +320,13 @@ def _load_parquet(location: str, threads: int | None, memory_limit: str | None,
                                     ) from exc
             raise
         data = _build_tables(con, root or Path(location), skipped, set(torn or ()), lines,
-                             light=root is not None, flat=flat, run_id=run_id)
+                             light=root is not None, flat=flat or None, run_id=run_id)
+        if data.flat_phases is not None and root is not None:
+            # The files by their own paths, not through the link (readers elsewhere).
+            real = str(Path(location).resolve())
+            data.flat_phases = replace(data.flat_phases, files=tuple(
+                real + f[len(source):] if f.startswith(source) else f
+                for f in data.flat_phases.files))
         data._tmp = tmpdir
         return data
     except BaseException:
@@ -321,7 +340,7 @@ def _display_name(fname: str) -> str:
 
 def _build_tables(con: Any, root: Path, skipped: list[str], torn: set[str] | None = None,
                   lines: dict[str, int] | None = None, light: bool = True,
-                  flat: str | None = None, run_id: str | None = None) -> RunData:
+                  flat: list[str] | None = None, run_id: str | None = None) -> RunData:
     """Validate table ``raw_records`` (one row per line, corrupt lines all NULL) into the tables.
 
     ``torn``: names of the files that do not end in a newline, when ``raw_records.filename`` holds
@@ -329,7 +348,7 @@ def _build_tables(con: Any, root: Path, skipped: list[str], torn: set[str] | Non
     ``lines``: for the store, lines per file stored through its combined file, whose corrupt
     lines are rows without a file name (``tagged`` rows are those lines' good ones).
     ``light``: also keep table ``timed_records`` (goodput's rows), when ``raw_records`` came from rank files.
-    ``flat``: the table expression of the store's flat copy of ``raw_records``'s phase lists
+    ``flat``: the files of the store's flat copy of ``raw_records``'s phase lists
     (:func:`flat_phases_sql`), if it has one.
 
     First with the phase lists assumed present and plausible (checked while ``phases`` is
@@ -386,7 +405,7 @@ _READABLE_IN = f"schema IN {tuple(READABLE_SCHEMAS)}"
 
 def _build(con: Any, root: Path, skipped: list[str], torn: set[str] | None,
            lines: dict[str, int] | None, light: bool, lists_checked_later: bool,
-           flat: str | None = None, only: str = "TRUE") -> RunData:
+           flat: list[str] | None = None, only: str = "TRUE") -> RunData:
     """:func:`_build_tables`; ``lists_checked_later``: raise :class:`_Recheck` where the
     records are not all kept, and check the phase lists in the ``phases`` statement (or,
     with ``flat``, on the flat copy's rows, which ``phases`` is then a view of).
@@ -404,7 +423,8 @@ def _build(con: Any, root: Path, skipped: list[str], torn: set[str] | None,
     rec_kind, lists = _keep_records(con, kept, light, lists_checked_later, skipped, only)
     ranks, meta, world_size = _run_meta(con, root, skipped)
     keep = _common_steps(con, len(ranks), skipped)
-    keep, flat_view = _build_steps_and_phases(con, int(meta[1]), keep, lists, flat,
+    keep, flat_view = _build_steps_and_phases(con, int(meta[1]), keep, lists,
+                                              st.files_source(flat) if flat else None,
                                               lists_checked_later)
     _build_sections(con, keep, rec_kind, _count_duplicate_paths(con, flat_view))
     hosts: dict[str, list[int]] = {}
@@ -425,6 +445,7 @@ def _build(con: Any, root: Path, skipped: list[str], torn: set[str] | None,
         clock=str(meta[3] or "cpu"),
         records=int(n_steps),
         skipped=skipped,
+        flat_phases=FlatPhases(tuple(flat), keep) if flat and flat_view else None,
     )
 
 
@@ -652,7 +673,7 @@ def _build_steps_and_phases(con: Any, t_min: int, keep: str, lists: str, flat: s
     # is checked, and their rows deleted after.
     unnested, named, kept_steps = "phases", "p.name IS NOT NULL", keep
     flat_view = flat is not None and lists_checked_later
-    if flat_view:
+    if flat is not None and flat_view:
         # Every record with the required fields is kept (else _Recheck above): the flat
         # copy's rows are the table's, once no list is missing or implausible. A view: the
         # table cost more than any stage reading it (10^8 rows decoded from the lists and
@@ -660,9 +681,7 @@ def _build_steps_and_phases(con: Any, t_min: int, keep: str, lists: str, flat: s
         # readers' blocks of steps (or ranks) read only their row groups (or files).
         if con.execute(f"SELECT count(*) FROM {flat} WHERE NOT coalesce(ok, FALSE)").fetchone()[0]:
             raise _Recheck
-        con.execute(f"""CREATE VIEW phases AS
-                        SELECT rank, step, name, parent, ms, s, calls, e, path FROM {flat}
-                        WHERE name IS NOT NULL AND {keep}""")
+        create_flat_phases_view(con, flat, keep)
     elif lists_checked_later:
         keep = "TRUE"
         unnested = f"CASE WHEN phases IS NULL THEN error('{_RECHECK}') ELSE phases END"
@@ -683,6 +702,14 @@ def _build_steps_and_phases(con: Any, t_min: int, keep: str, lists: str, flat: s
     if lists_checked_later and keep != "TRUE" and not flat_view:
         con.execute(f"DELETE FROM phases WHERE NOT ({keep})")
     return keep, flat_view
+
+
+def create_flat_phases_view(con: Any, flat: str, keep: str) -> None:
+    """View ``phases`` over the flat copy's rows of table expression ``flat``, of the steps
+    ``keep`` (an SQL condition on ``step``) keeps."""
+    con.execute(f"""CREATE VIEW phases AS
+                    SELECT rank, step, name, parent, ms, s, calls, e, path FROM {flat}
+                    WHERE name IS NOT NULL AND {keep}""")
 
 
 def _count_duplicate_paths(con: Any, flat_view: bool) -> int:

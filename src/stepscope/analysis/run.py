@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,12 @@ class AnalyzedRun:
         self.data.close()
 
 
+#: Where the per-rank phase rows (:func:`stepscope.analysis.stats.phase_rank_rows`) of a
+#: loaded run are computed, when not on its connection: by an engine that splits the run into
+#: tasks (:mod:`stepscope.analysis.dask_engine`).
+PhaseRankRunner = Callable[[RunData], Iterable[tuple[Any, ...]]]
+
+
 def open_analyzed_run(
     run_dir: str | os.PathLike[str],
     *,
@@ -82,12 +89,16 @@ def open_analyzed_run(
     memory_limit: str | None = None,
     store: bool = True,
     run_id: str | None = None,
+    phase_rank_rows: PhaseRankRunner | None = None,
 ) -> AnalyzedRun:
-    """:func:`analyze_run`, with the loaded run kept open beside the document."""
+    """:func:`analyze_run`, with the loaded run kept open beside the document.
+
+    ``phase_rank_rows``: computes the per-rank phase statistics' rows of the loaded run
+    elsewhere (the same rows; default: on the run's own connection)."""
     data = load_run(run_dir, threads=threads, memory_limit=memory_limit, store=store,
                     run_id=run_id)
     try:
-        doc = _analyze(data)
+        doc = _analyze(data, phase_rank_rows)
     except BaseException:
         data.close()
         raise
@@ -100,7 +111,7 @@ def recording_lost(con: Any) -> dict[str, int]:
     return {str(k): int(n) for k, n in rows if n is not None and n > 0}
 
 
-def _analyze(data: RunData) -> dict[str, Any]:
+def _analyze(data: RunData, phase_rank_rows: PhaseRankRunner | None = None) -> dict[str, Any]:
     con = data.con
     create_phase_samples(con)
     n_rows = con.execute("SELECT count(*) FROM phase_samples").fetchone()[0]
@@ -115,7 +126,8 @@ def _analyze(data: RunData) -> dict[str, Any]:
     al, thr, stragglers, windows = att.alignment, att.thresholds, att.stragglers, att.windows
     windows, host_busy = split_host_busy(windows, data.clock, stragglers, con)
 
-    phases = phase_stats(con, n_rows)
+    phases = phase_stats(con, n_rows, None if phase_rank_rows is None
+                         else lambda _con: phase_rank_rows(data))
     phase_waits(con, phases)
     ranks = rank_stats(con, data.hosts, n_rows)
 

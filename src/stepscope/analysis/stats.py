@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from stepscope.analysis.blocks import in_block, rank_blocks
+from stepscope.analysis.blocks import WHOLE, in_block, rank_blocks
 from stepscope.analysis.tables import PHASE_SUMS
 from stepscope.recording.schema import CANONICAL_PHASES
 
@@ -62,12 +63,42 @@ def create_phase_samples(con: Any) -> None:
     )
 
 
-def phase_stats(con: Any, n_rows: int) -> dict[str, dict[str, Any]]:
+#: Rows of :func:`phase_rank_rows` for every rank of a run's connection, however computed:
+#: on the connection itself (:func:`local_phase_rank_rows`) or by a block's task elsewhere.
+PhaseRankRows = Callable[[Any], Iterable[tuple[Any, ...]]]
+
+
+def phase_rank_rows(con: Any, block: tuple[int, int] = WHOLE) -> list[tuple[Any, ...]]:
+    """Per (phase, rank) of the ranks in ``block``: the quantiles, max, sum, samples, whether
+    top level and the sum of positive values, from ``phase_samples`` on ``con``. A rank's
+    rows need only its own samples, so any split of the ranks gives the same rows."""
+    # Exact per rank: a t-digest state per (phase, rank) group costs more memory than the
+    # few thousand values each group holds. An exact quantile holds every value of its group
+    # at once, so a block of ranks at a time (analysis/blocks.py): memory is one block's
+    # values, not the run's (10^8 samples at once spilled ~34 GB); the groups are the same.
+    return [tuple(r) for r in con.execute(
+        f"""SELECT name, rank, {_q('ms', True)}, max(ms), sum(ms), count(*),
+                   bool_and(parent IS NULL), sum(greatest(ms, 0.0))
+            FROM phase_samples WHERE {in_block('rank', block)} GROUP BY name, rank"""
+    ).fetchall()]
+
+
+def local_phase_rank_rows(con: Any) -> list[tuple[Any, ...]]:
+    """:func:`phase_rank_rows` of every rank, a block of ranks at a time on ``con``."""
+    rows: list[tuple[Any, ...]] = []
+    for b in rank_blocks(con):
+        rows += phase_rank_rows(con, b)
+    return rows
+
+
+def phase_stats(con: Any, n_rows: int,
+                per_rank_rows: PhaseRankRows | None = None) -> dict[str, dict[str, Any]]:
     """Per phase: median/p90/p99/max ms, share of step time, and the same per rank.
 
     Shares divide a phase's total by the total step time; only top-level phases (and the
     residual) have one, so they add up to 1. ``h2d_hidden`` is copy time a PrefetchLoader
-    took off the step (overlapped), so it has no share either.
+    took off the step (overlapped), so it has no share either. ``per_rank_rows``: where the
+    per-rank rows come from (default :func:`local_phase_rank_rows`).
     """
     exact = n_rows <= EXACT_QUANTILE_ROWS
     total_step = con.execute("SELECT sum(step_ms) FROM steps").fetchone()[0] or 0.0
@@ -77,17 +108,7 @@ def phase_stats(con: Any, n_rows: int) -> dict[str, dict[str, Any]]:
                    bool_and(parent IS NULL), sum(greatest(ms, 0.0))
             FROM phase_samples GROUP BY name"""
     ).fetchall()
-    # Exact per rank: a t-digest state per (phase, rank) group costs more memory than the
-    # few thousand values each group holds. An exact quantile holds every value of its group
-    # at once, so a block of ranks at a time (analysis/blocks.py): memory is one block's
-    # values, not the run's (10^8 samples at once spilled ~34 GB); the groups are the same.
-    per_rank: list[Any] = []
-    for b in rank_blocks(con):
-        per_rank += con.execute(
-            f"""SELECT name, rank, {_q('ms', True)}, max(ms), sum(ms), count(*),
-                       bool_and(parent IS NULL), sum(greatest(ms, 0.0))
-                FROM phase_samples WHERE {in_block('rank', b)} GROUP BY name, rank"""
-        ).fetchall()
+    per_rank = list(per_rank_rows(con) if per_rank_rows is not None else local_phase_rank_rows(con))
     per_rank.sort(key=lambda row: (row[0], row[1]))
     _write_sums(con, [(r[0], None, r[4], r[6], r[7]) for r in overall]
                 + [(r[0], r[1], r[4], r[6], r[7]) for r in per_rank])

@@ -72,7 +72,7 @@ _MAX_STATE_BYTES = 1 << 30
 #: and a 10,000-rank run has 40 directories, not 10,000.
 RANK_BLOCK = 256
 _REMOTE = ("s3://", "s3a://", "gs://", "gcs://", "hf://", "http://", "https://", "az://",
-           "abfss://", "r2://")
+           "abfss://", "r2://", "file://")
 
 
 @dataclass
@@ -140,25 +140,34 @@ def flat_phases_source(con: Any, location: str) -> str | None:
     """The ``read_parquet`` of the flat phases files of a run (a run directory, its store or
     a URL; None for a glob or a file, or a store without them), as listed now: files that
     a later compaction adds are not read (they have no rows in the tables built before)."""
+    files = flat_phases_files(con, location)
+    return files_source(files) if files else None
+
+
+def files_source(files: list[str]) -> str:
+    """The ``read_parquet`` of the listed Parquet files (paths or URLs), as they are."""
+    listed = ", ".join("'" + f.replace("'", "''") + "'" for f in files)
+    return f"read_parquet([{listed}], hive_partitioning=false)"
+
+
+def flat_phases_files(con: Any, location: str) -> list[str]:
+    """The flat phases files :func:`flat_phases_source` reads, sorted (each under its rank
+    block's directory, ``phases/rank_block=K/``); empty where it reads none."""
     if is_glob(location) or location.endswith(".parquet"):
-        return None
+        return []
     for state in (Path(location) / STATE, Path(location) / STORE_DIR / STATE):
         # A local store another stepscope version compacted last: its flat copy (if any) may
         # lack that compaction's records.
         with contextlib.suppress(OSError, ValueError):
             doc = json.loads(state.read_text())
             if not isinstance(doc, dict) or doc.get("version") != STATE_VERSION:
-                return None
+                return []
     pattern = f"{location.rstrip('/')}/**/{PHASES}/*/*.parquet".replace("'", "''")
     try:
-        files = [str(f) for (f,) in con.execute(
+        return [str(f) for (f,) in con.execute(
             f"SELECT file FROM glob('{pattern}') ORDER BY 1").fetchall()]
     except Exception:  # duckdb.IOException (a URL that cannot be listed): no flat copy
-        return None
-    if not files:
-        return None
-    listed = ", ".join("'" + f.replace("'", "''") + "'" for f in files)
-    return f"read_parquet([{listed}], hive_partitioning=false)"
+        return []
 
 
 def write_phases(con: Any, store: Path, records: list[str]) -> None:

@@ -19,6 +19,10 @@ if TYPE_CHECKING:
     from stepscope.common.figures import PlotData
 
 
+#: The engines ``report --engine`` runs the analysis on.
+ENGINES = ("duckdb", "dask")
+
+
 def add_parser(subparsers: Subparsers) -> None:
     r = subparsers.add_parser("report", help="cross-rank report of a run directory")
     r.add_argument("run_dir")
@@ -29,24 +33,46 @@ def add_parser(subparsers: Subparsers) -> None:
                    help="the run to show where several launches wrote into RUN_DIR (an id or a "
                         "unique prefix; default: the newest)")
     add_duckdb_options(r)
+    r.add_argument("--engine", choices=ENGINES, default="duckdb",
+                   help="duckdb: this machine (default); dask: the per-rank-block work as tasks "
+                        "on a Dask cluster (pip install 'stepscope[dask]')")
+    r.add_argument("--dask-address", metavar="ADDR", default=None,
+                   help="the Dask scheduler for --engine dask (default: a local cluster)")
     r.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.dask_address is not None and args.engine != "dask":
+        print("stepscope report: --dask-address needs --engine dask", file=sys.stderr)
+        return 2
     return report_command(
         args.run_dir, as_json=args.json, markdown=args.markdown, html=args.html,
         threads=args.threads, memory_limit=args.memory_limit, run_id=args.run,
+        engine=args.engine, dask_address=args.dask_address,
     )
 
 
 def analyze_run_dir(run_dir: str, threads: int | None = None,
-                    memory_limit: str | None = None, run_id: str | None = None) -> AnalyzedRun:
-    """The analysed run, kept open, with every input problem turned into :class:`AnalysisError`."""
+                    memory_limit: str | None = None, run_id: str | None = None,
+                    engine: str = "duckdb", dask_address: str | None = None) -> AnalyzedRun:
+    """The analysed run, kept open, with every input problem turned into :class:`AnalysisError`.
+
+    ``engine``: ``duckdb`` (this machine) or ``dask`` (the per-rank-block work on the Dask
+    cluster at ``dask_address``, or a local one); the document is the same."""
     import duckdb
 
     from stepscope.analysis.run import open_analyzed_run
 
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     try:
+        if engine == "dask":
+            # Only here: Dask is an optional, heavy dependency.
+            from stepscope.analysis import dask_engine
+
+            with dask_engine.cluster(dask_address) as client:
+                return open_analyzed_run(run_dir, threads=threads, memory_limit=memory_limit,
+                                         run_id=run_id, phase_rank_rows=dask_engine.runner(client))
         return open_analyzed_run(run_dir, threads=threads, memory_limit=memory_limit,
                                  run_id=run_id)
     except (duckdb.Error, OSError, UnicodeError) as exc:
@@ -58,7 +84,8 @@ def analyze_run_dir(run_dir: str, threads: int | None = None,
 
 def report_command(run_dir: str, as_json: bool, markdown: str | None, html: str | None,
                    threads: int | None = None, memory_limit: str | None = None,
-                   run_id: str | None = None) -> int:
+                   run_id: str | None = None, engine: str = "duckdb",
+                   dask_address: str | None = None) -> int:
     """Run ``stepscope report``; returns the exit code (0 ok, 2 unusable input)."""
     from stepscope.report.progress import input_bytes, progress
 
@@ -67,7 +94,7 @@ def report_command(run_dir: str, as_json: bool, markdown: str | None, html: str 
         with progress(input_bytes(run_dir, "rank*") or None, "reading rank files", unit="bytes",
                       track_reads=True, done_desc="analysing (DuckDB)"):
             analyzed = analyze_run_dir(run_dir, threads=threads, memory_limit=memory_limit,
-                                       run_id=run_id)
+                                       run_id=run_id, engine=engine, dask_address=dask_address)
     except AnalysisError as exc:
         print(f"stepscope report: {term(exc)}", file=sys.stderr)
         return 2

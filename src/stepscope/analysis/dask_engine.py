@@ -1,0 +1,182 @@
+"""The Dask engine of ``stepscope report --engine dask``: a run's per-rank-block work as tasks
+on a Dask cluster, the rest of the analysis on the client.
+
+The run's Parquet store is partitioned by blocks of ranks (``phases/rank_block=K/``, see
+:mod:`stepscope.analysis.store`). The per-rank phase statistics
+(:func:`stepscope.analysis.stats.phase_rank_rows`: exact quantiles, max, sums and counts per
+(phase, rank)) need only their rank's samples, so each rank block of the store is one task:
+it opens its own DuckDB connection, reads its block's flat phase rows from the store (a
+local path or a URL the workers can read), takes its ranks' per-step rows (one per record,
+sent by the client) and runs the same statements as the single-machine path. The client
+gathers the rows (a few per phase and rank) and the analysis goes on as on one machine.
+Where the store has no flat copy the report can read (a run with duplicate records, torn
+tails, several runs in one directory), the client sends each block its phase rows instead.
+
+Dask is an optional dependency (``pip install 'stepscope[dask]'``), imported here only.
+What runs where, and the projected cost at scale: ``docs/report-engines.md``.
+
+Example::
+
+    from stepscope.analysis import dask_engine
+    from stepscope.analysis.run import open_analyzed_run
+
+    with dask_engine.cluster(None) as client:  # a local cluster
+        run = open_analyzed_run("runs/demo", phase_rank_rows=dask_engine.runner(client))
+    run.close()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import posixpath
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from stepscope.analysis import store as st
+from stepscope.analysis.blocks import in_block, rank_blocks
+from stepscope.analysis.load import RunData, create_flat_phases_view
+from stepscope.analysis.run import PhaseRankRunner
+from stepscope.analysis.stats import create_phase_samples, local_phase_rank_rows
+from stepscope.common.errors import AnalysisError
+
+#: How to install what the engine needs (named in its error).
+INSTALL = "pip install 'stepscope[dask]'"
+#: Workers of the local cluster started when no scheduler address is given.
+LOCAL_WORKERS = 2
+#: Seconds to wait for a scheduler at a given address.
+CONNECT_TIMEOUT_S = 10.0
+
+_BLOCK_DIR = re.compile(r"rank_block=(\d+)$")
+#: The per-step columns of ``steps`` that ``phase_samples`` reads, with their types.
+_STEP_COLUMNS = "rank INTEGER, step BIGINT, residual_ms DOUBLE, h2d_hidden_ms DOUBLE"
+#: The columns of ``phases`` that ``phase_samples`` reads, where the client sends them.
+_PHASE_COLUMNS = "rank INTEGER, step BIGINT, parent VARCHAR, ms DOUBLE, path VARCHAR"
+
+
+@dataclass(frozen=True)
+class RankBlockTask:
+    """One task: the ranks ``ranks`` (first, last) of a run.
+
+    ``steps``: those ranks' rows of table ``steps`` (columns of :data:`_STEP_COLUMNS`, as
+    arrays); ``files`` and ``keep``: the store's flat phases files of the block and the
+    condition on ``step`` that ``phases`` keeps (``common_steps``: that table's steps, where
+    ``keep`` names it); ``phases``: the block's phase rows instead, where there are no files.
+    """
+
+    ranks: tuple[int, int]
+    steps: dict[str, Any]
+    files: tuple[str, ...] = ()
+    keep: str = "TRUE"
+    common_steps: dict[str, Any] | None = None
+    phases: dict[str, Any] | None = None
+
+
+def run_rank_block(task: RankBlockTask) -> list[tuple[Any, ...]]:
+    """The per-rank phase rows of ``task``'s ranks, on a DuckDB connection of its own: the
+    statements of the single-machine path (:func:`create_phase_samples`,
+    :func:`local_phase_rank_rows`) over the block's rows only."""
+    import duckdb
+
+    con = duckdb.connect()
+    try:
+        con.execute("SET enable_progress_bar = false")  # it would draw on the worker's stdout
+        con.execute("SET preserve_insertion_order = false")
+        con.register("steps_rows", task.steps)
+        con.execute(f"CREATE TABLE steps ({_STEP_COLUMNS})")
+        con.execute("INSERT INTO steps SELECT * FROM steps_rows")
+        if task.files:
+            if task.common_steps is not None:
+                con.register("common_rows", task.common_steps)
+                con.execute("CREATE TABLE common_steps AS SELECT step FROM common_rows")
+            create_flat_phases_view(con, st.files_source(list(task.files)), task.keep)
+        else:
+            con.execute(f"CREATE TABLE phases ({_PHASE_COLUMNS})")
+            if task.phases is not None:
+                con.register("phase_rows", task.phases)
+                con.execute("INSERT INTO phases SELECT * FROM phase_rows")
+        create_phase_samples(con)
+        return local_phase_rank_rows(con)
+    finally:
+        con.close()
+
+
+def _block_of(path: str) -> int | None:
+    """K of the ``rank_block=K`` directory that holds ``path`` (a path or a URL)."""
+    m = _BLOCK_DIR.search(posixpath.dirname(path.replace("\\", "/")))
+    return int(m.group(1)) if m else None
+
+
+def _steps_of(con: Any, ranks: tuple[int, int]) -> dict[str, Any]:
+    return dict(con.execute(
+        f"SELECT rank, step, residual_ms, h2d_hidden_ms FROM steps WHERE {in_block('rank', ranks)}"
+    ).fetchnumpy())
+
+
+def plan(data: RunData, rank_block: int = st.RANK_BLOCK) -> list[RankBlockTask]:
+    """The tasks of a loaded run: one per rank block of the store's flat copy, reading its
+    files; where the run has none (or a rank outside them), one per block of ranks of the
+    client's ``steps``, with its phase rows."""
+    con = data.con
+    flat = data.flat_phases
+    by_block: dict[int, list[str]] = {}
+    if flat is not None:
+        for f in flat.files:
+            k = _block_of(f)
+            if k is None:
+                by_block = {}
+                break
+            by_block.setdefault(k, []).append(f)
+    covered = {r for r in data.ranks if r // rank_block in by_block}
+    if flat is not None and by_block and covered == set(data.ranks):
+        common = (dict(con.execute("SELECT step FROM common_steps").fetchnumpy())
+                  if "common_steps" in flat.keep else None)
+        tasks = []
+        for k, files in sorted(by_block.items()):
+            ranks = (k * rank_block, (k + 1) * rank_block - 1)
+            tasks.append(RankBlockTask(ranks, _steps_of(con, ranks), tuple(files), flat.keep,
+                                       common))
+        return tasks
+    return [RankBlockTask(b, _steps_of(con, b), phases=dict(con.execute(
+        f"SELECT rank, step, parent, ms, path FROM phases WHERE {in_block('rank', b)}"
+    ).fetchnumpy())) for b in rank_blocks(con)]
+
+
+def runner(client: Any) -> PhaseRankRunner:
+    """What :func:`stepscope.analysis.run.open_analyzed_run` calls for the per-rank phase
+    rows: the run's tasks on ``client``'s cluster, their rows gathered."""
+
+    def rows(data: RunData) -> list[tuple[Any, ...]]:
+        futures = client.map(run_rank_block, plan(data), pure=False)
+        out: list[tuple[Any, ...]] = []
+        for part in client.gather(futures):
+            out += part
+        return out
+
+    return rows
+
+
+@contextlib.contextmanager
+def cluster(address: str | None, *, workers: int = LOCAL_WORKERS,
+            processes: bool = True) -> Iterator[Any]:
+    """A ``distributed.Client``: of the scheduler at ``address``, or (None) of a local
+    cluster of ``workers`` single-threaded workers, closed on exit. Raises
+    :class:`AnalysisError` (one line) where Dask is not installed or the scheduler cannot
+    be reached."""
+    try:
+        from distributed import Client, LocalCluster
+    except ImportError:
+        raise AnalysisError(f"--engine dask needs Dask distributed ({INSTALL})") from None
+    if address is None:
+        with LocalCluster(n_workers=workers, threads_per_worker=1, processes=processes,
+                          dashboard_address=None) as local, Client(local) as client:
+            yield client
+        return
+    try:
+        client = Client(address, timeout=CONNECT_TIMEOUT_S)
+    except (OSError, ValueError, TypeError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise AnalysisError(f"cannot reach the Dask scheduler at {address!r} ({first})") from None
+    with client:
+        yield client
