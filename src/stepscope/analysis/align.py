@@ -104,7 +104,8 @@ def align(con: Any, hosts: dict[str, list[int]], n_ranks: int, median_step: floa
             )
         rows = con.execute(
             """WITH med AS (SELECT step, median(end_t) AS m FROM sync_ends GROUP BY 1)
-               SELECT host, median(end_t - m) FROM sync_ends JOIN med USING (step) GROUP BY 1"""
+               SELECT host, median(end_t - m) FROM sync_ends JOIN med USING (step) GROUP BY 1
+               ORDER BY 1"""
         ).fetchall()
         con.execute("DROP TABLE sync_ends")
         offsets = {str(h): float(o) for h, o in rows}

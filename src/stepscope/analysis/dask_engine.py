@@ -48,6 +48,11 @@ LOCAL_WORKERS = 2
 #: Seconds to wait for a scheduler at a given address.
 CONNECT_TIMEOUT_S = 10.0
 
+#: No dashboard, and the scheduler's HTTP routes on a free port: its default (8787) may be
+#: another cluster's.
+LOCAL_OPTIONS: dict[str, Any] = {
+    "dashboard_address": None, "scheduler_kwargs": {"dashboard": False, "dashboard_address": ":0"}}
+
 _BLOCK_DIR = re.compile(r"rank_block=(\d+)$")
 #: The per-step columns of ``steps`` that ``phase_samples`` reads, with their types.
 _STEP_COLUMNS = "rank INTEGER, step BIGINT, residual_ms DOUBLE, h2d_hidden_ms DOUBLE"
@@ -158,10 +163,11 @@ def runner(client: Any) -> PhaseRankRunner:
 
 
 @contextlib.contextmanager
-def cluster(address: str | None, *, workers: int = LOCAL_WORKERS,
+def cluster(address: str | None, *, workers: int | None = None,
             processes: bool = True) -> Iterator[Any]:
     """A ``distributed.Client``: of the scheduler at ``address``, or (None) of a local
-    cluster of ``workers`` single-threaded workers, closed on exit. Raises
+    cluster of ``workers`` (default :data:`LOCAL_WORKERS`) single-threaded workers, closed
+    on exit. Raises
     :class:`AnalysisError` (one line) where Dask is not installed or the scheduler cannot
     be reached."""
     try:
@@ -169,8 +175,9 @@ def cluster(address: str | None, *, workers: int = LOCAL_WORKERS,
     except ImportError:
         raise AnalysisError(f"--engine dask needs Dask distributed ({INSTALL})") from None
     if address is None:
-        with LocalCluster(n_workers=workers, threads_per_worker=1, processes=processes,
-                          dashboard_address=None) as local, Client(local) as client:
+        n = LOCAL_WORKERS if workers is None else workers
+        with LocalCluster(n_workers=n, threads_per_worker=1, processes=processes,
+                          **LOCAL_OPTIONS) as local, Client(local) as client:
             yield client
         return
     try:

@@ -1,0 +1,158 @@
+"""``stepscope report --engine dask``: the per-rank-block tasks on a Dask cluster give the
+same report as the single-machine path, and its errors are one line."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import synth_collectives as sc
+from synth_runs import Slow, SynthRun, write_run
+
+from stepscope.analysis import dask_engine
+from stepscope.analysis import store as st
+from stepscope.analysis.load import load_run
+from stepscope.analysis.stats import create_phase_samples, local_phase_rank_rows
+from stepscope.cli import main
+
+distributed = pytest.importorskip("distributed")
+
+#: Runs shaped like the equivalence corpus's (benchmarks/equivalence_corpus.py): several
+#: hosts with clock offsets, hidden H2D time, recorded collectives, hostile lines (no flat
+#: copy: the client sends the rows), and more ranks than one store partition holds.
+RUNS = {
+    "multihost": lambda d: write_run(d, SynthRun(ranks=16, steps=60, hosts=4, host_offset_ms=37.0,
+                                                 slow=(Slow(9, "forward", 8.0),))),
+    "hidden": lambda d: write_run(d, SynthRun(ranks=4, steps=50, h2d_hidden_ms=1.5,
+                                              slow=(Slow(0, "h2d", 5.0),))),
+    "ddp_accum": lambda d: sc.write(d, sc.make_records(
+        sc.CollRun(sc.ddp_program(micro=4), ranks=4, slow=(Slow(2, "forward", 5.0),)))),
+    "two_blocks": lambda d: write_run(d, SynthRun(ranks=st.RANK_BLOCK + 4, steps=6, every=1,
+                                                  slow=(Slow(258, "dataloader", 12.0),))),
+}
+
+
+def _hostile(d: Path) -> Path:
+    write_run(d, SynthRun(ranks=4, steps=60, slow=(Slow(3, "forward", 9.0),)))
+    lines = (d / "rank1.jsonl").read_text().splitlines(True)
+    # A duplicate record, a corrupt line, step 30 missing, a torn last line.
+    (d / "rank1.jsonl").write_text("".join([*lines[:10], lines[9], "{not json\n", *lines[10:30],
+                                            *lines[31:]]) + '{"schema": 1, "ra')
+    return d
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("corpus")
+    runs = {name: root / name for name in RUNS}
+    for name, make in RUNS.items():
+        make(runs[name])
+    runs["hostile"] = _hostile(root / "hostile")
+    return runs
+
+
+@pytest.fixture(scope="module")
+def address() -> Iterator[str]:
+    """A local cluster in this process (threads, not processes: cheap to start)."""
+    with distributed.LocalCluster(n_workers=1, threads_per_worker=2, processes=False,
+                                  **dask_engine.LOCAL_OPTIONS) as cluster:
+        yield str(cluster.scheduler_address)
+
+
+def _report(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = main(["report", *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.parametrize("name", [*RUNS, "hostile"])
+def test_dask_report_is_the_default_report(name: str, corpus: dict[str, Path], address: str,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    run = str(corpus[name])
+    code, default, _ = _report(capsys, run, "--json")
+    assert code == 0
+    code, dask, err = _report(capsys, run, "--json", "--engine", "dask", "--dask-address", address)
+    assert code == 0, err
+    assert json.loads(dask) == json.loads(default)
+    assert json.loads(dask)["phases"]  # a document, with the per-rank statistics the tasks made
+
+
+def test_tasks_read_the_store_partitions(corpus: dict[str, Path]) -> None:
+    """A run compacted with its flat copy: one task per rank block, reading that block's
+    files; the hostile run has no flat copy the report reads: its rows are sent."""
+    data = load_run(corpus["two_blocks"])
+    try:
+        tasks = dask_engine.plan(data)
+        assert [t.ranks for t in tasks] == [(0, st.RANK_BLOCK - 1),
+                                            (st.RANK_BLOCK, 2 * st.RANK_BLOCK - 1)]
+        assert all(t.files and t.phases is None for t in tasks)
+        assert all(f"rank_block={k}" in f for k, t in enumerate(tasks) for f in t.files)
+        create_phase_samples(data.con)
+        local = local_phase_rank_rows(data.con)
+        by_tasks = [r for t in tasks for r in dask_engine.run_rank_block(t)]
+        assert sorted(by_tasks) == sorted(local) and len(local) == 6 * (st.RANK_BLOCK + 4)
+    finally:
+        data.close()
+    data = load_run(corpus["hostile"])
+    try:
+        tasks = dask_engine.plan(data)
+        assert tasks and all(not t.files and t.phases is not None for t in tasks)
+    finally:
+        data.close()
+
+
+def test_store_by_file_url(corpus: dict[str, Path], address: str,
+                           capsys: pytest.CaptureFixture[str]) -> None:
+    """The store read by URL (object storage; here ``file://``), the same on both engines."""
+    code, from_dir, _ = _report(capsys, str(corpus["multihost"]), "--json")  # compacts the store
+    url = (corpus["multihost"] / st.STORE_DIR).resolve().as_uri()
+    code, default, err = _report(capsys, url, "--json")
+    assert code == 0, err
+    code, dask, err = _report(capsys, url, "--json", "--engine", "dask", "--dask-address", address)
+    assert code == 0, err
+    assert json.loads(dask) == json.loads(default)
+    # The same statistics as from the run directory (goodput there reads the rank files too).
+    assert json.loads(dask)["phases"] == json.loads(from_dir)["phases"]
+
+
+def test_a_local_cluster_when_no_address(corpus: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """Worker processes of their own (one: a cheaper start), closed afterwards."""
+    monkeypatch.setattr(dask_engine, "LOCAL_WORKERS", 1)
+    run = str(corpus["hidden"])
+    _, default, _ = _report(capsys, run, "--json")
+    code, dask, err = _report(capsys, run, "--json", "--engine", "dask")
+    assert code == 0, err
+    assert json.loads(dask) == json.loads(default)
+
+
+def test_without_dask_one_line_naming_the_extra(corpus: dict[str, Path],
+                                                monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setitem(sys.modules, "distributed", None)  # import fails as if not installed
+    code, out, err = _report(capsys, str(corpus["hidden"]), "--json", "--engine", "dask")
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and "pip install 'stepscope[dask]'" in err
+
+
+def test_unreachable_scheduler_one_line(corpus: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(dask_engine, "CONNECT_TIMEOUT_S", 1.0)
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    addr = f"tcp://127.0.0.1:{port}"
+    code, out, err = _report(capsys, str(corpus["hidden"]), "--json", "--engine", "dask",
+                             "--dask-address", addr)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and addr in err and "cannot reach the Dask scheduler" in err
+
+
+def test_address_needs_the_dask_engine(corpus: dict[str, Path],
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _report(capsys, str(corpus["hidden"]), "--dask-address", "tcp://x:1")
+    assert code == 2 and out == "" and err.count("\n") == 1 and "--engine dask" in err
