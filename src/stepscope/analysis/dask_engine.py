@@ -88,6 +88,8 @@ def run_rank_block(task: RankBlockTask) -> list[tuple[Any, ...]]:
     try:
         con.execute("SET enable_progress_bar = false")  # it would draw on the worker's stdout
         con.execute("SET preserve_insertion_order = false")
+        # One thread a task: the cluster runs as many tasks at once as its workers have threads.
+        con.execute("SET threads = 1")
         con.register("steps_rows", task.steps)
         con.execute(f"CREATE TABLE steps ({_STEP_COLUMNS})")
         con.execute("INSERT INTO steps SELECT * FROM steps_rows")
