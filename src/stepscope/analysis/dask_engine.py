@@ -155,7 +155,8 @@ def runner(client: Any) -> PhaseRankRunner:
     rows: the run's tasks on ``client``'s cluster, their rows gathered."""
 
     def rows(data: RunData) -> list[tuple[Any, ...]]:
-        futures = client.map(run_rank_block, plan(data), pure=False)
+        # Scattered first: each task's rows go to a worker as data, not inside the task graph.
+        futures = client.map(run_rank_block, client.scatter(plan(data)), pure=False)
         out: list[tuple[Any, ...]] = []
         for part in client.gather(futures):
             out += part
