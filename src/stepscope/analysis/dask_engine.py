@@ -156,7 +156,7 @@ def runner(client: Any) -> PhaseRankRunner:
 
     def rows(data: RunData) -> list[tuple[Any, ...]]:
         # Scattered first: each task's rows go to a worker as data, not inside the task graph.
-        futures = client.map(run_rank_block, client.scatter(plan(data)), pure=False)
+        futures = client.map(run_rank_block, client.scatter(plan(data), hash=False), pure=False)
         out: list[tuple[Any, ...]] = []
         for part in client.gather(futures):
             out += part
