@@ -90,19 +90,19 @@ def run_rank_block(task: RankBlockTask) -> list[tuple[Any, ...]]:
         con.execute("SET preserve_insertion_order = false")
         # One thread a task: the cluster runs as many tasks at once as its workers have threads.
         con.execute("SET threads = 1")
-        con.register("steps_rows", task.steps)
+        con.register("task_step_rows", task.steps)
         con.execute(f"CREATE TABLE steps ({_STEP_COLUMNS})")
-        con.execute("INSERT INTO steps SELECT * FROM steps_rows")
+        con.execute("INSERT INTO steps SELECT * FROM task_step_rows")
         if task.files:
             if task.common_steps is not None:
-                con.register("common_rows", task.common_steps)
-                con.execute("CREATE TABLE common_steps AS SELECT step FROM common_rows")
+                con.register("task_common_steps", task.common_steps)
+                con.execute("CREATE TABLE common_steps AS SELECT step FROM task_common_steps")
             create_flat_phases_view(con, st.files_source(list(task.files)), task.keep)
         else:
             con.execute(f"CREATE TABLE phases ({_PHASE_COLUMNS})")
             if task.phases is not None:
-                con.register("phase_rows", task.phases)
-                con.execute("INSERT INTO phases SELECT * FROM phase_rows")
+                con.register("task_phase_rows", task.phases)
+                con.execute("INSERT INTO phases SELECT * FROM task_phase_rows")
         create_phase_samples(con)
         return local_phase_rank_rows(con)
     finally:

@@ -136,14 +136,6 @@ def parquet_source(location: str) -> str:
             "hive_partitioning=true, union_by_name=true))")
 
 
-def flat_phases_source(con: Any, location: str) -> str | None:
-    """The ``read_parquet`` of the flat phases files of a run (a run directory, its store or
-    a URL; None for a glob or a file, or a store without them), as listed now: files that
-    a later compaction adds are not read (they have no rows in the tables built before)."""
-    files = flat_phases_files(con, location)
-    return files_source(files) if files else None
-
-
 def files_source(files: list[str]) -> str:
     """The ``read_parquet`` of the listed Parquet files (paths or URLs), as they are."""
     listed = ", ".join("'" + f.replace("'", "''") + "'" for f in files)
@@ -151,8 +143,10 @@ def files_source(files: list[str]) -> str:
 
 
 def flat_phases_files(con: Any, location: str) -> list[str]:
-    """The flat phases files :func:`flat_phases_source` reads, sorted (each under its rank
-    block's directory, ``phases/rank_block=K/``); empty where it reads none."""
+    """The flat phases files of a run (a run directory, its store or a URL; none for a glob
+    or a file, or a store without them), sorted, each under its rank block's directory
+    (``phases/rank_block=K/``), as listed now: files that a later compaction adds are not
+    read (they have no rows in the tables built before). Read with :func:`files_source`."""
     if is_glob(location) or location.endswith(".parquet"):
         return []
     for state in (Path(location) / STATE, Path(location) / STORE_DIR / STATE):

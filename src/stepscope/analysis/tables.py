@@ -135,6 +135,12 @@ _DECLARED = (
           "the residual's waits, own time and work outside every collective"),
     # -- stragglers (analysis/stragglers.py) --
     Table("flagged_steps", ("step",), "the steps on which a straggler was slow"),
+    # -- a rank block's task of the Dask engine, on its own connection (analysis/dask_engine.py) --
+    Table("task_step_rows", ("rank", "step", "residual_ms", "h2d_hidden_ms"),
+          "the block's ranks' rows of steps, sent by the client (arrays)"),
+    Table("task_common_steps", ("step",), "common_steps, sent by the client (arrays)"),
+    Table("task_phase_rows", ("rank", "step", "parent", "ms", "path"),
+          "the block's phase rows, sent by the client where the store has no flat copy (arrays)"),
 )
 
 #: Every relation the analysis makes, by name.

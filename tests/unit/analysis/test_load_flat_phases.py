@@ -25,7 +25,7 @@ def _phases(run: Path, monkeypatch: pytest.MonkeyPatch, flat: bool) -> tuple[str
     """(how ``phases`` was made, its rows, its columns and types, the skipped notes)."""
     with monkeypatch.context() as m:
         if not flat:  # the table from the lists, as before the flat copy
-            m.setattr(st, "flat_phases_source", lambda con, location: None)
+            m.setattr(st, "flat_phases_files", lambda con, location: [])
         data = load_run(run)
     try:
         con = data.con
