@@ -189,4 +189,9 @@ def cluster(address: str | None, *, workers: int | None = None,
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise AnalysisError(f"cannot reach the Dask scheduler at {address!r} ({first})") from None
     with client:
+        try:  # a scheduler without workers would hold the tasks forever
+            client.wait_for_workers(1, timeout=CONNECT_TIMEOUT_S)
+        except (TimeoutError, OSError):
+            raise AnalysisError(f"the Dask scheduler at {address!r} has no workers (none joined "
+                                f"within {CONNECT_TIMEOUT_S:g} s)") from None
         yield client

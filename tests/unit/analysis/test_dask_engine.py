@@ -156,3 +156,17 @@ def test_address_needs_the_dask_engine(corpus: dict[str, Path],
                                        capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = _report(capsys, str(corpus["hidden"]), "--dask-address", "tcp://x:1")
     assert code == 2 and out == "" and err.count("\n") == 1 and "--engine dask" in err
+
+
+def test_a_scheduler_without_workers_one_line(corpus: dict[str, Path],
+                                              monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """Not a report that waits forever for a worker."""
+    monkeypatch.setattr(dask_engine, "CONNECT_TIMEOUT_S", 1.0)
+    with distributed.LocalCluster(n_workers=0, processes=False,
+                                  **dask_engine.LOCAL_OPTIONS) as empty:
+        addr = str(empty.scheduler_address)
+        code, out, err = _report(capsys, str(corpus["hidden"]), "--json", "--engine", "dask",
+                                 "--dask-address", addr)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and "has no workers" in err
