@@ -34,6 +34,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -61,8 +62,13 @@ STATE_VERSION = 7  # 3: gpu_start_unix_ns and phases[].host_ms columns; 4: each 
 PHASES = "phases"
 #: The key a regular line is tagged with (its rank file) in the combined file.
 TAG = "_stepscope_file"
-COMBINED = "_combined.jsonl"
+#: The combined files' names begin so (one per rank block: ``_combined.K.jsonl``).
+COMBINED_PREFIX = "_combined."
+_RANK_FILE = re.compile(r"rank(\d+)\.jsonl")
 _PIECE = 64 << 20
+#: A rank file read whole at least this large is parsed where it lies: copying it into a
+#: combined file costs more CPU than DuckDB's set-up per file (~2 ms).
+_IN_PLACE_BYTES = 512 << 10
 #: How much of a rank file's beginning identifies it: its first record (run id, start time).
 _HEAD = 4096
 _WRITING = "_writing"
@@ -416,60 +422,47 @@ def _compact_locked(root: Path, store: Path, files: list[Path], threads: int | N
     before = {n: dataclasses.replace(fs) for n, fs in state.items()}
     new_bytes = 0
     new_files = 0
-    chunks: list[Path] = []
     with tempfile.TemporaryDirectory(prefix="stepscope-compact-") as tmp:
-        # Regular lines of every file go into one combined file, each tagged with its rank
-        # file: DuckDB's typed JSON reader pays a set-up cost per file that dominates a run
-        # of 10^4 small files. Irregular files (a line not starting with "{", an overlong
-        # line) keep a chunk file of their own, read as before.
-        combined_path = Path(tmp) / COMBINED
-        with open(combined_path, "wb") as combined:
-            for name, path in sorted(names.items()):
-                st = state.setdefault(name, FileState())
-                size = sizes[name]
-                if size == st.offset:
+        # Regular lines of every file go into a combined file per rank block, each tagged
+        # with its rank file: DuckDB's typed JSON reader pays a set-up cost per file that
+        # dominates a run of 10^4 small files. Irregular files (a line not starting with
+        # "{", an overlong line) keep a chunk file of their own, read as before. A large
+        # file read whole is parsed where it lies (:func:`_in_place`): no copy at all.
+        chunks: dict[int | None, list[Path]] = {}
+        in_place: dict[Path, int] = {}  # rank files parsed where they lie: bytes to read
+        for name, path in sorted(names.items()):
+            st = state.setdefault(name, FileState())
+            size = sizes[name]
+            if size == st.offset:
+                continue
+            block = _block_of(name)
+            combined = Path(tmp) / f"{COMBINED_PREFIX}{'x' if block is None else block}.jsonl"
+            with open(path, "rb") as fh:
+                cut = _last_newline(fh, st.offset, size)
+                st.torn = size > cut
+                if cut == st.offset:
                     continue
-                with open(path, "rb") as fh:
-                    cut = _last_newline(fh, st.offset, size)
-                    st.torn = size > cut
-                    if cut == st.offset:
-                        continue
-                    tag = b'{"' + TAG.encode() + b'":' + json.dumps(name).encode() + b","
-                    own: Path | None = None
-                    fh.seek(st.offset)
-                    left = cut - st.offset
-                    while left > 0:
-                        data = fh.read(min(left, _PIECE))
-                        if len(data) < left:  # end the piece at a line end
-                            data = data[: data.rfind(b"\n") + 1] or data
-                            fh.seek(st.offset + (cut - st.offset - left) + len(data))
-                        left -= len(data)
-                        n_lines = data.count(b"\n")
-                        regular = (own is None and data.startswith(b"{")
-                                   and data.count(b"\n{") == n_lines - 1
-                                   and len(data) <= MAX_LINE_BYTES * max(1, n_lines)
-                                   and max(map(len, data.split(b"\n"))) <= MAX_LINE_BYTES)
-                        if regular:
-                            combined.write(tag + data[1:-1].replace(b"\n{", b"\n" + tag) + b"\n")
-                            st.lines += n_lines
-                        else:
-                            if own is None:
-                                own = Path(tmp) / name
-                            with open(own, "ab") as out:
-                                out.write(data)
-                if own is not None:
-                    bounded, dropped = drop_long_lines(own, Path(tmp), [])
-                    st.dropped += dropped
-                    chunks.append(bounded)
-                new_bytes += cut - st.offset
-                new_files += 1
-                st.head, st.tail = _marks(path, cut)
-                st.offset = cut
-        if combined_path.stat().st_size:
-            chunks.append(combined_path)
+                listed = chunks.setdefault(block, [])
+                own = None
+                if _in_place(path, st.offset, cut, size, Path(tmp)):
+                    in_place[path] = cut
+                    listed.append(path)
+                else:
+                    own = _take_lines(fh, name, st, cut, combined, Path(tmp))
+            if combined.exists() and combined not in listed:
+                listed.insert(0, combined)
+            if own is not None:
+                bounded, dropped = drop_long_lines(own, Path(tmp), [])
+                st.dropped += dropped
+                listed.append(bounded)
+            new_bytes += cut - st.offset
+            new_files += 1
+            st.head, st.tail = _marks(path, cut)
+            st.offset = cut
         if chunks:
             safefs.write_atomic(store / _WRITING, b"")
-            for rel in _write_parquet(store, chunks, threads, memory_limit):
+            for rel in _write_parquet(store, chunks, in_place, threads, memory_limit,
+                                      Path(tmp)):
                 footer = _footer(store / rel)
                 if footer is None:
                     raise safefs.UnsafePath(f"{store / rel}: not the part just written")
@@ -480,38 +473,161 @@ def _compact_locked(root: Path, store: Path, files: list[Path], threads: int | N
     return CompactResult(store, new_bytes, new_files, rebuilt, state, note)
 
 
-def _write_parquet(store: Path, chunks: list[Path], threads: int | None,
-                   memory_limit: str | None) -> list[str]:
-    """Write the chunks' records (and their flat phases); the new parts' paths in the store."""
-    import duckdb
+def _block_of(name: str) -> int | None:
+    """The rank block of a rank file's records by its name (``rank{R}.jsonl``), or None."""
+    m = _RANK_FILE.fullmatch(name)
+    return int(m.group(1)) // RANK_BLOCK if m else None
 
+
+def _regular(data: bytes) -> bool:
+    """Whether every line of ``data`` (whole lines) starts with "{" and is at most
+    :data:`MAX_LINE_BYTES` long: such lines are tagged into the combined file."""
+    n_lines = data.count(b"\n")
+    if not (data.startswith(b"{") and data.count(b"\n{") == n_lines - 1
+            and len(data) <= MAX_LINE_BYTES * max(1, n_lines)):
+        return False
+    # The longest line, without splitting ``data`` into lines (a copy of every line): from
+    # each line start, the last newline within the longest line's reach ends every line
+    # that starts before it.
+    pos, end = 0, len(data)
+    while pos < end:
+        nl = data.rfind(b"\n", pos, pos + MAX_LINE_BYTES + 1)
+        if nl < 0:
+            return end - pos <= MAX_LINE_BYTES
+        pos = nl + 1
+    return True
+
+
+def _in_place(path: Path, offset: int, cut: int, size: int, tmp: Path) -> bool:
+    """Whether rank file ``path`` is parsed where it lies rather than copied: read whole
+    (nothing stored yet, no torn last line), large enough that copying it costs more than
+    DuckDB's set-up per file, a name DuckDB reads as it is (no glob, URL or ``~``), and
+    no line over :data:`MAX_LINE_BYTES` (those are dropped from a copy)."""
+    text = str(path)
+    if (offset or cut != size or size < _IN_PLACE_BYTES or is_glob(text) or is_remote(text)
+            or text.startswith(("~", "file:"))):
+        return False
+    bounded, dropped = drop_long_lines(path, tmp, [])
+    if bounded != path:
+        bounded.unlink()
+    return not dropped
+
+
+def _take_lines(fh: Any, name: str, st: FileState, cut: int, combined: Path,
+                tmp: Path) -> Path | None:
+    """Copy bytes ``[st.offset, cut)`` of the open rank file ``fh``: regular pieces into
+    ``combined`` (each line tagged with ``name``), the rest into a chunk file of the file's
+    own, which is returned (None when every piece was regular)."""
+    tag = b'{"' + TAG.encode() + b'":' + json.dumps(name).encode() + b","
+    own: Path | None = None
+    fh.seek(st.offset)
+    left = cut - st.offset
+    with open(combined, "ab") as out:
+        while left > 0:
+            data = fh.read(min(left, _PIECE))
+            if len(data) < left:  # end the piece at a line end
+                data = data[: data.rfind(b"\n") + 1] or data
+                fh.seek(st.offset + (cut - st.offset - left) + len(data))
+            left -= len(data)
+            if own is None and _regular(data):
+                # The first "{" has no newline before it: the tag goes in front of it.
+                out.write(tag)
+                out.write(memoryview(data.replace(b"\n{", b"\n" + tag))[1:])
+                st.lines += data.count(b"\n")
+            else:
+                if own is None:
+                    own = tmp / name
+                with open(own, "ab") as dst:
+                    dst.write(data)
+    if not combined.stat().st_size:
+        combined.unlink()
+    return own
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return -1
+
+
+def _copied(path: Path, end: int, tmp: Path) -> Path:
+    """A copy of bytes ``[0, end)`` of rank file ``path`` in ``tmp`` (under its name)."""
+    out = tmp / path.name
+    with open(path, "rb") as src, open(out, "wb") as dst:
+        _copy_range(src, dst, 0, end)
+    return out
+
+
+def _write_parquet(store: Path, chunks: dict[int | None, list[Path]], in_place: dict[Path, int],
+                   threads: int | None, memory_limit: str | None, tmp: Path) -> list[str]:
+    """Write the chunks' records (and their flat phases); the new parts' paths in the store.
+
+    ``chunks``: the files to parse by the rank block their names say (None: unknown);
+    ``in_place``: those that are rank files, read whole, and the size read of each.
+    """
+    import duckdb
 
     con = duckdb.connect()
     try:
         con.execute("SET preserve_insertion_order = false")
         con.execute("SET enable_progress_bar = false")  # it would draw on stdout
+        con.execute(f"SET temp_directory = '{str(tmp).replace(chr(39), chr(39) * 2)}'")
         if threads:
             con.execute(f"SET threads = {int(threads)}")
         if memory_limit:
             con.execute(f"SET memory_limit = '{memory_limit}'")
         safefs.safe_dir(store / RECORDS, store)
-        dest = str(store / RECORDS).replace("'", "''")
-        before = set((store / RECORDS).glob("*/*.parquet"))
-        con.execute(
-            f"""COPY (SELECT * EXCLUDE ({TAG}) REPLACE (
-                                 CASE WHEN filename LIKE '%/{COMBINED}' THEN {TAG}
-                                      ELSE replace(regexp_replace(filename, '^.*/', ''),
-                                                   '.bounded.jsonl', '') END AS filename),
-                             filename LIKE '%/{COMBINED}' AS tagged,
-                             rank // {RANK_BLOCK} AS rank_block
-                      FROM {json_reader(chunks, extra={TAG: "VARCHAR"})})
-                TO '{dest}' (FORMAT parquet, PARTITION_BY (rank_block),
-                             FILENAME_PATTERN 'part_{{uuid}}', APPEND)"""
-        )
-        new = sorted(set((store / RECORDS).glob("*/*.parquet")) - before)
+        new: list[Path] = []
+        for block, files in sorted(chunks.items(), key=lambda kv: (kv[0] is None, kv[0] or 0)):
+            new += _write_records(con, store, block, files, in_place, tmp)
         phases_before = set((store / PHASES).glob("*/*.parquet"))
         write_phases(con, store, [str(f) for f in new])
         new += sorted(set((store / PHASES).glob("*/*.parquet")) - phases_before)
     finally:
         con.close()
     return [f.relative_to(store).as_posix() for f in new]
+
+
+def _write_records(con: Any, store: Path, block: int | None, files: list[Path],
+                   in_place: dict[Path, int], tmp: Path) -> list[Path]:
+    """Write the records of ``files`` into the store's rank-block directories; the new parts.
+
+    Where every record of a rank block's files has a rank of that block (the rule: file
+    ``rank{R}.jsonl`` holds rank R's records), they are written straight into its
+    directory; else (a corrupt line, a rank file holding another rank's records) they are
+    partitioned by their ranks. A partitioned write costs about twice the CPU of a plain one.
+    A rank file read in place (``in_place``) that grew meanwhile (a live job) may have been
+    read past its last whole line: its lines are then copied out, and the block written again.
+    """
+    import uuid
+
+    def select() -> str:
+        return f"""SELECT * EXCLUDE ({TAG}) REPLACE (
+                       CASE WHEN filename LIKE '%/{COMBINED_PREFIX}%' THEN {TAG}
+                            ELSE replace(regexp_replace(filename, '^.*/', ''),
+                                         '.bounded.jsonl', '') END AS filename),
+                   filename LIKE '%/{COMBINED_PREFIX}%' AS tagged
+                   FROM {json_reader(files, extra={TAG: "VARCHAR"})}"""
+
+    if block is not None:
+        dest = safefs.safe_dir(store / RECORDS / f"rank_block={block}", store)
+        part = dest / f"part_{uuid.uuid4()}.parquet"
+        out = str(part).replace("'", "''")
+        con.execute(f"COPY ({select()}) TO '{out}' (FORMAT parquet)")
+        grown = [f for f in files if f in in_place and _size(f) != in_place[f]]
+        misfits = 1 if grown else con.execute(
+            f"""SELECT count(*) FROM read_parquet('{out}')
+                WHERE (rank // {RANK_BLOCK}) IS DISTINCT FROM {block}""").fetchone()[0]
+        if not misfits:
+            return [part]
+        part.unlink()
+    files = [_copied(f, in_place[f], tmp) if f in in_place else f for f in files]
+    dest_all = str(store / RECORDS).replace("'", "''")
+    before = set((store / RECORDS).glob("*/*.parquet"))
+    con.execute(
+        f"""COPY (SELECT *, rank // {RANK_BLOCK} AS rank_block FROM ({select()}))
+            TO '{dest_all}' (FORMAT parquet, PARTITION_BY (rank_block),
+                             FILENAME_PATTERN 'part_{{uuid}}', APPEND)"""
+    )
+    return sorted(set((store / RECORDS).glob("*/*.parquet")) - before)
