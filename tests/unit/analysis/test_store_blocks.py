@@ -12,6 +12,7 @@ import pytest
 from documents import analysed_doc
 from synth_runs import SynthRun, make_records, write_run
 
+from stepscope.analysis import record_files
 from stepscope.analysis import store as st
 
 
@@ -60,7 +61,7 @@ def test_a_file_that_grows_while_read_in_place_is_stored_once(
     run.mkdir()
     for r, rs in recs.items():
         (run / f"rank{r}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rs[:20]))
-    reader = st.json_reader
+    reader = record_files.json_reader
     grown: list[bool] = []
 
     def growing(files: list[Path], *a: Any, **k: Any) -> str:
