@@ -165,6 +165,9 @@ def _analyze(data: RunData, phase_rank_rows: PhaseRankRunner | None = None) -> d
         # A rank that would be a straggler but for its extra wait for a CPU (run-queue wait,
         # counters.runq_ms): the host was oversubscribed, not the job's code.
         "host_contention": att.contention,
+        # A rank longer in one phase on every step, but no other rank waited for it: the
+        # others spent as long elsewhere before the collective (stragglers.unwaited).
+        "unwaited": att.unwaited,
         "skipped": list(data.skipped) + data.store_notes + att.notes,
         "partial": bool(data.skipped or att.notes),
     }
@@ -222,6 +225,12 @@ def _analyze(data: RunData, phase_rank_rows: PhaseRankRunner | None = None) -> d
             f"{why}), against its {c['phase']}'s {c['excess_ms']:.1f} ms over theirs and "
             f"{c['gap_ms']:.1f} ms over all its phases: the host is oversubscribed; not the "
             "job's code")
+    for u in att.unwaited:
+        run["notes"].append(
+            f"rank {u['rank']}'s {u['phase']} ran {u['excess_ms']:.1f} ms over the other ranks' "
+            f"on steps {u['first_step']}–{u['last_step']}, but no rank waited for it at the next "
+            "collective (the others spent as long elsewhere in the step): a phase imbalance that "
+            "costs nothing, not a straggler")
     for w in host_busy:
         if any(h["first_step"] <= w["end_step"] and h["last_step"] >= w["start_step"]
                for h in att.contention):

@@ -100,6 +100,8 @@ class Attribution:
     warmup: dict[str, Any] | None = None
     #: Would-be stragglers explained by the rank's extra run-queue wait (host contention).
     contention: list[dict[str, Any]] = field(default_factory=list)
+    #: Would-be chronic stragglers no other rank waited for (:func:`unwaited`).
+    unwaited: list[dict[str, Any]] = field(default_factory=list)
 
 
 def _confidence(n: int, density: float, ratio: float) -> float:
@@ -483,6 +485,40 @@ def _add_victims(con: Any, s: dict[str, Any], flagged: list[int]) -> None:
     con.execute("DROP TABLE flagged_steps")
 
 
+#: Wait sources that measure every rank's time in its collectives (no clocks compared).
+MEASURED = ("collectives", "grad_sync", "collectives+timeline")
+MEASURED_SHARE = 0.8
+
+
+def unwaited(con: Any, stragglers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The chronic stragglers no other rank waited for, where waits are measured.
+
+    A rank is a straggler because the others wait for it at their next collective. When a
+    rank's gap in one phase is made up by the others elsewhere before that collective (rank 0
+    longer in forward, rank 1 as much longer in backward's own compute), they all arrive
+    together: no rank's wait rose by the :func:`_add_victims` bar, and the gap cost the job
+    nothing. Only where the other ranks' waits were measured (matched collectives) on at least
+    :data:`MEASURED_SHARE` of the straggler's steps.
+    """
+    out = []
+    for s in stragglers:
+        if s["persistence"] != "chronic" or s["victims"]:
+            continue
+        first, last, rank = int(s["first_step"]), int(s["last_step"]), int(s["rank"])
+        row = con.execute(
+            f"""SELECT (SELECT count(*) FROM (SELECT DISTINCT rank, step FROM collective_waits
+                                              WHERE matched AND rank <> {rank}
+                                                AND step BETWEEN {first} AND {last})),
+                       (SELECT count(*) FROM steps WHERE rank <> {rank}
+                                                     AND step BETWEEN {first} AND {last})"""
+        ).fetchone()
+        # Measured on most of the other ranks' steps (a partition that could not be matched
+        # leaves a rank's wait unknown, not absent).
+        if row and row[1] and row[0] >= MEASURED_SHARE * row[1]:
+            out.append(s)
+    return out
+
+
 def own_slowdown(con: Any, name: str, first: int, last: int, rank: int | None = None) -> float:
     """Median own time of ``name`` inside steps [first, last] over its median outside.
 
@@ -637,6 +673,8 @@ def attribute(con: Any, hosts: dict[str, list[int]], ranks: list[int], median_st
     contention: list[dict[str, Any]] = []
     stragglers = find_stragglers(con, steps, host_of, thr, median_step, contention, series)
     del series
+    gone = unwaited(con, stragglers) if source in MEASURED else []
+    stragglers = [s for s in stragglers if s not in gone]
     warmup: dict[str, Any] = {}
     windows = find_windows(con, steps, stragglers, ranks, warmup)
     by_phase: dict[str, list[float]] = {}
@@ -645,4 +683,4 @@ def attribute(con: Any, hosts: dict[str, list[int]], ranks: list[int], median_st
     thresholds = {n: robust.median(v) for n, v in by_phase.items()}
     return Attribution(al, source, thresholds, stragglers, windows,
                        collectives_section(con, source, notes + info), notes, warmup or None,
-                       contention)
+                       contention, gone)
