@@ -83,9 +83,11 @@ def test_hf_trainer_slow_rank_is_named_not_input_bound(hf: dict[str, dict[str, A
         assert dl[1 - rank]["wait_ms"] > 0.7 * 30.0
 
 
-# A known false alarm, not yet explained: on a quiet 2-core host one balanced 2-rank HF Trainer
-# run of several named rank 0 in forward with 2.7 ms of excess (the same run beside a busy
-# loop, and alone, stayed quiet). Kept running so that a fix shows as XPASS.
+# A false alarm seen once and not reproduced since (20 runs, quiet, loaded and 3-rank): a
+# balanced 2-rank HF Trainer run named rank 0 in forward with 2.7 ms of excess. One mechanism
+# that can produce it, a phase gap no rank waited for (made up in the other rank's backward),
+# is no longer named (tests/unit/analysis/test_stragglers.py); whether it was this one is not
+# known, so the check stays non-strict: a recurrence shows as XFAIL, not as a red run.
 @pytest.mark.xfail(strict=False, reason="intermittent: a 2.7 ms forward straggler on a balanced HF run")
 def test_hf_trainer_balanced_is_quiet(hf: dict[str, dict[str, Any]]) -> None:
     doc = hf["balanced"]
