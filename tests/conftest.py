@@ -1,4 +1,4 @@
-"""Shared fixtures: tracers writing to memory or to tmp dirs, and the shared trace folder."""
+"""Shared fixtures: tracers writing to memory or to tmp dirs, a simulated CUDA runtime, a one-rank world."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from stepscope.recording.config import Config
 from stepscope.recording.sinks import MemorySink
 from stepscope.tracer import Tracer
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
 # Harnesses, simulators and synthetic runs live in tests/support/, imported by plain name.
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 

@@ -1,10 +1,11 @@
 """Third-party training scripts run under stepscope (2-3 gloo ranks on CPU), one rank slowed.
 
 Each framework path is run twice over: from the script itself when its repository has been
-fetched (``$STEPSCOPE_MIRRORS``, or a ``.mirror`` above the checkout; else skipped) and from this repository's
-re-creation of the script's usage pattern (``tests/support/third_party_scripts``, always run). The
-scripts are executed as written; :mod:`third_party` repeats their training loop under
-``stepscope.step()`` and injects the slowness (see there).
+fetched (``$STEPSCOPE_MIRRORS``, else ``../.mirror`` beside the checkout; skipped without it)
+and from this repository's re-creation of the script's usage pattern
+(``tests/support/third_party_scripts``, always run). The scripts are executed as written;
+:mod:`third_party` repeats their training loop under ``stepscope.step()`` and injects the
+slowness (see there).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import paths  # tests/support: where the repository and its outside data are
 import pytest
 
 from stepscope.analysis.run import analyze_run
@@ -45,7 +47,7 @@ def _script(source: str, which: str) -> Any:
         return third_party.recreation({"tp": "tp_mlp", "pp": "pp_split"}[which])
     script = _tp_mirror() if which == "tp" else _pp_mirror()
     if script is None:
-        pytest.skip(f"the {which} script's repository is not fetched under {third_party.MIRRORS}")
+        pytest.skip(paths.not_fetched("pytorch/examples" if which == "tp" else "pytorch/PiPPy"))
     return script
 
 
@@ -180,7 +182,7 @@ def _acc_script(source: str) -> Any:
     script = third_party.from_mirror("huggingface/accelerate", "examples/nlp_example.py",
                                      offline_hf=True, **kw)
     if script is None:
-        pytest.skip(f"huggingface/accelerate is not fetched under {third_party.MIRRORS}")
+        pytest.skip(paths.not_fetched("huggingface/accelerate"))
     return script
 
 
@@ -216,8 +218,7 @@ def _ep_script(source: str, skew: float) -> Any:
         return third_party.ep_moe_recreation(**kw)
     script = third_party.torchtitan_moe(**kw)
     if script is None:
-        pytest.skip(f"pytorch/torchtitan (commit {third_party.TORCHTITAN_EP[:12]}) is not fetched "
-                    f"under {third_party.MIRRORS}")
+        pytest.skip(paths.not_fetched(f"pytorch/torchtitan (commit {third_party.TORCHTITAN_EP[:12]})"))
     return script
 
 
@@ -259,7 +260,7 @@ def test_fsdp_tp_script(tmp_path: Any, slow: tuple[int, str] | None) -> None:
     repo, path, sib, ranks, kw = third_party.KNOWN["fsdp_tp"]
     script = third_party.from_mirror(repo, path, sib, **kw)
     if script is None:
-        pytest.skip(f"{repo} is not fetched under {third_party.MIRRORS}")
+        pytest.skip(paths.not_fetched(repo))
     ms = 6000.0  # the steps vary by seconds: 4 ranks of a 32000-word output layer on 2 cores
     doc = analyze_run(third_party.launch(script, tmp_path, ranks=ranks, steps=10,
                                          slow=None if slow is None else (*slow, ms)))

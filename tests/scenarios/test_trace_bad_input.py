@@ -186,7 +186,7 @@ def test_zero_length_kernels_only_do_not_crash(tmp_path: Path) -> None:
 
 def test_real_cpu_only_trace_gets_a_cpu_summary(capsys: pytest.CaptureFixture[str]) -> None:
     if not TRACES.is_dir():
-        pytest.skip("shared traces not found")
+        pytest.skip(paths.traces_missing())
     src = TRACES / "cpu_only" / "rank-34.Jul_15_10_52_41.1074.pt.trace.json.gz"
     with gzip.open(src, "rt") as f:
         doc = json.load(f)

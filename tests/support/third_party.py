@@ -1,6 +1,6 @@
 """Run a third-party training script under stepscope on gloo ranks, patched minimally at run time.
 
-The script's own text is executed (from a fetched mirror in a ``.mirror`` above the checkout when present,
+The script's own text is executed (from a fetched mirror under ``paths.MIRRORS`` when present,
 or from this repository's re-creation of its usage pattern under ``tests/support/third_party_scripts``),
 with these run-time changes only:
 
@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import paths  # tests/support: where the repository and its outside data are
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -45,8 +46,8 @@ import stepscope
 from stepscope.demo import SleepInBackward
 from stepscope.recording.dist import become_local_rank, spawn_local
 
-MIRRORS = Path(os.environ.get("STEPSCOPE_MIRRORS") or next(
-    (p / ".mirror" for p in Path(__file__).resolve().parents if (p / ".mirror").is_dir()), ".mirror"))
+#: Fetched repositories: ``$STEPSCOPE_MIRRORS``, else ``../.mirror`` beside the checkout.
+MIRRORS = paths.MIRRORS
 HERE = Path(__file__).resolve().parent / "third_party_scripts"
 
 
@@ -470,13 +471,13 @@ def main(argv: list[str]) -> None:
     if argv[0] == "torchtitan-ep":  # ... torchtitan-ep OUT SKEW RANKS: the router's bias on r1
         ep = torchtitan_moe(argv=("--skew", argv[2], "--hot", "1", "--per-token-ms", "0.5"))
         if ep is None:
-            raise SystemExit(f"pytorch/torchtitan is not fetched under {MIRRORS}")
+            raise SystemExit(paths.not_fetched("pytorch/torchtitan"))
         script, ranks, slow = ep, int(argv[3]), None
     else:
         repo, path, sib, ranks, kw = KNOWN[argv[0]]
         found_script = from_mirror(repo, path, sib, **kw)
         if found_script is None:
-            raise SystemExit(f"{repo} is not fetched under {MIRRORS}")
+            raise SystemExit(paths.not_fetched(repo))
         script = found_script
         slow = (int(argv[2]), argv[3], float(argv[4])) if len(argv) > 2 else None
     doc = analyze_run(launch(script, argv[1], ranks, steps=20, slow=slow))

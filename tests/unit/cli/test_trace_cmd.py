@@ -15,7 +15,7 @@ TRACES = paths.TRACES
 
 def _need_traces() -> None:
     if not TRACES.is_dir():
-        pytest.skip(f"shared real traces not found at {TRACES}")
+        pytest.skip(paths.traces_missing())
 
 
 def test_json_document(capsys: pytest.CaptureFixture[str]) -> None:

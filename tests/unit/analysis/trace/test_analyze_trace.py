@@ -22,7 +22,7 @@ DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 
 def _need_traces() -> None:
     if not TRACES.is_dir():
-        pytest.skip(f"shared real traces not found at {TRACES}")
+        pytest.skip(paths.traces_missing())
 
 
 def _load(path: Path) -> dict[str, Any]:

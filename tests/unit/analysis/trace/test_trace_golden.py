@@ -18,8 +18,7 @@ import pytest
 from stepscope.analysis.trace import analyze_trace
 from stepscope.common.escape import write_json
 
-# The shared real traces sit beside the checkout (../shared/traces, or one level further up
-# in a worktree layout), as tests/unit/analysis/trace/test_analyze_trace.py finds them.
+# The shared real traces: $STEPSCOPE_TRACES, else ../shared/traces beside the checkout.
 TRACES = paths.TRACES
 GOLDEN = json.loads((paths.FIXTURES / "trace_golden.json").read_text())
 
@@ -33,7 +32,7 @@ def _doc(path: Path) -> dict[str, Any]:
     return doc
 
 
-@pytest.mark.skipif(not TRACES.is_dir(), reason="the shared real traces are not on this machine")
+@pytest.mark.skipif(not TRACES.is_dir(), reason=paths.traces_missing())
 @pytest.mark.parametrize("name", sorted(GOLDEN))
 def test_same_result_as_reference(name: str) -> None:
     assert _doc(TRACES / name) == GOLDEN[name]
