@@ -144,18 +144,41 @@ def become_local_rank(rank: int, world: int, port: int) -> None:
     torch.set_num_threads(1)
 
 
+#: What every :func:`spawn_local` rank imports: the fork server imports it once.
+FORKSERVER_PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "stepscope.demo")
+
+
 def spawn_local(fn: Callable[..., Any], ranks: int, out_dir: str | os.PathLike[str],
                 *args: Any) -> Path:
     """Run ``fn(rank, ranks, port, out_dir, *args)`` in one process per rank on this host
-    (``torch.multiprocessing.spawn`` through :func:`run_then_exit`, a free rendezvous port);
-    ``out_dir`` is created first and returned. For the demo and tests."""
+    (``torch.multiprocessing.start_processes`` through :func:`run_then_exit`, a free rendezvous
+    port); ``out_dir`` is created first and returned. For the demo and tests.
+
+    Where the platform has one, the ranks are forked by multiprocessing's fork server, which
+    has imported :data:`FORKSERVER_PRELOAD` once, instead of each starting a fresh interpreter
+    that imports torch again (seconds of CPU a rank); elsewhere they are spawned. Either way a
+    rank starts with this process's current environment, ``sys.path`` and working directory.
+    """
+    import multiprocessing
+
     import torch.multiprocessing as mp
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    mp.spawn(run_then_exit, args=(fn, ranks, free_port(), str(out), *args),  # type: ignore[attr-defined]
-             nprocs=ranks, join=True)
+    method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+    if method == "forkserver":
+        multiprocessing.set_forkserver_preload(list(FORKSERVER_PRELOAD))  # once it runs: no-op
+    mp.start_processes(_with_environ, args=(dict(os.environ), fn, ranks, free_port(), str(out), *args),
+                       nprocs=ranks, join=True, start_method=method)
     return out
+
+
+def _with_environ(index: int, environ: dict[str, str], fn: Callable[..., Any], *args: Any) -> None:
+    """:func:`run_then_exit` with the launching process's environment as it is now (a fork
+    server's children would otherwise get the server's, from when it started)."""
+    os.environ.clear()
+    os.environ.update(environ)
+    run_then_exit(index, fn, *args)
 
 
 def run_then_exit(index: int, fn: Callable[..., Any], *args: Any) -> None:
