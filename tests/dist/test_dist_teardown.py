@@ -10,13 +10,14 @@ waiting for the GIL. The worker below has exactly that shape: DDP model as a loc
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
 import pytest
 import torch.multiprocessing as mp
 
-from stepscope.recording.dist import free_port, run_then_exit
+from stepscope.recording.dist import free_port, run_then_exit, spawn_local
 
 JOB_DEADLINE_S = 120.0
 
@@ -126,3 +127,22 @@ def test_free_port_neighbours_past_the_last_port_are_not_bindable() -> None:
     from stepscope.recording import dist
 
     assert dist._bindable(65536) is False
+
+
+def _report_environ(rank: int, world: int, port: int, out: str, name: str) -> None:
+    Path(out, f"rank{rank}.txt").write_text(os.environ.get(name, "<unset>"))
+
+
+def test_spawn_local_ranks_see_the_launchers_environment_as_it_is_now(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The first launch may start the fork server; a variable set after that must still reach
+    # the next launch's ranks, and one removed must be gone, as with a fresh interpreter.
+    name = "STEPSCOPE_TEST_LAUNCH_ENV"
+    monkeypatch.delenv(name, raising=False)
+    first = spawn_local(_report_environ, 2, tmp_path / "first", name)
+    monkeypatch.setenv(name, "second")
+    second = spawn_local(_report_environ, 2, tmp_path / "second", name)
+    monkeypatch.delenv(name)
+    third = spawn_local(_report_environ, 2, tmp_path / "third", name)
+    for run, want in ((first, "<unset>"), (second, "second"), (third, "<unset>")):
+        assert [(run / f"rank{r}.txt").read_text() for r in (0, 1)] == [want, want]
