@@ -71,3 +71,25 @@ def world1() -> Iterator[Any]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the fork server that ``spawn_local`` forks ranks from, importing once what the
+    selected tests' ranks import besides torch: a test module lists it in ``RANK_IMPORTS``
+    (e.g. ``transformers.trainer``, seconds of CPU that every rank would pay again).
+
+    Only when some selected module asks, and only modules that are installed; otherwise the
+    server starts on the first launch with ``FORKSERVER_PRELOAD`` alone.
+    """
+    import importlib.util
+    import multiprocessing
+    import multiprocessing.forkserver
+
+    from stepscope.recording.dist import FORKSERVER_PRELOAD
+
+    modules = {getattr(item, "module", None) for item in session.items}
+    wanted = sorted({name for mod in modules for name in getattr(mod, "RANK_IMPORTS", ())})
+    wanted = [name for name in wanted if importlib.util.find_spec(name.partition(".")[0])]
+    if wanted and "forkserver" in multiprocessing.get_all_start_methods():
+        multiprocessing.set_forkserver_preload([*FORKSERVER_PRELOAD, *wanted])
+        multiprocessing.forkserver.ensure_running()

@@ -16,6 +16,8 @@ from stepscope.analysis.run import analyze_run
 demo = pytest.importorskip("stepscope.demo")
 harness = pytest.importorskip("dist_harness")
 pytestmark = pytest.mark.slow
+# Imported once by the fork server the ranks start from (tests/conftest.py), not per rank.
+RANK_IMPORTS = ("transformers.trainer", "transformers.models.gpt2.modeling_gpt2")
 
 MS = 25.0
 
