@@ -168,8 +168,9 @@ def spawn_local(fn: Callable[..., Any], ranks: int, out_dir: str | os.PathLike[s
     method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
     if method == "forkserver":
         multiprocessing.set_forkserver_preload(list(FORKSERVER_PRELOAD))  # once it runs: no-op
-    mp.start_processes(_with_environ, args=(dict(os.environ), fn, ranks, free_port(), str(out), *args),
-                       nprocs=ranks, join=True, start_method=method)
+    mp.start_processes(  # type: ignore[attr-defined]
+        _with_environ, args=(dict(os.environ), fn, ranks, free_port(), str(out), *args),
+        nprocs=ranks, join=True, start_method=method)
     return out
 
 
