@@ -87,6 +87,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
     from stepscope.recording.dist import FORKSERVER_PRELOAD
 
+    if session.config.option.collectonly:
+        return
     modules = {getattr(item, "module", None) for item in session.items}
     wanted = sorted({name for mod in modules for name in getattr(mod, "RANK_IMPORTS", ())})
     wanted = [name for name in wanted if importlib.util.find_spec(name.partition(".")[0])]
