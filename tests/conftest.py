@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -94,4 +95,16 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     wanted = [name for name in wanted if importlib.util.find_spec(name.partition(".")[0])]
     if wanted and "forkserver" in multiprocessing.get_all_start_methods():
         multiprocessing.set_forkserver_preload([*FORKSERVER_PRELOAD, *wanted])
-        multiprocessing.forkserver.ensure_running()
+        # The server and the ranks forked from it write to its stdout and stderr: not the
+        # terminal (a rank's exception still reaches its test through torch's error file).
+        saved = [os.dup(1), os.dup(2)]
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, 1)
+            os.dup2(devnull, 2)
+            multiprocessing.forkserver.ensure_running()
+        finally:
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in (*saved, devnull):
+                os.close(fd)
