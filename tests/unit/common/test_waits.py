@@ -23,7 +23,8 @@ def _tables(seed: int) -> Any:
     con = duckdb.connect()
     con.execute("""CREATE TABLE collectives (rank INTEGER, step BIGINT, phase VARCHAR, op VARCHAR,
                    pg VARCHAR, pg_size INTEGER, count BIGINT, bytes BIGINT, ms DOUBLE,
-                   max_ms DOUBLE, seq_first BIGINT, seq_last BIGINT)""")
+                   max_ms DOUBLE, seq_first BIGINT, seq_last BIGINT,
+                   exposed_ms DOUBLE, hidden_ms DOUBLE)""")
     con.execute("""CREATE TABLE phases (rank INTEGER, step BIGINT, name VARCHAR, path VARCHAR,
                    parent VARCHAR, calls BIGINT, ms DOUBLE, s DOUBLE, e DOUBLE)""")
     con.execute("CREATE TABLE steps (rank INTEGER, step BIGINT, step_ms DOUBLE)")
@@ -43,7 +44,9 @@ def _tables(seed: int) -> Any:
             gs = round(rng.uniform(2.0, 6.0), 3)
             phases.append((rank, step, "grad_sync", "backward/grad_sync", "backward", 1, gs,
                            0.0, gs))
-    con.executemany("INSERT INTO collectives VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", colls)
+    # exposed_ms / hidden_ms NULL: records made before the split, all time exposed.
+    con.executemany("INSERT INTO collectives VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, NULL, NULL)",
+                    colls)
     con.executemany("INSERT INTO phases VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", phases)
     return con
 
@@ -113,17 +116,19 @@ def test_wait_table_grouped_before_the_join_to_steps() -> None:
 
 
 def _old_call(con: Any, n_ranks: int) -> tuple[list[Any], list[Any]]:
-    """``collective_calls`` as the one group-by over the collectives and every grad_sync row gave it."""
+    """``collective_calls`` as the one group-by over the collectives and every grad_sync row gave
+    it (records made before the exposed/hidden split: nothing hidden)."""
     con.execute(
         f"""CREATE OR REPLACE TABLE call_old AS
             SELECT rank, step, phase, op, pg, max(pg_size) AS pg_size, sum(count) AS count,
                    sum(bytes) AS bytes, sum(ms) AS ms, min(seq_first) AS seq_first,
-                   max(seq_last) AS seq_last
+                   max(seq_last) AS seq_last, sum(hidden_ms) AS hidden_ms
             FROM (SELECT rank, step, phase, op, pg, coalesce(pg_size, {n_ranks}) AS pg_size,
-                         count, bytes, ms, seq_first, seq_last FROM collectives
+                         count, bytes, ms, seq_first, seq_last, 0.0::DOUBLE AS hidden_ms
+                  FROM collectives
                   UNION ALL
                   SELECT rank, step, parent, 'ddp_allreduce', 'ddp', {n_ranks}, calls, NULL, ms,
-                         NULL, NULL FROM phases WHERE name = 'grad_sync')
+                         NULL, NULL, 0.0 FROM phases WHERE name = 'grad_sync')
             GROUP BY 1, 2, 3, 4, 5""")
     return (con.execute("SELECT * FROM call_old ORDER BY ALL").fetchall(),
             con.execute("DESCRIBE call_old").fetchall())
@@ -162,7 +167,7 @@ def test_call_groups_the_collectives_not_every_grad_sync_row() -> None:
 
     # A recorded collective with DDP's op and group, or duplicate paths: grouped together.
     for fix in ("INSERT INTO collectives VALUES (0, 2, 'backward', 'ddp_allreduce', 'ddp', 4, 1, "
-                "NULL, 1.0, 1.0, NULL, NULL)", "UPDATE duplicate_paths SET n = 1"):
+                "NULL, 1.0, 1.0, NULL, NULL, NULL, NULL)", "UPDATE duplicate_paths SET n = 1"):
         con = _tables(seed=3)
         con.execute("CREATE TABLE duplicate_paths AS SELECT 0 AS n")
         con.execute(fix)
