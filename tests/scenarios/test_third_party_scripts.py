@@ -1,7 +1,7 @@
 """Third-party training scripts run under stepscope (2-3 gloo ranks on CPU), one rank slowed.
 
 Each framework path is run twice over: from the script itself when its repository has been
-fetched (``$STEPSCOPE_MIRRORS``, else ``../.mirror`` beside the checkout; skipped without it)
+fetched (``$STEPSCOPE_MIRRORS``, else the nearest ``.mirror``, see ``paths.py``; skipped without it)
 and from this repository's re-creation of the script's usage pattern
 (``tests/support/third_party_scripts``, always run). The scripts are executed as written;
 :mod:`third_party` repeats their training loop under ``stepscope.step()`` and injects the

@@ -1,15 +1,14 @@
 """Where the tests find the repository (its root, the package source, fixtures) and the data
 that lives outside it.
 
-Everything outside the repository is named by an environment variable, with a default at a
-fixed place beside the checkout; nothing is found by walking up the file system, so a clone
-passes or skips the same way wherever it lives:
+Everything outside the repository is named by an environment variable; unset, it is the
+nearest such folder beside the checkout or beside one of the folders above it (a workspace
+keeps ``shared/`` and ``.mirror/`` next to its checkouts, at whatever depth a clone lands).
+Where none is found the tests that need it skip, naming the folder and the variable:
 
-- ``STEPSCOPE_TRACES``: the real Kineto traces (default ``../shared/traces`` beside the
-  repository root). Tests that need them skip, naming the folder and the variable.
+- ``STEPSCOPE_TRACES``: the real Kineto traces (``shared/traces``).
 - ``STEPSCOPE_MIRRORS``: fetched third-party repositories, one bare git directory per
-  repository at ``<owner>+<name>/repo`` (default ``../.mirror`` beside the repository root).
-  Tests that run a fetched script skip without it, naming the folder and the variable.
+  repository at ``<owner>+<name>/repo`` (``.mirror``).
 """
 
 from __future__ import annotations
@@ -24,15 +23,23 @@ SUPPORT = TESTS / "support"
 FIXTURES = TESTS / "fixtures"
 
 
-def _from_env(name: str, default: Path) -> Path:
-    value = os.environ.get(name)
-    return Path(value).expanduser().resolve() if value else default
+def _outside(variable: str, *parts: str) -> Path:
+    """``$variable``; else the first ``<folder>/<parts>`` that exists for the folders holding
+    the checkout and each folder above them; else ``../<parts>`` (named in skip reasons)."""
+    value = os.environ.get(variable)
+    if value:
+        return Path(value).expanduser().resolve()
+    for folder in (ROOT.parent, *ROOT.parent.parents):
+        candidate = folder.joinpath(*parts)
+        if candidate.is_dir():
+            return candidate
+    return ROOT.parent.joinpath(*parts)
 
 
-#: The shared real Kineto traces: ``$STEPSCOPE_TRACES``, else ``../shared/traces``.
-TRACES = _from_env("STEPSCOPE_TRACES", ROOT.parent / "shared" / "traces")
-#: Fetched third-party repositories: ``$STEPSCOPE_MIRRORS``, else ``../.mirror``.
-MIRRORS = _from_env("STEPSCOPE_MIRRORS", ROOT.parent / ".mirror")
+#: The shared real Kineto traces: ``$STEPSCOPE_TRACES``, else the nearest ``shared/traces``.
+TRACES = _outside("STEPSCOPE_TRACES", "shared", "traces")
+#: Fetched third-party repositories: ``$STEPSCOPE_MIRRORS``, else the nearest ``.mirror``.
+MIRRORS = _outside("STEPSCOPE_MIRRORS", ".mirror")
 
 
 def traces_missing() -> str:

@@ -46,7 +46,7 @@ import stepscope
 from stepscope.demo import SleepInBackward
 from stepscope.recording.dist import become_local_rank, spawn_local
 
-#: Fetched repositories: ``$STEPSCOPE_MIRRORS``, else ``../.mirror`` beside the checkout.
+#: Fetched repositories: ``$STEPSCOPE_MIRRORS``, else the nearest ``.mirror`` (see paths.py).
 MIRRORS = paths.MIRRORS
 HERE = Path(__file__).resolve().parent / "third_party_scripts"
 

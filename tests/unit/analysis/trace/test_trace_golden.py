@@ -18,7 +18,7 @@ import pytest
 from stepscope.analysis.trace import analyze_trace
 from stepscope.common.escape import write_json
 
-# The shared real traces: $STEPSCOPE_TRACES, else ../shared/traces beside the checkout.
+# The shared real traces: $STEPSCOPE_TRACES, else the nearest shared/traces (support/paths.py).
 TRACES = paths.TRACES
 GOLDEN = json.loads((paths.FIXTURES / "trace_golden.json").read_text())
 
