@@ -62,7 +62,7 @@ def test_a_real_short_window_beside_the_same_wait_is_still_named(tmp_path: Path,
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_the_other_ranks_cpu_wait_does_not_stretch_a_window(tmp_path: Path, seed: int) -> None:
-    # The CI run of 2026-11-24 (2-rank DDP, rank 1's backward +30 ms on steps 30-59): on steps
+    # A recorded 2-rank DDP run (rank 1's backward +30 ms on steps 30-59): on steps
     # 27 and 29 rank 0 waited ~2.2 ms for a CPU inside the gradient all-reduce, which ran
     # that much longer on both ranks (time inside a collective is shared). Taking the wait out
     # of rank 0 alone put rank 1 2 ms behind there, and the window came out as 27-59.
