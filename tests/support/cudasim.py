@@ -507,12 +507,8 @@ def _sim_nccl_class() -> type:
             super().__init__()
             self.end = end
 
-        def wait(self, timeout: Any = None) -> bool:
-            _sim().current_stream()._wait_event(self.end)
-            return True
-
-        def is_completed(self) -> bool:
-            return self.end.query()
+        wait = Work.wait  # the same stream wait as the plain simulated Work
+        is_completed = Work.is_completed
 
     class SimNcclGroup(dist.ProcessGroup):  # type: ignore[misc]
         """A process group whose collectives run like ProcessGroupNCCL's on the simulator
