@@ -308,10 +308,7 @@ class Recorder:
                 rel(m)
             return
         item = (op, pg, pg_size, nbytes, start, end, phase_path, seq, gap, recv_bytes, side)
-        if step.collectives is None:
-            step.collectives = [item]
-        else:
-            step.collectives.append(item)
+        _keep_collective(step, item)
 
     def step_stream(self) -> Any:
         """The stream the open sampled step started on (its compute stream); None outside a
@@ -330,10 +327,7 @@ class Recorder:
             self.clock.release(after)
             return
         item = (STREAM_WAIT, "", 0, 0, before, after, None, 0, None, None, joined)
-        if step.collectives is None:
-            step.collectives = [item]
-        else:
-            step.collectives.append(item)
+        _keep_collective(step, item)
 
     def set_step_fields(self, fields: dict[str, Any]) -> None:
         """Merge extra top-level record sections (throughput, memory, ...) into the open step."""
@@ -465,3 +459,11 @@ class Recorder:
             return
         self._warned.add(key)
         warn(msg, stacklevel=3)
+
+
+def _keep_collective(step: Step, item: tuple[Any, ...]) -> None:
+    """Append ``item`` to the step's collectives (``None`` until its first: most steps have none)."""
+    if step.collectives is None:
+        step.collectives = [item]
+    else:
+        step.collectives.append(item)
