@@ -1,6 +1,6 @@
 """stepscope beside its peers, interleaved in one process: what each costs a training step.
 
-Kinds, each run in blocks of ``--steps`` steps on the *same* model and optimizer:
+Kinds, each run in blocks of steps on the *same* model and optimizer:
 
 - ``bare``: the loop alone;
 - ``stepscope_every_1`` / ``stepscope_every_10``: ``tracer.step()`` around each step with every
@@ -14,20 +14,22 @@ Kinds, each run in blocks of ``--steps`` steps on the *same* model and optimizer
   swapped in for its blocks and out for the others, and each step runs in
   ``traceml_ai.trace_step(model)``. Its telemetry threads run through every block.
 
-Per round the kinds run in a shuffled order, each traced block paired with a bare block run
-right before or after it, in turn (the host drifts by more than these costs over a round). The
-figure is the median over rounds of the training thread's CPU time per step over its bare
-block, in µs, and the ratio of the kind's step to the bare step (``x``). Steps: ``~3 ms`` (a
-three-layer MLP of width 640 on a batch of 64, one thread) and ``~30 ms`` (width 2048).
+Per round the kinds run in a shuffled order, each traced block between two bare blocks (the
+host drifts by more than these costs over a round; the mean of the bare block before and the
+one after cancels a linear drift). The figure is the median over rounds of the training
+thread's CPU time per step over its bare blocks, in µs, and the ratio of the kind's step to the
+bare step (``x``). Steps: ``~3 ms`` (a three-layer MLP of width 640 on a batch of 64, one
+thread; blocks of 100 steps) and ``~30 ms`` (width 2048; blocks of 10 steps), as measured on a
+fast core; a slower host scales both.
 
-With ``--ranks 2`` the same runs on 2 gloo ranks under DDP (TraceML left out: its aggregator
-expects its own launcher); the ranks run the same kinds in the same order, rank 0 reports.
-Prints one JSON line per configuration (step size × ranks); ``--record FILE`` writes them as
-one results record (``benchmark``, ``command``, ``commit``, ``machine``, ``load``, ``figures``).
+``--ranks 1 2`` (the default) runs each size in one process and then on 2 gloo ranks under DDP
+(TraceML left out there: its aggregator expects its own launcher); the ranks run the same kinds
+in the same order, rank 0 reports. Prints one JSON line per configuration (step size × ranks);
+``--record DIR`` also writes them as one results record (benchmarks/results/README.md).
 
-    python benchmarks/peers.py --steps 100 --rounds 9
-    python benchmarks/peers.py --ranks 2 --sizes 3ms --steps 100 --rounds 9
-    python benchmarks/peers.py --record benchmarks/results/peers.json
+    python benchmarks/peers.py --rounds 9
+    python benchmarks/peers.py --ranks 2 --sizes 3ms --steps 100
+    python benchmarks/peers.py --record benchmarks/results
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ import torch
 HERE = Path(__file__).resolve().parent
 #: MLP width per step size (batch 64, one thread).
 SIZES = {"3ms": 640, "30ms": 2048}
+#: Steps per block per step size unless ``--steps`` says: blocks of a few hundred ms each.
+BLOCK_STEPS = {"3ms": 100, "30ms": 10}
 
 
 def _job(hidden: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tensor]:
@@ -203,8 +207,8 @@ def _traceml(out: Path, world: int) -> tuple[TraceML | None, str | None]:
 def _blocks(kinds: dict[str, Callable[[], tuple[Callable[[], None], Callable[[], None]]]],
             bare: Callable[[], None], steps: int, rounds: int, seed: int) -> dict[str, Any]:
     """Per round, per kind in a shuffled order (the same on every rank: ``seed``), a block of
-    ``steps`` steps paired with a bare block before or after it, in turn. ``kinds[k]()`` sets
-    the kind up and returns (one step, teardown)."""
+    ``steps`` steps between two bare blocks, compared with their mean. ``kinds[k]()`` sets the
+    kind up and returns (one step, teardown)."""
     rng = random.Random(seed)
     clock = time.thread_time_ns
     added: dict[str, list[float]] = {k: [] for k in kinds}
@@ -220,17 +224,16 @@ def _blocks(kinds: dict[str, Callable[[], tuple[Callable[[], None], Callable[[],
         return (clock() - t0) / steps / 1e3
 
     order = list(kinds)
-    for r in range(rounds):
+    for _ in range(rounds):
         rng.shuffle(order)
         for kind in order:
-            b = timed(bare) if r % 2 else 0.0
+            before = timed(bare)
             step, teardown = kinds[kind]()
             try:
                 t = timed(step)
             finally:
                 teardown()
-            if not r % 2:
-                b = timed(bare)
+            b = (before + timed(bare)) / 2
             bares.append(b)
             added[kind].append(t - b)
             ratio[kind].append(t / b)
@@ -295,14 +298,6 @@ def run_config(hidden: int, steps: int, rounds: int, out: Path, rank: int, world
     return _blocks(kinds, bare, steps, rounds, seed=hidden)
 
 
-def _git_commit() -> str:
-    try:
-        return subprocess.run(["git", "-C", str(HERE), "rev-parse", "--short", "HEAD"], check=True,
-                              capture_output=True, text=True).stdout.strip()
-    except Exception:  # not a checkout: the record says so
-        return "unknown"
-
-
 def _worker(rank: int, world: int, args: argparse.Namespace, port: int, out: str,
             results: Any) -> None:
     """One rank of the DDP run (a spawned process)."""
@@ -314,8 +309,8 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, out: str
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         for size in args.sizes:
-            got = run_config(SIZES[size], args.steps, args.rounds, Path(out) / f"{size}-r{rank}",
-                             rank, world, None)
+            got = run_config(SIZES[size], args.steps or BLOCK_STEPS[size], args.rounds,
+                             Path(out) / f"{size}-r{rank}", rank, world, None)
             if rank == 0:
                 results.put((size, got))
             dist.barrier()
@@ -329,46 +324,52 @@ def _scratch() -> Iterator[Path]:
         yield Path(tmp)
 
 
+def _one_process(args: argparse.Namespace, out: Path) -> None:
+    traceml, note = _traceml(out / "traceml", 1)
+    try:
+        for size in args.sizes:
+            got = run_config(SIZES[size], args.steps or BLOCK_STEPS[size], args.rounds, out / size,
+                             0, 1, traceml)
+            line = {"benchmark": "peers", "step": size, "ranks": 1, **got, **({"note": note} if note else {})}
+            print(json.dumps(line), flush=True)
+    finally:
+        if traceml is not None:
+            traceml.close()
+
+
+def _ranks(args: argparse.Namespace, world: int, out: Path) -> None:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    spawn: Any = mp.spawn  # type: ignore[attr-defined]
+    spawn(_worker, args=(world, args, _free_port(), str(out), results), nprocs=world)
+    _, note = _traceml(out, world)
+    for _ in args.sizes:
+        size, got = results.get(timeout=60)
+        print(json.dumps({"benchmark": "peers", "step": size, "ranks": world, **got, "note": note}),
+              flush=True)
+
+
 def main() -> None:
+    if any(a == "--record" or a.startswith("--record=") for a in sys.argv[1:]):
+        import _results  # benchmarks/_results.py: re-runs this script and writes its record
+        sys.exit(_results.record_run(__file__, sys.argv[1:]))
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=100, help="steps per block")
+    ap.add_argument("--steps", type=int, help="steps per block (default: 100 at 3ms, 10 at 30ms)")
     ap.add_argument("--rounds", type=int, default=9, help="rounds of blocks (medians over them)")
     ap.add_argument("--sizes", nargs="+", choices=sorted(SIZES), default=["3ms", "30ms"])
-    ap.add_argument("--ranks", type=int, choices=(1, 2), default=1)
-    ap.add_argument("--record", help="write the lines as one results record to this file")
+    ap.add_argument("--ranks", type=int, nargs="+", choices=(1, 2), default=[1, 2])
+    ap.add_argument("--record", metavar="DIR", help="also write the JSON lines as a record in DIR "
+                    "(benchmarks/results/README.md)")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    lines: list[dict[str, Any]] = []
     with _scratch() as out:
-        if args.ranks == 1:
-            traceml, note = _traceml(out / "traceml", 1)
-            try:
-                for size in args.sizes:
-                    got = run_config(SIZES[size], args.steps, args.rounds, out / size, 0, 1, traceml)
-                    lines.append({"step": size, "ranks": 1, **got, **({"note": note} if note else {})})
-                    print(json.dumps({"benchmark": "peers", **lines[-1]}), flush=True)
-            finally:
-                if traceml is not None:
-                    traceml.close()
-        else:
-            import torch.multiprocessing as mp
-
-            ctx = mp.get_context("spawn")
-            results = ctx.Queue()
-            spawn: Any = mp.spawn  # type: ignore[attr-defined]
-            spawn(_worker, args=(args.ranks, args, _free_port(), str(out), results), nprocs=args.ranks)
-            _, note = _traceml(out, args.ranks)
-            for _ in args.sizes:
-                size, got = results.get(timeout=60)
-                lines.append({"step": size, "ranks": args.ranks, **got, "note": note})
-                print(json.dumps({"benchmark": "peers", **lines[-1]}), flush=True)
-    if args.record:
-        record = {"benchmark": "peers", "command": "python benchmarks/peers.py " + " ".join(sys.argv[1:]),
-                  "commit": _git_commit(), "machine": f"{platform.machine()} {os.cpu_count()} CPUs, "
-                  f"torch {torch.__version__}, one thread", "load": round(os.getloadavg()[0], 2),
-                  "figures": lines}
-        Path(args.record).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.record).write_text(json.dumps(record, indent=1) + "\n")
+        for world in args.ranks:
+            if world == 1:
+                _one_process(args, out / "r1")
+            else:
+                _ranks(args, world, out / f"r{world}")
 
 
 if __name__ == "__main__":
