@@ -8,6 +8,7 @@ clocks across ranks; the wait rule (:mod:`stepscope.common.waits`) never does.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,30 +48,59 @@ def _in(block: tuple[tuple[int, int], tuple[int, int]]) -> str:
                         for c, b in (("rank", ranks), ("step", steps)))
 
 
-def align(con: Any, hosts: dict[str, list[int]], n_ranks: int, median_step: float) -> Alignment:
+#: Appends to table ``table`` (made by the caller) the rows of ``select`` run over every block
+#: of the run: ``select`` reads ``phases p`` and ``steps s`` (only ``s``'s rank, step, t0 and
+#: host) and has a ``{block}`` placeholder for the block's condition on them. Each block holds
+#: every rank of its steps (a block of whole steps, or of whole hosts), so a group by step and
+#: host is complete in one block, and the union is the whole-run statement's rows: on the run's
+#: connection (:func:`insert_by_host_blocks`) or as tasks on a cluster
+#: (:mod:`stepscope.analysis.dask_engine`).
+BlockRows = Callable[[str, str], None]
+
+#: The per-(phase, step, host) spread of the candidate phases' ends (``{names}``: their SQL list).
+SYNC_SPREADS = """SELECT p.name, max(s.t0 + p.e) - min(s.t0 + p.e) AS spread
+                  FROM phases p JOIN steps s USING (rank, step)
+                  WHERE p.parent IS NULL AND p.name IN ({names}) AND {block}
+                  GROUP BY p.name, p.step, s.host HAVING count(*) > 1"""
+#: Each rank's end of the synchronising phase (``{sync}``) on its host's clock.
+SYNC_ENDS = """SELECT s.host, p.step, s.t0 + p.e AS end_t FROM phases p
+               JOIN steps s USING (rank, step)
+               WHERE p.name = {sync} AND p.parent IS NULL AND {block}"""
+
+
+def insert_by_host_blocks(con: Any, hosts: dict[str, list[int]]) -> BlockRows:
+    """:data:`BlockRows` on ``con``: a block of whole hosts at a time (analysis/blocks.py)."""
+
+    def insert(table: str, select: str) -> None:
+        for b in host_blocks(con, hosts):
+            con.execute(f"INSERT INTO {table} {select.replace('{block}', _in(b))}")
+
+    return insert
+
+
+def _sql_list(names: list[str]) -> str:
+    return ", ".join("'" + c.replace("'", "''") + "'" for c in names)
+
+
+def align(con: Any, hosts: dict[str, list[int]], n_ranks: int, median_step: float,
+          block_rows: BlockRows | None = None) -> Alignment:
     """Pick the synchronising phase, estimate per-host clock offsets, make view ``aligned_steps``.
 
     ``aligned_steps`` (rank, step, host, t, step_ms) has ``t`` = step start on the aligned timeline.
+    ``block_rows``: where the per-step rows (:data:`SYNC_SPREADS`, :data:`SYNC_ENDS`) are
+    computed (default: on ``con``, :func:`insert_by_host_blocks`).
     """
+    fill = insert_by_host_blocks(con, hosts) if block_rows is None else block_rows
     cands = _candidates(con, n_ranks) if n_ranks > 1 else []
     multi_host = len(hosts) > 1
     shared = any(len(rs) > 1 for rs in hosts.values())
     spreads: dict[str, float] = {}
     if cands and shared:
         # Clocks on one host are directly comparable: measure end alignment there only.
-        names = ", ".join("'" + c.replace("'", "''") + "'" for c in cands)
-        # Per step and host, a block of whole hosts at a time (analysis/blocks.py); the
-        # median over all of them at the end.
-        blocks = host_blocks(con, hosts)
+        # Per step and host, a block of steps or whole hosts at a time; the median over all
+        # of them at the end.
         con.execute("CREATE OR REPLACE TEMP TABLE sync_spreads (name VARCHAR, spread DOUBLE)")
-        for b in blocks:
-            con.execute(
-                f"""INSERT INTO sync_spreads
-                    SELECT p.name, max(s.t0 + p.e) - min(s.t0 + p.e) AS spread
-                    FROM phases p JOIN steps s USING (rank, step)
-                    WHERE p.parent IS NULL AND p.name IN ({names}) AND {_in(b)}
-                    GROUP BY p.name, p.step, s.host HAVING count(*) > 1"""
-            )
+        fill("sync_spreads", SYNC_SPREADS.replace("{names}", _sql_list(cands)))
         for name, spread in con.execute(
                 "SELECT name, median(spread) FROM sync_spreads GROUP BY 1").fetchall():
             spreads[name] = float(spread)
@@ -96,12 +126,7 @@ def align(con: Any, hosts: dict[str, list[int]], n_ranks: int, median_step: floa
     method = "single host: start_unix_ns compared directly" if not multi_host else ""
     if multi_host and sync is not None:
         con.execute("CREATE OR REPLACE TEMP TABLE sync_ends (host VARCHAR, step BIGINT, end_t DOUBLE)")
-        for b in host_blocks(con, hosts):
-            con.execute(
-                f"""INSERT INTO sync_ends SELECT s.host, p.step, s.t0 + p.e AS end_t FROM phases p
-                    JOIN steps s USING (rank, step)
-                    WHERE p.name = '{sync}' AND p.parent IS NULL AND {_in(b)}"""
-            )
+        fill("sync_ends", SYNC_ENDS.replace("{sync}", _sql_list([sync])))
         rows = con.execute(
             """WITH med AS (SELECT step, median(end_t) AS m FROM sync_ends GROUP BY 1)
                SELECT host, median(end_t - m) FROM sync_ends JOIN med USING (step) GROUP BY 1

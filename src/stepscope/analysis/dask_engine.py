@@ -34,10 +34,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from stepscope.analysis import store as st
-from stepscope.analysis.blocks import in_block, rank_blocks
+from stepscope.analysis.align import BlockRows
+from stepscope.analysis.blocks import in_block, rank_blocks, step_blocks
 from stepscope.analysis.load import RunData, create_flat_phases_view
-from stepscope.analysis.run import PhaseRankRunner
+from stepscope.analysis.run import PhaseRankRunner, StepBlockRunner
 from stepscope.analysis.stats import create_phase_samples, local_phase_rank_rows
 from stepscope.common.errors import AnalysisError
 
@@ -58,6 +61,13 @@ _BLOCK_DIR = re.compile(r"rank_block=(\d+)$")
 _STEP_COLUMNS = "rank INTEGER, step BIGINT, residual_ms DOUBLE, h2d_hidden_ms DOUBLE"
 #: The columns of ``phases`` that ``phase_samples`` reads, where the client sends them.
 _PHASE_COLUMNS = "rank INTEGER, step BIGINT, parent VARCHAR, ms DOUBLE, path VARCHAR"
+#: The columns of ``steps`` a step-block statement reads (:data:`stepscope.analysis.align.BlockRows`).
+_BLOCK_STEP_COLUMNS = "rank INTEGER, step BIGINT, t0 DOUBLE, host VARCHAR"
+#: The columns of the flat ``phases`` view, where the client sends a step block's rows.
+_FLAT_PHASE_COLUMNS = ("rank INTEGER, step BIGINT, name VARCHAR, parent VARCHAR, ms DOUBLE, "
+                       "s DOUBLE, calls BIGINT, e DOUBLE, path VARCHAR")
+#: Records (rank, step) per step-block task: ~10 phase rows each, a few seconds of one thread.
+STEP_BLOCK_RECORDS = 250_000
 
 
 @dataclass(frozen=True)
@@ -148,6 +158,111 @@ def plan(data: RunData, rank_block: int = st.RANK_BLOCK) -> list[RankBlockTask]:
     return [RankBlockTask(b, _steps_of(con, b), phases=dict(con.execute(
         f"SELECT rank, step, parent, ms, path FROM phases WHERE {in_block('rank', b)}"
     ).fetchnumpy())) for b in rank_blocks(con)]
+
+
+@dataclass(frozen=True)
+class StepBlockTask:
+    """One task: the steps ``steps`` (first, last) of every rank of a run.
+
+    ``step_rows``: those steps' rows of table ``steps`` (columns of
+    :data:`_BLOCK_STEP_COLUMNS`, as arrays); ``files``, ``keep``, ``common_steps``: the
+    store's flat phases files (every rank block's: the task reads their rows of its steps;
+    each file is ordered by step, so the others' row groups are skipped) and the condition on
+    ``step`` that ``phases`` keeps; ``phases``: the block's phase rows instead, where there
+    are no files.
+    """
+
+    steps: tuple[int, int]
+    step_rows: dict[str, Any]
+    files: tuple[str, ...] = ()
+    keep: str = "TRUE"
+    common_steps: dict[str, Any] | None = None
+    phases: dict[str, Any] | None = None
+
+
+def _task_connection() -> Any:
+    import duckdb
+
+    con = duckdb.connect()
+    con.execute("SET enable_progress_bar = false")  # it would draw on the worker's stdout
+    con.execute("SET preserve_insertion_order = false")
+    # One thread a task: the cluster runs as many tasks at once as its workers have threads.
+    con.execute("SET threads = 1")
+    return con
+
+
+def run_step_block(task: StepBlockTask, select: str) -> dict[str, Any]:
+    """The rows of ``select`` (a :data:`stepscope.analysis.align.BlockRows` statement) over
+    ``task``'s steps, as arrays, on a DuckDB connection of its own."""
+    con = _task_connection()
+    try:
+        con.register("task_step_rows", task.step_rows)
+        con.execute("CREATE TABLE steps AS SELECT * FROM task_step_rows")
+        block = in_block("step", task.steps)
+        if task.files:
+            if task.common_steps is not None:
+                con.register("task_common_steps", task.common_steps)
+                con.execute("CREATE TABLE common_steps AS SELECT step FROM task_common_steps")
+            create_flat_phases_view(con, st.files_source(list(task.files)),
+                                    f"({task.keep}) AND {block}")
+        else:
+            con.execute(f"CREATE TABLE phases ({_FLAT_PHASE_COLUMNS})")
+            if task.phases is not None:
+                con.register("task_phase_rows", task.phases)
+                con.execute("INSERT INTO phases SELECT * FROM task_phase_rows")
+        on = " AND ".join(in_block(f"{t}.step", task.steps) for t in ("p", "s"))
+        return dict(con.execute(select.replace("{block}", on)).fetchnumpy())
+    finally:
+        con.close()
+
+
+def plan_steps(data: RunData, records: int | None = None) -> list[StepBlockTask]:
+    """The step-block tasks of a loaded run: blocks of whole steps of at most ``records``
+    (default :data:`STEP_BLOCK_RECORDS`) records, reading the store's flat copy where the
+    report reads it, else sent their phase rows."""
+    con = data.con
+    flat = data.flat_phases
+    cap = STEP_BLOCK_RECORDS if records is None else records
+    common = (dict(con.execute("SELECT step FROM common_steps").fetchnumpy())
+              if flat is not None and "common_steps" in flat.keep else None)
+    tasks = []
+    for b in step_blocks(con, cap):
+        rows = dict(con.execute(f"SELECT rank, step, t0, host FROM steps WHERE {in_block('step', b)}"
+                                ).fetchnumpy())
+        if flat is not None:
+            tasks.append(StepBlockTask(b, rows, tuple(flat.files), flat.keep, common))
+        else:
+            cols = ", ".join(c.split()[0] for c in _FLAT_PHASE_COLUMNS.split(", "))
+            tasks.append(StepBlockTask(b, rows, phases=dict(con.execute(
+                f"SELECT {cols} FROM phases WHERE {in_block('step', b)}").fetchnumpy())))
+    return tasks
+
+
+def step_runner(client: Any) -> StepBlockRunner:
+    """What :func:`stepscope.analysis.run.open_analyzed_run` calls for the per-step rows of
+    blocks of whole steps: each statement as one task per step block on ``client``'s cluster,
+    the rows appended to the client's table (the blocks are disjoint: a union)."""
+
+    def bind(data: RunData) -> BlockRows:
+        scattered: list[Any] = []  # each task's data sent once, for every statement
+
+        def insert(table: str, select: str) -> None:
+            if not scattered:
+                scattered.extend(client.scatter(plan_steps(data), hash=False))
+            parts = client.gather(client.map(run_step_block, scattered, select=select,
+                                             pure=False))
+            if not parts or not any(len(next(iter(p.values()), ())) for p in parts):
+                return
+            rows = {c: np.ma.concatenate([p[c] for p in parts]) for c in parts[0]}
+            data.con.register("task_block_rows", rows)
+            try:
+                data.con.execute(f"INSERT INTO {table} SELECT * FROM task_block_rows")
+            finally:
+                data.con.unregister("task_block_rows")
+
+        return insert
+
+    return bind
 
 
 def runner(client: Any) -> PhaseRankRunner:

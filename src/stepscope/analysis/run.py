@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from stepscope.analysis import cost
+from stepscope.analysis.align import BlockRows
 from stepscope.analysis.coverage import add_coverage_sections
 from stepscope.analysis.diagnose import diagnose, explain_goodput
 from stepscope.analysis.goodput import compute_goodput
@@ -80,6 +81,10 @@ class AnalyzedRun:
 #: loaded run are computed, when not on its connection: by an engine that splits the run into
 #: tasks (:mod:`stepscope.analysis.dask_engine`).
 PhaseRankRunner = Callable[[RunData], Iterable[tuple[Any, ...]]]
+#: Where the per-step rows of whole steps (:data:`stepscope.analysis.align.BlockRows`) of a
+#: loaded run are computed, when not on its connection: by an engine that splits the run into
+#: step-block tasks (:mod:`stepscope.analysis.dask_engine`).
+StepBlockRunner = Callable[[RunData], BlockRows]
 
 
 def open_analyzed_run(
@@ -90,15 +95,19 @@ def open_analyzed_run(
     store: bool = True,
     run_id: str | None = None,
     phase_rank_rows: PhaseRankRunner | None = None,
+    step_block_rows: StepBlockRunner | None = None,
 ) -> AnalyzedRun:
     """:func:`analyze_run`, with the loaded run kept open beside the document.
 
     ``phase_rank_rows``: computes the per-rank phase statistics' rows of the loaded run
-    elsewhere (the same rows; default: on the run's own connection)."""
+    elsewhere (the same rows; default: on the run's own connection). ``step_block_rows``:
+    computes the per-step rows of blocks of whole steps elsewhere (the same rows; default:
+    on the run's own connection)."""
     data = load_run(run_dir, threads=threads, memory_limit=memory_limit, store=store,
                     run_id=run_id)
     try:
-        doc = _analyze(data, phase_rank_rows)
+        doc = _analyze(data, phase_rank_rows,
+                       None if step_block_rows is None else step_block_rows(data))
     except BaseException:
         data.close()
         raise
@@ -111,7 +120,8 @@ def recording_lost(con: Any) -> dict[str, int]:
     return {str(k): int(n) for k, n in rows if n is not None and n > 0}
 
 
-def _analyze(data: RunData, phase_rank_rows: PhaseRankRunner | None = None) -> dict[str, Any]:
+def _analyze(data: RunData, phase_rank_rows: PhaseRankRunner | None = None,
+             block_rows: BlockRows | None = None) -> dict[str, Any]:
     con = data.con
     create_phase_samples(con)
     n_rows = con.execute("SELECT count(*) FROM phase_samples").fetchone()[0]
@@ -120,7 +130,7 @@ def _analyze(data: RunData, phase_rank_rows: PhaseRankRunner | None = None) -> d
     ).fetchone()
     median_step = float(step_q[0][0])
     steps = [int(s) for (s,) in con.execute("SELECT DISTINCT step FROM steps ORDER BY 1").fetchall()]
-    att = attribute(con, data.hosts, data.ranks, median_step, steps)
+    att = attribute(con, data.hosts, data.ranks, median_step, steps, block_rows)
     total_ms = con.execute(
         "SELECT median(t) FROM (SELECT rank, sum(step_ms) AS t FROM steps GROUP BY 1)").fetchone()[0]
     al, thr, stragglers, windows = att.alignment, att.thresholds, att.stragglers, att.windows

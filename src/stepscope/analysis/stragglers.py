@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from stepscope.analysis import changepoint
-from stepscope.analysis.align import Alignment, align
+from stepscope.analysis.align import Alignment, BlockRows, align
 from stepscope.analysis.collwaits import (
     DDP_OP,
     GRAD_SYNC,
@@ -651,10 +651,11 @@ def _window_phase(con: Any, first: int, last: int) -> str:
 
 
 def attribute(con: Any, hosts: dict[str, list[int]], ranks: list[int], median_step: float,
-              steps: list[int]) -> Attribution:
-    """Waits, own work, stragglers, windows and the collectives view for a loaded run."""
+              steps: list[int], block_rows: BlockRows | None = None) -> Attribution:
+    """Waits, own work, stragglers, windows and the collectives view for a loaded run
+    (``block_rows``: where the alignment's per-step rows are computed, :func:`align`)."""
     n_ranks = len(ranks)
-    al = align(con, hosts, n_ranks, median_step)
+    al = align(con, hosts, n_ranks, median_step, block_rows)
     info: list[str] = []
     source, notes = build_waits(con, n_ranks, al, info)
     if source in ("collectives", "grad_sync", "collectives+timeline"):

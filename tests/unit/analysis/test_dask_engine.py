@@ -8,12 +8,13 @@ import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import synth_collectives as sc
 from synth_runs import Slow, SynthRun, write_run
 
-from stepscope.analysis import dask_engine
+from stepscope.analysis import align, dask_engine
 from stepscope.analysis import store as st
 from stepscope.analysis.load import load_run
 from stepscope.analysis.stats import create_phase_samples, local_phase_rank_rows
@@ -71,7 +72,10 @@ def _report(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, s
 
 @pytest.mark.parametrize("name", [*RUNS, "hostile"])
 def test_dask_report_is_the_default_report(name: str, corpus: dict[str, Path], address: str,
+                                           monkeypatch: pytest.MonkeyPatch,
                                            capsys: pytest.CaptureFixture[str]) -> None:
+    # Step blocks of ~7 steps of 16 ranks: several step-block tasks a statement.
+    monkeypatch.setattr(dask_engine, "STEP_BLOCK_RECORDS", 100)
     run = str(corpus[name])
     code, default, _ = _report(capsys, run, "--json")
     assert code == 0
@@ -103,6 +107,55 @@ def test_tasks_read_the_store_partitions(corpus: dict[str, Path]) -> None:
         assert tasks and all(not t.files and t.phases is not None for t in tasks)
     finally:
         data.close()
+
+
+@pytest.mark.parametrize("name", ["multihost", "hostile"])
+def test_step_block_tasks_give_the_whole_run_rows(name: str, corpus: dict[str, Path]) -> None:
+    """Blocks of whole steps, disjoint and covering every step; each task reads its steps of
+    the store's flat copy (or is sent them: the hostile run) and the union of their rows of
+    each alignment statement is the rows the default path inserts."""
+    data = load_run(corpus[name])
+    try:
+        tasks = dask_engine.plan_steps(data, 100)
+        steps = [s for (s,) in data.con.execute("SELECT DISTINCT step FROM steps ORDER BY 1").fetchall()]
+        assert len(tasks) > 2
+        assert [s for t in tasks for s in steps if t.steps[0] <= s <= t.steps[1]] == steps
+        assert all(bool(t.files) == (name != "hostile") for t in tasks)
+        names = align._sql_list(["forward", "backward", "optimizer"])
+        for table, select in (("spreads", align.SYNC_SPREADS.replace("{names}", names)),
+                              ("ends", align.SYNC_ENDS.replace("{sync}", "'backward'"))):
+            whole = data.con.execute(select.replace("{block}", "TRUE")).fetchall()
+            parts = [dask_engine.run_step_block(t, select) for t in tasks]
+            by_tasks = [tuple(row) for p in parts for row in zip(*p.values(), strict=True)]
+            assert len(whole) > len(tasks) and sorted(by_tasks) == sorted(whole), table
+    finally:
+        data.close()
+
+
+def test_alignment_from_step_block_tasks(corpus: dict[str, Path], address: str,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The alignment computed from the tasks' rows is the default path's, to the last bit
+    (the spread of the phase ends and each host's clock offset, before rounding)."""
+    monkeypatch.setattr(dask_engine, "STEP_BLOCK_RECORDS", 100)
+    ran: list[str] = []
+    with distributed.Client(address) as client:
+        bind = dask_engine.step_runner(client)
+        got = []
+        for engine in (None, bind):
+            data = load_run(corpus["multihost"])
+            try:
+                rows = None if engine is None else engine(data)
+
+                def counted(table: str, select: str, rows: Any = rows) -> None:
+                    ran.append(table)
+                    rows(table, select)
+
+                got.append(align.align(data.con, data.hosts, len(data.ranks), 10.0,
+                                       None if rows is None else counted))
+            finally:
+                data.close()
+    assert ran == ["sync_spreads", "sync_ends"]
+    assert got[1] == got[0] and got[0].end_spread_ms is not None and len(got[0].offsets_ms) == 4
 
 
 def test_store_by_file_url(corpus: dict[str, Path], address: str,
