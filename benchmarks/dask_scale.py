@@ -2,17 +2,20 @@
 
 On a Parquet store written by ``analysis_scale.py --write-store`` (ten phase paths per step):
 
-1. the single-machine report (``analyze_run``), timing the per-rank phase rows inside it
-   (the part the Dask engine runs as tasks) apart from the rest (loading and every other
-   stage, which stay on the client);
-2. each rank block's task (:func:`stepscope.analysis.dask_engine.run_rank_block`) run here
-   one after another: wall and CPU seconds, samples, bytes sent to it;
+1. the single-machine report (``analyze_run``), timing apart the parts the Dask engine runs
+   as tasks: the per-rank phase rows and the alignment's per-step statements (wall and CPU
+   seconds of this process);
+2. each rank block's task (:func:`stepscope.analysis.dask_engine.run_rank_block`) and each
+   step block's task (:func:`stepscope.analysis.dask_engine.run_step_block`, every statement
+   of the report) run here one after another: wall and CPU seconds, bytes sent and returned;
+   and the client's CPU to append the step-block rows to its tables;
 3. the whole report with ``--engine dask`` on a local cluster of ``--workers`` processes,
    checked equal to the single-machine document.
 
-Then the projection for 10^9 samples on N workers, each task as large as measured (a rank
-block: 256 ranks): the client's part grows with the samples (it is linear in them on one
-machine), the tasks' part is ceil(tasks / N) task times::
+Then the projection for 10^9 samples on N workers, in CPU seconds (the machine may be
+shared; CPU time moves far less with the load than wall time), each task as large as
+measured: the client's part grows with the samples (it is linear in them on one machine),
+each kind of task adds ceil(tasks / N) task times (no transfer time, no scheduler overhead)::
 
     python benchmarks/analysis_scale.py --write-store 1024x1000 --dir D
     python benchmarks/dask_scale.py --store D/1024x1000/parquet [--record benchmarks/results]
@@ -47,42 +50,93 @@ def _cpu() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
-def _single_machine(store: str, threads: int) -> tuple[dict[str, Any], dict[str, float]]:
+def _single_machine(store: str, threads: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The default report, with the parts the tasks take over timed apart (wall and CPU
+    seconds of this process), and the step-block statements it ran."""
+    from stepscope.analysis.align import insert_by_host_blocks
     from stepscope.analysis.run import open_analyzed_run
     from stepscope.analysis.stats import local_phase_rank_rows
 
-    rows_s: list[float] = []
+    parts = {"rank_rows_s": 0.0, "rank_rows_cpu_s": 0.0, "step_rows_s": 0.0,
+             "step_rows_cpu_s": 0.0}
+    statements: list[tuple[str, str]] = []
 
-    def timed_rows(data: Any) -> list[tuple[Any, ...]]:
-        t = time.perf_counter()
+    def timed(key: str, fn: Any, *args: Any) -> Any:
+        t, c = time.perf_counter(), _cpu()
         try:
-            return local_phase_rank_rows(data.con)
+            return fn(*args)
         finally:
-            rows_s.append(time.perf_counter() - t)
+            parts[f"{key}_s"] += time.perf_counter() - t
+            parts[f"{key}_cpu_s"] += _cpu() - c
+
+    def step_rows(data: Any) -> Any:
+        insert = insert_by_host_blocks(data.con, data.hosts)
+
+        def run(table: str, select: str) -> None:
+            statements.append((table, select))
+            timed("step_rows", insert, table, select)
+
+        return run
 
     t0, c0 = time.perf_counter(), _cpu()
-    run = open_analyzed_run(store, threads=threads, phase_rank_rows=timed_rows)
+    run = open_analyzed_run(store, threads=threads,
+                            phase_rank_rows=lambda data: timed("rank_rows", local_phase_rank_rows,
+                                                               data.con),
+                            step_block_rows=step_rows)
     wall, cpu = time.perf_counter() - t0, _cpu() - c0
     run.close()
-    return run.doc, {"wall_s": wall, "cpu_s": cpu, "rank_rows_s": sum(rows_s)}
+    return run.doc, {"wall_s": wall, "cpu_s": cpu, **parts, "statements": statements}
 
 
-def _tasks(store: str, threads: int) -> list[dict[str, float]]:
+def _rank_tasks(store: str, threads: int) -> list[dict[str, float]]:
     from stepscope.analysis import dask_engine
     from stepscope.analysis.load import load_run
 
     data = load_run(store, threads=threads)
     try:
-        tasks = dask_engine.plan(data)
         out = []
-        for task in tasks:
+        for task in dask_engine.plan(data):
             sent = sum(int(getattr(a, "nbytes", 0)) for a in task.steps.values())
             t0, c0 = time.perf_counter(), _cpu()
             rows = dask_engine.run_rank_block(task)
-            out.append({"ranks": task.ranks[1] - task.ranks[0] + 1, "files": len(task.files),
-                        "wall_s": time.perf_counter() - t0, "cpu_s": _cpu() - c0,
+            out.append({"wall_s": time.perf_counter() - t0, "cpu_s": _cpu() - c0,
                         "samples": sum(int(r[5]) for r in rows), "sent_mb": sent / 2**20})
         return out
+    finally:
+        data.close()
+
+
+def _step_tasks(store: str, threads: int,
+                statements: list[tuple[str, str]]) -> tuple[list[dict[str, float]], float]:
+    """Each step-block task run here, every statement of the report on it; and the client's
+    seconds (CPU) to append the tasks' rows to its tables."""
+    import numpy as np
+
+    from stepscope.analysis import dask_engine
+    from stepscope.analysis.load import load_run
+
+    data = load_run(store, threads=threads)
+    try:
+        out = []
+        got: dict[str, list[dict[str, Any]]] = {t: [] for t, _ in statements}
+        for task in dask_engine.plan_steps(data):
+            sent = sum(int(getattr(a, "nbytes", 0)) for a in task.step_rows.values())
+            t0, c0 = time.perf_counter(), _cpu()
+            back = 0
+            for table, select in statements:
+                rows = dask_engine.run_step_block(task, select)
+                back += sum(int(getattr(a, "nbytes", 0)) for a in rows.values())
+                got[table].append(rows)
+            out.append({"wall_s": time.perf_counter() - t0, "cpu_s": _cpu() - c0,
+                        "records": len(next(iter(task.step_rows.values()))),
+                        "sent_mb": sent / 2**20, "back_mb": back / 2**20})
+        c0 = _cpu()
+        for table, parts in got.items():
+            rows = {c: np.ma.concatenate([p[c] for p in parts]) for c in parts[0]}
+            data.con.register("task_block_rows", rows)
+            data.con.execute(f"CREATE TEMP TABLE merged_{table} AS SELECT * FROM task_block_rows")
+            data.con.unregister("task_block_rows")
+        return out, _cpu() - c0
     finally:
         data.close()
 
@@ -97,10 +151,15 @@ def _dask(store: str, threads: int, workers: int) -> tuple[dict[str, Any], float
     with dask_engine.cluster(None, workers=workers) as client:
         started = time.perf_counter() - t0
         t1 = time.perf_counter()
-        run = open_analyzed_run(store, threads=threads, phase_rank_rows=dask_engine.runner(client))
+        run = open_analyzed_run(store, threads=threads, phase_rank_rows=dask_engine.runner(client),
+                                step_block_rows=dask_engine.step_runner(client))
         wall = time.perf_counter() - t1
     run.close()
     return run.doc, started, wall
+
+
+def _mean(rows: list[dict[str, float]], key: str) -> float:
+    return sum(r[key] for r in rows) / len(rows) if rows else 0.0
 
 
 def main() -> int:
@@ -116,38 +175,56 @@ def main() -> int:
 
     logging.getLogger("distributed").setLevel(logging.WARNING)  # its start-up chatter
     doc, single = _single_machine(args.store, args.threads)
-    tasks = _tasks(args.store, args.threads)
+    rank = _rank_tasks(args.store, args.threads)
+    step, merge_cpu = _step_tasks(args.store, args.threads, single["statements"])
     dask_doc, dask_start, dask_wall = _dask(args.store, args.threads, args.workers)
     samples = int(doc["run"]["phase_samples"])
-    task_samples = sum(t["samples"] for t in tasks) / len(tasks)
-    task_wall = sum(t["wall_s"] for t in tasks) / len(tasks)
-    client_s = single["wall_s"] - single["rank_rows_s"]
+    records = int(doc["run"]["records"]) if isinstance(doc["run"].get("records"), int) else None
+    rank_samples = _mean(rank, "samples")
+    # What stays on the client, in CPU seconds (this process; the load does not inflate
+    # them as it does wall seconds): everything but the two kinds of tasks, plus appending
+    # the step-block tasks' rows to its tables.
+    client_cpu = (single["cpu_s"] - single["rank_rows_cpu_s"] - single["step_rows_cpu_s"]
+                  + merge_cpu)
     scale = TARGET / samples
-    n_tasks = math.ceil(TARGET / task_samples)
-    projected = {str(n): round(client_s * scale + math.ceil(n_tasks / n) * task_wall, 1)
-                 for n in WORKERS}
+    n_rank = math.ceil(TARGET / rank_samples)
+    n_step = math.ceil(len(step) * scale)  # tasks of as many records: the same per-step size
+    rank_cpu, step_cpu = _mean(rank, "cpu_s"), _mean(step, "cpu_s")
+    projected = {str(n): round(client_cpu * scale + math.ceil(n_rank / n) * rank_cpu
+                               + math.ceil(n_step / n) * step_cpu, 1) for n in WORKERS}
     print(json.dumps({
         "benchmark": "dask_scale",
         "phase_samples": samples,
+        "records": records,
         "client_threads": args.threads,
         "single_machine_wall_s": round(single["wall_s"], 2),
         "single_machine_cpu_s": round(single["cpu_s"], 2),
-        "rank_rows_on_client_s": round(single["rank_rows_s"], 2),
-        "rest_on_client_s": round(client_s, 2),
-        "tasks": len(tasks),
-        "task_samples": round(task_samples),
-        "task_wall_s": round(task_wall, 3),
-        "task_cpu_s": round(sum(t["cpu_s"] for t in tasks) / len(tasks), 3),
-        "task_sent_mb": round(sum(t["sent_mb"] for t in tasks) / len(tasks), 2),
-        "task_us_per_sample": round(1e6 * task_wall / task_samples, 4),
+        "rank_rows_on_client_cpu_s": round(single["rank_rows_cpu_s"], 2),
+        "step_rows_on_client_cpu_s": round(single["step_rows_cpu_s"], 2),
+        "step_statements": len(single["statements"]),
+        "rest_on_client_cpu_s": round(client_cpu, 2),
+        "merge_step_rows_cpu_s": round(merge_cpu, 2),
+        "rank_tasks": len(rank),
+        "rank_task_samples": round(rank_samples),
+        "rank_task_wall_s": round(_mean(rank, "wall_s"), 3),
+        "rank_task_cpu_s": round(rank_cpu, 3),
+        "rank_task_sent_mb": round(_mean(rank, "sent_mb"), 2),
+        "step_tasks": len(step),
+        "step_task_records": round(_mean(step, "records")),
+        "step_task_wall_s": round(_mean(step, "wall_s"), 3),
+        "step_task_cpu_s": round(step_cpu, 3),
+        "step_task_sent_mb": round(_mean(step, "sent_mb"), 2),
+        "step_task_back_mb": round(_mean(step, "back_mb"), 2),
         "dask_workers": args.workers,
         "dask_cluster_start_s": round(dask_start, 2),
         "dask_wall_s": round(dask_wall, 2),
         "same_report": dask_doc == doc,
         "projection_1e9": {
-            "single_machine_s": round(single["wall_s"] * scale, 1),
-            "client_s": round(client_s * scale, 1),
-            "tasks": n_tasks,
+            "basis": "CPU seconds",
+            "single_machine_s": round(single["cpu_s"] * scale, 1),
+            "client_s": round(client_cpu * scale, 1),
+            "rank_tasks": n_rank,
+            "step_tasks": n_step,
             "by_workers_s": projected,
         },
         "load_avg_1m": round(os.getloadavg()[0], 2),

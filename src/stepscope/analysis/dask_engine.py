@@ -1,16 +1,26 @@
-"""The Dask engine of ``stepscope report --engine dask``: a run's per-rank-block work as tasks
-on a Dask cluster, the rest of the analysis on the client.
+"""The Dask engine of ``stepscope report --engine dask``: a run's work that splits by blocks
+of ranks or of steps as tasks on a Dask cluster, the rest of the analysis on the client.
 
-The run's Parquet store is partitioned by blocks of ranks (``phases/rank_block=K/``, see
-:mod:`stepscope.analysis.store`). The per-rank phase statistics
-(:func:`stepscope.analysis.stats.phase_rank_rows`: exact quantiles, max, sums and counts per
-(phase, rank)) need only their rank's samples, so each rank block of the store is one task:
-it opens its own DuckDB connection, reads its block's flat phase rows from the store (a
-local path or a URL the workers can read), takes its ranks' per-step rows (one per record,
-sent by the client) and runs the same statements as the single-machine path. The client
-gathers the rows (a few per phase and rank) and the analysis goes on as on one machine.
-Where the store has no flat copy the report can read (a run with duplicate records, torn
-tails, several runs in one directory), the client sends each block its phase rows instead.
+Two kinds of task, each running the statements of the single-machine path on a DuckDB
+connection of its own (one thread) over its part of the run only:
+
+* **rank-block tasks** (:func:`run_rank_block`): the per-rank phase statistics
+  (:func:`stepscope.analysis.stats.phase_rank_rows`: exact quantiles, max, sums and counts per
+  (phase, rank)) need only their rank's samples, so each rank block of the store
+  (``phases/rank_block=K/``, see :mod:`stepscope.analysis.store`) is one task, reading its
+  block's files; it takes its ranks' per-step rows from the client.
+* **step-block tasks** (:func:`run_step_block`): the per-step statements across ranks that
+  :func:`stepscope.analysis.align.align` hands to a :data:`~stepscope.analysis.align.BlockRows`
+  (the spread of each phase's end per step and host, each rank's end of the synchronising
+  phase) need every rank of their steps, so each block of whole steps
+  (:data:`STEP_BLOCK_RECORDS` records) is one task. It reads every rank block's flat files
+  filtered to its steps (each file is ordered by step, so DuckDB skips the other row
+  groups); its steps' rows of ``steps`` come from the client. The client appends the rows
+  to its table (blocks are disjoint: a union) and takes the same medians as on one machine.
+
+The client gathers the rows and the analysis goes on as on one machine. Where the store
+has no flat copy the report can read (a run with duplicate records, torn tails, several
+runs in one directory), the client sends each task its phase rows instead.
 
 Dask is an optional dependency (``pip install 'stepscope[dask]'``), imported here only.
 What runs where, and the projected cost at scale: ``docs/report-engines.md``.
@@ -21,7 +31,8 @@ Example::
     from stepscope.analysis.run import open_analyzed_run
 
     with dask_engine.cluster(None) as client:  # a local cluster
-        run = open_analyzed_run("runs/demo", phase_rank_rows=dask_engine.runner(client))
+        run = open_analyzed_run("runs/demo", phase_rank_rows=dask_engine.runner(client),
+                                step_block_rows=dask_engine.step_runner(client))
     run.close()
 """
 
