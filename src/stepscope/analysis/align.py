@@ -79,7 +79,10 @@ def insert_by_host_blocks(con: Any, hosts: dict[str, list[int]]) -> BlockRows:
 
 
 def _sql_list(names: list[str]) -> str:
-    return ", ".join("'" + c.replace("'", "''") + "'" for c in names)
+    """SQL string literals of ``names``, with no ``{`` in the text: a name holding
+    ``{block}`` must not be taken for the block's placeholder (:data:`BlockRows`)."""
+    return ", ".join("'" + c.replace("'", "''").replace("{", "' || chr(123) || '") + "'"
+                     for c in names)
 
 
 def align(con: Any, hosts: dict[str, list[int]], n_ranks: int, median_step: float,

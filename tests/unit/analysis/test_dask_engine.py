@@ -158,6 +158,18 @@ def test_alignment_from_step_block_tasks(corpus: dict[str, Path], address: str,
     assert got[1] == got[0] and got[0].end_spread_ms is not None and len(got[0].offsets_ms) == 4
 
 
+def test_phase_names_never_hold_the_block_placeholder() -> None:
+    """A phase named like the placeholder stays that name in a step-block statement."""
+    import duckdb
+
+    names = ["a{block}", "it's", "{names}"]
+    select = align.SYNC_SPREADS.replace("{names}", align._sql_list(names))
+    assert select.count("{block}") == 1
+    con = duckdb.connect()
+    assert con.execute(f"SELECT [{align._sql_list(names)}]").fetchone()[0] == names
+    con.close()
+
+
 def test_store_by_file_url(corpus: dict[str, Path], address: str,
                            capsys: pytest.CaptureFixture[str]) -> None:
     """The store read by URL (object storage; here ``file://``), the same on both engines."""
