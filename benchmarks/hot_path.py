@@ -69,7 +69,7 @@ JSONL writer (as ``init()`` builds them; no heartbeat unless ``--heartbeat``), a
   and the step boundary: what a sampled run pays on its other steps.
 - ``--mode calls``: Python-level calls (``sys.setprofile``'s ``call`` and ``c_call`` events) that
   one step adds over the bare step, for a step that is never sampled and for a recorded one
-  (the tiny model unless ``--hidden``; minimum over 3 steps). Deterministic, so it compares
+  (the tiny model unless ``--hidden``; minimum over 9 steps). Deterministic, so it compares
   builds on a loaded host where timings cannot; it does not see C-level costs such as
   ``Module.__call__``'s slow path.
 - ``--mode alternate``: what a step that records nothing costs, by alternating steps: one step
@@ -436,14 +436,14 @@ def calls_mode() -> dict[str, int]:
         sys.setprofile(None)
         return n[0] - 1  # setprofile(None) itself
 
-    bare = min(count(functools.partial(_run, None, model, opt, x, 1)) for _ in range(3))
+    bare = min(count(functools.partial(_run, None, model, opt, x, 1)) for _ in range(9))
     out = {"bare_calls": bare}
     for every, name in ((1 << 40, "unsampled"), (1, "recorded")):
         cfg = Config(out_dir="unused", every_n_steps=every, max_pending_steps=1 << 20)
         tracer = Tracer(cfg, model=model, optimizer=opt, clock=CpuClock(), sink=MemorySink())
         _run(tracer, model, opt, x, 3)
         one = functools.partial(_run, tracer, model, opt, x, 1)
-        out[f"{name}_added_calls"] = min(count(one) for _ in range(3)) - bare
+        out[f"{name}_added_calls"] = min(count(one) for _ in range(9)) - bare
         tracer.finish()
     return out
 

@@ -132,7 +132,7 @@ class Tracer(Session):
             if type(index) is not int or not 0 <= index <= MAX_STEP_INDEX:
                 index = _step_index(index, self.warn)
             if index is not None and not self._in_step:
-                self._index = index
+                self._move_to(index)
         return self._step_cm
 
     def phase(self, name: str, *, host: bool = False) -> PhaseContext:

@@ -37,6 +37,10 @@ _monotonic = time.monotonic
 class UntimedGroups:
     """Listener: ``on_step_end`` compares each group's sequence number with the calls timed on it."""
 
+    #: Called at the end of sampled steps and of the steps before them only (see
+    #: ``Session.add_listener``): the other steps time nothing, so nothing is looked at there.
+    sampled_only = True
+
     def __init__(self) -> None:
         # ProcessGroup → (its sequence number, stepscope's timed-call count) at the last look.
         self._last: dict[Any, tuple[int, int]] = {}

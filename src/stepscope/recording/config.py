@@ -226,6 +226,12 @@ class Config:
             return False
         return (step - self.start_step) % self.every_n_steps == 0
 
+    def next_sampled(self, step: int) -> int | None:
+        """The first index ``>= step`` that :meth:`samples` records, ``None`` when none is."""
+        start, n = self.start_step, self.every_n_steps
+        nxt = start if step <= start else step + (start - step) % n
+        return None if self.end_step is not None and nxt >= self.end_step else nxt
+
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for f in fields(self):

@@ -77,10 +77,12 @@ class Recorder:
         self._ignored = threading.local()  # per thread: step() entries not timed
         self._refused = 0  # such entries open on any thread (a cheap check before the thread-local)
         self._in_step = False
-        #: Whether step ``_known_index`` is sampled, as the step boundary before it found out
-        #: (``Session``'s step exit): step entry need not ask the config again.
-        self._known_index = -1
-        self._known_sampled = False
+        #: The first index ``>= _index`` that is sampled (:data:`NEVER` when none is), kept
+        #: with ``_index`` (:meth:`_move_to`, :meth:`_close_step`): a step boundary knows
+        #: whether a step is sampled by one comparison, without asking the config.
+        self._sample_at = _sample_at(config, 0)
+        self._every = config.every_n_steps
+        self._end_step = NEVER if config.end_step is None else config.end_step
         self._warned: set[str] = set()
         #: Marks are ``perf_counter_ns`` values: a span's wall-clock start follows from its mark.
         self._host_marks = bool(getattr(clock, "host_readable", False))
@@ -97,7 +99,7 @@ class Recorder:
             return False
         if self._in_step:
             return self._cur is not None
-        return self.config.samples(self._index)
+        return self._index == self._sample_at
 
     @property
     def in_step(self) -> bool:
@@ -347,7 +349,7 @@ class Recorder:
             return nxt
         if nxt is not None:  # the step index moved on (step(index=...)): stale
             self._drop_next()
-        if not self.config.samples(self._index):
+        if self._index != self._sample_at:
             return None
         nxt = self._next = Step(self._index)
         return nxt
@@ -390,8 +392,7 @@ class Recorder:
         tid = self._owner = self._train_thread = _get_ident()
         step: Step | None
         if self._next is None:  # the usual case (no pre-step phase): _next_step's make path
-            if not (self._known_sampled if self._known_index == self._index
-                    else self.config.samples(self._index)):
+            if self._index != self._sample_at:
                 return None
             step = Step(self._index)
         else:
@@ -432,8 +433,18 @@ class Recorder:
         self._cur = None
         self._in_step = False
         self._owner = None
-        self._index += 1
+        index = self._index = self._index + 1
+        at = self._sample_at
+        if index > at:  # ``at`` was sampled (and is ``index - 1``): the next one is ``every`` on
+            at += self._every
+            self._sample_at = at if at < self._end_step else NEVER
         return step
+
+    def _move_to(self, index: int) -> None:
+        """Make ``index`` the next step's index (``step(index=...)``)."""
+        if index != self._index:
+            self._index = index
+            self._sample_at = _sample_at(self.config, index)
 
     def _clear(self) -> None:
         """Forget every open step and phase (timing is being switched off)."""
@@ -459,6 +470,15 @@ class Recorder:
             return
         self._warned.add(key)
         warn(msg, stacklevel=3)
+
+
+#: ``Recorder._sample_at`` when no later step is sampled (above any step index).
+NEVER = 1 << 62
+
+
+def _sample_at(config: Config, index: int) -> int:
+    nxt = config.next_sampled(index)
+    return NEVER if nxt is None else nxt
 
 
 def _keep_collective(step: Step, item: tuple[Any, ...]) -> None:

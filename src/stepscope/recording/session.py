@@ -42,6 +42,7 @@ FINISH_TIMEOUT_S = 5.0
 UNTIMED = "timing_off"
 
 _get_ident = threading.get_ident
+_time_ns = time.time_ns
 
 
 class Session(Recorder):
@@ -81,12 +82,15 @@ class Session(Recorder):
         self._handed: BaseException | None = None  # a failure found off the training thread
         self._listeners: list[Any] = []
         self._step_end: list[Callable[[Any, int], None]] = []
+        #: ``on_step_end`` of listeners that look only around sampled steps (``sampled_only``).
+        self._sampled_end: list[Callable[[Any, int], None]] = []
         self._on_stream: list[Callable[[Any, Any], None]] = []
         self._last_phase_stream: Any = None
         self._forward_seen = False
         self._sampled_seen = 0
-        self._step_wall = 0.0  # time.time() at step entry
-        self._last_step: tuple[int, float, float] | None = None  # index, end wall, seconds
+        self._step_wall_ns = 0  # time.time_ns() at step entry
+        #: The last step ended: its index, time.time_ns() at its end and at its entry.
+        self._last_step: tuple[int, int, int] | None = None
         self._raised: tuple[BaseException, list[str]] | None = None
         # Throughput, FLOPs, memory, device health. Built once the clock knows its
         # device (init() often runs before set_device): see _start.
@@ -122,7 +126,7 @@ class Session(Recorder):
         self._auto_active |= active
         self._per_step = per_step
         self._hooks_on = True
-        if not self.config.samples(self._index):
+        if self._index != self._sample_at:
             self._switch(False)
         # Built here, off the first step, when the device is known (the CPU, or a CUDA clock
         # given its device); a CUDA clock that follows the current device knows it at its
@@ -148,7 +152,10 @@ class Session(Recorder):
         """Register an observer: an object with any of ``on_step_end(tracer, index)``,
         ``on_record(record)``, ``on_exception(tracer, exc_type, exc, phase_stack)``,
         ``on_finish(tracer)``, ``on_stream(tracer, stream)``; a plain
-        callable is taken as ``on_record``. ``on_record`` runs on the writer thread."""
+        callable is taken as ``on_record``. ``on_record`` runs on the writer thread.
+
+        A listener whose ``sampled_only`` is true has its ``on_step_end`` called only at the
+        end of a sampled step and of the step before one: the steps between cost it nothing."""
         if callable(listener) and not hasattr(listener, "on_record"):
             fn = listener
 
@@ -159,7 +166,8 @@ class Session(Recorder):
             listener = _OnRecord()
         self._listeners.append(listener)
         if hasattr(listener, "on_step_end"):
-            self._step_end.append(listener.on_step_end)
+            ends = self._sampled_end if getattr(listener, "sampled_only", False) else self._step_end
+            ends.append(listener.on_step_end)
         if hasattr(listener, "on_stream"):
             self._on_stream.append(listener.on_stream)
             self._phase_opened = self._phase_stream
@@ -187,6 +195,14 @@ class Session(Recorder):
     def _enter_step(self) -> Any:
         """Step entry (the ``with`` statement calls it directly); returns the step's context
         manager, what ``with tracer.step() as s`` binds."""
+        if (self._index < self._sample_at and not self._in_step and self._handed is None
+                and self.enabled and self._next is None):
+            # A step known to be unsampled: what the heartbeat (a hung rank's status) and the
+            # next boundary need, nothing more.
+            self._in_step = True
+            self._owner = self._train_thread = _get_ident()
+            self._step_wall_ns = _time_ns()
+            return self._step_cm
         if self._handed is not None:
             self._take_handed()
         if not self.enabled:
@@ -203,8 +219,7 @@ class Session(Recorder):
                           "steps are per thread, the second one is not timed", key="threads")
             return self._step_cm
         try:
-            wall_ns = time.time_ns()  # one wall-clock read: the heartbeat's and the record's
-            self._step_wall = wall_ns / 1e9
+            wall_ns = self._step_wall_ns = _time_ns()  # the heartbeat's and the record's
             step = self._open_step(wall_ns)
             if step is None:
                 self._step_counts = None
@@ -230,6 +245,24 @@ class Session(Recorder):
 
     def _exit_step(self, exc_type: Any = None, exc: BaseException | None = None, tb: Any = None) -> None:
         """Step exit (the ``with`` statement calls it directly: ``exc_type, exc, tb``)."""
+        done = self._index
+        if (done + 1 < self._sample_at and self._cur is None and self._in_step and exc is None
+                and not self._refused and not self._hooks_on):
+            # An unsampled step before another one (see _enter_step): the step index moves,
+            # the heartbeat learns when it ended, every-step listeners run; no mark, no record.
+            try:
+                self._in_step = False
+                self._owner = None
+                self._index = done + 1
+                self._rq_read = False
+                self._last_step = (done, _time_ns(), self._step_wall_ns)
+                for end in self._step_end:
+                    end(self, done)
+            except Exception as err:  # protect the job
+                self.fail(err)
+            if self._handed is not None:
+                self._take_handed()
+            return
         if self._refused:
             tl = self._ignored
             n = getattr(tl, "n", 0)
@@ -256,10 +289,8 @@ class Session(Recorder):
                     fn = getattr(listener, "on_exception", None)
                     if fn is not None:
                         fn(self, type(exc), exc, raised_in)
-            done = self._index
             step = self._close_step()
-            sample_next = self._known_sampled = self.config.samples(self._index)
-            self._known_index = self._index
+            sample_next = self._index == self._sample_at
             if sample_next != self._hooks_on:
                 self._switch(sample_next)
             sched = self.sched
@@ -283,8 +314,7 @@ class Session(Recorder):
                 if not self._forward_seen and "forward" in self._auto_active:
                     self._check_forward(step)
                 self._since_flush += 1
-            now = time.time()
-            self._last_step = (done, now, now - self._step_wall)
+            self._last_step = (done, _time_ns(), self._step_wall_ns)
             if step is not None:
                 self.resolver.add(step, poll=True)
                 # An exception may end the job: what is resolved goes to the file now.
@@ -301,6 +331,9 @@ class Session(Recorder):
                     self._outbox.submit()
             for fn in self._step_end:
                 fn(self, done)
+            if step is not None or sample_next:
+                for end in self._sampled_end:
+                    end(self, done)
         except Exception as err:  # protect the job
             self._in_step = False
             self.fail(err)
@@ -467,12 +500,12 @@ class Session(Recorder):
         return {
             "step": self._index,
             "in_step": self._in_step,
-            "step_started": self._step_wall if self._in_step else None,
+            "step_started": self._step_wall_ns / 1e9 if self._in_step else None,
             "phase_stack": [sp.name for sp in stack],
             "phase_started": self.span_wall(stack[-1]) if stack else None,
             "last_step": last[0] if last else None,
-            "last_step_end": last[1] if last else None,
-            "last_step_s": last[2] if last else None,
+            "last_step_end": last[1] / 1e9 if last else None,
+            "last_step_s": (last[1] - last[2]) / 1e9 if last else None,
             "finished": self._finished,
             "enabled": self.enabled,
             "collective": self._blocked_in(),

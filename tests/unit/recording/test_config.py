@@ -63,3 +63,11 @@ def test_env_overrides():
     }
     with pytest.raises(ValueError, match="STEPSCOPE_START_STEP must be an int; got 'x'"):
         env_overrides({"STEPSCOPE_START_STEP": "x"})
+
+
+def test_next_sampled_is_the_first_index_samples_records():
+    for start, end, every in [(0, None, 1), (0, None, 10), (3, 45, 10), (7, 8, 3), (2, 30, 4)]:
+        cfg = Config(start_step=start, end_step=end, every_n_steps=every)
+        for step in range(60):
+            want = next((s for s in range(step, 200) if cfg.samples(s)), None)
+            assert cfg.next_sampled(step) == want, (start, end, every, step)

@@ -1,0 +1,108 @@
+"""The session's step boundary: what a step known to be unsampled runs, and what it keeps."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+import torch
+
+from stepscope.recording.config import Config
+
+
+def _stepscope_frames(fn: Any) -> list[str]:
+    """Names of the Python functions of stepscope that ``fn()`` calls, in order."""
+    got: list[str] = []
+
+    def prof(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and "stepscope" in frame.f_code.co_filename.replace("\\", "/").split("/src/")[-1]:
+            got.append(frame.f_code.co_name)
+
+    sys.setprofile(prof)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return got
+
+
+def test_an_unsampled_step_runs_only_the_step_call_and_its_entry_and_exit(mem_tracer):
+    model = torch.nn.Linear(2, 2)
+    tr = mem_tracer(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                    every_n_steps=1000)
+    for _ in range(3):
+        with tr.step():
+            pass
+
+    def one() -> None:
+        with tr.step():
+            pass
+
+    assert _stepscope_frames(one) == ["step", "_enter_step", "_exit_step"]
+    # The step before a sampled one takes the full boundary (hooks on, run-queue baseline).
+    for _ in range(995):
+        one()
+    assert tr.step_index == 999
+    assert "_close_step" in _stepscope_frames(one)
+    with tr.step():
+        assert tr.recording
+    tr.finish()
+    assert [r["step"] for r in tr.sink.records] == [0, 1000]
+
+
+def test_the_heartbeat_state_follows_unsampled_steps(mem_tracer):
+    tr = mem_tracer(every_n_steps=1000, auto=False)
+    with tr.step():
+        pass
+    with tr.step():
+        before = time.time()
+        st = tr.state()
+        assert st["in_step"] and st["step"] == 1
+        assert before - 1.0 <= st["step_started"] <= before
+        time.sleep(0.02)
+    st = tr.state()
+    assert not st["in_step"] and st["step"] == 2 and st["step_started"] is None
+    assert st["last_step"] == 1
+    assert 0.02 <= st["last_step_s"] < 10.0
+    assert abs(st["last_step_end"] - time.time()) < 1.0
+
+
+class _Ends:
+    def __init__(self, sampled_only: bool) -> None:
+        self.sampled_only = sampled_only
+        self.seen: list[int] = []
+
+    def on_step_end(self, run: Any, index: int) -> None:
+        self.seen.append(index)
+
+
+def test_a_sampled_only_listener_sees_sampled_steps_and_the_steps_before_them(mem_tracer):
+    tr = mem_tracer(every_n_steps=5, auto=False)
+    every, sampled = _Ends(False), _Ends(True)
+    tr.add_listener(every)
+    tr.add_listener(sampled)
+    for _ in range(12):
+        with tr.step():
+            pass
+    assert every.seen == list(range(12))
+    assert sampled.seen == [0, 4, 5, 9, 10]
+
+
+def test_step_index_moves_between_unsampled_and_sampled_steps(mem_tracer):
+    model = torch.nn.Linear(2, 2)
+    tr = mem_tracer(model=model, every_n_steps=10, start_step=3, end_step=45)
+    x = torch.ones(1, 2)
+    plan = [None, None, 20, None, 13, None, None, 33, None, 40, None, None, 44, None, 70, None]
+    for index in plan:
+        with tr.step(index=index):
+            model(x)
+    tr.finish()
+    config = Config(every_n_steps=10, start_step=3, end_step=45)
+    ran, i = [], 0
+    for index in plan:
+        i = i if index is None else index
+        ran.append(i)
+        i += 1
+    assert [r["step"] for r in tr.sink.records] == [s for s in ran if config.samples(s)]
+    assert all(any(p["name"] == "forward" for p in r["phases"]) for r in tr.sink.records)
