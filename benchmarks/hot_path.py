@@ -78,6 +78,11 @@ JSONL writer (as ``init()`` builds them; no heartbeat unless ``--heartbeat``), a
   (µs), on the cold step (``--hidden``, default 640). Slow drift of the host cancels within a
   pair. Valid only for a build whose hooks are off between unsampled steps (on an older build
   the "bare" steps run the hooks too, and only the step boundary is measured).
+- ``--mode alternate-tiny``: the same on the tiny model (a ~0.1 ms step), where the step
+  boundary is a larger share of the step and the per-pair spread is smaller.
+- ``--mode boundary``: the step boundary alone, warm: an empty ``with tracer.step()`` (never
+  sampled) against an empty ``with`` statement, ``--steps`` steps per block, blocks in turn
+  (``--blocks`` pairs); median, quartiles and the median's ~95% precision (µs per step).
 - ``--mode alloc``: tracemalloc's count of memory blocks still alive per step (records the
   writer and the recent-records buffer keep included), by allocation site.
 
@@ -469,8 +474,68 @@ def alternate_mode(pairs: int) -> dict[str, Any]:
                 b = clock() - t0
         diffs.append((a - b) / 1e3)
     tracer.finish()
+    return _spread("unsampled_added_us", diffs)
+
+
+def _spread(name: str, diffs: list[float]) -> dict[str, Any]:
+    """Median and quartiles of ``diffs`` (µs), and the precision of the median: the
+    half-width of its ~95% interval, 1.57 × IQR / √n (McGill's notch)."""
     q = statistics.quantiles(diffs, n=4)
-    return {"unsampled_added_us": round(q[1], 1), "quartiles_us": [round(q[0], 1), round(q[2], 1)]}
+    return {name: round(q[1], 2), "quartiles_us": [round(q[0], 2), round(q[2], 2)],
+            "median_pm_us": round(1.57 * (q[2] - q[0]) / len(diffs) ** 0.5, 2), "n": len(diffs)}
+
+
+def boundary_mode(blocks: int, steps: int) -> dict[str, Any]:
+    """An empty step: ``steps`` steps inside a never-sampled tracer's ``step()`` against as
+    many bare loop turns, block by block in turn (which goes first alternates); the
+    training-thread CPU µs per step of traced minus bare, per pair of blocks. Nothing but
+    the step boundary runs, so this is its warm cost alone."""
+    from stepscope.recording.sinks import MemorySink
+
+    cfg = Config(out_dir="unused", every_n_steps=1 << 40, max_pending_steps=1 << 20)
+    tracer = Tracer(cfg, clock=CpuClock(), sink=MemorySink())
+    with tracer.step():  # step 0 is sampled: out of the timing
+        pass
+    clock = time.thread_time_ns
+    step = tracer.step
+    rng = range(steps)
+
+    def traced() -> int:
+        t0 = clock()
+        for _ in rng:
+            with step():
+                pass
+        return clock() - t0
+
+    def bare() -> int:
+        t0 = clock()
+        for _ in rng:
+            with _NOOP:
+                pass
+        return clock() - t0
+
+    diffs = []
+    for i in range(blocks):
+        if i % 2:
+            b, a = bare(), traced()
+        else:
+            a, b = traced(), bare()
+        diffs.append((a - b) / steps / 1e3)
+    tracer.finish()
+    return _spread("unsampled_boundary_us", diffs)
+
+
+class _NoOp:
+    """The bare side of ``boundary`` mode: a ``with`` statement that does nothing."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+_NOOP = _NoOp()
 
 
 def cprofile_mode(steps: int, heartbeat: bool) -> None:
@@ -937,7 +1002,7 @@ def alloc_mode(steps: int, heartbeat: bool) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     modes = ("time", "cprofile", "alloc", "wakes", "build", "cycle", "handover", "floor", "callsite",
-             "parts", "neighbour", "cold", "sampling", "calls", "alternate")
+             "parts", "neighbour", "cold", "sampling", "calls", "alternate", "alternate-tiny", "boundary")
     ap.add_argument("--mode", choices=modes, default="time")
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--blocks", type=int, default=11)
@@ -991,6 +1056,14 @@ def main() -> None:
         HIDDEN = args.hidden or 640
         print(json.dumps({"benchmark": "hot_path_alternate", "hidden": HIDDEN, "pairs": args.steps,
                           "loadavg_1m": round(os.getloadavg()[0], 2), **alternate_mode(args.steps)}))
+    elif args.mode == "alternate-tiny":
+        HIDDEN = 0
+        print(json.dumps({"benchmark": "hot_path_alternate_tiny", "hidden": 0, "pairs": args.steps,
+                          "loadavg_1m": round(os.getloadavg()[0], 2), **alternate_mode(args.steps)}))
+    elif args.mode == "boundary":
+        print(json.dumps({"benchmark": "hot_path_boundary", "blocks": args.blocks, "steps": args.steps,
+                          "loadavg_1m": round(os.getloadavg()[0], 2),
+                          **boundary_mode(args.blocks, args.steps)}))
     elif args.mode == "calls":
         print(json.dumps({"benchmark": "hot_path_calls", "hidden": HIDDEN, **calls_mode()}))
     elif args.mode == "alloc":

@@ -44,6 +44,10 @@ class _Gate(threading.local):
 
 
 _gate = _Gate()
+#: This thread's gate, for the step boundary of the recorder, which raises it there
+#: (``here.raised = raised_by(recorder)``, a value it keeps) and lowers it (``here.raised =
+#: None``) without a call: the same writes :func:`set_current` makes.
+here = _gate
 
 #: The recorder whose owner is inside a timed ``torch.autograd.backward`` call now: any thread
 #: may read it; only that call (:mod:`stepscope.instrument.hooks`) writes it, restoring what
@@ -71,6 +75,11 @@ def current() -> Any:
     global adopted
     adopted = True
     return bw
+
+
+def raised_by(recorder: Any) -> tuple[Any, None]:
+    """What ``here.raised`` holds while ``recorder``'s sampled step is open on this thread."""
+    return (recorder, None)
 
 
 def set_current(recorder: Any, *, autograd: bool = False) -> None:

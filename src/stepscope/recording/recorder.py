@@ -52,6 +52,7 @@ from stepscope.recording.step import STREAM_WAIT, Span, Step
 PRE_STEP_PHASES = frozenset({"dataloader", "h2d"})
 
 _get_ident = threading.get_ident
+_gate_here = gate.here
 
 
 class Recorder:
@@ -89,6 +90,7 @@ class Recorder:
         #: Called with each phase's start mark once a listener watches the streams phases run
         #: on (:meth:`Session.add_listener`, ``on_stream``); ``None`` costs one check per phase.
         self._phase_opened: Callable[[Any], None] | None = None
+        self._gate_up = gate.raised_by(self)  # the gate's value while a step of ours is open
 
     # ------------------------------------------------------------------ state
 
@@ -411,7 +413,7 @@ class Recorder:
         self._owner_stack = stack
         self._cur = step
         self.sampled_owner = tid
-        gate.set_current(self)
+        _gate_here.raised = self._gate_up
         return step
 
     def _close_step(self) -> Step | None:
@@ -419,7 +421,7 @@ class Recorder:
         step = self._cur
         self.sampled_owner = 0
         if step is not None:
-            gate.set_current(None)
+            _gate_here.raised = None
             end = self.clock.mark()
             for span in step.spans:
                 if span.end is None:
