@@ -240,6 +240,11 @@ class _Spec:
 _RECV: dict[str, str] = {"all_to_all_single": "output", "all_to_all": "output_tensor_list"}
 
 
+#: Calls timed per group id (:func:`timed_calls`), for readers that look at every group at
+#: once (``untimed.UntimedGroups``); written here only.
+TIMED_CALLS = _timed
+
+
 def timed_calls(pid: str) -> int:
     """How many calls on group ``pid`` this process has timed, its point-to-point links'
     (``"<pid>:<src>><dst>"``, numbered apart) included."""

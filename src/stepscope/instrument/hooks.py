@@ -188,8 +188,10 @@ class _ModelHooks:
 
     def _on_last_grad(self, p: torch.Tensor) -> None:
         # On a device thread (CUDA), gate.current() adopts it: grad_sync nests in backward.
-        if self._bwd is not None and self._sync is None and gate.current() is self.tracer:
-            self._sync = self.tracer.open_phase("grad_sync")
+        tracer = self.tracer
+        if self._bwd is not None and self._sync is None and (
+                tracer.sampled_owner == _get_ident() or gate.current() is tracer):
+            self._sync = tracer.open_phase("grad_sync")
 
     def sync_marker(self, on: bool) -> None:
         """Put the grad_sync marker (learnt already) on its parameter, or take it off."""

@@ -42,38 +42,42 @@ class UntimedGroups:
     sampled_only = True
 
     def __init__(self) -> None:
-        # ProcessGroup → (its sequence number, stepscope's timed-call count) at the last look.
-        self._last: dict[Any, tuple[int, int]] = {}
+        # ProcessGroup → (its sequence number, stepscope's timed-call count) at the last look,
+        # and its id (looked up once per group).
+        self._last: dict[Any, tuple[int, int, str]] = {}
         self._off = False
         self._dist = False  # a default process group was seen
         self._next_ask = 0.0  # monotonic time of the next is_initialized() while not _dist
         self._looked_at = -2  # the step whose end the last look was taken at
 
-    def _groups(self) -> list[Any]:
-        world = getattr(torch.distributed.distributed_c10d, "_world", None)
-        pg_map = getattr(world, "pg_map", None)
-        return list(pg_map) if pg_map else []
-
     def look(self) -> int:
         """Collectives issued on groups that carried no timed call since the last look."""
-        n = 0
-        seen = set()
-        for pg in self._groups():
+        n = seen = 0
+        last = self._last
+        pg_map = getattr(getattr(torch.distributed.distributed_c10d, "_world", None), "pg_map", None)
+        groups = list(pg_map) if pg_map else []
+        timed_calls = col.TIMED_CALLS.get
+        for pg in groups:
             try:
-                seq = int(pg._get_sequence_number_for_group())
+                seq = pg._get_sequence_number_for_group()  # an int (pybind)
             except Exception:  # a backend without sequence numbers: cannot tell, not counted
                 continue
-            info = col.group_info(pg)
-            if info is None:
-                continue
-            timed = col.timed_calls(info[0])
-            seen.add(pg)
-            prev = self._last.get(pg)
-            self._last[pg] = (seq, timed)
+            prev = last.get(pg)
+            if prev is None:
+                info = col.group_info(pg)
+                if info is None:
+                    continue
+                pid = info[0]
+            else:
+                pid = prev[2]
+            timed = timed_calls(pid, 0)
+            seen += 1
+            last[pg] = (seq, timed, pid)
             if prev is not None and seq > prev[0] and timed == prev[1]:
                 n += seq - prev[0]
-        for pg in [g for g in self._last if g not in seen]:  # destroyed groups
-            del self._last[pg]
+        if len(last) > seen:  # destroyed groups
+            for pg in [g for g in last if g not in groups]:
+                del last[pg]
         return n
 
     def on_step_end(self, session: Any, index: int) -> None:
@@ -100,6 +104,6 @@ class UntimedGroups:
             fresh = self._looked_at == index - 1  # else the window spans steps (index moved)
             self._looked_at = index
             if n and fresh:
-                col.unseen_n(session, "untimed", n)
+                session.add_counter("unseen_untimed", n)
         except Exception:  # protect the job: this check is off for the rest of the run
             self._off = True
