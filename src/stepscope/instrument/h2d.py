@@ -43,6 +43,7 @@ _orig_to = torch.Tensor.to
 _orig_cuda = torch.Tensor.cuda
 _parse_to = torch._C._nn._parse_to
 _is_compiling = torch.compiler.is_dynamo_compiling  # why not is_compiling: see hooks.py
+_gate_here = gate.here
 
 
 def set_step_tracer(tracer: Recorder | None) -> None:
@@ -84,8 +85,12 @@ def _active() -> Recorder | None:
 def _patched_to(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
     if args and isinstance(args[0], torch.dtype):  # the common dtype-only cast, fast
         return _orig_to(self, *args, **kwargs)
-    tracer = _active()
-    if tracer is None or self.device.type != "cpu":
+    # is_compiling first (see _active); then the gate down on this thread and no backward
+    # running: the usual case outside sampled steps, decided without a call.
+    if _is_compiling() or (_gate_here.raised is None and gate.backward_owner is None):
+        return _orig_to(self, *args, **kwargs)
+    tracer = gate.current()
+    if tracer is None or _tls.suppressed or self.device.type != "cpu":
         return _orig_to(self, *args, **kwargs)
     try:
         device = _parse_to(*args, **kwargs)[0]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import sys
 import threading
 
 import pytest
@@ -83,6 +84,28 @@ def test_unsampled_steps_cost_nothing(mem_tracer, meta_is_device):
             torch.ones(4).to("meta")
     tr.finish()
     assert [r["step"] for r in tr.sink.records] == [0, 2]
+
+
+def test_a_copy_on_an_unsampled_step_asks_nothing_but_whether_dynamo_traces(mem_tracer, meta_is_device):
+    tr = mem_tracer(auto={"h2d"}, every_n_steps=1000)
+    x = torch.ones(4)
+    with tr.step():
+        pass
+    calls: list[str] = []
+
+    def prof(frame, event, arg):
+        if event == "call":
+            calls.append(frame.f_code.co_name)
+
+    with tr.step():
+        sys.setprofile(prof)
+        try:
+            y = x.to("meta")
+        finally:
+            sys.setprofile(None)
+    tr.finish()
+    assert y.device.type == "meta"
+    assert calls == ["_patched_to", "is_dynamo_compiling"]
 
 
 def test_bad_to_arguments_still_raise_torchs_error(mem_tracer):
