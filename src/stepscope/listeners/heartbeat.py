@@ -214,7 +214,9 @@ class Heartbeat:
 
     def on_step_end(self, tracer: Run, index: int) -> None:
         final = self._final
-        err = (final.get("error") or {}) if final is not None else {}
+        if final is None:  # the usual case, on every step: nothing made, nothing asked
+            return
+        err = final.get("error") or {}
         if err.get("where") == "step" and index > err.get("step", index):
             # The exception was caught by the training loop, which goes on: not a crash.
             self._last_error = err

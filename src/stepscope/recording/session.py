@@ -202,6 +202,7 @@ class Session(Recorder):
             self._in_step = True
             self._owner = self._train_thread = _get_ident()
             self._step_wall_ns = _time_ns()
+            self._step_counts = None  # an unsampled step's throughput numbers are not kept
             return self._step_cm
         if self._handed is not None:
             self._take_handed()
