@@ -83,6 +83,10 @@ JSONL writer (as ``init()`` builds them; no heartbeat unless ``--heartbeat``), a
 - ``--mode boundary``: the step boundary alone, warm: an empty ``with tracer.step()`` (never
   sampled) against an empty ``with`` statement, ``--steps`` steps per block, blocks in turn
   (``--blocks`` pairs); median, quartiles and the median's ~95% precision (µs per step).
+- ``--mode ddp-calls``: as ``calls`` for a step of 2 gloo ranks under DDP (rank 0, a small MLP
+  with small buckets), recorded and never sampled, plus the calls inside the two hooks DDP
+  adds on recorded steps: the untimed-groups look (which counts the C++-issued bucket
+  all-reduces) and the grad_sync marker.
 - ``--mode alloc``: tracemalloc's count of memory blocks still alive per step (records the
   writer and the recent-records buffer keep included), by allocation site.
 
@@ -536,6 +540,88 @@ class _NoOp:
 
 
 _NOOP = _NoOp()
+
+
+#: ``--mode ddp-calls``: the hooks whose call subtrees are counted apart (file:function), and
+#: the name of each in the output.
+DDP_HOOKS = {"untimed.py:on_step_end": "untimed_look", "hooks.py:_on_last_grad": "grad_sync_hook"}
+
+
+def _ddp_counts(fn: Callable[[], None]) -> tuple[int, dict[str, int]]:
+    """Python calls (``call`` and ``c_call``) that ``fn()`` makes, and those made inside each
+    of :data:`DDP_HOOKS` (the hook's own frame included)."""
+    import sys
+
+    total = [0]
+    sub = dict.fromkeys(DDP_HOOKS, 0)
+    root: list[Any] = [None, 0]  # the hook being counted, its call depth
+
+    def prof(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" or event == "c_call":
+            total[0] += 1
+            if root[0] is None and event == "call":
+                name = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_code.co_name}"
+                if name in sub:
+                    root[0], root[1] = name, 0
+            if root[0] is not None:
+                sub[root[0]] += 1
+                if event == "call":
+                    root[1] += 1
+        elif event == "return" and root[0] is not None:
+            root[1] -= 1
+            if root[1] == 0:
+                root[0] = None
+
+    sys.setprofile(prof)
+    fn()
+    sys.setprofile(None)
+    return total[0] - 1, sub  # setprofile(None) itself
+
+
+def _ddp_rank(rank: int, port: int, every: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from stepscope.recording.sinks import MemorySink
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
+    model = torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=0.01)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(8, 64)
+    for _ in range(3):
+        _step(model, opt, x)
+    bare = min(_ddp_counts(functools.partial(_run, None, model, opt, x, 1))[0] for _ in range(5))
+    cfg = Config(out_dir="unused", every_n_steps=every, max_pending_steps=1 << 20)
+    tracer = Tracer(cfg, model=model, optimizer=opt, clock=CpuClock(), sink=MemorySink())
+    _run(tracer, model, opt, x, 4)
+    got = [_ddp_counts(functools.partial(_run, tracer, model, opt, x, 1)) for _ in range(5)]
+    tracer.finish()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"added_calls": min(n for n, _ in got) - bare,
+                       **{f"{v}_calls": min(s[k] for _, s in got) for k, v in DDP_HOOKS.items()}}, f)
+    dist.destroy_process_group()
+
+
+def ddp_calls_mode() -> dict[str, Any]:
+    """``--mode ddp-calls``: 2 gloo ranks, DDP over a 3-layer MLP of width 64 (small buckets):
+    calls a recorded and a never-sampled step add over the bare DDP step on rank 0 (minimum
+    over 5 steps), and those inside the untimed-groups look and the grad_sync hook."""
+    import torch.multiprocessing as mp
+
+    from stepscope.recording.dist import free_port
+
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for every, name in ((1, "recorded"), (1 << 40, "unsampled")):
+            path = os.path.join(tmp, f"{name}.json")
+            mp.spawn(_ddp_rank, args=(free_port(), every, path), nprocs=2)
+            with open(path) as f:
+                out.update({f"{name}_{k}": v for k, v in json.load(f).items()})
+    return out
 
 
 def cprofile_mode(steps: int, heartbeat: bool) -> None:
@@ -1002,7 +1088,8 @@ def alloc_mode(steps: int, heartbeat: bool) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     modes = ("time", "cprofile", "alloc", "wakes", "build", "cycle", "handover", "floor", "callsite",
-             "parts", "neighbour", "cold", "sampling", "calls", "alternate", "alternate-tiny", "boundary")
+             "parts", "neighbour", "cold", "sampling", "calls", "alternate", "alternate-tiny", "boundary",
+             "ddp-calls")
     ap.add_argument("--mode", choices=modes, default="time")
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--blocks", type=int, default=11)
@@ -1064,6 +1151,8 @@ def main() -> None:
         print(json.dumps({"benchmark": "hot_path_boundary", "blocks": args.blocks, "steps": args.steps,
                           "loadavg_1m": round(os.getloadavg()[0], 2),
                           **boundary_mode(args.blocks, args.steps)}))
+    elif args.mode == "ddp-calls":
+        print(json.dumps({"benchmark": "hot_path_ddp_calls", **ddp_calls_mode()}))
     elif args.mode == "calls":
         print(json.dumps({"benchmark": "hot_path_calls", "hidden": HIDDEN, **calls_mode()}))
     elif args.mode == "alloc":
