@@ -618,7 +618,7 @@ def ddp_calls_mode() -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         for every, name in ((1, "recorded"), (1 << 40, "unsampled")):
             path = os.path.join(tmp, f"{name}.json")
-            mp.spawn(_ddp_rank, args=(free_port(), every, path), nprocs=2)
+            mp.spawn(_ddp_rank, args=(free_port(), every, path), nprocs=2)  # type: ignore[attr-defined]
             with open(path) as f:
                 out.update({f"{name}_{k}": v for k, v in json.load(f).items()})
     return out
