@@ -457,14 +457,25 @@ def calls_mode() -> dict[str, int]:
     return out
 
 
-def alternate_mode(pairs: int) -> dict[str, Any]:
+class _Control:
+    """``--control``: stands where the tracer would, its ``step()`` an empty ``with``."""
+
+    def step(self) -> _NoOp:
+        return _NOOP
+
+    def finish(self) -> None:
+        return None
+
+
+def alternate_mode(pairs: int, control: bool = False) -> dict[str, Any]:
     from stepscope.recording.sinks import MemorySink
 
     model, opt, x = _job()
     for _ in range(20):
         _step(model, opt, x)
     cfg = Config(out_dir="unused", every_n_steps=1 << 40, max_pending_steps=1 << 20)
-    tracer = Tracer(cfg, model=model, optimizer=opt, clock=CpuClock(), sink=MemorySink())
+    tracer: Any = (_Control() if control else
+                   Tracer(cfg, model=model, optimizer=opt, clock=CpuClock(), sink=MemorySink()))
     _run(tracer, model, opt, x, 5)  # step 0 is sampled: out of the timing
     clock = time.thread_time_ns
     diffs = []
@@ -1094,6 +1105,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--blocks", type=int, default=11)
     ap.add_argument("--heartbeat", action="store_true")
+    ap.add_argument("--control", action="store_true",
+                    help="alternate modes: an empty with statement in place of the tracer (an A/A "
+                         "run: its median should be 0 within its precision)")
     ap.add_argument("--burn-us", type=float, default=20.0,
                     help="neighbour mode: µs of CPU per step the helper thread burns")
     ap.add_argument("--every-n-steps", type=int, default=1,
@@ -1142,11 +1156,13 @@ def main() -> None:
     elif args.mode == "alternate":
         HIDDEN = args.hidden or 640
         print(json.dumps({"benchmark": "hot_path_alternate", "hidden": HIDDEN, "pairs": args.steps,
-                          "loadavg_1m": round(os.getloadavg()[0], 2), **alternate_mode(args.steps)}))
+                          "loadavg_1m": round(os.getloadavg()[0], 2), "control": args.control,
+                          **alternate_mode(args.steps, args.control)}))
     elif args.mode == "alternate-tiny":
         HIDDEN = 0
         print(json.dumps({"benchmark": "hot_path_alternate_tiny", "hidden": 0, "pairs": args.steps,
-                          "loadavg_1m": round(os.getloadavg()[0], 2), **alternate_mode(args.steps)}))
+                          "loadavg_1m": round(os.getloadavg()[0], 2), "control": args.control,
+                          **alternate_mode(args.steps, args.control)}))
     elif args.mode == "boundary":
         print(json.dumps({"benchmark": "hot_path_boundary", "blocks": args.blocks, "steps": args.steps,
                           "loadavg_1m": round(os.getloadavg()[0], 2),
