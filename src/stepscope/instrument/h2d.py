@@ -73,6 +73,7 @@ def _timed_copy(tracer: Recorder, src: torch.Tensor, copy: Callable[[], torch.Te
 
 
 def _active() -> Recorder | None:
+    """The recorder a host-to-device copy on this thread would be timed for now, or None."""
     # is_compiling first: while dynamo traces, it folds to True and nothing else is touched.
     if _is_compiling():
         return None
@@ -85,8 +86,9 @@ def _active() -> Recorder | None:
 def _patched_to(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
     if args and isinstance(args[0], torch.dtype):  # the common dtype-only cast, fast
         return _orig_to(self, *args, **kwargs)
-    # is_compiling first (see _active); then the gate down on this thread and no backward
-    # running: the usual case outside sampled steps, decided without a call.
+    # is_compiling first: while dynamo traces, it folds to True and nothing else is touched.
+    # Then the gate down on this thread and no backward running: the usual case outside
+    # sampled steps, decided without a call.
     if _is_compiling() or (_gate_here.raised is None and gate.backward_owner is None):
         return _orig_to(self, *args, **kwargs)
     tracer = gate.current()
@@ -102,8 +104,10 @@ def _patched_to(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
 
 
 def _patched_cuda(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-    tracer = _active()
-    if tracer is None or self.device.type != "cpu":
+    if _is_compiling() or (_gate_here.raised is None and gate.backward_owner is None):
+        return _orig_cuda(self, *args, **kwargs)  # as in _patched_to
+    tracer = gate.current()
+    if tracer is None or _tls.suppressed or self.device.type != "cpu":
         return _orig_cuda(self, *args, **kwargs)
     return _timed_copy(tracer, self, lambda: _orig_cuda(self, *args, **kwargs))
 

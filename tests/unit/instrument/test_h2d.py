@@ -103,9 +103,19 @@ def test_a_copy_on_an_unsampled_step_asks_nothing_but_whether_dynamo_traces(mem_
             y = x.to("meta")
         finally:
             sys.setprofile(None)
+        calls.append("--")
+        sys.setprofile(prof)
+        try:
+            x.cuda()  # no CUDA here: torch's own error, raised past the same two checks
+        except (AssertionError, RuntimeError):
+            pass
+        finally:
+            sys.setprofile(None)
     tr.finish()
     assert y.device.type == "meta"
-    assert calls == ["_patched_to", "is_dynamo_compiling"]
+    assert calls[:calls.index("--")] == ["_patched_to", "is_dynamo_compiling"]
+    assert calls[calls.index("--") + 1:][:2] == ["_patched_cuda", "is_dynamo_compiling"]
+    assert "current" not in calls and "_active" not in calls
 
 
 def test_bad_to_arguments_still_raise_torchs_error(mem_tracer):
