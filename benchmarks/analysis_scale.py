@@ -89,6 +89,7 @@ def write_store(root: Path, ranks: int, steps: int, slow_rank: int, threads: int
     out = root / st.STORE_DIR / st.RECORDS
     shutil.rmtree(out, ignore_errors=True)
     shutil.rmtree(root / st.STORE_DIR / st.PHASES, ignore_errors=True)
+    out.mkdir(parents=True)
     con = duckdb.connect()
     con.execute(f"SET threads = {int(threads)}")
     con.execute("SET preserve_insertion_order = false")
@@ -132,20 +133,20 @@ def write_store(root: Path, ranks: int, steps: int, slow_rank: int, threads: int
         "start_unix_ns": "1763000000000000000 + step * 40000000", "clock": "'cpu'",
         "step_ms": "step_ms", "phases": "phases", "residual_ms": "0.3"}
     select = ", ".join(f"CAST({given.get(c, 'NULL')} AS {t}) AS {c}" for c, t in COLUMNS.items())
+    first_rec = 0
     for block in range(0, (ranks + st.RANK_BLOCK - 1) // st.RANK_BLOCK):
         lo, hi = block * st.RANK_BLOCK, min(ranks, (block + 1) * st.RANK_BLOCK)
-        dest = out / f"rank_block={block}"
-        dest.mkdir(parents=True, exist_ok=True)
         con.execute(
-            f"""COPY (
+            f"""CREATE OR REPLACE TEMP TABLE generated_lines AS
                 WITH g AS (SELECT r.range AS rank, s.range AS step, {jitter}
                            FROM range({lo}, {hi}) r, range(0, {steps}) s),
                 p AS (SELECT rank, step, [{phases}] AS phases, {step_ms} + 0.3 AS step_ms FROM g)
                 SELECT {select},
                        'rank' || rank || '.jsonl' AS filename, TRUE AS tagged
-                FROM p) TO '{dest}/part_gen.parquet' (FORMAT parquet)"""
+                FROM p"""
         )
-    st.write_phases(con, root / st.STORE_DIR, sorted(str(f) for f in out.glob("*/*.parquet")))
+        first_rec += st.write_lines(con, root / st.STORE_DIR, "generated_lines", block,
+                                    first_rec)[1]
     con.close()
     return time.perf_counter() - t0
 

@@ -33,15 +33,16 @@ from stepscope.analysis.record_files import (
     MAX_MS,
     MAX_RANKS,
     MAX_START_NS,
-    PHASE_PLAUSIBLE,
-    PHASE_ROW,
     PLAUSIBLE,
     PLAUSIBLE_SCALARS,
-    REQUIRED,
+    RECORD_FIELDS,
+    VALID,
     VALID_SCALARS,
     drop_long_lines,
+    flat_phases_sql,
     json_reader,
     long_lines_note,
+    no_lines,
     rank_files,
 )
 from stepscope.analysis.relations import drop, exists
@@ -50,8 +51,9 @@ from stepscope.common.errors import AnalysisError
 from stepscope.common.safefs import UnsafePath
 from stepscope.recording.schema import READABLE_SCHEMAS, SQLITE_TABLE, row_to_record
 
-#: The columns of table ``kept_records`` (each record's but ``phases``, which go to table ``phases``).
-_REC_COLUMNS = ", ".join(c for c in COLUMNS if c != "phases")
+#: The columns of table ``kept_records``: each record's but ``phases`` (their rows are in
+#: ``raw_phases``), and its id ``rec``.
+_REC_COLUMNS = ", ".join([*(c for c in COLUMNS if c != "phases"), "rec"])
 #: The duplicate-path count runs over blocks of ``BLOCK_RECORDS / DUP_BLOCK_SHARE`` records.
 DUP_BLOCK_SHARE = 32
 #: The same, over the store's flat copy of the phase lists (blocks of steps).
@@ -258,7 +260,8 @@ def load_run(
         if not sources:
             raise AnalysisError(f"{root}: no records in any rank file")
         con = _connect(tmpdir.name, threads, memory_limit)
-        con.execute(f"CREATE TABLE raw_records AS SELECT * FROM {json_reader(sources)}")
+        con.execute(f"CREATE TABLE record_lines AS SELECT * FROM {json_reader(sources)}")
+        _create_raw(con, [], [], "rowid")
         data = _build_tables(con, root, skipped, run_id=run_id)
         data._tmp = tmpdir
         data.store_notes = store_notes
@@ -289,6 +292,7 @@ def _load_parquet(location: str, threads: int | None, memory_limit: str | None,
         parts = [f"SELECT * FROM {st.parquet_source(source)}"]
         if root is not None and not any((Path(location) / st.RECORDS).rglob("*.parquet")):
             parts = []  # only torn tails so far (or nothing at all)
+        flat = st.flat_phases_files(con, source) if parts else []
         tails: list[Path] = []
         for name, offset in sorted((torn or {}).items()):
             assert root is not None
@@ -299,28 +303,33 @@ def _load_parquet(location: str, threads: int | None, memory_limit: str | None,
             if rest and b"\n" not in rest and len(rest) <= MAX_LINE_BYTES:
                 tail.write_bytes(rest)
                 tails.append(tail)
-        if tails:
-            parts.append("SELECT * REPLACE (regexp_replace(filename, '^.*/', '') AS filename)"
-                         f" FROM {json_reader(tails)}")
-        if not parts:
+        if not parts and not tails:
             raise AnalysisError(f"{root}: no records in any rank file")
-        src = " UNION ALL BY NAME ".join(parts)
-        # The store's flat copy of the phase lists, where it has one and holds every record
-        # read (no JSON tails): ``phases`` is then a view over it, not a table built here.
-        flat = st.flat_phases_files(con, source) if parts and not tails else None
+        if tails:
+            con.execute("CREATE TABLE record_lines AS SELECT * REPLACE (regexp_replace("
+                        f"filename, '^.*/', '') AS filename) FROM {json_reader(tails)}")
         try:
-            # A view, not a copy: Parquet is typed and columnar, so each statement below
-            # reads only the columns it names (``kept_records`` every column but the phase lists,
-            # ``phases`` those lists; a table here would hold every record twice).
-            con.execute(f"CREATE VIEW raw_records AS {src}")
+            # Views, not copies: Parquet is typed and columnar, so each statement below
+            # reads only the columns it names (a table here would hold every record twice).
+            # The tails' records get ids below the store's (which count from 0).
+            _create_raw(con, parts, flat, "-1 - rowid" if tails else None)
             con.execute("SELECT 1 FROM raw_records LIMIT 1").fetchall()
         except Exception as exc:  # duckdb.IOException: no files match the glob
             if root is None and "No files found" in str(exc):
                 raise AnalysisError(f"{location}: no Parquet records ({st.parquet_glob(location)})"
                                     ) from exc
             raise
+        if parts and not flat and root is None:
+            raise AnalysisError(
+                f"{location}: no flat phase rows beside the records ({st.PHASES}/; a store "
+                "another stepscope version wrote? compact the run directory again)")
+        # ``phases`` may be a view of the store's flat copy where that holds the rows of
+        # every record read and no others (no JSON tails; not a glob or file of some parts).
+        exact = root is not None or not (st.is_glob(location) or location.endswith(".parquet"))
         data = _build_tables(con, root or Path(location), skipped, set(torn or ()), lines,
-                             light=root is not None, flat=flat or None, run_id=run_id)
+                             light=root is not None,
+                             flat=None if tails or not exact else flat or None,
+                             run_id=run_id, exact=exact)
         if data.flat_phases is not None and root is not None:
             # The files by their own paths, not through the link (readers elsewhere).
             real = str(Path(location).resolve())
@@ -334,13 +343,32 @@ def _load_parquet(location: str, threads: int | None, memory_limit: str | None,
         raise
 
 
+def _create_raw(con: Any, records: list[str], flat: list[str], lines_rec: str | None) -> None:
+    """Views ``raw_records`` (the records' fields, :data:`RECORD_FIELDS`, and their ids
+    ``rec``) and ``raw_phases`` (their phase lists' rows, :func:`flat_phases_sql`): the
+    store's (``records``: queries of its records; ``flat``: its flat phases files) and those
+    of table ``record_lines`` (the lines parsed here), each record's id ``lines_rec`` (an
+    expression of its ``rowid``; None: no such table)."""
+    rec_parts, phase_parts = list(records), []
+    if flat:
+        phase_parts.append(f"SELECT * FROM {st.files_source(flat)}")
+    if lines_rec is not None:
+        rec_parts.append(f"SELECT {lines_rec} AS rec, {RECORD_FIELDS} FROM record_lines")
+        phase_parts.append(flat_phases_sql(f"(SELECT {lines_rec} AS rec, * FROM record_lines)"))
+    if not phase_parts:
+        phase_parts.append(flat_phases_sql(no_lines()))
+    con.execute(f"CREATE VIEW raw_records AS {' UNION ALL BY NAME '.join(rec_parts)}")
+    con.execute(f"CREATE VIEW raw_phases AS {' UNION ALL BY NAME '.join(phase_parts)}")
+
+
 def _display_name(fname: str) -> str:
     return Path(fname).name.replace(".bounded.jsonl", "").replace(".from-sqlite.jsonl", ".sqlite")
 
 
 def _build_tables(con: Any, root: Path, skipped: list[str], torn: set[str] | None = None,
                   lines: dict[str, int] | None = None, light: bool = True,
-                  flat: list[str] | None = None, run_id: str | None = None) -> RunData:
+                  flat: list[str] | None = None, run_id: str | None = None,
+                  exact: bool = True) -> RunData:
     """Validate table ``raw_records`` (one row per line, corrupt lines all NULL) into the tables.
 
     ``torn``: names of the files that do not end in a newline, when ``raw_records.filename`` holds
@@ -359,12 +387,17 @@ def _build_tables(con: Any, root: Path, skipped: list[str], torn: set[str] | Non
     ``run_id``: the run whose records are kept where ``raw_records`` holds several (by default the
     newest; ``_build``'s ``only`` is the condition on its records); corrupt lines are counted
     over every run's lines.
+
+    ``exact``: ``raw_phases`` holds the rows of ``raw_records``'s records only (False: of
+    others too, which are then left out by their ``rec``).
     """
     runs = runs_in(con, "raw_records", "rank IS NOT NULL AND step IS NOT NULL AND start_unix_ns IS NOT NULL")
     run = choose(runs, run_id, root)
     only = sql_filter(run, runs)
+    # Rows of other records than those kept are left out by their ids (``_keep_records``).
+    only = only if exact else f"{only} AND rec IS NOT NULL"
     if only != "TRUE":
-        flat = None  # the store's flat phase rows carry no run id: the lists are read instead
+        flat = None  # the flat rows hold every run's records: the kept records' rows are read
     if CHECK_LISTS_IN_PHASES:
         n_notes = len(skipped)
         try:
@@ -420,10 +453,10 @@ def _build(con: Any, root: Path, skipped: list[str], torn: set[str] | None,
     census = _census(con, lines, lists_checked_later)
     _note_lines(census.per_file, lines, torn, skipped)
     kept = _kept_condition(root, census, skipped, only)
-    rec_kind, lists = _keep_records(con, kept, light, lists_checked_later, skipped, only)
+    rec_kind, rows = _keep_records(con, kept, light, lists_checked_later, skipped, only)
     ranks, meta, world_size = _run_meta(con, root, skipped)
     keep = _common_steps(con, len(ranks), skipped)
-    keep, flat_view = _build_steps_and_phases(con, int(meta[1]), keep, lists,
+    keep, flat_view = _build_steps_and_phases(con, int(meta[1]), keep, rows,
                                               st.files_source(flat) if flat else None,
                                               lists_checked_later)
     _build_sections(con, keep, rec_kind, _count_duplicate_paths(con, flat_view))
@@ -452,7 +485,7 @@ def _build(con: Any, root: Path, skipped: list[str], torn: set[str] | None,
 def _census(con: Any, lines: dict[str, int] | None, lists_checked_later: bool) -> _Census:
     """One pass over ``raw_records``; raises :class:`_Recheck` (with ``lists_checked_later``)
     where not every record would be kept."""
-    valid = " AND ".join(f"{c} IS NOT NULL" for c in REQUIRED)
+    valid = VALID
     readable_in = _READABLE_IN
     # One pass over the records answers the three questions the checks ask: lines per
     # file (and how many are good), records per schema version, and implausible records
@@ -483,7 +516,7 @@ def _census(con: Any, lines: dict[str, int] | None, lists_checked_later: bool) -
             f"""SELECT filename, schema, {lines_col}, count(*) FILTER (WHERE {valid}),
                        count(*) FILTER (WHERE {valid} AND {readable_in}
                                         AND NOT coalesce({PLAUSIBLE}, FALSE)),
-                       count(*) FILTER (WHERE {valid_scalars} AND phases IS NULL)
+                       count(*) FILTER (WHERE {valid_scalars} AND NOT listed)
                 FROM raw_records GROUP BY 1, 2"""
         ).fetchall()
     per_file: dict[str, tuple[int, int]] = {}
@@ -555,9 +588,9 @@ def _kept_condition(root: Path, census: _Census, skipped: list[str], only: str =
 def _keep_records(con: Any, kept: str, light: bool, lists_checked_later: bool,
                   skipped: list[str], only: str = "TRUE") -> tuple[str, str]:
     """``kept_records`` (and ``timed_records`` with ``light``); returns its kind (VIEW or
-    TABLE) and where the phase lists are read from."""
-    # ``kept_records``: the records' columns but their phase lists (those are read once more,
-    # straight into ``phases`` below). A view: each statement reading it reads only the
+    TABLE) and the SQL condition of the rows of ``raw_phases`` that are its records'."""
+    # ``kept_records``: the records' columns (their phase lists are rows of ``raw_phases``).
+    # A view: each statement reading it reads only the
     # columns it names (a table was a copy of every column of every record: ~8 s CPU at
     # 10^7 records); a table only when duplicates must be dropped.
     con.execute(f"CREATE VIEW kept_records AS SELECT {_REC_COLUMNS} FROM raw_records WHERE {kept}")
@@ -580,9 +613,9 @@ def _keep_records(con: Any, kept: str, light: bool, lists_checked_later: bool,
         "SELECT count(*), (SELECT count(*) FROM (SELECT DISTINCT rank, step FROM kept_records)) "
         "FROM kept_records"
     ).fetchone()
-    # Where the phase lists come from: the records themselves, or (duplicate records, which
-    # keep one of each (rank, step)) the copy in ``kept_records`` of the one kept.
-    lists = f"raw_records WHERE {kept}"
+    # With the lists checked later every record with the required scalars is kept (else
+    # _Recheck), and ``raw_phases`` holds rows of those records only.
+    rows = "TRUE" if lists_checked_later and only == "TRUE" else "rec IN (SELECT rec FROM kept_records)"
     if lists_checked_later and n_pairs < n_rec:
         raise _Recheck
     if n_pairs < n_rec:
@@ -590,11 +623,10 @@ def _keep_records(con: Any, kept: str, light: bool, lists_checked_later: bool,
         con.execute("DROP VIEW kept_records")
         rec_kind = "TABLE"
         con.execute(
-            f"""CREATE TABLE kept_records AS SELECT {_REC_COLUMNS}, phases FROM raw_records WHERE {kept}
-               QUALIFY row_number() OVER (PARTITION BY rank, step ORDER BY start_unix_ns) = 1"""
+            f"""CREATE TABLE kept_records AS SELECT {_REC_COLUMNS} FROM raw_records WHERE {kept}
+               QUALIFY row_number() OVER (PARTITION BY rank, step ORDER BY start_unix_ns, rec) = 1"""
         )
-        lists = "kept_records WHERE TRUE"
-    return rec_kind, lists
+    return rec_kind, rows
 
 
 def _run_meta(con: Any, root: Path, skipped: list[str]) -> tuple[list[int], Any, int]:
@@ -655,10 +687,10 @@ def _common_steps(con: Any, n_ranks: int, skipped: list[str]) -> str:
     return keep
 
 
-def _build_steps_and_phases(con: Any, t_min: int, keep: str, lists: str, flat: str | None,
+def _build_steps_and_phases(con: Any, t_min: int, keep: str, rows: str, flat: str | None,
                             lists_checked_later: bool) -> tuple[str, bool]:
-    """``steps`` and ``phases``; returns the steps' condition and whether ``phases`` is a
-    view of the store's flat copy."""
+    """``steps`` and ``phases`` (the rows ``rows`` of ``raw_phases``, the kept records');
+    returns the steps' condition and whether ``phases`` is a view of the store's flat copy."""
     con.execute(
         f"""CREATE TABLE steps AS SELECT CAST(rank AS INTEGER) AS rank, step,
                coalesce(hostname, 'unknown') AS host,
@@ -666,14 +698,7 @@ def _build_steps_and_phases(con: Any, t_min: int, keep: str, lists: str, flat: s
                step_ms, coalesce(residual_ms, 0.0) AS residual_ms, h2d_hidden_ms
             FROM kept_records WHERE {keep}"""
     )
-    # The check the grouped pass left out: a record without its list, or an element outside
-    # the plausibility rule (named or not, so it comes before the name filter), stops the
-    # statement; every record is kept here, so every list is checked.
-    # Steps not on every rank (a live job's last step) are unnested too, so that every list
-    # is checked, and their rows deleted after.
-    unnested, named, kept_steps = "phases", "p.name IS NOT NULL", keep
-    flat_view = flat is not None and lists_checked_later
-    if flat is not None and flat_view:
+    if flat is not None and rows == "TRUE":
         # Every record with the required fields is kept (else _Recheck above): the flat
         # copy's rows are the table's, once no list is missing or implausible. A view: the
         # table cost more than any stage reading it (10^8 rows decoded from the lists and
@@ -682,26 +707,28 @@ def _build_steps_and_phases(con: Any, t_min: int, keep: str, lists: str, flat: s
         if con.execute(f"SELECT count(*) FROM {flat} WHERE NOT coalesce(ok, FALSE)").fetchone()[0]:
             raise _Recheck
         create_flat_phases_view(con, flat, keep)
-    elif lists_checked_later:
-        keep = "TRUE"
-        unnested = f"CASE WHEN phases IS NULL THEN error('{_RECHECK}') ELSE phases END"
-        named = f"CASE WHEN NOT ({PHASE_PLAUSIBLE}) THEN error('{_RECHECK}') ELSE {named} END"
-    if not flat_view:
-        try:
-            con.execute(
-                f"""CREATE TABLE phases AS
-                SELECT CAST(rank AS INTEGER) AS rank, step, {PHASE_ROW}
-                FROM (SELECT rank, step, clock, unnest({unnested}) AS p FROM {lists} AND {keep})
-                WHERE {named}"""
-            )
-        except Exception as exc:  # duckdb.InvalidInputException from error(): load again
-            if _RECHECK not in str(exc):
-                raise
-            raise _Recheck from exc
-    keep = kept_steps
-    if lists_checked_later and keep != "TRUE" and not flat_view:
+        return keep, True
+    # The check the grouped pass left out: a record without its list, or an element outside
+    # the plausibility rule (named or not, so it comes before the name filter), stops the
+    # statement. Steps not on every rank (a live job's last step) are read too, so that
+    # every kept record's list is checked, and their rows deleted after.
+    named, taken = "name IS NOT NULL", f"{rows} AND {keep}"
+    if lists_checked_later:
+        named = f"CASE WHEN NOT coalesce(ok, FALSE) THEN error('{_RECHECK}') ELSE {named} END"
+        taken = rows
+    try:
+        con.execute(
+            f"""CREATE TABLE phases AS
+                SELECT rank, step, name, parent, ms, s, calls, e, path FROM raw_phases
+                WHERE {taken} AND {named}"""
+        )
+    except Exception as exc:  # duckdb.InvalidInputException from error(): load again
+        if _RECHECK not in str(exc):
+            raise
+        raise _Recheck from exc
+    if lists_checked_later and keep != "TRUE":
         con.execute(f"DELETE FROM phases WHERE NOT ({keep})")
-    return keep, flat_view
+    return keep, False
 
 
 def create_flat_phases_view(con: Any, flat: str, keep: str) -> None:
@@ -782,7 +809,8 @@ def _build_sections(con: Any, keep: str, rec_kind: str, n_dups: int) -> None:
             WHERE starts_with(k, 'unseen_')"""
     )
     con.execute(f"DROP {rec_kind} kept_records")
-    drop(con, "raw_records")
+    for name in ("raw_phases", "raw_records", "record_lines"):
+        drop(con, name)
 
 
 def phase_keys_unique(con: Any) -> bool:

@@ -61,8 +61,16 @@ PLAUSIBLE_SCALARS = f"""rank >= 0 AND rank < {MAX_RANKS}
 PHASE_PLAUSIBLE = f"""(p.ms IS NULL OR (isfinite(p.ms) AND abs(p.ms) <= {MAX_MS}))
         AND (p.start_ms IS NULL OR (isfinite(p.start_ms) AND abs(p.start_ms) <= {MAX_MS}))
         AND (p.end_ms IS NULL OR (isfinite(p.end_ms) AND abs(p.end_ms) <= {MAX_MS}))"""
+#: Whether every element of a record's phase list is plausible (TRUE without a list): the
+#: records' column ``lists_ok``, computed where the lines are parsed.
+LISTS_PLAUSIBLE = f"coalesce(list_bool_and([{PHASE_PLAUSIBLE} for p in phases]), TRUE)"
+#: The rule for a record (of ``raw_records``: its list's rule is its column ``lists_ok``).
 PLAUSIBLE = f"""{PLAUSIBLE_SCALARS}
-    AND coalesce(list_bool_and([{PHASE_PLAUSIBLE} for p in phases]), TRUE)"""
+    AND lists_ok"""
+#: The columns of ``raw_records`` from a parsed line's (:data:`COLUMNS`): every one but its
+#: phase list, whose rows are in ``raw_phases`` (:func:`flat_phases_sql`), and what loading
+#: checks of the list: ``listed`` (present) and ``lists_ok`` (every element plausible).
+RECORD_FIELDS = f"* EXCLUDE (phases), phases IS NOT NULL AS listed, {LISTS_PLAUSIBLE} AS lists_ok"
 #: The columns of ``phases`` from one element ``p`` of a record's list (and the record's
 #: ``clock``): the ``phases`` statement's and the store's flat copy's (:func:`flat_phases_sql`).
 PHASE_ROW = f"""p.name AS name, p.parent AS parent,
@@ -78,6 +86,8 @@ PHASE_ROW = f"""p.name AS name, p.parent AS parent,
                                          ELSE p.parent || '/' || p.name END) AS path"""
 #: Records with every required field but the phase list: the only ones loading may keep.
 VALID_SCALARS = " AND ".join(f"{c} IS NOT NULL" for c in REQUIRED if c != "phases")
+#: Records (of ``raw_records``) with every required field, their phase list included.
+VALID = f"{VALID_SCALARS} AND listed"
 
 
 def drop_long_lines(path: Path, tmp: Path, skipped: list[str]) -> tuple[Path, int]:
@@ -173,18 +183,24 @@ def json_reader(sources: list[Path], extra: dict[str, str] | None = None) -> str
 
 
 def flat_phases_sql(records: str) -> str:
-    """The rows of ``phases`` from the records of table expression ``records`` (the Parquet
-    store's flat copy, written at compaction): every element of each list of a record with
+    """The rows of ``raw_phases`` from the parsed lines of table expression ``records`` (with
+    :data:`COLUMNS` and a record id ``rec``): every element of each list of a record with
     the required fields, ``ok`` where its list is present and it is plausible (a record
-    without a list gets one row, not ``ok``). Loading takes them as ``phases`` where every
-    such record is kept and every row is ``ok``; the rules are :data:`PHASE_ROW`'s and
-    :data:`PHASE_PLAUSIBLE`'s, as when ``phases`` is built from the lists."""
+    without a list gets one row, not ``ok``). The Parquet store writes them at compaction;
+    loading takes the rows of the records it keeps as ``phases``. The rules are
+    :data:`PHASE_ROW`'s and :data:`PHASE_PLAUSIBLE`'s."""
     # rank as ``phases`` has it (a rank past 2^31 is implausible: its record is not kept).
-    return f"""SELECT TRY_CAST(rank AS INTEGER) AS rank, step, {PHASE_ROW},
+    return f"""SELECT rec, TRY_CAST(rank AS INTEGER) AS rank, step, {PHASE_ROW},
                       listed AND {PHASE_PLAUSIBLE} AS ok
-               FROM (SELECT rank, step, clock, phases IS NOT NULL AS listed,
+               FROM (SELECT rec, rank, step, clock, phases IS NOT NULL AS listed,
                             unnest(coalesce(phases, [NULL])) AS p
                      FROM {records} WHERE {VALID_SCALARS})"""
+
+
+def no_lines() -> str:
+    """A table expression of no parsed lines: :data:`COLUMNS` and ``rec``, typed."""
+    cols = ", ".join(f"NULL::{t} AS {c}" for c, t in COLUMNS.items())
+    return f"(SELECT NULL::BIGINT AS rec, {cols} WHERE FALSE)"
 
 
 def _inside(root: Path, p: Path) -> bool:

@@ -12,16 +12,19 @@ Layout (a hive-partitioned Parquet dataset any engine reads)::
     RUN/parquet/_state.json                                 byte offset consumed per file
 
 One row per JSON line, with the fixed typed schema of :data:`stepscope.analysis.record_files.COLUMNS`
-plus ``filename`` (the rank file it came from); a corrupt line is a row of NULLs (so the
-report can still say how many were skipped). Only whole lines are consumed: a torn last
+but the phase list (:data:`~stepscope.analysis.record_files.RECORD_FIELDS`: whether it is
+present and plausible instead), plus ``filename`` (the rank file it came from) and ``rec``
+(the record's id, unique in the store); a corrupt line is a row of NULLs (so the report
+can still say how many were skipped). Only whole lines are consumed: a torn last
 line stays in the JSONL until its newline arrives. A file that shrank, vanished or begins
 with other bytes than the ones stored (a run directory rewritten by a new run, even one
 that wrote more) triggers a full rebuild.
 
 ``phases`` holds one row per element of the records' phase lists, as the analysis'
-``phases`` table has them (:func:`stepscope.analysis.record_files.flat_phases_sql`), ordered by
-step within each file and written with the records of the same compaction: the analysis
-reads them in place instead of decoding the lists into a table.
+``phases`` table has them (:func:`stepscope.analysis.record_files.flat_phases_sql`), with its
+record's ``rec``, ordered by step within each file and written from the same parse as the
+records: the only copy of the lists. The analysis reads them in place where it keeps every
+record, and the rows of the records it keeps otherwise.
 
 The analysis reads the dataset through :func:`parquet_source`, a ``read_parquet`` over a
 glob, so the same SQL runs on a copy in object storage (``s3://``, ``gs://``, ``hf://``).
@@ -44,6 +47,8 @@ from typing import Any
 
 from stepscope.analysis.record_files import (
     MAX_LINE_BYTES,
+    RECORD_FIELDS,
+    VALID_SCALARS,
     drop_long_lines,
     flat_phases_sql,
     json_reader,
@@ -55,9 +60,10 @@ from stepscope.common.errors import AnalysisError
 STORE_DIR = "parquet"
 RECORDS = "records"
 STATE = "_state.json"
-STATE_VERSION = 7  # 3: gpu_start_unix_ns and phases[].host_ms columns; 4: each file's head;
+STATE_VERSION = 8  # 3: gpu_start_unix_ns and phases[].host_ms columns; 4: each file's head;
 #                    5: the flat phases dataset; 6: each file's tail, the parts written;
-#                    7: collectives[].exposed_ms and hidden_ms
+#                    7: collectives[].exposed_ms and hidden_ms; 8: the phase lists only in
+#                    the flat dataset, joined to their records by ``rec``
 #: The flat copy of the records' phase lists (beside :data:`RECORDS`).
 PHASES = "phases"
 #: The key a regular line is tagged with (its rank file) in the combined file.
@@ -149,12 +155,19 @@ def files_source(files: list[str]) -> str:
 
 
 def flat_phases_files(con: Any, location: str) -> list[str]:
-    """The flat phases files of a run (a run directory, its store or a URL; none for a glob
-    or a file, or a store without them), sorted, each under its rank block's directory
+    """The flat phases files of a run (a run directory, its store or a URL; for a glob or a
+    file of the records dataset, those of the same rank blocks: they may hold other records'
+    rows too; none for a store without them), sorted, each under its rank block's directory
     (``phases/rank_block=K/``), as listed now: files that a later compaction adds are not
     read (they have no rows in the tables built before). Read with :func:`files_source`."""
     if is_glob(location) or location.endswith(".parquet"):
-        return []
+        # The records' glob with their dataset's directory for the flat one's.
+        head, sep, tail = parquet_glob(location).rpartition(f"/{RECORDS}/")
+        if not sep:
+            return []
+        if not is_glob(tail):  # one records file: its rank block's flat files
+            tail = (tail.rpartition("/")[0] + "/*.parquet").lstrip("/")
+        return _listed(con, f"{head}/{PHASES}/{tail}")
     for state in (Path(location) / STATE, Path(location) / STORE_DIR / STATE):
         # A local store another stepscope version compacted last: its flat copy (if any) may
         # lack that compaction's records.
@@ -162,37 +175,70 @@ def flat_phases_files(con: Any, location: str) -> list[str]:
             doc = json.loads(state.read_text())
             if not isinstance(doc, dict) or doc.get("version") != STATE_VERSION:
                 return []
-    pattern = f"{location.rstrip('/')}/**/{PHASES}/*/*.parquet".replace("'", "''")
+    return _listed(con, f"{location.rstrip('/')}/**/{PHASES}/*/*.parquet")
+
+
+def _listed(con: Any, pattern: str) -> list[str]:
+    """The files glob ``pattern`` matches, sorted."""
+    quoted = pattern.replace("'", "''")
     try:
         return [str(f) for (f,) in con.execute(
-            f"SELECT file FROM glob('{pattern}') ORDER BY 1").fetchall()]
+            f"SELECT file FROM glob('{quoted}') ORDER BY 1").fetchall()]
     except Exception:  # duckdb.IOException (a URL that cannot be listed): no flat copy
         return []
 
 
-def write_phases(con: Any, store: Path, records: list[str]) -> None:
-    """Append the flat phases of the records in Parquet files ``records`` (files of the
-    store's rank-block directories) to ``store``."""
+def write_lines(con: Any, store: Path, lines: str, block: int | None,
+                first_rec: int) -> tuple[list[Path], int]:
+    """Write the parsed lines of table ``lines`` (:data:`COLUMNS` with ``filename`` and
+    ``tagged``) into ``store``: their records and the flat rows of their phase lists, each
+    record's id ``rec`` its ``rowid`` plus ``first_rec``. Returns the new parts and how many
+    records were written.
+
+    Where every record has a rank of rank block ``block`` (the rule: file ``rank{R}.jsonl``
+    holds rank R's records), they are written straight into its directory; else (a corrupt
+    line, a rank file holding another rank's records) they are partitioned by their ranks.
+    A partitioned write costs about twice the CPU of a plain one.
+    """
     import uuid
 
-
-    by_block: dict[str, list[str]] = {}
-    for f in records:
-        by_block.setdefault(Path(f).parent.name, []).append(f)
-    # One file per rank block, ordered by step: the analysis reads blocks of steps (a step
-    # range per row group) and blocks of ranks (a rank block's files). One sort per block
-    # (its rows fit in memory): one sort of every block's rows at once spilled to disk and
-    # took 2.4x the CPU at 10^8 rows.
-    for block, files in sorted(by_block.items()):
-        listed = ", ".join("'" + f.replace("'", "''") + "'" for f in files)
-        dest = safefs.safe_dir(store / PHASES / block, store)
-        out = str(dest / f"part_{uuid.uuid4()}.parquet").replace("'", "''")
+    n = int(con.execute(f"SELECT count(*) FROM {lines}").fetchone()[0])
+    rec = f"rowid + {int(first_rec)}"
+    fields = f"SELECT {rec} AS rec, {RECORD_FIELDS} FROM {lines}"
+    new: list[Path] = []
+    misfits = block is None or con.execute(
+        f"""SELECT count(*) FROM {lines}
+            WHERE (rank // {RANK_BLOCK}) IS DISTINCT FROM {block}""").fetchone()[0]
+    if not misfits:
+        dest = safefs.safe_dir(store / RECORDS / f"rank_block={block}", store)
+        new.append(dest / f"part_{uuid.uuid4()}.parquet")
+        con.execute(f"COPY ({fields}) TO '{_quoted(new[-1])}' (FORMAT parquet)")
+    else:
+        before = set((store / RECORDS).glob("*/*.parquet"))
+        con.execute(
+            f"""COPY (SELECT *, rank // {RANK_BLOCK} AS rank_block FROM ({fields}))
+                TO '{_quoted(store / RECORDS)}' (FORMAT parquet, PARTITION_BY (rank_block),
+                                                 FILENAME_PATTERN 'part_{{uuid}}', APPEND)""")
+        new += sorted(set((store / RECORDS).glob("*/*.parquet")) - before)
+    # The flat rows straight from the parse, one file per rank block, ordered by step: the
+    # analysis reads blocks of steps (a step range per row group) and blocks of ranks (a
+    # rank block's files). One sort per block (its rows fit in memory).
+    blocks = [int(k) for (k,) in con.execute(
+        f"""SELECT DISTINCT rank // {RANK_BLOCK} FROM {lines} WHERE {VALID_SCALARS}
+            ORDER BY 1""").fetchall()] if misfits else [block]
+    for k in blocks:
+        dest = safefs.safe_dir(store / PHASES / f"rank_block={k}", store)
+        new.append(dest / f"part_{uuid.uuid4()}.parquet")
+        mine = "" if not misfits else f" WHERE rank // {RANK_BLOCK} = {k}"
         con.execute(
             f"""COPY (SELECT * FROM ({flat_phases_sql(
-                    f"read_parquet([{listed}], hive_partitioning=false)")})
-                      ORDER BY step, rank)
-                TO '{out}' (FORMAT parquet)"""
-        )
+                    f"(SELECT {rec} AS rec, * FROM {lines}{mine})")}) ORDER BY step, rank)
+                TO '{_quoted(new[-1])}' (FORMAT parquet)""")
+    return new, n
+
+
+def _quoted(path: Path) -> str:
+    return str(path).replace("'", "''")
 
 
 def read_state(store: Path) -> dict[str, FileState]:
@@ -200,28 +246,30 @@ def read_state(store: Path) -> dict[str, FileState]:
     return _read_state(store)[0]
 
 
-def _read_state(store: Path) -> tuple[dict[str, FileState], dict[str, list[Any]]]:
-    """``(files, parts)``: the state per rank file and the Parquet parts the compactions
-    wrote (path in the store: [size, digest of its footer])."""
+def _read_state(store: Path) -> tuple[dict[str, FileState], dict[str, list[Any]], int]:
+    """``(files, parts, records)``: the state per rank file, the Parquet parts the
+    compactions wrote (path in the store: [size, digest of its footer]) and how many
+    records they hold (the next record's ``rec``)."""
     try:
         fd = safefs.open_regular(store / STATE)
         with os.fdopen(fd, "rb") as fh:
             doc = json.loads(fh.read(_MAX_STATE_BYTES))
     except (OSError, ValueError, RecursionError):
-        return {}, {}
+        return {}, {}, 0
     if not isinstance(doc, dict) or doc.get("version") != STATE_VERSION:
-        return {}, {}
-    files, parts = doc.get("files"), doc.get("parts")
-    if not isinstance(files, dict) or not isinstance(parts, dict):
-        return {}, {}
+        return {}, {}, 0
+    files, parts, records = doc.get("files"), doc.get("parts"), doc.get("records")
+    if (not isinstance(files, dict) or not isinstance(parts, dict)
+            or not isinstance(records, int) or records < 0):
+        return {}, {}, 0
     out: dict[str, FileState] = {}
     for name, st in files.items():
         try:
             out[str(name)] = FileState(int(st["offset"]), int(st["dropped"]), bool(st["torn"]),
                                        int(st["lines"]), str(st["head"]), str(st["tail"]))
         except (KeyError, TypeError, ValueError):
-            return {}, {}  # a damaged state file: rebuild rather than trust part of it
-    return out, {str(k): v for k, v in parts.items()}
+            return {}, {}, 0  # a damaged state file: rebuild rather than trust part of it
+    return out, {str(k): v for k, v in parts.items()}, records
 
 
 def _digest(fh: Any, start: int, end: int) -> str:
@@ -242,8 +290,9 @@ def _marks(path: Path, offset: int) -> tuple[str, str]:
         return "", ""
 
 
-def _write_state(store: Path, files: dict[str, FileState], parts: dict[str, list[Any]]) -> None:
-    doc = {"version": STATE_VERSION, "rank_block": RANK_BLOCK,
+def _write_state(store: Path, files: dict[str, FileState], parts: dict[str, list[Any]],
+                 records: int) -> None:
+    doc = {"version": STATE_VERSION, "rank_block": RANK_BLOCK, "records": records,
            "files": {n: {"offset": s.offset, "dropped": s.dropped, "torn": s.torn,
                          "lines": s.lines, "head": s.head, "tail": s.tail}
                      for n, s in sorted(files.items())},
@@ -394,7 +443,7 @@ def compact(run_dir: str | os.PathLike[str], *, threads: int | None = None,
 
 def _compact_locked(root: Path, store: Path, files: list[Path], threads: int | None,
                     memory_limit: str | None) -> CompactResult:
-    state, parts = _read_state(store)
+    state, parts, n_records = _read_state(store)
     names = {p.name: p for p in files}
     sizes = {p.name: p.stat().st_size for p in files}
     rebuilt = False
@@ -414,7 +463,7 @@ def _compact_locked(root: Path, store: Path, files: list[Path], threads: int | N
     if why:
         _clear(store)
         (store / _WRITING).unlink(missing_ok=True)
-        state, parts, rebuilt = {}, {}, True
+        state, parts, n_records, rebuilt = {}, {}, 0, True
     # Only a store whose parts were dropped gets a note (a state from another version is
     # an upgrade, not damage).
     note = (f"{STORE_DIR}/: {why}; dropped and rebuilt from the rank files"
@@ -461,14 +510,15 @@ def _compact_locked(root: Path, store: Path, files: list[Path], threads: int | N
             st.offset = cut
         if chunks:
             safefs.write_atomic(store / _WRITING, b"")
-            for rel in _write_parquet(store, chunks, in_place, threads, memory_limit,
-                                      Path(tmp)):
+            written, n_records = _write_parquet(store, chunks, in_place, threads,
+                                                memory_limit, Path(tmp), n_records)
+            for rel in written:
                 footer = _footer(store / rel)
                 if footer is None:
                     raise safefs.UnsafePath(f"{store / rel}: not the part just written")
                 parts[rel] = footer
         if chunks or rebuilt or state != before:
-            _write_state(store, state, parts)
+            _write_state(store, state, parts, n_records)
         (store / _WRITING).unlink(missing_ok=True)
     return CompactResult(store, new_bytes, new_files, rebuilt, state, note)
 
@@ -560,8 +610,10 @@ def _copied(path: Path, end: int, tmp: Path) -> Path:
 
 
 def _write_parquet(store: Path, chunks: dict[int | None, list[Path]], in_place: dict[Path, int],
-                   threads: int | None, memory_limit: str | None, tmp: Path) -> list[str]:
-    """Write the chunks' records (and their flat phases); the new parts' paths in the store.
+                   threads: int | None, memory_limit: str | None, tmp: Path,
+                   first_rec: int) -> tuple[list[str], int]:
+    """Write the chunks' records and their flat phases; the new parts' paths in the store
+    and the next record's id.
 
     ``chunks``: the files to parse by the rank block their names say (None: unknown);
     ``in_place``: those that are rank files, read whole, and the size read of each.
@@ -572,7 +624,7 @@ def _write_parquet(store: Path, chunks: dict[int | None, list[Path]], in_place: 
     try:
         con.execute("SET preserve_insertion_order = false")
         con.execute("SET enable_progress_bar = false")  # it would draw on stdout
-        con.execute(f"SET temp_directory = '{str(tmp).replace(chr(39), chr(39) * 2)}'")
+        con.execute(f"SET temp_directory = '{_quoted(tmp)}'")
         if threads:
             con.execute(f"SET threads = {int(threads)}")
         if memory_limit:
@@ -580,54 +632,32 @@ def _write_parquet(store: Path, chunks: dict[int | None, list[Path]], in_place: 
         safefs.safe_dir(store / RECORDS, store)
         new: list[Path] = []
         for block, files in sorted(chunks.items(), key=lambda kv: (kv[0] is None, kv[0] or 0)):
-            new += _write_records(con, store, block, files, in_place, tmp)
-        phases_before = set((store / PHASES).glob("*/*.parquet"))
-        write_phases(con, store, [str(f) for f in new])
-        new += sorted(set((store / PHASES).glob("*/*.parquet")) - phases_before)
+            _parse(con, files, in_place, tmp)
+            parts, n = write_lines(con, store, "parsed_lines", block, first_rec)
+            con.execute("DROP TABLE parsed_lines")
+            new += parts
+            first_rec += n
     finally:
         con.close()
-    return [f.relative_to(store).as_posix() for f in new]
+    return [f.relative_to(store).as_posix() for f in new], first_rec
 
 
-def _write_records(con: Any, store: Path, block: int | None, files: list[Path],
-                   in_place: dict[Path, int], tmp: Path) -> list[Path]:
-    """Write the records of ``files`` into the store's rank-block directories; the new parts.
+def _parse(con: Any, files: list[Path], in_place: dict[Path, int], tmp: Path) -> None:
+    """Parse ``files`` once into table ``parsed_lines`` (what :func:`write_lines` writes).
 
-    Where every record of a rank block's files has a rank of that block (the rule: file
-    ``rank{R}.jsonl`` holds rank R's records), they are written straight into its
-    directory; else (a corrupt line, a rank file holding another rank's records) they are
-    partitioned by their ranks. A partitioned write costs about twice the CPU of a plain one.
     A rank file read in place (``in_place``) that grew meanwhile (a live job) may have been
-    read past its last whole line: its lines are then copied out, and the block written again.
+    read past its last whole line: its lines are then copied out and parsed again.
     """
-    import uuid
-
-    def select() -> str:
-        return f"""SELECT * EXCLUDE ({TAG}) REPLACE (
+    def parse(sources: list[Path]) -> None:
+        con.execute(
+            f"""CREATE OR REPLACE TEMP TABLE parsed_lines AS
+                SELECT * EXCLUDE ({TAG}) REPLACE (
                        CASE WHEN filename LIKE '%/{COMBINED_PREFIX}%' THEN {TAG}
                             ELSE replace(regexp_replace(filename, '^.*/', ''),
                                          '.bounded.jsonl', '') END AS filename),
                    filename LIKE '%/{COMBINED_PREFIX}%' AS tagged
-                   FROM {json_reader(files, extra={TAG: "VARCHAR"})}"""
+                FROM {json_reader(sources, extra={TAG: "VARCHAR"})}""")
 
-    if block is not None:
-        dest = safefs.safe_dir(store / RECORDS / f"rank_block={block}", store)
-        part = dest / f"part_{uuid.uuid4()}.parquet"
-        out = str(part).replace("'", "''")
-        con.execute(f"COPY ({select()}) TO '{out}' (FORMAT parquet)")
-        grown = [f for f in files if f in in_place and _size(f) != in_place[f]]
-        misfits = 1 if grown else con.execute(
-            f"""SELECT count(*) FROM read_parquet('{out}')
-                WHERE (rank // {RANK_BLOCK}) IS DISTINCT FROM {block}""").fetchone()[0]
-        if not misfits:
-            return [part]
-        part.unlink()
-    files = [_copied(f, in_place[f], tmp) if f in in_place else f for f in files]
-    dest_all = str(store / RECORDS).replace("'", "''")
-    before = set((store / RECORDS).glob("*/*.parquet"))
-    con.execute(
-        f"""COPY (SELECT *, rank // {RANK_BLOCK} AS rank_block FROM ({select()}))
-            TO '{dest_all}' (FORMAT parquet, PARTITION_BY (rank_block),
-                             FILENAME_PATTERN 'part_{{uuid}}', APPEND)"""
-    )
-    return sorted(set((store / RECORDS).glob("*/*.parquet")) - before)
+    parse(files)
+    if any(f in in_place and _size(f) != in_place[f] for f in files):
+        parse([_copied(f, in_place[f], tmp) if f in in_place else f for f in files])

@@ -31,6 +31,7 @@ TIMED_CELLS = "timed_cells"
 _COLLECTIVE_ROW = ("rank", "step", "phase", "op", "pg", "pg_size", "count", "bytes", "ms",
                    "seq_first", "seq_last", "hidden_ms")
 _RECORD = tuple(COLUMNS)  # a record line's typed fields
+_FIELDS = tuple(c for c in _RECORD if c != "phases")  # the same but the phase list
 _MIDDLES = ("step", "name", "n", "p", "m", "q")
 
 
@@ -50,12 +51,22 @@ class Table:
 
 _DECLARED = (
     # -- loading (analysis/load.py, analysis/resource_use.py) --
-    Table("raw_records", (*_RECORD, "filename"),
-          "one row per line of the rank files (or the Parquet store), typed; a corrupt line is "
-          "all NULL but its filename", optional=("tagged",)),
-    Table("kept_records", tuple(c for c in _RECORD if c != "phases"),
+    Table("record_lines", (*_RECORD, "filename"),
+          "one row per line of the rank files read as JSON (all of them, or the torn tails the "
+          "Parquet store lacks), typed, phase lists included; a corrupt line is all NULL but "
+          "its filename"),
+    Table("raw_records", (*_FIELDS, "filename", "rec", "listed", "lists_ok"),
+          "one row per line of the rank files (or the Parquet store), typed, without its phase "
+          "list: rec its id, listed whether it has a list, lists_ok whether every element is "
+          "plausible; a corrupt line is all NULL but its filename", optional=("tagged",)),
+    Table("raw_phases", ("rec", "rank", "step", "name", "parent", "ms", "s", "calls", "e", "path",
+                         "ok"),
+          "one row per element of the phase list of each raw record with the required fields "
+          "(one row, not ok, for a record without a list), as phases has them; rec the "
+          "record's id, ok whether its list is present and the element plausible"),
+    Table("kept_records", (*_FIELDS, "rec"),
           "the records loading keeps (valid, readable, plausible, timed) without their phase "
-          "lists; with duplicates, one per (rank, step), lists included", optional=("phases",)),
+          "lists; with duplicates, one per (rank, step)"),
     Table("timed_records", ("rank", "run_id", "step", "start_unix_ns", "step_ms"),
           "every timed record of the rank JSONL files, re-done duplicates included: goodput's rows"),
     Table("common_steps", ("step",), "the steps every rank recorded"),
@@ -135,6 +146,10 @@ _DECLARED = (
           "the residual's waits, own time and work outside every collective"),
     # -- stragglers (analysis/stragglers.py) --
     Table("flagged_steps", ("step",), "the steps on which a straggler was slow"),
+    # -- the Parquet store's compaction, on its own connection (analysis/store.py) --
+    Table("parsed_lines", (*_RECORD, "filename", "tagged"),
+          "one rank block's new lines, parsed once: its records and flat phase rows are "
+          "written from it"),
     # -- a rank block's task of the Dask engine, on its own connection (analysis/dask_engine.py) --
     Table("task_step_rows", ("rank", "step", "residual_ms", "h2d_hidden_ms"),
           "the block's ranks' rows of steps, sent by the client (arrays)"),
