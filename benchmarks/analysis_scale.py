@@ -324,16 +324,24 @@ def _differences(a: Any, b: Any, path: str, out: list[str],
 
 def equivalence(base_src: str, runs: list[str]) -> int:
     """The report of each run by this tree and by the one under ``base_src``, each in a fresh
-    process: one JSON line per run saying identical, equal within rounding, or where not."""
+    process on its own copy of the run (without its Parquet store: each tree compacts the
+    rank files itself): one JSON line per run saying identical, equal within rounding, or
+    where not."""
+    from stepscope.analysis.store import STORE_DIR
+
     this = str(Path(__file__).resolve().parents[1] / "src")
     bad = 0
     for run in runs:
         docs = []
-        for src in (this, base_src):
-            env = {**os.environ, "PYTHONPATH": src}
-            out = subprocess.run([sys.executable, "-c", _DOC, run], capture_output=True,
-                                 text=True, env=env, check=True)
-            docs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        with tempfile.TemporaryDirectory(prefix="equivalence-") as tmp:
+            copy = Path(tmp) / Path(run).name  # the same path for both: notes name it
+            for src in (this, base_src):
+                env = {**os.environ, "PYTHONPATH": src}
+                shutil.rmtree(copy, ignore_errors=True)
+                shutil.copytree(run, copy, ignore=shutil.ignore_patterns(STORE_DIR))
+                out = subprocess.run([sys.executable, "-c", _DOC, str(copy)],
+                                     capture_output=True, text=True, env=env, check=True)
+                docs.append(json.loads(out.stdout.strip().splitlines()[-1]))
         diffs: list[str] = []
         small: list[str] = []
         _differences(docs[0], docs[1], "", diffs, small)

@@ -85,3 +85,61 @@ def test_a_store_directory_another_version_compacted_is_refused(tmp_path: Path) 
     # Its records may lack their phase rows: one line, not a report without phases.
     with pytest.raises(AnalysisError, match="another stepscope version"):
         load_run(copy)
+
+
+def _all_tables(data: Any) -> dict[str, list[tuple[Any, ...]]]:
+    return {t: data.con.execute(f"SELECT * FROM {t} ORDER BY ALL").fetchall()
+            for t in ("steps", "phases", "collectives", "duplicate_paths")}
+
+
+def test_the_store_holds_each_list_once_and_every_fallback_reads_its_rows(
+        tmp_path: Path) -> None:
+    # Only the flat dataset holds the phase lists; the loader takes the kept records' rows
+    # by their ids where not every record is kept: a duplicate (rank, step) whose lists
+    # differ, an implausible record, a torn last line, and an older run in the directory.
+    spec = SynthRun(ranks=3, steps=24, comm_child=True, slow=(Slow(2, "forward", 7.0),))
+    recs = make_records(spec)
+    old = make_records(SynthRun(ranks=3, steps=6))
+    for rs in old.values():
+        for x in rs:
+            x["run_id"], x["start_unix_ns"] = "older", x["start_unix_ns"] - 10**12
+    dup = json.loads(json.dumps(recs[1][4]))
+    dup["start_unix_ns"] += 1  # the later one: skipped
+    dup["phases"][0]["ms"] += 50.0
+    recs[1].insert(5, dup)
+    recs[0][9]["phases"][0]["ms"] = 1e12  # implausible
+    run = tmp_path / "run"
+    run.mkdir()
+    for r in recs:
+        (run / f"rank{r}.jsonl").write_text(
+            "".join(json.dumps(x) + "\n" for x in old[r] + recs[r])
+            + ('{"schema": 1, "ra' if r == 2 else ""))
+    got = {}
+    for run_id in (None, "older"):
+        for stored in (True, False):
+            data = load_run(run, store=stored, run_id=run_id)
+            try:
+                got[run_id, stored] = (_all_tables(data), list(data.skipped))
+            finally:
+                data.close()
+        assert got[run_id, True] == got[run_id, False]
+    newest = got[None, True]
+    assert any("duplicate" in s for s in newest[1]) and any("implausible" in s for s in newest[1])
+    assert any("truncated last line" in s for s in newest[1])
+    assert {r[1] for r in got["older", True][0]["steps"]} == set(range(6))
+    # The layout: no list beside the records; each flat row names its record.
+    import duckdb
+
+    store = run / st.STORE_DIR
+    con = duckdb.connect()
+    cols = {c for (c,) in con.execute(
+        f"SELECT name FROM parquet_schema('{store}/{st.RECORDS}/*/*.parquet')").fetchall()}
+    assert "phases" not in cols and {"rec", "listed", "lists_ok"} <= cols
+    orphans = con.execute(
+        f"""SELECT count(*) FROM read_parquet('{store}/{st.PHASES}/*/*.parquet') p
+            ANTI JOIN read_parquet('{store}/{st.RECORDS}/*/*.parquet') r USING (rec)""").fetchone()
+    n_recs = con.execute(
+        f"SELECT count(*), count(DISTINCT rec) FROM read_parquet('{store}/{st.RECORDS}/*/*.parquet')"
+    ).fetchone()
+    con.close()
+    assert orphans == (0,) and n_recs[0] == n_recs[1] == sum(len(rs) for rs in recs.values()) + 18
