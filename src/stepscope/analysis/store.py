@@ -202,13 +202,14 @@ def write_lines(con: Any, store: Path, lines: str, block: int | None,
     """
     import uuid
 
-    n = int(con.execute(f"SELECT count(*) FROM {lines}").fetchone()[0])
+    n, misfits = con.execute(
+        f"""SELECT count(*), count(*) FILTER (
+                WHERE (rank // {RANK_BLOCK}) IS DISTINCT FROM {-1 if block is None else block})
+            FROM {lines}""").fetchone()
+    misfits = misfits or block is None
     rec = f"rowid + {int(first_rec)}"
     fields = f"SELECT {rec} AS rec, {RECORD_FIELDS} FROM {lines}"
     new: list[Path] = []
-    misfits = block is None or con.execute(
-        f"""SELECT count(*) FROM {lines}
-            WHERE (rank // {RANK_BLOCK}) IS DISTINCT FROM {block}""").fetchone()[0]
     if not misfits:
         dest = safefs.safe_dir(store / RECORDS / f"rank_block={block}", store)
         new.append(dest / f"part_{uuid.uuid4()}.parquet")
@@ -234,7 +235,7 @@ def write_lines(con: Any, store: Path, lines: str, block: int | None,
             f"""COPY (SELECT * FROM ({flat_phases_sql(
                     f"(SELECT {rec} AS rec, * FROM {lines}{mine})")}) ORDER BY step, rank)
                 TO '{_quoted(new[-1])}' (FORMAT parquet)""")
-    return new, n
+    return new, int(n)
 
 
 def _quoted(path: Path) -> str:
