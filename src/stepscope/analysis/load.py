@@ -319,7 +319,8 @@ def _load_parquet(location: str, threads: int | None, memory_limit: str | None,
                 raise AnalysisError(f"{location}: no Parquet records ({st.parquet_glob(location)})"
                                     ) from exc
             raise
-        if parts and not flat and root is None:
+        if parts and root is None and (not flat or "lists_ok" not in {
+                d[0] for d in con.execute("SELECT * FROM raw_records LIMIT 0").description}):
             raise AnalysisError(
                 f"{location}: no flat phase rows beside the records ({st.PHASES}/; a store "
                 "another stepscope version wrote? compact the run directory again)")

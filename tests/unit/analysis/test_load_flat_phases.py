@@ -85,6 +85,19 @@ def test_a_store_directory_another_version_compacted_is_refused(tmp_path: Path) 
     # Its records may lack their phase rows: one line, not a report without phases.
     with pytest.raises(AnalysisError, match="another stepscope version"):
         load_run(copy)
+    # A store without a state file whose records still hold their lists (the older layout).
+    (copy / st.STATE).unlink()
+    import duckdb
+
+    for part in (copy / st.RECORDS).glob("*/*.parquet"):
+        con = duckdb.connect()
+        con.execute(f"COPY (SELECT * EXCLUDE (listed, lists_ok) FROM read_parquet('{part}')) "
+                    f"TO '{part}.old' (FORMAT parquet)")
+        con.close()
+        part.unlink()
+        part.with_name(part.name + ".old").rename(part)
+    with pytest.raises(AnalysisError, match="another stepscope version"):
+        load_run(copy)
 
 
 def _all_tables(data: Any) -> dict[str, list[tuple[Any, ...]]]:
