@@ -13,6 +13,7 @@ Copy OUT before each comparison: reading a run writes its Parquet store into it.
 
 from __future__ import annotations
 
+import argparse
 import shutil
 import sys
 from pathlib import Path
@@ -47,10 +48,10 @@ COLL_RUNS = {
 
 
 def main() -> int:
-    if len(sys.argv) != 2:
-        print(__doc__, file=sys.stderr)
-        return 2
-    out = Path(sys.argv[1])
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", type=Path, help="the folder to write the corpus runs into")
+    out = ap.parse_args().out
     out.mkdir(parents=True, exist_ok=True)
     for name, spec in RUNS.items():
         shutil.rmtree(out / name, ignore_errors=True)
