@@ -7,6 +7,7 @@ fast rank waits. Injections are 25-30 ms, far above a busy 2-core machine's jitt
 
 from __future__ import annotations
 
+import multiprocessing as mp
 from typing import Any
 
 import pytest
@@ -17,7 +18,8 @@ demo = pytest.importorskip("stepscope.demo")
 harness = pytest.importorskip("dist_harness")
 pytestmark = pytest.mark.slow
 # Imported once by the fork server the ranks start from (tests/conftest.py), not per rank.
-RANK_IMPORTS = ("transformers.trainer", "transformers.models.gpt2.modeling_gpt2")
+RANK_IMPORTS = ("transformers.trainer", "transformers.models.gpt2.modeling_gpt2",
+                "lightning.pytorch")
 
 MS = 25.0
 
@@ -104,13 +106,16 @@ def lightning(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, A
     pytest.importorskip("lightning")
     pl = pytest.importorskip("dist_lightning")
     root = tmp_path_factory.mktemp("pl")
+    # Lightning's DDP ranks forked from the fork server (which imported Lightning once) where
+    # the platform has one; the same DDPStrategy and training loop as ddp_spawn's fresh ranks.
+    method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
     # Slow runs time backward with stepscope's hooks (auto={"backward"}, the README's advice for
     # Lightning DDP): DDP's wait is then measured by grad_sync, with no clock comparison. The
     # balanced run uses the plain callback, whose DDP wait comes from arrival gaps.
     runs = {"balanced": (-1, "", None), "forward": (1, "forward", {"backward"}),
             "optimizer": (0, "optimizer", {"backward"})}
     return {name: analyze_run(pl.launch_lightning(root / name, ranks=2, steps=60, slow_rank=r,
-                                                  phase=p, ms=MS,
+                                                  phase=p, ms=MS, start_method=method,
                                                   **({"auto": auto} if auto else {})))
             for name, (r, p, auto) in runs.items()}
 

@@ -1,4 +1,4 @@
-"""Lightning DDP runs for the wait-attribution tests (``ddp_spawn`` over gloo on CPU)."""
+"""Lightning DDP runs for the wait-attribution tests (``DDPStrategy`` over gloo on CPU)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 
 from stepscope.integrations.lightning import StepscopeCallback
@@ -49,15 +50,21 @@ class SlowModule(L.LightningModule):  # type: ignore[misc]
 
 def launch_lightning(out_dir: str | os.PathLike[str], ranks: int = 2, steps: int = 60,
                      slow_rank: int = -1, phase: str = "", ms: float = 0.0,
-                     **init_kwargs: Any) -> Path:
-    """Lightning DDP with ``StepscopeCallback``; returns the run directory."""
+                     start_method: str = "spawn", **init_kwargs: Any) -> Path:
+    """Lightning DDP with ``StepscopeCallback``; returns the run directory.
+
+    ``start_method`` is Lightning's ``DDPStrategy(start_method=...)``: ``"spawn"`` (what
+    ``strategy="ddp_spawn"`` means: a fresh interpreter per rank) or ``"forkserver"`` (ranks
+    forked from multiprocessing's fork server, which may have imported torch and Lightning).
+    """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(0)
     n = steps * 16 * ranks
     data = torch.utils.data.TensorDataset(torch.randn(n, 64, generator=g),
                                           torch.randint(0, 10, (n,), generator=g))
-    trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=ranks, strategy="ddp_spawn",
+    strategy = DDPStrategy(start_method=start_method)  # type: ignore[arg-type]
+    trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=ranks, strategy=strategy,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, default_root_dir=str(out),
                         callbacks=[StepscopeCallback(out_dir=str(out), run_id="pl", **init_kwargs)])
