@@ -189,12 +189,9 @@ def _cpp_worker(rank: int, world: int, port: int, out_dir: str, steps: int) -> N
 
 
 def test_group_with_only_cpp_issued_collectives_is_reported_blind(tmp_path: Any) -> None:
-    import torch.multiprocessing as mp
+    from stepscope.recording.dist import spawn_local
 
-    from stepscope.recording.dist import free_port, run_then_exit
-
-    mp.spawn(run_then_exit, args=(_cpp_worker, 2, free_port(), str(tmp_path), 12),  # type: ignore[attr-defined]
-             nprocs=2, join=True)
+    spawn_local(_cpp_worker, 2, tmp_path, 12)
     doc = analyze_run(tmp_path)
     blind = {b["path"]: b for b in doc.get("blind", [])}
     assert "untimed" in blind, doc["verdicts"]

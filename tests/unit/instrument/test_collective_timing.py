@@ -13,12 +13,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from stepscope.common.errors import StepscopeWarning
 from stepscope.instrument import collective_timing as collectives
 from stepscope.recording.clock import CudaClock
-from stepscope.recording.dist import free_port, run_then_exit
+from stepscope.recording.dist import spawn_local
 from stepscope.recording.schema import read_run
 from stepscope.recording.step import STREAM_WAIT
 
@@ -443,7 +442,7 @@ def _ops_worker(rank: int, world: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def ops_run(tmp_path_factory) -> dict[int, list[dict[str, Any]]]:
     out = tmp_path_factory.mktemp("coll") / "run"
-    mp.spawn(run_then_exit, args=(_ops_worker, 2, free_port(), str(out)), nprocs=2, join=True)  # type: ignore[attr-defined]
+    spawn_local(_ops_worker, 2, out)
     recs = read_run(out)
     return {r: sorted((x for x in recs if x["rank"] == r), key=lambda x: x["step"]) for r in (0, 1)}
 
@@ -544,7 +543,7 @@ def _fsdp_worker(rank: int, world: int, port: int, out: str) -> None:
 @pytest.mark.slow
 def test_fsdp2_all_gathers_in_forward_and_reduce_scatters_in_backward(tmp_path: Path):
     out = tmp_path / "run"
-    mp.spawn(run_then_exit, args=(_fsdp_worker, 2, free_port(), str(out)), nprocs=2, join=True)  # type: ignore[attr-defined]
+    spawn_local(_fsdp_worker, 2, out)
     recs = read_run(out)
     assert len(recs) == 2 * FSDP_STEPS
     by = {(r["rank"], r["step"]): r for r in recs}

@@ -24,7 +24,7 @@ import stepscope
 from stepscope.common.errors import StepscopeWarning
 from stepscope.recording.clock import CpuClock, CudaClock
 from stepscope.recording.config import Config
-from stepscope.recording.dist import free_port, run_then_exit
+from stepscope.recording.dist import spawn_local
 from stepscope.recording.schema import read_run
 from stepscope.tracer import Tracer
 
@@ -528,7 +528,7 @@ def _fsdp_worker(rank: int, world: int, port: int, out: str) -> None:
 @pytest.mark.slow
 def test_fsdp2_has_no_grad_sync_and_its_backward_reduce_scatters_are_timed(tmp_path: Path):
     out = tmp_path / "run"
-    mp.spawn(run_then_exit, args=(_fsdp_worker, 2, free_port(), str(out)), nprocs=2, join=True)  # type: ignore[attr-defined]
+    spawn_local(_fsdp_worker, 2, out)
     recs = read_run(out)
     assert len(recs) == 2 * FSDP_STEPS
     for r in recs:
