@@ -156,6 +156,11 @@ _DECLARED = (
     Table("task_common_steps", ("step",), "common_steps, sent by the client (arrays)"),
     Table("task_phase_rows", ("rank", "step", "parent", "ms", "path"),
           "the block's phase rows, sent by the client where the store has no flat copy (arrays)"),
+    # -- the Dask engine's client, gathering step-block tasks (analysis/dask_engine.py) --
+    Table("task_block_rows", ("name", "spread", "host", "step", "end_t"),
+          "one alignment statement's rows from every step-block task (arrays), appended to its "
+          "table: align.SYNC_SPREADS gives (name, spread), align.SYNC_ENDS (host, step, end_t)",
+          optional=("name", "spread", "host", "step", "end_t")),
 )
 
 #: Every relation the analysis makes, by name.

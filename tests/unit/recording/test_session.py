@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
+import stepscope
 from stepscope.recording.config import Config
+
+#: The package's own files: a checkout named ``stepscope`` holds this test file too.
+PACKAGE = str(Path(stepscope.__file__).parent) + os.sep
 
 
 def _stepscope_frames(fn: Any) -> list[str]:
@@ -16,7 +22,7 @@ def _stepscope_frames(fn: Any) -> list[str]:
     got: list[str] = []
 
     def prof(frame: Any, event: str, arg: Any) -> None:
-        if event == "call" and "stepscope" in frame.f_code.co_filename.replace("\\", "/").split("/src/")[-1]:
+        if event == "call" and frame.f_code.co_filename.startswith(PACKAGE):
             got.append(frame.f_code.co_name)
 
     sys.setprofile(prof)
