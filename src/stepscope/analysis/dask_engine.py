@@ -103,27 +103,13 @@ def run_rank_block(task: RankBlockTask) -> list[tuple[Any, ...]]:
     """The per-rank phase rows of ``task``'s ranks, on a DuckDB connection of its own: the
     statements of the single-machine path (:func:`create_phase_samples`,
     :func:`local_phase_rank_rows`) over the block's rows only."""
-    import duckdb
-
-    con = duckdb.connect()
+    con = _task_connection()
     try:
-        con.execute("SET enable_progress_bar = false")  # it would draw on the worker's stdout
-        con.execute("SET preserve_insertion_order = false")
-        # One thread a task: the cluster runs as many tasks at once as its workers have threads.
-        con.execute("SET threads = 1")
         con.register("task_step_rows", task.steps)
         con.execute(f"CREATE TABLE steps ({_STEP_COLUMNS})")
         con.execute("INSERT INTO steps SELECT * FROM task_step_rows")
-        if task.files:
-            if task.common_steps is not None:
-                con.register("task_common_steps", task.common_steps)
-                con.execute("CREATE TABLE common_steps AS SELECT step FROM task_common_steps")
-            create_flat_phases_view(con, st.files_source(list(task.files)), task.keep)
-        else:
-            con.execute(f"CREATE TABLE phases ({_PHASE_COLUMNS})")
-            if task.phases is not None:
-                con.register("task_phase_rows", task.phases)
-                con.execute("INSERT INTO phases SELECT * FROM task_phase_rows")
+        _create_phases(con, task.files, task.keep, task.common_steps, task.phases,
+                       _PHASE_COLUMNS)
         create_phase_samples(con)
         return local_phase_rank_rows(con)
     finally:
@@ -202,6 +188,24 @@ def _task_connection() -> Any:
     return con
 
 
+def _create_phases(con: Any, files: tuple[str, ...], keep: str,
+                   common_steps: dict[str, Any] | None, phases: dict[str, Any] | None,
+                   columns: str) -> None:
+    """A task's ``phases``: a view over the store's flat ``files`` kept by ``keep`` (with
+    ``common_steps`` as that table where ``keep`` names it), or, where there are no files, a
+    table of ``columns`` holding the rows the client sent (``phases``, possibly none)."""
+    if files:
+        if common_steps is not None:
+            con.register("task_common_steps", common_steps)
+            con.execute("CREATE TABLE common_steps AS SELECT step FROM task_common_steps")
+        create_flat_phases_view(con, st.files_source(list(files)), keep)
+        return
+    con.execute(f"CREATE TABLE phases ({columns})")
+    if phases is not None:
+        con.register("task_phase_rows", phases)
+        con.execute("INSERT INTO phases SELECT * FROM task_phase_rows")
+
+
 def run_step_block(task: StepBlockTask, select: str) -> dict[str, Any]:
     """The rows of ``select`` (a :data:`stepscope.analysis.align.BlockRows` statement) over
     ``task``'s steps, as arrays, on a DuckDB connection of its own."""
@@ -210,17 +214,8 @@ def run_step_block(task: StepBlockTask, select: str) -> dict[str, Any]:
         con.register("task_step_rows", task.step_rows)
         con.execute("CREATE TABLE steps AS SELECT * FROM task_step_rows")
         block = in_block("step", task.steps)
-        if task.files:
-            if task.common_steps is not None:
-                con.register("task_common_steps", task.common_steps)
-                con.execute("CREATE TABLE common_steps AS SELECT step FROM task_common_steps")
-            create_flat_phases_view(con, st.files_source(list(task.files)),
-                                    f"({task.keep}) AND {block}")
-        else:
-            con.execute(f"CREATE TABLE phases ({_FLAT_PHASE_COLUMNS})")
-            if task.phases is not None:
-                con.register("task_phase_rows", task.phases)
-                con.execute("INSERT INTO phases SELECT * FROM task_phase_rows")
+        _create_phases(con, task.files, f"({task.keep}) AND {block}", task.common_steps,
+                       task.phases, _FLAT_PHASE_COLUMNS)
         on = " AND ".join(in_block(f"{t}.step", task.steps) for t in ("p", "s"))
         return dict(con.execute(select.replace("{block}", on)).fetchnumpy())
     finally:
