@@ -20,7 +20,7 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(MAKE) docs
-	$(PY) -m pytest -q -m "not soak"
+	$(PY) -m pytest -q -m "not soak" -n auto --maxprocesses 4 --dist loadgroup
 
 # The GPU check (benchmarks/gpu_check.py, docs/gpu-check.md). `make gpu-check-prepare` where a
 # package index is reachable fetches stepscope's runtime dependencies (all but torch) as wheels

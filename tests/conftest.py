@@ -74,13 +74,33 @@ def world1() -> Iterator[Any]:
         dist.destroy_process_group()
 
 
-def pytest_collection_finish(session: pytest.Session) -> None:
+RANKS_GROUP = "ranks"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests that start a world of processes (everything under ``tests/dist/`` and every test
+    marked ``slow``) run one at a time under pytest-xdist (``--dist loadgroup``): on two cores,
+    two such worlds at once would time each other's ranks. The short in-process tests run on the
+    other workers beside them. Those tests start the fork server their ranks fork from first."""
+    dist_dir = Path(__file__).resolve().parent / "dist"
+    grouped = config.pluginmanager.hasplugin("xdist")
+    for item in items:
+        if item.path.is_relative_to(dist_dir) or item.get_closest_marker("slow"):
+            if "fork_server" not in item.fixturenames:  # parametrized items share the list
+                item.fixturenames.insert(0, "fork_server")
+            if grouped:
+                item.add_marker(pytest.mark.xdist_group(RANKS_GROUP))
+
+
+@pytest.fixture(scope="session")
+def fork_server(request: pytest.FixtureRequest) -> None:
     """Start the fork server that ``spawn_local`` forks ranks from, importing once what the
     selected tests' ranks import besides torch: a test module lists it in ``RANK_IMPORTS``
     (e.g. ``transformers.trainer``, seconds of CPU that every rank would pay again).
 
     Only when some selected module asks, and only modules that are installed; otherwise the
-    server starts on the first launch with ``FORKSERVER_PRELOAD`` alone.
+    server starts on the first launch with ``FORKSERVER_PRELOAD`` alone. Started by the first
+    test that launches ranks, so an xdist worker that runs none pays nothing.
     """
     import importlib.util
     import multiprocessing
@@ -88,15 +108,14 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
     from stepscope.recording.dist import FORKSERVER_PRELOAD
 
-    if session.config.option.collectonly:
-        return
-    modules = {getattr(item, "module", None) for item in session.items}
+    modules = {getattr(item, "module", None) for item in request.session.items}
     wanted = sorted({name for mod in modules for name in getattr(mod, "RANK_IMPORTS", ())})
     wanted = [name for name in wanted if importlib.util.find_spec(name.partition(".")[0])]
     if wanted and "forkserver" in multiprocessing.get_all_start_methods():
         multiprocessing.set_forkserver_preload([*FORKSERVER_PRELOAD, *wanted])
         # The server and the ranks forked from it write to its stdout and stderr: not the
-        # terminal (a rank's exception still reaches its test through torch's error file).
+        # terminal or this test's captured output (a rank's exception still reaches its test
+        # through torch's error file).
         saved = [os.dup(1), os.dup(2)]
         devnull = os.open(os.devnull, os.O_WRONLY)
         try:
