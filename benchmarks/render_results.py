@@ -62,6 +62,35 @@ def _rows(figures: dict[str, Any], prefix: str = "") -> list[tuple[str, str]]:
     return rows
 
 
+def _is_lines(figures: dict[str, Any]) -> bool:
+    """Figures kept as one entry per JSON line a benchmark printed (``line 1``, ``line 2``, ...)."""
+    return bool(figures) and all(k.startswith("line ") and isinstance(v, dict) for k, v in figures.items())
+
+
+def _line_cells(line: dict[str, Any], benchmark: str) -> dict[str, Any]:
+    """One line's cells: nested dicts open one level into columns of their own (``kinds`` of the
+    peers benchmark gives a column per kind); the record's own benchmark name is left out."""
+    cells: dict[str, Any] = {}
+    for k, v in line.items():
+        if k == "benchmark" and v == benchmark:
+            continue
+        if isinstance(v, dict) and v and all(isinstance(x, dict) for x in v.values()):
+            cells.update(v)
+        else:
+            cells[k] = v
+    return cells
+
+
+def _lines_table(figures: dict[str, Any], benchmark: str) -> list[str]:
+    """A table with a row per line and a column per key any line has (— where a line lacks it)."""
+    rows = [_line_cells(v, benchmark) for v in figures.values()]
+    cols = list(dict.fromkeys(k for row in rows for k in row))
+    out = ["| " + " | ".join(["line", *cols]) + " |", "|" + "---|" * (len(cols) + 1)]
+    for name, row in zip(figures, rows, strict=True):
+        out.append("| " + " | ".join([name.removeprefix("line "), *(_fmt(row.get(c)) for c in cols)]) + " |")
+    return out
+
+
 def load_records(results: Path = RESULTS) -> list[dict[str, Any]]:
     """Every record in ``results``, sorted by benchmark name."""
     recs = []
@@ -85,8 +114,11 @@ def render(results: Path = RESULTS) -> str:
         if r.get("recorded"):
             meta.append(f"recorded {r['recorded']}")
         out.append("; ".join(meta) + ".\n")
-        out.append("| figure | value |\n|---|---|")
-        out += [f"| {k} | {v} |" for k, v in _rows(r["figures"])]
+        if _is_lines(r["figures"]):
+            out += _lines_table(r["figures"], str(r["benchmark"]))
+        else:
+            out.append("| figure | value |\n|---|---|")
+            out += [f"| {k} | {v} |" for k, v in _rows(r["figures"])]
         out.append("")
         if r.get("notes"):
             out.append(f"{r['notes']}\n")
