@@ -19,6 +19,13 @@ from stepscope.tracer import Tracer
 # Harnesses, simulators and synthetic runs live in tests/support/, imported by plain name.
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
+# Reports size their tables to COLUMNS when it is set (report.terminal.make_console). The tests
+# read reports written to a pipe, so the caller's terminal size must not reach them: a shell
+# that exports COLUMNS, or a pytest-xdist worker (its environment has COLUMNS=80, LINES=24).
+# Tests of the terminal width set it themselves.
+for _name in ("COLUMNS", "LINES"):
+    os.environ.pop(_name, None)
+
 
 @pytest.fixture
 def mem_tracer():
