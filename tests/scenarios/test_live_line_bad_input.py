@@ -51,6 +51,7 @@ WORKER = textwrap.dedent("""
 
 
 
+@pytest.mark.slow  # a 2-rank gloo world: runs alone under xdist (tests/conftest.py)
 @pytest.mark.parametrize("destroy", [False, True])
 def test_rank_with_a_stuck_peer_exits_within_the_bound(tmp_path: Path, destroy: bool) -> None:
     env = {**os.environ, "PYTHONPATH": str(SRC)}
