@@ -21,10 +21,14 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(VENV)/bin/stepscope demo --out runs/demo
 
+# pytest-xdist workers: one per CPU this shell may run on, at most 4 (tests/conftest.py keeps
+# the tests that start process worlds on one worker at a time, the in-process ones beside them).
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 4 ? n : 4 )))
+
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(MAKE) docs
-	$(PY) -m pytest -q -m "not soak" -n auto --maxprocesses 4 --dist loadgroup
+	$(PY) -m pytest -q -m "not soak" -n $(TEST_WORKERS) --dist loadgroup
 
 # The GPU check (benchmarks/gpu_check.py, docs/gpu-check.md). `make gpu-check-prepare` where a
 # package index is reachable fetches stepscope's runtime dependencies (all but torch) as wheels
