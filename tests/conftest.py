@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from stepscope.recording.clock import CpuClock
@@ -25,6 +26,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 # Tests of the terminal width set it themselves.
 for _name in ("COLUMNS", "LINES"):
     os.environ.pop(_name, None)
+
+# A pytest-xdist worker shares the cores with the other workers, one of which may be running a
+# world of ranks (each on one intra-op thread, recording.dist.become_local_rank): one thread
+# here too, so an in-process matmul does not take every core from those ranks.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 
 @pytest.fixture
