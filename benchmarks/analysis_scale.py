@@ -17,14 +17,21 @@ Parquet store is removed first, so ``seconds`` stays a first read).
     PYTHONPATH=BASE/src python benchmarks/analysis_scale.py --reread DATA/512x2000
     python benchmarks/analysis_scale.py --write-store 4096x2500 --dir DATA
     python benchmarks/analysis_scale.py --equivalence BASE/src RUN [RUN ...]
+    python benchmarks/analysis_scale.py --parsers DATA/2000x833 --reps 5
 
-times one re-read of a run whose store is up to date with whichever ``stepscope`` is on the
+``--parsers`` times, interleaved on the first rank block of RUN's files, the CPU of the
+store's JSON parse and flattening (DuckDB) beside msgspec decoding into column lists and,
+where pyarrow is installed, ``pyarrow.json.read_json`` with an explicit schema (threaded and
+not); one JSON line per parser (median, min and max CPU seconds of this process).
+
+``--reread`` times one re-read of a run whose store is up to date with whichever ``stepscope`` is on the
 path (run it once per build, alternating, to compare builds on the same store).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -458,6 +465,140 @@ def reread(run_dir: str, threads: int, memory_limit: str, profile: bool = False)
     }), flush=True)
 
 
+def _parse_duckdb(files: list[Path], threads: int) -> int:
+    """The store's parse of one rank block: typed lines, their records and flat rows."""
+    import duckdb
+
+    from stepscope.analysis.record_files import RECORD_FIELDS, flat_phases_sql, json_reader
+
+    con = duckdb.connect()
+    try:
+        con.execute(f"SET threads = {int(threads)}")
+        con.execute("SET preserve_insertion_order = false")
+        con.execute(f"CREATE TEMP TABLE parsed_lines AS SELECT * FROM {json_reader(files)}")
+        con.execute("CREATE TEMP TABLE flat AS "
+                    + flat_phases_sql("(SELECT rowid AS rec, * FROM parsed_lines)"))
+        con.execute(f"CREATE TEMP TABLE recs AS SELECT rowid AS rec, {RECORD_FIELDS} FROM parsed_lines")
+        (n,) = con.execute("SELECT count(*) FROM recs").fetchone() or (0,)
+        return int(n)
+    finally:
+        con.close()
+
+
+def _parse_msgspec(files: list[Path]) -> int:
+    """Each file decoded by msgspec into typed records, then into column lists and the
+    flat rows of their phase lists (what a Parquet writer would take)."""
+    import msgspec
+
+    # defstruct, not class bodies: their annotations would be strings here, unresolvable.
+    text, num, whole, raw = str | None, float | None, int | None, msgspec.Raw | None
+    Phase: Any = msgspec.defstruct("Phase", [
+        ("name", text, None), ("parent", text, None), ("ms", num, None), ("calls", whole, None),
+        ("start_ms", num, None), ("end_ms", num, None), ("path", text, None),
+        ("host_ms", num, None)])
+    Line: Any = msgspec.defstruct("Line", [
+        ("schema", whole, None), ("run_id", text, None), ("rank", whole, None),
+        ("world_size", whole, None), ("hostname", text, None), ("step", whole, None),
+        ("start_unix_ns", whole, None), ("gpu_start_unix_ns", whole, None), ("clock", text, None),
+        ("step_ms", num, None), ("phases", list[Phase] | None, None),
+        ("residual_ms", num, None), ("h2d_hidden_ms", num, None), ("collectives", raw, None),
+        ("dropped", raw, None), ("counters", raw, None)])
+
+    one, many = msgspec.json.Decoder(Line), msgspec.json.Decoder(list[Line])
+    names = [n for n in Line.__struct_fields__ if n != "phases"]
+    cols: dict[str, list[Any]] = {n: [] for n in names}
+    flat: dict[str, list[Any]] = {n: [] for n in ("rec", *Phase.__struct_fields__)}
+    rec = 0
+    for f in files:
+        data = f.read_bytes()
+        try:
+            lines = many.decode(b"[" + data.rstrip(b"\n").replace(b"\n", b",") + b"]")
+        except msgspec.DecodeError:  # a malformed line: decode line by line, skip it
+            lines = []
+            for piece in data.splitlines():
+                with contextlib.suppress(msgspec.DecodeError):
+                    lines.append(one.decode(piece))
+        for n in names:
+            cols[n].extend([getattr(x, n) for x in lines])
+        for x in lines:
+            for ph in x.phases or ():
+                flat["rec"].append(rec)
+                for n in Phase.__struct_fields__:
+                    flat[n].append(getattr(ph, n))
+            rec += 1
+    return rec
+
+
+def _parse_pyarrow(files: list[Path], threads: bool, block_size: int) -> int:
+    """Each file read by ``pyarrow.json.read_json`` with an explicit schema (the scalar
+    columns and the phase list), the phase lists flattened with their rows' rank and step."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.json as pj
+
+    phase = pa.struct([("name", pa.string()), ("parent", pa.string()), ("ms", pa.float64()),
+                       ("calls", pa.int64()), ("start_ms", pa.float64()), ("end_ms", pa.float64()),
+                       ("path", pa.string()), ("host_ms", pa.float64())])
+    schema = pa.schema([("schema", pa.int64()), ("run_id", pa.string()), ("rank", pa.int64()),
+                        ("world_size", pa.int64()), ("hostname", pa.string()), ("step", pa.int64()),
+                        ("start_unix_ns", pa.int64()), ("gpu_start_unix_ns", pa.int64()),
+                        ("clock", pa.string()), ("step_ms", pa.float64()),
+                        ("phases", pa.list_(phase)), ("residual_ms", pa.float64()),
+                        ("h2d_hidden_ms", pa.float64())])
+    ro = pj.ReadOptions(use_threads=threads, block_size=block_size)
+    po = pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
+    t = pa.concat_tables([pj.read_json(str(f), read_options=ro, parse_options=po)
+                          for f in files]).combine_chunks()
+    lists = t.column("phases").combine_chunks()
+    parent = pc.list_parent_indices(lists)
+    pc.list_flatten(lists)
+    pc.take(t.column("rank"), parent)
+    pc.take(t.column("step"), parent)
+    return int(t.num_rows)
+
+
+def compare_parsers(run_dir: str, threads: int, reps: int) -> None:
+    """Time each parser on the first rank block of ``run_dir``, interleaved ``reps`` times."""
+    import importlib.util
+    import statistics
+
+    from stepscope.analysis.store import RANK_BLOCK
+
+    files = sorted(Path(run_dir).glob("rank*.jsonl"),
+                   key=lambda f: int(f.stem[4:]) if f.stem[4:].isdigit() else -1)
+    files = [f for f in files if f.stem[4:].isdigit() and int(f.stem[4:]) < RANK_BLOCK]
+    if not files:
+        raise SystemExit(f"{run_dir}: no rank files of the first rank block")
+    parsers: dict[str, Any] = {
+        "duckdb": lambda: _parse_duckdb(files, threads), "msgspec": lambda: _parse_msgspec(files)}
+    if importlib.util.find_spec("pyarrow") is not None:
+        parsers["pyarrow_threads"] = lambda: _parse_pyarrow(files, True, 8 << 20)
+        parsers["pyarrow_one_thread"] = lambda: _parse_pyarrow(files, False, 8 << 20)
+
+    def cpu() -> float:  # this process and all its threads
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+
+    spent: dict[str, list[float]] = {name: [] for name in parsers}
+    records: dict[str, int] = {}
+    for name, fn in parsers.items():  # warm-up: imports and first allocations are not timed
+        records[name] = fn()
+    for _ in range(reps):
+        for name, fn in parsers.items():
+            c0 = cpu()
+            fn()
+            spent[name].append(cpu() - c0)
+    for name, cs in spent.items():
+        med = statistics.median(cs)
+        print(json.dumps({"parser": name, "files": len(files), "records": records[name],
+                          "jsonl_mb": round(sum(f.stat().st_size for f in files) / 2**20, 1),
+                          "cpu_s_median": round(med, 3), "cpu_s_min": round(min(cs), 3),
+                          "cpu_s_max": round(max(cs), 3), "reps": reps,
+                          "us_per_record": round(med / max(records[name], 1) * 1e6, 2),
+                          "threads": threads, "load_avg_1m": round(os.getloadavg()[0], 2)}),
+              flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", nargs="+", default=["64x1000", "512x1000", "4096x1000"],
@@ -481,6 +622,9 @@ def main() -> int:
                         "time its re-read with --reread DIR/RANKSxSTEPS/parquet")
     p.add_argument("--equivalence", nargs="+", metavar=("BASE_SRC", "RUN"),
                    help="compare this tree's report of each RUN with BASE_SRC's (fresh processes)")
+    p.add_argument("--parsers", metavar="RUN",
+                   help="time the store's JSON parse beside msgspec and pyarrow on RUN's first rank block")
+    p.add_argument("--reps", type=int, default=3, help="repetitions of each parser (--parsers)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.equivalence:
@@ -495,6 +639,9 @@ def main() -> int:
         print(json.dumps({"store": str(Path(args.dir) / args.write_store / "parquet"),
                           "phase_samples": ranks * steps * len(STORE_PHASES),
                           "seconds": round(secs, 1)}))
+        return 0
+    if args.parsers:
+        compare_parsers(args.parsers, args.threads, max(1, args.reps))
         return 0
     if args.reread:
         reread(args.reread, args.threads, args.memory_limit, args.profile)
