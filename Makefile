@@ -25,9 +25,10 @@ demo: $(VENV)/.installed
 # the tests that start process worlds on one worker at a time, the in-process ones beside them).
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 4 ? n : 4 )))
 
+# The suite builds the docs site itself (mkdocs --strict, tests/unit/test_docs_site.py) and
+# checks that docs/benchmarks.md is rendered from the records (test_benchmark_results.py).
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check src tests benchmarks
-	$(MAKE) docs
 	$(PY) -m pytest -q -m "not soak" -n $(TEST_WORKERS) --dist loadgroup
 
 # The GPU check (benchmarks/gpu_check.py, docs/gpu-check.md). `make gpu-check-prepare` where a
