@@ -48,7 +48,10 @@ def _check_whole(doc: dict[str, Any], rank: int, phase: str, true_ms: float = MS
     top = doc["verdicts"][0]
     assert top["kind"] == "straggler" and f"rank {rank}" in top["evidence"]
     c = top["cost"]
-    assert abs(c["steps"] - (END - FIRST)) <= 2 and c["ms_per_step"] == s["excess_ms"]
+    # The cost counts the finding's own steps (its ends are allowed ± 3 above; beside other
+    # suites, 4 ranks on 2 cores once priced 33 steps for the 30 slowed).
+    assert c["steps"] <= s["last_step"] - s["first_step"] + 1 and c["ms_per_step"] == s["excess_ms"]
+    assert abs(c["steps"] - (END - FIRST)) <= 4
     # Every rank waits for it: the GPU-hours it cost are its excess times the world size.
     assert c["gpu_ms"] == pytest.approx(c["lost_ms"] * doc["run"]["world_size"], rel=1e-3)
     assert doc["run"]["headline"].startswith("The run lost") and f"rank {rank}" in doc["run"]["headline"]
