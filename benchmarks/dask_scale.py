@@ -59,7 +59,7 @@ def _single_machine(store: str, threads: int) -> tuple[dict[str, Any], dict[str,
 
     parts = {"rank_rows_s": 0.0, "rank_rows_cpu_s": 0.0, "step_rows_s": 0.0,
              "step_rows_cpu_s": 0.0}
-    statements: list[tuple[str, str]] = []
+    statements: list[tuple[str, str, dict[str, Any]]] = []
 
     def timed(key: str, fn: Any, *args: Any) -> Any:
         t, c = time.perf_counter(), _cpu()
@@ -72,9 +72,9 @@ def _single_machine(store: str, threads: int) -> tuple[dict[str, Any], dict[str,
     def step_rows(data: Any) -> Any:
         insert = insert_by_host_blocks(data.con, data.hosts)
 
-        def run(table: str, select: str) -> None:
-            statements.append((table, select))
-            timed("step_rows", insert, table, select)
+        def run(table: str, select: str, params: dict[str, Any]) -> None:
+            statements.append((table, select, params))
+            timed("step_rows", insert, table, select, params)
 
         return run
 
@@ -107,7 +107,7 @@ def _rank_tasks(store: str, threads: int) -> list[dict[str, float]]:
 
 
 def _step_tasks(store: str, threads: int,
-                statements: list[tuple[str, str]]) -> tuple[list[dict[str, float]], float]:
+                statements: list[tuple[str, str, dict[str, Any]]]) -> tuple[list[dict[str, float]], float]:
     """Each step-block task run here, every statement of the report on it; and the client's
     seconds (CPU) to append the tasks' rows to its tables."""
     import numpy as np
@@ -118,13 +118,13 @@ def _step_tasks(store: str, threads: int,
     data = load_run(store, threads=threads)
     try:
         out = []
-        got: dict[str, list[dict[str, Any]]] = {t: [] for t, _ in statements}
+        got: dict[str, list[dict[str, Any]]] = {t: [] for t, _, _ in statements}
         for task in dask_engine.plan_steps(data):
             sent = sum(int(getattr(a, "nbytes", 0)) for a in task.step_rows.values())
             t0, c0 = time.perf_counter(), _cpu()
             back = 0
-            for table, select in statements:
-                rows = dask_engine.run_step_block(task, select)
+            for table, select, params in statements:
+                rows = dask_engine.run_step_block(task, select, params)
                 back += sum(int(getattr(a, "nbytes", 0)) for a in rows.values())
                 got[table].append(rows)
             out.append({"wall_s": time.perf_counter() - t0, "cpu_s": _cpu() - c0,

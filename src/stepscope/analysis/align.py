@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from stepscope.analysis.blocks import host_blocks, in_block
+from stepscope.analysis.blocks import host_blocks
 
 #: A phase nested in the sync phase with one of these names times the collective itself;
 #: its start is then the rank's arrival (timeline fallback only).
@@ -40,49 +40,50 @@ def _candidates(con: Any, n_ranks: int) -> list[str]:
     return [r[0] for r in rows]
 
 
-def _in(block: tuple[tuple[int, int], tuple[int, int]]) -> str:
-    """SQL condition: ``p`` and ``s`` rows inside the (ranks, steps) block, on both sides of
-    the join so that each side's scan skips the row groups outside it."""
-    (ranks, steps) = block
-    return " AND ".join(in_block(f"{t}.{c}", b) for t in ("p", "s")
-                        for c, b in (("rank", ranks), ("step", steps)))
+#: The block's condition on ``p`` (phases) and ``s`` (steps), on both sides of the join so that
+#: each side's scan skips the row groups outside it: bound parameters ``$first_rank``,
+#: ``$last_rank``, ``$first_step``, ``$last_step`` (:func:`block_params`), never text.
+_IN_BLOCK = " AND ".join(f"{t}.{c} BETWEEN $first_{c} AND $last_{c}"
+                         for t in ("p", "s") for c in ("rank", "step"))
 
 
-#: Appends to table ``table`` (made by the caller) the rows of ``select`` run over every block
-#: of the run: ``select`` reads ``phases p`` and ``steps s`` (only ``s``'s rank, step, t0 and
-#: host) and has a ``{block}`` placeholder for the block's condition on them. Each block holds
-#: every rank of its steps (a block of whole steps, or of whole hosts), so a group by step and
-#: host is complete in one block, and the union is the whole-run statement's rows: on the run's
+def block_params(ranks: tuple[int, int], steps: tuple[int, int]) -> dict[str, int]:
+    """The bound parameters of a :data:`BlockRows` statement's block: ranks and steps (first,
+    last) of the block."""
+    return {"first_rank": int(ranks[0]), "last_rank": int(ranks[1]),
+            "first_step": int(steps[0]), "last_step": int(steps[1])}
+
+
+#: Appends to table ``table`` (made by the caller) the rows of ``select`` run with the bound
+#: parameters ``params`` over every block of the run: ``select`` reads ``phases p`` and
+#: ``steps s`` (only ``s``'s rank, step, t0 and host) and limits both to the block by the
+#: parameters of :func:`block_params`, which the runner adds. Each block holds every rank of
+#: its steps (a block of whole steps, or of whole hosts), so a group by step and host is
+#: complete in one block, and the union is the whole-run statement's rows: on the run's
 #: connection (:func:`insert_by_host_blocks`) or as tasks on a cluster
-#: (:mod:`stepscope.analysis.dask_engine`).
-BlockRows = Callable[[str, str], None]
+#: (:mod:`stepscope.analysis.dask_engine`). Names travel as parameters, never in the text.
+BlockRows = Callable[[str, str, dict[str, Any]], None]
 
-#: The per-(phase, step, host) spread of the candidate phases' ends (``{names}``: their SQL list).
-SYNC_SPREADS = """SELECT p.name, max(s.t0 + p.e) - min(s.t0 + p.e) AS spread
-                  FROM phases p JOIN steps s USING (rank, step)
-                  WHERE p.parent IS NULL AND p.name IN ({names}) AND {block}
-                  GROUP BY p.name, p.step, s.host HAVING count(*) > 1"""
-#: Each rank's end of the synchronising phase (``{sync}``) on its host's clock.
-SYNC_ENDS = """SELECT s.host, p.step, s.t0 + p.e AS end_t FROM phases p
-               JOIN steps s USING (rank, step)
-               WHERE p.name = {sync} AND p.parent IS NULL AND {block}"""
+#: The per-(phase, step, host) spread of the candidate phases' ends (``$names``: their names).
+SYNC_SPREADS = f"""SELECT p.name, max(s.t0 + p.e) - min(s.t0 + p.e) AS spread
+                   FROM phases p JOIN steps s USING (rank, step)
+                   WHERE p.parent IS NULL AND list_contains($names::VARCHAR[], p.name)
+                     AND {_IN_BLOCK}
+                   GROUP BY p.name, p.step, s.host HAVING count(*) > 1"""
+#: Each rank's end of the synchronising phase (``$sync``) on its host's clock.
+SYNC_ENDS = f"""SELECT s.host, p.step, s.t0 + p.e AS end_t FROM phases p
+                JOIN steps s USING (rank, step)
+                WHERE p.name = $sync::VARCHAR AND p.parent IS NULL AND {_IN_BLOCK}"""
 
 
 def insert_by_host_blocks(con: Any, hosts: dict[str, list[int]]) -> BlockRows:
     """:data:`BlockRows` on ``con``: a block of whole hosts at a time (analysis/blocks.py)."""
 
-    def insert(table: str, select: str) -> None:
-        for b in host_blocks(con, hosts):
-            con.execute(f"INSERT INTO {table} {select.replace('{block}', _in(b))}")
+    def insert(table: str, select: str, params: dict[str, Any]) -> None:
+        for ranks, steps in host_blocks(con, hosts):
+            con.execute(f"INSERT INTO {table} {select}", {**params, **block_params(ranks, steps)})
 
     return insert
-
-
-def _sql_list(names: list[str]) -> str:
-    """SQL string literals of ``names``, with no ``{`` in the text: a name holding
-    ``{block}`` must not be taken for the block's placeholder (:data:`BlockRows`)."""
-    return ", ".join("'" + c.replace("'", "''").replace("{", "' || chr(123) || '") + "'"
-                     for c in names)
 
 
 def align(con: Any, hosts: dict[str, list[int]], n_ranks: int, median_step: float,
@@ -103,7 +104,7 @@ def align(con: Any, hosts: dict[str, list[int]], n_ranks: int, median_step: floa
         # Per step and host, a block of steps or whole hosts at a time; the median over all
         # of them at the end.
         con.execute("CREATE OR REPLACE TEMP TABLE sync_spreads (name VARCHAR, spread DOUBLE)")
-        fill("sync_spreads", SYNC_SPREADS.replace("{names}", _sql_list(cands)))
+        fill("sync_spreads", SYNC_SPREADS, {"names": cands})
         for name, spread in con.execute(
                 "SELECT name, median(spread) FROM sync_spreads GROUP BY 1").fetchall():
             spreads[name] = float(spread)
@@ -129,7 +130,7 @@ def align(con: Any, hosts: dict[str, list[int]], n_ranks: int, median_step: floa
     method = "single host: start_unix_ns compared directly" if not multi_host else ""
     if multi_host and sync is not None:
         con.execute("CREATE OR REPLACE TEMP TABLE sync_ends (host VARCHAR, step BIGINT, end_t DOUBLE)")
-        fill("sync_ends", SYNC_ENDS.replace("{sync}", _sql_list([sync])))
+        fill("sync_ends", SYNC_ENDS, {"sync": sync})
         rows = con.execute(
             """WITH med AS (SELECT step, median(end_t) AS m FROM sync_ends GROUP BY 1)
                SELECT host, median(end_t - m) FROM sync_ends JOIN med USING (step) GROUP BY 1
@@ -157,8 +158,8 @@ def align(con: Any, hosts: dict[str, list[int]], n_ranks: int, median_step: floa
     arrival = sync
     if sync is not None:
         child = con.execute(
-            f"""SELECT name FROM phases WHERE parent = '{sync}' GROUP BY name
-                HAVING count(DISTINCT rank) = {n_ranks} ORDER BY count(*) DESC"""
+            f"""SELECT name FROM phases WHERE parent = $sync GROUP BY name
+                HAVING count(DISTINCT rank) = {n_ranks} ORDER BY count(*) DESC""", {"sync": sync}
         ).fetchall()
         for (name,) in child:
             if _COMM_NAME.search(name):
@@ -180,12 +181,14 @@ def build_timeline_waits(con: Any, al: Alignment) -> None:
             "FROM aligned_steps"
         )
         return
-    parent = "p.parent IS NULL" if al.arrival == al.sync_phase else f"p.parent = '{al.sync_phase}'"
+    nested = al.arrival != al.sync_phase
+    parent = "p.parent = $sync" if nested else "p.parent IS NULL"
     con.execute(
         f"""CREATE OR REPLACE TABLE arrivals AS
             SELECT aligned_steps.rank, aligned_steps.step, aligned_steps.t + p.s AS a, p.e - p.s AS dur
             FROM aligned_steps JOIN phases p USING (rank, step)
-            WHERE p.name = '{al.arrival}' AND {parent}"""
+            WHERE p.name = $arrival AND {parent}""",
+        {"arrival": al.arrival, **({"sync": al.sync_phase} if nested else {})}
     )
     con.execute(
         """CREATE OR REPLACE TABLE timeline_waits AS

@@ -48,8 +48,8 @@ from typing import Any
 import numpy as np
 
 from stepscope.analysis import store as st
-from stepscope.analysis.align import BlockRows
-from stepscope.analysis.blocks import in_block, rank_blocks, step_blocks
+from stepscope.analysis.align import BlockRows, block_params
+from stepscope.analysis.blocks import WHOLE, in_block, rank_blocks, step_blocks
 from stepscope.analysis.load import RunData, create_flat_phases_view
 from stepscope.analysis.run import PhaseRankRunner, StepBlockRunner
 from stepscope.analysis.stats import create_phase_samples, local_phase_rank_rows
@@ -206,9 +206,10 @@ def _create_phases(con: Any, files: tuple[str, ...], keep: str,
         con.execute("INSERT INTO phases SELECT * FROM task_phase_rows")
 
 
-def run_step_block(task: StepBlockTask, select: str) -> dict[str, Any]:
-    """The rows of ``select`` (a :data:`stepscope.analysis.align.BlockRows` statement) over
-    ``task``'s steps, as arrays, on a DuckDB connection of its own."""
+def run_step_block(task: StepBlockTask, select: str, params: dict[str, Any]) -> dict[str, Any]:
+    """The rows of ``select`` (a :data:`stepscope.analysis.align.BlockRows` statement, with its
+    bound parameters ``params``) over ``task``'s steps, as arrays, on a DuckDB connection of
+    its own."""
     con = _task_connection()
     try:
         con.register("task_step_rows", task.step_rows)
@@ -216,8 +217,8 @@ def run_step_block(task: StepBlockTask, select: str) -> dict[str, Any]:
         block = in_block("step", task.steps)
         _create_phases(con, task.files, f"({task.keep}) AND {block}", task.common_steps,
                        task.phases, _FLAT_PHASE_COLUMNS)
-        on = " AND ".join(in_block(f"{t}.step", task.steps) for t in ("p", "s"))
-        return dict(con.execute(select.replace("{block}", on)).fetchnumpy())
+        return dict(con.execute(select, {**params, **block_params(WHOLE, task.steps)}
+                                ).fetchnumpy())
     finally:
         con.close()
 
@@ -252,11 +253,11 @@ def step_runner(client: Any) -> StepBlockRunner:
     def bind(data: RunData) -> BlockRows:
         scattered: list[Any] = []  # each task's data sent once, for every statement
 
-        def insert(table: str, select: str) -> None:
+        def insert(table: str, select: str, params: dict[str, Any]) -> None:
             if not scattered:
                 scattered.extend(client.scatter(plan_steps(data), hash=False))
             parts = client.gather(client.map(run_step_block, scattered, select=select,
-                                             pure=False))
+                                             params=params, pure=False))
             if not parts or not any(len(next(iter(p.values()), ())) for p in parts):
                 return
             rows = {c: np.ma.concatenate([p[c] for p in parts]) for c in parts[0]}

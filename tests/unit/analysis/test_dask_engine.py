@@ -16,6 +16,7 @@ from synth_runs import Slow, SynthRun, write_run
 
 from stepscope.analysis import align, dask_engine
 from stepscope.analysis import store as st
+from stepscope.analysis.blocks import WHOLE
 from stepscope.analysis.load import load_run
 from stepscope.analysis.stats import create_phase_samples, local_phase_rank_rows
 from stepscope.cli import main
@@ -121,11 +122,12 @@ def test_step_block_tasks_give_the_whole_run_rows(name: str, corpus: dict[str, P
         assert len(tasks) > 2
         assert [s for t in tasks for s in steps if t.steps[0] <= s <= t.steps[1]] == steps
         assert all(bool(t.files) == (name != "hostile") for t in tasks)
-        names = align._sql_list(["forward", "backward", "optimizer"])
-        for table, select in (("spreads", align.SYNC_SPREADS.replace("{names}", names)),
-                              ("ends", align.SYNC_ENDS.replace("{sync}", "'backward'"))):
-            whole = data.con.execute(select.replace("{block}", "TRUE")).fetchall()
-            parts = [dask_engine.run_step_block(t, select) for t in tasks]
+        whole_run = align.block_params(WHOLE, WHOLE)
+        for table, select, params in (
+                ("spreads", align.SYNC_SPREADS, {"names": ["forward", "backward", "optimizer"]}),
+                ("ends", align.SYNC_ENDS, {"sync": "backward"})):
+            whole = data.con.execute(select, {**params, **whole_run}).fetchall()
+            parts = [dask_engine.run_step_block(t, select, params) for t in tasks]
             by_tasks = [tuple(row) for p in parts for row in zip(*p.values(), strict=True)]
             assert len(whole) > len(tasks) and sorted(by_tasks) == sorted(whole), table
     finally:
@@ -146,9 +148,10 @@ def test_alignment_from_step_block_tasks(corpus: dict[str, Path], address: str,
             try:
                 rows = None if engine is None else engine(data)
 
-                def counted(table: str, select: str, rows: Any = rows) -> None:
+                def counted(table: str, select: str, params: dict[str, Any],
+                            rows: Any = rows) -> None:
                     ran.append(table)
-                    rows(table, select)
+                    rows(table, select, params)
 
                 got.append(align.align(data.con, data.hosts, len(data.ranks), 10.0,
                                        None if rows is None else counted))
@@ -158,16 +161,27 @@ def test_alignment_from_step_block_tasks(corpus: dict[str, Path], address: str,
     assert got[1] == got[0] and got[0].end_spread_ms is not None and len(got[0].offsets_ms) == 4
 
 
-def test_phase_names_never_hold_the_block_placeholder() -> None:
-    """A phase named like the placeholder stays that name in a step-block statement."""
-    import duckdb
-
-    names = ["a{block}", "it's", "{names}"]
-    select = align.SYNC_SPREADS.replace("{names}", align._sql_list(names))
-    assert select.count("{block}") == 1
-    con = duckdb.connect()
-    assert con.execute(f"SELECT [{align._sql_list(names)}]").fetchone()[0] == names
-    con.close()
+def test_a_phase_named_like_sql_gives_the_same_report(tmp_path: Path, address: str,
+                                                      monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """The synchronising phase named with braces and both quotes: the alignment's statements
+    take it as a bound value, never as text, on both engines (the same report, the name kept)."""
+    monkeypatch.setattr(dask_engine, "STEP_BLOCK_RECORDS", 100)
+    write_run(tmp_path, SynthRun(ranks=8, steps=30, hosts=2, host_offset_ms=21.0, comm_child=True,
+                                 slow=(Slow(5, "forward", 8.0),)))
+    odd = "x{block}'\"{names}"
+    for f in tmp_path.glob("rank*.jsonl"):
+        f.write_text(f.read_text().replace('"backward"', json.dumps(odd)))
+    code, default, err = _report(capsys, str(tmp_path), "--json")
+    assert code == 0, err
+    code, dask, err = _report(capsys, str(tmp_path), "--json", "--engine", "dask",
+                              "--dask-address", address)
+    assert code == 0, err
+    doc = json.loads(dask)
+    assert doc == json.loads(default)
+    assert odd in doc["phases"]
+    al = doc["run"]["alignment"]
+    assert (al["sync_phase"], al["arrival"]) == (odd, "allreduce") and al["end_spread_ms"] is not None
 
 
 def test_store_by_file_url(corpus: dict[str, Path], address: str,
