@@ -3,12 +3,16 @@
 On a Parquet store written by ``analysis_scale.py --write-store`` (ten phase paths per step):
 
 1. the single-machine report (``analyze_run``), timing apart the parts the Dask engine runs
-   as tasks: the per-rank phase rows and the alignment's per-step statements (wall and CPU
-   seconds of this process);
-2. each rank block's task (:func:`stepscope.analysis.dask_engine.run_rank_block`) and each
+   as tasks: the per-rank phase rows, the alignment's per-step statements and the gap
+   series' noise per (rank, phase) (wall and CPU seconds of this process);
+2. each rank block's task (:func:`stepscope.analysis.dask_engine.run_rank_block`), each
    step block's task (:func:`stepscope.analysis.dask_engine.run_step_block`, every statement
-   of the report) run here one after another: wall and CPU seconds, bytes sent and returned;
-   and the client's CPU to append the step-block rows to its tables;
+   of the report) and each series task (:func:`stepscope.analysis.dask_engine.run_series_block`,
+   the report's own series) run here one after another: wall and CPU seconds, bytes sent and
+   returned; the client's CPU to append the step-block rows to its tables and to split the
+   series into blocks and merge their thresholds; and ``--repeat`` paired, interleaved
+   repetitions of the series tasks against the same function on the client (CPU medians
+   and quartiles);
 3. the whole report with ``--engine dask`` on a local cluster of ``--workers`` processes,
    checked equal to the single-machine document.
 
@@ -55,11 +59,13 @@ def _single_machine(store: str, threads: int) -> tuple[dict[str, Any], dict[str,
     seconds of this process), and the step-block statements it ran."""
     from stepscope.analysis.align import insert_by_host_blocks
     from stepscope.analysis.run import open_analyzed_run
+    from stepscope.analysis.series import thresholds_of
     from stepscope.analysis.stats import local_phase_rank_rows
 
     parts = {"rank_rows_s": 0.0, "rank_rows_cpu_s": 0.0, "step_rows_s": 0.0,
-             "step_rows_cpu_s": 0.0}
+             "step_rows_cpu_s": 0.0, "series_s": 0.0, "series_cpu_s": 0.0}
     statements: list[tuple[str, str, dict[str, Any]]] = []
+    series: list[Any] = []  # the gap series and the median step the report used
 
     def timed(key: str, fn: Any, *args: Any) -> Any:
         t, c = time.perf_counter(), _cpu()
@@ -78,14 +84,64 @@ def _single_machine(store: str, threads: int) -> tuple[dict[str, Any], dict[str,
 
         return run
 
+    def noise(data: Any, median_step: float) -> Any:
+        series.extend([data, median_step])
+        return timed("series", thresholds_of, data, median_step)
+
     t0, c0 = time.perf_counter(), _cpu()
     run = open_analyzed_run(store, threads=threads,
                             phase_rank_rows=lambda data: timed("rank_rows", local_phase_rank_rows,
                                                                data.con),
-                            step_block_rows=step_rows)
+                            step_block_rows=step_rows, series_thresholds=noise)
     wall, cpu = time.perf_counter() - t0, _cpu() - c0
     run.close()
-    return run.doc, {"wall_s": wall, "cpu_s": cpu, **parts, "statements": statements}
+    return run.doc, {"wall_s": wall, "cpu_s": cpu, **parts, "statements": statements,
+                     "series": series}
+
+
+def _series_tasks(data: Any, median_step: float,
+                  repeat: int) -> tuple[list[dict[str, float]], float, dict[str, Any]]:
+    """Each series task run here on the report's own gap series (CPU, wall, pickled bytes
+    sent and returned); the client's CPU to split the series and merge the thresholds; and
+    ``repeat`` paired repetitions, interleaved: every task in turn against the same function
+    over every series on the client."""
+    import pickle
+    import statistics
+
+    from stepscope.analysis import dask_engine
+    from stepscope.analysis.series import merge_thresholds, rank_blocks_of, thresholds_of
+
+    c0 = _cpu()
+    blocks = rank_blocks_of(data, dask_engine.SERIES_BLOCK_RANKS)
+    split_cpu = _cpu() - c0
+    out, parts = [], []
+    for block in blocks:
+        t0, c0 = time.perf_counter(), _cpu()
+        part = dask_engine.run_series_block(block, median_step)
+        out.append({"wall_s": time.perf_counter() - t0, "cpu_s": _cpu() - c0,
+                    "series": len(block), "sent_mb": len(pickle.dumps(block)) / 2**20,
+                    "back_mb": len(pickle.dumps(part)) / 2**20})
+        parts.append(part)
+    c0 = _cpu()
+    merged = merge_thresholds(data, parts)
+    merge_cpu = split_cpu + _cpu() - c0
+    assert merged == thresholds_of(data, median_step)
+    tasks, client = [], []
+    for _ in range(repeat):
+        c0 = _cpu()
+        for block in blocks:
+            dask_engine.run_series_block(block, median_step)
+        tasks.append(_cpu() - c0)
+        c0 = _cpu()
+        thresholds_of(data, median_step)
+        client.append(_cpu() - c0)
+
+    def spread(xs: list[float]) -> list[float]:
+        q = statistics.quantiles(xs, n=4) if len(xs) > 1 else [xs[0]] * 3
+        return [round(q[0], 3), round(statistics.median(xs), 3), round(q[2], 3)]
+
+    return out, merge_cpu, {"repeat": repeat, "tasks_cpu_q1_median_q3_s": spread(tasks),
+                            "client_cpu_q1_median_q3_s": spread(client)}
 
 
 def _rank_tasks(store: str, threads: int) -> list[dict[str, float]]:
@@ -152,7 +208,8 @@ def _dask(store: str, threads: int, workers: int) -> tuple[dict[str, Any], float
         started = time.perf_counter() - t0
         t1 = time.perf_counter()
         run = open_analyzed_run(store, threads=threads, phase_rank_rows=dask_engine.runner(client),
-                                step_block_rows=dask_engine.step_runner(client))
+                                step_block_rows=dask_engine.step_runner(client),
+                                series_thresholds=dask_engine.series_runner(client))
         wall = time.perf_counter() - t1
     run.close()
     return run.doc, started, wall
@@ -167,6 +224,8 @@ def main() -> int:
     ap.add_argument("--store", required=True, help="a store from analysis_scale.py --write-store")
     ap.add_argument("--threads", type=int, default=1, help="DuckDB threads on the client")
     ap.add_argument("--workers", type=int, default=2, help="local cluster worker processes")
+    ap.add_argument("--repeat", type=int, default=5,
+                    help="paired repetitions of the series tasks against the client")
     ap.add_argument("--record", metavar="DIR", help="also write a record under DIR")
     args = ap.parse_args()
     if args.record:
@@ -177,21 +236,26 @@ def main() -> int:
     doc, single = _single_machine(args.store, args.threads)
     rank = _rank_tasks(args.store, args.threads)
     step, merge_cpu = _step_tasks(args.store, args.threads, single["statements"])
+    gaps, median_step = single.pop("series")
+    series, series_merge_cpu, paired = _series_tasks(gaps, median_step, args.repeat)
     dask_doc, dask_start, dask_wall = _dask(args.store, args.threads, args.workers)
     samples = int(doc["run"]["phase_samples"])
     records = int(doc["run"]["records"]) if isinstance(doc["run"].get("records"), int) else None
     rank_samples = _mean(rank, "samples")
     # What stays on the client, in CPU seconds (this process; the load does not inflate
-    # them as it does wall seconds): everything but the two kinds of tasks, plus appending
-    # the step-block tasks' rows to its tables.
+    # them as it does wall seconds): everything but the three kinds of tasks, plus appending
+    # the step-block tasks' rows to its tables and splitting and merging the series.
     client_cpu = (single["cpu_s"] - single["rank_rows_cpu_s"] - single["step_rows_cpu_s"]
-                  + merge_cpu)
+                  - single["series_cpu_s"] + merge_cpu + series_merge_cpu)
     scale = TARGET / samples
     n_rank = math.ceil(TARGET / rank_samples)
     n_step = math.ceil(len(step) * scale)  # tasks of as many records: the same per-step size
+    n_series = math.ceil(len(series) * scale)  # blocks of as many ranks and steps
     rank_cpu, step_cpu = _mean(rank, "cpu_s"), _mean(step, "cpu_s")
+    series_cpu = _mean(series, "cpu_s")
     projected = {str(n): round(client_cpu * scale + math.ceil(n_rank / n) * rank_cpu
-                               + math.ceil(n_step / n) * step_cpu, 1) for n in WORKERS}
+                               + math.ceil(n_step / n) * step_cpu
+                               + math.ceil(n_series / n) * series_cpu, 1) for n in WORKERS}
     print(json.dumps({
         "benchmark": "dask_scale",
         "phase_samples": samples,
@@ -215,6 +279,15 @@ def main() -> int:
         "step_task_cpu_s": round(step_cpu, 3),
         "step_task_sent_mb": round(_mean(step, "sent_mb"), 2),
         "step_task_back_mb": round(_mean(step, "back_mb"), 2),
+        "series_on_client_cpu_s": round(single["series_cpu_s"], 3),
+        "series_tasks": len(series),
+        "series_task_series": round(_mean(series, "series")),
+        "series_task_wall_s": round(_mean(series, "wall_s"), 3),
+        "series_task_cpu_s": round(series_cpu, 3),
+        "series_task_sent_mb": round(_mean(series, "sent_mb"), 2),
+        "series_task_back_mb": round(_mean(series, "back_mb"), 3),
+        "series_split_merge_cpu_s": round(series_merge_cpu, 3),
+        "series_paired": paired,
         "dask_workers": args.workers,
         "dask_cluster_start_s": round(dask_start, 2),
         "dask_wall_s": round(dask_wall, 2),
@@ -225,6 +298,7 @@ def main() -> int:
             "client_s": round(client_cpu * scale, 1),
             "rank_tasks": n_rank,
             "step_tasks": n_step,
+            "series_tasks": n_series,
             "by_workers_s": projected,
         },
         "load_avg_1m": round(os.getloadavg()[0], 2),

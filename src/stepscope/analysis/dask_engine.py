@@ -17,6 +17,12 @@ connection of its own (one thread) over its part of the run only:
   filtered to its steps (each file is ordered by step, so DuckDB skips the other row
   groups); its steps' rows of ``steps`` come from the client. The client appends the rows
   to its table (blocks are disjoint: a union) and takes the same medians as on one machine.
+* **series tasks** (:func:`run_series_block`): the noise of each (rank, phase) gap series
+  (:func:`stepscope.analysis.series.thresholds_of`, the flag threshold the straggler and
+  window search uses) needs that series alone, so each block of
+  :data:`SERIES_BLOCK_RANKS` whole ranks is one task, sent its ranks' series by the client
+  (the series come from the own-work tables, built on the client); the client merges the
+  thresholds (a union, :func:`stepscope.analysis.series.merge_thresholds`).
 
 The client gathers the rows and the analysis goes on as on one machine. Where the store
 has no flat copy the report can read (a run with duplicate records, torn tails, several
@@ -32,7 +38,8 @@ Example::
 
     with dask_engine.cluster(None) as client:  # a local cluster
         run = open_analyzed_run("runs/demo", phase_rank_rows=dask_engine.runner(client),
-                                step_block_rows=dask_engine.step_runner(client))
+                                step_block_rows=dask_engine.step_runner(client),
+                                series_thresholds=dask_engine.series_runner(client))
     run.close()
 """
 
@@ -52,6 +59,13 @@ from stepscope.analysis.align import BlockRows, block_params
 from stepscope.analysis.blocks import WHOLE, in_block, rank_blocks, step_blocks
 from stepscope.analysis.load import RunData, create_flat_phases_view
 from stepscope.analysis.run import PhaseRankRunner, StepBlockRunner
+from stepscope.analysis.series import (
+    Series,
+    ThresholdRunner,
+    merge_thresholds,
+    rank_blocks_of,
+    thresholds_of,
+)
 from stepscope.analysis.stats import create_phase_samples, local_phase_rank_rows
 from stepscope.common.errors import AnalysisError
 
@@ -79,6 +93,8 @@ _FLAT_PHASE_COLUMNS = ("rank INTEGER, step BIGINT, name VARCHAR, parent VARCHAR,
                        "s DOUBLE, calls BIGINT, e DOUBLE, path VARCHAR")
 #: Records (rank, step) per step-block task: ~10 phase rows each, a few seconds of one thread.
 STEP_BLOCK_RECORDS = 250_000
+#: Ranks per series task: a rank block of the store.
+SERIES_BLOCK_RANKS = st.RANK_BLOCK
 
 
 @dataclass(frozen=True)
@@ -270,6 +286,28 @@ def step_runner(client: Any) -> StepBlockRunner:
         return insert
 
     return bind
+
+
+def run_series_block(block: Series, median_step: float) -> dict[tuple[int, str], float]:
+    """The flag threshold of each gap series of a block of ranks: the single-machine
+    function (:func:`stepscope.analysis.series.thresholds_of`) over the block's series."""
+    return thresholds_of(block, median_step)
+
+
+def series_runner(client: Any) -> ThresholdRunner:
+    """What :func:`stepscope.analysis.run.open_analyzed_run` calls for the gap series' noise:
+    one task per block of :data:`SERIES_BLOCK_RANKS` ranks on ``client``'s cluster, the
+    thresholds merged in the series' order."""
+
+    def thresholds(data: Series, median_step: float) -> dict[tuple[int, str], float]:
+        blocks = rank_blocks_of(data, SERIES_BLOCK_RANKS)
+        if not blocks:
+            return {}
+        futures = client.map(run_series_block, client.scatter(blocks, hash=False),
+                             median_step=median_step, pure=False)
+        return merge_thresholds(data, client.gather(futures))
+
+    return thresholds
 
 
 def runner(client: Any) -> PhaseRankRunner:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -17,6 +18,7 @@ from stepscope.analysis import grouped
 from stepscope.analysis.own import DenseOwn, OwnColumns, median_of_others
 from stepscope.analysis.relations import has_column
 from stepscope.common import robust
+from stepscope.common.errors import AnalysisError
 
 #: Flag threshold: SIGMAS robust sigmas of the rank's own step-to-step variation, floored so
 #: near-noiseless data does not flag microseconds.
@@ -210,15 +212,49 @@ def runq_extra(con: Any) -> dict[int, dict[int, float]]:
     return out
 
 
-def build_thresholds(con: Any, median_step: float,
-                     series: Series | None = None) -> dict[tuple[int, str], float]:
+#: Computes :func:`thresholds_of` of a run's gap series elsewhere, the same values: an engine
+#: that runs it on blocks of ranks (:func:`rank_blocks_of`) as tasks and merges their
+#: thresholds (:func:`merge_thresholds`; :mod:`stepscope.analysis.dask_engine`).
+ThresholdRunner = Callable[[Series, float], dict[tuple[int, str], float]]
+
+
+def rank_blocks_of(data: Series, ranks: int) -> list[Series]:
+    """``data`` cut into blocks of whole ranks (rank // ``ranks``), each in ``data``'s order.
+
+    Each series' noise is its own: :func:`thresholds_of` over every block gives, key by key,
+    its value over ``data`` (the per-rank aggregate merges by union)."""
+    if ranks < 1:
+        raise ValueError(f"ranks per block must be >= 1, got {ranks!r}")
+    blocks: dict[int, Series] = {}
+    for key, cols in data.items():
+        blocks.setdefault(key[0] // ranks, {})[key] = cols
+    return [blocks[b] for b in sorted(blocks)]
+
+
+def merge_thresholds(data: Series, parts: Iterable[dict[tuple[int, str], float]]
+                     ) -> dict[tuple[int, str], float]:
+    """The blocks' thresholds as one dict in ``data``'s order, as :func:`thresholds_of` gives
+    it; every series must have its value (a lost block is an error, never a missing flag)."""
+    got: dict[tuple[int, str], float] = {}
+    for part in parts:
+        got.update(part)
+    missing = [k for k in data if k not in got]
+    if missing or len(got) != len(data):
+        raise AnalysisError(f"thresholds of {len(missing)} series missing from the blocks "
+                           f"(first {missing[:1]}), {len(got)} given for {len(data)}")
+    return {k: got[k] for k in data}
+
+
+def build_thresholds(con: Any, median_step: float, series: Series | None = None,
+                     runner: ThresholdRunner | None = None) -> dict[tuple[int, str], float]:
     """Flag threshold per (rank, phase): the rank's own noise in its gap to the others.
 
     Noise is the robust sigma of successive differences of the gap (divided by sqrt 2), so
     a level shift or a window of slow steps does not inflate it; floored. ``series``: the
     gap series of table ``own_excess`` (:func:`read_gap_series`) when already read.
+    ``runner``: computes them elsewhere (default: here, :func:`thresholds_of`).
     """
     if series is None:
         steps = [int(s) for (s,) in con.execute("SELECT DISTINCT step FROM own_excess ORDER BY 1").fetchall()]
         series = read_gap_series(con, steps)
-    return thresholds_of(series, median_step)
+    return (thresholds_of if runner is None else runner)(series, median_step)

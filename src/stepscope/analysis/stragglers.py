@@ -55,6 +55,7 @@ from stepscope.analysis.series import (
     FLOOR_MS,
     SIGMAS,
     Series,
+    ThresholdRunner,
     build_thresholds,
     net_of_runq,
     read_gap_series,
@@ -651,9 +652,11 @@ def _window_phase(con: Any, first: int, last: int) -> str:
 
 
 def attribute(con: Any, hosts: dict[str, list[int]], ranks: list[int], median_step: float,
-              steps: list[int], block_rows: BlockRows | None = None) -> Attribution:
+              steps: list[int], block_rows: BlockRows | None = None,
+              series_thresholds: ThresholdRunner | None = None) -> Attribution:
     """Waits, own work, stragglers, windows and the collectives view for a loaded run
-    (``block_rows``: where the alignment's per-step rows are computed, :func:`align`)."""
+    (``block_rows``: where the alignment's per-step rows are computed, :func:`align`;
+    ``series_thresholds``: where the gap series' noise is, :func:`build_thresholds`)."""
     n_ranks = len(ranks)
     al = align(con, hosts, n_ranks, median_step, block_rows)
     info: list[str] = []
@@ -669,7 +672,7 @@ def attribute(con: Any, hosts: dict[str, list[int]], ranks: list[int], median_st
             al.arrival = GRAD_SYNC if row[1] == DDP_OP else str(row[1])
             al.aligned = True
     series = read_gap_series(con, steps, build_own(con))
-    thr = build_thresholds(con, median_step, series)
+    thr = build_thresholds(con, median_step, series, series_thresholds)
     host_of = {r: h for h, rs in hosts.items() for r in rs}
     contention: list[dict[str, Any]] = []
     stragglers = find_stragglers(con, steps, host_of, thr, median_step, contention, series)

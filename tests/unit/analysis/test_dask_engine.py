@@ -14,10 +14,11 @@ import pytest
 import synth_collectives as sc
 from synth_runs import Slow, SynthRun, write_run
 
-from stepscope.analysis import align, dask_engine
+from stepscope.analysis import align, dask_engine, series
 from stepscope.analysis import store as st
 from stepscope.analysis.blocks import WHOLE
 from stepscope.analysis.load import load_run
+from stepscope.analysis.run import open_analyzed_run
 from stepscope.analysis.stats import create_phase_samples, local_phase_rank_rows
 from stepscope.cli import main
 
@@ -75,8 +76,10 @@ def _report(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, s
 def test_dask_report_is_the_default_report(name: str, corpus: dict[str, Path], address: str,
                                            monkeypatch: pytest.MonkeyPatch,
                                            capsys: pytest.CaptureFixture[str]) -> None:
-    # Step blocks of ~7 steps of 16 ranks: several step-block tasks a statement.
+    # Step blocks of ~7 steps of 16 ranks: several step-block tasks a statement; series
+    # tasks of 3 ranks.
     monkeypatch.setattr(dask_engine, "STEP_BLOCK_RECORDS", 100)
+    monkeypatch.setattr(dask_engine, "SERIES_BLOCK_RANKS", 3)
     run = str(corpus[name])
     code, default, _ = _report(capsys, run, "--json")
     assert code == 0
@@ -159,6 +162,36 @@ def test_alignment_from_step_block_tasks(corpus: dict[str, Path], address: str,
                 data.close()
     assert ran == ["sync_spreads", "sync_ends"]
     assert got[1] == got[0] and got[0].end_spread_ms is not None and len(got[0].offsets_ms) == 4
+
+
+@pytest.mark.parametrize("name", ["multihost", "two_blocks"])
+def test_series_thresholds_from_rank_block_tasks(name: str, corpus: dict[str, Path], address: str,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gap series' noise per (rank, phase) comes from one task per block of ranks on the
+    cluster (counted in its task stream: none if the report computed it on the client), and
+    the thresholds, and the report, are the default path's."""
+    monkeypatch.setattr(dask_engine, "SERIES_BLOCK_RANKS", 5)
+    got: list[dict[tuple[int, str], float]] = []
+    seen: list[int] = []
+    with distributed.Client(address) as client:
+        engine = dask_engine.series_runner(client)
+
+        def spy(data: series.Series, median_step: float) -> dict[tuple[int, str], float]:
+            seen.append(len(data))
+            got.append(engine(data, median_step))
+            got.append(series.thresholds_of(data, median_step))
+            return got[0]
+
+        with distributed.get_task_stream(client) as stream:
+            run = open_analyzed_run(corpus[name], series_thresholds=spy)
+        run.close()
+    tasks = {t["key"] for t in stream.data if "run_series_block" in str(t["key"])}
+    ranks = len(run.doc["run"]["rank_ids"])
+    assert len(tasks) == -(-ranks // 5) and seen and seen[0] >= ranks
+    assert list(got[0].items()) == list(got[1].items())  # every value, in the series' order
+    default = open_analyzed_run(corpus[name])
+    default.close()
+    assert run.doc == default.doc
 
 
 def test_a_phase_named_like_sql_gives_the_same_report(tmp_path: Path, address: str,
