@@ -219,15 +219,17 @@ ThresholdRunner = Callable[[Series, float], dict[tuple[int, str], float]]
 
 
 def rank_blocks_of(data: Series, ranks: int) -> list[Series]:
-    """``data`` cut into blocks of whole ranks (rank // ``ranks``), each in ``data``'s order.
+    """``data`` cut into blocks of whole ranks (rank // ``ranks``), each in ``data``'s order,
+    each series reduced to its gap (empty step positions and own work: the noise reads
+    nothing else, so a block is a third of the bytes to send).
 
     Each series' noise is its own: :func:`thresholds_of` over every block gives, key by key,
     its value over ``data`` (the per-rank aggregate merges by union)."""
     if ranks < 1:
         raise ValueError(f"ranks per block must be >= 1, got {ranks!r}")
     blocks: dict[int, Series] = {}
-    for key, cols in data.items():
-        blocks.setdefault(key[0] // ranks, {})[key] = cols
+    for key, (pos, gap, own) in data.items():
+        blocks.setdefault(key[0] // ranks, {})[key] = (pos[:0], gap, own[:0])
     return [blocks[b] for b in sorted(blocks)]
 
 
