@@ -221,7 +221,7 @@ ThresholdRunner = Callable[[Series, float], dict[tuple[int, str], float]]
 def rank_blocks_of(data: Series, ranks: int) -> list[Series]:
     """``data`` cut into blocks of whole ranks (rank // ``ranks``), each in ``data``'s order,
     each series reduced to its gap (empty step positions and own work: the noise reads
-    nothing else, so a block is a third of the bytes to send).
+    nothing else: half the bytes to send, the own-work rows being as large).
 
     Each series' noise is its own: :func:`thresholds_of` over every block gives, key by key,
     its value over ``data`` (the per-rank aggregate merges by union)."""
