@@ -1,8 +1,8 @@
 """The Dask engine of ``stepscope report --engine dask``: a run's work that splits by blocks
 of ranks or of steps as tasks on a Dask cluster, the rest of the analysis on the client.
 
-Two kinds of task, each running the statements of the single-machine path on a DuckDB
-connection of its own (one thread) over its part of the run only:
+Three kinds of task, each running the single-machine path's own statements or function
+over its part of the run only (the statements on a DuckDB connection of its own, one thread):
 
 * **rank-block tasks** (:func:`run_rank_block`): the per-rank phase statistics
   (:func:`stepscope.analysis.stats.phase_rank_rows`: exact quantiles, max, sums and counts per
