@@ -140,21 +140,22 @@ def _rows(con: Any, source: str) -> _Plan:
     """
     ids = [str(i) for (i,) in con.execute(f"SELECT DISTINCT run_id FROM {source} ORDER BY 1").fetchall()]
     split = _splitter(con)
-    con.execute(f"""CREATE OR REPLACE TEMP TABLE rank_run_step_order AS
-        SELECT rank, run_id, count(*) = count(DISTINCT step) AS by_step
-        FROM (SELECT DISTINCT rank, run_id, step, start_unix_ns, step_ms FROM {source})
-        GROUP BY 1, 2""")
-    return _Plan(lambda b: f"""SELECT l.rank, list_position($ids, l.run_id) - 1 AS rid, l.step,
+    # Whether a rank and run steps by index is read from the block's own distinct rows (a
+    # block holds whole ranks): one DISTINCT per block, not a second one over the whole run.
+    return _Plan(lambda b: f"""WITH l AS MATERIALIZED (
+                    SELECT DISTINCT rank, run_id, step, start_unix_ns, step_ms FROM {source}
+                    WHERE {in_block('rank', b)}),
+                o AS (SELECT rank, run_id, count(*) = count(DISTINCT step) AS by_step
+                      FROM l GROUP BY 1, 2)
+                SELECT l.rank, list_position($ids, l.run_id) - 1 AS rid, l.step,
                        l.start_unix_ns, l.step_ms, sp.w, sp.c, sp.i, sp.h,
                        CASE WHEN o.by_step THEN l.step ELSE l.start_unix_ns END AS k
-                FROM (SELECT DISTINCT rank, run_id, step, start_unix_ns, step_ms FROM {source}
-                      WHERE {in_block('rank', b)}) l
+                FROM l
                 -- only what the analysis kept (plausible, timed), re-done steps included
                 JOIN ({split('', b)}) sp USING (rank, step)
-                JOIN rank_run_step_order o USING (rank, run_id)""", {"ids": ids},
+                JOIN o USING (rank, run_id)""", {"ids": ids},
                  _order("rank, rid, k, start_unix_ns, step"),
-                 f"SELECT rank, count(*) FROM {source} GROUP BY 1 ORDER BY 1", ids,
-                 ("rank_run_step_order",))
+                 f"SELECT rank, count(*) FROM {source} GROUP BY 1 ORDER BY 1", ids)
 
 
 def _order(order: str) -> str:
