@@ -58,6 +58,13 @@ _gate_here = gate.here
 class Recorder:
     """Marks, steps and per-thread phase stacks; the base of :class:`~stepscope.tracer.Tracer`."""
 
+    # The fields a step boundary reads, as slots: a step that records nothing touches a few
+    # adjacent cache lines instead of hash entries spread over a large instance dict. After
+    # a long step has evicted the caches, that is most of what such a boundary costs
+    # (``benchmarks/hot_path.py --mode cold-boundary``). Every other field lives in __dict__.
+    __slots__ = ("enabled", "_index", "_sample_at", "_in_step", "_next", "_cur", "_refused",
+                 "_owner", "_train_thread", "__dict__", "__weakref__")
+
     def __init__(self, config: Config, clock: Clock, resolver: Resolver) -> None:
         self.config = config
         self.clock = clock

@@ -112,3 +112,55 @@ def test_step_index_moves_between_unsampled_and_sampled_steps(mem_tracer):
         i += 1
     assert [r["step"] for r in tr.sink.records] == [s for s in ran if config.samples(s)]
     assert all(any(p["name"] == "forward" for p in r["phases"]) for r in tr.sink.records)
+
+
+def _attributes_used(fn: Any) -> set[str]:
+    """Names of the attributes that the stepscope frames ``fn()`` runs load or store (opcode
+    tracing: only the instructions that ran)."""
+    import dis
+
+    names: set[str] = set()
+    ops: dict[Any, dict[int, str]] = {}
+
+    def trace(frame: Any, event: str, arg: Any) -> Any:
+        code = frame.f_code
+        if not code.co_filename.startswith(PACKAGE):
+            return None
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            if code not in ops:
+                ops[code] = {i.offset: i.argval for i in dis.get_instructions(code)
+                             if i.opname in ("LOAD_ATTR", "STORE_ATTR", "LOAD_METHOD")}
+            name = ops[code].get(frame.f_lasti)
+            if name is not None:
+                names.add(name)
+        return trace
+
+    sys.settrace(trace)
+    try:
+        fn()
+    finally:
+        sys.settrace(None)
+    return names
+
+
+def test_an_unsampled_step_reads_and_writes_only_slots_of_the_tracer(mem_tracer):
+    # A long step evicts the caches; the boundary after it then pays for each cache line it
+    # touches. Slots sit side by side in the object; instance-dict entries are spread out.
+    model = torch.nn.Linear(2, 2)
+    tr = mem_tracer(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                    every_n_steps=1000)
+    for _ in range(3):
+        with tr.step():
+            pass
+
+    def one() -> None:
+        with tr.step():
+            pass
+
+    used = _attributes_used(one)
+    assert {"_index", "_sample_at", "_in_step", "_step_cm"} <= used
+    cls = type(tr)
+    not_slots = sorted(n for n in used if n in vars(tr) or not hasattr(cls, n))
+    assert not_slots == []
+    tr.finish()
