@@ -62,8 +62,19 @@ class Recorder:
     # adjacent cache lines instead of hash entries spread over a large instance dict. After
     # a long step has evicted the caches, that is most of what such a boundary costs
     # (``benchmarks/hot_path.py --mode cold-boundary``). Every other field lives in __dict__.
-    __slots__ = ("enabled", "_index", "_sample_at", "_in_step", "_next", "_cur", "_refused",
-                 "_owner", "_train_thread", "__dict__", "__weakref__")
+    __slots__ = (
+        "__dict__",
+        "__weakref__",
+        "_cur",
+        "_in_step",
+        "_index",
+        "_next",
+        "_owner",
+        "_refused",
+        "_sample_at",
+        "_train_thread",
+        "enabled",
+    )
 
     def __init__(self, config: Config, clock: Clock, resolver: Resolver) -> None:
         self.config = config

@@ -49,8 +49,16 @@ class Session(Recorder):
     """The recorder plus its run: resolver, writer, listeners, instruments, failures."""
 
     # The rest of what a step boundary reads (see Recorder.__slots__).
-    __slots__ = ("_handed", "_hooks_on", "_step_end", "_step_wall_ns", "_last_step", "_rq_read",
-                 "_step_counts", "_step_cm")
+    __slots__ = (
+        "_handed",
+        "_hooks_on",
+        "_last_step",
+        "_rq_read",
+        "_step_cm",
+        "_step_counts",
+        "_step_end",
+        "_step_wall_ns",
+    )
 
     def __init__(
         self, config: Config, clock: Clock, rank: RankInfo, run_id: str, sink: Sink | None,
