@@ -88,8 +88,9 @@ JSONL writer (as ``init()`` builds them; no heartbeat unless ``--heartbeat``), a
   the ~3 ms MLP (``--hidden``, default 640), each after one bare step; the training-thread CPU
   of the entry (``step()`` and ``__enter__``), the step body and the exit is read apart, so
   the boundary's cold cost comes with a precision of ~0.1 µs where ``alternate``'s whole-step
-  difference has ±10 µs. Prints, per part, the median of tracer minus empty ``with`` and its
-  precision (``--steps`` rounds).
+  difference has ±10 µs. Prints, per part (entry, body, exit, and the boundary: entry plus
+  exit), the median of tracer minus empty ``with`` (``*_added_us``) and its precision
+  (``*_pm_us``), over ``--steps`` rounds.
 - ``--mode ddp-calls``: as ``calls`` for a step of 2 gloo ranks under DDP (rank 0, a small MLP
   with small buckets), recorded and never sampled, plus the calls inside the two hooks DDP
   adds on recorded steps: the untimed-groups look (which counts the C++-issued bucket
@@ -579,11 +580,14 @@ def cold_boundary_mode(rounds: int) -> dict[str, Any]:
             got[name].append(parts(arms[name]))
     tracer.finish()
     out: dict[str, Any] = {}
-    for j, part in enumerate(("entry", "body", "exit")):
-        diffs = [(a[j] - b[j]) / 1e3 for a, b in zip(got["tracer"], got["control"], strict=True)]
-        out[part] = _spread("added_us", diffs)
-    both = [(a[0] + a[2] - b[0] - b[2]) / 1e3 for a, b in zip(got["tracer"], got["control"], strict=True)]
-    out["boundary"] = _spread("added_us", both)
+    pairs = list(zip(got["tracer"], got["control"], strict=True))
+    for part, diffs in (("entry", [a[0] - b[0] for a, b in pairs]), ("body", [a[1] - b[1] for a, b in pairs]),
+                        ("exit", [a[2] - b[2] for a, b in pairs]),
+                        ("boundary", [a[0] + a[2] - b[0] - b[2] for a, b in pairs])):
+        spread = _spread("added_us", [d / 1e3 for d in diffs])
+        out[f"{part}_added_us"] = spread["added_us"]
+        out[f"{part}_pm_us"] = spread["median_pm_us"]
+    out["n"] = len(pairs)
     return out
 
 
