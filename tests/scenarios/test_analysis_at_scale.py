@@ -882,7 +882,7 @@ def test_waits_one_pass_over_the_collectives(tmp_path: Path) -> None:
     finally:
         data.close()
     assert after == before and any(r[-1] > 0 for r in before)
-    made = [s for s in spy.sqls if "CREATE OR REPLACE TEMP TABLE collective_waits" in s]
+    made = [s for s in spy.sqls if "CREATE OR REPLACE TABLE collective_waits" in s]
     assert len(made) == 1 and "OVER" not in made[0], made
     assert not any("TABLE cm" in s for s in spy.sqls)
 
