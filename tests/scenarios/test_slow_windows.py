@@ -1,4 +1,5 @@
-"""Slow windows found whole in real gloo DDP runs: true bounds (± 3 steps; the end up to 5 late), true excess (± 10%).
+"""Slow windows found whole in real gloo DDP runs: true bounds (± 3 steps; the end up to 5
+late), true excess (± 10%).
 
 Each rank's own-work gap series goes through change-point detection
 (:mod:`stepscope.analysis.changepoint`), so a noisy stretch inside the window neither splits
