@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,9 @@ def _stepscope_frames(fn: Any) -> list[str]:
     return got
 
 
-def test_an_unsampled_step_runs_only_the_step_call_and_its_entry_and_exit(mem_tracer):
+def _warm_unsampled(mem_tracer: Any) -> tuple[Any, Callable[[], None]]:
+    """A tracer with model and optimizer hooks that records 1 step in 1000, past its first
+    steps, and one empty step of it to run (unsampled until step 999)."""
     model = torch.nn.Linear(2, 2)
     tr = mem_tracer(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                     every_n_steps=1000)
@@ -45,6 +48,11 @@ def test_an_unsampled_step_runs_only_the_step_call_and_its_entry_and_exit(mem_tr
         with tr.step():
             pass
 
+    return tr, one
+
+
+def test_an_unsampled_step_runs_only_the_step_call_and_its_entry_and_exit(mem_tracer):
+    tr, one = _warm_unsampled(mem_tracer)
     assert _stepscope_frames(one) == ["step", "_enter_step", "_exit_step"]
     # The step before a sampled one takes the full boundary (hooks on, run-queue baseline).
     for _ in range(995):
@@ -147,17 +155,7 @@ def _attributes_used(fn: Any) -> set[str]:
 def test_an_unsampled_step_reads_and_writes_only_slots_of_the_tracer(mem_tracer):
     # A long step evicts the caches; the boundary after it then pays for each cache line it
     # touches. Slots sit side by side in the object; instance-dict entries are spread out.
-    model = torch.nn.Linear(2, 2)
-    tr = mem_tracer(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                    every_n_steps=1000)
-    for _ in range(3):
-        with tr.step():
-            pass
-
-    def one() -> None:
-        with tr.step():
-            pass
-
+    tr, one = _warm_unsampled(mem_tracer)
     used = _attributes_used(one)
     assert {"_index", "_sample_at", "_in_step", "_step_cm"} <= used
     cls = type(tr)
