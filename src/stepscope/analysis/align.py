@@ -40,11 +40,12 @@ def _candidates(con: Any, n_ranks: int) -> list[str]:
     return [r[0] for r in rows]
 
 
-#: The block's condition on ``p`` (phases) and ``s`` (steps), on both sides of the join so that
-#: each side's scan skips the row groups outside it: bound parameters ``$first_rank``,
-#: ``$last_rank``, ``$first_step``, ``$last_step`` (:func:`block_params`), never text.
-_IN_BLOCK = " AND ".join(f"{t}.{c} BETWEEN $first_{c} AND $last_{c}"
-                         for t in ("p", "s") for c in ("rank", "step"))
+def _in_block(table: str) -> str:
+    """The block's condition on ``table``'s rows, put on both sides of a join (``p``: phases,
+    ``s``: steps) so that each side's scan skips the row groups outside it: bound parameters
+    ``$first_rank``, ``$last_rank``, ``$first_step``, ``$last_step`` (:func:`block_params`),
+    never text."""
+    return " AND ".join(f"{table}.{c} BETWEEN $first_{c} AND $last_{c}" for c in ("rank", "step"))
 
 
 def block_params(ranks: tuple[int, int], steps: tuple[int, int]) -> dict[str, int]:
@@ -64,16 +65,28 @@ def block_params(ranks: tuple[int, int], steps: tuple[int, int]) -> dict[str, in
 #: (:mod:`stepscope.analysis.dask_engine`). Names travel as parameters, never in the text.
 BlockRows = Callable[[str, str, dict[str, Any]], None]
 
-#: The per-(phase, step, host) spread of the candidate phases' ends (``$names``: their names).
+#: Each step row of the block with its host's position in ``$hosts`` (every host name of
+#: ``steps``): joining and grouping by that number, not by the name, keeps strings out of the
+#: statements' hash tables (about half their CPU); each step row's host is matched once,
+#: against a table of the run's hosts.
+_BLOCK_STEPS = f"""(SELECT s.rank, s.step, s.t0, host_ids.host_id
+                     FROM steps s JOIN (SELECT unnest($hosts::VARCHAR[]) AS host,
+                                               generate_subscripts($hosts::VARCHAR[], 1) AS host_id)
+                          host_ids USING (host)
+                     WHERE {_in_block("s")}) s"""
+
+#: The per-(phase, step, host) spread of the candidate phases' ends (``$names``: their names;
+#: ``$hosts``: the run's host names).
 SYNC_SPREADS = f"""SELECT p.name, max(s.t0 + p.e) - min(s.t0 + p.e) AS spread
-                   FROM phases p JOIN steps s USING (rank, step)
+                   FROM phases p JOIN {_BLOCK_STEPS} USING (rank, step)
                    WHERE p.parent IS NULL AND list_contains($names::VARCHAR[], p.name)
-                     AND {_IN_BLOCK}
-                   GROUP BY p.name, p.step, s.host HAVING count(*) > 1"""
-#: Each rank's end of the synchronising phase (``$sync``) on its host's clock.
-SYNC_ENDS = f"""SELECT s.host, p.step, s.t0 + p.e AS end_t FROM phases p
-                JOIN steps s USING (rank, step)
-                WHERE p.name = $sync::VARCHAR AND p.parent IS NULL AND {_IN_BLOCK}"""
+                     AND {_in_block("p")}
+                   GROUP BY p.name, p.step, s.host_id HAVING count(*) > 1"""
+#: Each rank's end of the synchronising phase (``$sync``) on its host's clock, the host by its
+#: position in ``$hosts`` (from 1).
+SYNC_ENDS = f"""SELECT s.host_id, p.step, s.t0 + p.e AS end_t
+                FROM phases p JOIN {_BLOCK_STEPS} USING (rank, step)
+                WHERE p.name = $sync::VARCHAR AND p.parent IS NULL AND {_in_block("p")}"""
 
 
 def insert_by_host_blocks(con: Any, hosts: dict[str, list[int]]) -> BlockRows:
@@ -104,7 +117,7 @@ def align(con: Any, hosts: dict[str, list[int]], n_ranks: int, median_step: floa
         # Per step and host, a block of steps or whole hosts at a time; the median over all
         # of them at the end.
         con.execute("CREATE OR REPLACE TEMP TABLE sync_spreads (name VARCHAR, spread DOUBLE)")
-        fill("sync_spreads", SYNC_SPREADS, {"names": cands})
+        fill("sync_spreads", SYNC_SPREADS, {"names": cands, "hosts": sorted(hosts)})
         for name, spread in con.execute(
                 "SELECT name, median(spread) FROM sync_spreads GROUP BY 1").fetchall():
             spreads[name] = float(spread)
@@ -129,15 +142,16 @@ def align(con: Any, hosts: dict[str, list[int]], n_ranks: int, median_step: floa
     offsets: dict[str, float] = {h: 0.0 for h in hosts}
     method = "single host: start_unix_ns compared directly" if not multi_host else ""
     if multi_host and sync is not None:
-        con.execute("CREATE OR REPLACE TEMP TABLE sync_ends (host VARCHAR, step BIGINT, end_t DOUBLE)")
-        fill("sync_ends", SYNC_ENDS, {"sync": sync})
+        con.execute("CREATE OR REPLACE TEMP TABLE sync_ends (host_id BIGINT, step BIGINT, end_t DOUBLE)")
+        names = sorted(hosts)
+        fill("sync_ends", SYNC_ENDS, {"sync": sync, "hosts": names})
         rows = con.execute(
             """WITH med AS (SELECT step, median(end_t) AS m FROM sync_ends GROUP BY 1)
-               SELECT host, median(end_t - m) FROM sync_ends JOIN med USING (step) GROUP BY 1
+               SELECT host_id, median(end_t - m) FROM sync_ends JOIN med USING (step) GROUP BY 1
                ORDER BY 1"""
         ).fetchall()
         con.execute("DROP TABLE sync_ends")
-        offsets = {str(h): float(o) for h, o in rows}
+        offsets = {names[i - 1]: float(o) for i, o in rows}
         method = (f"{len(hosts)} hosts: per-host clock offsets estimated from the common end "
                   f"of '{sync}' (median over steps)")
     elif multi_host:

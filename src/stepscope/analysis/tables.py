@@ -102,8 +102,9 @@ _DECLARED = (
     # -- alignment (analysis/align.py) --
     Table("sync_spreads", ("name", "spread"),
           "how far apart one host's ranks end a candidate synchronising phase, per step"),
-    Table("sync_ends", ("host", "step", "end_t"),
-          "when each host's ranks end the synchronising phase, on the raw timeline"),
+    Table("sync_ends", ("host_id", "step", "end_t"),
+          "when each host's ranks end the synchronising phase, on the raw timeline (host_id: "
+          "the host's place in the run's sorted host names, from 1)"),
     Table("host_offsets", ("host", "off"), "each host's estimated clock offset in ms"),
     Table("aligned_steps", ("rank", "step", "host", "t", "step_ms"),
           "each step's start on the aligned timeline (host offsets taken off)"),

@@ -126,9 +126,11 @@ def test_step_block_tasks_give_the_whole_run_rows(name: str, corpus: dict[str, P
         assert [s for t in tasks for s in steps if t.steps[0] <= s <= t.steps[1]] == steps
         assert all(bool(t.files) == (name != "hostile") for t in tasks)
         whole_run = align.block_params(WHOLE, WHOLE)
+        hosts = sorted(data.hosts)
         for table, select, params in (
-                ("spreads", align.SYNC_SPREADS, {"names": ["forward", "backward", "optimizer"]}),
-                ("ends", align.SYNC_ENDS, {"sync": "backward"})):
+                ("spreads", align.SYNC_SPREADS,
+                 {"names": ["forward", "backward", "optimizer"], "hosts": hosts}),
+                ("ends", align.SYNC_ENDS, {"sync": "backward", "hosts": hosts})):
             whole = data.con.execute(select, {**params, **whole_run}).fetchall()
             parts = [dask_engine.run_step_block(t, select, params) for t in tasks]
             by_tasks = [tuple(row) for p in parts for row in zip(*p.values(), strict=True)]
