@@ -491,7 +491,7 @@ def test_rank_stats_exact_quantiles_a_block_of_ranks_at_a_time(tmp_path: Path,
         data.close()
     assert split == whole
     assert [r["rank"] for r in whole] == [0, 1, 2, 3, 4]
-    per_rank = [s for s in sqls if "JOIN step_waits" in s]
+    per_rank = [s for s in sqls if "step_waits w" in s]
     assert len(per_rank) == 5 and all("rank BETWEEN" in s for s in per_rank), per_rank
 
 

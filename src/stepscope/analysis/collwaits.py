@@ -189,6 +189,8 @@ def build_waits(con: Any, n_ranks: int, al: Alignment,
         )
         con.execute("DROP TABLE timeline_waits")
         source = "timeline"
+    # The step's step_ms and residual_ms ride along: the readers of step_waits (rank_stats,
+    # goodput) need no join back to steps.
     # comm_ms (time in collectives beyond the waits) for goodput's exposed_comm: the same
     # group-by over collective_waits, taken once, then joined to the steps (one row per (rank, step), so
     # grouping before the join gives the same sums and joins far fewer rows).
@@ -199,7 +201,7 @@ def build_waits(con: Any, n_ranks: int, al: Alignment,
         con.execute(
             f"""{'INSERT INTO step_waits' if k else 'CREATE OR REPLACE TABLE step_waits AS'}
                 SELECT s.rank, s.step, CAST(coalesce(c.w, 0.0) AS DOUBLE) AS wait_ms,
-                       CAST(coalesce(c.x, 0.0) AS DOUBLE) AS comm_ms
+                       CAST(coalesce(c.x, 0.0) AS DOUBLE) AS comm_ms, s.step_ms, s.residual_ms
                 FROM steps s LEFT JOIN (SELECT rank, step, sum(wait) AS w,
                                                sum(greatest(ms - wait, 0.0)) AS x
                                         FROM collective_waits WHERE {in_block('rank', b)} GROUP BY 1, 2) c

@@ -199,6 +199,8 @@ def _splitter(con: Any) -> Callable[[str, tuple[int, int]], str]:
     has_wait = exists(con, "step_waits")
     # The waits' table took the same per-(rank, step) sum over collective_waits (collwaits.build_waits).
     wait_comm = has_wait and has_column(con, "step_waits", "comm_ms")
+    # ... and each step's residual_ms: then step_waits alone holds every (rank, step) row.
+    wait_all = wait_comm and has_column(con, "step_waits", "residual_ms")
 
     def split(extra: str, ranks: tuple[int, int]) -> str:
         # Each part filtered to the block's ranks: its scan skips other ranks' row groups
@@ -213,9 +215,17 @@ def _splitter(con: Any) -> Callable[[str, tuple[int, int]], str]:
                 f"SELECT rank, step, wait_ms, comm_ms FROM step_waits WHERE {blk}", "w.comm_ms", "")
         else:
             comm_col, comm_join = "c.comm", f"LEFT JOIN ({comm}) c USING (rank, step)"
-        return f"""WITH i AS (SELECT rank, step, sum(ms) AS input FROM phases
+        inputs = f"""WITH i AS (SELECT rank, step, sum(ms) AS input FROM phases
                           WHERE ((parent IS NULL AND name = 'dataloader') OR name = 'h2d')
-                            AND {blk} GROUP BY 1, 2)
+                            AND {blk} GROUP BY 1, 2)"""
+        if wait_all and not extra:  # one row per steps row: no join to steps
+            return f"""{inputs}
+                SELECT w.rank, w.step, w.wait_ms AS w, w.comm_ms AS c,
+                       CAST(coalesce(i.input, 0.0) AS DOUBLE) AS i,
+                       CAST(greatest(w.residual_ms, 0.0) AS DOUBLE) AS h
+                FROM step_waits w LEFT JOIN i USING (rank, step)
+                WHERE {in_block('w.rank', ranks)}"""
+        return f"""{inputs}
                 SELECT s.rank, s.step, CAST(coalesce(w.wait_ms, 0.0) AS DOUBLE) AS w,
                        CAST(coalesce({comm_col}, 0.0) AS DOUBLE) AS c,
                        CAST(coalesce(i.input, 0.0) AS DOUBLE) AS i,

@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from stepscope.analysis.blocks import WHOLE, in_block, rank_blocks
+from stepscope.analysis.relations import has_column
 from stepscope.analysis.tables import PHASE_SUMS
 from stepscope.recording.schema import CANONICAL_PHASES
 
@@ -165,14 +166,17 @@ def rank_stats(con: Any, hosts: dict[str, list[int]], n_rows: int = 0) -> list[d
     host_of = {r: h for h, rs in hosts.items() for r in rs}
     # Exact quantiles per rank hold every step of the rank: a block of ranks at a time, as in
     # phase_stats (10^7 steps at once ran out of memory at a 1 GB DuckDB limit).
+    # step_waits holds each step's step_ms where the wait stage made it (no join to steps).
+    src, at = (("step_waits w", "w") if has_column(con, "step_waits", "step_ms")
+               else ("steps s JOIN step_waits w USING (rank, step)", "s"))
     rows: list[Any] = []
     for b in rank_blocks(con):
         rows += con.execute(
-            f"""SELECT s.rank, count(*), {_q('s.step_ms', True)},
-                       {_q('s.step_ms - w.wait_ms', True)}, {_q('w.wait_ms', True)},
-                       sum(w.wait_ms), sum(s.step_ms)
-                FROM steps s JOIN step_waits w USING (rank, step)
-                WHERE {in_block('s.rank', b)} GROUP BY 1 ORDER BY 1"""
+            f"""SELECT {at}.rank, count(*), {_q(f'{at}.step_ms', True)},
+                       {_q(f'{at}.step_ms - w.wait_ms', True)}, {_q('w.wait_ms', True)},
+                       sum(w.wait_ms), sum({at}.step_ms)
+                FROM {src}
+                WHERE {in_block(f'{at}.rank', b)} GROUP BY 1 ORDER BY 1"""
         ).fetchall()
     out = []
     for rank, n, sq, oq, wq, wsum, ssum in rows:

@@ -124,8 +124,9 @@ _DECLARED = (
           "the point-to-point rows of collective_calls with their wait (all their time)"),
     Table("collective_waits", (*_COLLECTIVE_ROW, "matched", "seq_shift", "wait"),
           "every collective call with whether it matched across its group and its wait"),
-    Table("step_waits", ("rank", "step", "wait_ms", "comm_ms"),
-          "each rank's total wait per step and the rest of its time in collectives"),
+    Table("step_waits", ("rank", "step", "wait_ms", "comm_ms", "step_ms", "residual_ms"),
+          "each rank's total wait per step, the rest of its time in collectives, and the step's "
+          "step_ms and residual_ms (steps' own: its readers need no join back)"),
     # -- own work (analysis/own.py) --
     Table("phase_collectives", ("rank", "step", "anc", "wait", "n", "ms"),
           "the waits, count and time of the collectives inside each phase path, at any depth"),
