@@ -59,13 +59,13 @@ def _single_machine(store: str, threads: int) -> tuple[dict[str, Any], dict[str,
     seconds of this process), and the step-block statements it ran."""
     from stepscope.analysis.align import insert_by_host_blocks
     from stepscope.analysis.run import open_analyzed_run
-    from stepscope.analysis.series import thresholds_of
     from stepscope.analysis.stats import local_phase_rank_rows
+    from stepscope.analysis.stragglers import screen_series
 
     parts = {"rank_rows_s": 0.0, "rank_rows_cpu_s": 0.0, "step_rows_s": 0.0,
              "step_rows_cpu_s": 0.0, "series_s": 0.0, "series_cpu_s": 0.0}
     statements: list[tuple[str, str, dict[str, Any]]] = []
-    series: list[Any] = []  # the gap series and the median step the report used
+    series: list[Any] = []  # the gap series, median step and step count the report used
 
     def timed(key: str, fn: Any, *args: Any) -> Any:
         t, c = time.perf_counter(), _cpu()
@@ -84,32 +84,34 @@ def _single_machine(store: str, threads: int) -> tuple[dict[str, Any], dict[str,
 
         return run
 
-    def noise(data: Any, median_step: float) -> Any:
-        series.extend([data, median_step])
-        return timed("series", thresholds_of, data, median_step)
+    def screen(data: Any, median_step: float, n_steps: int) -> Any:
+        if not series:  # the gross series (a run with run-queue wait has a net one too)
+            series.extend([data, median_step, n_steps])
+        return timed("series", screen_series, data, median_step, n_steps)
 
     t0, c0 = time.perf_counter(), _cpu()
     run = open_analyzed_run(store, threads=threads,
                             phase_rank_rows=lambda data: timed("rank_rows", local_phase_rank_rows,
                                                                data.con),
-                            step_block_rows=step_rows, series_thresholds=noise)
+                            step_block_rows=step_rows, series_screen=screen)
     wall, cpu = time.perf_counter() - t0, _cpu() - c0
     run.close()
     return run.doc, {"wall_s": wall, "cpu_s": cpu, **parts, "statements": statements,
                      "series": series}
 
 
-def _series_tasks(data: Any, median_step: float,
+def _series_tasks(data: Any, median_step: float, n_steps: int,
                   repeat: int) -> tuple[list[dict[str, float]], float, dict[str, Any]]:
     """Each series task run here on the report's own gap series (CPU, wall, pickled bytes
-    sent and returned); the client's CPU to split the series and merge the thresholds; and
+    sent and returned); the client's CPU to split the series and merge the screens; and
     ``repeat`` paired repetitions, interleaved: every task in turn against the same function
     over every series on the client."""
     import pickle
     import statistics
 
     from stepscope.analysis import dask_engine
-    from stepscope.analysis.series import merge_thresholds, rank_blocks_of, thresholds_of
+    from stepscope.analysis.series import rank_blocks_of
+    from stepscope.analysis.stragglers import merge_screens, screen_series
 
     c0 = _cpu()
     blocks = rank_blocks_of(data, dask_engine.SERIES_BLOCK_RANKS)
@@ -117,23 +119,23 @@ def _series_tasks(data: Any, median_step: float,
     out, parts = [], []
     for block in blocks:
         t0, c0 = time.perf_counter(), _cpu()
-        part = dask_engine.run_series_block(block, median_step)
+        part = dask_engine.run_series_block(block, median_step, n_steps)
         out.append({"wall_s": time.perf_counter() - t0, "cpu_s": _cpu() - c0,
                     "series": len(block), "sent_mb": len(pickle.dumps(block)) / 2**20,
                     "back_mb": len(pickle.dumps(part)) / 2**20})
         parts.append(part)
     c0 = _cpu()
-    merged = merge_thresholds(data, parts)
+    merged = merge_screens(data, parts)
     merge_cpu = split_cpu + _cpu() - c0
-    assert merged == thresholds_of(data, median_step)
+    assert merged == screen_series(data, median_step, n_steps)
     tasks, client = [], []
     for _ in range(repeat):
         c0 = _cpu()
         for block in blocks:
-            dask_engine.run_series_block(block, median_step)
+            dask_engine.run_series_block(block, median_step, n_steps)
         tasks.append(_cpu() - c0)
         c0 = _cpu()
-        thresholds_of(data, median_step)
+        screen_series(data, median_step, n_steps)
         client.append(_cpu() - c0)
 
     def spread(xs: list[float]) -> list[float]:
@@ -209,7 +211,7 @@ def _dask(store: str, threads: int, workers: int) -> tuple[dict[str, Any], float
         t1 = time.perf_counter()
         run = open_analyzed_run(store, threads=threads, phase_rank_rows=dask_engine.runner(client),
                                 step_block_rows=dask_engine.step_runner(client),
-                                series_thresholds=dask_engine.series_runner(client))
+                                series_screen=dask_engine.series_runner(client))
         wall = time.perf_counter() - t1
     run.close()
     return run.doc, started, wall
@@ -236,8 +238,8 @@ def main() -> int:
     doc, single = _single_machine(args.store, args.threads)
     rank = _rank_tasks(args.store, args.threads)
     step, merge_cpu = _step_tasks(args.store, args.threads, single["statements"])
-    gaps, median_step = single.pop("series")
-    series, series_merge_cpu, paired = _series_tasks(gaps, median_step, args.repeat)
+    gaps, median_step, n_steps = single.pop("series")
+    series, series_merge_cpu, paired = _series_tasks(gaps, median_step, n_steps, args.repeat)
     dask_doc, dask_start, dask_wall = _dask(args.store, args.threads, args.workers)
     samples = int(doc["run"]["phase_samples"])
     records = int(doc["run"]["records"]) if isinstance(doc["run"].get("records"), int) else None

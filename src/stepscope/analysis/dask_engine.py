@@ -17,12 +17,14 @@ over its part of the run only (the statements on a DuckDB connection of its own,
   filtered to its steps (each file is ordered by step, so DuckDB skips the other row
   groups); its steps' rows of ``steps`` come from the client. The client appends the rows
   to its table (blocks are disjoint: a union) and takes the same medians as on one machine.
-* **series tasks** (:func:`run_series_block`): the noise of each (rank, phase) gap series
-  (:func:`stepscope.analysis.series.thresholds_of`, the flag threshold the straggler and
-  window search uses) needs that series alone, so each block of
-  :data:`SERIES_BLOCK_RANKS` whole ranks is one task, sent its ranks' series by the client
-  (the series come from the own-work tables, built on the client); the client merges the
-  thresholds (a union, :func:`stepscope.analysis.series.merge_thresholds`).
+* **series tasks** (:func:`run_series_block`): the screen of each (rank, phase) gap series
+  (:func:`stepscope.analysis.stragglers.screen_series`: its noise, the flag threshold the
+  straggler and window search uses, and whether the search may name a straggler on it)
+  needs that series alone, so each block of :data:`SERIES_BLOCK_RANKS` whole ranks is one
+  task, sent its ranks' series by the client (the series come from the own-work tables,
+  built on the client); the client merges the screens (a union,
+  :func:`stepscope.analysis.stragglers.merge_screens`) and judges the few candidates
+  across ranks (noise floor, victims).
 
 The client gathers the rows and the analysis goes on as on one machine. Where the store
 has no flat copy the report can read (a run with duplicate records, torn tails, several
@@ -39,7 +41,7 @@ Example::
     with dask_engine.cluster(None) as client:  # a local cluster
         run = open_analyzed_run("runs/demo", phase_rank_rows=dask_engine.runner(client),
                                 step_block_rows=dask_engine.step_runner(client),
-                                series_thresholds=dask_engine.series_runner(client))
+                                series_screen=dask_engine.series_runner(client))
     run.close()
 """
 
@@ -59,14 +61,9 @@ from stepscope.analysis.align import BlockRows, block_params
 from stepscope.analysis.blocks import WHOLE, in_block, rank_blocks, step_blocks
 from stepscope.analysis.load import RunData, create_flat_phases_view
 from stepscope.analysis.run import PhaseRankRunner, StepBlockRunner
-from stepscope.analysis.series import (
-    Series,
-    ThresholdRunner,
-    merge_thresholds,
-    rank_blocks_of,
-    thresholds_of,
-)
+from stepscope.analysis.series import Series, rank_blocks_of
 from stepscope.analysis.stats import create_phase_samples, local_phase_rank_rows
+from stepscope.analysis.stragglers import SeriesRunner, SeriesScreen, merge_screens, screen_series
 from stepscope.common.errors import AnalysisError
 
 #: How to install what the engine needs (named in its error).
@@ -288,26 +285,27 @@ def step_runner(client: Any) -> StepBlockRunner:
     return bind
 
 
-def run_series_block(block: Series, median_step: float) -> dict[tuple[int, str], float]:
-    """The flag threshold of each gap series of a block of ranks: the single-machine
-    function (:func:`stepscope.analysis.series.thresholds_of`) over the block's series."""
-    return thresholds_of(block, median_step)
+def run_series_block(block: Series, median_step: float, n_steps: int) -> SeriesScreen:
+    """The screen of each gap series of a block of ranks (its flag threshold, and whether
+    the straggler search may name a straggler on it): the single-machine function
+    (:func:`stepscope.analysis.stragglers.screen_series`) over the block's series."""
+    return screen_series(block, median_step, n_steps)
 
 
-def series_runner(client: Any) -> ThresholdRunner:
-    """What :func:`stepscope.analysis.run.open_analyzed_run` calls for the gap series' noise:
+def series_runner(client: Any) -> SeriesRunner:
+    """What :func:`stepscope.analysis.run.open_analyzed_run` calls for the gap series' screen:
     one task per block of :data:`SERIES_BLOCK_RANKS` ranks on ``client``'s cluster, the
-    thresholds merged in the series' order."""
+    screens merged (thresholds in the series' order)."""
 
-    def thresholds(data: Series, median_step: float) -> dict[tuple[int, str], float]:
+    def screen(data: Series, median_step: float, n_steps: int) -> SeriesScreen:
         blocks = rank_blocks_of(data, SERIES_BLOCK_RANKS)
         if not blocks:
-            return {}
+            return SeriesScreen({}, frozenset())
         futures = client.map(run_series_block, client.scatter(blocks, hash=False),
-                             median_step=median_step, pure=False)
-        return merge_thresholds(data, client.gather(futures))
+                             median_step=median_step, n_steps=n_steps, pure=False)
+        return merge_screens(data, client.gather(futures))
 
-    return thresholds
+    return screen
 
 
 def runner(client: Any) -> PhaseRankRunner:

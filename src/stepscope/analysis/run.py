@@ -20,9 +20,8 @@ from stepscope.analysis.host import split_host_busy
 from stepscope.analysis.load import RunData, load_run
 from stepscope.analysis.own import phase_waits
 from stepscope.analysis.resource_use import analyze_resources
-from stepscope.analysis.series import ThresholdRunner
 from stepscope.analysis.stats import create_phase_samples, phase_stats, rank_stats
-from stepscope.analysis.stragglers import attribute
+from stepscope.analysis.stragglers import SeriesRunner, attribute
 from stepscope.analysis.triggers import link_triggers
 from stepscope.common import slow_step
 from stepscope.common.safefs import read_run_file
@@ -97,21 +96,21 @@ def open_analyzed_run(
     run_id: str | None = None,
     phase_rank_rows: PhaseRankRunner | None = None,
     step_block_rows: StepBlockRunner | None = None,
-    series_thresholds: ThresholdRunner | None = None,
+    series_screen: SeriesRunner | None = None,
 ) -> AnalyzedRun:
     """:func:`analyze_run`, with the loaded run kept open beside the document.
 
     ``phase_rank_rows``: computes the per-rank phase statistics' rows of the loaded run
     elsewhere (the same rows; default: on the run's own connection). ``step_block_rows``:
     computes the per-step rows of blocks of whole steps elsewhere (the same rows; default:
-    on the run's own connection). ``series_thresholds``: computes the gap series' noise per
-    (rank, phase) elsewhere (the same values; default: here)."""
+    on the run's own connection). ``series_screen``: computes each (rank, phase) gap series'
+    noise and whether it may name a straggler elsewhere (the same values; default: here)."""
     data = load_run(run_dir, threads=threads, memory_limit=memory_limit, store=store,
                     run_id=run_id)
     try:
         doc = _analyze(data, phase_rank_rows,
                        None if step_block_rows is None else step_block_rows(data),
-                       series_thresholds)
+                       series_screen)
     except BaseException:
         data.close()
         raise
@@ -126,7 +125,7 @@ def recording_lost(con: Any) -> dict[str, int]:
 
 def _analyze(data: RunData, phase_rank_rows: PhaseRankRunner | None = None,
              block_rows: BlockRows | None = None,
-             series_thresholds: ThresholdRunner | None = None) -> dict[str, Any]:
+             series_screen: SeriesRunner | None = None) -> dict[str, Any]:
     con = data.con
     create_phase_samples(con)
     n_rows = con.execute("SELECT count(*) FROM phase_samples").fetchone()[0]
@@ -136,7 +135,7 @@ def _analyze(data: RunData, phase_rank_rows: PhaseRankRunner | None = None,
     median_step = float(step_q[0][0])
     steps = [int(s) for (s,) in con.execute("SELECT DISTINCT step FROM steps ORDER BY 1").fetchall()]
     att = attribute(con, data.hosts, data.ranks, median_step, steps, block_rows,
-                    series_thresholds)
+                    series_screen)
     total_ms = con.execute(
         "SELECT median(t) FROM (SELECT rank, sum(step_ms) AS t FROM steps GROUP BY 1)").fetchone()[0]
     al, thr, stragglers, windows = att.alignment, att.thresholds, att.stragglers, att.windows

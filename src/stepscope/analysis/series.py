@@ -1,7 +1,7 @@
 """Each (rank, phase) gap series to the other ranks, its noise, and run-queue wait taken out.
 
 A :data:`Series` maps (rank, phase) to numpy arrays (step positions, gap, own work) in step
-order; the flag threshold of each is its robust noise (:func:`build_thresholds`), computed
+order; the flag threshold of each is its robust noise (:func:`thresholds_of`), computed
 for every series at once.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -151,7 +151,11 @@ def net_of_runq(data: Series, extra: dict[int, dict[int, float]], steps: list[in
 
 
 def thresholds_of(data: Series, median_step: float) -> dict[tuple[int, str], float]:
-    """:func:`build_thresholds`' rule, over every series at once (numpy, no per-series loop)."""
+    """Flag threshold per (rank, phase): the rank's own noise in its gap to the others.
+
+    Noise is the robust sigma of successive differences of the gap (divided by sqrt 2), so
+    a level shift or a window of slow steps does not inflate it; floored. Every series at
+    once (numpy, no per-series loop)."""
     floor = max(FLOOR_MS, FLOOR_FRAC * median_step)
     keys = list(data)
     out: dict[tuple[int, str], float] = {}
@@ -212,16 +216,11 @@ def runq_extra(con: Any) -> dict[int, dict[int, float]]:
     return out
 
 
-#: Computes :func:`thresholds_of` of a run's gap series elsewhere, the same values: an engine
-#: that runs it on blocks of ranks (:func:`rank_blocks_of`) as tasks and merges their
-#: thresholds (:func:`merge_thresholds`; :mod:`stepscope.analysis.dask_engine`).
-ThresholdRunner = Callable[[Series, float], dict[tuple[int, str], float]]
-
-
 def rank_blocks_of(data: Series, ranks: int) -> list[Series]:
     """``data`` cut into blocks of whole ranks (rank // ``ranks``), each in ``data``'s order,
-    each series reduced to its gap (empty step positions and own work: the noise reads
-    nothing else: half the bytes to send, the own-work rows being as large).
+    each series reduced to its step positions and gap (empty own work: the noise and the
+    straggler search's screen read nothing else; the positions of series with a gap on
+    every step are one array, sent once).
 
     Each series' noise is its own: :func:`thresholds_of` over every block gives, key by key,
     its value over ``data`` (the per-rank aggregate merges by union)."""
@@ -229,7 +228,7 @@ def rank_blocks_of(data: Series, ranks: int) -> list[Series]:
         raise ValueError(f"ranks per block must be >= 1, got {ranks!r}")
     blocks: dict[int, Series] = {}
     for key, (pos, gap, own) in data.items():
-        blocks.setdefault(key[0] // ranks, {})[key] = (pos[:0], gap, own[:0])
+        blocks.setdefault(key[0] // ranks, {})[key] = (pos, gap, own[:0])
     return [blocks[b] for b in sorted(blocks)]
 
 
@@ -245,18 +244,3 @@ def merge_thresholds(data: Series, parts: Iterable[dict[tuple[int, str], float]]
         raise AnalysisError(f"thresholds of {len(missing)} series missing from the blocks "
                            f"(first {missing[:1]}), {len(got)} given for {len(data)}")
     return {k: got[k] for k in data}
-
-
-def build_thresholds(con: Any, median_step: float, series: Series | None = None,
-                     runner: ThresholdRunner | None = None) -> dict[tuple[int, str], float]:
-    """Flag threshold per (rank, phase): the rank's own noise in its gap to the others.
-
-    Noise is the robust sigma of successive differences of the gap (divided by sqrt 2), so
-    a level shift or a window of slow steps does not inflate it; floored. ``series``: the
-    gap series of table ``own_excess`` (:func:`read_gap_series`) when already read.
-    ``runner``: computes them elsewhere (default: here, :func:`thresholds_of`).
-    """
-    if series is None:
-        steps = [int(s) for (s,) in con.execute("SELECT DISTINCT step FROM own_excess ORDER BY 1").fetchall()]
-        series = read_gap_series(con, steps)
-    return (thresholds_of if runner is None else runner)(series, median_step)

@@ -35,6 +35,7 @@ for stragglers and windows.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,8 +56,7 @@ from stepscope.analysis.series import (
     FLOOR_MS,
     SIGMAS,
     Series,
-    ThresholdRunner,
-    build_thresholds,
+    merge_thresholds,
     net_of_runq,
     read_gap_series,
     runq_by_step,
@@ -147,10 +147,110 @@ def window_excess(gap: list[float], own: list[float], start: int, end: int, leve
     return gap_level if rise >= gap_level else 0.5 * (gap_level + max(rise, 0.0))
 
 
+@dataclass(frozen=True)
+class SeriesScreen:
+    """What the straggler search needs of each gap series that the series alone decides:
+    its flag threshold (:func:`~stepscope.analysis.series.thresholds_of`) and whether it may
+    name a straggler at all (:func:`candidates_of`). A per-rank aggregate: blocks of whole
+    ranks give, by union, the whole run's (:func:`merge_screens`)."""
+
+    thresholds: dict[tuple[int, str], float]
+    candidates: frozenset[tuple[int, str]]
+
+
+#: Computes :func:`screen_series` of a run's gap series elsewhere, the same values
+#: (arguments: the series, the median step, the analysed steps' count): an engine that
+#: runs it on blocks of ranks as tasks (:mod:`stepscope.analysis.dask_engine`).
+SeriesRunner = Callable[[Series, float, int], SeriesScreen]
+
+
+def screen_series(data: Series, median_step: float, n_steps: int) -> SeriesScreen:
+    """Every series' threshold and the candidates among them (:class:`SeriesScreen`)."""
+    thr = thresholds_of(data, median_step)
+    return SeriesScreen(thr, candidates_of(data, thr, median_step, n_steps))
+
+
+def merge_screens(data: Series, parts: Iterable[SeriesScreen]) -> SeriesScreen:
+    """The screens of blocks of ranks as the whole run's (thresholds in ``data``'s order;
+    a lost block is an error, :func:`~stepscope.analysis.series.merge_thresholds`)."""
+    parts = list(parts)
+    thr = merge_thresholds(data, (p.thresholds for p in parts))
+    return SeriesScreen(thr, frozenset().union(*(p.candidates for p in parts)))
+
+
+#: Gap values per stacked chunk of :func:`candidates_of`.
+_SCREEN_CHUNK = 1 << 22
+
+
+def candidates_of(data: Series, thr: dict[tuple[int, str], float], median_step: float,
+                  n_steps: int) -> frozenset[tuple[int, str]]:
+    """The series on which :func:`find_stragglers`' search may name a straggler: a superset,
+    decided per series by the search's own first tests (a bound, never a guess).
+
+    A series with a threshold is left out only where the search is sure to find nothing:
+    not chronic by its run-wide level or its persistence, not flagged on most steps across
+    the run, and no window (too short, or :func:`~stepscope.analysis.changepoint.may_hold_window`
+    says none from the series' median). A series whose window baseline would not be its
+    median (flagged on most steps, with a level above the bar) is kept. Series of one
+    length and dtype are stacked and tested at once (numpy on a 2-D array; each row's
+    values and comparisons in the series' own dtype, as the search makes them)."""
+    groups: dict[tuple[int, str], list[tuple[int, str]]] = {}
+    for key, (_, gap, _) in data.items():
+        if key in thr:
+            groups.setdefault((len(gap), np.asarray(gap).dtype.str), []).append(key)
+    out: set[tuple[int, str]] = set()
+    for (n, _), keys in groups.items():
+        rows = max(1, _SCREEN_CHUNK // max(n, 1))
+        for i in range(0, len(keys), rows):
+            part = keys[i:i + rows]
+            keep = _candidate_rows(data, thr, part, n, median_step, n_steps)
+            out.update(k for k, k_in in zip(part, keep.tolist(), strict=True) if k_in)
+    return frozenset(out)
+
+
+def _candidate_rows(data: Series, thr: dict[tuple[int, str], float],
+                    keys: list[tuple[int, str]], n: int, median_step: float,
+                    n_steps: int) -> Any:
+    """:func:`candidates_of` for series ``keys`` of ``n`` values each: a bool per key."""
+    if n == 0:
+        return np.zeros(len(keys), dtype=bool)
+    x = np.stack([np.asarray(data[k][1]) for k in keys])
+    at = np.stack([np.asarray(data[k][0], dtype=np.int64) for k in keys])
+    t = np.array([thr[k] for k in keys], dtype=np.float64)
+    rows = np.arange(len(keys))
+    high = x > t.astype(x.dtype)[:, None]  # a float threshold against the series' dtype
+    n_high = np.count_nonzero(high, axis=1)
+    first = at[rows, np.argmax(high, axis=1)]
+    last = at[rows, n - 1 - np.argmax(high[:, ::-1], axis=1)]
+    bar = np.maximum(np.maximum(WINDOW_SIGMAS * t / SIGMAS, MIN_EXCESS_MS),
+                     WINDOW_IMPACT * median_step)
+    whole_x = np.median(x, axis=1)  # each row's np.median, in its dtype
+    whole = whole_x.astype(np.float64)
+    floor = max(MIN_EXCESS_MS, CHRONIC_IMPACT * median_step)
+    persistent = np.count_nonzero(x >= x.dtype.type(floor), axis=1) / n >= CHRONIC_PERSISTS
+    dense = n_high >= CHRONIC_DENSITY * n_steps
+    chronic = ((n >= CHRONIC_COVER * n_steps) & ((whole > bar) | persistent) & (whole >= floor)
+               & ~dense)
+    flagged = dense & (n_high > 0) & (last - first + 1 >= CHRONIC_COVER * n_steps)
+    baseline_moves = (whole > bar) & dense & (n_high < n)
+    min_n = max(MIN_SEGMENT, math.ceil(0.04 * n_steps))
+    if n < min_n or n < changepoint.MIN_PIECE:
+        return chronic | flagged | baseline_moves
+    # changepoint.may_hold_window(x, bar, median) for every row: two values above
+    # median + bar at most 3 apart.
+    hi = (x - whole_x[:, None]) > bar.astype(x.dtype)[:, None]
+    window = np.zeros(len(keys), dtype=bool)
+    for d in (1, 2, 3):
+        if d < n:
+            window |= (hi[:, :-d] & hi[:, d:]).any(axis=1)
+    return chronic | flagged | baseline_moves | window
+
+
 def find_stragglers(
     con: Any, steps: list[int], host_of: dict[int, str], thr: dict[tuple[int, str], float],
     median_step: float = 0.0, contention: list[dict[str, Any]] | None = None,
-    series: Series | None = None,
+    series: Series | None = None, screen: SeriesScreen | None = None,
+    runner: SeriesRunner | None = None,
 ) -> list[dict[str, Any]]:
     """Ranks whose own work in a phase exceeds the other ranks' median over a run of steps.
 
@@ -161,17 +261,26 @@ def find_stragglers(
     (:func:`noise_floor`: what the other ranks' own work rises by, by itself, over as many
     steps) and be sustained. A chronic gap is present on every step, so a transient swing
     of the others is no measure of it: it keeps the per-step and impact bars.
+
+    ``screen``: ``thr`` with the series that may name a straggler (:func:`screen_series`;
+    default: found here); ``runner``: where the net-of-run-queue series' screen is computed
+    (default: here).
     """
     data = read_gap_series(con, steps) if series is None else series
+    n_steps = len(steps)
+    if screen is None:
+        screen = SeriesScreen(thr, candidates_of(data, thr, median_step, n_steps))
     extra = runq_extra(con) if runq_by_step(con) else {}
     if not extra:
-        return _find(con, steps, host_of, thr, median_step, data)
+        return _find(con, steps, host_of, thr, median_step, data, candidates=screen.candidates)
     # CPU clock with the run-queue wait recorded: where a rank's extra wait for a CPU at a
     # step explains its gap there, the gap is taken net of it (series.net_of_runq); every
     # other step keeps its gross gap. Only what remains can name a straggler.
     net = net_of_runq(data, extra, steps)
-    netted = _find(con, steps, host_of, thresholds_of(net, median_step), median_step, net, raw=data)
-    gross = _find(con, steps, host_of, thr, median_step, data)
+    ns = (screen_series if runner is None else runner)(net, median_step, n_steps)
+    netted = _find(con, steps, host_of, ns.thresholds, median_step, net, raw=data,
+                   candidates=ns.candidates)
+    gross = _find(con, steps, host_of, thr, median_step, data, candidates=screen.candidates)
 
     def same(f: dict[str, Any], s: dict[str, Any]) -> bool:
         return bool(f["rank"] == s["rank"] and f["phase"] == s["phase"]
@@ -296,6 +405,7 @@ def _contention(con: Any, s: dict[str, Any], extra: dict[int, dict[int, float]],
 def _find(
     con: Any, steps: list[int], host_of: dict[int, str], thr: dict[tuple[int, str], float],
     median_step: float, data: Series, raw: Series | None = None,
+    candidates: frozenset[tuple[int, str]] | None = None,
 ) -> list[dict[str, Any]]:
     # raw given: ``data`` is net of run-queue wait and decides whether and where a window is
     # (the others' speed-up while a straggler sleeps, window_excess' reason to meet the own
@@ -316,8 +426,8 @@ def _find(
     out: list[dict[str, Any]] = []
     for (rank, name), (at, xa, own_a) in data.items():
         t = thr.get((rank, name))
-        if t is None:
-            continue
+        if t is None or (candidates is not None and (rank, name) not in candidates):
+            continue  # no straggler to find here (candidates_of: a bound)
         high = xa > t
         idx = at[high]
         # A stretch's level is a median over >= min_n steps: its noise is well under one
@@ -653,10 +763,10 @@ def _window_phase(con: Any, first: int, last: int) -> str:
 
 def attribute(con: Any, hosts: dict[str, list[int]], ranks: list[int], median_step: float,
               steps: list[int], block_rows: BlockRows | None = None,
-              series_thresholds: ThresholdRunner | None = None) -> Attribution:
+              series_screen: SeriesRunner | None = None) -> Attribution:
     """Waits, own work, stragglers, windows and the collectives view for a loaded run
     (``block_rows``: where the alignment's per-step rows are computed, :func:`align`;
-    ``series_thresholds``: where the gap series' noise is, :func:`build_thresholds`)."""
+    ``series_screen``: where each gap series' noise and candidacy are, :func:`screen_series`)."""
     n_ranks = len(ranks)
     al = align(con, hosts, n_ranks, median_step, block_rows)
     info: list[str] = []
@@ -672,10 +782,13 @@ def attribute(con: Any, hosts: dict[str, list[int]], ranks: list[int], median_st
             al.arrival = GRAD_SYNC if row[1] == DDP_OP else str(row[1])
             al.aligned = True
     series = read_gap_series(con, steps, build_own(con))
-    thr = build_thresholds(con, median_step, series, series_thresholds)
+    screen = (screen_series if series_screen is None else series_screen)(
+        series, median_step, len(steps))
+    thr = screen.thresholds
     host_of = {r: h for h, rs in hosts.items() for r in rs}
     contention: list[dict[str, Any]] = []
-    stragglers = find_stragglers(con, steps, host_of, thr, median_step, contention, series)
+    stragglers = find_stragglers(con, steps, host_of, thr, median_step, contention, series,
+                                 screen, series_screen)
     del series
     gone = unwaited(con, stragglers) if source in MEASURED else []
     stragglers = [s for s in stragglers if s not in gone]

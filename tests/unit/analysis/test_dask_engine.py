@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import socket
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ import pytest
 import synth_collectives as sc
 from synth_runs import Slow, SynthRun, write_run
 
-from stepscope.analysis import align, dask_engine, series
+from stepscope.analysis import align, dask_engine, series, stragglers
 from stepscope.analysis import store as st
 from stepscope.analysis.blocks import WHOLE
 from stepscope.analysis.load import load_run
@@ -167,30 +168,42 @@ def test_alignment_from_step_block_tasks(corpus: dict[str, Path], address: str,
 
 
 @pytest.mark.parametrize("name", ["multihost", "two_blocks"])
-def test_series_thresholds_from_rank_block_tasks(name: str, corpus: dict[str, Path], address: str,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """The gap series' noise per (rank, phase) comes from one task per block of ranks on the
-    cluster (counted in its task stream: none if the report computed it on the client), and
-    the thresholds, and the report, are the default path's."""
+def test_series_screen_from_rank_block_tasks(name: str, corpus: dict[str, Path], address: str,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each (rank, phase) gap series' screen (its noise, and whether the straggler search may
+    name a straggler on it) comes from one task per block of ranks on the cluster (counted
+    in its task stream), never from the client's thread; the screen, and the report, are
+    the default path's."""
     monkeypatch.setattr(dask_engine, "SERIES_BLOCK_RANKS", 5)
-    got: list[dict[tuple[int, str], float]] = []
-    seen: list[int] = []
+    on_client: list[int] = []
+    candidates = stragglers.candidates_of
+
+    def where(data: series.Series, *args: Any) -> frozenset[tuple[int, str]]:
+        if threading.current_thread() is threading.main_thread():
+            on_client.append(len(data))
+        return candidates(data, *args)
+
+    monkeypatch.setattr(stragglers, "candidates_of", where)
+    got: list[tuple[stragglers.SeriesScreen, tuple[Any, ...]]] = []
     with distributed.Client(address) as client:
         engine = dask_engine.series_runner(client)
 
-        def spy(data: series.Series, median_step: float) -> dict[tuple[int, str], float]:
-            seen.append(len(data))
-            got.append(engine(data, median_step))
-            got.append(series.thresholds_of(data, median_step))
-            return got[0]
+        def spy(*args: Any) -> stragglers.SeriesScreen:
+            got.append((engine(*args), args))
+            return got[-1][0]
 
         with distributed.get_task_stream(client) as stream:
-            run = open_analyzed_run(corpus[name], series_thresholds=spy)
+            run = open_analyzed_run(corpus[name], series_screen=spy)
         run.close()
     tasks = {t["key"] for t in stream.data if "run_series_block" in str(t["key"])}
     ranks = len(run.doc["run"]["rank_ids"])
-    assert len(tasks) == -(-ranks // 5) and seen and seen[0] >= ranks
-    assert list(got[0].items()) == list(got[1].items())  # every value, in the series' order
+    assert len(tasks) == -(-ranks // 5) and got and len(got[0][1][0]) >= ranks
+    assert on_client == []  # the candidates were found in the tasks only
+    screen, args = got[0]
+    whole = stragglers.screen_series(*args)
+    assert list(screen.thresholds.items()) == list(whole.thresholds.items())
+    assert screen.candidates == whole.candidates
+    assert on_client == [len(args[0])]  # screen_series itself runs here, on the client
     default = open_analyzed_run(corpus[name])
     default.close()
     assert run.doc == default.doc
