@@ -22,6 +22,7 @@ rank gets depends only on whether its own value lies below, at or above them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,16 +145,17 @@ class OwnColumns:
     dense: DenseOwn | None = None
 
 
-def build_own(con: Any) -> OwnColumns:
+def build_own(con: Any, own_blocks: OwnBlockRunner | None = None) -> OwnColumns:
     """``phase_waits`` (waits inside each phase path) and ``own_excess`` (own work vs the other ranks).
 
     ``own_excess`` (rank, step, name, own, wait, others, excess): top-level phases and residual;
     ``others`` is the median own work of the *other* ranks at that step, ``excess`` the gap.
     Returns own_excess's rows that have an excess as numpy columns (the gap series' source).
+    ``own_blocks``: where the own-work matrices are computed (:func:`_own_dense`).
     """
     build_phase_waits(con)
     con.execute("CREATE OR REPLACE TEMP TABLE wait_medians (path VARCHAR, median DOUBLE)")
-    dense = _own_dense(con)
+    dense = _own_dense(con, own_blocks)
     if dense is not None:  # own_excess a view over the matrices' middle values, no own table
         return dense
     con.execute(f"CREATE OR REPLACE TEMP TABLE own_work AS {_own_sql(con, None)}")
@@ -295,7 +297,7 @@ def _write_middles(con: Any, step: Any, name: list[str], n: Any, p: Any, m: Any,
         [np.asarray(step).tolist(), name, np.asarray(n).tolist(), *pq])
 
 
-def _own_dense(con: Any) -> OwnColumns | None:
+def _own_dense(con: Any, own_blocks: OwnBlockRunner | None = None) -> OwnColumns | None:
     """The own-work and gap matrices (one ranks × steps matrix per phase), one phase at a
     time, and ``own_excess`` as a view, when every (rank, step, phase) has at most one row and the
     matrices are not much larger than the rows; None otherwise (the grouped path).
@@ -312,7 +314,9 @@ def _own_dense(con: Any) -> OwnColumns | None:
     path's statement (10^8 rows written to the database file cost more than the rest of
     this stage; its readers filter a phase, a rank or residual).
     Memory: the own-work and gap matrices kept for the series (8 bytes per (rank, step,
-    phase)) plus one phase's rows and its float64 matrix."""
+    phase)) plus one phase's rows and its float64 matrix. ``own_blocks``: computes the
+    matrices elsewhere, by blocks of whole steps (default: here, the whole run as one
+    block, :func:`own_block`)."""
     names = sorted({str(n) for (n,) in con.execute(  # phase_waits's paths are phases'
         "SELECT DISTINCT path FROM phases WHERE parent IS NULL").fetchall()})
     n_steps_rows = int(con.execute("SELECT count(*) FROM steps").fetchone()[0])
@@ -332,41 +336,34 @@ def _own_dense(con: Any) -> OwnColumns | None:
     n_rows = n_top + n_steps_rows  # own's rows at most (the timing rule keeps some fewer)
     if not n_rows or not n_r or n_r * n_s * n_n > 2 * n_rows + 1_000_000:
         return None  # sparse (ranks on different steps): the grouped path holds only rows
+    spec = OwnSpec(names, unique, ranks, ustep)
+    blocks = [own_block(con, spec)] if own_blocks is None else own_blocks(spec)
+    if not blocks or any(b is None for b in blocks):
+        return None  # a row of no (rank, step) of steps, twice in a cell, or NaN
+    got = [b for b in blocks if b is not None]
     owns: list[Any] = [None] * n_n
     gaps: list[Any] = [None] * n_n
     mids: list[tuple[Any, ...]] = []  # (step, name id, n, p, m, q) of each phase
     timed_cells: list[tuple[Any, Any]] = []  # (step, name id) with a collective timing
     medians: dict[str, float] = {}  # run-wide median wait of the phases with collectives
-    # The residual first: its read (a join of steps) peaks higher than a phase's; the last
-    # read meets every earlier phase's kept matrices.
-    for k in sorted(range(n_n), key=lambda i: names[i] != RESIDUAL):
-        name = names[k]
-        got = (_residual_matrix(con, ranks, ustep) if name == RESIDUAL
-               else _phase_matrix(con, name, unique, ranks, ustep))
-        if got is None:
-            return None  # a row of no (rank, step) of steps, twice in a cell, or NaN
-        mat, timed, median = got
-        if median is not None:
-            medians[name] = median
-        if timed is not None:
-            # A rank with no collective timing in a phase where others have some at that
-            # step: its waits are unknown, so its own work there is not compared (not in own_excess).
-            present = ~np.isnan(mat)
-            timed &= present
-            any_timed = timed.any(axis=0)
-            timed_cells.append((ustep[any_timed], np.full(int(any_timed.sum()), k, np.int64)))
-            mat[present & ~timed & any_timed[None, :]] = np.nan
-            del present, timed, any_timed
-        # Made after the phase's rows are read and gone (the stage's peak is the last
-        # phase's read): every cell is written below, a few columns at a time.
-        owns[k] = np.empty((n_r, n_s), dtype=KEEP_DTYPE)
-        gaps[k] = np.empty((n_r, n_s), dtype=KEEP_DTYPE)
-        width = max(1, _CHUNK_CELLS // n_r)  # a few columns at a time: bounded temporaries
-        for c0 in range(0, n_s, width):
-            c1 = min(c0 + width, n_s)
-            has, *stats = _dense_block(mat[:, c0:c1], owns[k][:, c0:c1], gaps[k][:, c0:c1])
-            mids.append((ustep[c0:c1][has], np.full(len(has), k, dtype=np.int64), *stats))
-        del mat
+    for k in sorted(range(n_n), key=lambda i: names[i] != RESIDUAL):  # the blocks' order
+        if len(got) == 1:  # the whole run: its matrices as they are
+            owns[k], gaps[k] = got[0].owns[k], got[0].gaps[k]
+        else:
+            owns[k] = np.concatenate([b.owns[k] for b in got], axis=1)
+            gaps[k] = np.concatenate([b.gaps[k] for b in got], axis=1)
+        for b in got:
+            mids += b.mids[k]
+        timed = [b.timed[k] for b in got if b.timed[k] is not None]
+        if timed:
+            cells = np.concatenate(timed)
+            timed_cells.append((cells, np.full(len(cells), k, np.int64)))
+        waits = [b.waits[k] for b in got]
+        if any(b.timed[k] is not None for b in got) and all(w is not None for w in waits):
+            # A collective inside the phase, and its rows' waits known here (the grouped
+            # path takes the median where (rank, step, path) is not phases' key).
+            medians[names[k]] = _median_wait([w for w in waits if w is not None])
+    del blocks, got
     cat = [np.concatenate([m[i] for m in mids]) if mids else np.zeros(0) for i in range(6)]
     _write_middles(con, cat[0], [names[int(i)] for i in cat[1].tolist()], cat[2], cat[3], cat[4],
                cat[5], dense=True)
@@ -383,6 +380,80 @@ def _own_dense(con: Any) -> OwnColumns | None:
     empty = np.zeros(0, dtype=np.int64)
     return OwnColumns(names, empty, empty, empty, np.zeros(0), np.zeros(0),
                       DenseOwn(ranks, ustep, owns, gaps))
+
+
+@dataclass(frozen=True)
+class OwnSpec:
+    """What :func:`own_block` computes a block of steps of: the top-level phases and
+    residual (``names``, sorted), whether (rank, step, path) is ``phases``' key
+    (``unique``), and the run's sorted ranks (matrix rows) and steps."""
+
+    names: list[str]
+    unique: bool
+    ranks: Any
+    steps: Any
+
+
+@dataclass
+class OwnBlock:
+    """A block of steps' part of the own-work matrices, per phase (index of
+    :attr:`OwnSpec.names`): own work and gap (:data:`KEEP_DTYPE`, ranks × the block's
+    steps, NaN: none), the middle values of its step columns (``mids``: (step, name id, n,
+    p, m, q) chunks), the steps where some rank has a collective timing (``timed``; None:
+    no collective inside the phase) and the waits of its rows (``waits``: their count and
+    the non-zero ones, for the run-wide median; None: the residual, or not known here)."""
+
+    owns: list[Any]
+    gaps: list[Any]
+    mids: list[list[tuple[Any, ...]]]
+    timed: list[Any]
+    waits: list[Any]
+
+
+#: Computes :func:`own_block` elsewhere over blocks of whole steps, in step order (the
+#: same matrices, cut by columns; None where a block cannot be made dense): an engine
+#: that runs it as tasks (:mod:`stepscope.analysis.dask_engine`).
+OwnBlockRunner = Callable[[OwnSpec], list["OwnBlock | None"]]
+
+
+def own_block(con: Any, spec: OwnSpec) -> OwnBlock | None:
+    """The own-work and gap matrices of the steps ``spec.steps`` (every row of ``phases``,
+    ``steps`` and ``collective_waits`` on ``con`` lies in them), one phase at a time
+    (:func:`_own_dense`); None where a row has no cell, two share one, or one is NaN."""
+    ranks, ustep, names = spec.ranks, np.asarray(spec.steps, dtype=np.int64), spec.names
+    n_r, n_s, n_n = len(ranks), len(ustep), len(names)
+    out = OwnBlock([None] * n_n, [None] * n_n, [[] for _ in names], [None] * n_n,
+                   [None] * n_n)
+    # The residual first: its read (a join of steps) peaks higher than a phase's; the last
+    # read meets every earlier phase's kept matrices.
+    for k in sorted(range(n_n), key=lambda i: names[i] != RESIDUAL):
+        name = names[k]
+        got = (_residual_matrix(con, ranks, ustep) if name == RESIDUAL
+               else _phase_matrix(con, name, spec.unique, ranks, ustep))
+        if got is None:
+            return None
+        mat, timed, out.waits[k] = got
+        if timed is not None:
+            # A rank with no collective timing in a phase where others have some at that
+            # step: its waits are unknown, so its own work there is not compared (not in own_excess).
+            present = ~np.isnan(mat)
+            timed &= present
+            any_timed = timed.any(axis=0)
+            out.timed[k] = ustep[any_timed]
+            mat[present & ~timed & any_timed[None, :]] = np.nan
+            del present, timed, any_timed
+        # Made after the phase's rows are read and gone (the stage's peak is the last
+        # phase's read): every cell is written below, a few columns at a time.
+        out.owns[k] = np.empty((n_r, n_s), dtype=KEEP_DTYPE)
+        out.gaps[k] = np.empty((n_r, n_s), dtype=KEEP_DTYPE)
+        width = max(1, _CHUNK_CELLS // max(n_r, 1))  # a few columns at a time: bounded temporaries
+        for c0 in range(0, n_s, width):
+            c1 = min(c0 + width, n_s)
+            has, *stats = _dense_block(mat[:, c0:c1], out.owns[k][:, c0:c1],
+                                       out.gaps[k][:, c0:c1])
+            out.mids[k].append((ustep[c0:c1][has], np.full(len(has), k, dtype=np.int64), *stats))
+        del mat
+    return out
 
 
 def _positions_in(values: Any, keys: Any) -> tuple[Any, Any]:
@@ -436,10 +507,11 @@ def _scatter(cell: Any, values: Any, shape: tuple[int, int]) -> Any | None:
 
 
 def _phase_matrix(con: Any, name: str, unique: bool, ranks: Any,
-                  steps: Any) -> tuple[Any, Any, float | None] | None:
+                  steps: Any) -> tuple[Any, Any, tuple[int, Any] | None] | None:
     """A top-level phase's rows of ``phase_waits`` as ranks × steps matrices: own work
     (``greatest(ms - wait, 0.0)``, NaN: no row) and timed (``ncoll > 0``; None: none is),
-    and the median of its rows' waits where a collective lies inside (else None).
+    and its rows' waits (the rows' count and the waits of those joined to a collective:
+    every other row's is 0.0; None where it is not known here: the grouped path).
 
     Where (rank, step, path) is the key of ``phases`` and ``phase_collectives``, ``phase_waits``'s
     join is done on
@@ -479,16 +551,11 @@ def _phase_matrix(con: Any, name: str, unique: bool, ranks: Any,
     if np.isnan(w).any():
         return None  # own work NaN: the grouped path's
     timed: Any = None  # no collective inside: wait 0.0, never timed
-    median = None
+    # phase_waits's waits of this phase: the joined ones, 0.0 on every other row (for
+    # phase_waits' run-wide median; its SQL join of every row spilled to disk, ~4 s at 10^8
+    # samples).
+    waits = (n_rows, w[~np.isnan(mat.ravel()[cell])])
     if len(w):
-        # phase_waits's waits of this phase: the joined ones, 0.0 on every other row (phase_waits'
-        # run-wide median; its SQL join of every row spilled to disk, ~4 s at 10^8 samples).
-        waits = np.zeros(n_rows)
-        joined = w[~np.isnan(mat.ravel()[cell])]
-        waits[:len(joined)] = joined
-        del joined
-        median = sql_median(waits)
-        del waits
         mat.ravel()[cell] -= w  # each cell once: (rank, step, anc) is phase_collectives's key
         timed = np.zeros(shape, dtype=bool)  # count(*) > 0: a row of phase_collectives
         timed.ravel()[cell] = True
@@ -496,7 +563,21 @@ def _phase_matrix(con: Any, name: str, unique: bool, ranks: Any,
     np.maximum(mat, 0.0, out=mat)  # NaN (no row) stays NaN
     if null_at is not None:
         mat.ravel()[null_at] = 0.0  # greatest(NULL - wait, 0.0) is 0.0
-    return mat, timed, median
+    return mat, timed, waits
+
+
+def _median_wait(blocks: list[tuple[int, Any]]) -> float:
+    """The run-wide median wait of a phase's rows from its blocks' (count of rows, waits
+    joined to a collective): every other row's is 0.0. Order-free: the same values in any
+    order of blocks give the same median."""
+    waits = np.zeros(sum(n for n, _ in blocks))
+    at = 0
+    for _, w in blocks:
+        waits[at:at + len(w)] = w
+        at += len(w)
+    median = sql_median(waits)
+    assert median is not None  # a collective inside: rows to join it
+    return median
 
 
 def sql_median(values: Any) -> float | None:
