@@ -367,7 +367,7 @@ def test_dense_median_of_others_equals_the_grouped_path(tmp_path: Path, monkeypa
     out = []
     for dense in (True, False):
         if not dense:
-            monkeypatch.setattr(own_mod, "_own_dense", lambda con: None)
+            monkeypatch.setattr(own_mod, "_own_dense", lambda *args: None)
         data = analyze_run(run, keep=True)["_data"]
         try:
             steps = [s for (s,) in data.con.execute("SELECT DISTINCT step FROM steps ORDER BY 1")
@@ -725,7 +725,7 @@ def test_dense_own_on_hand_made_tables_equals_the_grouped_path(
         con.executemany("INSERT INTO phases VALUES (?, ?, ?, ?, ?)", phase_rows)
         con.executemany("INSERT INTO collective_waits VALUES (?, ?, ?, ?, ?)", cw_rows)
         if not dense:
-            monkeypatch.setattr(own_mod, "_own_dense", lambda con: None)
+            monkeypatch.setattr(own_mod, "_own_dense", lambda *args: None)
         cols = own_mod.build_own(con)
         assert (cols.dense is not None) == dense
         out.append(con.execute("SELECT * FROM own_excess ORDER BY rank, step, name").fetchall())

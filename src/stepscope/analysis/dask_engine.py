@@ -41,7 +41,8 @@ Example::
     with dask_engine.cluster(None) as client:  # a local cluster
         run = open_analyzed_run("runs/demo", phase_rank_rows=dask_engine.runner(client),
                                 step_block_rows=dask_engine.step_runner(client),
-                                series_screen=dask_engine.series_runner(client))
+                                series_screen=dask_engine.series_runner(client),
+                                own_blocks=dask_engine.own_runner(client))
     run.close()
 """
 
@@ -60,7 +61,8 @@ from stepscope.analysis import store as st
 from stepscope.analysis.align import BlockRows, block_params
 from stepscope.analysis.blocks import WHOLE, in_block, rank_blocks, step_blocks
 from stepscope.analysis.load import RunData, create_flat_phases_view
-from stepscope.analysis.run import PhaseRankRunner, StepBlockRunner
+from stepscope.analysis.own import OwnBlock, OwnBlockRunner, OwnSpec, own_block
+from stepscope.analysis.run import OwnBlocksRunner, PhaseRankRunner, StepBlockRunner
 from stepscope.analysis.series import Series, rank_blocks_of
 from stepscope.analysis.stats import create_phase_samples, local_phase_rank_rows
 from stepscope.analysis.stragglers import SeriesRunner, SeriesScreen, merge_screens, screen_series
@@ -281,6 +283,93 @@ def step_runner(client: Any) -> StepBlockRunner:
                 data.con.unregister("task_block_rows")
 
         return insert
+
+    return bind
+
+
+@dataclass(frozen=True)
+class OwnBlockTask:
+    """One step block's own-work task: ``block`` (its steps, and the store's files or its
+    phase rows, as for the alignment's statements) and, as arrays, its steps' rows of
+    ``steps`` (rank, step, residual_ms), of ``phase_collectives`` (rank, step, anc, wait,
+    n, ms) and of ``collective_waits`` outside any phase (rank, step, wait)."""
+
+    block: StepBlockTask
+    steps: dict[str, Any]
+    phase_collectives: dict[str, Any]
+    residual_waits: dict[str, Any]
+
+
+def _insert(con: Any, table: str, rows: dict[str, Any], select: str = "*") -> None:
+    """``rows`` (arrays, possibly none) appended to ``table``."""
+    if len(next(iter(rows.values()), ())):
+        con.register("task_own_rows", rows)
+        con.execute(f"INSERT INTO {table} SELECT {select} FROM task_own_rows")
+        con.unregister("task_own_rows")
+
+
+def run_own_block(task: OwnBlockTask, spec: OwnSpec) -> OwnBlock | None:
+    """The own-work and gap matrices of ``task``'s steps (every rank of ``spec``): the
+    single-machine function (:func:`stepscope.analysis.own.own_block`) on a DuckDB
+    connection of its own holding only the block's rows."""
+    con = _task_connection()
+    try:
+        con.execute("CREATE TABLE steps (rank INTEGER, step BIGINT, residual_ms DOUBLE)")
+        _insert(con, "steps", task.steps)
+        con.execute("CREATE TABLE phase_collectives (rank INTEGER, step BIGINT, anc VARCHAR, "
+                    "wait DOUBLE, n BIGINT, ms DOUBLE)")
+        _insert(con, "phase_collectives", task.phase_collectives)
+        con.execute("CREATE TABLE collective_waits (rank INTEGER, step BIGINT, phase VARCHAR, "
+                    "wait DOUBLE)")
+        _insert(con, "collective_waits", task.residual_waits, "rank, step, NULL, wait")
+        # phases' key as the run's (load.phase_keys_unique): the block's rows alone may differ.
+        con.execute(f"CREATE TABLE duplicate_paths AS SELECT {0 if spec.unique else 1} AS n")
+        b = task.block
+        block = in_block("step", b.steps)
+        _create_phases(con, b.files, f"({b.keep}) AND {block}", b.common_steps, b.phases,
+                       _FLAT_PHASE_COLUMNS)
+        steps = np.asarray(spec.steps, dtype=np.int64)
+        mine = steps[(steps >= b.steps[0]) & (steps <= b.steps[1])]
+        return own_block(con, OwnSpec(spec.names, spec.unique, spec.ranks, mine))
+    finally:
+        con.close()
+
+
+def _by_step(con: Any, select: str) -> tuple[dict[str, Any], Any]:
+    """The rows of ``select`` ordered by step, as arrays, and their step column (to cut)."""
+    rows = dict(con.execute(f"{select} ORDER BY step").fetchnumpy())
+    return rows, np.asarray(rows["step"], dtype=np.int64)
+
+
+def _steps_in(rows: tuple[dict[str, Any], Any], steps: tuple[int, int]) -> dict[str, Any]:
+    """The rows of ``rows`` (:func:`_by_step`) in steps [first, last], copied (each task is
+    sent its own rows only)."""
+    cols, at = rows
+    i, j = np.searchsorted(at, steps[0], "left"), np.searchsorted(at, steps[1], "right")
+    return {c: v[i:j].copy() for c, v in cols.items()}
+
+
+def own_runner(client: Any) -> OwnBlocksRunner:
+    """What :func:`stepscope.analysis.run.open_analyzed_run` calls for the own-work matrices:
+    one task per step block (:func:`plan_steps`) on ``client``'s cluster, each sent its
+    steps' rows of the tables the matrices read (built on the client), the blocks gathered
+    in step order."""
+
+    def bind(data: RunData) -> OwnBlockRunner:
+        def blocks(spec: OwnSpec) -> list[OwnBlock | None]:
+            con = data.con
+            steps = _by_step(con, "SELECT rank, step, residual_ms FROM steps")
+            coll = _by_step(con, "SELECT rank, step, anc, wait, n, ms FROM phase_collectives")
+            residual = _by_step(con, "SELECT rank, step, wait FROM collective_waits "
+                                     "WHERE phase IS NULL")
+            tasks = [OwnBlockTask(b, _steps_in(steps, b.steps), _steps_in(coll, b.steps),
+                                  _steps_in(residual, b.steps)) for b in plan_steps(data)]
+            del steps, coll, residual
+            futures = client.map(run_own_block, client.scatter(tasks, hash=False), spec=spec,
+                                 pure=False)
+            return list(client.gather(futures))
+
+        return blocks
 
     return bind
 

@@ -18,7 +18,7 @@ from stepscope.analysis.goodput import compute_goodput
 from stepscope.analysis.hangs import MAX_HEARTBEAT_BYTES, crash_evidence, lost_note, run_losses
 from stepscope.analysis.host import split_host_busy
 from stepscope.analysis.load import RunData, load_run
-from stepscope.analysis.own import phase_waits
+from stepscope.analysis.own import OwnBlockRunner, phase_waits
 from stepscope.analysis.resource_use import analyze_resources
 from stepscope.analysis.stats import create_phase_samples, phase_stats, rank_stats
 from stepscope.analysis.stragglers import SeriesRunner, attribute
@@ -85,6 +85,10 @@ PhaseRankRunner = Callable[[RunData], Iterable[tuple[Any, ...]]]
 #: loaded run are computed, when not on its connection: by an engine that splits the run into
 #: step-block tasks (:mod:`stepscope.analysis.dask_engine`).
 StepBlockRunner = Callable[[RunData], BlockRows]
+#: Where the own-work matrices of a loaded run's blocks of whole steps
+#: (:func:`stepscope.analysis.own.own_block`) are computed, when not on its connection: by an
+#: engine that splits the run into step-block tasks (:mod:`stepscope.analysis.dask_engine`).
+OwnBlocksRunner = Callable[[RunData], OwnBlockRunner]
 
 
 def open_analyzed_run(
@@ -97,6 +101,7 @@ def open_analyzed_run(
     phase_rank_rows: PhaseRankRunner | None = None,
     step_block_rows: StepBlockRunner | None = None,
     series_screen: SeriesRunner | None = None,
+    own_blocks: OwnBlocksRunner | None = None,
 ) -> AnalyzedRun:
     """:func:`analyze_run`, with the loaded run kept open beside the document.
 
@@ -104,13 +109,15 @@ def open_analyzed_run(
     elsewhere (the same rows; default: on the run's own connection). ``step_block_rows``:
     computes the per-step rows of blocks of whole steps elsewhere (the same rows; default:
     on the run's own connection). ``series_screen``: computes each (rank, phase) gap series'
-    noise and whether it may name a straggler elsewhere (the same values; default: here)."""
+    noise and whether it may name a straggler elsewhere (the same values; default: here).
+    ``own_blocks``: computes the own-work matrices of blocks of whole steps elsewhere (the
+    same matrices; default: on the run's own connection)."""
     data = load_run(run_dir, threads=threads, memory_limit=memory_limit, store=store,
                     run_id=run_id)
     try:
         doc = _analyze(data, phase_rank_rows,
                        None if step_block_rows is None else step_block_rows(data),
-                       series_screen)
+                       series_screen, None if own_blocks is None else own_blocks(data))
     except BaseException:
         data.close()
         raise
@@ -125,7 +132,8 @@ def recording_lost(con: Any) -> dict[str, int]:
 
 def _analyze(data: RunData, phase_rank_rows: PhaseRankRunner | None = None,
              block_rows: BlockRows | None = None,
-             series_screen: SeriesRunner | None = None) -> dict[str, Any]:
+             series_screen: SeriesRunner | None = None,
+             own_blocks: OwnBlockRunner | None = None) -> dict[str, Any]:
     con = data.con
     create_phase_samples(con)
     n_rows = con.execute("SELECT count(*) FROM phase_samples").fetchone()[0]
@@ -135,7 +143,7 @@ def _analyze(data: RunData, phase_rank_rows: PhaseRankRunner | None = None,
     median_step = float(step_q[0][0])
     steps = [int(s) for (s,) in con.execute("SELECT DISTINCT step FROM steps ORDER BY 1").fetchall()]
     att = attribute(con, data.hosts, data.ranks, median_step, steps, block_rows,
-                    series_screen)
+                    series_screen, own_blocks)
     total_ms = con.execute(
         "SELECT median(t) FROM (SELECT rank, sum(step_ms) AS t FROM steps GROUP BY 1)").fetchone()[0]
     al, thr, stragglers, windows = att.alignment, att.thresholds, att.stragglers, att.windows

@@ -50,7 +50,7 @@ from stepscope.analysis.collwaits import (
     collectives_section,
     sql_literal,
 )
-from stepscope.analysis.own import build_own
+from stepscope.analysis.own import OwnBlockRunner, build_own
 from stepscope.analysis.series import (
     EXPLAINS,
     FLOOR_MS,
@@ -763,10 +763,12 @@ def _window_phase(con: Any, first: int, last: int) -> str:
 
 def attribute(con: Any, hosts: dict[str, list[int]], ranks: list[int], median_step: float,
               steps: list[int], block_rows: BlockRows | None = None,
-              series_screen: SeriesRunner | None = None) -> Attribution:
+              series_screen: SeriesRunner | None = None,
+              own_blocks: OwnBlockRunner | None = None) -> Attribution:
     """Waits, own work, stragglers, windows and the collectives view for a loaded run
     (``block_rows``: where the alignment's per-step rows are computed, :func:`align`;
-    ``series_screen``: where each gap series' noise and candidacy are, :func:`screen_series`)."""
+    ``series_screen``: where each gap series' noise and candidacy are, :func:`screen_series`;
+    ``own_blocks``: where the own-work matrices are, :func:`~stepscope.analysis.own.build_own`)."""
     n_ranks = len(ranks)
     al = align(con, hosts, n_ranks, median_step, block_rows)
     info: list[str] = []
@@ -781,7 +783,7 @@ def attribute(con: Any, hosts: dict[str, list[int]], ranks: list[int], median_st
             al.sync_phase = str(row[0]).split("/")[0]
             al.arrival = GRAD_SYNC if row[1] == DDP_OP else str(row[1])
             al.aligned = True
-    series = read_gap_series(con, steps, build_own(con))
+    series = read_gap_series(con, steps, build_own(con, own_blocks))
     screen = (screen_series if series_screen is None else series_screen)(
         series, median_step, len(steps))
     thr = screen.thresholds

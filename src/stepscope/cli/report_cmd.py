@@ -74,7 +74,8 @@ def analyze_run_dir(run_dir: str, threads: int | None = None,
                 return open_analyzed_run(run_dir, threads=threads, memory_limit=memory_limit,
                                          run_id=run_id, phase_rank_rows=dask_engine.runner(client),
                                          step_block_rows=dask_engine.step_runner(client),
-                                         series_screen=dask_engine.series_runner(client))
+                                         series_screen=dask_engine.series_runner(client),
+                                         own_blocks=dask_engine.own_runner(client))
         return open_analyzed_run(run_dir, threads=threads, memory_limit=memory_limit,
                                  run_id=run_id)
     except (duckdb.Error, OSError, UnicodeError) as exc:

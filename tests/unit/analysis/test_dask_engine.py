@@ -11,11 +11,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import synth_collectives as sc
 from synth_runs import Slow, SynthRun, write_run
 
-from stepscope.analysis import align, dask_engine, series, stragglers
+from stepscope.analysis import align, dask_engine, own, series, stragglers
 from stepscope.analysis import store as st
 from stepscope.analysis.blocks import WHOLE
 from stepscope.analysis.load import load_run
@@ -204,6 +205,50 @@ def test_series_screen_from_rank_block_tasks(name: str, corpus: dict[str, Path],
     assert list(screen.thresholds.items()) == list(whole.thresholds.items())
     assert screen.candidates == whole.candidates
     assert on_client == [len(args[0])]  # screen_series itself runs here, on the client
+    default = open_analyzed_run(corpus[name])
+    default.close()
+    assert run.doc == default.doc
+
+
+@pytest.mark.parametrize("name", ["multihost", "ddp_accum", "hostile"])
+def test_own_work_from_step_block_tasks(name: str, corpus: dict[str, Path], address: str,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The own-work and gap matrices (and each step's middle values, timed steps, waits)
+    come from one task per step block on the cluster (counted in its task stream: none if
+    the client built them), equal to the whole run's on the client, cell by cell; the
+    report is the default path's."""
+    monkeypatch.setattr(dask_engine, "STEP_BLOCK_RECORDS", 100)
+    checked: list[int] = []
+    with distributed.Client(address) as client:
+        bind = dask_engine.own_runner(client)
+
+        def spy(data: Any) -> own.OwnBlockRunner:
+            blocks = bind(data)
+
+            def run(spec: own.OwnSpec) -> list[own.OwnBlock | None]:
+                got = blocks(spec)
+                whole = own.own_block(data.con, spec)
+                assert whole is not None and all(b is not None for b in got)
+                parts = [b for b in got if b is not None]
+                for k in range(len(spec.names)):
+                    for field in ("owns", "gaps"):
+                        joined = np.concatenate([getattr(b, field)[k] for b in parts], axis=1)
+                        assert np.array_equal(joined, getattr(whole, field)[k], equal_nan=True)
+                    mids = [np.concatenate(c) for c in zip(*[m for b in parts for m in b.mids[k]],
+                                                            strict=True)]
+                    ref = [np.concatenate(c) for c in zip(*whole.mids[k], strict=True)]
+                    assert all(np.array_equal(a, b, equal_nan=True)
+                               for a, b in zip(mids, ref, strict=True))
+                checked.append(len(parts))
+                return got
+
+            return run
+
+        with distributed.get_task_stream(client) as stream:
+            run = open_analyzed_run(corpus[name], own_blocks=spy)
+        run.close()
+    tasks = {t["key"] for t in stream.data if "run_own_block" in str(t["key"])}
+    assert checked and checked[0] > 2 and len(tasks) == checked[0]
     default = open_analyzed_run(corpus[name])
     default.close()
     assert run.doc == default.doc
