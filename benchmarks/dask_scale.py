@@ -4,13 +4,18 @@ On a Parquet store written by ``analysis_scale.py --write-store`` (ten phase pat
 
 1. the single-machine report (``analyze_run``), timing apart the parts the Dask engine runs
    as tasks: the per-rank phase rows, the alignment's per-step statements and the gap
-   series' noise per (rank, phase) (wall and CPU seconds of this process);
+   series' screen per (rank, phase) (noise and straggler candidates) and the own-work
+   matrices (own work and the median of the other ranks per step) (wall and CPU seconds of
+   this process);
 2. each rank block's task (:func:`stepscope.analysis.dask_engine.run_rank_block`), each
    step block's task (:func:`stepscope.analysis.dask_engine.run_step_block`, every statement
-   of the report) and each series task (:func:`stepscope.analysis.dask_engine.run_series_block`,
+   of the report), each step block's own-work task
+   (:func:`stepscope.analysis.dask_engine.run_own_block`, on the report's own tables) and each
+   series task (:func:`stepscope.analysis.dask_engine.run_series_block`,
    the report's own series) run here one after another: wall and CPU seconds, bytes sent and
-   returned; the client's CPU to append the step-block rows to its tables and to split the
-   series into blocks and merge their thresholds; and ``--repeat`` paired, interleaved
+   returned; the client's CPU to append the step-block rows to its tables, to plan the
+   own-work tasks and concatenate their matrices, and to split the series into blocks and
+   merge their screens; and ``--repeat`` paired, interleaved
    repetitions of the series tasks against the same function on the client (CPU medians
    and quartiles);
 3. the whole report with ``--engine dask`` on a local cluster of ``--workers`` processes,
@@ -58,12 +63,15 @@ def _single_machine(store: str, threads: int) -> tuple[dict[str, Any], dict[str,
     """The default report, with the parts the tasks take over timed apart (wall and CPU
     seconds of this process), and the step-block statements it ran."""
     from stepscope.analysis.align import insert_by_host_blocks
+    from stepscope.analysis.own import own_block
     from stepscope.analysis.run import open_analyzed_run
     from stepscope.analysis.stats import local_phase_rank_rows
     from stepscope.analysis.stragglers import screen_series
 
     parts = {"rank_rows_s": 0.0, "rank_rows_cpu_s": 0.0, "step_rows_s": 0.0,
-             "step_rows_cpu_s": 0.0, "series_s": 0.0, "series_cpu_s": 0.0}
+             "step_rows_cpu_s": 0.0, "series_s": 0.0, "series_cpu_s": 0.0, "own_s": 0.0,
+             "own_cpu_s": 0.0, "probe_s": 0.0, "probe_cpu_s": 0.0}
+    own: dict[str, Any] = {}  # the own-work tasks run here, beside the report
     statements: list[tuple[str, str, dict[str, Any]]] = []
     series: list[Any] = []  # the gap series, median step and step count the report used
 
@@ -89,15 +97,58 @@ def _single_machine(store: str, threads: int) -> tuple[dict[str, Any], dict[str,
             series.extend([data, median_step, n_steps])
         return timed("series", screen_series, data, median_step, n_steps)
 
+    def own_blocks(data: Any) -> Any:
+        def run(spec: Any) -> Any:
+            whole = timed("own", own_block, data.con, spec)
+            # The tasks need the report's own tables, alive only here: timed apart
+            # ("probe") and taken out of the report's figures.
+            own.update(timed("probe", _own_tasks, data, spec, whole))
+            return [whole]
+
+        return run
+
     t0, c0 = time.perf_counter(), _cpu()
     run = open_analyzed_run(store, threads=threads,
                             phase_rank_rows=lambda data: timed("rank_rows", local_phase_rank_rows,
                                                                data.con),
-                            step_block_rows=step_rows, series_screen=screen)
-    wall, cpu = time.perf_counter() - t0, _cpu() - c0
+                            step_block_rows=step_rows, series_screen=screen,
+                            own_blocks=own_blocks)
+    wall = time.perf_counter() - t0 - parts["probe_s"]
+    cpu = _cpu() - c0 - parts["probe_cpu_s"]
     run.close()
     return run.doc, {"wall_s": wall, "cpu_s": cpu, **parts, "statements": statements,
-                     "series": series}
+                     "series": series, "own": own}
+
+
+def _own_tasks(data: Any, spec: Any, whole: Any) -> dict[str, Any]:
+    """Each own-work task run here on the report's tables (CPU, wall, pickled bytes sent and
+    returned), the client's CPU to plan them and to concatenate their matrices, checked
+    equal to the whole run's."""
+    import pickle
+
+    import numpy as np
+
+    from stepscope.analysis import dask_engine
+
+    c0 = _cpu()
+    tasks = dask_engine.plan_own(data)
+    plan_cpu = _cpu() - c0
+    out, parts = [], []
+    for task in tasks:
+        t0, c0 = time.perf_counter(), _cpu()
+        part = dask_engine.run_own_block(task, spec)
+        out.append({"wall_s": time.perf_counter() - t0, "cpu_s": _cpu() - c0,
+                    "records": len(task.steps["step"]),
+                    "sent_mb": len(pickle.dumps(task)) / 2**20,
+                    "back_mb": len(pickle.dumps(part)) / 2**20})
+        parts.append(part)
+    c0 = _cpu()
+    for k in range(len(spec.names)):
+        for field in ("owns", "gaps"):
+            joined = np.concatenate([getattr(p, field)[k] for p in parts], axis=1)
+            assert np.array_equal(joined, getattr(whole, field)[k], equal_nan=True)
+    concat_cpu = _cpu() - c0
+    return {"tasks": out, "plan_cpu_s": plan_cpu, "concat_cpu_s": concat_cpu}
 
 
 def _series_tasks(data: Any, median_step: float, n_steps: int,
@@ -211,7 +262,8 @@ def _dask(store: str, threads: int, workers: int) -> tuple[dict[str, Any], float
         t1 = time.perf_counter()
         run = open_analyzed_run(store, threads=threads, phase_rank_rows=dask_engine.runner(client),
                                 step_block_rows=dask_engine.step_runner(client),
-                                series_screen=dask_engine.series_runner(client))
+                                series_screen=dask_engine.series_runner(client),
+                                own_blocks=dask_engine.own_runner(client))
         wall = time.perf_counter() - t1
     run.close()
     return run.doc, started, wall
@@ -247,16 +299,23 @@ def main() -> int:
     # What stays on the client, in CPU seconds (this process; the load does not inflate
     # them as it does wall seconds): everything but the three kinds of tasks, plus appending
     # the step-block tasks' rows to its tables and splitting and merging the series.
+    own = single["own"]
+    own_tasks = own.get("tasks", [])
+    own_client = own.get("plan_cpu_s", 0.0) + own.get("concat_cpu_s", 0.0)
     client_cpu = (single["cpu_s"] - single["rank_rows_cpu_s"] - single["step_rows_cpu_s"]
-                  - single["series_cpu_s"] + merge_cpu + series_merge_cpu)
+                  - single["series_cpu_s"] - single["own_cpu_s"] + merge_cpu + series_merge_cpu
+                  + own_client)
     scale = TARGET / samples
     n_rank = math.ceil(TARGET / rank_samples)
     n_step = math.ceil(len(step) * scale)  # tasks of as many records: the same per-step size
     n_series = math.ceil(len(series) * scale)  # blocks of as many ranks and steps
     rank_cpu, step_cpu = _mean(rank, "cpu_s"), _mean(step, "cpu_s")
     series_cpu = _mean(series, "cpu_s")
+    n_own = math.ceil(len(own_tasks) * scale)  # the step blocks again
+    own_cpu = _mean(own_tasks, "cpu_s")
     projected = {str(n): round(client_cpu * scale + math.ceil(n_rank / n) * rank_cpu
                                + math.ceil(n_step / n) * step_cpu
+                               + math.ceil(n_own / n) * own_cpu
                                + math.ceil(n_series / n) * series_cpu, 1) for n in WORKERS}
     print(json.dumps({
         "benchmark": "dask_scale",
@@ -281,6 +340,14 @@ def main() -> int:
         "step_task_cpu_s": round(step_cpu, 3),
         "step_task_sent_mb": round(_mean(step, "sent_mb"), 2),
         "step_task_back_mb": round(_mean(step, "back_mb"), 2),
+        "own_on_client_cpu_s": round(single["own_cpu_s"], 2),
+        "own_tasks": len(own_tasks),
+        "own_task_records": round(_mean(own_tasks, "records")),
+        "own_task_wall_s": round(_mean(own_tasks, "wall_s"), 3),
+        "own_task_cpu_s": round(own_cpu, 3),
+        "own_task_sent_mb": round(_mean(own_tasks, "sent_mb"), 2),
+        "own_task_back_mb": round(_mean(own_tasks, "back_mb"), 2),
+        "own_plan_concat_cpu_s": round(own_client, 3),
         "series_on_client_cpu_s": round(single["series_cpu_s"], 3),
         "series_tasks": len(series),
         "series_task_series": round(_mean(series, "series")),
@@ -300,6 +367,7 @@ def main() -> int:
             "client_s": round(client_cpu * scale, 1),
             "rank_tasks": n_rank,
             "step_tasks": n_step,
+            "own_tasks": n_own,
             "series_tasks": n_series,
             "by_workers_s": projected,
         },

@@ -1,7 +1,7 @@
 """The Dask engine of ``stepscope report --engine dask``: a run's work that splits by blocks
 of ranks or of steps as tasks on a Dask cluster, the rest of the analysis on the client.
 
-Three kinds of task, each running the single-machine path's own statements or function
+Four kinds of task, each running the single-machine path's own statements or function
 over its part of the run only (the statements on a DuckDB connection of its own, one thread):
 
 * **rank-block tasks** (:func:`run_rank_block`): the per-rank phase statistics
@@ -17,12 +17,19 @@ over its part of the run only (the statements on a DuckDB connection of its own,
   filtered to its steps (each file is ordered by step, so DuckDB skips the other row
   groups); its steps' rows of ``steps`` come from the client. The client appends the rows
   to its table (blocks are disjoint: a union) and takes the same medians as on one machine.
+* **own-work tasks** (:func:`run_own_block`): each rank's own work per phase and step and
+  the median of the other ranks at that step (:func:`stepscope.analysis.own.own_block`: the
+  ranks × steps matrices the gap series are rows of) need every rank of their steps, so each
+  step block is one task too, reading its steps of the store's flat files as the
+  alignment's do; its steps' rows of ``steps``, ``phase_collectives`` and the waits outside
+  any phase (built on the client from the collectives) come from the client, which
+  concatenates the blocks' columns in step order.
 * **series tasks** (:func:`run_series_block`): the screen of each (rank, phase) gap series
   (:func:`stepscope.analysis.stragglers.screen_series`: its noise, the flag threshold the
   straggler and window search uses, and whether the search may name a straggler on it)
   needs that series alone, so each block of :data:`SERIES_BLOCK_RANKS` whole ranks is one
-  task, sent its ranks' series by the client (the series come from the own-work tables,
-  built on the client); the client merges the screens (a union,
+  task, sent its ranks' series by the client (the rows of the own-work matrices, regrouped
+  by rank on the client); the client merges the screens (a union,
   :func:`stepscope.analysis.stragglers.merge_screens`) and judges the few candidates
   across ranks (noise floor, victims).
 
@@ -238,10 +245,12 @@ def run_step_block(task: StepBlockTask, select: str, params: dict[str, Any]) -> 
         con.close()
 
 
-def plan_steps(data: RunData, records: int | None = None) -> list[StepBlockTask]:
+def plan_steps(data: RunData, records: int | None = None, *,
+               step_rows: bool = True) -> list[StepBlockTask]:
     """The step-block tasks of a loaded run: blocks of whole steps of at most ``records``
     (default :data:`STEP_BLOCK_RECORDS`) records, reading the store's flat copy where the
-    report reads it, else sent their phase rows."""
+    report reads it, else sent their phase rows; with ``step_rows``, their steps' rows of
+    ``steps`` that the alignment's statements read (else none)."""
     con = data.con
     flat = data.flat_phases
     cap = STEP_BLOCK_RECORDS if records is None else records
@@ -249,8 +258,8 @@ def plan_steps(data: RunData, records: int | None = None) -> list[StepBlockTask]
               if flat is not None and "common_steps" in flat.keep else None)
     tasks = []
     for b in step_blocks(con, cap):
-        rows = dict(con.execute(f"SELECT rank, step, t0, host FROM steps WHERE {in_block('step', b)}"
-                                ).fetchnumpy())
+        rows = (dict(con.execute(f"SELECT rank, step, t0, host FROM steps WHERE {in_block('step', b)}"
+                                 ).fetchnumpy()) if step_rows else {})
         if flat is not None:
             tasks.append(StepBlockTask(b, rows, tuple(flat.files), flat.keep, common))
         else:
@@ -291,20 +300,23 @@ def step_runner(client: Any) -> StepBlockRunner:
 class OwnBlockTask:
     """One step block's own-work task: ``block`` (its steps, and the store's files or its
     phase rows, as for the alignment's statements) and, as arrays, its steps' rows of
-    ``steps`` (rank, step, residual_ms), of ``phase_collectives`` (rank, step, anc, wait,
-    n, ms) and of ``collective_waits`` outside any phase (rank, step, wait)."""
+    ``steps`` (rank, step, residual_ms), of ``phase_collectives`` (rank, step, anc_id, wait,
+    n, ms: ``anc_id`` indexes ``paths``, a number per row, not a string) and of
+    ``collective_waits`` outside any phase (rank, step, wait)."""
 
     block: StepBlockTask
     steps: dict[str, Any]
     phase_collectives: dict[str, Any]
     residual_waits: dict[str, Any]
+    paths: tuple[str, ...] = ()
 
 
-def _insert(con: Any, table: str, rows: dict[str, Any], select: str = "*") -> None:
+def _insert(con: Any, table: str, rows: dict[str, Any], select: str = "*",
+            params: dict[str, Any] | None = None) -> None:
     """``rows`` (arrays, possibly none) appended to ``table``."""
     if len(next(iter(rows.values()), ())):
         con.register("task_own_rows", rows)
-        con.execute(f"INSERT INTO {table} SELECT {select} FROM task_own_rows")
+        con.execute(f"INSERT INTO {table} SELECT {select} FROM task_own_rows", params or {})
         con.unregister("task_own_rows")
 
 
@@ -318,7 +330,9 @@ def run_own_block(task: OwnBlockTask, spec: OwnSpec) -> OwnBlock | None:
         _insert(con, "steps", task.steps)
         con.execute("CREATE TABLE phase_collectives (rank INTEGER, step BIGINT, anc VARCHAR, "
                     "wait DOUBLE, n BIGINT, ms DOUBLE)")
-        _insert(con, "phase_collectives", task.phase_collectives)
+        _insert(con, "phase_collectives", task.phase_collectives,
+                "rank, step, list_extract($paths::VARCHAR[], anc_id + 1), wait, n, ms",
+                {"paths": list(task.paths)})
         con.execute("CREATE TABLE collective_waits (rank INTEGER, step BIGINT, phase VARCHAR, "
                     "wait DOUBLE)")
         _insert(con, "collective_waits", task.residual_waits, "rank, step, NULL, wait")
@@ -335,9 +349,10 @@ def run_own_block(task: OwnBlockTask, spec: OwnSpec) -> OwnBlock | None:
         con.close()
 
 
-def _by_step(con: Any, select: str) -> tuple[dict[str, Any], Any]:
+def _by_step(con: Any, select: str,
+             params: dict[str, Any] | None = None) -> tuple[dict[str, Any], Any]:
     """The rows of ``select`` ordered by step, as arrays, and their step column (to cut)."""
-    rows = dict(con.execute(f"{select} ORDER BY step").fetchnumpy())
+    rows = dict(con.execute(f"{select} ORDER BY step", params or {}).fetchnumpy())
     return rows, np.asarray(rows["step"], dtype=np.int64)
 
 
@@ -349,6 +364,23 @@ def _steps_in(rows: tuple[dict[str, Any], Any], steps: tuple[int, int]) -> dict[
     return {c: v[i:j].copy() for c, v in cols.items()}
 
 
+def plan_own(data: RunData) -> list[OwnBlockTask]:
+    """The own-work tasks of a loaded run whose waits are built (``phase_collectives``,
+    ``collective_waits``): one per step block of :func:`plan_steps`, with its steps' rows
+    of the tables the matrices read (each table read once, in step order, and cut)."""
+    con = data.con
+    steps = _by_step(con, "SELECT rank, step, residual_ms FROM steps")
+    paths = [str(p) for (p,) in con.execute(
+        "SELECT DISTINCT anc FROM phase_collectives ORDER BY 1").fetchall()]
+    coll = _by_step(con, "SELECT rank, step, CAST(list_position($paths::VARCHAR[], anc) - 1 "
+                         "AS INTEGER) AS anc_id, wait, n, ms FROM phase_collectives",
+                    {"paths": paths})
+    residual = _by_step(con, "SELECT rank, step, wait FROM collective_waits WHERE phase IS NULL")
+    return [OwnBlockTask(b, _steps_in(steps, b.steps), _steps_in(coll, b.steps),
+                         _steps_in(residual, b.steps), tuple(paths))
+            for b in plan_steps(data, step_rows=False)]
+
+
 def own_runner(client: Any) -> OwnBlocksRunner:
     """What :func:`stepscope.analysis.run.open_analyzed_run` calls for the own-work matrices:
     one task per step block (:func:`plan_steps`) on ``client``'s cluster, each sent its
@@ -357,16 +389,8 @@ def own_runner(client: Any) -> OwnBlocksRunner:
 
     def bind(data: RunData) -> OwnBlockRunner:
         def blocks(spec: OwnSpec) -> list[OwnBlock | None]:
-            con = data.con
-            steps = _by_step(con, "SELECT rank, step, residual_ms FROM steps")
-            coll = _by_step(con, "SELECT rank, step, anc, wait, n, ms FROM phase_collectives")
-            residual = _by_step(con, "SELECT rank, step, wait FROM collective_waits "
-                                     "WHERE phase IS NULL")
-            tasks = [OwnBlockTask(b, _steps_in(steps, b.steps), _steps_in(coll, b.steps),
-                                  _steps_in(residual, b.steps)) for b in plan_steps(data)]
-            del steps, coll, residual
-            futures = client.map(run_own_block, client.scatter(tasks, hash=False), spec=spec,
-                                 pure=False)
+            futures = client.map(run_own_block, client.scatter(plan_own(data), hash=False),
+                                 spec=spec, pure=False)
             return list(client.gather(futures))
 
         return blocks

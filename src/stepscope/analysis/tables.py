@@ -158,10 +158,10 @@ _DECLARED = (
     Table("task_common_steps", ("step",), "common_steps, sent by the client (arrays)"),
     Table("task_phase_rows", ("rank", "step", "parent", "ms", "path"),
           "the block's phase rows, sent by the client where the store has no flat copy (arrays)"),
-    Table("task_own_rows", ("rank", "step", "residual_ms", "anc", "wait", "n", "ms"),
+    Table("task_own_rows", ("rank", "step", "residual_ms", "anc_id", "wait", "n", "ms"),
           "a step block's own-work task's rows of steps, phase_collectives or collective_waits "
           "outside any phase, sent by the client (arrays)",
-          optional=("residual_ms", "anc", "wait", "n", "ms")),
+          optional=("residual_ms", "anc_id", "wait", "n", "ms")),
     # -- the Dask engine's client, gathering step-block tasks (analysis/dask_engine.py) --
     Table("task_block_rows", ("name", "spread", "host", "step", "end_t"),
           "one alignment statement's rows from every step-block task (arrays), appended to its "
