@@ -215,13 +215,9 @@ def _candidate_rows(data: Series, thr: dict[tuple[int, str], float],
     if n == 0:
         return np.zeros(len(keys), dtype=bool)
     x = np.stack([np.asarray(data[k][1]) for k in keys])
-    at = np.stack([np.asarray(data[k][0], dtype=np.int64) for k in keys])
     t = np.array([thr[k] for k in keys], dtype=np.float64)
-    rows = np.arange(len(keys))
     high = x > t.astype(x.dtype)[:, None]  # a float threshold against the series' dtype
     n_high = np.count_nonzero(high, axis=1)
-    first = at[rows, np.argmax(high, axis=1)]
-    last = at[rows, n - 1 - np.argmax(high[:, ::-1], axis=1)]
     bar = np.maximum(np.maximum(WINDOW_SIGMAS * t / SIGMAS, MIN_EXCESS_MS),
                      WINDOW_IMPACT * median_step)
     whole_x = np.median(x, axis=1)  # each row's np.median, in its dtype
@@ -231,7 +227,10 @@ def _candidate_rows(data: Series, thr: dict[tuple[int, str], float],
     dense = n_high >= CHRONIC_DENSITY * n_steps
     chronic = ((n >= CHRONIC_COVER * n_steps) & ((whole > bar) | persistent) & (whole >= floor)
                & ~dense)
-    flagged = dense & (n_high > 0) & (last - first + 1 >= CHRONIC_COVER * n_steps)
+    flagged = np.zeros(len(keys), dtype=bool)
+    for i in np.flatnonzero(dense & (n_high > 0)).tolist():  # few: flagged on most steps
+        at = np.asarray(data[keys[i]][0])[high[i]]  # the flagged steps' positions
+        flagged[i] = int(at[-1]) - int(at[0]) + 1 >= CHRONIC_COVER * n_steps
     baseline_moves = (whole > bar) & dense & (n_high < n)
     min_n = max(MIN_SEGMENT, math.ceil(0.04 * n_steps))
     if n < min_n or n < changepoint.MIN_PIECE:
