@@ -369,7 +369,7 @@ _STAGES = (
     ("stepscope.analysis.run", "load_run"), ("stepscope.analysis.run", "create_phase_samples"),
     ("stepscope.analysis.stragglers", "align"), ("stepscope.analysis.stragglers", "build_waits"),
     ("stepscope.analysis.stragglers", "build_own"), ("stepscope.analysis.stragglers", "read_gap_series"),
-    ("stepscope.analysis.stragglers", "build_thresholds"),
+    ("stepscope.analysis.stragglers", "screen_series"),
     ("stepscope.analysis.stragglers", "find_stragglers"),
     ("stepscope.analysis.stragglers", "find_windows"),
     ("stepscope.analysis.stragglers", "collectives_section"),
