@@ -229,10 +229,23 @@ def may_hold_window(xs: np.ndarray[Any, np.dtype[np.float64]], bar: float,
     merge, no window. ``x - base > bar`` is the comparison
     ``elevated`` makes, in the same floating-point operations.
     """
-    if len(xs) < MIN_PIECE or bar < 0:
-        return False
-    hi = np.flatnonzero((xs - base) > bar)
-    return bool(len(hi) >= 2 and int(np.diff(hi).min()) <= 3)
+    return bool(may_hold_windows(np.asarray(xs)[None, :], np.array([bar]), np.array([base]))[0])
+
+
+def may_hold_windows(x: np.ndarray[Any, Any], bar: np.ndarray[Any, Any],
+                     base: np.ndarray[Any, Any]) -> np.ndarray[Any, np.dtype[np.bool_]]:
+    """:func:`may_hold_window` of every row of the 2-D ``x``, with its row's ``bar`` and
+    ``base``: a bool per row. The comparison runs in ``x``'s dtype, as ``elevated``'s does
+    on a series of that dtype (a Python float against a NumPy array takes the array's)."""
+    rows, n = x.shape
+    if n < MIN_PIECE:
+        return np.zeros(rows, dtype=bool)
+    hi = (x - base.astype(x.dtype)[:, None]) > bar.astype(x.dtype)[:, None]
+    out = np.zeros(rows, dtype=bool)
+    for d in (1, 2, 3):  # two high values at most 3 steps apart
+        if d < n:
+            out |= (hi[:, :-d] & hi[:, d:]).any(axis=1)
+    return out & (bar >= 0)
 
 
 def unlikely_by_chance(k: int, span: int, k_out: int, n_out: int, n: int,

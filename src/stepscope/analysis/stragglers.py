@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -208,6 +208,56 @@ def candidates_of(data: Series, thr: dict[tuple[int, str], float], median_step: 
     return frozenset(out)
 
 
+class _Tests(NamedTuple):
+    """The search's first tests of equal-length gap series, a value per row (one row per
+    series; :func:`_series_tests`). ``high`` is the per-step flag matrix."""
+
+    bar: Any  # a window's minimum excess (float64)
+    whole: Any  # the series' median, as float64 (``whole_x``: in the series' dtype)
+    whole_x: Any
+    high: Any
+    n_high: Any
+    chronic: Any  # chronic at the run-wide level (before the flagged-steps test)
+    dense: Any  # flagged on most steps
+
+
+def _series_tests(x: Any, t: Any, median_step: float, n_steps: int) -> _Tests:
+    """:class:`_Tests` of the rows of ``x`` (2-D, one series per row, its own dtype) with
+    thresholds ``t``. Each comparison runs in ``x``'s dtype, as it does against one series
+    (a Python float against a NumPy array takes the array's dtype)."""
+    n = x.shape[1]
+    high = x > t.astype(x.dtype)[:, None]
+    n_high = np.count_nonzero(high, axis=1)
+    # A stretch's level is a median over >= min_n steps: its noise is well under one
+    # step's, so its bar is a few of the rank's noise sigmas, not the per-step SIGMAS.
+    bar = np.maximum(np.maximum(WINDOW_SIGMAS * t / SIGMAS, MIN_EXCESS_MS),
+                     WINDOW_IMPACT * median_step)
+    whole_x = np.median(x, axis=1)  # each row's np.median, in its dtype (robust.median's)
+    whole = whole_x.astype(np.float64)
+    floor = _naming_floor(median_step)
+    # Above the naming floor on nearly every step, however noisy each step (a loaded
+    # host's preemption swings single steps by the gap itself): persistent, so chronic.
+    # Clean busy-host runs reached 0.56 at most (36 soak runs, 8 recorded ones).
+    persistent = (np.count_nonzero(x >= x.dtype.type(floor), axis=1) / max(n, 1)
+                  >= CHRONIC_PERSISTS) & (n > 0)
+    dense = n_high >= CHRONIC_DENSITY * n_steps
+    # The gap's level over the whole run sits well above its noise even where single
+    # steps are too noisy to flag (a busy host): chronic, priced at that level.
+    chronic = ((n >= CHRONIC_COVER * n_steps) & ((whole > bar) | persistent)
+               & (whole >= floor) & ~dense)
+    return _Tests(bar, whole, whole_x, high, n_high, chronic, dense)
+
+
+def _naming_floor(median_step: float) -> float:
+    """The least gap level named as a straggler: an absolute floor or a share of the step."""
+    return max(MIN_EXCESS_MS, CHRONIC_IMPACT * median_step)
+
+
+def _spans_run(at: Any, n_steps: int) -> bool:
+    """Do step positions ``at`` (ascending, not empty) stretch over most of the run?"""
+    return int(at[-1]) - int(at[0]) + 1 >= CHRONIC_COVER * n_steps
+
+
 def _candidate_rows(data: Series, thr: dict[tuple[int, str], float],
                     keys: list[tuple[int, str]], n: int, median_step: float,
                     n_steps: int) -> Any:
@@ -215,34 +265,16 @@ def _candidate_rows(data: Series, thr: dict[tuple[int, str], float],
     if n == 0:
         return np.zeros(len(keys), dtype=bool)
     x = np.stack([np.asarray(data[k][1]) for k in keys])
-    t = np.array([thr[k] for k in keys], dtype=np.float64)
-    high = x > t.astype(x.dtype)[:, None]  # a float threshold against the series' dtype
-    n_high = np.count_nonzero(high, axis=1)
-    bar = np.maximum(np.maximum(WINDOW_SIGMAS * t / SIGMAS, MIN_EXCESS_MS),
-                     WINDOW_IMPACT * median_step)
-    whole_x = np.median(x, axis=1)  # each row's np.median, in its dtype
-    whole = whole_x.astype(np.float64)
-    floor = max(MIN_EXCESS_MS, CHRONIC_IMPACT * median_step)
-    persistent = np.count_nonzero(x >= x.dtype.type(floor), axis=1) / n >= CHRONIC_PERSISTS
-    dense = n_high >= CHRONIC_DENSITY * n_steps
-    chronic = ((n >= CHRONIC_COVER * n_steps) & ((whole > bar) | persistent) & (whole >= floor)
-               & ~dense)
+    tt = _series_tests(x, np.array([thr[k] for k in keys], dtype=np.float64), median_step,
+                       n_steps)
     flagged = np.zeros(len(keys), dtype=bool)
-    for i in np.flatnonzero(dense & (n_high > 0)).tolist():  # few: flagged on most steps
-        at = np.asarray(data[keys[i]][0])[high[i]]  # the flagged steps' positions
-        flagged[i] = int(at[-1]) - int(at[0]) + 1 >= CHRONIC_COVER * n_steps
-    baseline_moves = (whole > bar) & dense & (n_high < n)
-    min_n = max(MIN_SEGMENT, math.ceil(0.04 * n_steps))
-    if n < min_n or n < changepoint.MIN_PIECE:
-        return chronic | flagged | baseline_moves
-    # changepoint.may_hold_window(x, bar, median) for every row: two values above
-    # median + bar at most 3 apart.
-    hi = (x - whole_x[:, None]) > bar.astype(x.dtype)[:, None]
-    window = np.zeros(len(keys), dtype=bool)
-    for d in (1, 2, 3):
-        if d < n:
-            window |= (hi[:, :-d] & hi[:, d:]).any(axis=1)
-    return chronic | flagged | baseline_moves | window
+    for i in np.flatnonzero(tt.dense & (tt.n_high > 0)).tolist():  # few: flagged on most steps
+        flagged[i] = _spans_run(np.asarray(data[keys[i]][0])[tt.high[i]], n_steps)
+    baseline_moves = (tt.whole > tt.bar) & tt.dense & (tt.n_high < n)
+    if n < max(MIN_SEGMENT, math.ceil(0.04 * n_steps)):
+        return tt.chronic | flagged | baseline_moves
+    window = changepoint.may_hold_windows(x, tt.bar, tt.whole_x)
+    return tt.chronic | flagged | baseline_moves | window
 
 
 def find_stragglers(
@@ -427,33 +459,22 @@ def _find(
         t = thr.get((rank, name))
         if t is None or (candidates is not None and (rank, name) not in candidates):
             continue  # no straggler to find here (candidates_of: a bound)
-        high = xa > t
+        tt = _series_tests(xa[None, :], np.array([t], dtype=np.float64), median_step, n_steps)
+        high = tt.high[0]
         idx = at[high]
-        # A stretch's level is a median over >= min_n steps: its noise is well under one
-        # step's, so its bar is a few of the rank's noise sigmas, not the per-step SIGMAS.
-        bar = max(WINDOW_SIGMAS * t / SIGMAS, MIN_EXCESS_MS, WINDOW_IMPACT * median_step)
-        whole = float(np.median(xa))  # robust.median: the same middle value(s), same mean
-        floor = max(MIN_EXCESS_MS, CHRONIC_IMPACT * median_step)
-        # Above the naming floor on nearly every step, however noisy each step (a loaded
-        # host's preemption swings single steps by the gap itself): persistent, so chronic.
-        # Clean busy-host runs reached 0.56 at most (36 soak runs, 8 recorded ones).
-        persistent = bool(len(xa) and np.mean(xa >= floor) >= CHRONIC_PERSISTS)
-        if (len(xa) >= CHRONIC_COVER * n_steps and (whole > bar or persistent)
-                and whole >= floor
-                and not (len(idx) >= CHRONIC_DENSITY * n_steps)):
-            # The gap's level over the whole run sits well above its noise even where single
-            # steps are too noisy to flag (a busy host): chronic, priced at that level.
+        bar = float(tt.bar[0])
+        whole = float(tt.whole[0])
+        if tt.chronic[0]:
             seg = at.tolist()
             if raw is not None:
                 whole = _raw_chronic(raw, (rank, name), at, whole)
             out.append(_straggler(con, rank, name, host_of, steps, seg, whole, "chronic",
                                   _confidence(len(seg), 1.0, whole / t)))
             # A window on top of the chronic level is still looked for below.
-        elif (len(idx) >= CHRONIC_DENSITY * n_steps and len(idx)
-              and int(idx[-1]) - int(idx[0]) + 1 >= CHRONIC_COVER * n_steps):
+        elif tt.dense[0] and len(idx) and _spans_run(idx, n_steps):
             # Flagged on most steps across the run: one chronic straggler, whatever its holes.
             med = float(np.median(xa[high]))
-            if (min(med, whole) >= max(MIN_EXCESS_MS, CHRONIC_IMPACT * median_step)
+            if (min(med, whole) >= _naming_floor(median_step)
                     and whole >= 0.5 * med):
                 ids = idx.tolist()
                 if raw is not None:
@@ -470,7 +491,7 @@ def _find(
         # stands out from it (a rank slow on steps 50-150 of 200 was missed). A gap's level
         # at par is what it is on the steps not flagged: windows are measured from there.
         base = None
-        if whole > bar and len(idx) >= CHRONIC_DENSITY * n_steps and len(idx) < len(xa):
+        if whole > bar and tt.dense[0] and len(idx) < len(xa):
             base = float(np.median(xa[~high]))
         if len(xa) < min_n or not changepoint.may_hold_window(
                 xa, bar, whole if base is None else base):
@@ -481,13 +502,13 @@ def _find(
         chronic_done = any(o["rank"] == rank and o["phase"] == name for o in out)
         for w in changepoint.elevated(xs, bar, baseline=base, min_len=min_n):
             seg = [i for i, _ in pts[w.start:w.end + 1]]
-            chronic = seg[-1] - seg[0] + 1 >= CHRONIC_COVER * n_steps
+            chronic = _spans_run(seg, n_steps)
             if chronic and chronic_done:
                 continue
             # Chronic: the gap itself (to the other ranks' median), not over a short outside.
             if chronic:
                 level = robust.median(xs[w.start:w.end + 1])
-                if level < max(MIN_EXCESS_MS, CHRONIC_IMPACT * median_step):
+                if level < _naming_floor(median_step):
                     continue
             else:
                 level = (min(w.excess, robust.median(xs[w.start:w.end + 1])) if net
