@@ -273,6 +273,22 @@ def _mean(rows: list[dict[str, float]], key: str) -> float:
     return sum(r[key] for r in rows) / len(rows) if rows else 0.0
 
 
+def _task_figures(kind: str, tasks: list[dict[str, float]], cpu_s: float, size: str,
+                  back_digits: int | None = 2) -> dict[str, Any]:
+    """One task kind's keys of the record: count, mean ``size`` (records, samples or series
+    per task), mean wall, ``cpu_s``, mean MB sent and (``back_digits`` not None) back."""
+    out: dict[str, Any] = {
+        f"{kind}_tasks": len(tasks),
+        f"{kind}_task_{size}": round(_mean(tasks, size)),
+        f"{kind}_task_wall_s": round(_mean(tasks, "wall_s"), 3),
+        f"{kind}_task_cpu_s": round(cpu_s, 3),
+        f"{kind}_task_sent_mb": round(_mean(tasks, "sent_mb"), 2),
+    }
+    if back_digits is not None:
+        out[f"{kind}_task_back_mb"] = round(_mean(tasks, "back_mb"), back_digits)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--store", required=True, help="a store from analysis_scale.py --write-store")
@@ -329,32 +345,13 @@ def main() -> int:
         "step_statements": len(single["statements"]),
         "rest_on_client_cpu_s": round(client_cpu, 2),
         "merge_step_rows_cpu_s": round(merge_cpu, 2),
-        "rank_tasks": len(rank),
-        "rank_task_samples": round(rank_samples),
-        "rank_task_wall_s": round(_mean(rank, "wall_s"), 3),
-        "rank_task_cpu_s": round(rank_cpu, 3),
-        "rank_task_sent_mb": round(_mean(rank, "sent_mb"), 2),
-        "step_tasks": len(step),
-        "step_task_records": round(_mean(step, "records")),
-        "step_task_wall_s": round(_mean(step, "wall_s"), 3),
-        "step_task_cpu_s": round(step_cpu, 3),
-        "step_task_sent_mb": round(_mean(step, "sent_mb"), 2),
-        "step_task_back_mb": round(_mean(step, "back_mb"), 2),
+        **_task_figures("rank", rank, rank_cpu, "samples", back_digits=None),
+        **_task_figures("step", step, step_cpu, "records"),
         "own_on_client_cpu_s": round(single["own_cpu_s"], 2),
-        "own_tasks": len(own_tasks),
-        "own_task_records": round(_mean(own_tasks, "records")),
-        "own_task_wall_s": round(_mean(own_tasks, "wall_s"), 3),
-        "own_task_cpu_s": round(own_cpu, 3),
-        "own_task_sent_mb": round(_mean(own_tasks, "sent_mb"), 2),
-        "own_task_back_mb": round(_mean(own_tasks, "back_mb"), 2),
+        **_task_figures("own", own_tasks, own_cpu, "records"),
         "own_plan_concat_cpu_s": round(own_client, 3),
         "series_on_client_cpu_s": round(single["series_cpu_s"], 3),
-        "series_tasks": len(series),
-        "series_task_series": round(_mean(series, "series")),
-        "series_task_wall_s": round(_mean(series, "wall_s"), 3),
-        "series_task_cpu_s": round(series_cpu, 3),
-        "series_task_sent_mb": round(_mean(series, "sent_mb"), 2),
-        "series_task_back_mb": round(_mean(series, "back_mb"), 3),
+        **_task_figures("series", series, series_cpu, "series", back_digits=3),
         "series_split_merge_cpu_s": round(series_merge_cpu, 3),
         "series_paired": paired,
         "dask_workers": args.workers,
