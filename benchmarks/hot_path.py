@@ -91,6 +91,11 @@ JSONL writer (as ``init()`` builds them; no heartbeat unless ``--heartbeat``), a
   difference has ±10 µs. Prints, per part (entry, body, exit, and the boundary: entry plus
   exit), the median of tracer minus empty ``with`` (``*_added_us``) and its precision
   (``*_pm_us``), over ``--steps`` rounds.
+- ``--mode cold-recorded``: as ``cold-boundary`` for a step that is recorded (every step
+  sampled, every automatic instrument, the memory sink): entry and exit (the step boundary
+  with the step's open, close, run-queue read, resource snapshot and hand-over to the
+  resolver) to ~0.3 µs, and the body (the module, backward and optimizer hooks and their
+  phases) to the precision the torch step's spread allows.
 - ``--mode ddp-calls``: as ``calls`` for a step of 2 gloo ranks under DDP (rank 0, a small MLP
   with small buckets), recorded and never sampled, plus the calls inside the two hooks DDP
   adds on recorded steps: the untimed-groups look (which counts the C++-issued bucket
@@ -548,13 +553,15 @@ def boundary_mode(blocks: int, steps: int) -> dict[str, Any]:
     return _spread("unsampled_boundary_us", diffs)
 
 
-def cold_boundary_mode(rounds: int) -> dict[str, Any]:
+def cold_boundary_mode(rounds: int, every: int = 1 << 40) -> dict[str, Any]:
+    """``--mode cold-boundary`` (``every``: never after step 0), and ``--mode cold-recorded``
+    (``every`` 1: every step recorded, its hooks and phases in the body)."""
     from stepscope.recording.sinks import MemorySink
 
     model, opt, x = _job()
     for _ in range(20):
         _step(model, opt, x)
-    cfg = Config(out_dir="unused", every_n_steps=1 << 40, max_pending_steps=1 << 20)
+    cfg = Config(out_dir="unused", every_n_steps=every, max_pending_steps=1 << 20)
     tracer = Tracer(cfg, model=model, optimizer=opt, clock=CpuClock(), sink=MemorySink())
     _run(tracer, model, opt, x, 5)  # step 0 is sampled: out of the timing
     arms: dict[str, Any] = {"tracer": tracer, "control": _Control()}
@@ -1151,7 +1158,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     modes = ("time", "cprofile", "alloc", "wakes", "build", "cycle", "handover", "floor", "callsite",
              "parts", "neighbour", "cold", "sampling", "calls", "alternate", "alternate-tiny", "boundary",
-             "ddp-calls", "cold-boundary")
+             "ddp-calls", "cold-boundary", "cold-recorded")
     ap.add_argument("--mode", choices=modes, default="time")
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--blocks", type=int, default=11)
@@ -1222,6 +1229,11 @@ def main() -> None:
         HIDDEN = args.hidden or 640
         print(json.dumps({"benchmark": "hot_path_cold_boundary", "hidden": HIDDEN, "rounds": args.steps,
                           "loadavg_1m": round(os.getloadavg()[0], 2), **cold_boundary_mode(args.steps)}))
+    elif args.mode == "cold-recorded":
+        HIDDEN = args.hidden or 640
+        print(json.dumps({"benchmark": "hot_path_cold_recorded", "hidden": HIDDEN, "rounds": args.steps,
+                          "loadavg_1m": round(os.getloadavg()[0], 2),
+                          **cold_boundary_mode(args.steps, every=1)}))
     elif args.mode == "ddp-calls":
         print(json.dumps({"benchmark": "hot_path_ddp_calls", **ddp_calls_mode()}))
     elif args.mode == "calls":

@@ -103,9 +103,10 @@ class _ModelHooks:
     # When dynamo traces a compiled module's hooks, _is_compiling() is a constant True, so the
     # hooks trace to nothing: no graph break, and the compiled wrapper's own hooks (called
     # eagerly) do the timing. Cheaper than torch.compiler.disable wrappers on every call.
-    # Timed only on the thread that owns the open sampled step (``sampled_owner``, one
-    # attribute read; the gate, a thread-local, answers for a pre-step phase or an adopted
-    # thread), so forwards run by other threads (evaluation, EMA) are not counted.
+    # Timed only on the thread that owns the open sampled step (``open_phase`` with ``others``
+    # False: ``sampled_owner``, one attribute read; the gate, a thread-local, answers for a
+    # pre-step phase or an adopted thread), so forwards run by other threads (evaluation, EMA)
+    # are not counted.
     def pre(self, module: Any, args: Any) -> None:
         if _is_compiling():
             return
@@ -113,9 +114,10 @@ class _ModelHooks:
         # grad_sync (``_sync_param``): no lookup on every later step.
         if not self._ddp and self._sync_param is None:
             self._ddp = unwrap.ddp_forward_active()
-        tracer = self.tracer
-        if self.forward and (tracer.sampled_owner == _get_ident() or gate.current() is tracer):
-            self._fwd.append(tracer.open_phase("forward"))
+        if self.forward:
+            token = self.tracer.open_phase("forward", False, False)
+            if token is not None:  # another thread's forward leaves no token for the owner's post
+                self._fwd.append(token)
 
     def post(self, module: Any, args: Any, output: Any) -> None:
         # Appended: runs after other forward hooks (FSDP2's reshard belongs to forward).
@@ -364,8 +366,10 @@ class OptimizerHooks:
         self._tokens = tokens
 
         def pre(opt: Any, args: Any, kwargs: Any) -> None:
-            if not _is_compiling() and (tracer.sampled_owner == _get_ident() or gate.current() is tracer):
-                tokens.append(tracer.open_phase("optimizer"))
+            if not _is_compiling():
+                token = tracer.open_phase("optimizer", False, False)
+                if token is not None:
+                    tokens.append(token)
 
         def post(opt: Any, args: Any, kwargs: Any) -> None:
             if tokens and not _is_compiling():

@@ -87,15 +87,16 @@ class RunQueueReader:
         self._fd = fd
         self._thread = threading.get_ident()
 
-    def step_end(self) -> float | None:
+    def step_end(self, thread: int | None = None) -> float | None:
         """Run-queue wait (ms) since the last call on this thread; ``None`` when off or on
-        the first call (the baseline)."""
+        the first call (the baseline). ``thread``: ``threading.get_ident()`` of the caller,
+        where it knows it already (the session: the step's owner)."""
         fd = self._fd
         if fd is None:
             if self.reason is None:
                 self._open()
             return None
-        if threading.get_ident() != self._thread:
+        if (threading.get_ident() if thread is None else thread) != self._thread:
             # Steps moved to another thread (init() ran elsewhere): follow them.
             self.close()
             self._open()

@@ -52,6 +52,7 @@ from stepscope.recording.step import STREAM_WAIT, Span, Step
 PRE_STEP_PHASES = frozenset({"dataloader", "h2d"})
 
 _get_ident = threading.get_ident
+_perf_ns = time.perf_counter_ns
 _gate_here = gate.here
 
 
@@ -166,12 +167,16 @@ class Recorder:
 
     # ------------------------------------------------------------ phases
 
-    def open_phase(self, name: str, host: bool = False) -> Span | None:
+    def open_phase(self, name: str, host: bool = False, others: bool = True) -> Span | None:
         """Start timing ``name``; returns a token for :meth:`close_phase` (``None`` = not timed).
 
         Between steps, a :data:`PRE_STEP_PHASES` span goes to the next step, whose start moves
         back to the span's start; while it is open the in-step gate is raised on this thread,
         so collectives inside a batch fetch are seen. Other phases between steps are not timed.
+
+        ``others`` False (the per-step hooks): only on the thread that owns the open sampled
+        step or whose gate is raised for this recorder (a pre-step phase, an autograd thread
+        adopted during the owner's backward); any other thread's phase is not timed.
         """
         step: Step
         try:
@@ -179,12 +184,22 @@ class Recorder:
                 # The usual case: the owner of the open sampled step (its stack, its step).
                 stack, step, pre = self._owner_stack, self._cur, False  # type: ignore[assignment]
             else:
+                if not others and gate.current() is not self:
+                    return None
                 target = self._open_target(name)
                 if target is None:
                     return None
                 stack, step, pre = target
-            span = Span(name, stack[-1].path if stack else None, self.clock.mark(), host,
-                        None if self._host_marks else time.time())
+            parent = stack[-1].path if stack else None
+            span = Span()
+            span.name = name
+            span.parent = parent
+            span.path = name if parent is None else f"{parent}/{name}"
+            span.start = self.clock.mark()
+            span.end = None
+            span.host_start = _perf_ns() if host else None
+            span.host_end = None
+            span.wall = None if self._host_marks else time.time()
             if pre:
                 if step.start is None:
                     step.start = span.start
@@ -233,7 +248,7 @@ class Recorder:
         try:
             token.end = self.clock.mark()
             if token.host_start is not None:
-                token.host_end = time.perf_counter_ns()
+                token.host_end = _perf_ns()
             stack = token.stack
             if stack:
                 if stack[-1] is token:

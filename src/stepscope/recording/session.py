@@ -87,6 +87,7 @@ class Session(Recorder):
         self._per_step: list[PerStep] = []
         self._hooks_on = False
         self._since_flush = 0
+        self._flush_every = config.flush_every_n_steps
         self._failed = False
         #: Steps run after an error turned timing off (none recorded): a loss the heartbeat says.
         self.untimed_steps = 0
@@ -312,7 +313,7 @@ class Session(Recorder):
                 # Read at the end of a sampled step (its run-queue wait) and of the step before
                 # one (that wait's baseline); between unsampled steps, no system call at all.
                 if step is not None or sample_next:
-                    rq = sched.step_end()
+                    rq = sched.step_end(self._train_thread)  # the owner's: this thread
                     if not self._rq_read:
                         rq = None  # the previous step's end was not read (the index jumped)
                     self._rq_read = True
@@ -337,7 +338,7 @@ class Session(Recorder):
                 # nothing resolved yet on a lagging GPU) leaves with the next hand-over or the
                 # writer's own take (held steps, its idle tick): no retry on every step.
                 if exc is not None or (
-                    self._since_flush >= self.config.flush_every_n_steps
+                    self._since_flush >= self._flush_every
                     and time.monotonic() >= self._outbox.due_at
                 ):
                     self._since_flush = 0

@@ -8,7 +8,6 @@ plain dict on the writer thread.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -21,24 +20,27 @@ STREAM_WAIT = "<stream wait>"
 
 
 class Span:
-    """One timed region: a phase occurrence. ``path`` is ``parent/name`` (``forward/h2d``)."""
+    """One timed region: a phase occurrence. ``path`` is ``parent/name`` (``forward/h2d``).
+
+    Made only by :meth:`~stepscope.recording.recorder.Recorder.open_phase`, which sets every
+    field: the class has no ``__init__``, so making one runs no Python frame (three or more a
+    recorded step, each with the caches cold after a long torch op).
+    """
 
     __slots__ = ("end", "host_end", "host_start", "name", "parent", "path", "stack", "start", "wall")
 
-    def __init__(
-        self, name: str, parent: str | None, start: Any, host: bool, wall: float | None = None
-    ) -> None:
-        self.name = name
-        self.parent = parent
-        self.path = name if parent is None else f"{parent}/{name}"
-        self.start = start
-        self.end: Any = None
-        self.host_start: int | None = time.perf_counter_ns() if host else None
-        self.host_end: int | None = None
-        #: For observers (the heartbeat): ``time.time()`` when this phase opened, where the
-        #: clock's marks do not say it (``None`` when ``start`` is a ``perf_counter_ns`` value).
-        self.wall = wall
-        self.stack: list[Span] | None = None  # the phase stack it was opened on
+    name: str
+    parent: str | None
+    path: str
+    start: Any
+    end: Any
+    #: ``time.perf_counter_ns()`` at open and close, for a phase timed on the host as well.
+    host_start: int | None
+    host_end: int | None
+    #: For observers (the heartbeat): ``time.time()`` when this phase opened, where the
+    #: clock's marks do not say it (``None`` when ``start`` is a ``perf_counter_ns`` value).
+    wall: float | None
+    stack: list[Span] | None  # the phase stack it was opened on
 
 
 #: A step's ``timed`` until it is resolved (shared, never mutated: ``_time`` replaces it).
