@@ -341,3 +341,38 @@ def test_a_model_compiled_after_init_keeps_its_hooks_from_then_on(mem_tracer):
         model.compile(backend="eager")  # inside a sampled step, the hooks on
     seen = _sampled_run(tr, model, opt, 3)
     assert [s[0] for s in seen] == [True] * 3
+
+
+def test_a_forward_and_optimizer_step_of_another_thread_inside_the_step_are_not_timed(mem_tracer):
+    """Another thread runs the hooked model and optimizer while the owner's forward is open:
+    neither is timed, and the owner's forward is closed by its own post-hook (not at the end
+    of the step)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    main = threading.current_thread()
+
+    class Reentrant(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(16, 4)
+            self.pool: ThreadPoolExecutor | None = None
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if threading.current_thread() is main and self.pool is not None:
+                self.pool.submit(lambda: (self(x), opt.step())).result()
+            return self.lin(x)
+
+    model = Reentrant()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tr = mem_tracer(model=model, optimizer=opt)
+    with ThreadPoolExecutor(1) as pool:
+        model.pool = pool
+        with tr.step():
+            model(torch.randn(2, 16)).sum().backward()
+            time.sleep(0.005)  # after forward: a forward left open would end with the step
+            opt.step()
+    tr.finish()
+    ph = _ph(tr.sink.records[0])
+    assert ph["forward"]["calls"] == 1 and ph["optimizer"]["calls"] == 1
+    assert ph["forward"]["end_ms"] <= ph["backward"]["start_ms"]

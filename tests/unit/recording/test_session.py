@@ -162,3 +162,32 @@ def test_an_unsampled_step_reads_and_writes_only_slots_of_the_tracer(mem_tracer)
     not_slots = sorted(n for n in used if n in vars(tr) or not hasattr(cls, n))
     assert not_slots == []
     tr.finish()
+
+
+def test_a_recorded_step_runs_these_stepscope_frames_and_no_more(mem_tracer):
+    """The Python frames of stepscope on a recorded step with module, backward and optimizer
+    timing: the boundary, one hook frame and one recorder frame per phase edge, and at the exit
+    the run-queue read, the resource snapshot, the resolver's hand-over and the untimed-groups
+    look. No span constructor, no clock method (the CPU clock's readiness check is C)."""
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tr = mem_tracer(model=model, optimizer=opt)
+    x = torch.ones(4, 2)
+
+    def one() -> None:
+        with tr.step():
+            model(x).sum().backward()
+            opt.step()
+
+    for _ in range(4):  # past the first steps' one-off checks (the forward-span warning)
+        one()
+    assert _stepscope_frames(one) == [
+        "step", "_enter_step", "_open_step", "__init__",  # the Step
+        "pre", "open_phase", "post", "close_phase",  # forward
+        "_timed_backward", "run_backward", "open_phase", "close_phase",  # backward
+        "pre", "open_phase", "post", "close_phase",  # optimizer
+        "_exit_step", "_close_step", "step_end", "on_step_end", "add", "poll", "on_step_end",
+    ]
+    tr.finish()
+    assert [r["step"] for r in tr.sink.records] == [0, 1, 2, 3, 4]
+    assert [p["name"] for p in tr.sink.records[-1]["phases"]] == ["forward", "backward", "optimizer"]
