@@ -176,6 +176,32 @@ def test_reader_skips_the_file_while_the_thread_stayed_on_the_cpu(monkeypatch: p
     assert sum(got) * 1e6 == pytest.approx(sum(own))
 
 
+def test_reader_takes_the_callers_thread_and_end_mark(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Given the caller's thread id and its ``perf_counter_ns`` end mark, a step end reads
+    neither itself, and the slack test runs on the mark given."""
+    clock = {"cpu": 0}
+    run_delay = [0]
+    monkeypatch.setattr(sched, "_thread_time_ns", lambda: clock["cpu"])
+    monkeypatch.setattr(sched.os, "pread", lambda fd, n, off: f"0 {run_delay[0]} 1\n".encode())
+    rq = sched.RunQueueReader()
+    monkeypatch.setattr(sched, "_perf_ns", lambda: 0)
+    assert rq.step_end() is None  # the baseline, at wall 0
+
+    def no_call() -> int:
+        raise AssertionError("read although the caller gave it")
+
+    monkeypatch.setattr(sched, "_perf_ns", no_call)
+    monkeypatch.setattr(sched.threading, "get_ident", no_call)
+    me = rq._thread
+    clock["cpu"] = 3_000_000
+    assert rq.step_end(me, 3_000_000) == 0.0  # on the CPU throughout: no read
+    run_delay[0] = 2 * sched.SLACK_NS
+    clock["cpu"] = 6_000_000
+    got = rq.step_end(me, 6_000_000 + 3 * sched.SLACK_NS)  # off the CPU: read
+    rq.close()
+    assert got == pytest.approx(2 * sched.SLACK_NS / 1e6)
+
+
 @pytest.mark.skipif(not os.path.exists(sched.PATH) or not hasattr(os, "sched_setaffinity"),
                     reason="needs Linux schedstat and CPU affinity")
 def test_reader_sees_a_cpu_hog_and_not_a_sleep() -> None:

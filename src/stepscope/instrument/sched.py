@@ -87,10 +87,11 @@ class RunQueueReader:
         self._fd = fd
         self._thread = threading.get_ident()
 
-    def step_end(self, thread: int | None = None) -> float | None:
+    def step_end(self, thread: int | None = None, wall_ns: int | None = None) -> float | None:
         """Run-queue wait (ms) since the last call on this thread; ``None`` when off or on
-        the first call (the baseline). ``thread``: ``threading.get_ident()`` of the caller,
-        where it knows it already (the session: the step's owner)."""
+        the first call (the baseline). ``thread``: ``threading.get_ident()`` of the caller, and
+        ``wall_ns``: ``time.perf_counter_ns()`` at the step's end, where the caller knows them
+        already (the session: the step's owner and its end mark on the host clock)."""
         fd = self._fd
         if fd is None:
             if self.reason is None:
@@ -101,7 +102,8 @@ class RunQueueReader:
             self.close()
             self._open()
             return None
-        cpu, wall = _thread_time_ns(), _perf_ns()
+        cpu = _thread_time_ns()
+        wall = _perf_ns() if wall_ns is None else wall_ns
         if wall - self._wall - (cpu - self._cpu) < SLACK_NS:
             return 0.0  # on the CPU all but SLACK_NS since the last read: no system call
         try:

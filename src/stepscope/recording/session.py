@@ -313,7 +313,10 @@ class Session(Recorder):
                 # Read at the end of a sampled step (its run-queue wait) and of the step before
                 # one (that wait's baseline); between unsampled steps, no system call at all.
                 if step is not None or sample_next:
-                    rq = sched.step_end(self._train_thread)  # the owner's: this thread
+                    # This thread (the owner's) and, on the host clock, the end mark: a
+                    # perf_counter_ns value, the reader's wall clock.
+                    rq = sched.step_end(self._train_thread,
+                                        step.end if step is not None and self._host_marks else None)
                     if not self._rq_read:
                         rq = None  # the previous step's end was not read (the index jumped)
                     self._rq_read = True

@@ -1008,9 +1008,9 @@ def test_unsampled_steps_read_the_run_queue_clock_only_before_a_sampled_one(mem_
     reads: list[int] = []
     real = rq.step_end
 
-    def spy(thread: int | None = None) -> float | None:
+    def spy(thread: int | None = None, wall_ns: int | None = None) -> float | None:
         reads.append(tr.step_index)
-        return real(thread)
+        return real(thread, wall_ns)
 
     rq.step_end = spy  # type: ignore[method-assign]
     for _ in range(8):  # indices 0..7; sampled: 0, 3, 6
