@@ -331,7 +331,12 @@ class Session(Recorder):
                 if not self._forward_seen and "forward" in self._auto_active:
                     self._check_forward(step)
                 self._since_flush += 1
-            self._last_step = (done, _time_ns(), self._step_wall_ns)
+            if step is not None and self._host_marks:
+                # The end in wall-clock ns from the marks (perf_counter_ns values): no clock read.
+                end_ns = step.start_unix_ns + (step.end - step.start)
+            else:
+                end_ns = _time_ns()
+            self._last_step = (done, end_ns, self._step_wall_ns)
             if step is not None:
                 self.resolver.add(step, poll=True)
                 # An exception may end the job: what is resolved goes to the file now.

@@ -82,6 +82,26 @@ def test_the_heartbeat_state_follows_unsampled_steps(mem_tracer):
     assert abs(st["last_step_end"] - time.time()) < 1.0
 
 
+def test_the_heartbeat_state_follows_recorded_steps(mem_tracer):
+    """A recorded step's end, in wall-clock time, comes from its marks on the host clock: it
+    falls between the wall clock read before and after the step's exit (to within what a
+    preemption between the entry's two clock reads can shift it)."""
+    tr = mem_tracer(auto=False)
+    with tr.step(), tr.phase("work"):
+        time.sleep(0.02)
+    for _ in range(3):
+        with tr.step():
+            time.sleep(0.02)
+            before = time.time_ns()
+        after = time.time_ns()
+        st = tr.state()
+        assert st["last_step"] == tr.step_index - 1
+        assert 0.02 <= st["last_step_s"] < 10.0
+        assert before / 1e9 - 0.5 <= st["last_step_end"] <= after / 1e9 + 0.5  # a loaded host
+    tr.finish()
+    assert [r["step"] for r in tr.sink.records] == [0, 1, 2, 3]
+
+
 class _Ends:
     def __init__(self, sampled_only: bool) -> None:
         self.sampled_only = sampled_only
