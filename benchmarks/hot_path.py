@@ -94,8 +94,10 @@ JSONL writer (as ``init()`` builds them; no heartbeat unless ``--heartbeat``), a
 - ``--mode cold-recorded``: as ``cold-boundary`` for a step that is recorded (every step
   sampled, every automatic instrument, the memory sink): entry and exit (the step boundary
   with the step's open, close, run-queue read, resource snapshot and hand-over to the
-  resolver) to ~0.3 µs, and the body (the module, backward and optimizer hooks and their
-  phases) to the precision the torch step's spread allows.
+  resolver) to ~1–2 µs over 400 rounds, and the body (the module, backward and optimizer
+  hooks and their phases) only to the precision the torch step's spread allows (±60 µs and
+  more on a loaded host). The exit includes the run-queue file's read when the thread was
+  off the CPU (most rounds on a loaded host) and the rate-limited RSS read in some rounds.
 - ``--mode ddp-calls``: as ``calls`` for a step of 2 gloo ranks under DDP (rank 0, a small MLP
   with small buckets), recorded and never sampled, plus the calls inside the two hooks DDP
   adds on recorded steps: the untimed-groups look (which counts the C++-issued bucket
