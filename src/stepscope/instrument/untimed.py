@@ -5,9 +5,10 @@ code, a backend's own scheduling) never passes through the Python functions
 :mod:`.collectives` patches. The process group still counts it: its sequence number
 (``_get_sequence_number_for_group``, kept by gloo and NCCL) moves on by one per collective.
 
-At the end of each sampled step this listener reads every group's sequence number. A group
-whose number moved while stepscope timed no call on it since the previous step's end carried
-only untimed work: the difference is counted as ``unseen_untimed`` (on the next sampled step,
+At the end of each sampled step, and of the step before one, this listener reads every
+group's sequence number (one pybind call per group). A group whose number moved while
+stepscope timed no call on it during the one step since the previous look carried only
+untimed work: the difference is counted as ``unseen_untimed`` (on the next sampled step,
 where counters reported between steps go), so the report's ``blind`` section names it instead
 of a silent "balanced". Conservative by design: a group that also carried timed calls in that
 window is not counted (a funcol's backward issued from C++ beside its timed forward, DDP's
@@ -49,35 +50,44 @@ class UntimedGroups:
         self._dist = False  # a default process group was seen
         self._next_ask = 0.0  # monotonic time of the next is_initialized() while not _dist
         self._looked_at = -2  # the step whose end the last look was taken at
+        #: torch's table of live process groups, read once a default group is seen: torch
+        #: mutates that one dict in place (``new_group``, ``destroy_process_group``).
+        self._pg_map: dict[Any, Any] = {}
+        self._kept = 0  # len(self._last), kept without a call
 
     def look(self) -> int:
-        """Collectives issued on groups that carried no timed call since the last look."""
+        """Collectives issued on groups that carried no timed call since the last look.
+
+        Run at the end of a DDP step with the caches cold: operators, not method calls
+        (``in``, ``[]``, a kept length), so that it costs one call per group beside its own."""
         n = seen = 0
         last = self._last
-        pg_map = getattr(getattr(torch.distributed.distributed_c10d, "_world", None), "pg_map", None)
-        groups = list(pg_map) if pg_map else []
-        timed_calls = col.TIMED_CALLS.get
+        groups = list(self._pg_map)
+        timed_calls = col.TIMED_CALLS
         for pg in groups:
             try:
                 seq = pg._get_sequence_number_for_group()  # an int (pybind)
             except Exception:  # a backend without sequence numbers: cannot tell, not counted
                 continue
-            prev = last.get(pg)
-            if prev is None:
+            if pg in last:
+                prev = last[pg]
+                pid = prev[2]
+            else:
+                prev = None
                 info = col.group_info(pg)
                 if info is None:
                     continue
                 pid = info[0]
-            else:
-                pid = prev[2]
-            timed = timed_calls(pid, 0)
+                self._kept += 1
+            timed = timed_calls[pid] if pid in timed_calls else 0  # noqa: SIM401 (no call)
             seen += 1
             last[pg] = (seq, timed, pid)
             if prev is not None and seq > prev[0] and timed == prev[1]:
                 n += seq - prev[0]
-        if len(last) > seen:  # destroyed groups
+        if self._kept > seen:  # destroyed groups (rare)
             for pg in [g for g in last if g not in groups]:
                 del last[pg]
+            self._kept = len(last)
         return n
 
     def on_step_end(self, session: Any, index: int) -> None:
@@ -91,17 +101,15 @@ class UntimedGroups:
             if not torch.distributed.is_initialized():
                 return
             self._dist = True
+            pg_map = getattr(getattr(torch.distributed.distributed_c10d, "_world", None), "pg_map", None)
+            self._pg_map = pg_map if isinstance(pg_map, dict) else {}
         try:
-            samples = session.config.samples
-            if not samples(index):
-                # An unsampled step times nothing: the window of the sampled step after it
-                # starts at its end (no look at the end of the others: one per group each).
-                if samples(index + 1):
-                    self.look()
-                    self._looked_at = index
-                return
+            # Called at the end of a sampled step and of the step before one (sampled_only).
+            # A window is counted only when it is one step long: at the end of the step
+            # before a sampled one it is the baseline of that step's window (the look before
+            # it was steps earlier), unless that step follows a sampled one (one step in 2).
             n = self.look()
-            fresh = self._looked_at == index - 1  # else the window spans steps (index moved)
+            fresh = self._looked_at == index - 1  # else the window spans steps
             self._looked_at = index
             if n and fresh:
                 session.add_counter("unseen_untimed", n)

@@ -663,3 +663,58 @@ def test_untimed_groups_look_only_around_sampled_steps(world1, mem_tracer, monke
     assert len(looks) == 6  # ends of steps 0, 4, 5, 9, 10, 14
     counts = {r["step"]: r.get("counters", {}).get("unseen_untimed", 0) for r in tr.sink.records}
     assert counts == {0: 0, 5: 0, 10: 0}
+
+
+def test_untimed_groups_count_a_one_step_window_before_a_sampled_step(world1, mem_tracer):
+    """With one step in 2 recorded, the look at the end of an unsampled step comes one step
+    after the previous look: that window (the unsampled step) is counted on the next sampled
+    step, as every window of one step is; the sampled step's own window has no sampled step
+    after it to go to."""
+    pg = dist.distributed_c10d._get_default_group()
+    tr = mem_tracer(auto=False, every_n_steps=2, flush_every_n_steps=1)
+    for i in range(6):
+        with tr.step():
+            if i in (1, 3):  # unsampled steps whose ends are looked at
+                pg.allreduce([torch.ones(2)]).wait()  # the ProcessGroup's own method: not timed
+            if i == 2:  # a sampled step's window: nowhere to go
+                pg.allreduce([torch.ones(2)]).wait()
+    tr.finish()
+    counts = {r["step"]: r.get("counters", {}).get("unseen_untimed", 0) for r in tr.sink.records}
+    assert counts == {0: 0, 2: 1, 4: 1}
+
+
+def test_the_untimed_groups_look_of_a_ddp_step_costs_at_most_8_calls(world1, mem_tracer):
+    """Budget: at the end of a recorded DDP step, the look that counts the C++-issued bucket
+    all-reduces makes at most 8 Python calls (its own frames, one sequence-number read per
+    group, and the counter it reports), measured with ``sys.setprofile``."""
+    import sys
+
+    from stepscope.instrument import untimed
+
+    net = torch.nn.Linear(4, 4)
+    model = torch.nn.parallel.DistributedDataParallel(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tr = mem_tracer(model=model, optimizer=opt, flush_every_n_steps=1)
+    calls: list[int] = []
+    depth = [0]
+    look = untimed.UntimedGroups.on_step_end.__code__
+
+    def prof(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and (depth[0] or frame.f_code is look):
+            depth[0] += 1
+            calls.append(1)
+        elif event == "c_call" and depth[0]:
+            calls.append(1)
+        elif event == "return" and depth[0]:
+            depth[0] -= 1
+
+    for i in range(4):
+        if i == 3:
+            sys.setprofile(prof)
+        with tr.step():
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+        sys.setprofile(None)
+    tr.finish()
+    assert 1 <= len(calls) <= 8, len(calls)
+    assert tr.sink.records[-1]["counters"]["unseen_untimed"] >= 1  # the look did count
