@@ -211,9 +211,11 @@ class Session(Recorder):
         if (self._index < self._sample_at and not self._in_step and self._handed is None
                 and self.enabled and self._next is None):
             # A step known to be unsampled: what the heartbeat (a hung rank's status) and the
-            # next boundary need, nothing more.
+            # next boundary need, nothing more. Its thread is taken as the one of the last
+            # full boundary (a sampled step, the step before one), not asked again: a loop
+            # that moves to another thread between sampled steps is seen at the next of them.
             self._in_step = True
-            self._owner = self._train_thread = _get_ident()
+            self._owner = self._train_thread
             self._step_wall_ns = _time_ns()
             self._step_counts = None  # an unsampled step's throughput numbers are not kept
             return self._step_cm

@@ -211,3 +211,26 @@ def test_a_recorded_step_runs_these_stepscope_frames_and_no_more(mem_tracer):
     tr.finish()
     assert [r["step"] for r in tr.sink.records] == [0, 1, 2, 3, 4]
     assert [p["name"] for p in tr.sink.records[-1]["phases"]] == ["forward", "backward", "optimizer"]
+
+
+def test_an_unsampled_step_calls_nothing_in_c_but_the_wall_clock_at_entry_and_exit(mem_tracer):
+    """The boundary of an unsampled step runs after a long step has evicted the caches, where
+    each C call costs ~1 µs: it reads the wall clock once at entry (the heartbeat's
+    ``step_started``) and once at exit (``last_step_end``), and does not ask for its thread
+    (that of the last full boundary is kept)."""
+    tr, one = _warm_unsampled(mem_tracer)
+    called: list[str] = []
+
+    def prof(frame: Any, event: str, arg: Any) -> None:
+        if event == "c_call" and frame.f_code.co_filename.startswith(PACKAGE):
+            called.append(arg.__name__)
+
+    sys.setprofile(prof)
+    try:
+        one()
+    finally:
+        sys.setprofile(None)
+    assert called == ["time_ns", "time_ns"]
+    st = tr.state()
+    assert not st["in_step"] and st["last_step"] == 3
+    tr.finish()
