@@ -128,6 +128,7 @@ class Heartbeat:
     def _tick(self) -> None:
         try:
             st = self.tracer.state()
+            self._caught(st)
             self._maybe_dump(st)
             self._write(self._payload(st))
         except Exception:  # protect the job: a vanished out_dir must not kill the thread
@@ -212,15 +213,20 @@ class Heartbeat:
 
     # ------------------------------------------------------------ training thread
 
-    def on_step_end(self, tracer: Run, index: int) -> None:
+    def _caught(self, st: dict[str, Any]) -> None:
+        """A step ended after the one that raised: the training loop caught the exception
+        and went on, so it was not a crash. Decided here, on the heartbeat thread (each tick)
+        and at finish, not at every step end: the file says ``running`` again at the tick
+        after that step, as before, and no step boundary pays for the check."""
         final = self._final
-        if final is None:  # the usual case, on every step: nothing made, nothing asked
+        if final is None:
             return
         err = final.get("error") or {}
-        if err.get("where") == "step" and index > err.get("step", index):
-            # The exception was caught by the training loop, which goes on: not a crash.
+        last = st.get("last_step")
+        if err.get("where") == "step" and last is not None and last > err.get("step", last):
             self._last_error = err
-            self._final = None
+            if self._final is final:  # not replaced meanwhile by a later crash
+                self._final = None
 
     def on_exception(
         self, tracer: Run, exc_type: type, exc: BaseException, phase_stack: list[str]
@@ -232,6 +238,7 @@ class Heartbeat:
         """At ``finish()`` (explicit or at exit): stop the thread, write the final state."""
         self._stop.set()
         self._restore_sigterm()
+        self._caught(tracer.state())
         if self._final is None:
             st = tracer.state()
             # An uncaught exception ending the interpreter is visible here (atexit runs after
