@@ -90,7 +90,8 @@ JSONL writer (as ``init()`` builds them; no heartbeat unless ``--heartbeat``), a
   the boundary's cold cost comes with a precision of ~0.1 µs where ``alternate``'s whole-step
   difference has ±10 µs. Prints, per part (entry, body, exit, and the boundary: entry plus
   exit), the median of tracer minus empty ``with`` (``*_added_us``) and its precision
-  (``*_pm_us``), over ``--steps`` rounds.
+  (``*_pm_us``), over ``--steps`` rounds. ``--heartbeat``: the tracer writes files and
+  runs the heartbeat, as a default ``init()`` does.
 - ``--mode cold-recorded``: as ``cold-boundary`` for a step that is recorded (every step
   sampled, every automatic instrument, the memory sink): entry and exit (the step boundary
   with the step's open, close, run-queue read, resource snapshot and hand-over to the
@@ -555,7 +556,7 @@ def boundary_mode(blocks: int, steps: int) -> dict[str, Any]:
     return _spread("unsampled_boundary_us", diffs)
 
 
-def cold_boundary_mode(rounds: int, every: int = 1 << 40) -> dict[str, Any]:
+def cold_boundary_mode(rounds: int, every: int = 1 << 40, heartbeat: bool = False) -> dict[str, Any]:
     """``--mode cold-boundary`` (``every``: never after step 0), and ``--mode cold-recorded``
     (``every`` 1: every step recorded, its hooks and phases in the body)."""
     from stepscope.recording.sinks import MemorySink
@@ -563,8 +564,12 @@ def cold_boundary_mode(rounds: int, every: int = 1 << 40) -> dict[str, Any]:
     model, opt, x = _job()
     for _ in range(20):
         _step(model, opt, x)
-    cfg = Config(out_dir="unused", every_n_steps=every, max_pending_steps=1 << 20)
-    tracer = Tracer(cfg, model=model, optimizer=opt, clock=CpuClock(), sink=MemorySink())
+    tmp = tempfile.TemporaryDirectory() if heartbeat else None
+    cfg = Config(out_dir="unused" if tmp is None else tmp.name, every_n_steps=every,
+                 max_pending_steps=1 << 20, **({"heartbeat_s": 5.0} if heartbeat else {}))
+    # --heartbeat: files and the heartbeat, as a default init() has them.
+    tracer = Tracer(cfg, model=model, optimizer=opt, clock=CpuClock(),
+                    sink=None if heartbeat else MemorySink())
     _run(tracer, model, opt, x, 5)  # step 0 is sampled: out of the timing
     arms: dict[str, Any] = {"tracer": tracer, "control": _Control()}
     clock = time.thread_time_ns
@@ -588,6 +593,8 @@ def cold_boundary_mode(rounds: int, every: int = 1 << 40) -> dict[str, Any]:
         for name in order:
             got[name].append(parts(arms[name]))
     tracer.finish()
+    if tmp is not None:
+        tmp.cleanup()
     out: dict[str, Any] = {}
     pairs = list(zip(got["tracer"], got["control"], strict=True))
     for part, diffs in (("entry", [a[0] - b[0] for a, b in pairs]), ("body", [a[1] - b[1] for a, b in pairs]),
@@ -1230,7 +1237,9 @@ def main() -> None:
     elif args.mode == "cold-boundary":
         HIDDEN = args.hidden or 640
         print(json.dumps({"benchmark": "hot_path_cold_boundary", "hidden": HIDDEN, "rounds": args.steps,
-                          "loadavg_1m": round(os.getloadavg()[0], 2), **cold_boundary_mode(args.steps)}))
+                          "loadavg_1m": round(os.getloadavg()[0], 2),
+                          **({"heartbeat": True} if args.heartbeat else {}),
+                          **cold_boundary_mode(args.steps, heartbeat=args.heartbeat)}))
     elif args.mode == "cold-recorded":
         HIDDEN = args.hidden or 640
         print(json.dumps({"benchmark": "hot_path_cold_recorded", "hidden": HIDDEN, "rounds": args.steps,
