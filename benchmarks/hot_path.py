@@ -566,7 +566,7 @@ def cold_boundary_mode(rounds: int, every: int = 1 << 40, heartbeat: bool = Fals
         _step(model, opt, x)
     tmp = tempfile.TemporaryDirectory() if heartbeat else None
     cfg = Config(out_dir="unused" if tmp is None else tmp.name, every_n_steps=every,
-                 max_pending_steps=1 << 20, **({"heartbeat_s": 5.0} if heartbeat else {}))
+                 max_pending_steps=1 << 20, heartbeat_s=5.0)  # a memory sink has no heartbeat
     # --heartbeat: files and the heartbeat, as a default init() has them.
     tracer = Tracer(cfg, model=model, optimizer=opt, clock=CpuClock(),
                     sink=None if heartbeat else MemorySink())
