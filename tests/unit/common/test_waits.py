@@ -27,12 +27,12 @@ def _tables(seed: int) -> Any:
                    exposed_ms DOUBLE, hidden_ms DOUBLE)""")
     con.execute("""CREATE TABLE phases (rank INTEGER, step BIGINT, name VARCHAR, path VARCHAR,
                    parent VARCHAR, calls BIGINT, ms DOUBLE, s DOUBLE, e DOUBLE)""")
-    con.execute("CREATE TABLE steps (rank INTEGER, step BIGINT, step_ms DOUBLE)")
+    con.execute("CREATE TABLE steps (rank INTEGER, step BIGINT, step_ms DOUBLE, residual_ms DOUBLE)")
     colls: list[tuple[Any, ...]] = []
     phases: list[tuple[Any, ...]] = []
     for step in range(12):
         for rank in range(4):
-            con.execute("INSERT INTO steps VALUES (?, ?, ?)", [rank, step, 100.0])
+            con.execute("INSERT INTO steps VALUES (?, ?, ?, ?)", [rank, step, 100.0, 0.5])
             for phase, op, pg in (("backward", "all_reduce", "dp"), (None, "all_gather", "dp"),
                                   ("forward", "reduce_scatter", "tp")):
                 if step == 3 and rank == 2 and op == "all_gather":
