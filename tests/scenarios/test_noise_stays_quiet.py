@@ -124,6 +124,28 @@ def test_recorded_busy_host_run_with_slow_collectives_has_no_window(tmp_path: Pa
     assert robust.median(inside) > 1.3 * robust.median(outside)
 
 
+def test_recorded_busy_pipeline_window_is_the_host_not_a_weak_straggler(tmp_path: Path) -> None:
+    """A balanced 2-stage pipeline (the PiPPy re-creation, gloo) recorded beside a test suite
+    and a benchmark (``fixtures/busy_pipeline_balanced``). On steps 6-11 both ranks' steps
+    took 26-55 ms instead of ~15, with 6-22 ms of run-queue wait each: the host was busy.
+    Rank 0's backward runs 1.6 ms over rank 1's on every step (chronic), and that straggler
+    once "explained" the window, which was reported as rank 0's backward, 22.6 ms a step."""
+    run = tmp_path / "busy"
+    shutil.copytree(paths.FIXTURES / "busy_pipeline_balanced", run)
+    doc = analyze_run(run)
+    assert doc["windows"] == [], doc["windows"]
+    assert [(w["start_step"], w["end_step"], w["ranks"]) for w in doc["run"]["host_busy"]] == [
+        (6, 11, [0, 1])]
+    assert all(s["excess_ms"] < 5.0 for s in doc["stragglers"]), doc["stragglers"]
+    # Both ranks really were late there, mostly waiting for a CPU.
+    recs = {(r["rank"], r["step"]): r for r in _records(run)}
+    for rank in (0, 1):
+        inside = [recs[(rank, s)]["step_ms"] for s in range(6, 12)]
+        outside = [recs[(rank, s)]["step_ms"] for s in range(12, 20)]
+        assert robust.median(inside) > 2 * robust.median(outside)
+        assert robust.median([recs[(rank, s)]["counters"]["runq_ms"] for s in range(6, 12)]) > 5
+
+
 def _records(run: Path) -> list[dict[str, Any]]:
     out = []
     for f in sorted(run.glob("rank*.jsonl")):

@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from stepscope.analysis.series import runq_extra
-from stepscope.analysis.stragglers import own_slowdown
+from stepscope.analysis.stragglers import explaining, own_slowdown
 from stepscope.common import robust
 
 _COMPUTE = ("forward", "backward", "optimizer")
@@ -47,14 +47,14 @@ def is_host_busy(w: dict[str, Any], clock: str | None, stragglers: list[dict[str
     if not str(clock or "").startswith("cpu") or len(w["ranks"]) < 2:
         return False
     first, last = int(w["start_step"]), int(w["end_step"])
-    if any(s["first_step"] <= last and s["last_step"] >= first for s in stragglers):
+    excess = float(w.get("excess_ms") or 0.0)
+    if explaining(stragglers, first, last, excess):
         return False
     if w["phase"] in HOST_WORK:
         return True
     if con is not None and any(own_slowdown(con, p, first, last, r) >= HOST_BUSY_SLOWDOWN
                                for p in _COMPUTE for r in w["ranks"]):
         return True
-    excess = float(w.get("excess_ms") or 0.0)
     for per_step in (extra or {}).values():
         inside = [v for st, v in per_step.items() if first <= st <= last]
         if inside and excess > 0 and robust.median(inside) >= RUNQ_SHARE * excess:

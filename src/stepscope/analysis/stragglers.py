@@ -86,6 +86,10 @@ SUSTAINED = 0.75
 #: Bar for a change-point window's level, in the rank's noise sigmas.
 WINDOW_SIGMAS = 2.5
 VICTIM_FRACTION = 0.5  # a victim's wait exceeds the culprit's by this share of the excess
+#: A straggler explains a window of step time it overlaps only with an excess of at least
+#: this share of the window's: a rank 1.6 ms slow over the whole run does not explain every
+#: rank's step running 23 ms slow for six steps (the host, busy for a while, did).
+EXPLAINS_SHARE = 0.5
 
 @dataclass
 class Attribution:
@@ -670,6 +674,14 @@ def own_slowdown(con: Any, name: str, first: int, last: int, rank: int | None = 
     return float(inside) / float(base)
 
 
+def explaining(stragglers: list[dict[str, Any]], first: int, last: int,
+               excess: float) -> list[dict[str, Any]]:
+    """The stragglers that overlap steps ``first``..``last`` with an excess of at least
+    :data:`EXPLAINS_SHARE` of a window's ``excess`` (ms per step): those that explain it."""
+    return [s for s in stragglers if s["first_step"] <= last and s["last_step"] >= first
+            and float(s["excess_ms"]) >= EXPLAINS_SHARE * excess]
+
+
 def find_windows(
     con: Any, steps: list[int], stragglers: list[dict[str, Any]], all_ranks: list[int],
     warmup: dict[str, Any] | None = None,
@@ -702,7 +714,7 @@ def find_windows(
         if span >= CHRONIC_COVER * len(steps):
             continue
         first, last = steps[seg[0]], steps[seg[-1]]
-        hits = [s for s in stragglers if s["first_step"] <= last and s["last_step"] >= first]
+        hits = explaining(stragglers, first, last, max(0.0, w.excess))
         if hits:
             top = max(hits, key=lambda s: s["excess_ms"] * s["steps"])
             ranks = sorted({s["rank"] for s in hits})
