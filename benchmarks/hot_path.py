@@ -99,6 +99,15 @@ JSONL writer (as ``init()`` builds them; no heartbeat unless ``--heartbeat``), a
   hooks and their phases) only to the precision the torch step's spread allows (±60 µs and
   more on a loaded host). The exit includes the run-queue file's read when the thread was
   off the CPU (most rounds on a loaded host) and the rate-limited RSS read in some rounds.
+- ``--mode to-steps``: what a loop that moves its batch with two ``Tensor.to`` calls a step
+  pays, one step in ``--every-n-steps`` recorded (every automatic instrument, the memory sink),
+  on the ~3 ms MLP: per step, the training-thread CPU of the entry, the two ``.to()`` calls and
+  the exit (the step body apart). Prints the median of that per place in the recording cycle,
+  the median over steps that are neither recorded nor the step before one
+  (``unsampled_us``), the two ``.to()`` calls alone there (``to_calls_us``), and the mean over
+  a cycle (``cycle_mean_us``: the swaps and the recorded step's boundary included), over
+  ``--steps`` steps. ``--control``: an empty ``with`` statement and no tracer, the same calls.
+  Compare builds in alternated processes: within one, the patch is process-wide.
 - ``--mode ddp-calls``: as ``calls`` for a step of 2 gloo ranks under DDP (rank 0, a small MLP
   with small buckets), recorded and never sampled, plus the calls inside the two hooks DDP
   adds on recorded steps: the untimed-groups look (which counts the C++-issued bucket
@@ -604,6 +613,47 @@ def cold_boundary_mode(rounds: int, every: int = 1 << 40, heartbeat: bool = Fals
         out[f"{part}_added_us"] = spread["added_us"]
         out[f"{part}_pm_us"] = spread["median_pm_us"]
     out["n"] = len(pairs)
+    return out
+
+
+def to_steps_mode(steps: int, every: int, control: bool) -> dict[str, Any]:
+    """``--mode to-steps``: per step, entry + two ``.to()`` calls + exit, training-thread CPU µs."""
+    from stepscope.recording.sinks import MemorySink
+
+    model, opt, x = _job()
+    batch = (torch.randn(64, HIDDEN), torch.randint(0, 10, (64,)))
+    for _ in range(20):
+        _step(model, opt, x)
+    cfg = Config(out_dir="unused", every_n_steps=every, max_pending_steps=1 << 20)
+    owner: Any = _Control() if control else Tracer(cfg, model=model, optimizer=opt, clock=CpuClock(),
+                                                   sink=MemorySink())
+    clock = time.thread_time_ns
+    got: list[tuple[int, int]] = []
+    for _ in range(steps):
+        t0 = clock()
+        cm = owner.step()
+        cm.__enter__()
+        t1 = clock()
+        batch[0].to("cpu", non_blocking=True)  # the batch's move, as a loop on a device does
+        batch[1].to("cpu", non_blocking=True)
+        t2 = clock()
+        _step(model, opt, x)
+        t3 = clock()
+        cm.__exit__(None, None, None)
+        t4 = clock()
+        got.append((t1 - t0 + t2 - t1 + t4 - t3, t2 - t1))
+    owner.finish()
+    got = got[every:]  # the first cycle (the tracer's start) out
+    got = got[: len(got) // every * every]
+    by_place = [statistics.median(g[0] for g in got[i::every]) / 1e3 for i in range(every)]
+    # Neither recorded (place 0) nor the step before one (place every - 1): the plain steps.
+    plain = [g for i, g in enumerate(got) if every > 2 and 0 < i % every < every - 1]
+    cycles = [sum(g[0] for g in got[i:i + every]) / every / 1e3 for i in range(0, len(got), every)]
+    out: dict[str, Any] = {"by_place_us": [round(v, 2) for v in by_place]}
+    if plain:
+        out["unsampled_us"] = _spread("us", [g[0] / 1e3 for g in plain])
+        out["to_calls_us"] = _spread("us", [g[1] / 1e3 for g in plain])
+    out["cycle_mean_us"] = _spread("us", cycles)
     return out
 
 
@@ -1167,7 +1217,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     modes = ("time", "cprofile", "alloc", "wakes", "build", "cycle", "handover", "floor", "callsite",
              "parts", "neighbour", "cold", "sampling", "calls", "alternate", "alternate-tiny", "boundary",
-             "ddp-calls", "cold-boundary", "cold-recorded")
+             "ddp-calls", "cold-boundary", "cold-recorded", "to-steps")
     ap.add_argument("--mode", choices=modes, default="time")
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--blocks", type=int, default=11)
@@ -1245,6 +1295,12 @@ def main() -> None:
         print(json.dumps({"benchmark": "hot_path_cold_recorded", "hidden": HIDDEN, "rounds": args.steps,
                           "loadavg_1m": round(os.getloadavg()[0], 2),
                           **cold_boundary_mode(args.steps, every=1)}))
+    elif args.mode == "to-steps":
+        HIDDEN = args.hidden or 640
+        print(json.dumps({"benchmark": "hot_path_to_steps", "hidden": HIDDEN, "steps": args.steps,
+                          "every_n_steps": args.every_n_steps, "control": args.control,
+                          "loadavg_1m": round(os.getloadavg()[0], 2),
+                          **to_steps_mode(args.steps, args.every_n_steps, args.control)}))
     elif args.mode == "ddp-calls":
         print(json.dumps({"benchmark": "hot_path_ddp_calls", **ddp_calls_mode()}))
     elif args.mode == "calls":

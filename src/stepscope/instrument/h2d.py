@@ -1,19 +1,25 @@
 """Host-to-device copies: step-scoped ``Tensor.to``/``Tensor.cuda`` timing, and ``wrap_h2d``.
 
-While a tracer with automatic H2D timing lives, ``torch.Tensor.to`` and ``torch.Tensor.cuda``
-are replaced (once, reference counted) by versions that first read a thread-local: outside a
+While a tracer with automatic H2D timing records, ``torch.Tensor.to`` and ``torch.Tensor.cuda``
+are replaced (reference counted) by versions that first read a thread-local: outside a
 sampled ``step()`` on that thread they go straight to the original method (model init,
-checkpoint loading and unsampled steps are never counted). Inside, only CPU → accelerator
-copies are timed; dtype casts and CPU → CPU moves take the original path untouched, and so
-does anything traced by ``torch.compile``.
+checkpoint loading and the step before a sampled one are never counted). Inside, only CPU →
+accelerator copies are timed; dtype casts and CPU → CPU moves take the original path
+untouched, and so does anything traced by ``torch.compile``.
 
-Swapping the methods in and out at every step was measured to cost more (~18 µs a step: each
-assignment to ``torch.Tensor`` invalidates CPython's method caches) than the one
-thread-local read per call (~0.1 µs) that a permanent patch adds.
+The patch is a per-step instrument (:class:`StepPatch`): put on with the model's hooks, at
+the end of the step before a sampled one, and taken off after it. An unsampled step between
+them calls torch's own methods: a patched ``.to()`` costs ~5 µs of CPU more than torch's
+when the step has left the caches cold (two Python calls). Each swap assigns to
+``torch.Tensor``, which invalidates CPython's method caches: ~18 µs a step if done at every
+step, so with every step sampled the patch simply stays on (no swap at all). Swapping does
+not make ``torch.compile`` recompile or break its graph: dynamo traces the patched method to
+torch's, and keeps no guard on which one ``torch.Tensor.to`` is.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -125,16 +131,46 @@ def _restore() -> None:
 _patch = SharedPatch(_apply, _restore)
 
 
-def install_patch() -> Callable[[], None]:
-    """Install the patched methods (reference counted); returns their remover."""
-    release = _patch.acquire()
+def _dynamo_compiled() -> bool:
+    """Whether dynamo has compiled a frame in this process. Compiled code guards on the type
+    of ``x.to`` (a plain ``x.to(device)`` on an input does), so swapping the patch would
+    recompile it: from then on the patch stays on."""
+    utils = sys.modules.get("torch._dynamo.utils")  # never imported: nothing compiled yet
+    if utils is None:
+        return False
+    try:
+        return bool(utils.counters.get("frames", {}).get("ok", 0))
+    except Exception:  # protect the job: unknown dynamo internals, keep the patch on
+        return True
 
-    def remove() -> None:
-        release()
+
+class StepPatch:
+    """The patch as a per-step instrument (:class:`~stepscope.recording.protocols.PerStep`):
+    installed while on (it starts on), removed while off and at :meth:`remove`. Once dynamo
+    has compiled anything, ``off()`` keeps it on (see :func:`_dynamo_compiled`)."""
+
+    __slots__ = ("_release",)
+
+    def __init__(self) -> None:
+        self._release: Callable[[], None] | None = _patch.acquire()
+
+    def on(self) -> None:
+        if self._release is None:
+            self._release = _patch.acquire()
+
+    def off(self) -> None:
+        if not _dynamo_compiled():
+            self._drop()
+
+    def remove(self) -> None:
+        self._drop()
         if gate.current() is not None:
             set_step_tracer(None)
 
-    return remove
+    def _drop(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release()
 
 
 class H2DProxy:

@@ -6,12 +6,13 @@ the instrument side as the session sees it (:data:`AUTOMATIC`, a
 host-to-device copies and collectives, as ``config.auto`` and ``config.collectives`` ask, and
 returns the functions that remove them, the phases now timed automatically, and the
 instruments that are on for sampled steps only (:class:`PerStep`: the model's hooks, the
-backward wrapper and the optimizer's hooks). Each instrument talks to the recorder through
-the recorder protocol only.
+backward wrapper, the optimizer's hooks and the ``Tensor.to``/``.cuda`` patch). Each
+instrument talks to the recorder through the recorder protocol only.
 
-The host-to-device and collective patches stay on for the run: they replace methods of
-``torch.Tensor`` and functions of ``torch.distributed`` for the whole process, and cost one
-thread-local read per call while no sampled step is open (``instrument/h2d.py``).
+The collective patches stay on for the run: they replace functions of ``torch.distributed``
+for the whole process, and cost one thread-local read per call while no sampled step is open.
+The host-to-device patch is on around sampled steps only, as the hooks are
+(``instrument/h2d.py``).
 """
 
 from __future__ import annotations
@@ -58,7 +59,9 @@ def install_instruments(
             warn(f"the optimizer phase is not timed: cannot hook {type(optimizer).__name__} "
                  f"({exc!r}); pass the underlying torch.optim.Optimizer")
     if "h2d" in auto:
-        removers.append(h2d.install_patch())
+        h2d_patch = h2d.StepPatch()
+        per_step.append(h2d_patch)
+        removers.append(h2d_patch.remove)
         active.add("h2d")
     if config.collectives:
         removers.append(collectives.install_patch())

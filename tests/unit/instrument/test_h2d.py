@@ -24,6 +24,14 @@ def meta_is_device(monkeypatch):
     monkeypatch.setattr(h2d, "TARGET_DEVICE_TYPES", {"cuda", "meta"})
 
 
+@pytest.fixture
+def nothing_compiled(monkeypatch):
+    """Dynamo's frame counts as in a process that has compiled nothing (other tests compile)."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setitem(counters, "frames", collections.Counter())
+
+
 def _h2d(rec):
     return next((p for p in rec["phases"] if p["name"] == "h2d"), None)
 
@@ -86,7 +94,70 @@ def test_unsampled_steps_cost_nothing(mem_tracer, meta_is_device):
     assert [r["step"] for r in tr.sink.records] == [0, 2]
 
 
-def test_a_copy_on_an_unsampled_step_asks_nothing_but_whether_dynamo_traces(mem_tracer, meta_is_device):
+def test_the_patch_is_on_only_around_sampled_steps(mem_tracer, meta_is_device, nothing_compiled):
+    tr = mem_tracer(auto={"h2d"}, every_n_steps=5)
+    patched: list[bool] = []
+    for _ in range(11):
+        with tr.step():
+            patched.append(torch.Tensor.to is not h2d._orig_to)
+            torch.ones(4).to("meta")
+    tr.finish()
+    # On from the end of the step before a sampled one (4, 9) to the end of the sampled one.
+    assert patched == [True, False, False, False, False, True, False, False, False, False, True]
+    assert [r["step"] for r in tr.sink.records] == [0, 5, 10]
+    assert all(_h2d(r)["calls"] == 1 for r in tr.sink.records)
+    assert torch.Tensor.to is h2d._orig_to and torch.Tensor.cuda is h2d._orig_cuda
+
+
+def test_the_patch_stays_on_when_every_step_is_sampled(mem_tracer, monkeypatch):
+    tr = mem_tracer(auto={"h2d"})
+    swaps: list[str] = []
+    monkeypatch.setattr(h2d._patch, "_apply", lambda: swaps.append("on"))
+    monkeypatch.setattr(h2d._patch, "_restore", lambda: swaps.append("off"))
+    for _ in range(5):
+        with tr.step():
+            pass
+    assert swaps == [] and torch.Tensor.to is not h2d._orig_to
+    tr.finish()
+    assert swaps == ["off"]
+    h2d._restore()
+
+
+def test_a_copy_before_a_sampled_step_asks_nothing_but_whether_dynamo_traces(
+        mem_tracer, meta_is_device, nothing_compiled):
+    tr = mem_tracer(auto={"h2d"}, every_n_steps=2)
+    x = torch.ones(4)
+    for _ in range(2):
+        with tr.step():
+            pass
+    calls: list[str] = []
+
+    def prof(frame, event, arg):
+        if event == "call":
+            calls.append(frame.f_code.co_name)
+
+    # Between the step before a sampled one and the sampled one: the patch is on, the gate down.
+    sys.setprofile(prof)
+    try:
+        y = x.to("meta")
+    finally:
+        sys.setprofile(None)
+    calls.append("--")
+    sys.setprofile(prof)
+    try:
+        x.cuda()  # no CUDA here: torch's own error, raised past the same two checks
+    except (AssertionError, RuntimeError):
+        pass
+    finally:
+        sys.setprofile(None)
+    tr.finish()
+    assert y.device.type == "meta"
+    assert calls[:calls.index("--")] == ["_patched_to", "is_dynamo_compiling"]
+    assert calls[calls.index("--") + 1:][:2] == ["_patched_cuda", "is_dynamo_compiling"]
+    assert "current" not in calls and "_active" not in calls
+
+
+def test_a_copy_on_an_unsampled_step_calls_no_stepscope_code(mem_tracer, meta_is_device, nothing_compiled):
     tr = mem_tracer(auto={"h2d"}, every_n_steps=1000)
     x = torch.ones(4)
     with tr.step():
@@ -103,19 +174,35 @@ def test_a_copy_on_an_unsampled_step_asks_nothing_but_whether_dynamo_traces(mem_
             y = x.to("meta")
         finally:
             sys.setprofile(None)
-        calls.append("--")
-        sys.setprofile(prof)
-        try:
-            x.cuda()  # no CUDA here: torch's own error, raised past the same two checks
-        except (AssertionError, RuntimeError):
-            pass
-        finally:
-            sys.setprofile(None)
     tr.finish()
-    assert y.device.type == "meta"
-    assert calls[:calls.index("--")] == ["_patched_to", "is_dynamo_compiling"]
-    assert calls[calls.index("--") + 1:][:2] == ["_patched_cuda", "is_dynamo_compiling"]
-    assert "current" not in calls and "_active" not in calls
+    assert y.device.type == "meta" and calls == []
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_compiled_step_keeps_the_patch_on_and_compiles_once(backend, mem_tracer, nothing_compiled):
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    model = torch.nn.Linear(8, 8)
+
+    def body(x):  # x.to(device) on an input: its graph guards on the type of x.to
+        return model(x.to("cpu").to(torch.float32)).sum()
+
+    torch._dynamo.reset()
+    graphs = counters["stats"]["unique_graphs"]
+    step = torch.compile(body, backend=backend)
+    tr = mem_tracer(auto={"h2d"}, every_n_steps=3)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    patched = []
+    for _ in range(9):
+        with tr.step():
+            patched.append(torch.Tensor.to is not h2d._orig_to)
+            step(x)
+    tr.finish()
+    torch._dynamo.reset()
+    assert patched == [True] * 9  # compiled at step 0: never swapped after it
+    assert counters["stats"]["unique_graphs"] - graphs == 1
+    assert not counters["graph_break"]
 
 
 def test_bad_to_arguments_still_raise_torchs_error(mem_tracer):
