@@ -14,9 +14,10 @@ CPython's method caches: ~18 µs a swap pair (warm), 25–60 µs as a ~3 ms step
 caches, paid once per sampled step; the next step's torch calls pay at most ~10 µs more to
 refill them. Against that, a patched ``.to()`` costs ~5–8 µs of CPU more than torch's on
 every step (two Python calls, cold). On the ~3 ms MLP with two ``.to()`` calls a step and
-one step in 10 sampled (``hot_path.py --mode to-steps``, paired processes): an unsampled
-step 11–16 µs cheaper, the two calls as cheap as without stepscope, the mean over a cycle
-−8 µs a step (3 of 4 pairs lower). With every step sampled the patch stays on: no swap.
+one step in 10 sampled (``hot_path.py --mode to-steps``, 6 paired processes): an unsampled
+step ~15 µs cheaper (6 of 6 pairs), the two calls as cheap as without stepscope, the mean
+over a cycle ~12 µs a step cheaper (5 of 6 pairs). With every step sampled the patch stays
+on: no swap.
 
 Once dynamo has compiled a frame in the process the patch also stays on (``off()`` keeps
 it): compiled code guards on the type of ``x.to`` (a bound Python method, or torch's
