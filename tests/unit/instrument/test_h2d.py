@@ -284,3 +284,17 @@ def test_compiled_model_inside_a_step(mem_tracer, meta_is_device):
     assert torch.allclose(out, expected, atol=1e-6)
     names = [{p["name"] for p in r["phases"]} for r in tr.sink.records]
     assert all({"forward", "backward"} <= n for n in names), names
+
+
+def test_a_step_moved_onto_a_sampled_index_has_the_patch_at_once(mem_tracer, meta_is_device, nothing_compiled):
+    tr = mem_tracer(auto={"h2d"}, every_n_steps=10)
+    with tr.step():
+        pass
+    with tr.step():
+        assert torch.Tensor.to is h2d._orig_to
+    with tr.step(index=10):
+        assert torch.Tensor.to is not h2d._orig_to
+        torch.ones(4).to("meta")
+    tr.finish()
+    assert [r["step"] for r in tr.sink.records] == [0, 10]
+    assert _h2d(tr.sink.records[1])["calls"] == 1
