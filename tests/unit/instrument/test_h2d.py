@@ -286,7 +286,8 @@ def test_compiled_model_inside_a_step(mem_tracer, meta_is_device):
     assert all({"forward", "backward"} <= n for n in names), names
 
 
-def test_a_step_moved_onto_a_sampled_index_has_the_patch_at_once(mem_tracer, meta_is_device, nothing_compiled):
+def test_a_step_moved_onto_a_sampled_index_has_the_patch_at_once(
+        mem_tracer, meta_is_device, nothing_compiled):
     tr = mem_tracer(auto={"h2d"}, every_n_steps=10)
     with tr.step():
         pass
