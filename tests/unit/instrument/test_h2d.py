@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import sys
 import threading
 
 import pytest
 import torch
+from frames import calls_of
 
 from stepscope.instrument import h2d
 from stepscope.recording import gate
@@ -130,30 +130,23 @@ def test_a_copy_before_a_sampled_step_asks_nothing_but_whether_dynamo_traces(
     for _ in range(2):
         with tr.step():
             pass
-    calls: list[str] = []
+    out: list[torch.Tensor] = []
+    raised: list[BaseException] = []
 
-    def prof(frame, event, arg):
-        if event == "call":
-            calls.append(frame.f_code.co_name)
+    def cuda() -> None:
+        try:
+            x.cuda()
+        except (AssertionError, RuntimeError) as err:  # no CUDA here: torch's own error
+            raised.append(err)
 
     # Between the step before a sampled one and the sampled one: the patch is on, the gate down.
-    sys.setprofile(prof)
-    try:
-        y = x.to("meta")
-    finally:
-        sys.setprofile(None)
-    calls.append("--")
-    sys.setprofile(prof)
-    try:
-        x.cuda()  # no CUDA here: torch's own error, raised past the same two checks
-    except (AssertionError, RuntimeError):
-        pass
-    finally:
-        sys.setprofile(None)
+    calls = [*calls_of(lambda: out.append(x.to("meta"))), "--", *calls_of(cuda)]
+    y = out[0]
     tr.finish()
     assert y.device.type == "meta"
     assert calls[:calls.index("--")] == ["_patched_to", "is_dynamo_compiling"]
-    assert calls[calls.index("--") + 1:][:2] == ["_patched_cuda", "is_dynamo_compiling"]
+    # torch's own error, raised past the same two checks
+    assert raised and calls[calls.index("--") + 1:][:2] == ["_patched_cuda", "is_dynamo_compiling"]
     assert "current" not in calls and "_active" not in calls
 
 
@@ -162,18 +155,10 @@ def test_a_copy_on_an_unsampled_step_calls_no_stepscope_code(mem_tracer, meta_is
     x = torch.ones(4)
     with tr.step():
         pass
-    calls: list[str] = []
-
-    def prof(frame, event, arg):
-        if event == "call":
-            calls.append(frame.f_code.co_name)
-
+    out: list[torch.Tensor] = []
     with tr.step():
-        sys.setprofile(prof)
-        try:
-            y = x.to("meta")
-        finally:
-            sys.setprofile(None)
+        calls = calls_of(lambda: out.append(x.to("meta")))
+    y = out[0]
     tr.finish()
     assert y.device.type == "meta" and calls == []
 

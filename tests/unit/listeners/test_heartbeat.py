@@ -4,19 +4,15 @@ exception that is not a crash."""
 from __future__ import annotations
 
 import json
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from frames import calls_of
 
-import stepscope
 from stepscope.recording.clock import CpuClock
 from stepscope.recording.config import Config
 from stepscope.tracer import Tracer
-
-PACKAGE = str(Path(stepscope.__file__).parent) + os.sep
 
 
 def _tracer(tmp_path: Path, **cfg: Any) -> Tracer:
@@ -31,19 +27,11 @@ def test_an_unsampled_step_calls_no_heartbeat_code(tmp_path):
         for _ in range(3):
             with tr.step():
                 pass
-        got: list[str] = []
-
-        def prof(frame: Any, event: str, arg: Any) -> None:
-            if event == "call" and frame.f_code.co_filename.startswith(PACKAGE):
-                got.append(frame.f_code.co_name)
-
-        sys.setprofile(prof)
-        try:
+        def one() -> None:
             with tr.step():
                 pass
-        finally:
-            sys.setprofile(None)
-        assert got == ["step", "_enter_step", "_exit_step"]
+
+        assert calls_of(one, package=True) == ["step", "_enter_step", "_exit_step"]
     finally:
         tr.finish()
 

@@ -2,36 +2,20 @@
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
+from frames import PACKAGE, calls_of
 
-import stepscope
 from stepscope.recording.config import Config
-
-#: The package's own files: a checkout named ``stepscope`` holds this test file too.
-PACKAGE = str(Path(stepscope.__file__).parent) + os.sep
 
 
 def _stepscope_frames(fn: Any) -> list[str]:
     """Names of the Python functions of stepscope that ``fn()`` calls, in order."""
-    got: list[str] = []
-
-    def prof(frame: Any, event: str, arg: Any) -> None:
-        if event == "call" and frame.f_code.co_filename.startswith(PACKAGE):
-            got.append(frame.f_code.co_name)
-
-    sys.setprofile(prof)
-    try:
-        fn()
-    finally:
-        sys.setprofile(None)
-    return got
+    return calls_of(fn, package=True)
 
 
 def _warm_unsampled(mem_tracer: Any) -> tuple[Any, Callable[[], None]]:
@@ -219,18 +203,7 @@ def test_an_unsampled_step_calls_nothing_in_c_but_the_wall_clock_at_entry_and_ex
     ``step_started``) and once at exit (``last_step_end``), and does not ask for its thread
     (that of the last full boundary is kept)."""
     tr, one = _warm_unsampled(mem_tracer)
-    called: list[str] = []
-
-    def prof(frame: Any, event: str, arg: Any) -> None:
-        if event == "c_call" and frame.f_code.co_filename.startswith(PACKAGE):
-            called.append(arg.__name__)
-
-    sys.setprofile(prof)
-    try:
-        one()
-    finally:
-        sys.setprofile(None)
-    assert called == ["time_ns", "time_ns"]
+    assert calls_of(one, c=True, package=True) == ["time_ns", "time_ns"]
     st = tr.state()
     assert not st["in_step"] and st["last_step"] == 3
     tr.finish()
