@@ -142,8 +142,6 @@ def phase_stats(con: Any, n_rows: int,
     return {name: out[name] for name in phase_order(list(out))}
 
 
-
-
 def _overall_rows(con: Any, n_rows: int) -> list[tuple[Any, ...]]:
     """Per phase of the whole run: name, a parent, the quantiles, max, sum, samples, whether
     top level and the sum of positive values (``n_rows``: the samples of ``phase_samples``)."""
