@@ -164,25 +164,54 @@ _STAGE: list[str] = []
 
 
 class _Timed:
-    """A DuckDB connection that times each statement (``--profile``); ``stmts`` (when given)
-    gets (stage, wall s, CPU s, statement) of each in order."""
+    """A DuckDB connection that times each statement (``--profile``), its fetches included (a
+    query's result is produced as it is fetched); ``stmts`` (when given) gets [stage, wall s,
+    CPU s, statement] of each in order."""
 
-    def __init__(self, con: Any, log: list[tuple[float, str]],
-                 stmts: list[tuple[str, float, float, str]] | None = None) -> None:
+    def __init__(self, con: Any, log: list[list[Any]],
+                 stmts: list[list[Any]] | None = None) -> None:
         self._con, self._log, self._stmts = con, log, stmts
 
     def execute(self, sql: str, *args: Any) -> Any:
         t0, c0 = time.perf_counter(), time.process_time()
         out = self._con.execute(sql, *args)
         wall, text = time.perf_counter() - t0, " ".join(sql.split())[:160]
-        self._log.append((wall, text))
+        logged = [wall, text]
+        self._log.append(logged)
+        row = None
         if self._stmts is not None:
-            self._stmts.append((_STAGE[-1] if _STAGE else "-", wall,
-                                time.process_time() - c0, text))
-        return out
+            row = [_STAGE[-1] if _STAGE else "-", wall, time.process_time() - c0, text]
+            self._stmts.append(row)
+        return _Fetched(out, logged, row)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._con, name)
+
+
+class _Fetched:
+    """A statement's result whose ``fetch*`` calls add their wall and CPU time to the
+    statement's entries of :class:`_Timed`."""
+
+    def __init__(self, result: Any, logged: list[Any], row: list[Any] | None) -> None:
+        self._result, self._logged, self._row = result, logged, row
+
+    def __getattr__(self, name: str) -> Any:
+        got = getattr(self._result, name)
+        if not name.startswith("fetch"):
+            return got
+
+        def fetch(*a: Any, **k: Any) -> Any:
+            t0, c0 = time.perf_counter(), time.process_time()
+            try:
+                return got(*a, **k)
+            finally:
+                wall = time.perf_counter() - t0
+                self._logged[0] += wall
+                if self._row is not None:
+                    self._row[1] += wall
+                    self._row[2] += time.process_time() - c0
+
+        return fetch
 
 
 def _child(run_dir: str, threads: int, memory_limit: str, store: bool, profile: bool) -> None:
@@ -190,7 +219,7 @@ def _child(run_dir: str, threads: int, memory_limit: str, store: bool, profile: 
     from stepscope.analysis import store as st
     from stepscope.analysis.run import analyze_run
 
-    log: list[tuple[float, str]] = []
+    log: list[list[Any]] = []
     compact_s: list[float] = []
     if profile:
         connect, compact = load._connect, st.compact
@@ -419,8 +448,8 @@ def reread(run_dir: str, threads: int, memory_limit: str, profile: bool = False)
     import stepscope
     from stepscope.analysis.run import analyze_run
 
-    log: list[tuple[float, str]] = []
-    stmts: list[tuple[str, float, float, str]] = []
+    log: list[list[Any]] = []
+    stmts: list[list[Any]] = []
     if profile:
         _profile_stages()
         from stepscope.analysis import load
