@@ -109,3 +109,24 @@ def test_a_window_is_still_found() -> None:
     [w] = changepoint.elevated(xs, 2.0)
     assert abs(w.start - 120) <= 2 and abs(w.end - 179) <= 2
     assert 7.2 <= w.excess <= 8.8
+
+
+def test_a_window_ends_where_its_level_stops() -> None:
+    """A few steps a little above the bar after a window are not the window.
+
+    +30 on steps 30-59, then 7 steps of +0.4 to +6.6 (a slowed rank's own work settling back
+    beside a busy loop): above a 1.0 bar, far under the window's level. The window ends at
+    59 and its excess is the +30, not a stretch 7 steps longer.
+    """
+    rng = random.Random(11)
+    xs = [10.0 + rng.gauss(0.0, 0.2) for _ in range(90)]
+    for i in range(30, 60):
+        xs[i] += 30.0
+    for i, d in enumerate([0.4, 3.1, 6.6, 2.2, 4.8, 1.5, 5.3]):
+        xs[60 + i] += d
+    [w] = changepoint.elevated(xs, 1.0)
+    assert (w.start, w.end) == (30, 59)
+    assert 29.5 <= w.excess <= 30.5
+    # The same at the start: a ramp up to the level is not in the window either.
+    [w] = changepoint.elevated([10.0] * 20 + [12.0, 13.0] + [40.0] * 20 + [10.0] * 20, 1.0)
+    assert (w.start, w.end) == (22, 41) and w.excess == 30.0
