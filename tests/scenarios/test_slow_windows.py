@@ -1,4 +1,4 @@
-"""Slow windows found whole in real gloo DDP runs: true bounds (± 3 steps; the end up to 8
+"""Slow windows found whole in real gloo DDP runs: true bounds (± 3 steps; the end up to 5
 late), true excess (± 10%).
 
 Each rank's own-work gap series goes through change-point detection
@@ -40,11 +40,8 @@ def _check_whole(doc: dict[str, Any], rank: int, phase: str, true_ms: float = MS
     assert len(hits) == 1, doc["stragglers"]  # one window, not split in two
     s = hits[0]
     assert s["persistence"] == "window"
-    # ± 3 at the start. The end may run up to 8 steps late: beside a busy loop the slowed
-    # rank's own work stays a few ms above the other's for some steps after the window (2
-    # ranks once ended it at 66: gaps of +0.4 to +6.6 ms on steps 60-66, above the window's
-    # bar though far under its 30 ms level), and the change-point search merges that stretch.
-    assert abs(s["first_step"] - FIRST) <= 3 and -3 <= s["last_step"] - (END - 1) <= 8, s
+    # ± 3 at the start, the end up to 5 late: the other ranks' own work can run short just after.
+    assert abs(s["first_step"] - FIRST) <= 3 and -3 <= s["last_step"] - (END - 1) <= 5, s
     # true_ms: what the injected sleep took on this machine during the run (MS when idle).
     # At least 90% of what was asked for, at most 110% of what a sleep took meanwhile.
     assert 0.9 * MS <= s["excess_ms"] <= 1.1 * max(MS, true_ms), (s, true_ms)
@@ -54,7 +51,7 @@ def _check_whole(doc: dict[str, Any], rank: int, phase: str, true_ms: float = MS
     # The cost counts the finding's own steps (its ends are allowed some slack above; beside
     # other suites, 4 ranks on 2 cores once priced 33 steps for the 30 slowed).
     assert c["steps"] <= s["last_step"] - s["first_step"] + 1 and c["ms_per_step"] == s["excess_ms"]
-    assert -3 <= c["steps"] - (END - FIRST) <= 8
+    assert -3 <= c["steps"] - (END - FIRST) <= 5
     # Every rank waits for it: the GPU-hours it cost are its excess times the world size.
     assert c["gpu_ms"] == pytest.approx(c["lost_ms"] * doc["run"]["world_size"], rel=1e-3)
     assert doc["run"]["headline"].startswith("The run lost") and f"rank {rank}" in doc["run"]["headline"]
