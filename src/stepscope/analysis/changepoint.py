@@ -241,8 +241,9 @@ def may_hold_window(xs: np.ndarray[Any, np.dtype[np.float64]], bar: float,
     count the upper middle, since a rounded mean never exceeds its larger term); with every
     two high values at least 4 steps apart, at most ``ceil(L/4) < ceil(L/2)`` fit. So a hot
     piece needs two high values at most 3 steps apart; none means no hot piece, nothing to
-    merge, no window (trimming a window's ends only shrinks or drops what was merged). ``x -
-    base > bar`` is the comparison ``elevated`` makes, in the same floating-point operations.
+    merge, no window (trimming a window's ends only shrinks or drops what was merged).
+    ``x - base > bar`` is the comparison ``elevated`` makes, in the same floating-point
+    operations.
     """
     return bool(may_hold_windows(np.asarray(xs)[None, :], np.array([bar]), np.array([base]))[0])
 
