@@ -17,8 +17,9 @@ Kinds, each run in blocks of steps on the *same* model and optimizer:
 Per round the kinds run in a shuffled order, each traced block between two bare blocks (the
 host drifts by more than these costs over a round; the mean of the bare block before and the
 one after cancels a linear drift). The figure is the median over rounds of the training
-thread's CPU time per step over its bare blocks, in µs, and the ratio of the kind's step to the
-bare step (``x``). Steps: ``~3 ms`` (a three-layer MLP of width 640 on a batch of 64, one
+thread's CPU time per step over its bare blocks, in µs (``added_us``, ± ``pm_us``: the
+half-width of the median's ~95% interval over the rounds), and the ratio of the kind's step to
+the bare step (``x``). Steps: ``~3 ms`` (a three-layer MLP of width 640 on a batch of 64, one
 thread; blocks of 100 steps) and ``~30 ms`` (width 2048; blocks of 10 steps), as measured on a
 fast core; a slower host scales both.
 
@@ -37,6 +38,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import platform
 import random
@@ -239,8 +241,18 @@ def _blocks(kinds: dict[str, Callable[[], tuple[Callable[[], None], Callable[[],
             ratio[kind].append(t / b)
     med = statistics.median
     return {"bare_step_us": round(med(bares), 1),
-            "kinds": {k: {"added_us": round(med(added[k]), 1), "x": round(med(ratio[k]), 4)}
+            "kinds": {k: {"added_us": round(med(added[k]), 1), "pm_us": _median_pm(added[k]),
+                          "x": round(med(ratio[k]), 4)}
                       for k in kinds}}
+
+
+def _median_pm(xs: list[float]) -> float:
+    """Half-width of the ~95% interval of the median of ``xs``: 1.57 × IQR / √n (McGill's
+    notch), so a reader sees which differences the rounds resolve."""
+    if len(xs) < 2:
+        return float("nan")
+    q1, _, q3 = statistics.quantiles(xs, n=4)
+    return round(1.57 * (q3 - q1) / math.sqrt(len(xs)), 1)
 
 
 def run_config(hidden: int, steps: int, rounds: int, out: Path, rank: int, world: int,
