@@ -238,9 +238,9 @@ class Heartbeat:
         """At ``finish()`` (explicit or at exit): stop the thread, write the final state."""
         self._stop.set()
         self._restore_sigterm()
-        self._caught(tracer.state())
+        st = tracer.state()
+        self._caught(st)
         if self._final is None:
-            st = tracer.state()
             # An uncaught exception ending the interpreter is visible here (atexit runs after
             # the traceback is printed); an explicit finish() has none.
             last = getattr(sys, "last_value", None)
