@@ -130,7 +130,7 @@ def elevated(xs: Sequence[float], bar: float, *, baseline: float | None = None,
     ``baseline`` defaults to the median of ``xs``. Pieces come from :func:`cuts` on the
     median-filtered series; elevated pieces separated by at most ``max_gap`` steps of lower
     ones merge (one noisy stretch does not split a window); each window's ends are then
-    trimmed to where its level holds (:func:`trim_to_level`), and windows shorter than
+    trimmed to where its level holds (:func:`_trim_to_level`), and windows shorter than
     ``min_len`` after that are dropped. A window's ``excess`` is the median of its (trimmed)
     raw values minus the baseline.
     """
@@ -168,7 +168,7 @@ def elevated(xs: Sequence[float], bar: float, *, baseline: float | None = None,
         if len(rest) >= min_len:
             base = robust.median(rest)
     # Trimmed once the baseline is known: a window's height is measured from it.
-    merged = [trim_to_level(raw, f, a, e, base, bar) for a, e in merged]
+    merged = [_trim_to_level(raw, f, a, e, base, bar) for a, e in merged]
     inside = {i for a, e in merged for i in range(a, e + 1)}
     rest = [x for i, x in enumerate(raw) if i not in inside]
     out = []
@@ -191,7 +191,7 @@ def elevated(xs: Sequence[float], bar: float, *, baseline: float | None = None,
     return out
 
 
-def trim_to_level(raw: Sequence[float], f: Sequence[float], a: int, e: int, base: float,
+def _trim_to_level(raw: Sequence[float], f: Sequence[float], a: int, e: int, base: float,
                   bar: float) -> list[int]:
     """``[a, e]`` without the end steps where the window's level does not hold.
 
